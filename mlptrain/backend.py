@@ -1,0 +1,126 @@
+"""Array module and device selection: the only place that imports CuPy or nvmath.
+
+One code path serves NumPy and CuPy through ``xp``, the array module of a :class:`Backend`
+(Chainer's ``get_array_module`` pattern). ``import mlptrain`` never needs a GPU, CuPy or a
+driver: CuPy is imported lazily, the first time a GPU is asked for or probed.
+
+``device=auto`` takes the GPU when CuPy can see one, else NumPy on the CPU. ``device=gpu`` on a
+machine without a usable GPU raises :class:`~mlptrain.errors.DeviceError` saying how to get one.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from mlptrain.errors import ConfigError, DeviceError
+
+log = logging.getLogger(__name__)
+
+DEVICES = ("auto", "cpu", "gpu")
+
+GPU_INSTALL_HINT = (
+    "install the GPU extra on a machine with an NVIDIA GPU "
+    "(pip install 'mlptrain[cu12]', or 'mlptrain[cu13]' for CUDA 13 drivers), or run with device=cpu"
+)
+
+
+@functools.lru_cache(maxsize=1)
+def probe_gpu() -> tuple[bool, str]:
+    """Return ``(available, reason)``: whether CuPy and nvmath can drive a CUDA device here.
+
+    The result is cached for the life of the process. ``reason`` says what is missing when
+    ``available`` is False (no CuPy, no driver, no device, no nvmath).
+    """
+    try:
+        import cupy
+    except Exception as exc:  # ImportError, or a broken CUDA install raising at import
+        return False, f"CuPy is not importable ({type(exc).__name__}: {exc})"
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # CUDARuntimeError when there is no driver
+        return False, f"CuPy found no CUDA driver ({type(exc).__name__}: {exc})"
+    if count < 1:
+        return False, "CuPy sees no CUDA device"
+    try:
+        import nvmath.linalg.advanced  # noqa: F401
+    except Exception as exc:
+        return False, f"nvmath-python is not importable ({type(exc).__name__}: {exc})"
+    return True, f"{count} CUDA device(s)"
+
+
+@dataclass(frozen=True)
+class Backend:
+    """Where arrays live and which module computes on them.
+
+    Attributes:
+        device: ``"cpu"`` or ``"gpu"``.
+        xp: ``numpy`` or ``cupy``.
+    """
+
+    device: str
+    xp: ModuleType
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.device == "gpu"
+
+    def asarray(self, a: Any, dtype: Any = None) -> Any:
+        """Move ``a`` to this backend's device (a no-op for arrays already there)."""
+        return self.xp.asarray(a, dtype=dtype)
+
+    def to_host(self, a: Any) -> np.ndarray:
+        """Copy ``a`` to a NumPy array. On the GPU this synchronises the device."""
+        if self.is_gpu:
+            return self.xp.asnumpy(a)
+        return np.asarray(a)
+
+    def synchronize(self) -> None:
+        """Wait for all queued device work (a no-op on the CPU)."""
+        if self.is_gpu:
+            self.xp.cuda.get_current_stream().synchronize()
+
+    def describe(self) -> str:
+        """A short line for logs: the device name, or the CPU."""
+        if not self.is_gpu:
+            return "cpu (NumPy)"
+        props = self.xp.cuda.runtime.getDeviceProperties(self.xp.cuda.Device().id)
+        name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+        return f"gpu {name} (CuPy {self.xp.__version__})"
+
+
+def get_backend(device: str = "auto") -> Backend:
+    """Return the backend for ``device`` (``auto``, ``cpu`` or ``gpu``).
+
+    Raises:
+        ConfigError: ``device`` is not one of :data:`DEVICES`.
+        DeviceError: ``device="gpu"`` and no usable GPU was found.
+    """
+    if device not in DEVICES:
+        raise ConfigError(f"device={device!r} is not a device; expected one of {', '.join(DEVICES)}")
+    if device == "cpu":
+        return Backend("cpu", np)
+    available, reason = probe_gpu()
+    if available:
+        import cupy
+
+        return Backend("gpu", cupy)
+    if device == "gpu":
+        raise DeviceError(f"device=gpu was requested but no usable CUDA GPU was found: {reason}; {GPU_INSTALL_HINT}")
+    log.info("device=auto: no GPU (%s); using the CPU", reason)
+    return Backend("cpu", np)
+
+
+def get_array_module(a: Any) -> ModuleType:
+    """``cupy`` for CuPy arrays, else ``numpy``; never imports CuPy itself."""
+    module = type(a).__module__
+    if module.startswith("cupy"):
+        import cupy
+
+        return cupy
+    return np
