@@ -1,0 +1,195 @@
+"""The cuBLASLt epilog contract, implemented in NumPy.
+
+A matmul *epilog* is work that cuBLASLt does on the GEMM result before it leaves the
+registers, so the result is written once instead of being read and written again by separate
+kernels. nvmath-python 1.0 exposes them as ``MatmulEpilog``. This module computes exactly what
+those epilogs compute, with the same inputs, output names, shapes, dtypes and layouts, so that
+
+* on a machine without a GPU it *is* the fused engine (``execution=fused`` on the CPU), and
+* on a GPU it is the oracle the nvmath path is tested against.
+
+The GEMM is ``D (M, N) = A (M, K) @ B (K, N)``. Epilogs used by mlptrain:
+
+=============== ============== ==================== ===========================================
+epilog          epilog input   aux output           what it computes
+=============== ============== ==================== ===========================================
+BIAS            bias (M,)      -                    D = A@B + bias[:, None]
+RELU_BIAS       bias (M,)      -                    D = max(A@B + bias[:, None], 0)
+RELU_AUX_BIAS   bias (M,)      relu_aux (Mb, N) u8  as RELU_BIAS, plus the bit-packed mask Z >= 0
+DRELU           relu_aux       -                    D = (A@B) * mask
+DRELU_BGRAD     relu_aux       drelu_bgrad (M,)     as DRELU, plus its row sums over N
+BGRADA          -              bgrada (M,)          D = A@B, plus A summed over K
+BGRADB          -              bgradb (N,)          D = A@B, plus B summed over K
+=============== ============== ==================== ===========================================
+
+Layout: every epilog above returns D column-major (F-order), as cuBLASLt's bias and aux
+epilogs require. A plain GEMM (no epilog) follows A's order. The ``relu_aux`` mask is cuBLASLt's
+bit-packed layout: element ``(i, j)`` is bit ``i % 8`` (LSB first) of byte ``[i // 8, j]``, the
+column of ``M`` bits padded to a multiple of 128 bits, so the array is uint8 of shape
+``(Mb, N)`` with ``Mb = round_up(ceil(M / 8), 16)``, stored column-major (strides ``(1, Mb)``).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import numpy as np
+
+
+class Epilog(enum.Enum):
+    """The cuBLASLt epilogs mlptrain uses; names match ``nvmath.linalg.advanced.MatmulEpilog``."""
+
+    BIAS = "BIAS"
+    RELU_BIAS = "RELU_BIAS"
+    RELU_AUX_BIAS = "RELU_AUX_BIAS"
+    DRELU = "DRELU"
+    DRELU_BGRAD = "DRELU_BGRAD"
+    BGRADA = "BGRADA"
+    BGRADB = "BGRADB"
+
+
+# Which epilog_inputs each epilog takes, and the aux output key it returns (None: no aux).
+EPILOG_INPUTS: dict[Epilog, tuple[str, ...]] = {
+    Epilog.BIAS: ("bias",),
+    Epilog.RELU_BIAS: ("bias",),
+    Epilog.RELU_AUX_BIAS: ("bias",),
+    Epilog.DRELU: ("relu_aux",),
+    Epilog.DRELU_BGRAD: ("relu_aux",),
+    Epilog.BGRADA: (),
+    Epilog.BGRADB: (),
+}
+EPILOG_AUX: dict[Epilog, str | None] = {
+    Epilog.BIAS: None,
+    Epilog.RELU_BIAS: None,
+    Epilog.RELU_AUX_BIAS: "relu_aux",
+    Epilog.DRELU: None,
+    Epilog.DRELU_BGRAD: "drelu_bgrad",
+    Epilog.BGRADA: "bgrada",
+    Epilog.BGRADB: "bgradb",
+}
+
+
+def relu_aux_shape(m: int, n: int) -> tuple[int, int]:
+    """Shape ``(Mb, N)`` of the uint8 relu_aux mask of an ``(M, N)`` result.
+
+    ``Mb = round_up(ceil(M / 8), 16)``: M bits per column, in bytes, padded to 16 bytes.
+    For example M=30 -> 16, M=256 -> 32, M=1000 -> 128.
+    """
+    mb = -(-m // 8)
+    return mb + (-mb) % 16, n
+
+
+def pack_relu_mask(mask: Any) -> Any:
+    """Pack a boolean ``(M, N)`` mask into cuBLASLt's relu_aux layout.
+
+    Works for NumPy and CuPy arrays (``xp`` from the input). Padding bits are zero.
+
+    Returns:
+        uint8 ``(Mb, N)``, column-major.
+    """
+    xp = _xp(mask)
+    m, n = mask.shape
+    mb, _ = relu_aux_shape(m, n)
+    # (M, N) -> (N, Mb*8) rows of bits, LSB first, padded with zeros: packbits over the last axis.
+    bits = xp.zeros((n, mb * 8), dtype=xp.uint8)
+    bits[:, :m] = mask.T
+    weights = (1 << xp.arange(8, dtype=xp.uint8)).astype(xp.uint8)  # bit k has weight 2**k
+    packed = (bits.reshape(n, mb, 8) * weights).sum(axis=2, dtype=xp.uint8)  # (N, Mb)
+    return packed.T  # (Mb, N) view of C-order (N, Mb): column-major, strides (1, Mb)
+
+
+def unpack_relu_mask(aux: Any, m: int) -> Any:
+    """Inverse of :func:`pack_relu_mask`: the boolean ``(M, N)`` mask held in ``aux``."""
+    xp = _xp(aux)
+    mb, n = aux.shape
+    shifts = xp.arange(8, dtype=xp.uint8)
+    bits = (aux.T[:, :, None] >> shifts) & 1  # (N, Mb, 8): bit k of byte [b, j]
+    return bits.reshape(n, mb * 8)[:, :m].T.astype(bool)  # (M, N)
+
+
+def matmul(
+    a: np.ndarray,
+    b: np.ndarray,
+    *,
+    epilog: Epilog | None = None,
+    epilog_inputs: dict[str, Any] | None = None,
+) -> Any:
+    """``D = A @ B`` with an optional epilog, returning what nvmath's ``execute()`` returns.
+
+    Args:
+        a: ``(M, K)`` float array, either order.
+        b: ``(K, N)`` float array, either order.
+        epilog: one of :class:`Epilog`, or None for a plain GEMM.
+        epilog_inputs: ``{"bias": (M,)}`` or ``{"relu_aux": uint8 (Mb, N)}`` as the epilog needs.
+
+    Returns:
+        ``D`` alone when the epilog has no aux output, else ``(D, {aux_name: aux})``, exactly as
+        ``nvmath.linalg.advanced.Matmul.execute``. ``D`` has A's dtype; bias gradients have D's.
+
+    Raises:
+        ValueError: shapes, dtypes or epilog inputs that cuBLASLt (or nvmath) would reject.
+    """
+    epilog_inputs = dict(epilog_inputs or {})
+    if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0]:
+        raise ValueError(f"matmul needs A (M, K) and B (K, N); got A {a.shape} and B {b.shape}")
+    if a.dtype != b.dtype:
+        raise ValueError(f"matmul needs A and B of one dtype; got {a.dtype} and {b.dtype}")
+    m, k = a.shape
+    n = b.shape[1]
+    required = EPILOG_INPUTS[epilog] if epilog is not None else ()
+    if set(epilog_inputs) != set(required):
+        raise ValueError(f"epilog {epilog} needs epilog_inputs {list(required)}; got {sorted(epilog_inputs)}")
+
+    col_major = epilog is not None or (a.flags.f_contiguous and not a.flags.c_contiguous)
+    # (B^T @ A^T)^T is the same product, computed so that D comes out column-major without a
+    # copy: B^T @ A^T is a C-order (N, M) array, whose transpose is the F-order (M, N) result.
+    # The CPU naive path issues the very same BLAS call for the same layer, which is why fused
+    # and naive agree bit for bit on the CPU.
+    a_c, b_c = (a, b) if a.dtype in (np.float32, np.float64) else (a.astype(np.float32), b.astype(np.float32))
+    d = (b_c.T @ a_c.T).T if col_major else a_c @ b_c  # (M, K) @ (K, N) -> (M, N)
+    d = _compute_copy(d, a.dtype)
+
+    aux: dict[str, Any] = {}
+    if epilog in (Epilog.BIAS, Epilog.RELU_BIAS, Epilog.RELU_AUX_BIAS):
+        bias = epilog_inputs["bias"]
+        if bias.shape not in ((m,), (m, 1)):
+            raise ValueError(f"epilog {epilog.name} needs a bias of shape ({m},) along M; got {bias.shape}")
+        d += bias.reshape(m, 1).astype(d.dtype, copy=False)  # per row i (M), broadcast along N
+        if epilog is Epilog.RELU_AUX_BIAS:
+            aux["relu_aux"] = pack_relu_mask(d >= 0)  # (Mb, N) uint8: bit set where Z >= 0
+        if epilog is not Epilog.BIAS:
+            np.maximum(d, 0, out=d)
+    elif epilog in (Epilog.DRELU, Epilog.DRELU_BGRAD):
+        relu_aux = epilog_inputs["relu_aux"]
+        if k == 1:
+            raise ValueError(f"epilog {epilog.name} rejects K=1 (nvmath 1.0 does too)")
+        expected = relu_aux_shape(m, n)
+        if relu_aux.dtype != np.uint8 or relu_aux.shape != expected:
+            raise ValueError(
+                f"epilog {epilog.name} needs relu_aux of dtype uint8 and shape {expected} for an ({m}, {n}) "
+                f"result; got {relu_aux.dtype} {relu_aux.shape}"
+            )
+        d *= unpack_relu_mask(relu_aux, m)  # dReLU: keep the gradient where the forward Z >= 0
+        if epilog is Epilog.DRELU_BGRAD:
+            aux["drelu_bgrad"] = d.sum(axis=1)  # (M,): row sums over N
+    elif epilog is Epilog.BGRADA:
+        aux["bgrada"] = _sum(a, axis=1, dtype=d.dtype)  # (M,): A summed over K
+    elif epilog is Epilog.BGRADB:
+        aux["bgradb"] = _sum(b, axis=0, dtype=d.dtype)  # (N,): B summed over K
+    return (d, aux) if aux else d
+
+
+def _compute_copy(d: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """The GEMM result in ``dtype``: half precision is computed in float32 and rounded once."""
+    return d if d.dtype == dtype else d.astype(dtype, order="K")
+
+
+def _sum(x: np.ndarray, axis: int, dtype: np.dtype) -> np.ndarray:
+    return x.sum(axis=axis, dtype=np.promote_types(dtype, np.float32)).astype(dtype)
+
+
+def _xp(a: Any) -> Any:
+    from mlptrain.backend import get_array_module
+
+    return get_array_module(a)
