@@ -1,0 +1,146 @@
+"""Fused and naive execution of a linear layer's forward and backward GEMMs.
+
+Layers never branch on the execution mode: they call the three methods of an execution object,
+and the object decides how the work is done.
+
+* :class:`FusedExecution` puts bias, ReLU, the ReLU mask, dReLU and the bias gradient into the
+  GEMMs as cuBLASLt epilogs (nvmath-python on the GPU, the NumPy contract of
+  :mod:`mlptrain.epilogs` on the CPU).
+* :class:`NaiveExecution` runs the same GEMMs with no epilog, then bias, ReLU, mask and
+  reductions as separate array operations: what a framework without fusion does.
+
+Layout, shared by both: activations and their gradients are C-contiguous ``(B, features)``
+arrays, weights are C-contiguous ``(out, in)``. The memory of a C-order ``(B, out)`` array is
+exactly the column-major ``(out, B)`` matrix that cuBLASLt's bias and aux epilogs produce, so the
+fused path computes the transposed products (``Z^T = W @ X^T``) and every ``.T`` is a free view:
+no copy or transpose kernel runs between layers.
+
+The three GEMMs of layer ``l`` (``X`` its input, ``Z = X @ W^T + b`` its pre-activation):
+
+============ ================================== ============================================
+role         fused                              naive
+============ ================================== ============================================
+forward      Z^T (out,B) = W @ X^T,             Z (B,out) = X @ W^T; Z += b; mask = Z >= 0;
+             RELU_AUX_BIAS (BIAS if no ReLU)    Z = max(Z, 0)
+input grad   dX^T (in,B) = W^T @ dZ^T,          dX (B,in) = dZ @ W; dX *= mask_below;
+             DRELU or DRELU_BGRAD with the      db_below = dX.sum(0)
+             relu_aux of the layer below
+weight grad  dW^T (in,out) = X^T @ dZ,          dW^T (in,out) = X^T @ dZ; db = dZ.sum(0)
+             BGRADB gives db = dZ summed over B
+============ ================================== ============================================
+
+Where a ReLU layer's bias gradient comes from is the *bgrad strategy*: ``drelu_bgrad`` (the
+input-gradient GEMM of the layer above reduces it) or ``bgradb`` (the layer's own weight-gradient
+GEMM reduces it). Both are exact; which is faster depends on the shape (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Protocol
+
+from mlptrain.epilogs import Epilog, matmul
+
+log = logging.getLogger(__name__)
+
+
+class Gemm(Protocol):
+    """A GEMM engine: ``(D, aux) = A @ B`` with an optional cuBLASLt epilog.
+
+    ``key`` names the call site (layer and role); engines that plan (nvmath) keep one plan per
+    key and operand signature and reuse it every step.
+    """
+
+    def __call__(
+        self, key: str, a: Any, b: Any, epilog: Epilog | None = None, *, bias: Any = None, relu_aux: Any = None
+    ) -> tuple[Any, dict[str, Any]]: ...
+
+
+class NumpyGemm:
+    """The CPU engine: :func:`mlptrain.epilogs.matmul`, the contract the GPU is tested against."""
+
+    def __call__(
+        self, key: str, a: Any, b: Any, epilog: Epilog | None = None, *, bias: Any = None, relu_aux: Any = None
+    ) -> tuple[Any, dict[str, Any]]:
+        inputs = {name: v for name, v in (("bias", bias), ("relu_aux", relu_aux)) if v is not None}
+        out = matmul(a, b, epilog=epilog, epilog_inputs=inputs)
+        return out if isinstance(out, tuple) else (out, {})
+
+
+class FusedExecution:
+    """Every elementwise op and reduction of a layer fused into its GEMMs as epilogs."""
+
+    name = "fused"
+
+    def __init__(self, gemm: Gemm) -> None:
+        self.gemm = gemm
+
+    def forward(self, key: str, W: Any, b: Any, x: Any, relu: bool) -> tuple[Any, Any]:
+        """``y = relu(x @ W^T + b)`` (or without relu); returns ``(y (B, out), relu_aux or None)``.
+
+        RELU_AUX_BIAS: Z^T = W @ X^T + b[:, None], the ReLU applied, and the bit-packed mask
+        ``Z >= 0`` returned as relu_aux (uint8 (Mb, B)) for the backward. BIAS without ReLU.
+        """
+        epilog = Epilog.RELU_AUX_BIAS if relu else Epilog.BIAS
+        # (out, in) @ (in, B) -> (out, B) column-major == (B, out) C-order
+        zt, aux = self.gemm(f"{key}.fwd", W, x.T, epilog, bias=b)
+        return zt.T, aux.get("relu_aux")
+
+    def input_grad(self, key: str, W: Any, dz: Any, mask_below: Any, bias_grad_below: bool) -> tuple[Any, Any]:
+        """``dX = dZ @ W``, masked by the layer below's ReLU; returns ``(dZ_below, db_below or None)``.
+
+        DRELU applies the derivative of the layer below's ReLU (its relu_aux) to the product;
+        DRELU_BGRAD also returns the row sums over the batch: the bias gradient of that layer.
+        With no ReLU below, a plain GEMM.
+        """
+        if mask_below is None:
+            epilog = None
+        else:
+            epilog = Epilog.DRELU_BGRAD if bias_grad_below else Epilog.DRELU
+        # (in, out) @ (out, B) -> (in, B) column-major == (B, in) C-order
+        dxt, aux = self.gemm(f"{key}.dgrad", W.T, dz.T, epilog, relu_aux=mask_below)
+        return dxt.T, aux.get("drelu_bgrad")
+
+    def weight_grad(self, key: str, x: Any, dz: Any, bias_grad: bool) -> tuple[Any, Any]:
+        """``dW = dZ^T @ X`` in W's (out, in) layout; with ``bias_grad`` also ``db = dZ.sum(0)``.
+
+        BGRADB reduces the B operand (dZ, (batch, out)) over K = batch: the bias gradient.
+        """
+        # (in, B) @ (B, out) -> (in, out) column-major == (out, in) C-order, W's layout
+        dwt, aux = self.gemm(f"{key}.wgrad", x.T, dz, Epilog.BGRADB if bias_grad else None)
+        return dwt.T, aux.get("bgradb")
+
+
+class NaiveExecution:
+    """Plain GEMMs, then bias, ReLU, mask and reductions as separate array operations.
+
+    Written as a careful engineer would without fusion: in-place adds, ``maximum`` with ``out=``,
+    a boolean mask kept for the backward and applied with a multiply (no boolean-index
+    assignment, which costs a compaction pass).
+    """
+
+    name = "naive"
+
+    def __init__(self, gemm: Gemm, xp: Any) -> None:
+        self.gemm = gemm
+        self.xp = xp
+
+    def forward(self, key: str, W: Any, b: Any, x: Any, relu: bool) -> tuple[Any, Any]:
+        z, _ = self.gemm(f"{key}.fwd", x, W.T)  # (B, in) @ (in, out) -> (B, out)
+        z += b  # bias per feature, broadcast over the batch
+        if not relu:
+            return z, None
+        mask = z >= 0  # (B, out) bool, kept for the backward
+        self.xp.maximum(z, 0, out=z)
+        return z, mask
+
+    def input_grad(self, key: str, W: Any, dz: Any, mask_below: Any, bias_grad_below: bool) -> tuple[Any, Any]:
+        dx, _ = self.gemm(f"{key}.dgrad", dz, W)  # (B, out) @ (out, in) -> (B, in)
+        if mask_below is None:
+            return dx, None
+        dx *= mask_below  # dReLU of the layer below
+        return dx, (dx.sum(axis=0) if bias_grad_below else None)  # (in,) bias gradient of the layer below
+
+    def weight_grad(self, key: str, x: Any, dz: Any, bias_grad: bool) -> tuple[Any, Any]:
+        dwt, _ = self.gemm(f"{key}.wgrad", x.T, dz)  # (in, B) @ (B, out) -> (in, out) == dW (out, in)^T
+        return dwt.T, (dz.sum(axis=0) if bias_grad else None)  # (out,)

@@ -1,0 +1,117 @@
+"""Parameters and the linear layer: what a layer owns, and the calls it makes per step.
+
+A :class:`Linear` owns its weight ``W (out, in)`` and bias ``b (out,)`` and remembers, between
+forward and backward, its input ``X (B, in)`` and its ReLU mask (fused: the bit-packed
+``relu_aux``; naive: a boolean array). It never branches on the execution mode: the
+execution object (:mod:`mlptrain.execution`) decides whether the work is fused.
+
+Mixed precision: a :class:`Param` keeps the master copy ``value`` in the parameter dtype
+(float32 for fp16/bf16 training) and, when the compute dtype differs, a ``compute`` copy that
+the GEMMs read. The optimizer updates ``value`` and refreshes ``compute`` in the same kernel.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from mlptrain.execution import FusedExecution, NaiveExecution
+
+
+class Param:
+    """A trainable array with its gradient.
+
+    Attributes:
+        name: ``"layer0.weight"`` etc.; keys of checkpoints and optimizer state.
+        value: master copy, parameter dtype.
+        compute: the copy the GEMMs read, compute dtype (``value`` itself when the dtypes agree).
+        grad: gradient in compute dtype as the backward produced it (None before the first).
+    """
+
+    def __init__(self, name: str, value: Any, compute_dtype: Any) -> None:
+        self.name = name
+        self.value = value
+        self.compute = value if value.dtype == compute_dtype else value.astype(compute_dtype)
+        self.grad: Any = None
+
+    @property
+    def has_compute_copy(self) -> bool:
+        return self.compute is not self.value
+
+    def sync_compute(self) -> None:
+        """Refresh the compute copy from the master copy (after loading a checkpoint)."""
+        if self.has_compute_copy:
+            self.compute[...] = self.value
+
+
+class Linear:
+    """``y = relu(x @ W^T + b)`` (or without ReLU) for a batch ``x (B, in)``.
+
+    Args:
+        name: prefix of the parameter names and of the GEMM call sites.
+        in_features, out_features: ``W`` is ``(out_features, in_features)``.
+        relu: apply ReLU (hidden layers) or not (the output layer).
+        rng: host NumPy Generator; He init ``N(0, 2/in)`` for ReLU layers, LeCun ``N(0, 1/in)``
+            otherwise (or as ``init`` says). Drawn on the host so CPU and GPU runs start from
+            the same weights.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        in_features: int,
+        out_features: int,
+        *,
+        relu: bool,
+        rng: np.random.Generator,
+        xp: Any,
+        param_dtype: Any,
+        compute_dtype: Any,
+        init: str = "he",
+    ) -> None:
+        self.name = name
+        self.in_features = in_features
+        self.out_features = out_features
+        self.relu = relu
+        gain = 2.0 if init == "he" else 1.0
+        w = rng.standard_normal((out_features, in_features)) * math.sqrt(gain / in_features)
+        self.weight = Param(f"{name}.weight", xp.asarray(w, dtype=param_dtype), compute_dtype)
+        self.bias = Param(f"{name}.bias", xp.zeros(out_features, dtype=param_dtype), compute_dtype)
+        # Where this layer's bias gradient is computed (see mlptrain.execution): in its own
+        # weight-gradient GEMM (BGRADB), or by the layer above (DRELU_BGRAD). A layer without
+        # ReLU has no relu_aux for the layer above to use, so it always reduces its own.
+        self.bias_grad_in_wgrad = True
+        self._x: Any = None
+        self.mask: Any = None
+
+    @property
+    def params(self) -> list[Param]:
+        return [self.weight, self.bias]
+
+    def forward(self, ex: FusedExecution | NaiveExecution, x: Any) -> Any:
+        """``x (B, in) -> y (B, out)``; keeps ``x`` and the ReLU mask for :meth:`backward`."""
+        self._x = x
+        y, self.mask = ex.forward(self.name, self.weight.compute, self.bias.compute, x, self.relu)
+        return y
+
+    def backward(self, ex: FusedExecution | NaiveExecution, dz: Any, below: Linear | None) -> Any:
+        """Gradients from ``dz``, the loss gradient w.r.t. this layer's pre-activation ``(B, out)``.
+
+        Sets ``weight.grad`` (and ``bias.grad`` when this layer reduces it), and when there is a
+        layer ``below``, returns the gradient w.r.t. *its* pre-activation, ``(B, in)``, already
+        multiplied by its ReLU derivative (setting ``below.bias.grad`` when this GEMM reduces it).
+        The first layer returns None: nobody needs the gradient of the data.
+        """
+        self.weight.grad, db = ex.weight_grad(self.name, self._x, dz, self.bias_grad_in_wgrad)
+        if db is not None:
+            self.bias.grad = db
+        if below is None:
+            return None
+        dz_below, db_below = ex.input_grad(
+            self.name, self.weight.compute, dz, below.mask, bias_grad_below=not below.bias_grad_in_wgrad
+        )
+        if db_below is not None:
+            below.bias.grad = db_below
+        return dz_below

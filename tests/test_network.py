@@ -1,0 +1,133 @@
+"""Finite-difference gradient checks (float64) of layers and whole networks, fused and naive."""
+
+import numpy as np
+import pytest
+
+from mlptrain.execution import FusedExecution, NaiveExecution, NumpyGemm
+from mlptrain.losses import mse, softmax_cross_entropy
+from mlptrain.network import MLP
+
+
+def make_execution(mode):
+    gemm = NumpyGemm()
+    return FusedExecution(gemm) if mode == "fused" else NaiveExecution(gemm, np)
+
+
+def numerical_grads(net, loss_of, eps=1e-6):
+    grads = []
+    for p in net.params:
+        g = np.zeros_like(p.value)
+        for i in np.ndindex(p.value.shape):
+            old = p.value[i]
+            p.value[i] = old + eps
+            lp = loss_of()
+            p.value[i] = old - eps
+            lm = loss_of()
+            p.value[i] = old
+            g[i] = (lp - lm) / (2 * eps)
+        grads.append(g)
+    return grads
+
+
+def check_gradients(widths, mode, bgrad, loss_fn, relu=True, batch=5, seed=0):
+    rng = np.random.default_rng(seed)
+    net = MLP(
+        widths,
+        execution=make_execution(mode),
+        xp=np,
+        rng=rng,
+        param_dtype=np.float64,
+        compute_dtype=np.float64,
+        relu=relu,
+        bgrad=bgrad,
+    )
+    for layer in net.layers:  # non-zero biases, so a missing bias gradient is visible
+        layer.bias.value[...] = rng.standard_normal(layer.out_features) * 0.1
+    x = rng.standard_normal((batch, widths[0]))
+    y = rng.integers(0, widths[-1], size=batch)
+
+    def loss_of():
+        return float(loss_fn(net.forward(x), y)[0])
+
+    _, dlogits, _ = loss_fn(net.forward(x), y)
+    net.backward(dlogits)
+    for p, g in zip(net.params, numerical_grads(net, loss_of), strict=True):
+        np.testing.assert_allclose(p.grad, g, rtol=1e-6, atol=1e-8, err_msg=p.name)
+
+
+@pytest.mark.parametrize("mode", ["fused", "naive"])
+def test_output_layer_alone(mode):
+    check_gradients([6, 4], mode, "bgradb", softmax_cross_entropy)
+
+
+@pytest.mark.parametrize("mode", ["fused", "naive"])
+@pytest.mark.parametrize("bgrad", ["bgradb", "drelu_bgrad"])
+def test_one_relu_layer(mode, bgrad):
+    check_gradients([5, 7, 3], mode, bgrad, softmax_cross_entropy)
+
+
+@pytest.mark.parametrize("mode", ["fused", "naive"])
+@pytest.mark.parametrize("bgrad", ["bgradb", "drelu_bgrad", ["drelu_bgrad", "bgradb", "drelu_bgrad"]])
+@pytest.mark.parametrize("loss_fn", [softmax_cross_entropy, mse])
+def test_whole_network(mode, bgrad, loss_fn):
+    check_gradients([9, 17, 8, 12, 4], mode, bgrad, loss_fn, batch=6)
+
+
+@pytest.mark.parametrize("mode", ["fused", "naive"])
+def test_linear_network_without_relu(mode):
+    check_gradients([4, 6, 3], mode, "bgradb", softmax_cross_entropy, relu=False)
+
+
+@pytest.mark.parametrize("bgrad", ["bgradb", "drelu_bgrad"])
+def test_fused_and_naive_agree_exactly_on_the_cpu(bgrad):
+    rng = np.random.default_rng(4)
+    x, y = rng.standard_normal((16, 10)), rng.integers(0, 5, 16)
+    grads = {}
+    for mode in ("fused", "naive"):
+        net = MLP(
+            [10, 32, 32, 5],
+            execution=make_execution(mode),
+            xp=np,
+            rng=np.random.default_rng(1),
+            param_dtype=np.float32,
+            compute_dtype=np.float32,
+            bgrad=bgrad,
+        )
+        _, d, _ = softmax_cross_entropy(net.forward(x.astype(np.float32)), y)
+        net.backward(d)
+        grads[mode] = [p.grad.copy() for p in net.params]
+    for gf, gn in zip(grads["fused"], grads["naive"], strict=True):
+        np.testing.assert_array_equal(gf, gn)
+
+
+def test_layout_chains_without_copies():
+    net = MLP(
+        [6, 8, 3],
+        execution=make_execution("fused"),
+        xp=np,
+        rng=np.random.default_rng(0),
+        param_dtype=np.float64,
+        compute_dtype=np.float64,
+    )
+    x = np.random.default_rng(1).standard_normal((4, 6))
+    h = net.layers[0].forward(net.execution, x)
+    assert h.shape == (4, 8) and h.flags.c_contiguous  # (B, out), the F-order epilog result seen as .T
+    assert net.layers[0].mask.shape == (16, 4) and net.layers[0].mask.dtype == np.uint8
+    logits = net.layers[1].forward(net.execution, h)
+    assert logits.shape == (4, 3) and logits.flags.c_contiguous
+    net.backward(softmax_cross_entropy(logits, np.array([0, 1, 2, 0]))[1])
+    for p in net.params:
+        assert p.grad.shape == p.value.shape and p.grad.flags.c_contiguous, p.name
+
+
+def test_bad_bgrad_is_rejected():
+    with pytest.raises(ValueError, match="bgrad must be one of"):
+        MLP(
+            [3, 4, 2],
+            execution=make_execution("fused"),
+            xp=np,
+            rng=np.random.default_rng(0),
+            param_dtype=np.float64,
+            compute_dtype=np.float64,
+            bgrad="sideways",
+        )
