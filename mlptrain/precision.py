@@ -1,0 +1,134 @@
+"""Precision policies and dynamic loss scaling.
+
+=========== ============== ============== ==================================================
+precision   master weights GEMM dtype     notes
+=========== ============== ============== ==================================================
+fp64        float64        float64        CPU and GPU
+fp32        float32        float32        CPU and GPU; GPU GEMMs in true FP32
+tf32        float32        float32        GPU only: GEMMs on TF32 tensor cores
+fp16        float32        float16        GPU only: dynamic loss scaling
+bf16        float32        bfloat16       GPU only: bfloat16 has fp32's range, no scaling
+=========== ============== ============== ==================================================
+
+:class:`LossScaler` follows ``torch.amp.GradScaler``: the loss gradient is multiplied by
+``scale``; if any gradient is inf/NaN the step is skipped and ``scale *= backoff_factor``;
+after ``growth_interval`` consecutive clean steps ``scale *= growth_factor``. All of its
+state is 0-d device arrays updated by device operations, so a step never syncs the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from mlptrain.backend import Backend
+from mlptrain.errors import ConfigError, DeviceError
+
+PRECISIONS = ("fp64", "fp32", "tf32", "fp16", "bf16")
+CPU_PRECISIONS = ("fp64", "fp32")
+
+
+@dataclass(frozen=True)
+class Precision:
+    name: str
+    param_dtype: Any
+    compute_dtype: Any
+    tf32: bool = False
+    loss_scaling: bool = False
+
+
+def get_precision(name: str, backend: Backend) -> Precision:
+    """The policy ``name`` on ``backend``; half precision and TF32 need the GPU."""
+    if name not in PRECISIONS:
+        raise ConfigError(f"precision={name!r} is unknown; expected one of {', '.join(PRECISIONS)}")
+    if not backend.is_gpu and name not in CPU_PRECISIONS:
+        raise DeviceError(
+            f"precision={name} needs a GPU but the run is on the CPU; use precision=fp32 or fp64 on the CPU, "
+            "or run on a machine with an NVIDIA GPU and the cu12/cu13 extra"
+        )
+    xp = backend.xp
+    if name == "fp64":
+        return Precision(name, xp.float64, xp.float64)
+    if name in ("fp32", "tf32"):
+        return Precision(name, xp.float32, xp.float32, tf32=name == "tf32")
+    if name == "fp16":
+        return Precision(name, xp.float32, xp.float16, loss_scaling=True)
+    return Precision(name, xp.float32, _bfloat16(xp))
+
+
+def _bfloat16(xp: Any) -> Any:
+    try:
+        import ml_dtypes
+    except ImportError as exc:  # pragma: no cover - ml_dtypes comes with CuPy's bf16 support
+        raise DeviceError("precision=bf16 needs the ml_dtypes package (pip install ml_dtypes)") from exc
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+class LossScaler:
+    """Dynamic loss scaling on the device (a no-op scale of 1 when ``enabled`` is False).
+
+    Attributes (0-d device arrays): ``scale``, ``inv_scale``, ``found_inf`` (int32: the last
+    step overflowed and was skipped), ``growth_tracker`` (clean steps since the last change),
+    ``consecutive_skips``.
+    """
+
+    def __init__(
+        self,
+        xp: Any,
+        *,
+        enabled: bool,
+        init_scale: float = 65536.0,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+    ) -> None:
+        self.xp = xp
+        self.enabled = enabled
+        self.growth_factor = growth_factor
+        self.backoff_factor = backoff_factor
+        self.growth_interval = growth_interval
+        self.scale = xp.full((), init_scale if enabled else 1.0, dtype=xp.float64)
+        self.inv_scale = xp.full((), 1.0 / float(init_scale) if enabled else 1.0, dtype=xp.float64)
+        self.found_inf = xp.zeros((), dtype=xp.int32)
+        self.growth_tracker = xp.zeros((), dtype=xp.int32)
+        self.consecutive_skips = xp.zeros((), dtype=xp.int32)
+
+    def check(self, grads: list[Any]) -> Any:
+        """Set ``found_inf`` to whether any gradient holds inf/NaN; returns it (device, no sync)."""
+        xp = self.xp
+        if not self.enabled:
+            return self.found_inf  # stays 0: fp32/fp64 runs check the loss at the log interval
+        bad = xp.zeros((), dtype=xp.bool_)
+        for g in grads:
+            bad |= ~xp.isfinite(g).all()
+        self.found_inf[...] = bad
+        return self.found_inf
+
+    def update(self) -> None:
+        """Back off after an overflow, grow after ``growth_interval`` clean steps (device ops)."""
+        if not self.enabled:
+            return
+        xp = self.xp
+        inf = self.found_inf != 0
+        tracker = xp.where(inf, 0, self.growth_tracker + 1)
+        grow = tracker >= self.growth_interval
+        factor = xp.where(inf, self.backoff_factor, xp.where(grow, self.growth_factor, 1.0))
+        self.scale *= factor
+        xp.divide(1.0, self.scale, out=self.inv_scale)
+        self.growth_tracker[...] = xp.where(grow, 0, tracker)
+        self.consecutive_skips[...] = xp.where(inf, self.consecutive_skips + 1, 0)
+
+    def state_dict(self) -> dict[str, float | int]:
+        return {
+            "scale": float(self.scale),
+            "growth_tracker": int(self.growth_tracker),
+            "consecutive_skips": int(self.consecutive_skips),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scale[...] = state["scale"]
+        self.xp.divide(1.0, self.scale, out=self.inv_scale)
+        self.growth_tracker[...] = state["growth_tracker"]
+        self.consecutive_skips[...] = state["consecutive_skips"]
