@@ -1,0 +1,15 @@
+"""Shared test set-up: GPU tests are collected everywhere and skipped without a GPU."""
+
+import pytest
+
+from mlptrain.backend import probe_gpu
+
+
+def pytest_collection_modifyitems(config, items):
+    available, reason = probe_gpu()
+    if available:
+        return
+    skip = pytest.mark.skip(reason=f"needs an NVIDIA GPU: {reason}")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

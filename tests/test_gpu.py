@@ -1,0 +1,256 @@
+"""GPU tests: the nvmath engine against the NumPy epilog contract, and training on the GPU.
+
+Marked ``gpu``; skipped where CuPy, nvmath or a CUDA device is missing (see conftest.py).
+Run them with ``make test-gpu`` (on the H200: docs/gpu-tests.md records the last run).
+"""
+
+import numpy as np
+import pytest
+
+from mlptrain.backend import probe_gpu
+from mlptrain.epilogs import Epilog, matmul, pack_relu_mask, relu_aux_shape, unpack_relu_mask
+
+pytestmark = pytest.mark.gpu
+
+if probe_gpu()[0]:  # imported only where they exist
+    import cupy as cp
+
+    from mlptrain.gpu import NvmathGemm
+
+SHAPES = [(37, 19, 23), (128, 256, 64), (1000, 784, 256), (9, 130, 8)]  # (M, K, N), odd sizes included
+DTYPES = ["float32", "float16", "bfloat16"]
+TOL = {"float32": 1e-5, "float16": 2e-2, "bfloat16": 6e-2}
+
+
+def _dtype(name):
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def _rand(rng, shape, dtype, order="C"):
+    a = rng.standard_normal(shape).astype(np.float32)
+    return np.asarray(a.astype(_dtype(dtype)), order=order)
+
+
+def _f64(a):
+    return np.asarray(cp.asnumpy(a) if isinstance(a, cp.ndarray) else a).astype(np.float64)
+
+
+def _close(actual, expected, dtype, what):
+    actual, expected = _f64(actual), _f64(expected)
+    scale = max(np.abs(expected).max(), 1e-6)
+    err = np.abs(actual - expected).max() / scale
+    assert err < TOL[dtype], f"{what}: max error {err:.3g} relative to max |ref| {scale:.3g}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("m", "k", "n"), SHAPES)
+def test_forward_relu_aux_bias_matches_contract(m, k, n, dtype):
+    rng = np.random.default_rng(m + k + n)
+    W, xT = _rand(rng, (m, k), dtype), _rand(rng, (n, k), dtype).T  # xT: F-order (K, N) view, as layers pass it
+    bias = _rand(rng, (m,), dtype)
+    gemm = NvmathGemm()
+    d, aux = gemm("t.fwd", cp.asarray(W), cp.asarray(xT.T).T, Epilog.RELU_AUX_BIAS, bias=cp.asarray(bias))
+    assert d.shape == (m, n) and d.flags.f_contiguous and d.dtype == W.dtype
+    relu_aux = aux["relu_aux"]
+    assert relu_aux.dtype == cp.uint8 and relu_aux.shape == relu_aux_shape(m, n)
+    assert relu_aux.strides == (1, relu_aux_shape(m, n)[0])
+    z = _f64(W) @ _f64(xT) + _f64(bias)[:, None]
+    _close(d, np.maximum(z, 0), dtype, "RELU_AUX_BIAS result")
+    # Mask bits equal the contract except where rounding can flip the sign of a near-zero z.
+    bits = unpack_relu_mask(cp.asnumpy(relu_aux), m)
+    decided = np.abs(z) > TOL[dtype] * np.abs(z).max()
+    np.testing.assert_array_equal(bits[decided], (z >= 0)[decided])
+    # And the mask is the one the GPU's own output implies.
+    np.testing.assert_array_equal(bits[_f64(d) > 0], True)
+
+    # Same GEMM, plan reused with new operands (reset_operands_unchecked), gives the new result.
+    W2 = _rand(rng, (m, k), dtype)
+    d2, _ = gemm("t.fwd", cp.asarray(W2), cp.asarray(xT.T).T, Epilog.RELU_AUX_BIAS, bias=cp.asarray(bias))
+    assert gemm.num_plans == 1
+    _close(d2, np.maximum(_f64(W2) @ _f64(xT) + _f64(bias)[:, None], 0), dtype, "re-executed plan")
+
+
+def test_relu_aux_bit_at_exact_zero_follows_the_contract():
+    """z == 0 exactly (zero weights and bias): the contract says the bit is set (z >= 0)."""
+    m, k, n = 16, 8, 4
+    W = np.zeros((m, k), np.float32)
+    W[::2] = 1.0  # even rows: z = sum(x) + 0 > 0; odd rows: z == 0 exactly
+    x = np.abs(np.random.default_rng(0).standard_normal((n, k))).astype(np.float32)
+    _, aux = NvmathGemm()("z.fwd", cp.asarray(W), cp.asarray(x).T, Epilog.RELU_AUX_BIAS, bias=cp.zeros(m, cp.float32))
+    _, ref = matmul(W, x.T, epilog=Epilog.RELU_AUX_BIAS, epilog_inputs={"bias": np.zeros(m, np.float32)})
+    np.testing.assert_array_equal(
+        unpack_relu_mask(cp.asnumpy(aux["relu_aux"]), m), unpack_relu_mask(ref["relu_aux"], m)
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("m", "k", "n"), SHAPES)
+def test_backward_epilogs_match_contract(m, k, n, dtype):
+    rng = np.random.default_rng(7 * m + n)
+    WT = _rand(rng, (k, m), dtype).T  # (M, K) F-order view: W^T of a (K, M) weight
+    dzT = _rand(rng, (n, k), dtype).T  # (K, N) F-order view of a C-order (N, K) gradient
+    mask = rng.random((m, n)) > 0.5
+    relu_aux = pack_relu_mask(mask)
+    gemm = NvmathGemm()
+    g_WT, g_dzT = cp.asarray(WT.T).T, cp.asarray(dzT.T).T
+    ref = _f64(WT) @ _f64(dzT) * mask
+    d, aux = gemm("t.dgrad", g_WT, g_dzT, Epilog.DRELU_BGRAD, relu_aux=cp.asarray(relu_aux))
+    assert d.flags.f_contiguous and aux["drelu_bgrad"].shape == (m,) and aux["drelu_bgrad"].dtype == d.dtype
+    _close(d, ref, dtype, "DRELU_BGRAD result")
+    _close(aux["drelu_bgrad"], ref.sum(axis=1), dtype, "drelu_bgrad")
+    d, _ = gemm("t.drelu", g_WT, g_dzT, Epilog.DRELU, relu_aux=cp.asarray(relu_aux))
+    _close(d, ref, dtype, "DRELU result")
+
+    # Weight gradient with BGRADB: A = X^T (F-order view), B = dZ (C-order (K=batch, N=out)).
+    xT = _rand(rng, (k, m), dtype).T  # (M, K)
+    dz = _rand(rng, (k, n), dtype)  # (K, N)
+    d, aux = gemm("t.wgrad", cp.asarray(xT.T).T, cp.asarray(dz), Epilog.BGRADB)
+    assert d.flags.f_contiguous and aux["bgradb"].shape == (n,)
+    _close(d, _f64(xT) @ _f64(dz), dtype, "BGRADB result")
+    _close(aux["bgradb"], _f64(dz).sum(axis=0), dtype, "bgradb")
+
+
+def _gpu_trainer(**overrides):
+    from mlptrain.config import TrainConfig
+    from mlptrain.train import Trainer
+
+    cfg = TrainConfig()
+    cfg.device = type(cfg.device)("gpu")
+    cfg.progress = False
+    for key, value in overrides.items():
+        obj = cfg
+        *path, last = key.split(".")
+        for p in path:
+            obj = getattr(obj, p)
+        field_type = type(getattr(obj, last))
+        setattr(obj, last, field_type(value) if hasattr(field_type, "__members__") else value)
+    return Trainer(cfg)
+
+
+@pytest.mark.parametrize("mode", ["fused", "naive"])
+@pytest.mark.parametrize("bgrad", ["bgradb", "drelu_bgrad"])
+def test_whole_network_gradients_against_float64_cpu(mode, bgrad):
+    from mlptrain.execution import FusedExecution, NumpyGemm
+    from mlptrain.losses import softmax_cross_entropy
+    from mlptrain.network import MLP
+
+    widths, B = [45, 130, 77, 10], 61
+    rng = np.random.default_rng(3)
+    x, y = rng.standard_normal((B, widths[0])).astype(np.float32), rng.integers(0, 10, B)
+    tr = _gpu_trainer(**{"execution.mode": mode, "execution.bgrad": bgrad})
+    net = MLP(
+        widths,
+        execution=tr.execution,
+        xp=cp,
+        rng=np.random.default_rng(5),
+        param_dtype=cp.float32,
+        compute_dtype=cp.float32,
+        bgrad=bgrad,
+    )
+    ref = MLP(
+        widths,
+        execution=FusedExecution(NumpyGemm()),
+        xp=np,
+        rng=np.random.default_rng(5),
+        param_dtype=np.float64,
+        compute_dtype=np.float64,
+        bgrad=bgrad,
+    )
+    for lg, lr in zip(net.layers, ref.layers, strict=True):  # non-zero biases
+        b = rng.standard_normal(lr.out_features) * 0.1
+        lr.bias.value[...] = b
+        lg.bias.value[...] = cp.asarray(b, cp.float32)
+    _, d, _ = softmax_cross_entropy(net.forward(cp.asarray(x)), cp.asarray(y))
+    net.backward(d)
+    _, d, _ = softmax_cross_entropy(ref.forward(x.astype(np.float64)), y)
+    ref.backward(d)
+    for pg, pr in zip(net.params, ref.params, strict=True):
+        _close(pg.grad, pr.grad, "float32", pg.name)
+
+
+@pytest.mark.parametrize("name", ["sgd", "adam", "adamw"])
+@pytest.mark.parametrize("compute", ["float32", "float16", "bfloat16"])
+def test_fused_optimizer_kernels_match_numpy(name, compute):
+    from mlptrain.config import OptimizerConfig, OptimizerName
+    from mlptrain.layers import Param
+    from mlptrain.optim import make_optimizer
+
+    rng = np.random.default_rng(11)
+    w0 = rng.standard_normal((37, 5)).astype(np.float32)
+    grads = [rng.standard_normal((37, 5)).astype(np.float32) * 100 for _ in range(3)]
+    cfg = OptimizerConfig(name=OptimizerName(name), lr=0.01, momentum=0.9, nesterov=True, weight_decay=0.01)
+    pg = Param("w", cp.asarray(w0), _dtype(compute))
+    pc = Param("w", w0.copy(), np.float32)
+    og, oc = make_optimizer(name, [pg], cfg), make_optimizer(name, [pc], cfg)
+    for i, g in enumerate(grads):
+        g_half = g.astype(_dtype(compute))
+        pg.grad = cp.asarray(g_half)
+        pc.grad = g_half.astype(np.float32) / 128.0
+        skip = cp.asarray(1 if i == 1 else 0, dtype=cp.int32)
+        og.step(cp.asarray(0.01), inv_scale=cp.asarray(1 / 128.0), skip=skip)
+        if i != 1:
+            oc.step(np.asarray(0.01))
+    np.testing.assert_allclose(cp.asnumpy(pg.value), pc.value, rtol=1e-5, atol=1e-6)
+    if pg.has_compute_copy:
+        np.testing.assert_array_equal(_f64(pg.compute), _f64(cp.asnumpy(pg.value).astype(_dtype(compute))))
+
+
+def _train_losses(tr, steps):
+    losses = []
+    for epoch in range(100):
+        for x, y in tr.train_loader.epoch(epoch):
+            loss, _ = tr.step(x, y)
+            losses.append(loss)
+            if len(losses) == steps:
+                return np.array([float(v) for v in losses])
+    return np.array([float(v) for v in losses])
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
+def test_fused_and_naive_train_alike_on_the_gpu(precision):
+    runs = {}
+    for mode in ("fused", "naive"):
+        tr = _gpu_trainer(**{"execution.mode": mode, "precision.name": precision, "epochs": 10})
+        losses = _train_losses(tr, 10 * tr.steps_per_epoch)
+        runs[mode] = (losses, tr.evaluate("test")["test/acc"])
+    (lf, af), (ln, an) = runs["fused"], runs["naive"]
+    assert af > 0.95 and an > 0.95, (af, an)
+    assert abs(af - an) <= 0.02
+    early = slice(0, 50)  # before rounding differences compound: the curves must coincide
+    tol = {"fp32": 1e-4, "fp16": 3e-2, "bf16": 6e-2}[precision]
+    np.testing.assert_allclose(lf[early], ln[early], rtol=tol)
+    # whole curve: epoch means agree
+    n = len(lf) // 10 * 10
+    np.testing.assert_allclose(lf[:n].reshape(10, -1).mean(1), ln[:n].reshape(10, -1).mean(1), rtol=0.25, atol=0.02)
+
+
+def test_fp16_loss_scaling_survives_injected_overflow():
+    """Start with a loss scale far beyond fp16's range: every first step overflows."""
+    tr = _gpu_trainer(**{"precision.name": "fp16", "precision.init_scale": 2.0**40, "epochs": 3})
+    before = [p.value.copy() for p in tr.model.params]
+    x, y = next(iter(tr.train_loader.epoch(0)))
+    tr.step(x, y)
+    assert int(tr.scaler.found_inf) == 1 and float(tr.scaler.scale) == 2.0**39
+    for p, b in zip(tr.model.params, before, strict=True):
+        cp.testing.assert_array_equal(p.value, b)  # skipped: weights untouched
+    skipped = 1
+    for epoch in range(3):
+        for x, y in tr.train_loader.epoch(epoch):
+            tr.step(x, y)
+            skipped += int(tr.scaler.found_inf)
+    assert 10 <= skipped <= 40  # about log2(2**40 / 2**16): backs off until gradients fit
+    assert float(tr.scaler.scale) < 2.0**30
+    assert tr.evaluate("test")["test/acc"] > 0.9
+
+
+def test_plans_are_made_once_and_reused():
+    tr = _gpu_trainer(**{"data.drop_last": True})
+    _train_losses(tr, 5)
+    n = tr.gemm.num_plans
+    assert n == 3 * len(tr.model.layers) - 1  # fwd, wgrad per layer; dgrad for all but the first
+    _train_losses(tr, 20)
+    assert tr.gemm.num_plans == n
