@@ -1,0 +1,124 @@
+"""Mini-batches on the device: one copy of a split in device memory, gathered into batches there.
+
+:class:`DataLoader` copies a split's host arrays to the device once. Each epoch it draws a
+permutation on the host from ``(seed, epoch)`` alone, copies it to the device (the only
+host-to-device copy of an epoch) and gathers each batch's rows with ``xp.take``. Because the order
+depends on nothing but ``(seed, epoch)``, a resumed run replays the same batches from any
+``(epoch, start_batch)``. One code path serves NumPy and CuPy through ``xp``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from mlptrain.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+class DataLoader:
+    """Shuffled (or ordered) mini-batches of one split, kept on the device.
+
+    Args:
+        x: ``(N, F)`` host features.
+        y: ``(N,)`` host integer labels.
+        batch_size: Rows per batch ``B`` (the last batch may be shorter unless ``drop_last``).
+        xp: ``numpy`` or ``cupy``; the arrays are stored and batches are yielded there.
+        dtype: Feature dtype on the device, e.g. ``numpy.float32``.
+        shuffle: Draw a new order each epoch; otherwise batches follow ``arange(N)``.
+        drop_last: Skip the final short batch.
+        seed: Non-negative seed of the epoch permutations.
+
+    Attributes:
+        x: ``(N, F)`` device array of ``dtype``, C-contiguous.
+        y: ``(N,)`` device array, int64 (the dtype of :class:`mlptrain.data.Dataset` labels).
+
+    Raises:
+        ConfigError: ``batch_size < 1``, ``seed < 0``, ``x`` not 2-D, ``y`` not 1-D integers, length
+            mismatch, or ``drop_last`` with fewer samples than one batch (zero batches per epoch).
+    """
+
+    def __init__(
+        self,
+        x: Any,
+        y: Any,
+        batch_size: int,
+        *,
+        xp: ModuleType,
+        dtype: Any,
+        shuffle: bool,
+        drop_last: bool,
+        seed: int,
+    ) -> None:
+        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+            raise ConfigError(f"DataLoader batch_size={batch_size!r} must be a positive integer")
+        if int(seed) < 0:
+            raise ConfigError(f"DataLoader seed={seed} must be a non-negative integer")
+        if x.ndim != 2:
+            raise ConfigError(f"DataLoader x has shape {tuple(x.shape)}; expected (N, F)")
+        if y.ndim != 1 or len(y) != len(x):
+            raise ConfigError(f"DataLoader y has shape {tuple(y.shape)}; expected ({len(x)},) to match x {x.shape}")
+        if not np.issubdtype(np.dtype(y.dtype), np.integer):
+            raise ConfigError(f"DataLoader y has dtype {y.dtype}; expected integer class labels")
+        n = len(x)
+        if drop_last and 0 < n < batch_size:
+            raise ConfigError(
+                f"DataLoader batch_size={batch_size} with drop_last=true gives no batch for {n} samples; "
+                f"lower the batch size to at most {n} or set drop_last=false"
+            )
+        self.xp = xp
+        self.batch_size = int(batch_size)
+        self.shuffle = bool(shuffle)
+        self.drop_last = bool(drop_last)
+        self.seed = int(seed)
+        # Always a copy, on the CPU too, so NumPy and CuPy runs share semantics: the loader owns its data.
+        self.x = xp.array(x, dtype=dtype, order="C")  # (N, F), the split's one host-to-device copy
+        self.y = xp.array(y, dtype=xp.int64)  # (N,)
+
+    @property
+    def num_samples(self) -> int:
+        """Number of rows ``N``."""
+        return int(self.x.shape[0])
+
+    def __len__(self) -> int:
+        """Batches per epoch."""
+        n, b = self.num_samples, self.batch_size
+        return n // b if self.drop_last else -(-n // b)
+
+    def permutation(self, epoch: int) -> np.ndarray:
+        """The host order of ``epoch``: ``(N,)`` int64, a function of ``(seed, epoch)`` only."""
+        if epoch < 0:
+            raise ConfigError(f"DataLoader epoch={epoch} must be non-negative")
+        if not self.shuffle:
+            return np.arange(self.num_samples, dtype=np.int64)
+        return np.random.default_rng([self.seed, int(epoch)]).permutation(self.num_samples)
+
+    def epoch(self, epoch: int, start_batch: int = 0) -> Iterator[tuple[Any, Any]]:
+        """Yield ``(xb, yb)`` device batches of ``epoch``, starting at batch ``start_batch``.
+
+        ``xb`` is ``(B, F)`` of the loader's dtype and C-contiguous, ``yb`` is ``(B,)`` int64. Both
+        are fresh arrays gathered on the device; ``B`` is ``batch_size`` except for a short last
+        batch when ``drop_last`` is false.
+
+        Raises:
+            ConfigError: ``start_batch`` outside ``[0, len(self)]``, or a negative ``epoch``.
+        """
+        if not 0 <= start_batch <= len(self):
+            raise ConfigError(f"DataLoader start_batch={start_batch} must be in [0, {len(self)}] (batches per epoch)")
+        perm = self.xp.asarray(self.permutation(epoch))  # (N,) the epoch's one host-to-device copy
+        return self._batches(perm, start_batch)
+
+    def _batches(self, perm: Any, start_batch: int) -> Iterator[tuple[Any, Any]]:
+        b, xp = self.batch_size, self.xp
+        for i in range(start_batch, len(self)):
+            idx = perm[i * b : (i + 1) * b]  # (B,) device indices
+            yield xp.take(self.x, idx, axis=0), xp.take(self.y, idx)  # (B, F), (B,)
+
+    def __iter__(self) -> Iterator[tuple[Any, Any]]:
+        """The batches of epoch 0."""
+        return self.epoch(0)
