@@ -227,6 +227,19 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     return cfg
 
 
+def register_configs() -> None:
+    """Store :class:`TrainConfig` in Hydra's ConfigStore as ``train_schema``.
+
+    ``conf/config.yaml`` lists ``train_schema`` first in its defaults, so the group files
+    (``model/``, ``data/``, ...) and command-line overrides merge into typed nodes and a typo
+    fails at compose time. No per-group schemas are stored: each would show up as a selectable
+    group option named after it. Safe to call more than once.
+    """
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+
+
 def to_plain(cfg: TrainConfig) -> dict[str, Any]:
     """The config as plain JSON-ready data (enums as their values), for run records."""
     from dataclasses import asdict

@@ -1,0 +1,5 @@
+"""``python -m mlptrain``: the Hydra command line of :mod:`mlptrain.cli`."""
+
+from mlptrain.cli import main
+
+main()

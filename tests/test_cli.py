@@ -1,0 +1,184 @@
+"""``python -m mlptrain`` end to end in subprocesses, and the wheel that carries conf/."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+HAS_TRAIN = (REPO / "mlptrain" / "train.py").is_file()
+needs_train = pytest.mark.skipif(not HAS_TRAIN, reason="mlptrain/train.py does not exist yet")
+
+
+def run_cli(*args: str, cwd: Path, pythonpath: Path = REPO, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m mlptrain *args`` in ``cwd`` with ``pythonpath`` first on sys.path."""
+    env = {k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", "HYDRA_MAIN_MODULE")}
+    env["PYTHONPATH"] = os.pathsep.join([str(pythonpath), *filter(None, [os.environ.get("PYTHONPATH")])])
+    return subprocess.run(
+        [sys.executable, "-m", "mlptrain", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def output(proc: subprocess.CompletedProcess[str]) -> str:
+    return proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("foo=1", "Key 'foo' not in 'TrainConfig'"),
+        ("optimizer.lr=abc", "could not be converted to Float"),
+        ("model.activation=tanh", "expected one of [relu, none]"),
+        ("execution=bogus", "Could not find 'execution/bogus'"),
+    ],
+)
+def test_bad_override_fails_without_traceback(tmp_path: Path, override: str, message: str) -> None:
+    proc = run_cli(override, f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)
+    assert proc.returncode != 0
+    assert message in output(proc)
+    assert "Traceback" not in output(proc)
+    assert not (tmp_path / "run").exists(), "a composition error must not create a run directory"
+
+
+def test_unknown_dataset_lists_the_options(tmp_path: Path) -> None:
+    proc = run_cli("data=bogus", f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)
+    assert proc.returncode != 0
+    text = output(proc)
+    assert "Available options in 'data'" in text
+    for name in ("digits", "mnist1d", "mnist", "fashion_mnist", "synthetic"):
+        assert f"\t{name}\n" in text
+    assert "Traceback" not in text
+
+
+def test_invalid_value_exits_2_with_one_error_line(tmp_path: Path) -> None:
+    proc = run_cli("optimizer.lr=-1", f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)
+    assert proc.returncode == 2, output(proc)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, proc.stderr
+    assert "optimizer.lr=-1.0 must be positive" in errors[0]
+    assert "Traceback" not in output(proc)
+    # The error is also in the run's log file, next to the config that caused it.
+    assert "optimizer.lr=-1.0" in (tmp_path / "run" / "mlptrain.log").read_text()
+    assert (tmp_path / "run" / ".hydra" / "config.yaml").is_file()
+
+
+def test_multirun_reports_every_failed_job_and_exits_2(tmp_path: Path) -> None:
+    proc = run_cli("-m", "execution=fused,naive", "optimizer.lr=-1", f"hydra.sweep.dir={tmp_path}/sweep", cwd=tmp_path)
+    assert proc.returncode == 2, output(proc)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert any("execution=fused" in e and "optimizer.lr" in e for e in errors), proc.stderr
+    assert any("execution=naive" in e and "optimizer.lr" in e for e in errors), proc.stderr
+    assert "Traceback" not in output(proc)
+    # One job directory per override set (hydra.sweep.subdir is the override dirname).
+    assert (tmp_path / "sweep" / "execution=naive,optimizer.lr=-1").is_dir()
+
+
+def test_cfg_job_prints_the_composed_config(tmp_path: Path) -> None:
+    proc = run_cli("--cfg", "job", "model=deep", "execution=naive", cwd=tmp_path)
+    assert proc.returncode == 0, output(proc)
+    assert "mode: naive" in proc.stdout
+    assert "- 256" in proc.stdout
+
+
+@needs_train
+def test_one_epoch_writes_metrics(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = run_cli("data=digits", "epochs=1", "progress=false", "device=cpu", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert proc.returncode == 0, output(proc)
+    assert "Traceback" not in output(proc)
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert lines, "metrics.jsonl is empty"
+    records = [json.loads(line) for line in lines]
+    assert all(isinstance(r, dict) for r in records)
+    assert not list(tmp_path.glob("outputs")), "the run must go to hydra.run.dir, not ./outputs"
+
+
+@needs_train
+def test_error_during_training_exits_2_without_traceback(tmp_path: Path) -> None:
+    # digits has 64 features; a first layer of 3 inputs must be refused with a MlptrainError.
+    proc = run_cli(
+        "model.in_features=3", "epochs=1", "progress=false", "device=cpu", f"hydra.run.dir={tmp_path}/run", cwd=tmp_path
+    )
+    assert proc.returncode == 2, output(proc)
+    assert "error: " in proc.stderr
+    assert "in_features" in proc.stderr
+    assert "Traceback" not in output(proc)
+
+
+@needs_train
+def test_gpu_request_without_gpu_exits_2(tmp_path: Path) -> None:
+    from mlptrain.backend import probe_gpu
+
+    if probe_gpu()[0]:
+        pytest.skip("this machine has a usable GPU")
+    proc = run_cli("device=gpu", "epochs=1", "progress=false", f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)
+    assert proc.returncode == 2, output(proc)
+    assert "device=cpu" in proc.stderr
+    assert "Traceback" not in output(proc)
+
+
+# --- packaging: conf/ travels in the wheel as mlptrain/conf ----------------------------------
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    pytest.importorskip("hatchling", reason="building the wheel without network needs hatchling (dev extra)")
+    out = tmp_path_factory.mktemp("wheel")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(REPO)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (path,) = out.glob("mlptrain-0.1.0-*.whl")
+    return path
+
+
+def test_wheel_contains_configs_and_data(wheel: Path) -> None:
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert "mlptrain/conf/config.yaml" in names
+    group_files = sorted((REPO / "conf").glob("*/*.yaml"))
+    assert group_files
+    for path in group_files:
+        assert f"mlptrain/conf/{path.relative_to(REPO / 'conf').as_posix()}" in names
+    assert "mlptrain/cli.py" in names and "mlptrain/__main__.py" in names
+    assert not any(n.startswith("conf/") for n in names), "conf/ must not be a top-level package"
+    if (REPO / "mlptrain" / "datasets" / "digits.csv.gz").is_file():
+        assert "mlptrain/datasets/digits.csv.gz" in names
+    entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
+    assert "mlptrain = mlptrain.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+
+
+def test_installed_wheel_finds_its_configs(wheel: Path, tmp_path: Path) -> None:
+    # Install without dependencies (they come from this environment) into a folder of its own,
+    # and run from an unrelated directory with only that folder on the path: no source checkout.
+    site = tmp_path / "site"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q", "--target", str(site), str(wheel)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    cwd = tmp_path / "elsewhere"
+    cwd.mkdir()
+    proc = run_cli("--info", "searchpath", cwd=cwd, pythonpath=site)
+    assert proc.returncode == 0, output(proc)
+    assert f"file://{site / 'mlptrain' / 'conf'}" in proc.stdout
+    proc = run_cli("--cfg", "job", "data=mnist1d", "optimizer=adamw", cwd=cwd, pythonpath=site)
+    assert proc.returncode == 0, output(proc)
+    assert "name: mnist1d" in proc.stdout and "name: adamw" in proc.stdout
+    proc = run_cli("optimizer.lr=0", f"hydra.run.dir={tmp_path}/run", cwd=cwd, pythonpath=site)
+    assert proc.returncode == 2 and "optimizer.lr" in proc.stderr, output(proc)

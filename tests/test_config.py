@@ -1,0 +1,173 @@
+"""Composing conf/ with the typed schema: every group option, and the errors of bad input."""
+
+from __future__ import annotations
+
+import re
+from enum import Enum
+from pathlib import Path
+
+import pytest
+from hydra.errors import ConfigCompositionException, MissingConfigException
+from omegaconf import OmegaConf
+
+from mlptrain.cli import CONF_DIR, compose_config
+from mlptrain.config import (
+    DatasetName,
+    Mode,
+    OptimizerName,
+    PrecisionName,
+    TrainConfig,
+    validate,
+)
+from mlptrain.errors import ConfigError, MlptrainError
+
+GROUPS = ("model", "data", "optimizer", "execution", "precision")
+GROUP_FILES = sorted(CONF_DIR.glob("*/*.yaml"))
+
+# Groups whose options are the values of an enum, and the key that selects it in each file.
+ENUM_GROUPS: dict[str, tuple[str, type[Enum]]] = {
+    "data": ("name", DatasetName),
+    "optimizer": ("name", OptimizerName),
+    "execution": ("mode", Mode),
+    "precision": ("name", PrecisionName),
+}
+
+
+def plain(v: object) -> object:
+    """Enum members as their values, so composed values compare with the YAML."""
+    if isinstance(v, Enum):
+        return v.value
+    if isinstance(v, list):
+        return [plain(x) for x in v]
+    return v
+
+
+def test_conf_dir_holds_every_group() -> None:
+    assert (CONF_DIR / "config.yaml").is_file()
+    assert {p.parent.name for p in GROUP_FILES} == set(GROUPS)
+
+
+def test_defaults() -> None:
+    cfg = compose_config()
+    assert isinstance(cfg, TrainConfig)
+    assert cfg.model.hidden == [128, 128]
+    assert cfg.data.name is DatasetName.digits
+    assert cfg.optimizer.name is OptimizerName.sgd
+    assert (cfg.optimizer.lr, cfg.optimizer.momentum) == (0.05, 0.9)
+    assert cfg.execution.mode is Mode.fused
+    assert cfg.precision.name is PrecisionName.fp32
+
+
+@pytest.mark.parametrize("path", GROUP_FILES, ids=lambda p: f"{p.parent.name}={p.stem}")
+def test_every_group_option_composes(path: Path) -> None:
+    group, option = path.parent.name, path.stem
+    cfg = compose_config([f"{group}={option}"])
+    node = getattr(cfg, group)
+    expected = OmegaConf.to_container(OmegaConf.load(path))
+    assert isinstance(expected, dict) and expected, f"{path} sets nothing"
+    for key, value in expected.items():
+        assert plain(getattr(node, str(key))) == value, f"{group}={option}: {group}.{key!s}"
+    if group in ENUM_GROUPS:
+        name_key, enum = ENUM_GROUPS[group]
+        assert getattr(node, name_key) is enum(option), f"{path} must set {name_key}: {option}"
+
+
+@pytest.mark.parametrize("group", sorted(ENUM_GROUPS))
+def test_enum_groups_have_one_file_per_value(group: str) -> None:
+    _, enum = ENUM_GROUPS[group]
+    assert {p.stem for p in (CONF_DIR / group).glob("*.yaml")} == {m.value for m in enum}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["execution=naive"], {"execution.mode": Mode.naive}),
+        (["optimizer=adamw"], {"optimizer.name": OptimizerName.adamw, "optimizer.weight_decay": 0.01}),
+        (["optimizer=adam", "optimizer.lr=0.01"], {"optimizer.lr": 0.01}),
+        (["model=wide"], {"model.hidden": [4096, 4096, 4096]}),
+        (["model.hidden=[32]", "data.batch_size=7"], {"model.hidden": [32], "data.batch_size": 7}),
+        (["precision=bf16", "seed=3", "device=cpu"], {"precision.name": PrecisionName.bf16, "seed": 3}),
+    ],
+)
+def test_overrides(overrides: list[str], expected: dict[str, object]) -> None:
+    cfg = compose_config(overrides)
+    for dotted, value in expected.items():
+        obj: object = cfg
+        for part in dotted.split("."):
+            obj = getattr(obj, part)
+        assert obj == value, dotted
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("foo=1", "Key 'foo' not in 'TrainConfig'"),
+        ("optimizer.lr=abc", "could not be converted to Float"),
+        ("data.batch_size=1.5", "could not be converted to Integer"),
+        ("model.hidden=[128,x]", "could not be converted to Integer"),
+        ("model.activation=tanh", "expected one of [relu, none]"),
+        ("execution.mode=fast", "expected one of [fused, naive]"),
+        ("optimizer.betas=1", "Key 'betas' not in 'OptimizerConfig'"),
+    ],
+)
+def test_bad_value_fails_at_compose(override: str, message: str) -> None:
+    with pytest.raises(ConfigCompositionException) as info:
+        compose_config([override])
+    text = f"{info.value} {info.value.__cause__}"
+    assert message in text
+
+
+@pytest.mark.parametrize("group", ["execution", "data", "optimizer", "model", "precision"])
+def test_unknown_group_option_lists_the_options(group: str) -> None:
+    with pytest.raises(MissingConfigException) as info:
+        compose_config([f"{group}=bogus"])
+    text = str(info.value)
+    assert f"Could not find '{group}/bogus'" in text
+    for path in (CONF_DIR / group).glob("*.yaml"):
+        assert path.stem in text
+
+
+def test_typo_in_group_file_fails_at_compose(tmp_path: Path) -> None:
+    # A user config folder added to the search path, holding a group file with a typo key.
+    (tmp_path / "execution").mkdir()
+    (tmp_path / "execution" / "typo.yaml").write_text("mod: naive\n")
+    with pytest.raises(ConfigCompositionException) as info:
+        compose_config([f"hydra.searchpath=[file://{tmp_path}]", "execution=typo"])
+    assert "Key 'mod' not in 'ExecutionConfig'" in f"{info.value} {info.value.__cause__}"
+
+
+def test_user_group_file_is_usable(tmp_path: Path) -> None:
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "tiny.yaml").write_text("hidden: [8]\n")
+    cfg = compose_config([f"hydra.searchpath=[file://{tmp_path}]", "model=tiny"])
+    assert cfg.model.hidden == [8]
+
+
+def test_validate_lists_every_problem() -> None:
+    with pytest.raises(ConfigError) as info:
+        compose_config(["optimizer.lr=-1", "data.batch_size=0"])
+    text = str(info.value)
+    assert "optimizer.lr=-1.0" in text
+    assert "data.batch_size=0" in text
+    assert isinstance(info.value, MlptrainError)
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("optimizer.lr=0", "optimizer.lr"),
+        ("optimizer.lr=-0.1", "optimizer.lr"),
+        ("data.batch_size=0", "data.batch_size"),
+        ("data.batch_size=-4", "data.batch_size"),
+        ("model.hidden=[128,0]", "model.hidden[1]"),
+        ("epochs=0", "epochs"),
+    ],
+)
+def test_validate_rejects_non_positive(override: str, key: str) -> None:
+    with pytest.raises(ConfigError, match=rf"(^|\W){re.escape(key)}="):
+        compose_config([override])
+
+
+def test_validate_accepts_defaults_and_returns_its_argument() -> None:
+    cfg = TrainConfig()
+    assert validate(cfg) is cfg
