@@ -221,8 +221,8 @@ def test_fused_and_naive_train_alike_on_the_gpu(precision):
     assert af > 0.95 and an > 0.95, (af, an)
     assert abs(af - an) <= 0.02
     early = slice(0, 50)  # before rounding differences compound: the curves must coincide
-    tol = {"fp32": 1e-4, "fp16": 3e-2, "bf16": 6e-2}[precision]
-    np.testing.assert_allclose(lf[early], ln[early], rtol=tol)
+    rtol, atol = {"fp32": (1e-4, 0), "fp16": (3e-2, 5e-3), "bf16": (6e-2, 1e-2)}[precision]
+    np.testing.assert_allclose(lf[early], ln[early], rtol=rtol, atol=atol)
     # whole curve: epoch means agree
     n = len(lf) // 10 * 10
     np.testing.assert_allclose(lf[:n].reshape(10, -1).mean(1), ln[:n].reshape(10, -1).mean(1), rtol=0.25, atol=0.02)
