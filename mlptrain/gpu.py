@@ -107,3 +107,76 @@ class NvmathGemm:
             self.free()
         except Exception:
             pass
+
+
+# --- timing and measured choices -------------------------------------------------------------
+
+
+def cuda_time_ms(fn: Any, *, warmup: int = 3, reps: int = 10, stream: Any = None) -> list[float]:
+    """Times of ``reps`` calls of ``fn()`` in milliseconds, each between two CUDA events.
+
+    Runs ``warmup`` calls first (planning, workspace allocation, kernel compilation) and
+    synchronises once before timing starts. Take the median of the result.
+    """
+    stream = stream or cp.cuda.get_current_stream()
+    for _ in range(warmup):
+        fn()
+    stream.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record(stream)
+        fn()
+        end.record(stream)
+        end.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, end))
+    return times
+
+
+def time_layer_backward(ex: Any, k: int, m: int, batch: int, dtype: Any, *, reps: int = 5) -> dict[str, float]:
+    """Median ms of one ReLU layer's fused backward (in=k, out=m) with each bgrad strategy.
+
+    ``drelu_bgrad``: plain weight-gradient GEMM + DRELU_BGRAD input-gradient GEMM.
+    ``bgradb``: BGRADB weight-gradient GEMM + DRELU input-gradient GEMM. Both do one reduction.
+    """
+    from mlptrain.epilogs import pack_relu_mask
+
+    rng = cp.random.default_rng(0)
+    W = rng.standard_normal((m, k), dtype=cp.float32).astype(dtype)  # (out, in)
+    x = rng.standard_normal((batch, k), dtype=cp.float32).astype(dtype)  # (B, in)
+    dz = rng.standard_normal((batch, m), dtype=cp.float32).astype(dtype)  # (B, out)
+    mask = pack_relu_mask(rng.random((k, batch)) > 0.5)  # relu_aux of the layer below, (Mb(in), B)
+    key = f"probe{k}x{m}x{batch}"
+    out = {}
+    for name, in_wgrad in (("drelu_bgrad", False), ("bgradb", True)):
+
+        def backward(site: str = f"{key}.{name}", in_wgrad: bool = in_wgrad) -> None:
+            ex.weight_grad(site, x, dz, bias_grad=in_wgrad)
+            ex.input_grad(site, W, dz, mask, bias_grad_below=not in_wgrad)
+
+        out[name] = sorted(cuda_time_ms(backward, warmup=2, reps=reps))[reps // 2]
+    return out
+
+
+def choose_bgrad(widths: list[int], batch: int, dtype: Any, *, tf32: bool = False, reps: int = 5) -> list[str]:
+    """Per hidden layer, the bias-gradient strategy that measures faster at its shape.
+
+    Hidden layer ``i`` (out = ``widths[i + 1]``) has its bias gradient reduced either by the
+    layer above (DRELU_BGRAD, in that layer's input-gradient GEMM) or by its own weight-gradient
+    GEMM (BGRADB). The probe times the backward of the layer above with each strategy on random
+    data (:func:`time_layer_backward`); identical shapes are measured once.
+    """
+    from mlptrain.execution import FusedExecution
+
+    ex = FusedExecution(NvmathGemm(tf32=tf32))
+    choices: list[str] = []
+    cache: dict[tuple[int, int], str] = {}
+    for i in range(1, len(widths) - 1):
+        shape = (widths[i], widths[i + 1])  # (in, out) of the layer above hidden layer i - 1
+        if shape not in cache:
+            t = time_layer_backward(ex, *shape, batch, dtype, reps=reps)
+            cache[shape] = min(t, key=t.get)
+            log.info("bgrad probe (in, out)=%s batch %d: %s -> %s", shape, batch, t, cache[shape])
+        choices.append(cache[shape])
+    ex.gemm.free()
+    return choices

@@ -1,0 +1,361 @@
+"""Benchmark mlptrain's fused epilogs against the naive path, the GEMMs alone, and PyTorch.
+
+Needs an NVIDIA GPU (CuPy + nvmath-python); PyTorch is optional (its rows are skipped when it is
+not importable). One run prints one table and writes ``bench.json`` and ``bench.md`` to --out.
+
+Sections:
+  (a) one layer at the seed shape: fp16 W (65536, 16384) @ X^T (16384, 8192), bias 65536:
+      forward and backward, fused vs naive vs the GEMMs alone;
+  (b) a grid of layer shapes (small, medium, large batch) in fp16 and bf16;
+  (c) whole training steps (forward, loss, backward, optimizer) for 784-1024-1024-10 at batch
+      256, 4096 x 4 layers at batch 8192 and 8192 x 4 at batch 16384, fp16 and bf16: mlptrain
+      fused, mlptrain naive and PyTorch eager (autocast with fp32 master weights, GradScaler for
+      fp16), with peak GPU memory.
+
+Method: random normal data; CUDA events around each call after warm-up; medians. Every fused
+result is checked against the naive one (max |difference| / max |value|, in the tables).
+
+Usage: python scripts/bench.py [--out DIR] [--sections abc] [--reps N] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import platform
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from mlptrain.backend import probe_gpu  # noqa: E402
+
+SEED_SHAPE = (65536, 16384, 8192)  # (M = out features, K = in features, N = batch)
+GRID = [  # (out, in, batch): small, medium and large batch
+    (1024, 784, 256),
+    (4096, 4096, 1024),
+    (4096, 4096, 8192),
+    (8192, 8192, 16384),
+]
+STEP_MODELS = [  # (name, widths, batch)
+    ("784-1024-1024-10", [784, 1024, 1024, 10], 256),
+    ("4096 x 4", [4096] * 5, 8192),
+    ("8192 x 4", [8192] * 5, 16384),
+]
+
+
+def median(times):
+    return statistics.median(times)
+
+
+def rel_err(a, b):
+    import cupy as cp
+
+    a, b = cp.asarray(a, dtype=cp.float32), cp.asarray(b, dtype=cp.float32)
+    return float(cp.abs(a - b).max() / max(float(cp.abs(b).max()), 1e-30))
+
+
+def bench_layer(m, k, n, dtype, reps):
+    """Forward and backward of one ReLU layer: out=m, in=k, batch=n."""
+    import cupy as cp
+
+    from mlptrain.execution import FusedExecution, NaiveExecution
+    from mlptrain.gpu import NvmathGemm, cuda_time_ms, time_layer_backward
+
+    rng = cp.random.default_rng(1)
+    W = (rng.standard_normal((m, k), dtype=cp.float32) / np.sqrt(k)).astype(dtype)  # (out, in)
+    b = rng.standard_normal(m, dtype=cp.float32).astype(dtype)
+    x = rng.standard_normal((n, k), dtype=cp.float32).astype(dtype)  # (B, in)
+    dz = rng.standard_normal((n, m), dtype=cp.float32).astype(dtype)  # (B, out)
+    mask_bool = rng.random((n, k)) > 0.5  # ReLU mask of the layer below, naive layout (B, in)
+    gemm = NvmathGemm()
+    fused, naive = FusedExecution(gemm), NaiveExecution(gemm, cp)
+    flop = 2.0 * m * k * n
+    r = {"shape": [m, k, n], "dtype": str(np.dtype(dtype)) if dtype != "bfloat16" else "bfloat16"}
+
+    # forward
+    r["gemm_fwd"] = median(cuda_time_ms(lambda: gemm("gemm.fwd", W, x.T), reps=reps))
+    r["fused_fwd"] = median(cuda_time_ms(lambda: fused.forward("f", W, b, x, True), reps=reps))
+    r["naive_fwd"] = median(cuda_time_ms(lambda: naive.forward("n", W, b, x, True), reps=reps))
+    yf, aux = fused.forward("f", W, b, x, True)
+    yn, mask_n = naive.forward("n", W, b, x, True)
+    r["fwd_err"] = rel_err(yf, yn)
+    del yf, yn, aux, mask_n
+
+    # backward: weight gradient + own bias gradient + input gradient through the ReLU below
+    def gemms_bwd():
+        gemm("gemm.wgrad", x.T, dz)
+        gemm("gemm.dgrad", W.T, dz.T)
+
+    def naive_bwd():
+        naive.weight_grad("n", x, dz, bias_grad=True)
+        naive.input_grad("n", W, dz, mask_bool, bias_grad_below=False)
+
+    r["gemm_bwd"] = median(cuda_time_ms(gemms_bwd, reps=reps))
+    r["naive_bwd"] = median(cuda_time_ms(naive_bwd, reps=reps))
+    t = time_layer_backward(fused, k, m, n, dtype, reps=reps)
+    r["fused_bwd_drelu_bgrad"], r["fused_bwd_bgradb"] = t["drelu_bgrad"], t["bgradb"]
+    r["fused_bwd"] = min(t.values())
+    r["fused_bwd_strategy"] = min(t, key=t.get)
+    # correctness of the backward: fused (bgradb) against naive, same mask
+    from mlptrain.epilogs import pack_relu_mask
+
+    relu_aux = pack_relu_mask(mask_bool.T)  # (Mb(in), B)
+    dWf, dbf = fused.weight_grad("chk", x, dz, bias_grad=True)
+    dxf, _ = fused.input_grad("chk", W, dz, relu_aux, bias_grad_below=False)
+    dWn, dbn = naive.weight_grad("chkn", x, dz, bias_grad=True)
+    dxn, _ = naive.input_grad("chkn", W, dz, mask_bool, bias_grad_below=False)
+    r["bwd_err"] = max(rel_err(dWf, dWn), rel_err(dbf, dbn), rel_err(dxf, dxn))
+    r["tflops_gemm_fwd"] = flop / r["gemm_fwd"] / 1e9
+    r["tflops_fused_fwd"] = flop / r["fused_fwd"] / 1e9
+    gemm.free()
+    cp.get_default_memory_pool().free_all_blocks()
+    return r
+
+
+def bench_step_mlptrain(widths, batch, precision, mode, reps):
+    import cupy as cp
+
+    from mlptrain.config import TrainConfig
+    from mlptrain.data import Dataset
+    from mlptrain.gpu import cuda_time_ms
+    from mlptrain.train import Trainer
+
+    pool = cp.get_default_memory_pool()
+    pool.free_all_blocks()
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((batch, widths[0]), dtype=np.float32)
+    y = rng.integers(0, widths[-1], batch)
+    empty_x, empty_y = np.zeros((0, widths[0]), np.float32), np.zeros(0, np.int64)
+    ds = Dataset("random", x, y, empty_x, empty_y, empty_x, empty_y, num_classes=widths[-1])
+    cfg = TrainConfig()
+    cfg.device = type(cfg.device)("gpu")
+    cfg.precision.name = type(cfg.precision.name)(precision)
+    cfg.execution.mode = type(cfg.execution.mode)(mode)
+    cfg.model.hidden = widths[1:-1]
+    cfg.data.batch_size = batch
+    cfg.optimizer.schedule = type(cfg.optimizer.schedule)("constant")
+    cfg.optimizer.lr = 1e-3
+    cfg.progress = False
+    tr = Trainer(cfg, dataset=ds)
+    xb, yb = next(iter(tr.train_loader.epoch(0)))
+    losses = []
+    times = cuda_time_ms(lambda: losses.append(tr.step(xb, yb)[0]), warmup=5, reps=reps)
+    peak = pool.total_bytes()
+    first_losses = [float(v) for v in losses[:3]]
+    bgrad = tr.model.bgrad
+    pool.free_all_blocks()
+    return {"ms": median(times), "peak_gib": peak / 2**30, "losses": first_losses, "bgrad": bgrad}
+
+
+def bench_step_torch(widths, batch, precision, reps):
+    try:
+        import torch
+    except ImportError:
+        return None
+    import cupy as cp
+
+    from mlptrain.gpu import cuda_time_ms
+
+    torch.manual_seed(0)
+    layers = []
+    for i in range(len(widths) - 1):
+        layers.append(torch.nn.Linear(widths[i], widths[i + 1]))
+        if i < len(widths) - 2:
+            layers.append(torch.nn.ReLU())
+    model = torch.nn.Sequential(*layers).cuda()  # fp32 master weights
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    dtype = torch.float16 if precision == "fp16" else torch.bfloat16
+    scaler = torch.amp.GradScaler("cuda", enabled=precision == "fp16")
+    x = torch.randn(batch, widths[0], device="cuda")
+    y = torch.randint(0, widths[-1], (batch,), device="cuda")
+    loss_fn = torch.nn.CrossEntropyLoss()
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=dtype):
+            loss = loss_fn(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+
+    torch.cuda.reset_peak_memory_stats()
+    # Time on torch's current stream, with CuPy events on the same stream.
+    stream = cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+    times = cuda_time_ms(step, warmup=5, reps=reps, stream=stream)
+    peak = torch.cuda.max_memory_reserved() / 2**30
+    torch.cuda.empty_cache()
+    return {"ms": median(times), "peak_gib": peak, "version": torch.__version__}
+
+
+def step_gemm_floor(widths, batch, dtype, reps):
+    """Time of the step's GEMMs alone: forward and weight gradient per layer, input gradient for
+    all but the first layer."""
+    import cupy as cp
+
+    from mlptrain.gpu import NvmathGemm, cuda_time_ms
+
+    rng = cp.random.default_rng(2)
+    gemm = NvmathGemm()
+    ops = []
+    for i in range(len(widths) - 1):
+        k, m = widths[i], widths[i + 1]
+        W = rng.standard_normal((m, k), dtype=cp.float32).astype(dtype)
+        x = rng.standard_normal((batch, k), dtype=cp.float32).astype(dtype)
+        dz = rng.standard_normal((batch, m), dtype=cp.float32).astype(dtype)
+        ops.append((f"l{i}.fwd", W, x.T))
+        ops.append((f"l{i}.wgrad", x.T, dz))
+        if i > 0:
+            ops.append((f"l{i}.dgrad", W.T, dz.T))
+
+    def run():
+        for key, a, b in ops:
+            gemm(key, a, b)
+
+    t = median(cuda_time_ms(run, reps=reps))
+    gemm.free()
+    return t
+
+
+def fmt(v, nd=3):
+    return "-" if v is None else f"{v:.{nd}f}"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="bench-out", help="folder for bench.json and bench.md")
+    ap.add_argument("--sections", default="abc", help="which sections to run (a, b, c)")
+    ap.add_argument("--reps", type=int, default=10, help="timed repetitions per measurement (median reported)")
+    ap.add_argument("--quick", action="store_true", help="skip the largest shapes (seed layer, 8192 x 4 step)")
+    args = ap.parse_args(argv)
+    available, reason = probe_gpu()
+    if not available:
+        print(f"bench.py needs an NVIDIA GPU with CuPy and nvmath-python: {reason}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.WARNING)
+    import cupy as cp
+    import nvmath
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    props = cp.cuda.runtime.getDeviceProperties(0)
+    gpu = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+    stack = {
+        "gpu": gpu,
+        "date": datetime.date.today().isoformat(),
+        "nvmath": nvmath.__version__,
+        "cupy": cp.__version__,
+        "cuda_runtime": cp.cuda.runtime.runtimeGetVersion(),
+        "driver": cp.cuda.runtime.driverGetVersion(),
+        "python": platform.python_version(),
+        "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+    }
+    try:
+        import torch
+
+        stack["torch"] = torch.__version__
+    except ImportError:
+        pass
+    result = {"stack": stack, "layers": [], "steps": []}
+    md = [
+        f"Measured {stack['date']} on {gpu}: nvmath-python {stack['nvmath']}, CuPy {stack['cupy']}, "
+        f"CUDA runtime {stack['cuda_runtime']}, driver API {stack['driver']}"
+        + (f", PyTorch {stack['torch']}" if "torch" in stack else "")
+        + f". Command: `{stack['command']}`.",
+        f"Medians of {args.reps} CUDA-event-timed runs after warm-up, random normal data.",
+        "",
+    ]
+
+    layer_shapes = []
+    if "a" in args.sections and not args.quick:
+        layer_shapes.append((SEED_SHAPE, "float16"))
+    if "b" in args.sections:
+        layer_shapes += [(s, dt) for s in GRID for dt in ("float16", "bfloat16")]
+    if layer_shapes:
+        import ml_dtypes
+
+        md += [
+            "## One ReLU layer, forward and backward (ms)",
+            "",
+            "(out, in, batch): W (out, in) @ X^T (in, batch) + bias (out). Backward = weight gradient, bias "
+            "gradient and the input gradient through the ReLU of the layer below. Fused backward: the faster "
+            "of DRELU_BGRAD + plain wgrad and DRELU + BGRADB (both shown). err: max |fused - naive| / max |naive|.",
+            "",
+            "| (out, in, batch) | dtype | GEMM fwd | fused fwd | naive fwd | fused/GEMM | GEMMs bwd | fused bwd "
+            "(DRELU_BGRAD / BGRADB) | naive bwd | fused/GEMMs | naive/fused bwd | err fwd, bwd |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        print(md[-3])
+        for (m, k, n), dt in layer_shapes:
+            dtype = np.dtype(ml_dtypes.bfloat16) if dt == "bfloat16" else np.dtype(dt)
+            r = bench_layer(m, k, n, dtype, args.reps)
+            r["dtype"] = dt
+            result["layers"].append(r)
+            row = (
+                f"| ({m}, {k}, {n}) | {dt} | {fmt(r['gemm_fwd'])} | {fmt(r['fused_fwd'])} | {fmt(r['naive_fwd'])} "
+                f"| {r['fused_fwd'] / r['gemm_fwd']:.3f}x | {fmt(r['gemm_bwd'])} | {fmt(r['fused_bwd'])} "
+                f"({fmt(r['fused_bwd_drelu_bgrad'])} / {fmt(r['fused_bwd_bgradb'])}) | {fmt(r['naive_bwd'])} "
+                f"| {r['fused_bwd'] / r['gemm_bwd']:.3f}x | {r['naive_bwd'] / r['fused_bwd']:.2f}x "
+                f"| {r['fwd_err']:.1e}, {r['bwd_err']:.1e} |"
+            )
+            md.append(row)
+            print(row, flush=True)
+        md.append("")
+
+    if "c" in args.sections:
+        md += [
+            "## Whole training steps (ms per step, peak GPU memory GiB)",
+            "",
+            "Forward, softmax cross-entropy, backward, SGD with momentum (fp32 master weights). fp16 with "
+            "dynamic loss scaling. mlptrain peak = CuPy pool high-water mark; PyTorch = max_memory_reserved. "
+            "GEMM floor: the step's GEMMs alone through nvmath.",
+            "",
+            "| model | batch | dtype | GEMM floor | mlptrain fused | mlptrain naive | PyTorch eager | fused vs naive "
+            "| fused vs PyTorch | peak GiB fused / naive / torch | bgrad |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        import ml_dtypes
+
+        for name, widths, batch in STEP_MODELS:
+            if args.quick and widths[0] == 8192:
+                continue
+            for precision in ("fp16", "bf16"):
+                dtype = np.float16 if precision == "fp16" else np.dtype(ml_dtypes.bfloat16)
+                floor = step_gemm_floor(widths, batch, dtype, args.reps)
+                f = bench_step_mlptrain(widths, batch, precision, "fused", args.reps)
+                nv = bench_step_mlptrain(widths, batch, precision, "naive", args.reps)
+                t = bench_step_torch(widths, batch, precision, args.reps)
+                rec = {
+                    "model": name,
+                    "widths": widths,
+                    "batch": batch,
+                    "precision": precision,
+                    "gemm_floor_ms": floor,
+                    "fused": f,
+                    "naive": nv,
+                    "torch": t,
+                }
+                result["steps"].append(rec)
+                row = (
+                    f"| {name} | {batch} | {precision} | {fmt(floor)} | {fmt(f['ms'])} | {fmt(nv['ms'])} | "
+                    f"{fmt(t['ms'] if t else None)} | {nv['ms'] / f['ms']:.2f}x | "
+                    f"{(t['ms'] / f['ms']) if t else float('nan'):.2f}x | {f['peak_gib']:.2f} / "
+                    f"{nv['peak_gib']:.2f} / {fmt(t['peak_gib'] if t else None, 2)} | {','.join(f['bgrad'])} |"
+                )
+                md.append(row)
+                print(row, flush=True)
+        md.append("")
+
+    (out / "bench.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / "bench.md").write_text("\n".join(md) + "\n")
+    print(f"wrote {out / 'bench.json'} and {out / 'bench.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
