@@ -8,7 +8,10 @@ for the loss; the gradient is cast back to the logits' dtype after multiplying b
 
 from __future__ import annotations
 
+import functools
 from typing import Any
+
+import numpy as np
 
 from mlptrain.backend import get_array_module
 
@@ -28,6 +31,8 @@ def softmax_cross_entropy(logits: Any, y: Any, grad_scale: Any = 1.0) -> tuple[A
         rows whose argmax equals the label.
     """
     xp = get_array_module(logits)
+    if xp is not np and logits.dtype != xp.float64:
+        return _softmax_cross_entropy_cupy(logits, y, grad_scale)
     B, C = logits.shape
     z = logits.astype(_loss_dtype(xp, logits.dtype))  # (B, C), a copy we may overwrite
     z -= z.max(axis=1, keepdims=True)
@@ -41,6 +46,51 @@ def softmax_cross_entropy(logits: Any, y: Any, grad_scale: Any = 1.0) -> tuple[A
     e -= onehot
     e *= grad_scale / B if isinstance(grad_scale, float) else grad_scale * (1.0 / B)
     return loss, e.astype(logits.dtype, copy=False), correct
+
+
+def _softmax_cross_entropy_cupy(logits: Any, y: Any, grad_scale: Any) -> tuple[Any, Any, Any]:
+    """The same as the NumPy path in three passes over the logits (fp16/bf16/fp32 on the GPU).
+
+    A chain of array operations reads and writes the (B, C) logits a dozen times in float32; at
+    4096 classes and batch 8192 that costs more than a millisecond. Here: a row max, a row sum of
+    exp in float32, then one elementwise kernel writing the scaled gradient in the logits' dtype.
+    """
+    import cupy as cp
+
+    row_max, row_sumexp, grad = _cupy_xent_kernels()
+    B, C = logits.shape
+    m = row_max(logits, axis=1)  # (B,) float32
+    s = row_sumexp(logits, m[:, None], axis=1)  # (B,) sum of exp(z - max)
+    scale = grad_scale if isinstance(grad_scale, cp.ndarray) else cp.asarray(grad_scale, dtype=cp.float64)
+    d = cp.empty_like(logits)  # (B, C) C-order
+    grad(logits, m[:, None], s[:, None], y[:, None], C, scale, 1.0 / B, d)
+    z_y = cp.take_along_axis(logits, y[:, None], axis=1)[:, 0].astype(cp.float32)
+    loss = (cp.log(s) + m - z_y).mean()
+    correct = (logits.argmax(axis=1) == y).sum()
+    return loss, d, correct
+
+
+@functools.cache
+def _cupy_xent_kernels() -> tuple[Any, Any, Any]:
+    import cupy as cp
+
+    row_max = cp.ReductionKernel(
+        "T x", "float32 m", "(float)x", "max(a, b)", "m = a", "__int_as_float(0xff800000)", "mlptrain_row_max"
+    )
+    row_sumexp = cp.ReductionKernel(
+        "T x, float32 m", "float32 s", "expf((float)x - m)", "a + b", "s = a", "0", "mlptrain_row_sumexp"
+    )
+    grad = cp.ElementwiseKernel(
+        "T x, float32 m, float32 s, int64 y, int64 C, raw float64 scale, float64 inv_b",
+        "T d",
+        """
+        const long long j = i % C;  // column of this element in the C-order (B, C) output
+        const float p = expf((float)x - m) / s;  // softmax
+        d = (T)((p - (j == y ? 1.0f : 0.0f)) * (float)(scale[0] * inv_b));
+        """,
+        "mlptrain_xent_grad",
+    )
+    return row_max, row_sumexp, grad
 
 
 def mse(logits: Any, y: Any, grad_scale: Any = 1.0) -> tuple[Any, Any, Any]:

@@ -50,6 +50,8 @@ class Optimizer:
         }
         # Number of applied (not skipped) steps, on the device.
         self.t = self.xp.zeros((), dtype=self.xp.float64)
+        self._one = self.xp.ones((), dtype=self.xp.float64)
+        self._no_skip = self.xp.zeros((), dtype=self.xp.int32)
 
     def step(self, lr: Any, inv_scale: Any = None, skip: Any = None) -> None:
         """Apply one update to every parameter from its ``grad``.
@@ -60,9 +62,8 @@ class Optimizer:
             skip: 0-d int32 device array; non-zero skips the update (an fp16 overflow), or None.
         """
         xp = self.xp
-        one = xp.ones((), dtype=xp.float64)
-        inv_scale = one if inv_scale is None else inv_scale
-        skip = xp.zeros((), dtype=xp.int32) if skip is None else skip
+        inv_scale = self._one if inv_scale is None else inv_scale
+        skip = self._no_skip if skip is None else skip
         self.t += skip == 0  # counts applied steps (Adam's bias correction)
         gpu = xp is not np
         if not gpu and skip:

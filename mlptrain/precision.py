@@ -18,6 +18,7 @@ state is 0-d device arrays updated by device operations, so a step never syncs t
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,6 +101,11 @@ class LossScaler:
         xp = self.xp
         if not self.enabled:
             return self.found_inf  # stays 0: fp32/fp64 runs check the loss at the log interval
+        if xp is not np:  # one pass per gradient, no temporaries
+            self.found_inf.fill(0)
+            for g in grads:
+                _flag_nonfinite_kernel()(g, self.found_inf)
+            return self.found_inf
         bad = xp.zeros((), dtype=xp.bool_)
         for g in grads:
             bad |= ~xp.isfinite(g).all()
@@ -111,6 +117,18 @@ class LossScaler:
         if not self.enabled:
             return
         xp = self.xp
+        if xp is not np:  # the same rules in one kernel launch
+            _scaler_update_kernel()(
+                self.found_inf,
+                self.backoff_factor,
+                self.growth_factor,
+                self.growth_interval,
+                self.scale,
+                self.inv_scale,
+                self.growth_tracker,
+                self.consecutive_skips,
+            )
+            return
         inf = self.found_inf != 0
         tracker = xp.where(inf, 0, self.growth_tracker + 1)
         grow = tracker >= self.growth_interval
@@ -132,3 +150,32 @@ class LossScaler:
         self.xp.divide(1.0, self.scale, out=self.inv_scale)
         self.growth_tracker[...] = state["growth_tracker"]
         self.consecutive_skips[...] = state["consecutive_skips"]
+
+
+@functools.cache
+def _flag_nonfinite_kernel() -> Any:
+    import cupy as cp
+
+    return cp.ElementwiseKernel(
+        "T g", "raw int32 flag", "if (!isfinite((float)g)) flag[0] = 1;", "mlptrain_flag_nonfinite", no_return=True
+    )
+
+
+@functools.cache
+def _scaler_update_kernel() -> Any:
+    import cupy as cp
+
+    return cp.ElementwiseKernel(
+        "int32 found, float64 backoff, float64 growth, int32 interval",
+        "float64 scale, float64 inv_scale, int32 tracker, int32 skips",
+        """
+        if (found) { scale *= backoff; tracker = 0; skips += 1; }
+        else {
+            skips = 0;
+            tracker += 1;
+            if (tracker >= interval) { scale *= growth; tracker = 0; }
+        }
+        inv_scale = 1.0 / scale;
+        """,
+        "mlptrain_scaler_update",
+    )

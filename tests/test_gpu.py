@@ -230,7 +230,7 @@ def test_fused_and_naive_train_alike_on_the_gpu(precision):
 
 def test_fp16_loss_scaling_survives_injected_overflow():
     """Start with a loss scale far beyond fp16's range: every first step overflows."""
-    tr = _gpu_trainer(**{"precision.name": "fp16", "precision.init_scale": 2.0**40, "epochs": 3})
+    tr = _gpu_trainer(**{"precision.name": "fp16", "precision.init_scale": 2.0**40, "epochs": 8})
     before = [p.value.copy() for p in tr.model.params]
     x, y = next(iter(tr.train_loader.epoch(0)))
     tr.step(x, y)
@@ -238,13 +238,47 @@ def test_fp16_loss_scaling_survives_injected_overflow():
     for p, b in zip(tr.model.params, before, strict=True):
         cp.testing.assert_array_equal(p.value, b)  # skipped: weights untouched
     skipped = 1
-    for epoch in range(3):
+    for epoch in range(8):
         for x, y in tr.train_loader.epoch(epoch):
             tr.step(x, y)
             skipped += int(tr.scaler.found_inf)
     assert 10 <= skipped <= 40  # about log2(2**40 / 2**16): backs off until gradients fit
     assert float(tr.scaler.scale) < 2.0**30
     assert tr.evaluate("test")["test/acc"] > 0.9
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("B", "C"), [(7, 3), (256, 10), (1000, 4096)])
+def test_cross_entropy_kernels_match_numpy(dtype, B, C):
+    from mlptrain.losses import softmax_cross_entropy
+
+    rng = np.random.default_rng(B + C)
+    z = _rand(rng, (B, C), dtype) * 4
+    y = rng.integers(0, C, B)
+    loss, d, correct = softmax_cross_entropy(cp.asarray(z), cp.asarray(y), cp.asarray(512.0))
+    ref_loss, ref_d, ref_correct = softmax_cross_entropy(_f64(z), y, 512.0)
+    assert d.dtype == z.dtype and d.shape == (B, C) and d.flags.c_contiguous
+    assert abs(float(loss) - float(ref_loss)) < 1e-5 * max(1.0, abs(float(ref_loss)))
+    _close(d, ref_d, dtype, "cross-entropy gradient")
+    assert int(correct) == int(ref_correct)
+
+
+def test_nonfinite_check_and_scaler_update_kernels():
+    from mlptrain.precision import LossScaler
+
+    s = LossScaler(cp, enabled=True, init_scale=1024.0, growth_interval=2)
+    half = cp.ones(1000, cp.float16)
+    seq = []
+    for bad in [cp.inf, None, None, cp.nan, None]:
+        g = half.copy()
+        if bad is not None:
+            g[537] = bad
+        s.check([cp.ones(3, cp.float16), g])
+        found = int(s.found_inf)
+        s.update()
+        seq.append((found, float(s.scale), int(s.growth_tracker), int(s.consecutive_skips)))
+    assert seq == [(1, 512.0, 0, 1), (0, 512.0, 1, 0), (0, 1024.0, 0, 0), (1, 512.0, 0, 1), (0, 512.0, 1, 0)]
+    assert float(s.inv_scale) == 1 / 512.0
 
 
 def test_plans_are_made_once_and_reused():
