@@ -15,12 +15,17 @@ Importing this module imports nvmath; :mod:`mlptrain.backend` only does so when 
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
+from pathlib import Path
 from typing import Any
 
 import cupy as cp
+import numpy as np
 import nvmath
-from nvmath.linalg.advanced import Matmul, MatmulEpilog
+from nvmath.bindings import cublasLt
+from nvmath.linalg.advanced import Algorithm, Matmul, MatmulEpilog
 
 from mlptrain.epilogs import Epilog
 
@@ -33,6 +38,63 @@ def _signature(a: Any, b: Any, epilog: Epilog | None) -> tuple:
     return (a.shape, a.strides, b.shape, b.strides, a.dtype.str, epilog)
 
 
+class PlanCache:
+    """cuBLASLt algorithms chosen per GEMM signature, kept on disk so a second run plans instantly.
+
+    One ``.npz`` per GPU model and cuBLASLt version (an algorithm is only valid there), holding
+    each algorithm as the bytes of ``Algorithm.as_numpy()``, keyed by a hash of the signature
+    (shapes, strides, dtype, epilog, compute type) and whether it was autotuned. Written
+    atomically; an unreadable file is ignored with a warning (it is only a cache).
+    """
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self._algos: dict[str, np.ndarray] = {}
+        if path is not None and path.is_file():
+            try:
+                with np.load(path, allow_pickle=False) as npz:
+                    self._algos = {k: npz[k] for k in npz.files}
+            except Exception as exc:  # a cache must never stop a run
+                log.warning("ignoring unreadable plan cache %s (%s)", path, exc)
+
+    @staticmethod
+    def default_path() -> Path:
+        from mlptrain.data import default_root
+
+        props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+        name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+        gpu = "".join(c if c.isalnum() else "-" for c in name)
+        return default_root() / "plans" / f"{gpu}-cublaslt{cublasLt.get_version()}.npz"
+
+    @staticmethod
+    def key(signature: tuple, tf32: bool, tuned: bool) -> str:
+        text = repr((signature, tf32))
+        return ("tuned-" if tuned else "heur-") + hashlib.sha256(text.encode()).hexdigest()[:32]
+
+    def get(self, signature: tuple, tf32: bool, tuned: bool) -> Algorithm | None:
+        """The cached algorithm; with ``tuned=False`` a tuned one is preferred when present."""
+        for t in (True, tuned) if not tuned else (True,):
+            raw = self._algos.get(self.key(signature, tf32, t))
+            if raw is not None:
+                return Algorithm.from_numpy(raw.view(cublasLt.matmul_heuristic_result_dtype))
+        return None
+
+    def put(self, signature: tuple, tf32: bool, tuned: bool, algorithm: Algorithm) -> None:
+        self._algos[self.key(signature, tf32, tuned)] = algorithm.as_numpy().view(np.uint8)
+        if self.path is None:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+            with open(tmp, "wb") as f:
+                np.savez(f, **self._algos)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            log.warning("could not write the plan cache %s (%s)", self.path, exc)
+
+
 class NvmathGemm:
     """GEMMs through planned nvmath ``Matmul`` objects, with cuBLASLt epilogs.
 
@@ -40,13 +102,18 @@ class NvmathGemm:
         tf32: float32 GEMMs with TF32 tensor cores (``COMPUTE_32F_FAST_TF32``) instead of FP32.
         autotune: time the heuristics' candidate algorithms once per plan and keep the fastest.
         stream: the CuPy stream to enqueue on (None: the current stream at each call).
+        plan_cache: algorithms remembered from earlier runs (:class:`PlanCache`), or None.
     """
 
-    def __init__(self, *, tf32: bool = False, autotune: bool = False, stream: Any = None) -> None:
+    def __init__(
+        self, *, tf32: bool = False, autotune: bool = False, stream: Any = None, plan_cache: PlanCache | None = None
+    ) -> None:
         self.tf32 = tf32
         self.autotune = autotune
         self.stream = stream
+        self.plan_cache = plan_cache
         self._plans: dict[tuple, Matmul] = {}
+        self.plans_from_cache = 0
         # nvmath logs every call at INFO; keep it quiet unless asked for.
         self._logger = logging.getLogger("mlptrain.nvmath")
         self._logger.setLevel(logging.WARNING)
@@ -76,13 +143,30 @@ class NvmathGemm:
     def _plan(self, key: str, a: Any, b: Any, epilog: Epilog | None, inputs: dict[str, Any]) -> Matmul:
         mm = Matmul(a, b, options=self._options(a.dtype), stream=self.stream)
         nv_epilog = _NV_EPILOG[epilog] if epilog is not None else None
-        algorithms = mm.plan(epilog=nv_epilog, epilog_inputs=inputs or None, stream=self.stream)
-        if self.autotune and len(algorithms) > 1:
-            mm.autotune(iterations=5, stream=self.stream)
+        sig = _signature(a, b, epilog)
+        cached = self.plan_cache.get(sig, self.tf32, self.autotune) if self.plan_cache else None
+        source = "heuristics"
+        if cached is not None:
+            try:
+                mm.plan(algorithms=[cached], epilog=nv_epilog, epilog_inputs=inputs or None, stream=self.stream)
+                source = "plan cache"
+                self.plans_from_cache += 1
+            except Exception as exc:  # a stale entry: plan afresh
+                log.warning("cached algorithm for %s was rejected (%s); planning afresh", key, exc)
+                cached = None
+        if cached is None:
+            algorithms = mm.plan(epilog=nv_epilog, epilog_inputs=inputs or None, stream=self.stream)
+            tuned = self.autotune and len(algorithms) > 1
+            if tuned:
+                mm.autotune(iterations=5, stream=self.stream)
+                source = "autotune"
+            if self.plan_cache is not None:
+                self.plan_cache.put(sig, self.tf32, self.autotune, mm.algorithms[0])
         algo = mm.algorithms[0]
         log.info(
-            "planned %s: (%d, %d) @ (%d, %d) %s epilog=%s algorithm=%s tile=%s",
+            "planned %s (%s): (%d, %d) @ (%d, %d) %s epilog=%s algorithm=%s tile=%s",
             key,
+            source,
             *a.shape,
             *b.shape,
             a.dtype,

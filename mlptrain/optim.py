@@ -236,6 +236,75 @@ def lr_at(step: int, *, base_lr: float, total_steps: int, schedule: str, warmup_
     raise ConfigError(f"schedule {schedule!r} is unknown; expected constant or cosine")
 
 
+class LRSchedule:
+    """:func:`lr_at` evaluated on the device from a device step counter.
+
+    ``advance()`` sets ``lr`` (0-d device array) to the rate of step ``step`` and increments
+    ``step``, with no host value in the launch, so a step captured into a CUDA graph still follows
+    the schedule when replayed. On the CPU it calls :func:`lr_at` directly.
+    """
+
+    def __init__(
+        self, xp: Any, *, base_lr: float, total_steps: int, schedule: str, warmup_steps: int = 0, min_ratio=0.0
+    ) -> None:
+        if schedule not in ("constant", "cosine"):
+            raise ConfigError(f"schedule {schedule!r} is unknown; expected constant or cosine")
+        self.xp = xp
+        self.kw = dict(
+            base_lr=base_lr, total_steps=total_steps, schedule=schedule, warmup_steps=warmup_steps, min_ratio=min_ratio
+        )
+        self.step = xp.zeros((), dtype=xp.int64)  # optimizer steps taken, skipped fp16 steps included
+        self.lr = xp.zeros((), dtype=xp.float64)
+
+    def host(self, step: int) -> float:
+        """The rate of ``step``, computed on the host (for logs)."""
+        return lr_at(step, **self.kw)
+
+    def advance(self) -> None:
+        """``lr = lr_at(step); step += 1`` on the device."""
+        if self.xp is np:
+            self.lr[...] = self.host(int(self.step))
+            self.step += 1
+            return
+        kw = self.kw
+        _lr_kernel()(
+            kw["base_lr"],
+            kw["total_steps"],
+            kw["warmup_steps"],
+            kw["schedule"] == "cosine",
+            kw["min_ratio"],
+            self.step,
+            self.lr,
+        )
+
+    def set_step(self, step: int) -> None:
+        """Continue from ``step`` (resume)."""
+        self.step[...] = step
+
+
+@functools.cache
+def _lr_kernel() -> Any:
+    import cupy as cp
+
+    return cp.ElementwiseKernel(
+        "float64 base, int64 total, int64 warmup, bool cosine, float64 min_ratio",
+        "int64 step, float64 lr",
+        """
+        if (step < warmup) {
+            lr = base * (double)(step + 1) / (double)warmup;
+        } else if (!cosine) {
+            lr = base;
+        } else {
+            const long long span = max(total - warmup - 1, 1LL);
+            const double progress = min((double)(step - warmup) / (double)span, 1.0);
+            lr = base * (min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + cos(3.141592653589793 * progress)));
+        }
+        step += 1;
+        """,
+        "mlptrain_lr_schedule",
+    )
+
+
 # --- fused CuPy kernels ---------------------------------------------------------------------
 # T: gradient dtype (the GEMM's: fp16/bf16/fp32/fp64), P: master dtype, C: compute-copy dtype.
 # lr, inv_scale, skip, t are 0-d device arrays read as raw pointers.
