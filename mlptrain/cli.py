@@ -112,8 +112,9 @@ def main() -> None:
     _failures.clear()
     try:
         _run()
-    except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as exc:
+        # A first Ctrl-C while training saves a checkpoint, and the message (TrainingInterrupted) says how to resume.
+        print(f"mlptrain: {exc}" if str(exc) else "error: interrupted", file=sys.stderr, flush=True)
         sys.exit(130)
     if _failures:
         if len(_failures) > 1:

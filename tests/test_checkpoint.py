@@ -1,0 +1,471 @@
+"""Checkpoints: the file format, atomic writes, every bad checkpoint, and exact resume.
+
+A resumed run must match an uninterrupted one: the same per-step losses, epoch records and final
+parameters and optimizer state, bit for bit on the CPU (within float tolerance on the GPU).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from numpy.testing import assert_allclose, assert_array_equal
+
+from mlptrain import checkpoint
+from mlptrain import train as train_mod
+from mlptrain.checkpoint import Best, OutputError, Position
+from mlptrain.config import Device, OptimizerName, PrecisionName, TrainConfig
+from mlptrain.errors import CheckpointError, ConfigError
+from mlptrain.metrics import read_metrics
+from mlptrain.precision import Precision
+from mlptrain.train import Trainer, TrainingInterrupted, train
+
+TIMING = ("samples_per_s", "step_time_ms", "time_s", "wall_s")
+
+
+def make_cfg(**overrides: Any) -> TrainConfig:
+    """A small, quick CPU run: digits, 64-32-10, 3 epochs of 21 steps; ``a.b=v`` style keys."""
+    cfg = TrainConfig()
+    cfg.device = Device.cpu
+    cfg.progress = False
+    cfg.model.hidden = [32]
+    cfg.epochs = 3
+    for key, value in overrides.items():
+        obj = cfg
+        *path, last = key.split("__")
+        for p in path:
+            obj = getattr(obj, p)
+        setattr(obj, last, value)
+    return cfg
+
+
+def records(run_dir: Path) -> list[dict[str, Any]]:
+    """metrics.jsonl without the timing keys (which differ between any two runs)."""
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in read_metrics(run_dir / "metrics.jsonl")]
+
+
+def interrupt_at(monkeypatch: pytest.MonkeyPatch, step: int, times: int = 1) -> None:
+    """Press Ctrl-C (a real SIGINT to this process) ``times`` times during optimizer step ``step``."""
+    original = Trainer.step
+
+    def step_then_sigint(self: Trainer, x: Any, y: Any) -> Any:
+        out = original(self, x, y)
+        if self.step_count == step + 1:
+            for _ in range(times):
+                signal.raise_signal(signal.SIGINT)
+        return out
+
+    monkeypatch.setattr(Trainer, "step", step_then_sigint)
+
+
+def assert_same_state(a: Path, b: Path, *, exact: bool = True) -> None:
+    ca, cb = checkpoint.load(a), checkpoint.load(b)
+    assert sorted(ca.arrays) == sorted(cb.arrays)
+    for key in ca.arrays:
+        if exact:
+            assert_array_equal(ca.arrays[key], cb.arrays[key], err_msg=key)
+        else:
+            assert_allclose(ca.arrays[key], cb.arrays[key], rtol=1e-4, atol=1e-6, err_msg=key)
+    assert ca.meta["position"] == cb.meta["position"]
+    assert ca.meta["scaler"] == cb.meta["scaler"]
+
+
+# ----------------------------------------------------------------------------------- the file
+
+
+def _arrays() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return {
+        "param/layer0.weight": rng.standard_normal((4, 3)).astype(np.float32),
+        "optim/layer0.weight/momentum": rng.standard_normal((4, 3)).astype(np.float32),
+        "optim/t": np.array(7.0),
+    }
+
+
+def _meta(step: int = 7) -> dict[str, Any]:
+    return {
+        "format": checkpoint.FORMAT,
+        "format_version": checkpoint.FORMAT_VERSION,
+        "position": Position(step=step).__dict__,
+    }
+
+
+def test_save_then_load_round_trips_without_pickle(tmp_path: Path) -> None:
+    path = tmp_path / "last.npz"
+    arrays = _arrays()
+    checkpoint.save(path, arrays, _meta())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.npz"], "no temporary file may be left"
+    ckpt = checkpoint.load(path)
+    assert sorted(ckpt.arrays) == sorted(arrays)
+    for k, a in arrays.items():
+        assert_array_equal(ckpt.arrays[k], a)
+        assert ckpt.arrays[k].dtype == a.dtype
+    assert ckpt.meta["sha256"] == checkpoint.digest(arrays) and ckpt.position.step == 7
+    # A plain NumPy zip: loads without pickle, the meta is UTF-8 JSON.
+    with np.load(path, allow_pickle=False) as npz:
+        assert set(npz.files) == {*arrays, "meta"}
+        assert json.loads(npz["meta"].tobytes())["format"] == "mlptrain-checkpoint"
+
+
+@pytest.mark.parametrize("fail_in", ["savez", "fsync", "replace", "ctrl-c"])
+def test_failed_save_leaves_the_previous_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fail_in: str
+) -> None:
+    path = tmp_path / "last.npz"
+    checkpoint.save(path, _arrays(), _meta(step=7))
+    before = path.read_bytes()
+    error: BaseException = KeyboardInterrupt() if fail_in == "ctrl-c" else OSError(28, "No space left on device")
+
+    def fail(*args: Any, **kwargs: Any) -> None:
+        if fail_in in ("savez", "ctrl-c"):
+            args[0].write(b"PK\x03\x04 half a checkpoint")  # something reached the temporary file
+        raise error
+
+    target = {"savez": (np, "savez"), "ctrl-c": (np, "savez"), "fsync": (checkpoint.os, "fsync")}
+    target["replace"] = (checkpoint.os, "replace")
+    monkeypatch.setattr(*target[fail_in], fail)
+    new = {k: v + 1 for k, v in _arrays().items()}
+    with pytest.raises(KeyboardInterrupt if fail_in == "ctrl-c" else CheckpointError) as err:
+        checkpoint.save(path, new, _meta(step=8))
+    monkeypatch.undo()
+    if fail_in != "ctrl-c":
+        assert str(path) in str(err.value) and "No space left" in str(err.value)
+        assert "previous checkpoint there, if any, is unchanged" in str(err.value)
+    assert path.read_bytes() == before
+    assert checkpoint.load(path).position.step == 7
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.npz"], "the temporary file must be removed"
+
+
+def _corrupt(kind: str, path: Path) -> str:
+    """Damage the checkpoint at ``path`` in one way; return a phrase the error must contain."""
+    blob = path.read_bytes()
+    if kind == "truncated":
+        path.write_bytes(blob[: len(blob) // 2])
+        return "truncated, corrupt or not a checkpoint"
+    if kind == "empty":
+        path.write_bytes(b"")
+        return "truncated, corrupt or not a checkpoint"
+    if kind == "flipped byte":
+        with np.load(path) as npz:  # flip a byte inside the weights' data, not in a zip header
+            raw = npz.zip.read("param/layer0.weight.npy")
+        i = blob.index(raw) + len(raw) - 3
+        path.write_bytes(blob[:i] + bytes([blob[i] ^ 0xFF]) + blob[i + 1 :])
+        return "CRC"
+    if kind == "not a zip":
+        path.write_text("this is not a checkpoint\n")
+        return "truncated, corrupt or not a checkpoint"
+    if kind == "no meta":
+        with path.open("wb") as f:
+            np.savez(f, **_arrays())
+        return "not an mlptrain checkpoint"
+    if kind == "newer format":
+        checkpoint.save(path, _arrays(), {**_meta(), "format_version": 99, "mlptrain": "9.0"})
+        return "format version 99 (written by mlptrain 9.0)"
+    if kind == "tampered arrays":  # a valid zip whose arrays no longer match the meta's SHA-256
+        with np.load(path) as npz:
+            entries = {k: npz[k] for k in npz.files}
+        entries["param/layer0.weight"] = entries["param/layer0.weight"] * 2
+        with path.open("wb") as f:
+            np.savez(f, **entries)
+        return "SHA-256"
+    if kind == "pickled object":
+        with path.open("wb") as f:
+            np.savez(f, meta=np.array([{"evil": 1}], dtype=object))
+        return "allow_pickle=False"
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize(
+    "kind",
+    ["truncated", "empty", "flipped byte", "not a zip", "no meta", "newer format", "tampered arrays", "pickled object"],
+)
+def test_bad_checkpoint_file_is_refused_by_name(tmp_path: Path, kind: str) -> None:
+    path = tmp_path / "last.npz"
+    checkpoint.save(path, _arrays(), _meta())
+    phrase = _corrupt(kind, path)
+    with pytest.raises(CheckpointError) as err:
+        checkpoint.load(path)
+    assert str(path) in str(err.value)
+    assert phrase in str(err.value)
+
+
+def test_missing_checkpoint_names_the_path_and_how_to_resume(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError) as err:
+        train(make_cfg(resume="last"), tmp_path / "run")
+    msg = str(err.value)
+    assert str(tmp_path / "run" / "checkpoints" / "last.npz") in msg and "hydra.run.dir=" in msg
+    assert not (tmp_path / "run" / "metrics.jsonl").exists(), "a failed resume must not start a fresh run"
+    with pytest.raises(CheckpointError, match="no checkpoint at .*nowhere.npz"):
+        train(make_cfg(resume=str(tmp_path / "nowhere.npz")), tmp_path / "run")
+
+
+# ----------------------------------------------------------------------------- exact resume
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Uninterrupted reference runs, by optimizer."""
+    out = {}
+    for name, overrides in REFERENCE.items():
+        out[name] = tmp_path_factory.mktemp(f"straight-{name}")
+        train(make_cfg(**overrides), out[name])
+    return out
+
+
+REFERENCE: dict[str, dict[str, Any]] = {
+    "sgd": {"optimizer__nesterov": True},
+    "adamw": {"optimizer__name": OptimizerName.adamw, "optimizer__lr": 0.01, "optimizer__warmup_steps": 5},
+}
+
+
+@pytest.mark.parametrize(("opt", "at"), [("sgd", 30), ("adamw", 30), ("adamw", 20), ("sgd", 0)])
+def test_interrupted_then_resumed_equals_uninterrupted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, straight: dict[str, Path], opt: str, at: int
+) -> None:
+    # Step 30 is mid-epoch (21 steps per epoch), step 20 the last of epoch 0, step 0 the first.
+    interrupt_at(monkeypatch, at)
+    with pytest.raises(TrainingInterrupted) as err:
+        train(make_cfg(**REFERENCE[opt]), tmp_path)
+    monkeypatch.undo()
+    assert err.value.step == at + 1 and err.value.checkpoint == tmp_path / "checkpoints" / "last.npz"
+    assert "resume=last" in str(err.value)
+    interrupted = read_metrics(tmp_path / "metrics.jsonl")
+    assert interrupted[-1]["kind"] == "interrupted" and interrupted[-1]["step"] == at + 1
+    assert [r["step"] for r in interrupted if r["kind"] == "step"] == list(range(at + 1))
+    assert checkpoint.load(err.value.checkpoint).position.step == at + 1
+
+    summary = train(make_cfg(resume="last", **REFERENCE[opt]), tmp_path)
+
+    ref = straight[opt]
+    assert records(tmp_path) == records(ref), "metrics.jsonl must equal the uninterrupted run's"
+    assert summary["steps"] == 63 and summary["test/acc"] == read_metrics(ref / "metrics.jsonl")[-1]["test/acc"]
+    assert_same_state(tmp_path / "checkpoints" / "last.npz", ref / "checkpoints" / "last.npz")
+    assert_same_state(tmp_path / "checkpoints" / "best.npz", ref / "checkpoints" / "best.npz")
+    run = json.loads((tmp_path / "run.json").read_text())
+    assert run["resumed_from"] == {"checkpoint": str(tmp_path / "checkpoints" / "last.npz"), "step": at + 1}
+
+
+def test_crash_then_resume_from_step_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, straight: dict[str, Path]
+) -> None:
+    """A run that dies (an exception, no checkpoint of its own) resumes from its last step checkpoint."""
+    original = Trainer.step
+
+    def crash(self: Trainer, x: Any, y: Any) -> Any:
+        if self.step_count == 33:
+            raise RuntimeError("simulated crash")
+        return original(self, x, y)
+
+    monkeypatch.setattr(Trainer, "step", crash)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        train(make_cfg(checkpoint_steps=8, **REFERENCE["sgd"]), tmp_path)
+    monkeypatch.undo()
+    pos = checkpoint.load(tmp_path / "checkpoints" / "last.npz").position
+    assert (pos.epoch, pos.batch, pos.step) == (1, 11, 32), "the last step checkpoint before the crash"
+    train(make_cfg(checkpoint_steps=8, resume="last", **REFERENCE["sgd"]), tmp_path)
+    assert records(tmp_path) == records(straight["sgd"])
+    assert_same_state(tmp_path / "checkpoints" / "last.npz", straight["sgd"] / "checkpoints" / "last.npz")
+
+
+def test_resume_into_a_new_directory_copies_the_metrics_prefix(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, straight: dict[str, Path]
+) -> None:
+    interrupt_at(monkeypatch, 40)
+    with pytest.raises(TrainingInterrupted):
+        train(make_cfg(**REFERENCE["sgd"]), tmp_path / "a")
+    monkeypatch.undo()
+    source = tmp_path / "a" / "checkpoints" / "last.npz"
+    before = (tmp_path / "a" / "metrics.jsonl").read_bytes()
+    train(make_cfg(resume=str(source), **REFERENCE["sgd"]), tmp_path / "b")
+    assert records(tmp_path / "b") == records(straight["sgd"])
+    assert (tmp_path / "a" / "metrics.jsonl").read_bytes() == before, "the source run must not change"
+    assert checkpoint.load(source).position.step == 41
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning", "ignore:invalid value:RuntimeWarning")
+def test_fp16_loss_scaler_state_resumes_exactly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp16's scale, growth tracker and skip count are in the checkpoint (fp16 emulated on the CPU)."""
+    emulate_fp16(monkeypatch)
+    overrides = {"precision__init_scale": 2.0**30, "precision__growth_interval": 4, "epochs": 2}
+    train(make_cfg(**overrides), tmp_path / "straight")
+    ref = records(tmp_path / "straight")
+    steps = [r for r in ref if r["kind"] == "step"]
+    skipped = [r["skipped"] for r in steps]
+    assert all(skipped[:5]) and not all(skipped), "the scale must back off from 2**30, then train"
+    assert any(skipped[20:]), "after growing, the scale must overflow and back off again"
+
+    def tracker(k: int) -> int:  # clean steps since the last change of scale, after step k
+        n = 0
+        for s in skipped[: k + 1]:
+            n = 0 if s else (n + 1) % 4
+        return n
+
+    at = next(k for k in range(20, 40) if tracker(k) > 0)  # interrupt with a growth tracker to restore
+    interrupt_at(monkeypatch, at)
+    with pytest.raises(TrainingInterrupted):
+        train(make_cfg(**overrides), tmp_path / "resumed")
+    emulate_fp16(monkeypatch)  # interrupt_at replaced Trainer.step; emulate again on top of the original
+    meta = checkpoint.load(tmp_path / "resumed" / "checkpoints" / "last.npz").meta
+    assert meta["scaler"]["growth_tracker"] == tracker(at) and meta["precision"] == "fp16"
+    train(make_cfg(resume="last", **overrides), tmp_path / "resumed")
+    assert records(tmp_path / "resumed") == ref
+    assert_same_state(
+        tmp_path / "resumed" / "checkpoints" / "last.npz", tmp_path / "straight" / "checkpoints" / "last.npz"
+    )
+
+
+def emulate_fp16(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run precision=fp16 on the CPU: float16 GEMMs, float32 master weights, dynamic loss scaling.
+
+    The NumPy optimizer updates only the master copy (the GPU kernels also write the float16
+    copy), so the step refreshes the compute copies itself.
+    """
+    monkeypatch.undo()
+    fp16 = Precision("fp16", np.float32, np.float16, loss_scaling=True)
+    monkeypatch.setattr(train_mod, "get_precision", lambda name, backend: fp16)
+    original = Trainer.step
+
+    def step(self: Trainer, x: Any, y: Any) -> Any:
+        out = original(self, x, y)
+        for p in self.model.params:
+            p.sync_compute()
+        return out
+
+    monkeypatch.setattr(Trainer, "step", step)
+
+
+@pytest.mark.gpu
+def test_gpu_interrupted_then_resumed_matches_within_tolerance(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    overrides = {"device": Device.gpu, "optimizer__name": OptimizerName.adamw, "optimizer__lr": 0.01}
+    for precision in (PrecisionName.fp32, PrecisionName.fp16):
+        a, b = tmp_path / f"straight-{precision.value}", tmp_path / f"resumed-{precision.value}"
+        cfg = {**overrides, "precision__name": precision}
+        train(make_cfg(**cfg), a)
+        interrupt_at(monkeypatch, 30)
+        with pytest.raises(TrainingInterrupted):
+            train(make_cfg(**cfg), b)
+        monkeypatch.undo()
+        train(make_cfg(resume="last", **cfg), b)
+        ra, rb = records(a), records(b)
+        assert [(r["kind"], r.get("step")) for r in ra] == [(r["kind"], r.get("step")) for r in rb]
+        la = [r["train/loss"] for r in ra if r["kind"] == "step"]
+        lb = [r["train/loss"] for r in rb if r["kind"] == "step"]
+        assert_allclose(lb, la, rtol=1e-4)
+        assert_same_state(a / "checkpoints" / "last.npz", b / "checkpoints" / "last.npz", exact=False)
+
+
+# ------------------------------------------------------------- checkpoints that do not fit
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A run stopped by Ctrl-C at step 30, kept read-only: tests resume copies of it."""
+    run = tmp_path_factory.mktemp("finished")
+    mp = pytest.MonkeyPatch()
+    interrupt_at(mp, 29)
+    try:
+        with pytest.raises(TrainingInterrupted):
+            train(make_cfg(checkpoint_steps=10), run)
+    finally:
+        mp.undo()
+    return run
+
+
+def _copy_run(src: Path, dst: Path) -> dict[str, bytes]:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return snapshot_of(dst)
+
+
+def _unchanged(run: Path, before: dict[str, bytes]) -> None:
+    assert snapshot_of(run) == before, "a refused resume must not change any file of the run"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "phrases"),
+    [
+        ({"model__hidden": [16]}, ["is for model 64-32-10", "this run builds 64-16-10", "model.hidden=[32]"]),
+        (
+            {"precision__name": PrecisionName.fp64},
+            ["holds float32 parameters (precision=fp32)", "precision=fp64 with float64", "resume with precision=fp32"],
+        ),
+        ({"optimizer__name": OptimizerName.adam}, ["holds sgd optimizer state", "optimizer=adam", "optimizer=sgd"]),
+        ({"optimizer__momentum": 0.0}, ["has state this run does not use", "momentum"]),
+        ({"data__batch_size": 32}, ["batch 9, step 30 of 21 batches per epoch", "this run has 41", "batch_size=32"]),
+        ({"epochs": 1}, ["is at step 30, at or past the end of this run (21 steps", "raise epochs or max_steps"]),
+    ],
+    ids=["architecture", "dtype", "optimizer", "optimizer-state", "batch-size", "nothing-left"],
+)
+def test_mismatched_checkpoint_is_refused_and_nothing_is_overwritten(
+    tmp_path: Path, finished: Path, overrides: dict[str, Any], phrases: list[str]
+) -> None:
+    run = tmp_path / "run"
+    before = _copy_run(finished, run)
+    with pytest.raises((CheckpointError, ConfigError)) as err:
+        train(make_cfg(resume="last", checkpoint_steps=10, **overrides), run)
+    msg = str(err.value)
+    assert str(run / "checkpoints" / "last.npz") in msg
+    for phrase in phrases:
+        assert phrase in msg, msg
+    _unchanged(run, before)
+
+
+def test_corrupt_last_checkpoint_fails_resume_and_changes_nothing(tmp_path: Path, finished: Path) -> None:
+    run = tmp_path / "run"
+    _copy_run(finished, run)
+    last = run / "checkpoints" / "last.npz"
+    last.write_bytes(last.read_bytes()[:-100])
+    before = snapshot_of(run)
+    with pytest.raises(CheckpointError, match="truncated, corrupt or not a checkpoint"):
+        train(make_cfg(resume="last", checkpoint_steps=10), run)
+    _unchanged(run, before)
+
+
+def test_resuming_an_older_checkpoint_in_place_is_refused(tmp_path: Path, finished: Path) -> None:
+    run = tmp_path / "run"
+    before = _copy_run(finished, run)
+    best = run / "checkpoints" / "best.npz"  # written at the end of epoch 0, step 21; last is at step 30
+    assert checkpoint.load(best).position.step == 21
+    with pytest.raises(CheckpointError, match="would overwrite .*last.npz \\(step 30\\)"):
+        train(make_cfg(resume=str(best), checkpoint_steps=10), run)
+    _unchanged(run, before)
+
+
+def test_fresh_run_refuses_a_directory_holding_a_run(tmp_path: Path, finished: Path) -> None:
+    run = tmp_path / "run"
+    before = _copy_run(finished, run)
+    with pytest.raises(OutputError) as err:
+        train(make_cfg(), run)
+    msg = str(err.value)
+    assert "already holds a run (metrics.jsonl, checkpoints/best.npz, checkpoints/last.npz)" in msg
+    assert "resume=last" in msg
+    _unchanged(run, before)
+
+
+def test_best_follows_validation_accuracy(finished: Path) -> None:
+    meta = checkpoint.load(finished / "checkpoints" / "last.npz").meta
+    epoch0 = next(r for r in read_metrics(finished / "metrics.jsonl") if r["kind"] == "epoch")
+    assert Best(**meta["best"]) == Best("val/acc", epoch0["val/acc"], 0, 21)
+    assert meta["metrics_records"] == 31, "21 steps, 1 epoch record, 9 steps"
+    assert meta["position"]["epoch"] == 1 and meta["position"]["batch"] == 9
+
+
+def test_checkpoint_with_incomplete_meta_is_refused(tmp_path: Path, finished: Path) -> None:
+    run = tmp_path / "run"
+    _copy_run(finished, run)
+    last = run / "checkpoints" / "last.npz"
+    ckpt = checkpoint.load(last)
+    checkpoint.save(last, ckpt.arrays, {k: v for k, v in ckpt.meta.items() if k not in ("widths", "sha256")})
+    before = snapshot_of(run)
+    with pytest.raises(CheckpointError, match=f"checkpoint {last} is incomplete: its meta lacks widths"):
+        train(make_cfg(resume="last", checkpoint_steps=10), run)
+    _unchanged(run, before)
+
+
+def snapshot_of(run: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}

@@ -1,0 +1,421 @@
+"""Faults while training: Ctrl-C, SIGKILL, inf/NaN, out of memory, unwritable outputs, bad data files.
+
+Each test checks the message a user gets and that nothing written earlier was lost. The signal
+tests run ``python -m mlptrain`` in a subprocess, as a user would; docs/reliability.md lists them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from mlptrain import checkpoint, data
+from mlptrain import train as train_mod
+from mlptrain.checkpoint import OutputError
+from mlptrain.config import Device, Schedule, TrainConfig
+from mlptrain.errors import CheckpointError, DatasetError, NonFiniteError, ResourceError
+from mlptrain.metrics import read_metrics
+from mlptrain.network import MLP
+from mlptrain.optim import Optimizer
+from mlptrain.precision import Precision
+from mlptrain.train import Trainer, train
+
+REPO = Path(__file__).resolve().parent.parent
+TIMING = ("samples_per_s", "step_time_ms", "time_s", "wall_s")
+
+
+def make_cfg(**overrides: Any) -> TrainConfig:
+    """A small, quick CPU run: digits, 64-32-10, 21 steps per epoch; ``a__b=v`` sets ``a.b``."""
+    cfg = TrainConfig()
+    cfg.device = Device.cpu
+    cfg.progress = False
+    cfg.model.hidden = [32]
+    cfg.epochs = 3
+    for key, value in overrides.items():
+        obj = cfg
+        *path, last = key.split("__")
+        for p in path:
+            obj = getattr(obj, p)
+        setattr(obj, last, value)
+    return cfg
+
+
+def records(run_dir: Path) -> list[dict[str, Any]]:
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in read_metrics(run_dir / "metrics.jsonl")]
+
+
+def snapshot(run: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
+
+
+# ------------------------------------------------------------------ signals (subprocesses)
+
+# Long enough never to finish on its own, with a constant learning rate so that a resume with a
+# smaller max_steps follows the same schedule.
+ENDLESS = ["model.hidden=[32]", "epochs=100000", "optimizer.schedule=constant", "progress=false", "device=cpu"]
+
+
+def start_cli(*args: str, cwd: Path) -> subprocess.Popen[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", "HYDRA_MAIN_MODULE")}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
+    return subprocess.Popen(
+        [sys.executable, "-m", "mlptrain", *args],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def wait_for(proc: subprocess.Popen[str], ready: Any, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            pytest.fail(f"the run ended early ({proc.returncode}):\n{out}\n{err}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail("the run did not get going in time")
+        time.sleep(0.02)
+
+
+def step_lines(run: Path) -> int:
+    path = run / "metrics.jsonl"
+    return path.read_text().count('"kind": "step"') if path.is_file() else 0
+
+
+def test_ctrl_c_saves_last_and_exits_130_then_resume_continues(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    proc = start_cli(*ENDLESS, f"hydra.run.dir={run}", cwd=tmp_path)
+    wait_for(proc, lambda: step_lines(run) >= 50)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out + err
+    assert "Traceback" not in out + err
+    lines = [line for line in err.splitlines() if line.strip()]
+    last = run / "checkpoints" / "last.npz"
+    assert lines[-1].startswith("mlptrain: interrupted at step ") and str(last) in lines[-1], err
+    assert f"hydra.run.dir={run} resume=last" in lines[-1]
+    interrupted = read_metrics(run / "metrics.jsonl")
+    step = interrupted[-1]["step"]
+    assert interrupted[-1]["kind"] == "interrupted" and interrupted[-1]["checkpoint"] == str(last)
+    assert checkpoint.load(last).position.step == step, "the checkpoint is the state at the interrupt"
+    assert [r["step"] for r in interrupted if r["kind"] == "step"] == list(range(step))
+
+    proc = start_cli(*ENDLESS, f"hydra.run.dir={run}", "resume=last", f"max_steps={step + 30}", cwd=tmp_path)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out + err
+    resumed = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in resumed if r["kind"] == "step"] == list(range(step + 30)), "no gap, no repeat"
+    assert not any(r["kind"] == "interrupted" for r in resumed) and resumed[-1]["kind"] == "summary"
+    assert resumed[: len(interrupted) - 1] == interrupted[:-1], "the records before the interrupt are kept as they were"
+
+
+def test_sigkill_leaves_a_loadable_last_and_resume_matches_uninterrupted(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    every = ["checkpoint_steps=25", "log_every=5"]
+    proc = start_cli(*ENDLESS, *every, f"hydra.run.dir={run}", cwd=tmp_path)
+    last = run / "checkpoints" / "last.npz"
+    wait_for(proc, lambda: last.is_file() and step_lines(run) >= 150)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    killed = records(run)
+    ckpt = checkpoint.load(last)  # loads, whatever moment the kill hit
+    step = ckpt.position.step
+    assert step > 0 and step % 25 == 0 or ckpt.position.batch == 0, ckpt.position
+    assert max(r["step"] for r in killed if r["kind"] == "step") >= step - 1
+
+    end = step + 40
+    proc = start_cli(*ENDLESS, *every, f"hydra.run.dir={run}", "resume=last", f"max_steps={end}", cwd=tmp_path)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out + err
+
+    # The same run straight through, in this process: the resumed metrics must match it exactly.
+    straight = tmp_path / "straight"
+    cfg = make_cfg(
+        epochs=100000, checkpoint_steps=25, log_every=5, max_steps=end, optimizer__schedule=Schedule.constant
+    )
+    train(cfg, straight)
+    assert records(run) == records(straight)
+    overlap = [r for r in killed if r["kind"] == "step" and r["step"] >= step]  # logged after the checkpoint
+    if overlap:
+        assert overlap == [r for r in records(run) if r["kind"] == "step" and step <= r["step"] <= overlap[-1]["step"]]
+    for key, a in checkpoint.load(straight / "checkpoints" / "last.npz").arrays.items():
+        np.testing.assert_array_equal(checkpoint.load(last).arrays[key], a, err_msg=key)
+
+
+def test_second_ctrl_c_stops_at_once_and_restores_the_handler(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    original = Trainer.step
+    saved: list[tuple[str, int]] = []
+
+    def step(self: Trainer, x: Any, y: Any) -> Any:
+        out = original(self, x, y)
+        if self.step_count == 25:
+            signal.raise_signal(signal.SIGINT)  # the first asks to stop after this step ...
+            signal.raise_signal(signal.SIGINT)  # ... the second does not wait
+        return out
+
+    real_save = checkpoint.save
+
+    def save(path: Path, arrays: Any, meta: dict[str, Any]) -> None:
+        saved.append((Path(path).stem, meta["position"]["step"]))
+        real_save(path, arrays, meta)
+
+    monkeypatch.setattr(Trainer, "step", step)
+    monkeypatch.setattr(checkpoint, "save", save)
+    before = signal.getsignal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt) as err:
+        train(make_cfg(checkpoint_steps=10), tmp_path)
+    assert type(err.value) is KeyboardInterrupt, "a second Ctrl-C must not wait for a checkpoint"
+    assert signal.getsignal(signal.SIGINT) is before
+    assert saved == [("last", 10), ("last", 20), ("last", 21), ("best", 21)], "none after the second Ctrl-C"
+    assert checkpoint.load(tmp_path / "checkpoints" / "last.npz").position.step == 21
+
+
+def test_ctrl_c_handler_is_restored_after_a_normal_run(tmp_path: Path) -> None:
+    before = signal.getsignal(signal.SIGINT)
+    train(make_cfg(epochs=1), tmp_path)
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+# ------------------------------------------------------------------------ non-finite values
+
+
+def _inject(monkeypatch: pytest.MonkeyPatch, where: str, step: int, what: str) -> None:
+    """Put inf into ``what`` (``layer<i>.<weight|bias>``) at optimizer step ``step``.
+
+    ``where="grad"``: into the gradient after the backward; ``"param"``: into the value after the update.
+    """
+    layer, kind = what.split(".")
+    count = {"n": 0}
+    if where == "grad":
+        original = MLP.backward
+
+        def backward(self: MLP, dlogits: Any) -> None:
+            original(self, dlogits)
+            if count["n"] == step:
+                getattr(self.layers[int(layer[5:])], kind).grad[0] = np.inf
+            count["n"] += 1
+
+        monkeypatch.setattr(MLP, "backward", backward)
+    else:
+        original_step = Optimizer.step
+
+        def opt_step(self: Optimizer, *args: Any, **kwargs: Any) -> None:
+            original_step(self, *args, **kwargs)
+            if count["n"] == step:
+                next(p for p in self.params if p.name == what).value[0] = np.inf
+            count["n"] += 1
+
+        monkeypatch.setattr(Optimizer, "step", opt_step)
+
+
+def test_inf_gradient_stops_naming_step_and_tensor(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _inject(monkeypatch, "grad", 25, "layer1.weight")
+    with pytest.raises(NonFiniteError) as err:
+        train(make_cfg(checkpoint_steps=10), tmp_path)
+    msg = str(err.value)
+    assert msg.startswith(
+        "non-finite values at step 25 (epoch 1, fp32): inf/NaN in layer1.weight gradient, layer1.weight;"
+    )
+    assert "the training loss" not in msg, "the loss of step 25 was still finite"
+    assert "lower optimizer.lr (now 0.0" in msg
+    assert f"the last checkpoint, {tmp_path / 'checkpoints' / 'last.npz'} (step 21), is intact" in msg
+    assert checkpoint.load(tmp_path / "checkpoints" / "last.npz").position.step == 21
+    steps = [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl") if r["kind"] == "step"]
+    assert steps == list(range(26)), "the records up to the bad step are written"
+
+
+def test_inf_parameter_stops_naming_the_parameter(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _inject(monkeypatch, "param", 3, "layer0.bias")
+    with pytest.raises(NonFiniteError, match=r"at step 3 \(epoch 0, fp32\): inf/NaN in layer0.bias; lower"):
+        train(make_cfg(), tmp_path)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning", "ignore:invalid value:RuntimeWarning")
+def test_diverging_learning_rate_stops_with_the_loss_and_step(tmp_path: Path) -> None:
+    with pytest.raises(NonFiniteError) as err:
+        train(make_cfg(optimizer__lr=1e6, optimizer__momentum=0.0, optimizer__schedule=Schedule.constant), tmp_path)
+    msg = str(err.value)
+    assert "non-finite values at step " in msg and "(epoch 0, fp32)" in msg
+    assert "lower optimizer.lr (now 1e+06) or use warm-up (optimizer.warmup_steps)" in msg
+    bad = int(msg.split("at step ")[1].split(" ")[0])
+    losses = [r["train/loss"] for r in read_metrics(tmp_path / "metrics.jsonl") if r["kind"] == "step"]
+    assert len(losses) == bad + 1 and all(v is not None for v in losses[:bad])
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning", "ignore:invalid value:RuntimeWarning")
+def test_fp16_overflow_skips_then_a_persistent_one_stops(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    emulate_fp16(monkeypatch)
+    # An overflowing step is skipped (parameters unchanged) and the scale backs off ...
+    train(make_cfg(epochs=1, precision__init_scale=2.0**30, log_every=1), tmp_path / "transient")
+    steps = [r for r in read_metrics(tmp_path / "transient" / "metrics.jsonl") if r["kind"] == "step"]
+    assert [r["loss_scale"] for r in steps[:4]] == [2.0**29, 2.0**28, 2.0**27, 2.0**26]
+    assert steps[0]["skipped"] and not steps[-1]["skipped"]
+    # ... but overflow on every step stops the run after max_consecutive_skips.
+    original = MLP.backward
+
+    def always_inf(self: MLP, dlogits: Any) -> None:
+        original(self, dlogits)
+        self.layers[0].weight.grad[0] = np.inf
+
+    monkeypatch.setattr(MLP, "backward", always_inf)
+    with pytest.raises(NonFiniteError) as err:
+        train(make_cfg(precision__max_consecutive_skips=7, log_every=1), tmp_path / "persistent")
+    msg = str(err.value)
+    assert "fp16 gradients overflowed on 7 consecutive steps up to step 6 (loss scale now 512;" in msg
+    assert "last step's inf/NaN: layer0.weight gradient" in msg and "lower optimizer.lr or use precision=bf16" in msg
+
+
+def emulate_fp16(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run precision=fp16 on the CPU: float16 GEMMs, float32 master weights, dynamic loss scaling.
+
+    The NumPy optimizer updates only the master copy (the GPU kernels also write the float16
+    copy), so the step refreshes the compute copies itself.
+    """
+    fp16 = Precision("fp16", np.float32, np.float16, loss_scaling=True)
+    monkeypatch.setattr(train_mod, "get_precision", lambda name, backend: fp16)
+    original = Trainer.step
+
+    def step(self: Trainer, x: Any, y: Any) -> Any:
+        out = original(self, x, y)
+        for p in self.model.params:
+            p.sync_compute()
+        return out
+
+    monkeypatch.setattr(Trainer, "step", step)
+
+
+@pytest.mark.gpu
+def test_gpu_inf_gradient_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _inject(monkeypatch, "grad", 12, "layer1.weight")
+    with pytest.raises(NonFiniteError) as err:
+        train(make_cfg(device=Device.gpu), tmp_path)
+    msg = str(err.value)
+    # On the GPU the check runs at the log interval's sync: the loss of step 13 is the first non-finite one.
+    assert "at step 13 (epoch 0, fp32): the training loss is " in msg, msg
+    assert "layer1.weight" in msg
+
+
+# ---------------------------------------------------------------------------- out of memory
+
+
+def test_out_of_memory_while_training_names_the_sizes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    original = Trainer.step
+
+    def step(self: Trainer, x: Any, y: Any) -> Any:
+        if self.step_count == 12:
+            raise MemoryError("Out of memory allocating 1,048,576 bytes (allocated so far: 2,097,152 bytes)")
+        return original(self, x, y)
+
+    monkeypatch.setattr(Trainer, "step", step)
+    with pytest.raises(ResourceError) as err:
+        train(make_cfg(checkpoint_steps=5), tmp_path)
+    msg = str(err.value)
+    assert msg.startswith("out of memory on the cpu at step 12 (MemoryError: Out of memory allocating 1,048,576 bytes")
+    for part in ("data.batch_size=64", "data.eval_batch_size=1024", "model 64-32-10 (2,410 parameters)"):
+        assert part in msg
+    assert "precision=fp32, execution=fused; lower data.batch_size or model.hidden" in msg
+    assert "the last checkpoint" in msg and checkpoint.load(tmp_path / "checkpoints" / "last.npz").position.step == 10
+
+
+def test_out_of_memory_while_building_names_the_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_memory(*args: Any, **kwargs: Any) -> None:
+        raise MemoryError()
+
+    monkeypatch.setattr(MLP, "__init__", no_memory)
+    with pytest.raises(ResourceError) as err:
+        train(make_cfg(model__hidden=[4096, 4096], data__batch_size=512), tmp_path)
+    msg = str(err.value)
+    assert "while building the model and copying the data (MemoryError: no details)" in msg
+    assert "data.batch_size=512" in msg and "model.hidden=[4096, 4096]" in msg and "lower data.batch_size" in msg
+
+
+@pytest.mark.gpu
+def test_gpu_out_of_memory_is_a_resource_error(tmp_path: Path) -> None:
+    import cupy
+
+    pool = cupy.get_default_memory_pool()
+    pool.free_all_blocks()
+    pool.set_limit(size=pool.used_bytes() + 256 * 1024)  # the data fits, a wide model does not
+    try:
+        with pytest.raises(ResourceError) as err:
+            train(make_cfg(device=Device.gpu, model__hidden=[4096, 4096]), tmp_path)
+    finally:
+        pool.set_limit(size=0)
+    msg = str(err.value)
+    assert "out of memory on the gpu" in msg and "OutOfMemoryError" in msg and "data.batch_size=64" in msg
+
+
+# ---------------------------------------------------------------- outputs and input files
+
+
+def test_output_directory_that_cannot_be_created(tmp_path: Path) -> None:
+    blocker = tmp_path / "afile"
+    blocker.write_text("a file, not a folder\n")
+    out = blocker / "run"  # NotADirectoryError, also for root (chmod would not stop root)
+    with pytest.raises(OutputError) as err:
+        train(make_cfg(), out)
+    msg = str(err.value)
+    assert f"cannot create the output directory {out}" in msg and "NotADirectoryError" in msg
+    assert "hydra.run.dir" in msg
+    assert blocker.read_text() == "a file, not a folder\n"
+
+
+def test_failed_checkpoint_write_stops_and_keeps_the_previous(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real_replace = os.replace
+    calls = {"n": 0}
+
+    def replace(src: Any, dst: Any) -> None:
+        if str(dst).endswith("last.npz"):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise OSError(28, "No space left on device")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(checkpoint.os, "replace", replace)
+    with pytest.raises(CheckpointError) as err:
+        train(make_cfg(checkpoint_steps=8, checkpoint_every=0), tmp_path)
+    last = tmp_path / "checkpoints" / "last.npz"
+    assert f"cannot write checkpoint {last} (OSError: [Errno 28] No space left on device)" in str(err.value)
+    assert checkpoint.load(last).position.step == 16
+    assert sorted(p.name for p in last.parent.iterdir()) == ["best.npz", "last.npz"], "no temporary file is left"
+
+
+def test_corrupt_dataset_fails_resume_and_keeps_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    run = tmp_path / "run"
+    train(make_cfg(epochs=1, max_steps=10), run)
+    before = snapshot(run)
+    blob = bytearray(data.DIGITS_PATH.read_bytes())
+    blob[len(blob) // 3] ^= 0x01
+    bad = tmp_path / "digits.csv.gz"
+    bad.write_bytes(bytes(blob))
+    monkeypatch.setattr(data, "DIGITS_PATH", bad)
+    with pytest.raises(DatasetError) as err:
+        train(make_cfg(epochs=1, resume="last"), run)
+    msg = str(err.value)
+    assert f"bundled digits file {bad} fails its checksum: SHA-256 {hashlib.sha256(bytes(blob)).hexdigest()}" in msg
+    assert snapshot(run) == before
+
+
+def test_cli_reports_a_bad_resume_in_one_line(tmp_path: Path) -> None:
+    proc = start_cli(
+        "model.hidden=[32]", "device=cpu", "resume=last", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path
+    )
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2, out + err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "resume='last': no checkpoint at " in errors[0] and "hydra.run.dir=" in errors[0]
+    assert "Traceback" not in out + err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
