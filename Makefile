@@ -51,10 +51,13 @@ typecheck: $(STAMP) ## Type-check the package (mypy)
 bench: $(STAMP) ## Time fused vs naive steps; ARGS are passed to scripts/bench.py
 	$(BIN)/python scripts/bench.py $(ARGS)
 
-compare: $(STAMP) ## Sweep fused vs naive and plot the comparison (not yet implemented)
-	@# TODO: $(BIN)/python -m mlptrain --config-name compare $(ARGS), then scripts/compare.py <sweep dir>
-	@echo "make compare: not yet implemented" >&2
-	@exit 1
+# The sweep directory: COMPARE_DIR if given, else runs/compare/<date>_<time> (computed once, in the shell).
+compare: $(STAMP) ## Train fused and naive (same seed and data) and plot them; ARGS='seed=0,1,2' (conf/compare.yaml)
+	@dir="$(or $(COMPARE_DIR),runs/compare/$$(date +%Y-%m-%d_%H-%M-%S))"; \
+	echo "$(BIN)/python -m mlptrain --config-name compare hydra.sweep.dir=$$dir $(ARGS)"; \
+	$(BIN)/python -m mlptrain --config-name compare "hydra.sweep.dir=$$dir" $(ARGS) && \
+	echo "$(BIN)/python scripts/compare.py $$dir" && \
+	$(BIN)/python scripts/compare.py "$$dir"
 
 clean: ## Remove run outputs, build files and caches (keeps the venv)
 	rm -rf outputs multirun runs build dist .pytest_cache .ruff_cache .mypy_cache

@@ -1,0 +1,654 @@
+"""Fused vs naive, side by side: read a comparison sweep and write its figure, table and numbers.
+
+``make compare`` trains the same model with the same seed and data order twice, once with the
+epilogs fused into the GEMMs (``execution=fused``) and once with plain GEMMs and separate
+kernels (``execution=naive``), through the Hydra multirun of ``conf/compare.yaml``; then it runs
+this script on the sweep directory::
+
+    python scripts/compare.py runs/compare/2026-11-30_12-00-00 [--out DIR]
+
+It reads every job directory (``run.json`` and ``metrics.jsonl``, see :mod:`mlptrain.metrics`),
+checks that the runs are complete and comparable, pairs the fused and naive run of each seed, and
+writes into the sweep directory (or ``--out``):
+
+* ``compare.png``: training loss per step (mean over seeds, min-max band), test accuracy per
+  epoch, the per-step relative loss difference (fused - naive) / |naive| against the precision's
+  tolerance, and samples per second of each mode;
+* ``compare.md``: the table (final loss and accuracy per mode, largest loss difference, time per
+  step, speedup) and the commands that made it;
+* ``compare.json``: the same numbers.
+
+A run that is missing or incomplete stops the script with one line ``error: <message>`` naming
+the run directory, and exit status 2. The math lives in importable functions
+(:func:`load_runs`, :func:`summarize`, :func:`plot`, :func:`write_markdown`) for the tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import re
+import shlex
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+MODES = ("fused", "naive")
+# Largest relative per-step difference of the training loss at which fused and naive "agree".
+# fp64 and fp32 are exact contracts (on the CPU both modes issue the very same BLAS calls);
+# half precision and TF32 round the fused and the plain GEMMs differently, and the difference
+# compounds over the steps, so those curves are compared by final accuracy and seed band instead.
+TOLERANCES = {"fp64": 1e-10, "fp32": 1e-5}
+# Keys that may differ between the runs of one comparison: everything else must match.
+SWEPT_KEYS = ("execution.mode", "seed", "progress")
+COLORS = {"fused": "tab:blue", "naive": "tab:orange"}
+
+
+class CompareError(Exception):
+    """A run is missing, incomplete or not comparable; the message names the run directory."""
+
+
+@dataclass
+class Run:
+    """One training run of the sweep: its record and its metrics by kind."""
+
+    path: Path
+    record: dict[str, Any]  # run.json
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    epochs: list[dict[str, Any]] = field(default_factory=list)
+    summary: dict[str, Any] | None = None
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return self.record["config"]
+
+    @property
+    def mode(self) -> str:
+        return self.config["execution"]["mode"]
+
+    @property
+    def seed(self) -> int:
+        return int(self.config["seed"])
+
+    @property
+    def precision(self) -> str:
+        return self.config["precision"]["name"]
+
+    def losses(self) -> np.ndarray:
+        """Training loss of every step, ``(steps,)`` float64 (NaN where it was not finite)."""
+        return np.array([np.nan if r["train/loss"] is None else r["train/loss"] for r in self.steps], dtype=float)
+
+    def timed_intervals(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(step_time_ms, samples_per_s)`` of the log intervals that time training alone.
+
+        The trainer times each interval of ``log_every`` steps and writes the numbers on its last
+        step. Skipped: the first interval (warm-up: planning, kernel compilation, first touches)
+        and any interval that crosses an epoch boundary (its timer restarts after evaluation
+        while its sample count does not).
+        """
+        ms, sps = [], []
+        start, first = 0, True
+        for i, rec in enumerate(self.steps):
+            if rec.get("step_time_ms") is None:
+                continue
+            if not first and self.steps[start]["epoch"] == rec["epoch"]:
+                ms.append(rec["step_time_ms"])
+                sps.append(rec["samples_per_s"])
+            first, start = False, i + 1
+        return np.array(ms, dtype=float), np.array(sps, dtype=float)
+
+
+# --------------------------------------------------------------------------- loading and checks
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """Records of a ``metrics.jsonl``; a torn last line (a killed run) is dropped.
+
+    As :func:`mlptrain.metrics.read_metrics`, repeated so that this script reads runs without
+    importing mlptrain (a sweep copied from a GPU machine can be compared anywhere).
+    """
+    records = []
+    lines = path.read_text(encoding="utf-8").splitlines()
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:
+                break
+            raise CompareError(f"{path}: line {i + 1} is not valid JSON") from None
+    return records
+
+
+def find_run_dirs(sweep_dir: Path) -> list[Path]:
+    """Job directories under ``sweep_dir``: those holding run.json, metrics.jsonl or Hydra's .hydra/."""
+    found: set[Path] = set()
+    for pattern in ("run.json", "metrics.jsonl", ".hydra"):
+        found.update(p.parent for p in sweep_dir.rglob(pattern) if ".hydra" not in p.parent.parts)
+    return sorted(found)
+
+
+def load_run(path: Path) -> Run:
+    """Read one job directory. Raises CompareError if a file is missing or unreadable."""
+    if not (path / "run.json").is_file():
+        raise CompareError(
+            f"run {path} is incomplete: it has no run.json (the job failed before training; see its mlptrain.log)"
+        )
+    if not (path / "metrics.jsonl").is_file():
+        raise CompareError(f"run {path} is incomplete: it has no metrics.jsonl")
+    try:
+        record = json.loads((path / "run.json").read_text(encoding="utf-8"))
+        run = Run(path, record)
+        _ = (run.mode, run.seed, run.precision)  # the keys must be there
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        raise CompareError(
+            f"run {path}: run.json is not an mlptrain run record ({type(exc).__name__}: {exc})"
+        ) from None
+    for rec in read_jsonl(path / "metrics.jsonl"):
+        kind = rec.get("kind")
+        if kind == "step":
+            run.steps.append(rec)
+        elif kind == "epoch":
+            run.epochs.append(rec)
+        elif kind == "summary":
+            run.summary = rec
+    run.steps.sort(key=lambda r: r["step"])
+    return run
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def check_runs(runs: list[Run], sweep_dir: Path) -> dict[int, dict[str, Run]]:
+    """Check that the runs are complete and comparable; return them as ``{seed: {mode: run}}``.
+
+    Raises:
+        CompareError: one message for the first problem found, naming the run directory.
+    """
+    if not runs:
+        raise CompareError(
+            f"no runs in {sweep_dir}: expected job directories with run.json and metrics.jsonl "
+            "(made by `make compare` or `python -m mlptrain --config-name compare`)"
+        )
+    for run in runs:
+        if run.mode not in MODES:
+            raise CompareError(f"run {run.path} has execution.mode={run.mode!r}; expected one of {MODES}")
+        if run.summary is None:
+            raise CompareError(
+                f"run {run.path} is incomplete: metrics.jsonl has {len(run.steps)} step records and no summary "
+                "record (the run did not finish; run the comparison again)"
+            )
+    for mode in MODES:
+        if not any(r.mode == mode for r in runs):
+            other = ", ".join(sorted(str(r.path.name) for r in runs))
+            raise CompareError(
+                f"no {mode} run in {sweep_dir} (found only: {other}); the comparison needs both "
+                "execution=fused and execution=naive"
+            )
+    by_seed: dict[int, dict[str, Run]] = {}
+    for run in runs:
+        slot = by_seed.setdefault(run.seed, {})
+        if run.mode in slot:
+            raise CompareError(
+                f"runs {slot[run.mode].path} and {run.path} are both {run.mode} with seed {run.seed}; "
+                "give each comparison its own sweep directory"
+            )
+        slot[run.mode] = run
+    for seed, slot in sorted(by_seed.items()):
+        for mode in MODES:
+            if mode not in slot:
+                (have,) = slot.values()
+                raise CompareError(f"seed {seed} has a {have.mode} run ({have.path}) but no {mode} run to pair it with")
+    # Same length: the longest run sets what complete means.
+    ref = max(runs, key=lambda r: (len(r.steps), len(r.epochs)))
+    for run in runs:
+        if len(run.steps) != len(ref.steps) or len(run.epochs) != len(ref.epochs):
+            raise CompareError(
+                f"run {run.path} is incomplete: it has {len(run.steps)} step and {len(run.epochs)} epoch records, "
+                f"its peers have {len(ref.steps)} and {len(ref.epochs)} ({ref.path})"
+            )
+        if [r["step"] for r in run.steps] != list(range(len(run.steps))):
+            raise CompareError(f"run {run.path}: its step records are not numbered 0..{len(run.steps) - 1}")
+    # Same experiment: only the swept keys may differ.
+    ref_cfg = {k: v for k, v in _flatten(ref.config).items() if k not in SWEPT_KEYS}
+    for run in runs:
+        cfg = {k: v for k, v in _flatten(run.config).items() if k not in SWEPT_KEYS}
+        for key in sorted(set(ref_cfg) | set(cfg)):
+            if ref_cfg.get(key) != cfg.get(key):
+                raise CompareError(
+                    f"runs {ref.path} and {run.path} differ in {key} ({ref_cfg.get(key)!r} vs {cfg.get(key)!r}); "
+                    "a comparison may vary only execution and seed"
+                )
+        if run.record.get("device") != ref.record.get("device"):
+            raise CompareError(
+                f"runs {ref.path} and {run.path} ran on different devices "
+                f"({ref.record.get('device')!r} vs {run.record.get('device')!r})"
+            )
+    return dict(sorted(by_seed.items()))
+
+
+def load_runs(sweep_dir: Path) -> dict[int, dict[str, Run]]:
+    """Load and check every run of a sweep: ``{seed: {"fused": Run, "naive": Run}}``.
+
+    Raises:
+        CompareError: the directory, a run or a file is missing, a run is incomplete, or the runs
+            are not one comparison.
+    """
+    sweep_dir = Path(sweep_dir)
+    if not sweep_dir.is_dir():
+        raise CompareError(f"sweep directory {sweep_dir} does not exist")
+    return check_runs([load_run(p) for p in find_run_dirs(sweep_dir)], sweep_dir)
+
+
+# --------------------------------------------------------------------------- numbers
+
+
+def relative_difference(fused: np.ndarray, naive: np.ndarray) -> np.ndarray:
+    """Per step ``(fused - naive) / |naive|``; 0 where both are equal (zeros and NaNs included)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rel = (fused - naive) / np.abs(naive)
+    same = (fused == naive) | (np.isnan(fused) & np.isnan(naive))
+    rel[same] = 0.0
+    rel[np.isnan(rel)] = np.inf  # one side not finite
+    return rel
+
+
+def _mean_std(values: list[float]) -> dict[str, Any]:
+    """Mean and sample standard deviation (None with one seed) of per-seed values."""
+    a = np.array(values, dtype=float)
+    return {
+        "mean": float(a.mean()),
+        "std": float(a.std(ddof=1)) if len(a) > 1 else None,
+        "per_seed": [float(v) for v in a],
+    }
+
+
+def summarize(pairs: dict[int, dict[str, Run]]) -> dict[str, Any]:
+    """The comparison's numbers (what compare.json holds).
+
+    * ``max_rel_diff``: ``max |fused - naive| / |naive|`` of the training loss over every step and
+      seed, with where it happened; ``max_abs_diff`` likewise.
+    * per mode: final train loss (mean over the last epoch), final test loss and accuracy, each as
+      mean and sample std over seeds; median time per step and samples/s over the timed intervals
+      of all seeds (see :meth:`Run.timed_intervals`).
+    * ``speedup``: naive median step time / fused median step time.
+    * ``tolerance`` and ``agree``: for fp64 and fp32, whether ``max_rel_diff`` is under it, and
+      ``first_above_tolerance``: the earliest step (and its seed) where a seed's difference passed it.
+    """
+    seeds = sorted(pairs)
+    first = pairs[seeds[0]]["fused"]
+    cfg = first.config
+    precision = first.precision
+    tol = TOLERANCES.get(precision)
+    max_rel, max_abs, where, above = 0.0, 0.0, None, None
+    for seed in seeds:
+        f, n = pairs[seed]["fused"].losses(), pairs[seed]["naive"].losses()
+        rel = np.abs(relative_difference(f, n))
+        i = int(np.argmax(rel))
+        if rel[i] > max_rel or where is None:
+            max_rel, where = float(rel[i]), {"seed": seed, "step": i}
+        if tol is not None and (rel > tol).any():
+            j = int(np.argmax(rel > tol))
+            if above is None or j < above["step"]:
+                above = {"seed": seed, "step": j}
+        diff = np.abs(f - n)
+        diff[(f == n) | (np.isnan(f) & np.isnan(n))] = 0.0
+        diff[np.isnan(diff)] = np.inf
+        max_abs = max(max_abs, float(diff.max()))
+    modes: dict[str, Any] = {}
+    for mode in MODES:
+        runs = [pairs[s][mode] for s in seeds]
+        out: dict[str, Any] = {}
+        for key in ("train/loss", "test/loss", "test/acc"):
+            vals = [r.summary.get(key) for r in runs if r.summary is not None]
+            out[key] = _mean_std(vals) if vals and all(v is not None for v in vals) else None
+        timed = [r.timed_intervals() for r in runs]
+        ms = np.concatenate([t[0] for t in timed])
+        sps = np.concatenate([t[1] for t in timed])
+        out["timed_intervals"] = int(len(ms))
+        out["step_time_ms"] = float(np.median(ms)) if len(ms) else None
+        out["samples_per_s"] = float(np.median(sps)) if len(sps) else None
+        out["step_time_ms_per_seed"] = [float(np.median(t[0])) if len(t[0]) else None for t in timed]
+        out["wall_s"] = [float(r.summary["wall_s"]) for r in runs if r.summary and "wall_s" in r.summary]
+        modes[mode] = out
+    tf, tn = modes["fused"]["step_time_ms"], modes["naive"]["step_time_ms"]
+    return {
+        "dataset": cfg["data"]["name"],
+        "widths": first.record.get("widths"),
+        "precision": precision,
+        "batch_size": cfg["data"]["batch_size"],
+        "device": first.record.get("device"),
+        "mlptrain": first.record.get("mlptrain"),
+        "versions": {k: first.record[k] for k in ("python", "numpy", "cupy", "nvmath") if k in first.record},
+        "seeds": seeds,
+        "steps": len(first.steps),
+        "epochs": len(first.epochs),
+        "log_every": cfg.get("log_every"),
+        "max_rel_diff": max_rel,
+        "max_rel_diff_at": where,
+        "max_abs_diff": max_abs,
+        "tolerance": tol,
+        "agree": None if tol is None else bool(max_rel <= tol),
+        "first_above_tolerance": above,
+        "modes": modes,
+        "speedup": (tn / tf) if tf and tn else None,
+    }
+
+
+# --------------------------------------------------------------------------- outputs
+
+
+def title(s: dict[str, Any]) -> str:
+    widths = "-".join(map(str, s["widths"] or []))
+    n = len(s["seeds"])
+    return (
+        f"fused vs naive: {s['dataset']} {widths}, {s['precision']}, batch {s['batch_size']}, "
+        f"{s['device']}, {n} seed{'s' if n > 1 else ''}"
+    )
+
+
+def verdict(s: dict[str, Any]) -> str:
+    """One sentence on whether the curves agree, for the table and the figure."""
+    n = f"{s['steps']} steps x {len(s['seeds'])} seed{'s' if len(s['seeds']) > 1 else ''}"
+    if s["tolerance"] is None:
+        return (
+            f"{s['precision']}: reduced-precision GEMMs round fused and naive differently and the difference "
+            f"compounds over the steps, so these curves are compared by final accuracy and the band over seeds, "
+            f"not step by step (largest relative difference {s['max_rel_diff']:.3g} over {n})"
+        )
+    if s["agree"]:
+        return (
+            f"agree: the largest relative difference of the per-step training loss, {s['max_rel_diff']:.3g} "
+            f"over {n}, is under the {s['precision']} tolerance {s['tolerance']:g}"
+        )
+    first = s.get("first_above_tolerance") or {}
+    return (
+        f"DIFFER: the largest relative difference of the per-step training loss, {s['max_rel_diff']:.3g} "
+        f"over {n}, is above the {s['precision']} tolerance {s['tolerance']:g}, "
+        f"first at step {first.get('step')} (seed {first.get('seed')})"
+    )
+
+
+def plot(pairs: dict[int, dict[str, Run]], s: dict[str, Any], path: Path) -> Any:
+    """Write the four-panel figure to ``path`` (PNG) and return the closed Figure."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise CompareError("compare.py needs matplotlib for the figure: pip install 'mlptrain[plot]'") from None
+    matplotlib.use("Agg")  # headless, whatever the environment says
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    seeds = sorted(pairs)
+    fig, axes = plt.subplots(2, 2, figsize=(13, 8.5))
+    ax_loss, ax_acc, ax_diff, ax_speed = axes.ravel()
+    styles = {"fused": {"lw": 2.0, "ls": "-"}, "naive": {"lw": 1.2, "ls": "--"}}
+
+    # (a) training loss per step: mean over seeds, min-max band.
+    for mode in MODES:
+        L = np.stack([pairs[sd][mode].losses() for sd in seeds])  # (seeds, steps)
+        x = np.arange(L.shape[1])
+        ax_loss.plot(x, L.mean(0), color=COLORS[mode], label=mode, **styles[mode])
+        if len(seeds) > 1:
+            ax_loss.fill_between(x, L.min(0), L.max(0), color=COLORS[mode], alpha=0.2, lw=0)
+    ax_loss.set_yscale("log")
+    ax_loss.set(xlabel="step", ylabel="training loss (batch)", title="training loss per step")
+    band = f"; band: min-max over {len(seeds)} seeds" if len(seeds) > 1 else ""
+    ax_loss.legend(title=f"mean{band}", fontsize=9, title_fontsize=9)
+
+    # (b) test accuracy per epoch.
+    for mode in MODES:
+        runs = [pairs[sd][mode] for sd in seeds]
+        if not all(r.epochs and r.epochs[0].get("test/acc") is not None for r in runs):
+            continue
+        A = np.array([[e["test/acc"] for e in r.epochs] for r in runs]) * 100  # (seeds, epochs)
+        x = np.arange(1, A.shape[1] + 1)
+        ax_acc.plot(x, A.mean(0), color=COLORS[mode], marker="o", ms=3, label=mode, **styles[mode])
+        if len(seeds) > 1:
+            ax_acc.fill_between(x, A.min(0), A.max(0), color=COLORS[mode], alpha=0.2, lw=0)
+    ax_acc.set(xlabel="epoch", ylabel="test accuracy (%)", title="test accuracy per epoch")
+    ax_acc.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax_acc.legend(fontsize=9)
+
+    # (c) per-step relative difference, signed, on a symlog axis around the tolerance.
+    tol = s["tolerance"]
+    biggest = 0.0
+    for sd in seeds:
+        rel = relative_difference(pairs[sd]["fused"].losses(), pairs[sd]["naive"].losses())
+        rel[~np.isfinite(rel)] = np.nan
+        if np.isfinite(rel).any():
+            biggest = max(biggest, float(np.nanmax(np.abs(rel))))
+        ax_diff.plot(np.arange(len(rel)), rel, lw=0.9, label=f"seed {sd}")
+    linthresh = (tol or 1e-4) / 10
+    ax_diff.set_yscale("symlog", linthresh=linthresh)
+    lim = max(biggest, tol or 0.0, linthresh) * 3
+    ax_diff.set_ylim(-lim, lim)
+    ax_diff.axhline(0, color="grey", lw=0.6)
+    if tol is not None:
+        for sign in (1, -1):
+            ax_diff.axhline(
+                sign * tol, color="tab:red", ls=":", lw=1.2, label=f"{s['precision']} tolerance" if sign > 0 else None
+            )
+    ax_diff.set(xlabel="step", ylabel="(fused - naive) / |naive|", title="per-step training-loss difference")
+    ax_diff.text(
+        0.02,
+        0.04,
+        f"max |diff| / |naive| = {s['max_rel_diff']:.3g}"
+        + ("" if tol is None else f" ({'under' if s['agree'] else 'ABOVE'} {tol:g})"),
+        transform=ax_diff.transAxes,
+        fontsize=9,
+        bbox={"facecolor": "white", "alpha": 0.8, "lw": 0},
+    )
+    ax_diff.legend(fontsize=8, ncol=2, loc="upper right")
+
+    # (d) throughput of the timed intervals, all seeds pooled.
+    data, labels = [], []
+    for mode in MODES:
+        sps = np.concatenate([pairs[sd][mode].timed_intervals()[1] for sd in seeds])
+        data.append(sps if len(sps) else np.array([np.nan]))
+        labels.append(mode)
+    box = ax_speed.boxplot(data, showfliers=False, patch_artist=True, widths=0.5, medianprops={"color": "black"})
+    ax_speed.set_xticks([1, 2], labels)
+    for patch, mode in zip(box["boxes"], MODES, strict=True):
+        patch.set_facecolor(COLORS[mode])
+        patch.set_alpha(0.5)
+    for i, mode in enumerate(MODES, start=1):
+        m = s["modes"][mode]
+        if m["samples_per_s"] is not None:
+            ax_speed.text(
+                i + 0.3,
+                m["samples_per_s"],
+                f"median\n{m['samples_per_s']:,.0f}/s\n{m['step_time_ms']:.3g} ms/step",
+                fontsize=9,
+                va="center",
+            )
+    speed = f"speedup {s['speedup']:.2f}x (naive / fused step time)" if s["speedup"] else "no timed intervals"
+    ax_speed.set(ylabel="samples / s (per log interval)", title=f"throughput: {speed}")
+    ax_speed.set_xlim(0.5, 2.95)
+    if str(s["device"]).startswith("cpu"):
+        ax_speed.text(
+            0.02,
+            0.02,
+            "CPU: the NumPy engine emulates the epilogs;\nthis says nothing about fused speed on a GPU",
+            transform=ax_speed.transAxes,
+            fontsize=8,
+            color="dimgrey",
+        )
+
+    fig.suptitle(title(s), fontsize=12)
+    fig.text(0.5, 0.005, verdict(s), ha="center", va="bottom", fontsize=8.5, wrap=True)
+    fig.tight_layout(rect=(0, 0.03, 1, 0.97))
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return fig
+
+
+def _fmt_stat(stat: dict[str, Any] | None, fmt: str, scale: float = 1.0, unit: str = "") -> str:
+    if stat is None:
+        return "n/a"
+    text = f"{stat['mean'] * scale:{fmt}}{unit}"
+    if stat["std"] is not None:
+        text += f" ± {stat['std'] * scale:{fmt}}{unit}"
+    return text
+
+
+def commands(sweep_dir: Path, argv: list[str]) -> dict[str, Any]:
+    """The commands that made the sweep and this report, from the sweep's multirun.yaml.
+
+    Returns ``{"ran": [training command, this script's command], "make": the make command that
+    runs the same sweep, or None}``.
+    """
+    lines, make = [], None
+    meta = sweep_dir / "multirun.yaml"
+    if meta.is_file():
+        try:
+            import yaml  # PyYAML, a dependency of hydra-core's omegaconf
+
+            hydra = (yaml.safe_load(meta.read_text(encoding="utf-8")) or {}).get("hydra", {})
+            task = list(hydra.get("overrides", {}).get("task") or [])
+            hydra_args = list(hydra.get("overrides", {}).get("hydra") or [])
+            name = hydra.get("job", {}).get("config_name", "config")
+            if name == "compare":
+                # ARGS reaches the recipe's shell unquoted: quote only what the shell would split or expand.
+                args = " ".join(a if re.fullmatch(r"[\w@%+=:,./\[\]-]+", a) else shlex.quote(a) for a in task)
+                make = f"make compare ARGS={shlex.quote(args)}" if task else "make compare"
+            cn = f"--config-name {name}" if name != "config" else "-m"
+            lines.append(" ".join(["python -m mlptrain", cn, *map(shlex.quote, hydra_args + task)]))
+        except Exception:  # an unreadable multirun.yaml costs only this line
+            pass
+    lines.append(" ".join(["python scripts/compare.py", *map(shlex.quote, argv)]))
+    return {"ran": lines, "make": make}
+
+
+def write_markdown(s: dict[str, Any], path: Path, made_by: dict[str, Any], figure: str = "compare.png") -> str:
+    """Write the table as markdown to ``path`` and return the text."""
+    m = s["modes"]
+    n = len(s["seeds"])
+    over = f"mean ± std over {n} seeds" if n > 1 else "1 seed"
+
+    def row(label: str, key: str, fmt: str, scale: float = 1.0, unit: str = "") -> str:
+        cells = [_fmt_stat(m[mode][key], fmt, scale, unit) for mode in MODES]
+        return f"| {label} | {cells[0]} | {cells[1]} |"
+
+    def timing(key: str, fmt: str) -> str:
+        vals = [m[mode][key] for mode in MODES]
+        return " | ".join("n/a" if v is None else f"{v:{fmt}}" for v in vals)
+
+    tol = "not applied (see below)" if s["tolerance"] is None else f"{s['tolerance']:g}"
+    speedup = "n/a" if s["speedup"] is None else f"{s['speedup']:.2f}x"
+    where = s["max_rel_diff_at"]
+    versions = ", ".join(f"{k} {v}" for k, v in {"mlptrain": s["mlptrain"], **s.get("versions", {})}.items())
+    at = f" (seed {where['seed']}, step {where['step']})" if s["max_rel_diff"] > 0 and where else ""
+    lines = [
+        f"# {title(s)}",
+        "",
+        f"![fused vs naive]({figure})",
+        "",
+        f"| {s['precision']}, {s['steps']} steps, {s['epochs']} epochs | fused | naive |",
+        "|---|---|---|",
+        row(f"final train loss (last-epoch mean; {over})", "train/loss", ".4g"),
+        row(f"final test loss ({over})", "test/loss", ".4g"),
+        row(f"final test accuracy ({over})", "test/acc", ".2f", 100, "%"),
+        f"| median time per step (ms) | {timing('step_time_ms', '.4g')} |",
+        f"| median samples/s | {timing('samples_per_s', ',.0f')} |",
+        "",
+        "| fused vs naive | |",
+        "|---|---|",
+        f"| largest relative training-loss difference, max over steps and seeds of abs(f - n) / abs(n) "
+        f"| {s['max_rel_diff']:.3g}{at} |",
+        f"| largest absolute training-loss difference | {s['max_abs_diff']:.3g} |",
+        f"| tolerance ({s['precision']}) | {tol} |",
+        f"| verdict | {verdict(s)} |",
+        f"| speedup (naive / fused median time per step) | {speedup} |",
+        "",
+        f"Time per step is the median over the timed log intervals of all seeds (log_every={s['log_every']}; "
+        "the first interval, warm-up, and intervals that cross an epoch boundary are left out).",
+    ]
+    if str(s["device"]).startswith("cpu"):
+        lines += [
+            "",
+            "On the CPU the fused engine is the NumPy epilog contract (`mlptrain/epilogs.py`): it computes what "
+            "cuBLASLt computes, with extra passes where cuBLASLt works in registers (packing the relu_aux bits), "
+            "so CPU timings say nothing about fused speed on a GPU. What the CPU comparison shows is that the "
+            "fused and naive paths compute the same training run.",
+        ]
+    elif s["tolerance"] is not None:
+        lines += [
+            "",
+            "On a GPU the fused and the naive path run different cuBLASLt kernels (with and without epilogs), "
+            f"whose {s['precision']} results can differ in the last bits; such differences compound from step "
+            "to step, and late in training, when the batch loss is small, they weigh more relative to it. "
+            "The per-step panel of the figure shows how the difference grows.",
+        ]
+    lines += [
+        "",
+        "Made by:",
+        "",
+        "```",
+        *made_by["ran"],
+        "```",
+        "",
+        *([f"`{made_by['make']}` runs the same sweep and report.", ""] if made_by.get("make") else []),
+        f"Date: {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}; device: {s['device']}; {versions}; "
+        f"seeds {', '.join(map(str, s['seeds']))}.",
+        "",
+    ]
+    text = "\n".join(lines)
+    path.write_text(text, encoding="utf-8")
+    return text
+
+
+def _json_ready(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return {k: _json_ready(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_json_ready(x) for x in v]
+    return v
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(description="Compare the fused and naive runs of a `make compare` sweep.")
+    parser.add_argument("sweep_dir", type=Path, help="the Hydra sweep directory (runs/compare/<time>)")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="where to write compare.png/.md/.json (default: sweep_dir)"
+    )
+    args = parser.parse_args(argv)
+    out = args.out or args.sweep_dir
+    try:
+        pairs = load_runs(args.sweep_dir)
+        s = summarize(pairs)
+        out.mkdir(parents=True, exist_ok=True)
+        plot(pairs, s, out / "compare.png")
+        made_by = commands(args.sweep_dir, argv)
+        write_markdown(s, out / "compare.md", made_by)
+        (out / "compare.json").write_text(
+            json.dumps(_json_ready({**s, "commands": made_by}), indent=2, allow_nan=False) + "\n", encoding="utf-8"
+        )
+    except CompareError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(verdict(s))
+    if s["speedup"] is not None:
+        print(f"speedup (naive / fused median time per step): {s['speedup']:.2f}x on {s['device']}")
+    print(f"wrote {out / 'compare.png'}, {out / 'compare.md'}, {out / 'compare.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
