@@ -142,6 +142,8 @@ class ExecutionConfig:
     bgrad: Bgrad = Bgrad.auto
     # GPU only: run nvmath's autotune() once per planned GEMM.
     autotune: bool = False
+    # GPU only: remember planned (and autotuned) algorithms on disk per GPU model, shape and dtype.
+    plan_cache: bool = True
 
 
 @dataclass
@@ -172,8 +174,12 @@ class TrainConfig:
     progress: Optional[bool] = None
     # Checkpoints: save `last` every checkpoint_every epochs (0: only at the end).
     checkpoint_every: int = 1
+    # Also save `last` every this many optimizer steps (0: off), so a killed run loses at most that many.
+    checkpoint_steps: int = 0
     # Resume from a checkpoint path, or "last" for the run directory's last checkpoint.
     resume: Optional[str] = None
+    # GPU: replay the training step from a CUDA graph (None: on when a GPU is used; false: off).
+    graph: Optional[bool] = None
     # Stop after this many optimizer steps (None: run all epochs). For tests and benchmarks.
     max_steps: Optional[int] = None
 
@@ -221,6 +227,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     need(cfg.epochs >= 1, f"epochs={cfg.epochs} must be a positive integer")
     need(cfg.log_every >= 1, f"log_every={cfg.log_every} must be a positive integer")
     need(cfg.checkpoint_every >= 0, f"checkpoint_every={cfg.checkpoint_every} must be >= 0")
+    need(cfg.checkpoint_steps >= 0, f"checkpoint_steps={cfg.checkpoint_steps} must be >= 0 (0: off)")
     need(cfg.max_steps is None or cfg.max_steps >= 1, f"max_steps={cfg.max_steps} must be positive or null")
     if problems:
         raise ConfigError("invalid configuration: " + "; ".join(problems))

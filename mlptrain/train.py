@@ -4,8 +4,11 @@
 pieces (backend, model, optimizer, loss scaler, loaders) so tests, benchmarks and checkpoints
 can drive single steps.
 
-One training step (:meth:`Trainer.step`), all on the device, with no host synchronisation::
+One training step (:meth:`Trainer.step_uncaptured`), all on the device, with no host
+synchronisation, so on the GPU it is captured once into a CUDA graph and replayed
+(:mod:`mlptrain.graph`, ``graph=false`` to turn off)::
 
+    schedule.advance()                              # lr from the device step counter
     logits = model.forward(x)                       # fused: RELU_AUX_BIAS ... BIAS
     loss, dlogits, correct = loss_fn(logits, y, scale)
     model.backward(dlogits)                         # fused: DRELU(_BGRAD), BGRADB
@@ -14,31 +17,44 @@ One training step (:meth:`Trainer.step`), all on the device, with no host synchr
     scaler.update()
 
 The host reads metrics back only every ``log_every`` steps (one sync per interval).
+
+What a run promises (docs/reliability.md): ``checkpoints/last.npz`` after every
+``checkpoint_every`` epochs and every ``checkpoint_steps`` steps, ``best.npz`` when the
+validation accuracy improves (:mod:`mlptrain.checkpoint`); ``resume=`` continues a run with the
+same per-step losses, bit for bit on the CPU; the first Ctrl-C finishes the step, saves ``last``
+and raises :class:`TrainingInterrupted`, a second stops at once; an inf/NaN loss, gradient or
+parameter stops the run naming the step and the tensor; running out of memory raises
+:class:`~mlptrain.errors.ResourceError` naming the sizes to lower.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import math
 import platform
+import signal
+import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 from tqdm.auto import tqdm
 
-from mlptrain import __version__
+from mlptrain import __version__, checkpoint
 from mlptrain.backend import Backend, get_backend
+from mlptrain.checkpoint import CHECKPOINT_DIR, Best, OutputError, Position
 from mlptrain.config import TrainConfig, to_plain, validate
 from mlptrain.data import Dataset, load_dataset
-from mlptrain.errors import ConfigError, NonFiniteError
+from mlptrain.errors import ConfigError, MlptrainError, NonFiniteError, ResourceError
 from mlptrain.execution import FusedExecution, NaiveExecution, NumpyGemm
 from mlptrain.loader import DataLoader
 from mlptrain.losses import LOSSES
 from mlptrain.metrics import MetricsWriter
 from mlptrain.network import MLP
-from mlptrain.optim import lr_at, make_optimizer
+from mlptrain.optim import LRSchedule, make_optimizer
 from mlptrain.precision import LossScaler, get_precision
 
 log = logging.getLogger(__name__)
@@ -63,12 +79,13 @@ def model_widths(cfg: TrainConfig, dataset: Dataset) -> list[int]:
     return [in_f, *m.hidden, out_f]
 
 
-def make_gemm(backend: Backend, precision: Any, autotune: bool) -> Any:
+def make_gemm(backend: Backend, precision: Any, autotune: bool, plan_cache: bool = True) -> Any:
     """The GEMM engine: planned nvmath Matmuls on the GPU, the NumPy epilog contract on the CPU."""
     if backend.is_gpu:
-        from mlptrain.gpu import NvmathGemm
+        from mlptrain.gpu import NvmathGemm, PlanCache
 
-        return NvmathGemm(tf32=precision.tf32, autotune=autotune)
+        cache = PlanCache(PlanCache.default_path()) if plan_cache else None
+        return NvmathGemm(tf32=precision.tf32, autotune=autotune, plan_cache=cache)
     return NumpyGemm()
 
 
@@ -86,7 +103,7 @@ class Trainer:
 
         # Independent host streams for init and data order, from one seed.
         init_seed, data_seed = np.random.SeedSequence(cfg.seed).spawn(2)
-        self.gemm = make_gemm(self.backend, self.precision, cfg.execution.autotune)
+        self.gemm = make_gemm(self.backend, self.precision, cfg.execution.autotune, cfg.execution.plan_cache)
         if cfg.execution.mode.value == "fused":
             self.execution: FusedExecution | NaiveExecution = FusedExecution(self.gemm)
         else:
@@ -138,39 +155,71 @@ class Trainer:
         self.total_steps = self.steps_per_epoch * cfg.epochs
         if cfg.max_steps is not None:
             self.total_steps = min(self.total_steps, cfg.max_steps)
-        self.lr = xp.zeros((), dtype=xp.float64)  # this step's learning rate, on the device
-        self.step_count = 0  # optimizer steps taken (host counter; skipped fp16 steps included)
-
-    def _choose_bgrad(self) -> str:
-        choice = self.cfg.execution.bgrad.value
-        if choice != "auto":
-            return choice
-        # Both strategies are exact. Measured on the H200 (docs/benchmarks.md), BGRADB in the
-        # weight-gradient GEMM beat DRELU_BGRAD at every benchmarked shape, so it is the default.
-        return "bgradb"
-
-    def lr_at(self, step: int) -> float:
-        o = self.cfg.optimizer
-        return lr_at(
-            step,
+        o = cfg.optimizer
+        # The learning rate of each step, computed on the device from a device step counter.
+        self.schedule = LRSchedule(
+            xp,
             base_lr=o.lr,
             total_steps=self.total_steps,
             schedule=o.schedule.value,
             warmup_steps=o.warmup_steps,
             min_ratio=o.min_lr_ratio,
         )
+        self.step_count = 0  # optimizer steps taken (host counter; skipped fp16 steps included)
+        self.graphed: Any = None
+        # The stream the training loop runs on: a non-default CUDA stream on the GPU (graph
+        # capture needs one); on the CPU a context that does nothing.
+        self.stream: Any = contextlib.nullcontext()
+        if self.backend.is_gpu:
+            self.backend.xp.cuda.Device().synchronize()  # set-up work on the default stream is done
+            self.stream = self.backend.xp.cuda.Stream(non_blocking=True)
+            if cfg.graph is not False:
+                from mlptrain.graph import GraphedStep
+
+                self.graphed = GraphedStep(self)
+
+    def _choose_bgrad(self) -> str | list[str]:
+        choice = self.cfg.execution.bgrad.value
+        if choice != "auto":
+            return choice
+        if self.backend.is_gpu and self.cfg.execution.mode.value == "fused" and len(self.widths) > 2:
+            from mlptrain.gpu import choose_bgrad
+
+            # Both strategies are exact; which is faster depends on the shape: measure it.
+            return choose_bgrad(
+                self.widths, self.cfg.data.batch_size, self.precision.compute_dtype, tf32=self.precision.tf32
+            )
+        return "bgradb"  # on the CPU (and in naive mode) the two do the same work
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of optimizer step ``step`` (host value, for logs)."""
+        return self.schedule.host(step)
+
+    def set_step(self, step: int) -> None:
+        """Continue counting from ``step`` optimizer steps (resume)."""
+        self.step_count = step
+        self.schedule.set_step(step)
 
     def step(self, x: Any, y: Any) -> tuple[Any, Any]:
-        """One optimizer step on batch ``x (B, in)``, ``y (B,)``; returns device ``(loss, correct)``."""
-        self.lr.fill(self.lr_at(self.step_count))
+        """One optimizer step on batch ``x (B, in)``, ``y (B,)``; returns device ``(loss, correct)``.
+
+        On the GPU (unless ``graph=false``) the step is replayed from a CUDA graph.
+        """
+        if self.graphed is not None:
+            return self.graphed(x, y)
+        return self.step_uncaptured(x, y)
+
+    def step_uncaptured(self, x: Any, y: Any, count: bool = True) -> tuple[Any, Any]:
+        """The step's device work, launched op by op (and recorded once for the graph)."""
+        self.schedule.advance()  # lr of this step; device step counter += 1
         logits = self.model.forward(x)  # (B, classes)
         loss, dlogits, correct = self.loss_fn(logits, y, self.scaler.scale)
         self.model.backward(dlogits)
-        params = self.model.params
-        skip = self.scaler.check([p.grad for p in params])
-        self.optimizer.step(self.lr, self.scaler.inv_scale, skip)
+        skip = self.scaler.check([p.grad for p in self.model.params])  # fp16: any inf/NaN gradient
+        self.optimizer.step(self.schedule.lr, self.scaler.inv_scale, skip)
         self.scaler.update()
-        self.step_count += 1
+        if count:
+            self.step_count += 1
         return loss, correct
 
     def evaluate(self, split: str) -> dict[str, float]:
@@ -189,139 +238,56 @@ class Trainer:
 
 
 def train(cfg: TrainConfig, out_dir: Path) -> dict[str, Any]:
-    """Train as ``cfg`` says, writing ``run.json`` and ``metrics.jsonl`` into ``out_dir``.
+    """Train as ``cfg`` says, writing ``run.json``, ``metrics.jsonl`` and ``checkpoints/`` into ``out_dir``.
 
+    With ``cfg.resume`` set, continue the run of that checkpoint (see :mod:`mlptrain.checkpoint`).
     Returns the summary record (also the last line of ``metrics.jsonl``).
-    """
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tr = Trainer(cfg)
-    xp, backend = tr.xp, tr.backend
-    log.info(
-        "mlptrain %s: %s, dataset %s (%d train / %d val / %d test), model %s (%s params), %s, %s, bgrad %s",
-        __version__,
-        backend.describe(),
-        tr.dataset.name,
-        len(tr.dataset.y_train),
-        len(tr.dataset.y_val),
-        len(tr.dataset.y_test),
-        "-".join(map(str, tr.widths)),
-        f"{tr.model.num_params:,}",
-        cfg.execution.mode.value,
-        tr.precision.name,
-        ",".join(tr.model.bgrad) or "-",
-    )
-    _write_run_record(out_dir, tr)
 
-    log_every = cfg.log_every
-    B = cfg.data.batch_size
-    buf_loss = xp.zeros(log_every, dtype=xp.float64)  # per-step losses of the interval, on the device
-    buf_correct = xp.zeros(log_every, dtype=xp.int64)
-    buf_skip = xp.zeros(log_every, dtype=xp.int32)  # fp16: the step overflowed and was skipped
-    buf_size = np.zeros(log_every, dtype=np.int64)
-    buf_lr = np.zeros(log_every)
-    progress_disable = None if cfg.progress is None else not cfg.progress
-    t_start = time.perf_counter()
-    summary: dict[str, Any] = {}
-    with MetricsWriter(out_dir / "metrics.jsonl") as metrics:
-        epochs = tqdm(range(cfg.epochs), desc="epoch", unit="epoch", position=0, disable=progress_disable)
-        last_flush, pending, done = time.perf_counter(), 0, False
-        for epoch in epochs:
-            t_epoch = time.perf_counter()
-            ep_loss = xp.zeros((), dtype=xp.float64)
-            ep_correct = xp.zeros((), dtype=xp.int64)
-            ep_n = 0
-            bar = tqdm(
-                tr.train_loader.epoch(epoch),
-                total=tr.steps_per_epoch,
-                desc=f"train {epoch + 1}/{cfg.epochs}",
-                unit="batch",
-                leave=False,
-                position=1,
-                disable=progress_disable,
+    Raises:
+        TrainingInterrupted: Ctrl-C; ``last`` was saved first (a second Ctrl-C raises a plain
+            KeyboardInterrupt at once).
+        CheckpointError: the checkpoint to resume from is missing, corrupt or does not fit.
+        OutputError: ``out_dir`` cannot be written, or holds a run this one would overwrite.
+        NonFiniteError: a loss, gradient or parameter became inf/NaN (the message names it).
+        ResourceError: out of memory (the message says which sizes to lower).
+    """
+    validate(cfg)
+    out_dir = Path(out_dir)
+    _make_dirs(out_dir)
+    backend = get_backend(cfg.device.value)
+    tr: Trainer | None = None
+    try:
+        tr = Trainer(cfg, backend=backend)
+        start, best, records, resumed_from = _prepare(tr, out_dir)
+        log.info(
+            "mlptrain %s: %s, dataset %s (%d train / %d val / %d test), model %s (%s params), %s, %s, bgrad %s",
+            __version__,
+            backend.describe(),
+            tr.dataset.name,
+            len(tr.dataset.y_train),
+            len(tr.dataset.y_val),
+            len(tr.dataset.y_test),
+            "-".join(map(str, tr.widths)),
+            f"{tr.model.num_params:,}",
+            cfg.execution.mode.value,
+            tr.precision.name,
+            ",".join(tr.model.bgrad) or "-",
+        )
+        if resumed_from is not None:
+            log.info(
+                "resuming from %s at step %d (epoch %d, batch %d)", resumed_from, start.step, start.epoch, start.batch
             )
-            for x, y in bar:
-                i = pending
-                buf_lr[i] = tr.lr_at(tr.step_count)
-                loss, correct = tr.step(x, y)
-                buf_loss[i] = loss
-                buf_correct[i] = correct
-                buf_skip[i] = tr.scaler.found_inf
-                buf_size[i] = len(y)
-                ep_loss += loss * len(y)
-                ep_correct += correct
-                ep_n += len(y)
-                pending += 1
-                done = tr.step_count >= tr.total_steps
-                if pending == log_every or done:
-                    # The only host sync of the interval: read back its per-step metrics.
-                    losses, corrects = backend.to_host(buf_loss[:pending]), backend.to_host(buf_correct[:pending])
-                    skipped = backend.to_host(buf_skip[:pending])
-                    now = time.perf_counter()
-                    sps = int(buf_size[:pending].sum()) / (now - last_flush)
-                    step_ms = (now - last_flush) * 1e3 / pending
-                    scale = float(tr.scaler.scale) if tr.scaler.enabled else None
-                    first = tr.step_count - pending
-                    for j in range(pending):
-                        if not math.isfinite(losses[j]) and not tr.scaler.enabled:
-                            raise NonFiniteError(
-                                f"the training loss became {losses[j]} at step {first + j} (epoch {epoch}) in "
-                                f"{tr.precision.name}; lower optimizer.lr (now {buf_lr[j]:.3g}) or use warm-up"
-                            )
-                        rec: dict[str, Any] = {
-                            "kind": "step",
-                            "step": first + j,
-                            "epoch": epoch,
-                            "train/loss": float(losses[j]),
-                            "train/acc": int(corrects[j]) / int(buf_size[j]),
-                            "lr": float(buf_lr[j]),
-                        }
-                        if scale is not None:
-                            rec["loss_scale"] = scale
-                            rec["skipped"] = bool(skipped[j])
-                        if j == pending - 1:
-                            rec.update(samples_per_s=sps, step_time_ms=step_ms)
-                        metrics.write(**rec)
-                    if tr.scaler.enabled and int(tr.scaler.consecutive_skips) >= cfg.precision.max_consecutive_skips:
-                        raise NonFiniteError(
-                            f"fp16 gradients overflowed on {int(tr.scaler.consecutive_skips)} consecutive steps up to "
-                            f"step {tr.step_count - 1} (loss scale now {float(tr.scaler.scale):.3g}); the model "
-                            "diverged: lower optimizer.lr or use precision=bf16"
-                        )
-                    bar.set_postfix(loss=f"{losses[-1]:.4f}", sps=f"{sps:,.0f}", refresh=False)
-                    pending, last_flush = 0, time.perf_counter()
-                if done:
-                    break
-            rec = {
-                "kind": "epoch",
-                "epoch": epoch,
-                "step": tr.step_count,
-                "train/loss": float(ep_loss) / max(ep_n, 1),
-                "train/acc": int(ep_correct) / max(ep_n, 1),
-            }
-            for split in tr.eval_loaders:
-                rec.update(tr.evaluate(split))
-            rec["time_s"] = time.perf_counter() - t_epoch
-            metrics.write(**rec)
-            epochs.set_postfix(
-                {k: f"{v:.4f}" for k, v in rec.items() if k in ("train/loss", "val/acc", "test/acc")}, refresh=False
-            )
-            last_flush = time.perf_counter()  # evaluation time is not training throughput
-            if done:
-                break
-        wall = time.perf_counter() - t_start
-        summary = {
-            "kind": "summary",
-            "steps": tr.step_count,
-            "epochs": epoch + 1,
-            "wall_s": wall,
-            "samples_per_s": tr.step_count * B / wall,
-            **{k: v for k, v in rec.items() if "/" in k},
-        }
-        metrics.write(**summary)
+        _write_run_record(out_dir, tr, resumed_from, start.step)
+        with _StopRequest() as stop, _Metrics(out_dir / "metrics.jsonl", records) as metrics, tr.stream:
+            summary = _loop(tr, out_dir, start, best, metrics, stop, resumed_from)
+    except MemoryError as exc:
+        if isinstance(exc, MlptrainError):
+            raise
+        raise _out_of_memory(exc, cfg, backend, tr, out_dir) from exc
     line = (
         f"mlptrain: {tr.dataset.name} {'-'.join(map(str, tr.widths))} {cfg.execution.mode.value} "
-        f"{tr.precision.name} on {backend.device}: {summary['epochs']} epochs, {tr.step_count} steps in {wall:.1f} s"
+        f"{tr.precision.name} on {backend.device}: {summary['epochs']} epochs, {tr.step_count} steps in "
+        f"{summary['wall_s']:.1f} s"
     )
     if "test/acc" in summary:
         line += f" | test acc {summary['test/acc']:.4f} loss {summary['test/loss']:.4f}"
@@ -330,10 +296,404 @@ def train(cfg: TrainConfig, out_dir: Path) -> dict[str, Any]:
     return summary
 
 
-def _write_run_record(out_dir: Path, tr: Trainer) -> None:
-    import json
+def _loop(
+    tr: Trainer,
+    out_dir: Path,
+    start: Position,
+    best: Best,
+    metrics: _Metrics,
+    stop: _StopRequest,
+    resumed_from: Path | None,
+) -> dict[str, Any]:
+    """Epochs from ``start`` to the end: steps, metrics, evaluation, checkpoints, Ctrl-C."""
+    cfg, xp = tr.cfg, tr.xp
+    ckpt_dir = out_dir / CHECKPOINT_DIR
+    interval = _Interval(tr, cfg.log_every)
+    # CPU: check the loss and every tensor after each step (no device to sync), naming the exact step.
+    # GPU: check at the interval's one sync, so a step never waits for the host.
+    each_step = not tr.backend.is_gpu
+    last_saved: tuple[Path, int] | None = (resumed_from, start.step) if resumed_from is not None else None
 
-    record = {
+    def save(name: str, pos: Position) -> None:
+        nonlocal last_saved
+        arrays, meta = checkpoint.capture(tr, pos, metrics_records=metrics.records, best=best)
+        path = ckpt_dir / f"{name}.npz"
+        checkpoint.save(path, arrays, meta)
+        if name == "last":
+            last_saved = (path, pos.step)
+
+    def saved_note() -> str:
+        return "" if last_saved is None else f"; the last checkpoint, {last_saved[0]} (step {last_saved[1]}), is intact"
+
+    def interrupt(pos: Position) -> NoReturn:
+        if last_saved != (ckpt_dir / "last.npz", pos.step):
+            save("last", pos)
+        assert last_saved is not None
+        metrics.write(kind="interrupted", step=pos.step, epoch=pos.epoch, checkpoint=str(last_saved[0]))
+        message = (
+            f"interrupted at step {pos.step} (epoch {pos.epoch}); checkpoint saved to {last_saved[0]}; continue with: "
+            f"python -m mlptrain <the same overrides> hydra.run.dir={out_dir} resume=last"
+        )
+        log.warning(message)
+        raise TrainingInterrupted(message, last_saved[0], pos.step)
+
+    def check_finite(losses: np.ndarray, lrs: np.ndarray, epoch: int) -> None:
+        """Raise NonFiniteError for the first inf/NaN loss of ``losses`` or any inf/NaN tensor now."""
+        scaled = tr.scaler.enabled  # fp16: overflowing gradients are the scaler's to handle, not errors
+        bad = [] if scaled else [j for j, v in enumerate(losses) if not math.isfinite(v)]
+        tensors = _nonfinite_tensors(tr, grads=not scaled)
+        if not bad and not tensors:
+            return
+        j = bad[0] if bad else len(losses) - 1
+        step = tr.step_count - len(losses) + j
+        if each_step:  # checked after every step: this step made them
+            where, after = f"at step {step}", ""
+        elif bad:
+            where, after = f"at step {step}", f" after step {tr.step_count - 1}"
+        else:
+            where, after = f"by step {step}", f" (checked every {cfg.log_every} steps)"
+        what = [f"the training loss is {losses[j]}"] if bad else []
+        if tensors:
+            what.append(f"inf/NaN{after} in " + ", ".join(tensors))
+        raise NonFiniteError(
+            f"non-finite values {where} (epoch {epoch}, {tr.precision.name}): {'; '.join(what)}; lower "
+            f"optimizer.lr (now {lrs[j]:.3g}) or use warm-up (optimizer.warmup_steps){saved_note()}"
+        )
+
+    progress_disable = None if cfg.progress is None else not cfg.progress
+    t_start = time.perf_counter()
+    epochs = tqdm(
+        range(start.epoch, cfg.epochs),
+        initial=start.epoch,
+        total=cfg.epochs,
+        desc="epoch",
+        unit="epoch",
+        position=0,
+        disable=progress_disable,
+    )
+    done = False
+    rec: dict[str, Any] = {}
+    epoch = start.epoch
+    for epoch in epochs:
+        t_epoch = time.perf_counter()
+        pos = start if epoch == start.epoch else Position(epoch, 0, tr.step_count)
+        ep_loss = xp.full((), pos.loss_sum, dtype=xp.float64)  # the epoch's running sums, on the device
+        ep_correct = xp.full((), pos.correct, dtype=xp.int64)
+        ep_n, batch = pos.samples, pos.batch
+        bar = tqdm(
+            tr.train_loader.epoch(epoch, batch),
+            initial=batch,
+            total=tr.steps_per_epoch,
+            desc=f"train {epoch + 1}/{cfg.epochs}",
+            unit="batch",
+            leave=False,
+            position=1,
+            disable=progress_disable,
+        )
+        for x, y in bar:
+            lr = tr.lr_at(tr.step_count)
+            loss, correct = tr.step(x, y)
+            interval.add(loss, correct, len(y), lr)
+            ep_loss += loss * len(y)
+            ep_correct += correct
+            ep_n += len(y)
+            batch += 1
+            done = tr.step_count >= tr.total_steps
+            if each_step:
+                try:
+                    check_finite(np.array([float(loss)]), np.array([lr]), epoch)
+                except NonFiniteError:
+                    interval.flush(metrics, epoch)  # the records up to the bad step, then the error
+                    raise
+            ckpt_due = cfg.checkpoint_steps > 0 and tr.step_count % cfg.checkpoint_steps == 0 and not done
+            if interval.pending == cfg.log_every or done or ckpt_due or stop.requested:
+                losses, lrs = interval.flush(metrics, epoch)  # the only host sync of the interval
+                if not each_step:
+                    check_finite(losses, lrs, epoch)
+                _check_scaler(tr, cfg.precision.max_consecutive_skips)
+                bar.set_postfix(loss=f"{losses[-1]:.4f}", sps=f"{interval.samples_per_s:,.0f}", refresh=False)
+            if (ckpt_due or stop.requested) and not done:
+                here = Position(epoch, batch, tr.step_count, float(ep_loss), int(ep_correct), ep_n)
+                if stop.requested:
+                    interrupt(here)
+                save("last", here)
+                interval.restart_clock()  # saving is not training throughput
+            if done:
+                break
+        if interval.pending:  # the epoch's step records come before its epoch record
+            losses, lrs = interval.flush(metrics, epoch)
+            if not each_step:
+                check_finite(losses, lrs, epoch)
+            _check_scaler(tr, cfg.precision.max_consecutive_skips)
+        rec = {
+            "kind": "epoch",
+            "epoch": epoch,
+            "step": tr.step_count,
+            "train/loss": float(ep_loss) / max(ep_n, 1),
+            "train/acc": int(ep_correct) / max(ep_n, 1),
+        }
+        for split in tr.eval_loaders:
+            rec.update(tr.evaluate(split))
+        rec["time_s"] = time.perf_counter() - t_epoch
+        # A checkpoint after a whole epoch resumes at the next one, its epoch record written; one
+        # after a partial epoch (max_steps) resumes inside it, before its epoch record.
+        whole = batch == tr.steps_per_epoch
+        if whole:
+            here = Position(epoch + 1, 0, tr.step_count)
+            metrics.write(**rec)
+        else:
+            here = Position(epoch, batch, tr.step_count, float(ep_loss), int(ep_correct), ep_n)
+        improved = best.improves(rec[best.metric])
+        if improved:
+            best = Best(best.metric, rec[best.metric], epoch, tr.step_count)
+        if done or stop.requested or (cfg.checkpoint_every > 0 and (epoch + 1) % cfg.checkpoint_every == 0):
+            save("last", here)
+        if improved:
+            save("best", here)
+        if not whole:
+            metrics.write(**rec)
+        epochs.set_postfix(
+            {k: f"{v:.4f}" for k, v in rec.items() if k in ("train/loss", "val/acc", "test/acc")}, refresh=False
+        )
+        interval.restart_clock()  # evaluation and saving are not training throughput
+        if done:
+            break
+        if stop.requested:
+            interrupt(here)
+    wall = time.perf_counter() - t_start
+    summary = {
+        "kind": "summary",
+        "steps": tr.step_count,
+        "epochs": epoch + 1,
+        "wall_s": wall,
+        "samples_per_s": (tr.step_count - start.step) * cfg.data.batch_size / wall,
+        **{k: v for k, v in rec.items() if "/" in k},
+    }
+    metrics.write(**summary)
+    return summary
+
+
+class _Interval:
+    """The per-step metrics of one log interval, kept on the device until :meth:`flush` reads them back."""
+
+    def __init__(self, tr: Trainer, log_every: int) -> None:
+        xp = tr.xp
+        self.tr = tr
+        self.loss = xp.zeros(log_every, dtype=xp.float64)  # per-step losses, on the device
+        self.correct = xp.zeros(log_every, dtype=xp.int64)
+        self.skip = xp.zeros(log_every, dtype=xp.int32)  # fp16: the step overflowed and was skipped
+        self.size = np.zeros(log_every, dtype=np.int64)
+        self.lr = np.zeros(log_every)
+        self.pending = 0
+        self.samples_per_s = 0.0
+        self.restart_clock()
+
+    def restart_clock(self) -> None:
+        self.started = time.perf_counter()
+
+    def add(self, loss: Any, correct: Any, batch_size: int, lr: float) -> None:
+        i = self.pending
+        self.loss[i] = loss
+        self.correct[i] = correct
+        self.skip[i] = self.tr.scaler.found_inf
+        self.size[i] = batch_size
+        self.lr[i] = lr
+        self.pending += 1
+
+    def flush(self, metrics: MetricsWriter, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """Write one ``step`` record per pending step (one host sync); return their losses and lrs."""
+        n, tr = self.pending, self.tr
+        to_host = tr.backend.to_host
+        losses, corrects, skipped = to_host(self.loss[:n]), to_host(self.correct[:n]), to_host(self.skip[:n])
+        now = time.perf_counter()
+        self.samples_per_s = int(self.size[:n].sum()) / (now - self.started)
+        step_ms = (now - self.started) * 1e3 / n
+        scale = float(tr.scaler.scale) if tr.scaler.enabled else None
+        first = tr.step_count - n
+        for j in range(n):
+            rec: dict[str, Any] = {
+                "kind": "step",
+                "step": first + j,
+                "epoch": epoch,
+                "train/loss": float(losses[j]),
+                "train/acc": int(corrects[j]) / int(self.size[j]),
+                "lr": float(self.lr[j]),
+            }
+            if scale is not None:
+                rec["loss_scale"] = scale
+                rec["skipped"] = bool(skipped[j])
+            if j == n - 1:
+                rec.update(samples_per_s=self.samples_per_s, step_time_ms=step_ms)
+            metrics.write(**rec)
+        self.pending = 0
+        self.restart_clock()
+        return losses, self.lr[:n].copy()
+
+
+class _Metrics(MetricsWriter):
+    """``metrics.jsonl``, appended to, counting its records (a checkpoint stores the count)."""
+
+    def __init__(self, path: Path, records: int) -> None:
+        try:
+            super().__init__(path, append=True)  # the resume preparation left exactly `records` records
+        except OSError as exc:
+            raise OutputError(f"cannot open {path} for writing ({exc}); choose a writable hydra.run.dir") from exc
+        self.records = records
+
+    def __enter__(self) -> _Metrics:
+        return self
+
+    def write(self, **record: Any) -> None:
+        try:
+            super().write(**record)
+        except OSError as exc:
+            raise OutputError(
+                f"cannot write {self.path} ({exc}); free disk space or choose another hydra.run.dir"
+            ) from exc
+        self.records += 1
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """Ctrl-C stopped the run after ``checkpoint`` was saved at ``step``; the message says how to resume."""
+
+    def __init__(self, message: str, checkpoint: Path, step: int) -> None:
+        super().__init__(message)
+        self.checkpoint = checkpoint
+        self.step = step
+
+
+class _StopRequest:
+    """SIGINT while training: the first sets ``requested`` (the loop saves and stops after the step),
+    a second raises KeyboardInterrupt at once. Installed in the main thread only; restored on exit.
+
+    The handler only sets a flag: printing or logging from a signal handler can re-enter a stream.
+    """
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: Any = None
+        self._installed = False
+
+    def __enter__(self) -> _StopRequest:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+            self._installed = True
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._installed:
+            previous = self._previous if self._previous is not None else signal.default_int_handler
+            signal.signal(signal.SIGINT, previous)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+
+def _make_dirs(out_dir: Path) -> None:
+    """Create ``out_dir`` and its ``checkpoints/`` before anything is built: a bad path fails first."""
+    try:
+        (out_dir / CHECKPOINT_DIR).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputError(
+            f"cannot create the output directory {out_dir} ({type(exc).__name__}: {exc}); choose a writable "
+            "hydra.run.dir"
+        ) from exc
+
+
+def _prepare(tr: Trainer, out_dir: Path) -> tuple[Position, Best, int, Path | None]:
+    """Load the checkpoint to resume from, or check that ``out_dir`` holds no run; then set up metrics.jsonl.
+
+    Nothing in ``out_dir`` is changed until the checkpoint has been read and fits the model.
+    Returns the start position, the best metric so far, the records metrics.jsonl holds, and the
+    checkpoint resumed from (None for a fresh run).
+    """
+    cfg = tr.cfg
+    best = Best("val/acc" if "val" in tr.eval_loaders else "train/acc")
+    metrics = out_dir / "metrics.jsonl"
+    if cfg.resume is None:
+        checkpoint.refuse_overwrite(out_dir, hint="continue it with resume=last")
+        checkpoint.keep_metrics_prefix(metrics, 0)
+        return Position(), best, 0, None
+    path = checkpoint.resolve(cfg.resume, out_dir)
+    ckpt = checkpoint.load(path)
+    pos, saved_best = checkpoint.restore(tr, ckpt)
+    if pos.step >= tr.total_steps:
+        raise ConfigError(
+            f"checkpoint {path} is at step {pos.step}, at or past the end of this run ({tr.total_steps} steps: "
+            f"epochs={cfg.epochs}, max_steps={cfg.max_steps}); raise epochs or max_steps to train further"
+        )
+    n = ckpt.meta["metrics_records"]
+    if path.resolve().parent == (out_dir / CHECKPOINT_DIR).resolve():
+        checkpoint.refuse_rollback(path, pos)
+        kept = checkpoint.keep_metrics_prefix(metrics, n)
+    else:
+        checkpoint.refuse_overwrite(out_dir, hint=f"resume into a new hydra.run.dir with resume={path}")
+        source = path.parent.parent / "metrics.jsonl" if path.parent.name == CHECKPOINT_DIR else None
+        kept = checkpoint.keep_metrics_prefix(metrics, n, source=source)
+    return pos, saved_best or best, kept, path
+
+
+def _nonfinite_tensors(tr: Trainer, *, grads: bool) -> list[str]:
+    """Names of the gradients (if ``grads``) and parameters holding inf/NaN, in model order (one sync).
+
+    One reduction per tensor screens it: a sum of squares (a dot product on the CPU, where this
+    runs every step) is finite only if every element is, and a flagged tensor is confirmed
+    element-wise, since the reduction itself can overflow.
+    """
+    params = tr.model.params
+    items = [(f"{p.name} gradient", p.grad) for p in params if grads and p.grad is not None]
+    items += [(p.name, p.value) for p in params]
+    xp = tr.xp
+    screens: Any
+    if tr.backend.is_gpu:
+        screens = tr.backend.to_host(xp.stack([a.sum(dtype=xp.float64) for _, a in items]))  # syncs the device
+    else:
+        screens = [np.dot(a.ravel(), a.ravel()) for _, a in items]
+    return [n for (n, a), s in zip(items, screens, strict=True) if not math.isfinite(s) and not xp.isfinite(a).all()]
+
+
+def _check_scaler(tr: Trainer, max_skips: int) -> None:
+    """fp16: stop after ``max_skips`` consecutive overflowing (skipped) steps."""
+    if not tr.scaler.enabled or int(tr.scaler.consecutive_skips) < max_skips:
+        return
+    grads = [n for n in _nonfinite_tensors(tr, grads=True) if n.endswith(" gradient")]
+    raise NonFiniteError(
+        f"fp16 gradients overflowed on {int(tr.scaler.consecutive_skips)} consecutive steps up to step "
+        f"{tr.step_count - 1} (loss scale now {float(tr.scaler.scale):.3g}; last step's inf/NaN: "
+        f"{', '.join(grads) or 'none'}); the model diverged: lower optimizer.lr or use precision=bf16"
+    )
+
+
+def _out_of_memory(
+    exc: MemoryError, cfg: TrainConfig, backend: Backend, tr: Trainer | None, out_dir: Path
+) -> ResourceError:
+    """A ResourceError naming the sizes to lower, after freeing CuPy's cached blocks."""
+    if backend.is_gpu:
+        try:
+            backend.xp.get_default_memory_pool().free_all_blocks()
+            backend.xp.get_default_pinned_memory_pool().free_all_blocks()
+        except Exception:  # pragma: no cover - best effort while reporting
+            pass
+    d = cfg.data
+    if tr is None:
+        where, model = "while building the model and copying the data", f"model.hidden={list(cfg.model.hidden)}"
+    else:
+        where = f"at step {tr.step_count}"
+        model = f"model {'-'.join(map(str, tr.widths))} ({tr.model.num_params:,} parameters)"
+    last = out_dir / CHECKPOINT_DIR / "last.npz"
+    note = f"; the last checkpoint {last} is intact" if last.is_file() else ""
+    return ResourceError(
+        f"out of memory on the {backend.device} {where} ({type(exc).__name__}: {str(exc) or 'no details'}) with "
+        f"data.batch_size={d.batch_size}, data.eval_batch_size={d.eval_batch_size}, {model}, "
+        f"precision={cfg.precision.name.value}, execution={cfg.execution.mode.value}; lower data.batch_size or "
+        f"model.hidden (data.eval_batch_size if it ran out while evaluating){note}"
+    )
+
+
+def _write_run_record(out_dir: Path, tr: Trainer, resumed_from: Path | None, step: int) -> None:
+    record: dict[str, Any] = {
         "mlptrain": __version__,
         "python": platform.python_version(),
         "numpy": np.__version__,
@@ -343,9 +703,17 @@ def _write_run_record(out_dir: Path, tr: Trainer) -> None:
         "params": tr.model.num_params,
         "config": to_plain(tr.cfg),
     }
+    if resumed_from is not None:
+        record["resumed_from"] = {"checkpoint": str(resumed_from), "step": step}
     if tr.backend.is_gpu:
         import cupy
         import nvmath
 
         record.update(cupy=cupy.__version__, nvmath=nvmath.__version__)
-    (out_dir / "run.json").write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    path = out_dir / "run.json"
+    try:
+        path.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    except OSError as exc:
+        raise OutputError(
+            f"cannot write {path} ({type(exc).__name__}: {exc}); choose a writable hydra.run.dir"
+        ) from exc

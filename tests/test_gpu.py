@@ -288,3 +288,58 @@ def test_plans_are_made_once_and_reused():
     assert n == 3 * len(tr.model.layers) - 1  # fwd, wgrad per layer; dgrad for all but the first
     _train_losses(tr, 20)
     assert tr.gemm.num_plans == n
+
+
+def _graph_run(graph, steps, **overrides):
+    tr = _gpu_trainer(
+        **{
+            "data.batch_size": 64,
+            "optimizer.name": "adam",
+            "optimizer.lr": 1e-3,
+            "epochs": 4,
+            "graph": graph,
+            **overrides,
+        }
+    )
+    losses = []
+    with cp.cuda.Stream(non_blocking=True):
+        for epoch in range(4):
+            for x, y in tr.train_loader.epoch(epoch):
+                losses.append(tr.step(x, y)[0])
+                if len(losses) == steps:
+                    break
+            if len(losses) == steps:
+                break
+        cp.cuda.get_current_stream().synchronize()
+    return tr, np.array([float(v) for v in losses])
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_graph_replay_equals_uncaptured_steps(precision):
+    """Across an epoch boundary (with its smaller last batch) and a changing learning rate."""
+    # digits: 21 batches per epoch at 64, the last of 14 samples: it warms up at steps 20 and 41,
+    # is captured at step 62 and replayed at step 83
+    steps = 84
+    tg, lg = _graph_run(True, steps, **{"precision.name": precision})
+    te, le = _graph_run(False, steps, **{"precision.name": precision})
+    assert tg.graphed is not None and tg.graphed.num_graphs == 2  # full batch and last batch
+    assert tg.step_count == te.step_count == steps
+    np.testing.assert_array_equal(lg, le)
+    for pg, pe in zip(tg.model.params, te.model.params, strict=True):
+        cp.testing.assert_array_equal(pg.value, pe.value)
+    assert float(tg.schedule.lr) == float(te.schedule.lr) != float(tg.schedule.host(0))
+
+
+def test_plan_cache_skips_planning_in_a_second_run(tmp_path):
+    from mlptrain.gpu import PlanCache
+
+    path = tmp_path / "plans.npz"
+    rng = cp.random.default_rng(0)
+    W, x, b = (rng.standard_normal(s, dtype=cp.float32).astype(cp.float16) for s in ((96, 40), (33, 40), (96,)))
+    first = NvmathGemm(plan_cache=PlanCache(path))
+    d1, _ = first("c.fwd", W, x.T, Epilog.RELU_AUX_BIAS, bias=b)
+    assert path.is_file() and first.plans_from_cache == 0
+    second = NvmathGemm(plan_cache=PlanCache(path))
+    d2, _ = second("c.fwd", W, x.T, Epilog.RELU_AUX_BIAS, bias=b)
+    assert second.plans_from_cache == 1
+    cp.testing.assert_array_equal(d1, d2)

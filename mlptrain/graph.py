@@ -1,0 +1,115 @@
+"""The whole training step as one CUDA graph.
+
+A small MLP's step is dominated by host work: every nvmath ``execute()`` costs tens of
+microseconds of Python and every CuPy kernel launch several, while the GPU finishes the kernels
+sooner. A CUDA graph records the step's kernels once (forward GEMMs with their epilogs, the
+loss, the backward GEMMs, the overflow check, the optimizer and the loss-scale update) and
+replays them with one launch.
+
+What makes the step capturable (nvmath-notes §6):
+
+* Every per-step scalar lives in device memory: the learning rate comes from a device step
+  counter (:class:`mlptrain.optim.LRSchedule`), the loss scale and the skip flag from
+  :class:`mlptrain.precision.LossScaler`, Adam's step count from the optimizer. Nothing the
+  host computes per step is baked into the graph.
+* The first ``warmup`` steps of each batch shape run uncaptured (they are ordinary training
+  steps): nvmath plans and allocates its workspaces, CuPy compiles its kernels.
+* Inputs are copied into static buffers (``x_static``, ``y_static``) before each replay.
+* Everything the step allocates, from the warm-up on, comes from a private CuPy memory pool,
+  one per graph. Arrays freed during capture return to that pool, whose blocks nothing outside
+  the graph is handed afterwards, so replays never write into memory someone else owns.
+* The arrays the captured step produced (gradients, relu_aux masks, the loss) stay referenced
+  here and are re-attached to the parameters and layers after each replay.
+
+One graph per batch shape: the last, smaller batch of an epoch gets its own. Replay runs the
+same kernels on the same operands as the uncaptured step, so losses and parameters agree bit
+for bit (tests/test_gpu.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import cupy as cp
+
+log = logging.getLogger(__name__)
+
+
+class _ShapeGraph:
+    """Warm-up count, private pool, and (once captured) the graph of one batch shape."""
+
+    def __init__(self) -> None:
+        self.pool = cp.cuda.MemoryPool()
+        self.warm = 0
+        self.graph: Any = None
+
+    def capture(self, trainer: Any, x: Any, y: Any) -> None:
+        self.x_static = cp.empty_like(x)  # (B, in), C-order, compute dtype
+        self.y_static = cp.empty_like(y)  # (B,)
+        stream = cp.cuda.get_current_stream()
+        with cp.cuda.using_allocator(self.pool.malloc):
+            stream.begin_capture()
+            try:
+                # Recorded, not run: the kernels run when the graph is launched.
+                self.loss, self.correct = trainer.step_uncaptured(self.x_static, self.y_static, count=False)
+            finally:
+                self.graph = stream.end_capture()
+        self.graph.upload(stream)
+        self.grads = [(p, p.grad) for p in trainer.model.params]
+        self.saved = [(layer, layer.mask, layer._x) for layer in trainer.model.layers]
+
+    def replay(self, x: Any, y: Any) -> tuple[Any, Any]:
+        self.x_static[...] = x  # the batch, into the buffers the graph reads
+        self.y_static[...] = y
+        self.graph.launch(cp.cuda.get_current_stream())
+        for p, g in self.grads:  # host code (checks, checkpoints) sees what the graph wrote
+            p.grad = g
+        for layer, mask, x_in in self.saved:
+            layer.mask, layer._x = mask, x_in
+        return self.loss, self.correct
+
+
+class GraphedStep:
+    """Runs a trainer's step as a replayed CUDA graph, one graph per batch shape.
+
+    Call it on a non-default CuPy stream, the same one every time (``with trainer.stream:``):
+    CUDA cannot capture the legacy default stream, so there the steps simply run uncaptured.
+
+    Args:
+        trainer: a :class:`mlptrain.train.Trainer` on the GPU.
+        warmup: uncaptured steps of each shape before it is captured (at least 1: nvmath's first
+            execute allocates its workspace, which must not happen during capture).
+    """
+
+    def __init__(self, trainer: Any, warmup: int = 2) -> None:
+        if warmup < 1:
+            raise ValueError(f"warmup={warmup}: at least one uncaptured step must precede a capture")
+        self.trainer = trainer
+        self.warmup = warmup
+        self._shapes: dict[tuple, _ShapeGraph] = {}
+        self._warned = False
+
+    def __call__(self, x: Any, y: Any) -> tuple[Any, Any]:
+        """One training step on batch ``x (B, in)``, ``y (B,)``; returns device ``(loss, correct)``."""
+        if cp.cuda.get_current_stream().ptr == 0:
+            if not self._warned:
+                log.warning("the legacy default stream cannot be captured: running the step without a CUDA graph")
+                self._warned = True
+            return self.trainer.step_uncaptured(x, y)
+        key = (x.shape, x.dtype.str, y.shape, y.dtype.str)
+        g = self._shapes.setdefault(key, _ShapeGraph())
+        if g.graph is None:
+            if g.warm < self.warmup:
+                g.warm += 1
+                with cp.cuda.using_allocator(g.pool.malloc):
+                    return self.trainer.step_uncaptured(x, y)
+            log.info("capturing the training step for batch shape %s into a CUDA graph", x.shape)
+            g.capture(self.trainer, x, y)
+        out = g.replay(x, y)
+        self.trainer.step_count += 1
+        return out
+
+    @property
+    def num_graphs(self) -> int:
+        return sum(g.graph is not None for g in self._shapes.values())
