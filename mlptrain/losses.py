@@ -57,21 +57,21 @@ def _softmax_cross_entropy_cupy(logits: Any, y: Any, grad_scale: Any) -> tuple[A
     """
     import cupy as cp
 
-    row_max, row_sumexp, grad = _cupy_xent_kernels()
+    row_max, row_sumexp, grad, pick = _cupy_xent_kernels()
     B, C = logits.shape
     m = row_max(logits, axis=1)  # (B,) float32
     s = row_sumexp(logits, m[:, None], axis=1)  # (B,) sum of exp(z - max)
     scale = grad_scale if isinstance(grad_scale, cp.ndarray) else cp.asarray(grad_scale, dtype=cp.float64)
     d = cp.empty_like(logits)  # (B, C) C-order
     grad(logits, m[:, None], s[:, None], y[:, None], C, scale, 1.0 / B, d)
-    z_y = cp.take_along_axis(logits, y[:, None], axis=1)[:, 0].astype(cp.float32)
+    z_y = pick(logits, y, C)  # (B,) float32: the label's logit
     loss = (cp.log(s) + m - z_y).mean()
     correct = (logits.argmax(axis=1) == y).sum()
     return loss, d, correct
 
 
 @functools.cache
-def _cupy_xent_kernels() -> tuple[Any, Any, Any]:
+def _cupy_xent_kernels() -> tuple[Any, Any, Any, Any]:
     import cupy as cp
 
     row_max = cp.ReductionKernel(
@@ -90,7 +90,10 @@ def _cupy_xent_kernels() -> tuple[Any, Any, Any]:
         """,
         "mlptrain_xent_grad",
     )
-    return row_max, row_sumexp, grad
+    pick = cp.ElementwiseKernel(
+        "raw T x, int64 y, int64 C", "float32 z_y", "z_y = (float)x[i * C + y]", "mlptrain_pick_label_logit"
+    )
+    return row_max, row_sumexp, grad, pick
 
 
 def mse(logits: Any, y: Any, grad_scale: Any = 1.0) -> tuple[Any, Any, Any]:

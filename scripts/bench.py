@@ -118,7 +118,7 @@ def bench_layer(m, k, n, dtype, reps):
     return r
 
 
-def bench_step_mlptrain(widths, batch, precision, mode, reps):
+def bench_step_mlptrain(widths, batch, precision, mode, reps, graph=False):
     import cupy as cp
 
     from mlptrain.config import TrainConfig
@@ -142,11 +142,15 @@ def bench_step_mlptrain(widths, batch, precision, mode, reps):
     cfg.optimizer.schedule = type(cfg.optimizer.schedule)("constant")
     cfg.optimizer.lr = 1e-3
     cfg.progress = False
+    cfg.graph = graph
     tr = Trainer(cfg, dataset=ds)
-    xb, yb = next(iter(tr.train_loader.epoch(0)))
     losses = []
-    times = cuda_time_ms(lambda: losses.append(tr.step(xb, yb)[0]), warmup=5, reps=reps)
+    with tr.stream:  # the stream a training run uses (graph capture needs a non-default one)
+        xb, yb = next(iter(tr.train_loader.epoch(0)))
+        times = cuda_time_ms(lambda: losses.append(tr.step(xb, yb)[0]), warmup=5, reps=reps)
     peak = pool.total_bytes()
+    if graph:  # the graph's private pool holds the step's temporaries
+        peak += sum(g.pool.total_bytes() for g in tr.graphed._shapes.values())
     first_losses = [float(v) for v in losses[:3]]
     bgrad = tr.model.bgrad
     pool.free_all_blocks()
@@ -194,8 +198,8 @@ def bench_step_torch(widths, batch, precision, reps):
 
 
 def step_gemm_floor(widths, batch, dtype, reps):
-    """Time of the step's GEMMs alone: forward and weight gradient per layer, input gradient for
-    all but the first layer."""
+    """GPU time of the step's GEMMs alone: forward and weight gradient per layer, input gradient
+    for all but the first layer."""
     import cupy as cp
 
     from mlptrain.gpu import NvmathGemm, cuda_time_ms
@@ -214,10 +218,16 @@ def step_gemm_floor(widths, batch, dtype, reps):
             ops.append((f"l{i}.dgrad", W.T, dz.T))
 
     def run():
-        for key, a, b in ops:
-            gemm(key, a, b)
+        return [gemm(key, a, b) for key, a, b in ops]
 
-    t = median(cuda_time_ms(run, reps=reps))
+    # Replayed from a CUDA graph, so that host overhead does not count: the GPU time of the GEMMs.
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        run()  # plan and allocate workspaces outside the capture
+        stream.begin_capture()
+        outputs = run()  # noqa: F841 - the graph writes into these: keep them alive
+        graph = stream.end_capture()
+        t = median(cuda_time_ms(lambda: graph.launch(stream), reps=reps))
     gemm.free()
     return t
 
@@ -313,11 +323,12 @@ def main(argv=None):
             "",
             "Forward, softmax cross-entropy, backward, SGD with momentum (fp32 master weights). fp16 with "
             "dynamic loss scaling. mlptrain peak = CuPy pool high-water mark; PyTorch = max_memory_reserved. "
-            "GEMM floor: the step's GEMMs alone through nvmath.",
+            "GEMM floor: the GPU time of the step's GEMMs alone (nvmath, replayed from a CUDA graph). "
+            "fused, graph: the whole step replayed from a CUDA graph (the default on the GPU).",
             "",
-            "| model | batch | dtype | GEMM floor | mlptrain fused | mlptrain naive | PyTorch eager | fused vs naive "
-            "| fused vs PyTorch | peak GiB fused / naive / torch | bgrad |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
+            "| model | batch | dtype | GEMM floor | fused, graph | fused | naive | PyTorch eager | fused vs naive "
+            "| vs PyTorch (graph; eager) | graph vs floor | peak GiB graph / fused / naive / torch | bgrad |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         import ml_dtypes
 
@@ -327,6 +338,7 @@ def main(argv=None):
             for precision in ("fp16", "bf16"):
                 dtype = np.float16 if precision == "fp16" else np.dtype(ml_dtypes.bfloat16)
                 floor = step_gemm_floor(widths, batch, dtype, args.reps)
+                g = bench_step_mlptrain(widths, batch, precision, "fused", args.reps, graph=True)
                 f = bench_step_mlptrain(widths, batch, precision, "fused", args.reps)
                 nv = bench_step_mlptrain(widths, batch, precision, "naive", args.reps)
                 t = bench_step_torch(widths, batch, precision, args.reps)
@@ -336,16 +348,18 @@ def main(argv=None):
                     "batch": batch,
                     "precision": precision,
                     "gemm_floor_ms": floor,
+                    "fused_graph": g,
                     "fused": f,
                     "naive": nv,
                     "torch": t,
                 }
                 result["steps"].append(rec)
+                vs_torch = f"{t['ms'] / g['ms']:.2f}x; {t['ms'] / f['ms']:.2f}x" if t else "-"
                 row = (
-                    f"| {name} | {batch} | {precision} | {fmt(floor)} | {fmt(f['ms'])} | {fmt(nv['ms'])} | "
-                    f"{fmt(t['ms'] if t else None)} | {nv['ms'] / f['ms']:.2f}x | "
-                    f"{(t['ms'] / f['ms']) if t else float('nan'):.2f}x | {f['peak_gib']:.2f} / "
-                    f"{nv['peak_gib']:.2f} / {fmt(t['peak_gib'] if t else None, 2)} | {','.join(f['bgrad'])} |"
+                    f"| {name} | {batch} | {precision} | {fmt(floor)} | {fmt(g['ms'])} | {fmt(f['ms'])} | "
+                    f"{fmt(nv['ms'])} | {fmt(t['ms'] if t else None)} | {nv['ms'] / f['ms']:.2f}x | {vs_torch} | "
+                    f"{g['ms'] / floor:.2f}x | {g['peak_gib']:.2f} / {f['peak_gib']:.2f} / {nv['peak_gib']:.2f} / "
+                    f"{fmt(t['peak_gib'] if t else None, 2)} | {','.join(f['bgrad'])} |"
                 )
                 md.append(row)
                 print(row, flush=True)
