@@ -181,8 +181,12 @@ class NvmathGemm:
         return len(self._plans)
 
     def free(self) -> None:
-        """Release every plan's workspace and cuBLASLt descriptors."""
+        """Release every plan's workspace and cuBLASLt descriptors (synchronises the device)."""
+        # free() waits on the event of the last execute; an execute recorded into a CUDA graph
+        # left an event that cannot be waited on. Wait for the whole device instead.
+        cp.cuda.Device().synchronize()
         for mm in self._plans.values():
+            mm.last_compute_event = None
             mm.free()
         self._plans.clear()
 
