@@ -326,6 +326,10 @@ def restore(tr: Trainer, ckpt: Checkpoint) -> tuple[Position, Best | None]:
     if tr.scaler.enabled and m["scaler"] is not None:
         tr.scaler.load_state_dict(m["scaler"])
     tr.set_step(pos.step)
+    if m.get("bgrad") and m["bgrad"] != tr.model.bgrad:
+        # The strategies round differently: continue with the one the run was trained with.
+        log.info("%s: using the checkpoint's bgrad strategies %s", where, m["bgrad"])
+        tr.model.set_bgrad(m["bgrad"])
     best = Best(**m["best"]) if m.get("best") else None
     return pos, best
 

@@ -246,25 +246,49 @@ def time_layer_backward(ex: Any, k: int, m: int, batch: int, dtype: Any, *, reps
     return out
 
 
-def choose_bgrad(widths: list[int], batch: int, dtype: Any, *, tf32: bool = False, reps: int = 5) -> list[str]:
+def choose_bgrad(
+    widths: list[int], batch: int, dtype: Any, *, tf32: bool = False, reps: int = 5, store: Path | None = None
+) -> list[str]:
     """Per hidden layer, the bias-gradient strategy that measures faster at its shape.
 
     Hidden layer ``i`` (out = ``widths[i + 1]``) has its bias gradient reduced either by the
     layer above (DRELU_BGRAD, in that layer's input-gradient GEMM) or by its own weight-gradient
     GEMM (BGRADB). The probe times the backward of the layer above with each strategy on random
     data (:func:`time_layer_backward`); identical shapes are measured once.
+
+    The two strategies round differently, so a choice that changed from run to run would make
+    runs irreproducible: decisions are kept in ``store`` (a JSON file beside the plan cache, per
+    GPU model) and later runs reuse them.
     """
+    import json
+
     from mlptrain.execution import FusedExecution
 
-    ex = FusedExecution(NvmathGemm(tf32=tf32))
+    known: dict[str, str] = {}
+    if store is not None and store.is_file():
+        try:
+            known = json.loads(store.read_text())
+        except (OSError, ValueError) as exc:
+            log.warning("ignoring unreadable bgrad choices %s (%s)", store, exc)
+    ex: FusedExecution | None = None
     choices: list[str] = []
-    cache: dict[tuple[int, int], str] = {}
     for i in range(1, len(widths) - 1):
-        shape = (widths[i], widths[i + 1])  # (in, out) of the layer above hidden layer i - 1
-        if shape not in cache:
-            t = time_layer_backward(ex, *shape, batch, dtype, reps=reps)
-            cache[shape] = min(t, key=t.get)
-            log.info("bgrad probe (in, out)=%s batch %d: %s -> %s", shape, batch, t, cache[shape])
-        choices.append(cache[shape])
-    ex.gemm.free()
+        k, m = widths[i], widths[i + 1]  # (in, out) of the layer above hidden layer i - 1
+        key = f"{k}x{m} batch {batch} {np.dtype(dtype).name}{' tf32' if tf32 else ''}"
+        if key not in known:
+            ex = ex or FusedExecution(NvmathGemm(tf32=tf32))
+            t = time_layer_backward(ex, k, m, batch, dtype, reps=reps)
+            known[key] = min(t, key=t.get)
+            log.info("bgrad probe (in, out)=(%d, %d) batch %d: %s -> %s", k, m, batch, t, known[key])
+        choices.append(known[key])
+    if ex is not None:
+        ex.gemm.free()
+        if store is not None:
+            try:
+                store.parent.mkdir(parents=True, exist_ok=True)
+                tmp = store.with_name(f"{store.name}.{os.getpid()}.tmp")
+                tmp.write_text(json.dumps(known, indent=1, sort_keys=True) + "\n")
+                os.replace(tmp, store)
+            except OSError as exc:
+                log.warning("could not write the bgrad choices %s (%s)", store, exc)
     return choices

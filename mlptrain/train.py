@@ -186,8 +186,17 @@ class Trainer:
             from mlptrain.gpu import choose_bgrad
 
             # Both strategies are exact; which is faster depends on the shape: measure it.
+            store = None
+            if self.cfg.execution.plan_cache:
+                from mlptrain.gpu import PlanCache
+
+                store = PlanCache.default_path().with_suffix(".bgrad.json")
             return choose_bgrad(
-                self.widths, self.cfg.data.batch_size, self.precision.compute_dtype, tf32=self.precision.tf32
+                self.widths,
+                self.cfg.data.batch_size,
+                self.precision.compute_dtype,
+                tf32=self.precision.tf32,
+                store=store,
             )
         return "bgradb"  # on the CPU (and in naive mode) the two do the same work
 

@@ -469,3 +469,18 @@ def test_checkpoint_with_incomplete_meta_is_refused(tmp_path: Path, finished: Pa
 
 def snapshot_of(run: Path) -> dict[str, bytes]:
     return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
+
+
+def test_resume_keeps_the_bgrad_strategy_the_run_was_trained_with(tmp_path: Path) -> None:
+    """The two bias-gradient strategies round differently: a resumed run must not switch."""
+    cfg = TrainConfig()
+    cfg.device, cfg.progress, cfg.model.hidden = Device.cpu, False, [16, 8]
+    cfg.execution.bgrad = type(cfg.execution.bgrad)("drelu_bgrad")
+    saved = Trainer(cfg)
+    arrays, meta = checkpoint.capture(saved, Position(step=0), metrics_records=0, best=Best("val/acc"))
+    checkpoint.save(tmp_path / "last.npz", arrays, meta)
+    cfg.execution.bgrad = type(cfg.execution.bgrad)("bgradb")
+    resumed = Trainer(cfg)
+    assert resumed.model.bgrad == ["bgradb", "bgradb"]
+    checkpoint.restore(resumed, checkpoint.load(tmp_path / "last.npz"))
+    assert resumed.model.bgrad == ["drelu_bgrad", "drelu_bgrad"]
