@@ -1,7 +1,7 @@
 """GPU tests: the nvmath engine against the NumPy epilog contract, and training on the GPU.
 
 Marked ``gpu``; skipped where CuPy, nvmath or a CUDA device is missing (see conftest.py).
-Run them with ``make test-gpu`` (on the H200: docs/gpu-tests.md records the last run).
+Run them with ``make test-gpu``; docs/bench/gpu-tests.log is the output of the last run on the H200.
 """
 
 import numpy as np
