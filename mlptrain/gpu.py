@@ -87,7 +87,7 @@ class PlanCache:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
             with open(tmp, "wb") as f:
-                np.savez(f, **self._algos)
+                np.savez(f, **self._algos)  # type: ignore[arg-type]  # numpy's stub types the kwargs badly
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, self.path)
@@ -270,19 +270,22 @@ def choose_bgrad(
             known = json.loads(store.read_text())
         except (OSError, ValueError) as exc:
             log.warning("ignoring unreadable bgrad choices %s (%s)", store, exc)
+    gemm: NvmathGemm | None = None
     ex: FusedExecution | None = None
     choices: list[str] = []
     for i in range(1, len(widths) - 1):
         k, m = widths[i], widths[i + 1]  # (in, out) of the layer above hidden layer i - 1
         key = f"{k}x{m} batch {batch} {np.dtype(dtype).name}{' tf32' if tf32 else ''}"
         if key not in known:
-            ex = ex or FusedExecution(NvmathGemm(tf32=tf32))
+            if ex is None:
+                gemm = NvmathGemm(tf32=tf32)
+                ex = FusedExecution(gemm)
             t = time_layer_backward(ex, k, m, batch, dtype, reps=reps)
-            known[key] = min(t, key=t.get)
+            known[key] = min(t, key=lambda name: t[name])
             log.info("bgrad probe (in, out)=(%d, %d) batch %d: %s -> %s", k, m, batch, t, known[key])
         choices.append(known[key])
-    if ex is not None:
-        ex.gemm.free()
+    if gemm is not None:
+        gemm.free()
         if store is not None:
             try:
                 store.parent.mkdir(parents=True, exist_ok=True)
