@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from mlptrain import __version__
-from mlptrain.config import to_plain
+from mlptrain.config import flatten, to_plain
 from mlptrain.errors import CheckpointError, MlptrainError
 
 if TYPE_CHECKING:
@@ -338,19 +338,9 @@ def _w(widths: list[int]) -> str:
     return "-".join(map(str, widths))
 
 
-def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 def _warn_differences(saved: dict[str, Any], now: dict[str, Any], where: str) -> None:
     """Log every setting that differs from the checkpoint's: the run will not match an uninterrupted one."""
-    a, b = _flatten(saved), _flatten(now)
+    a, b = flatten(saved), flatten(now)
     keys = sorted((set(a) | set(b)) - set(_COSMETIC_KEYS))
     diff = [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in keys if a.get(k) != b.get(k)]
     if diff:

@@ -261,3 +261,14 @@ def to_plain(cfg: TrainConfig) -> dict[str, Any]:
         return v
 
     return fix(asdict(cfg))
+
+
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``: nested config dicts as dotted keys, for comparing configs."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out

@@ -75,6 +75,7 @@ class Optimizer:
                 self._update_cupy(p, self.state[p.name], lr, inv_scale, skip)
             else:
                 self._update_numpy(p, self.state[p.name], float(lr), float(inv_scale))
+                p.sync_compute()  # the half-precision copy the GEMMs read (the CuPy kernels write it too)
 
     def state_dict(self) -> dict[str, Any]:
         """Arrays (host NumPy) by ``"<param>/<state>"`` plus ``"t"``; no pickle needed."""

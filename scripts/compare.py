@@ -38,6 +38,11 @@ from typing import Any
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a source checkout
+
+from mlptrain.config import flatten  # noqa: E402
+from mlptrain.metrics import read_metrics  # noqa: E402
+
 MODES = ("fused", "naive")
 # Largest relative per-step difference of the training loss at which fused and naive "agree".
 # fp64 and fp32 are exact contracts (on the CPU both modes issue the very same BLAS calls);
@@ -107,23 +112,11 @@ class Run:
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Records of a ``metrics.jsonl``; a torn last line (a killed run) is dropped.
-
-    As :func:`mlptrain.metrics.read_metrics`, repeated so that this script reads runs without
-    importing mlptrain (a sweep copied from a GPU machine can be compared anywhere).
-    """
-    records = []
-    lines = path.read_text(encoding="utf-8").splitlines()
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            if i == len(lines) - 1:
-                break
-            raise CompareError(f"{path}: line {i + 1} is not valid JSON") from None
-    return records
+    """Records of a ``metrics.jsonl`` (:func:`mlptrain.metrics.read_metrics`: a torn last line is dropped)."""
+    try:
+        return read_metrics(path)
+    except ValueError as exc:
+        raise CompareError(str(exc)) from None
 
 
 def find_run_dirs(sweep_dir: Path) -> list[Path]:
@@ -160,16 +153,6 @@ def load_run(path: Path) -> Run:
             run.summary = rec
     run.steps.sort(key=lambda r: r["step"])
     return run
-
-
-def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 def check_runs(runs: list[Run], sweep_dir: Path) -> dict[int, dict[str, Run]]:
@@ -223,9 +206,9 @@ def check_runs(runs: list[Run], sweep_dir: Path) -> dict[int, dict[str, Run]]:
         if [r["step"] for r in run.steps] != list(range(len(run.steps))):
             raise CompareError(f"run {run.path}: its step records are not numbered 0..{len(run.steps) - 1}")
     # Same experiment: only the swept keys may differ.
-    ref_cfg = {k: v for k, v in _flatten(ref.config).items() if k not in SWEPT_KEYS}
+    ref_cfg = {k: v for k, v in flatten(ref.config).items() if k not in SWEPT_KEYS}
     for run in runs:
-        cfg = {k: v for k, v in _flatten(run.config).items() if k not in SWEPT_KEYS}
+        cfg = {k: v for k, v in flatten(run.config).items() if k not in SWEPT_KEYS}
         for key in sorted(set(ref_cfg) | set(cfg)):
             if ref_cfg.get(key) != cfg.get(key):
                 raise CompareError(

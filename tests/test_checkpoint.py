@@ -13,39 +13,15 @@ from typing import Any
 
 import numpy as np
 import pytest
+from helpers import emulate_fp16, make_cfg, records
 from numpy.testing import assert_allclose, assert_array_equal
 
 from mlptrain import checkpoint
-from mlptrain import train as train_mod
 from mlptrain.checkpoint import Best, OutputError, Position
 from mlptrain.config import Device, OptimizerName, PrecisionName, TrainConfig
 from mlptrain.errors import CheckpointError, ConfigError
 from mlptrain.metrics import read_metrics
-from mlptrain.precision import Precision
 from mlptrain.train import Trainer, TrainingInterrupted, train
-
-TIMING = ("samples_per_s", "step_time_ms", "time_s", "wall_s")
-
-
-def make_cfg(**overrides: Any) -> TrainConfig:
-    """A small, quick CPU run: digits, 64-32-10, 3 epochs of 21 steps; ``a.b=v`` style keys."""
-    cfg = TrainConfig()
-    cfg.device = Device.cpu
-    cfg.progress = False
-    cfg.model.hidden = [32]
-    cfg.epochs = 3
-    for key, value in overrides.items():
-        obj = cfg
-        *path, last = key.split("__")
-        for p in path:
-            obj = getattr(obj, p)
-        setattr(obj, last, value)
-    return cfg
-
-
-def records(run_dir: Path) -> list[dict[str, Any]]:
-    """metrics.jsonl without the timing keys (which differ between any two runs)."""
-    return [{k: v for k, v in r.items() if k not in TIMING} for r in read_metrics(run_dir / "metrics.jsonl")]
 
 
 def interrupt_at(monkeypatch: pytest.MonkeyPatch, step: int, times: int = 1) -> None:
@@ -308,7 +284,8 @@ def test_fp16_loss_scaler_state_resumes_exactly(tmp_path: Path, monkeypatch: pyt
     interrupt_at(monkeypatch, at)
     with pytest.raises(TrainingInterrupted):
         train(make_cfg(**overrides), tmp_path / "resumed")
-    emulate_fp16(monkeypatch)  # interrupt_at replaced Trainer.step; emulate again on top of the original
+    monkeypatch.undo()  # drop the interruption
+    emulate_fp16(monkeypatch)
     meta = checkpoint.load(tmp_path / "resumed" / "checkpoints" / "last.npz").meta
     assert meta["scaler"]["growth_tracker"] == tracker(at) and meta["precision"] == "fp16"
     train(make_cfg(resume="last", **overrides), tmp_path / "resumed")
@@ -316,26 +293,6 @@ def test_fp16_loss_scaler_state_resumes_exactly(tmp_path: Path, monkeypatch: pyt
     assert_same_state(
         tmp_path / "resumed" / "checkpoints" / "last.npz", tmp_path / "straight" / "checkpoints" / "last.npz"
     )
-
-
-def emulate_fp16(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Run precision=fp16 on the CPU: float16 GEMMs, float32 master weights, dynamic loss scaling.
-
-    The NumPy optimizer updates only the master copy (the GPU kernels also write the float16
-    copy), so the step refreshes the compute copies itself.
-    """
-    monkeypatch.undo()
-    fp16 = Precision("fp16", np.float32, np.float16, loss_scaling=True)
-    monkeypatch.setattr(train_mod, "get_precision", lambda name, backend: fp16)
-    original = Trainer.step
-
-    def step(self: Trainer, x: Any, y: Any) -> Any:
-        out = original(self, x, y)
-        for p in self.model.params:
-            p.sync_compute()
-        return out
-
-    monkeypatch.setattr(Trainer, "step", step)
 
 
 @pytest.mark.gpu

@@ -17,40 +17,18 @@ from typing import Any
 
 import numpy as np
 import pytest
+from helpers import emulate_fp16, make_cfg, records
 
 from mlptrain import checkpoint, data
-from mlptrain import train as train_mod
 from mlptrain.checkpoint import OutputError
-from mlptrain.config import Device, Schedule, TrainConfig
+from mlptrain.config import Device, Schedule
 from mlptrain.errors import CheckpointError, DatasetError, NonFiniteError, ResourceError
 from mlptrain.metrics import read_metrics
 from mlptrain.network import MLP
 from mlptrain.optim import Optimizer
-from mlptrain.precision import Precision
 from mlptrain.train import Trainer, train
 
 REPO = Path(__file__).resolve().parent.parent
-TIMING = ("samples_per_s", "step_time_ms", "time_s", "wall_s")
-
-
-def make_cfg(**overrides: Any) -> TrainConfig:
-    """A small, quick CPU run: digits, 64-32-10, 21 steps per epoch; ``a__b=v`` sets ``a.b``."""
-    cfg = TrainConfig()
-    cfg.device = Device.cpu
-    cfg.progress = False
-    cfg.model.hidden = [32]
-    cfg.epochs = 3
-    for key, value in overrides.items():
-        obj = cfg
-        *path, last = key.split("__")
-        for p in path:
-            obj = getattr(obj, p)
-        setattr(obj, last, value)
-    return cfg
-
-
-def records(run_dir: Path) -> list[dict[str, Any]]:
-    return [{k: v for k, v in r.items() if k not in TIMING} for r in read_metrics(run_dir / "metrics.jsonl")]
 
 
 def snapshot(run: Path) -> dict[str, bytes]:
@@ -276,25 +254,6 @@ def test_fp16_overflow_skips_then_a_persistent_one_stops(tmp_path: Path, monkeyp
     msg = str(err.value)
     assert "fp16 gradients overflowed on 7 consecutive steps up to step 6 (loss scale now 512;" in msg
     assert "last step's inf/NaN: layer0.weight gradient" in msg and "lower optimizer.lr or use precision=bf16" in msg
-
-
-def emulate_fp16(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Run precision=fp16 on the CPU: float16 GEMMs, float32 master weights, dynamic loss scaling.
-
-    The NumPy optimizer updates only the master copy (the GPU kernels also write the float16
-    copy), so the step refreshes the compute copies itself.
-    """
-    fp16 = Precision("fp16", np.float32, np.float16, loss_scaling=True)
-    monkeypatch.setattr(train_mod, "get_precision", lambda name, backend: fp16)
-    original = Trainer.step
-
-    def step(self: Trainer, x: Any, y: Any) -> Any:
-        out = original(self, x, y)
-        for p in self.model.params:
-            p.sync_compute()
-        return out
-
-    monkeypatch.setattr(Trainer, "step", step)
 
 
 @pytest.mark.gpu
