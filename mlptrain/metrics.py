@@ -11,6 +11,7 @@ Record kinds (the ``kind`` key):
 * ``epoch``: ``epoch``, ``step``, ``train/loss``, ``train/acc`` (means over the epoch),
   ``val/loss``, ``val/acc``, ``test/loss``, ``test/acc``, ``time_s``.
 * ``summary``: the final numbers of the run.
+* ``interrupted``: Ctrl-C stopped the run at ``step``; ``checkpoint`` is where ``last`` was saved.
 """
 
 from __future__ import annotations
