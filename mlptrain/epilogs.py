@@ -49,7 +49,7 @@ class Epilog(enum.Enum):
     BGRADB = "BGRADB"
 
 
-# Which epilog_inputs each epilog takes, and the aux output key it returns (None: no aux).
+# Which epilog_inputs each epilog takes (the aux output names are in the table above).
 EPILOG_INPUTS: dict[Epilog, tuple[str, ...]] = {
     Epilog.BIAS: ("bias",),
     Epilog.RELU_BIAS: ("bias",),
@@ -58,15 +58,6 @@ EPILOG_INPUTS: dict[Epilog, tuple[str, ...]] = {
     Epilog.DRELU_BGRAD: ("relu_aux",),
     Epilog.BGRADA: (),
     Epilog.BGRADB: (),
-}
-EPILOG_AUX: dict[Epilog, str | None] = {
-    Epilog.BIAS: None,
-    Epilog.RELU_BIAS: None,
-    Epilog.RELU_AUX_BIAS: "relu_aux",
-    Epilog.DRELU: None,
-    Epilog.DRELU_BGRAD: "drelu_bgrad",
-    Epilog.BGRADA: "bgrada",
-    Epilog.BGRADB: "bgradb",
 }
 
 

@@ -103,7 +103,3 @@ class MLP:
         for i in reversed(range(len(self.layers))):
             below = self.layers[i - 1] if i > 0 else None
             dz = self.layers[i].backward(self.execution, dz, below)
-
-    def state_arrays(self) -> dict[str, Any]:
-        """Master copies of all parameters by name (for checkpoints)."""
-        return {p.name: p.value for p in self.params}

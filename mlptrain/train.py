@@ -491,6 +491,7 @@ class _Interval:
         self.loss = xp.zeros(log_every, dtype=xp.float64)  # per-step losses, on the device
         self.correct = xp.zeros(log_every, dtype=xp.int64)
         self.skip = xp.zeros(log_every, dtype=xp.int32)  # fp16: the step overflowed and was skipped
+        self.scale = xp.zeros(log_every, dtype=xp.float64)  # fp16: the loss scale after the step
         self.size = np.zeros(log_every, dtype=np.int64)
         self.lr = np.zeros(log_every)
         self.pending = 0
@@ -505,6 +506,7 @@ class _Interval:
         self.loss[i] = loss
         self.correct[i] = correct
         self.skip[i] = self.tr.scaler.found_inf
+        self.scale[i] = self.tr.scaler.scale
         self.size[i] = batch_size
         self.lr[i] = lr
         self.pending += 1
@@ -517,7 +519,7 @@ class _Interval:
         now = time.perf_counter()
         self.samples_per_s = int(self.size[:n].sum()) / (now - self.started)
         step_ms = (now - self.started) * 1e3 / n
-        scale = float(tr.scaler.scale) if tr.scaler.enabled else None
+        scales = to_host(self.scale[:n]) if tr.scaler.enabled else None
         first = tr.step_count - n
         for j in range(n):
             rec: dict[str, Any] = {
@@ -528,8 +530,8 @@ class _Interval:
                 "train/acc": int(corrects[j]) / int(self.size[j]),
                 "lr": float(self.lr[j]),
             }
-            if scale is not None:
-                rec["loss_scale"] = scale
+            if scales is not None:
+                rec["loss_scale"] = float(scales[j])
                 rec["skipped"] = bool(skipped[j])
             if j == n - 1:
                 rec.update(samples_per_s=self.samples_per_s, step_time_ms=step_ms)

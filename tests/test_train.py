@@ -68,3 +68,20 @@ def test_default_run_reaches_96_percent_and_is_deterministic(tmp_path):
     assert a["test/acc"] == b["test/acc"] and a["train/loss"] == b["train/loss"]
     c = train(make_cfg("fused", "fp32", seed=1), tmp_path / "c")
     assert c["train/loss"] != a["train/loss"]
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning", "ignore:invalid value:RuntimeWarning")
+def test_fp16_step_records_carry_each_steps_loss_scale(tmp_path, monkeypatch):
+    """Read back once per interval, the loss scale is still the one after each step."""
+    from helpers import emulate_fp16, make_cfg, records
+
+    emulate_fp16(monkeypatch)
+    train(make_cfg(precision__init_scale=2.0**30, precision__growth_interval=4, log_every=10), tmp_path)
+    steps = [r for r in records(tmp_path) if r["kind"] == "step"]
+    scale = 2.0**30
+    for r in steps:
+        if r["skipped"]:
+            scale /= 2
+        assert r["loss_scale"] == scale or r["loss_scale"] == 2 * scale, r
+        scale = r["loss_scale"]
+    assert sum(r["skipped"] for r in steps[:10]) >= 5  # several back-offs inside the first interval
