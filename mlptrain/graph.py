@@ -18,6 +18,8 @@ What makes the step capturable (nvmath-notes §6):
 * Everything the step allocates, from the warm-up on, comes from a private CuPy memory pool,
   one per graph. Arrays freed during capture return to that pool, whose blocks nothing outside
   the graph is handed afterwards, so replays never write into memory someone else owns.
+* Python's cyclic garbage collector is paused during capture, so no finaliser can make a call
+  (a device synchronisation) that is illegal while a stream is being captured.
 * The arrays the captured step produced (gradients, relu_aux masks, the loss) stay referenced
   here and are re-attached to the parameters and layers after each replay.
 
@@ -28,6 +30,7 @@ for bit (tests/test_gpu.py).
 
 from __future__ import annotations
 
+import gc
 import logging
 from typing import Any
 
@@ -48,13 +51,22 @@ class _ShapeGraph:
         self.x_static = cp.empty_like(x)  # (B, in), C-order, compute dtype
         self.y_static = cp.empty_like(y)  # (B,)
         stream = cp.cuda.get_current_stream()
-        with cp.cuda.using_allocator(self.pool.malloc):
-            stream.begin_capture()
-            try:
-                # Recorded, not run: the kernels run when the graph is launched.
-                self.loss, self.correct = trainer.step_uncaptured(self.x_static, self.y_static, count=False)
-            finally:
-                self.graph = stream.end_capture()
+        # No garbage collection during capture: a collected object's finaliser (an old trainer's
+        # nvmath plans, say) may synchronise the device, which invalidates the capture.
+        gc.collect()
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            with cp.cuda.using_allocator(self.pool.malloc):
+                stream.begin_capture()
+                try:
+                    # Recorded, not run: the kernels run when the graph is launched.
+                    self.loss, self.correct = trainer.step_uncaptured(self.x_static, self.y_static, count=False)
+                finally:
+                    self.graph = stream.end_capture()
+        finally:
+            if gc_was_enabled:
+                gc.enable()
         self.graph.upload(stream)
         self.grads = [(p, p.grad) for p in trainer.model.params]
         self.saved = [(layer, layer.mask, layer._x) for layer in trainer.model.layers]
