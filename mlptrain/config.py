@@ -140,7 +140,7 @@ class OptimizerConfig:
 class ExecutionConfig:
     mode: Mode = Mode.fused
     bgrad: Bgrad = Bgrad.auto
-    # GPU only: run nvmath's autotune() once per planned GEMM.
+    # GPU only: time cuBLASLt's candidate algorithms per planned GEMM (in a CUDA graph), keep the fastest.
     autotune: bool = False
     # GPU only: remember planned (and autotuned) algorithms on disk per GPU model, shape and dtype.
     plan_cache: bool = True

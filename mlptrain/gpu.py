@@ -15,6 +15,7 @@ Importing this module imports nvmath; :mod:`mlptrain.backend` only does so when 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -100,7 +101,8 @@ class NvmathGemm:
 
     Args:
         tf32: float32 GEMMs with TF32 tensor cores (``COMPUTE_32F_FAST_TF32``) instead of FP32.
-        autotune: time the heuristics' candidate algorithms once per plan and keep the fastest.
+        autotune: time the heuristics' candidate algorithms once per plan, in a CUDA graph
+            (:func:`graph_autotune`), and keep the fastest.
         stream: the CuPy stream to enqueue on (None: the current stream at each call).
         plan_cache: algorithms remembered from earlier runs (:class:`PlanCache`), or None.
     """
@@ -156,9 +158,9 @@ class NvmathGemm:
                 cached = None
         if cached is None:
             algorithms = mm.plan(epilog=nv_epilog, epilog_inputs=inputs or None, stream=self.stream)
-            tuned = self.autotune and len(algorithms) > 1
-            if tuned:
-                mm.autotune(iterations=5, stream=self.stream)
+            if self.autotune and len(algorithms) > 1:
+                best = graph_autotune(mm, algorithms, key)
+                mm.plan(algorithms=[best], epilog=nv_epilog, epilog_inputs=inputs or None, stream=self.stream)
                 source = "autotune"
             if self.plan_cache is not None:
                 self.plan_cache.put(sig, self.tf32, self.autotune, mm.algorithms[0])
@@ -200,11 +202,51 @@ class NvmathGemm:
 # --- timing and measured choices -------------------------------------------------------------
 
 
-def cuda_time_ms(fn: Any, *, warmup: int = 3, reps: int = 10, stream: Any = None) -> list[float]:
-    """Times of ``reps`` calls of ``fn()`` in milliseconds, each between two CUDA events.
+def graph_autotune(mm: Matmul, algorithms: tuple, key: str, *, calls: int = 5, reps: int = 5) -> Algorithm:
+    """The fastest of a planned Matmul's ``algorithms``, timed as the training step runs them.
+
+    nvmath's ``Matmul.autotune()`` times each candidate with a host synchronisation and an L2
+    flush around every run. For the microsecond GEMMs of a small MLP that measures launch
+    latency, not the kernel: on the H200 it replaced the heuristics' 10.6 us choice for the
+    output layer's BGRADB weight gradient of 784-1024-1024-10 (batch 256, fp16) with one that
+    runs 17.7 us in the training step. Here each candidate runs ``calls`` times back to back in a CUDA
+    graph (GPU time only, L2 warm as in training) and the median of ``reps`` replays decides.
+    Candidates that fail to run are skipped.
+    """
+    stream = cp.cuda.Stream(non_blocking=True)
+    cp.cuda.get_current_stream().synchronize()  # one stream at a time per Matmul
+    times: list[float] = []
+    with stream:
+        for algo in algorithms:
+
+            def run(algo: Any = algo) -> list[Any]:
+                return [mm.execute(algorithm=algo, stream=stream) for _ in range(calls)]
+
+            try:
+                mm.execute(algorithm=algo, stream=stream)  # sizes the workspace, outside the capture
+                graph, outputs = capture_graph(run, stream)
+                t = cuda_time_ms(functools.partial(graph.launch, stream), warmup=1, reps=reps, stream=stream)
+                times.append(sorted(t)[reps // 2] / calls)
+                del outputs
+            except Exception as exc:  # a candidate the library cannot run here: not a choice
+                log.debug("autotune %s: algorithm %s failed (%s)", key, getattr(algo, "algorithm_id", "?"), exc)
+                times.append(float("inf"))
+        stream.synchronize()
+    mm.last_compute_event = None  # recorded during capture: not an event anyone can wait on
+    best = min(range(len(algorithms)), key=times.__getitem__)
+    log.info("autotune %s: %s us per candidate, chose #%d", key, [round(t * 1e3, 2) for t in times], best)
+    return algorithms[best]
+
+
+def cuda_time_ms(fn: Any, *, warmup: int = 3, reps: int = 10, stream: Any = None, chain: int = 1) -> list[float]:
+    """Times of ``fn()`` in milliseconds per call, ``reps`` of them, each between two CUDA events.
 
     Runs ``warmup`` calls first (planning, workspace allocation, kernel compilation) and
     synchronises once before timing starts. Take the median of the result.
+
+    ``chain=1`` times one call on an idle GPU: its latency, host launch work included. ``chain=N``
+    times N calls back to back and divides by N: the steady state of a training loop, where the
+    host queues the next step while the GPU runs this one.
     """
     stream = stream or cp.cuda.get_current_stream()
     for _ in range(warmup):
@@ -214,10 +256,11 @@ def cuda_time_ms(fn: Any, *, warmup: int = 3, reps: int = 10, stream: Any = None
     for _ in range(reps):
         start, end = cp.cuda.Event(), cp.cuda.Event()
         start.record(stream)
-        fn()
+        for _ in range(chain):
+            fn()
         end.record(stream)
         end.synchronize()
-        times.append(cp.cuda.get_elapsed_time(start, end))
+        times.append(cp.cuda.get_elapsed_time(start, end) / chain)
     return times
 
 
@@ -236,14 +279,50 @@ def time_layer_backward(ex: Any, k: int, m: int, batch: int, dtype: Any, *, reps
     mask = pack_relu_mask(rng.random((k, batch)) > 0.5)  # relu_aux of the layer below, (Mb(in), B)
     key = f"probe{k}x{m}x{batch}"
     out = {}
+    stream = cp.cuda.Stream(non_blocking=True)
     for name, in_wgrad in (("drelu_bgrad", False), ("bgradb", True)):
 
-        def backward(site: str = f"{key}.{name}", in_wgrad: bool = in_wgrad) -> None:
-            ex.weight_grad(site, x, dz, bias_grad=in_wgrad)
-            ex.input_grad(site, W, dz, mask, bias_grad_below=not in_wgrad)
+        def backward(site: str = f"{key}.{name}", in_wgrad: bool = in_wgrad) -> tuple:
+            return (
+                ex.weight_grad(site, x, dz, bias_grad=in_wgrad),
+                ex.input_grad(site, W, dz, mask, bias_grad_below=not in_wgrad),
+            )
 
-        out[name] = sorted(cuda_time_ms(backward, warmup=2, reps=reps))[reps // 2]
+        with stream:
+            backward()  # plans and workspaces, outside the capture
+            # GPU time only: replayed from a CUDA graph, as the training step runs. Timed op by op,
+            # a small layer's host launch work would decide the choice.
+            graph, outputs = capture_graph(backward, stream)
+            t = cuda_time_ms(functools.partial(graph.launch, stream), warmup=2, reps=reps, chain=10)
+            out[name] = sorted(t)[reps // 2]
+            del outputs  # the graph wrote into these: freed only after its last replay
     return out
+
+
+def capture_graph(fn: Any, stream: Any) -> tuple[Any, Any]:
+    """``(graph, fn's result)``: the kernels of ``fn()`` recorded, not run, on a non-default ``stream``.
+
+    ``fn`` must have run once before (nvmath plans and allocates workspaces on its first
+    execute, which must not happen during capture). Keep the result referenced while the graph
+    is replayed: replays write into the arrays it holds. Cyclic garbage collection is paused
+    during capture, so that no finaliser (an old nvmath plan's ``free()``) synchronises the device,
+    which would invalidate the capture.
+    """
+    import gc
+
+    gc.collect()
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        stream.begin_capture()
+        try:
+            result = fn()
+        finally:
+            graph = stream.end_capture()
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    return graph, result
 
 
 def choose_bgrad(

@@ -15,6 +15,8 @@ What makes the step capturable (nvmath-notes §6):
 * The first ``warmup`` steps of each batch shape run uncaptured (they are ordinary training
   steps): nvmath plans and allocates its workspaces, CuPy compiles its kernels.
 * Inputs are copied into static buffers (``x_static``, ``y_static``) before each replay.
+* The per-step metrics are written by the step itself into a device ring
+  (:class:`mlptrain.steplog.StepLog`), so replaying needs no host work beyond the launch.
 * Everything the step allocates, from the warm-up on, comes from a private CuPy memory pool,
   one per graph. Arrays freed during capture return to that pool, whose blocks nothing outside
   the graph is handed afterwards, so replays never write into memory someone else owns.
@@ -30,11 +32,13 @@ for bit (tests/test_gpu.py).
 
 from __future__ import annotations
 
-import gc
 import logging
+import re
 from typing import Any
 
 import cupy as cp
+
+from mlptrain.gpu import capture_graph
 
 log = logging.getLogger(__name__)
 
@@ -51,30 +55,22 @@ class _ShapeGraph:
         self.x_static = cp.empty_like(x)  # (B, in), C-order, compute dtype
         self.y_static = cp.empty_like(y)  # (B,)
         stream = cp.cuda.get_current_stream()
-        # No garbage collection during capture: a collected object's finaliser (an old trainer's
-        # nvmath plans, say) may synchronise the device, which invalidates the capture.
-        gc.collect()
-        gc_was_enabled = gc.isenabled()
-        gc.disable()
-        try:
-            with cp.cuda.using_allocator(self.pool.malloc):
-                stream.begin_capture()
-                try:
-                    # Recorded, not run: the kernels run when the graph is launched.
-                    self.loss, self.correct = trainer.step_uncaptured(self.x_static, self.y_static, count=False)
-                finally:
-                    self.graph = stream.end_capture()
-        finally:
-            if gc_was_enabled:
-                gc.enable()
+        with cp.cuda.using_allocator(self.pool.malloc):
+            self.graph, (self.loss, self.correct) = capture_graph(
+                lambda: trainer.step_uncaptured(self.x_static, self.y_static, count=False), stream
+            )
         self.graph.upload(stream)
         self.grads = [(p, p.grad) for p in trainer.model.params]
         self.saved = [(layer, layer.mask, layer._x) for layer in trainer.model.layers]
 
     def replay(self, x: Any, y: Any) -> tuple[Any, Any]:
-        self.x_static[...] = x  # the batch, into the buffers the graph reads
-        self.y_static[...] = y
-        self.graph.launch(cp.cuda.get_current_stream())
+        stream = cp.cuda.get_current_stream()
+        # The batch, into the buffers the graph reads: two cudaMemcpyAsync (no kernel to launch).
+        for dst, src in ((self.x_static, x), (self.y_static, y)):
+            if not src.flags.c_contiguous:
+                src = cp.ascontiguousarray(src)
+            dst.data.copy_from_device_async(src.data, src.nbytes, stream)
+        self.graph.launch(stream)
         for p, g in self.grads:  # host code (checks, checkpoints) sees what the graph wrote
             p.grad = g
         for layer, mask, x_in in self.saved:
@@ -125,3 +121,26 @@ class GraphedStep:
     @property
     def num_graphs(self) -> int:
         return sum(g.graph is not None for g in self._shapes.values())
+
+    def kernel_names(self, shape: tuple | None = None) -> list[str]:
+        """The kernels one replay runs, in capture order (``shape``: the batch shape; default the first captured)."""
+        graphs = {k[0]: g.graph for k, g in self._shapes.items() if g.graph is not None}
+        if not graphs:
+            raise RuntimeError("no graph has been captured yet: run at least warmup + 1 steps")
+        graph = graphs[shape] if shape is not None else next(iter(graphs.values()))
+        return kernel_names(graph)
+
+
+# A node of cudaGraphDebugDotPrint's output: kernels are octagons labelled "<id>\n<function name>",
+# memsets and memcpys are other shapes labelled "<id>\nMEMSET" or "<id>\nMEMCPY".
+_DOT_NODE = re.compile(r'shape="(\w+)"\s*label="\d+\n([^\n"]+)')
+
+
+def kernel_names(graph: Any) -> list[str]:
+    """The nodes of a captured CuPy graph, in capture order, from its DOT dump.
+
+    Kernel nodes by function name (cuBLASLt's are C++, often mangled; CuPy's and mlptrain's are
+    ``extern "C"``, so ``mlptrain_sgd_step`` reads as written), memset and memcpy nodes as
+    ``MEMSET`` and ``MEMCPY``.
+    """
+    return [name.strip() for _, name in _DOT_NODE.findall(graph.debug_dot_str())]

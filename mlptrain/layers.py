@@ -96,16 +96,22 @@ class Linear:
         y, self.mask = ex.forward(self.name, self.weight.compute, self.bias.compute, x, self.relu)
         return y
 
-    def backward(self, ex: FusedExecution | NaiveExecution, dz: Any, below: Linear | None) -> Any:
+    def backward(
+        self, ex: FusedExecution | NaiveExecution, dz: Any, below: Linear | None, bias_grad: Any = None
+    ) -> Any:
         """Gradients from ``dz``, the loss gradient w.r.t. this layer's pre-activation ``(B, out)``.
 
-        Sets ``weight.grad`` (and ``bias.grad`` when this layer reduces it), and when there is a
-        layer ``below``, returns the gradient w.r.t. *its* pre-activation, ``(B, in)``, already
-        multiplied by its ReLU derivative (setting ``below.bias.grad`` when this GEMM reduces it).
-        The first layer returns None: nobody needs the gradient of the data.
+        Sets ``weight.grad`` (and ``bias.grad`` when this layer reduces it, or to ``bias_grad``
+        when the caller already did: the loss kernel sums the logits' gradient), and when there
+        is a layer ``below``, returns the gradient w.r.t. *its* pre-activation, ``(B, in)``,
+        already multiplied by its ReLU derivative (setting ``below.bias.grad`` when this GEMM
+        reduces it). The first layer returns None: nobody needs the gradient of the data.
         """
-        self.weight.grad, db = ex.weight_grad(self.name, self._x, dz, self.bias_grad_in_wgrad)
-        if db is not None:
+        reduce_here = self.bias_grad_in_wgrad and bias_grad is None
+        self.weight.grad, db = ex.weight_grad(self.name, self._x, dz, reduce_here)
+        if bias_grad is not None:
+            self.bias.grad = bias_grad
+        elif db is not None:
             self.bias.grad = db
         if below is None:
             return None

@@ -97,9 +97,14 @@ class MLP:
             x = layer.forward(self.execution, x)
         return x
 
-    def backward(self, dlogits: Any) -> None:
-        """Fill every ``param.grad`` from ``dlogits (B, out)``, the loss gradient of the logits."""
+    def backward(self, dlogits: Any, output_bias_grad: Any = None) -> None:
+        """Fill every ``param.grad`` from ``dlogits (B, out)``, the loss gradient of the logits.
+
+        ``output_bias_grad``: ``dlogits`` summed over the batch, when the loss computed it (then
+        the output layer's weight-gradient GEMM runs without the BGRADB epilog).
+        """
         dz = dlogits
         for i in reversed(range(len(self.layers))):
             below = self.layers[i - 1] if i > 0 else None
-            dz = self.layers[i].backward(self.execution, dz, below)
+            bias_grad = output_bias_grad if i == len(self.layers) - 1 else None
+            dz = self.layers[i].backward(self.execution, dz, below, bias_grad)

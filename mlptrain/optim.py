@@ -25,12 +25,14 @@ import numpy as np
 from mlptrain.backend import get_array_module
 from mlptrain.errors import ConfigError
 from mlptrain.layers import Param
+from mlptrain.multitensor import KernelTail
 
 
 class Optimizer:
     """Base class: per-parameter state, the step counter, and state dicts.
 
-    Subclasses implement :meth:`_update_numpy` and :meth:`_update_cupy` for one parameter.
+    Subclasses implement :meth:`_update_numpy` (one parameter, NumPy) and :meth:`_cuda_update`
+    (one element, CUDA, run over all parameters in one kernel).
     """
 
     state_names: tuple[str, ...] = ()
@@ -52,30 +54,77 @@ class Optimizer:
         self.t = self.xp.zeros((), dtype=self.xp.float64)
         self._one = self.xp.ones((), dtype=self.xp.float64)
         self._no_skip = self.xp.zeros((), dtype=self.xp.int32)
+        self._kernels: dict[Any, Any] = {}  # GPU multi-tensor kernels by tail, built at the first step
 
-    def step(self, lr: Any, inv_scale: Any = None, skip: Any = None) -> None:
+    def step(self, lr: Any, inv_scale: Any = None, skip: Any = None, tail: KernelTail | None = None) -> None:
         """Apply one update to every parameter from its ``grad``.
+
+        On the GPU this is one multi-tensor kernel for the whole model (:mod:`mlptrain.multitensor`);
+        on the CPU one NumPy update per parameter.
 
         Args:
             lr: 0-d device array, the learning rate of this step.
             inv_scale: 0-d device array multiplying every gradient (1 / loss scale), or None.
             skip: 0-d int32 device array; non-zero skips the update (an fp16 overflow), or None.
+            tail: GPU only: work for the kernel's last block, after every parameter is updated
+                (the training step's bookkeeping, :meth:`mlptrain.steplog.StepLog.tail`).
         """
         xp = self.xp
         inv_scale = self._one if inv_scale is None else inv_scale
         skip = self._no_skip if skip is None else skip
-        self.t += skip == 0  # counts applied steps (Adam's bias correction)
-        gpu = xp is not np
-        if not gpu and skip:
-            return
         for p in self.params:
             if p.grad is None:
                 raise RuntimeError(f"parameter {p.name} has no gradient; run backward before step")
-            if gpu:
-                self._update_cupy(p, self.state[p.name], lr, inv_scale, skip)
-            else:
-                self._update_numpy(p, self.state[p.name], float(lr), float(inv_scale))
-                p.sync_compute()  # the half-precision copy the GEMMs read (the CuPy kernels write it too)
+        if xp is not np:  # t (applied steps) advances in the kernel's last block
+            self._multi_tensor_kernel(tail)(*self._tensors(), lr, inv_scale, skip, self.t, *(tail.args if tail else ()))
+            return
+        if tail is not None:
+            raise ValueError("a kernel tail needs the GPU; on the CPU run the bookkeeping after step()")
+        self.t += skip == 0  # counts applied steps (Adam's bias correction)
+        if skip:
+            return
+        for p in self.params:
+            self._update_numpy(p, self.state[p.name], float(lr), float(inv_scale))
+            p.sync_compute()  # the half-precision copy the GEMMs read (the CuPy kernel writes it too)
+
+    # --- the GPU path: one kernel for all parameters -------------------------------------------
+
+    def _roles(self) -> list[tuple[str, str]]:
+        """Per-tensor arrays of the update: gradient, master weight, state, compute copy."""
+        roles = [("g", "G"), ("p", "P")] + [(s, "P") for s in self.state_names]
+        return roles + ([("pc", "C")] if self.params[0].has_compute_copy else [])
+
+    def _tensors(self) -> list[list[Any]]:
+        lists = [[p.grad for p in self.params], [p.value for p in self.params]]
+        lists += [[self.state[p.name][s] for p in self.params] for s in self.state_names]
+        return lists + ([[p.compute for p in self.params]] if self.params[0].has_compute_copy else [])
+
+    def _multi_tensor_kernel(self, tail: KernelTail | None) -> Any:
+        key = (tail.code, tail.params) if tail else None
+        if key not in self._kernels:
+            from mlptrain.multitensor import MultiTensorKernel
+
+            if len({p.has_compute_copy for p in self.params}) != 1:
+                raise ValueError("all parameters must have a compute copy, or none")
+            loop_prep, body = self._cuda_update()
+            self._kernels[key] = MultiTensorKernel(
+                f"mlptrain_{type(self).__name__.lower()}_step",
+                self._roles(),
+                [p.value.size for p in self.params],
+                body + ("$pc = (C)$p;" if self.params[0].has_compute_copy else ""),
+                extra_params="raw float64 lr, raw float64 inv_scale, raw int32 skip, raw float64 t"
+                + (f", {tail.params}" if tail else ""),
+                loop_prep="const bool skipped = skip[0] != 0;\n"
+                "const P lr_v = (P)lr[0];\n"
+                "const P inv_s = (P)inv_scale[0];\n" + loop_prep,
+                epilogue="if (!skipped) t[0] += 1.0;  // one more applied step\n" + (tail.code if tail else ""),
+                preamble=tail.preamble if tail else "",
+            )
+        return self._kernels[key]
+
+    def _cuda_update(self) -> tuple[str, str]:
+        """``(loop_prep, body)`` of the CUDA update of one element (see :class:`MultiTensorKernel`)."""
+        raise NotImplementedError
 
     def state_dict(self) -> dict[str, Any]:
         """Arrays (host NumPy) by ``"<param>/<state>"`` plus ``"t"``; no pickle needed."""
@@ -98,9 +147,6 @@ class Optimizer:
         self.t[...] = self.xp.asarray(arrays["t"])
 
     def _update_numpy(self, p: Param, st: dict[str, Any], lr: float, inv_scale: float) -> None:
-        raise NotImplementedError
-
-    def _update_cupy(self, p: Param, st: dict[str, Any], lr: Any, inv_scale: Any, skip: Any) -> None:
         raise NotImplementedError
 
 
@@ -134,12 +180,14 @@ class SGD(Optimizer):
             g = g + self.momentum * buf if self.nesterov else buf
         p.value -= lr * g
 
-    def _update_cupy(self, p: Param, st: dict[str, Any], lr: Any, inv_scale: Any, skip: Any) -> None:
-        buf = st.get("momentum", p.value)  # unused when momentum == 0
-        outs = (p.value, buf, p.compute) if p.has_compute_copy else (p.value, buf)
-        _sgd_kernel(p.has_compute_copy)(
-            p.grad, lr, inv_scale, skip, self.momentum, self.weight_decay, self.nesterov, *outs
-        )
+    def _cuda_update(self) -> tuple[str, str]:
+        from mlptrain.multitensor import c_literal as lit
+
+        body = f"if (!skipped) {{ P g = (P)$g * inv_s + (P){lit(self.weight_decay)} * $p;"
+        if self.momentum > 0:
+            body += f"$momentum = (P){lit(self.momentum)} * $momentum + g;"
+            body += f"g = g + (P){lit(self.momentum)} * $momentum;" if self.nesterov else "g = $momentum;"
+        return "", body + "$p = $p - lr_v * g; }"
 
 
 class Adam(Optimizer):
@@ -183,22 +231,23 @@ class Adam(Optimizer):
         v_hat = v / (1 - self.beta2**t)
         p.value -= lr * m_hat / (np.sqrt(v_hat) + self.eps)
 
-    def _update_cupy(self, p: Param, st: dict[str, Any], lr: Any, inv_scale: Any, skip: Any) -> None:
-        outs = (p.value, st["exp_avg"], st["exp_avg_sq"])
-        outs += (p.compute,) if p.has_compute_copy else ()
-        _adam_kernel(p.has_compute_copy)(
-            p.grad,
-            lr,
-            inv_scale,
-            skip,
-            self.t,
-            self.beta1,
-            self.beta2,
-            self.eps,
-            self.weight_decay,
-            self.decoupled,
-            *outs,
-        )
+    def _cuda_update(self) -> tuple[str, str]:
+        from mlptrain.multitensor import c_literal as lit
+
+        b1, b2, wd = lit(self.beta1), lit(self.beta2), lit(self.weight_decay)
+        loop_prep = f"""
+        const double t_now = t[0] + 1.0;  // this step is the (t+1)-th applied one
+        const P bc1 = (P)(1.0 - pow({b1}, t_now)), bc2 = (P)(1.0 - pow({b2}, t_now));
+        const P decay = (P)(1.0 - lr[0] * {wd});
+        """
+        body = "if (!skipped) { P g = (P)$g * inv_s;"
+        body += "$p = $p * decay;" if self.decoupled else f"g = g + (P){wd} * $p;"
+        body += f"""
+            $exp_avg = (P){b1} * $exp_avg + (P)(1.0 - {b1}) * g;
+            $exp_avg_sq = (P){b2} * $exp_avg_sq + (P)(1.0 - {b2}) * g * g;
+            const P m_hat = $exp_avg / bc1, v_hat = $exp_avg_sq / bc2;
+            $p = $p - lr_v * m_hat / (sqrt(v_hat) + (P){lit(self.eps)}); }}"""
+        return loop_prep, body
 
 
 def make_optimizer(name: str, params: list[Param], cfg: Any) -> Optimizer:
@@ -238,11 +287,13 @@ def lr_at(step: int, *, base_lr: float, total_steps: int, schedule: str, warmup_
 
 
 class LRSchedule:
-    """:func:`lr_at` evaluated on the device from a device step counter.
+    """:func:`lr_at` kept in device memory, next to a device step counter.
 
-    ``advance()`` sets ``lr`` (0-d device array) to the rate of step ``step`` and increments
-    ``step``, with no host value in the launch, so a step captured into a CUDA graph still follows
-    the schedule when replayed. On the CPU it calls :func:`lr_at` directly.
+    ``lr`` (0-d device array) always holds the rate of step ``step``; ``advance()`` moves both to
+    the next step on the device, with no host value in the launch, so a step captured into a CUDA
+    graph still follows the schedule when replayed. The training step fuses the advance into its
+    last kernel (:mod:`mlptrain.steplog`) through :meth:`cuda_advance`; on the CPU :func:`lr_at`
+    runs on the host.
     """
 
     def __init__(
@@ -255,108 +306,52 @@ class LRSchedule:
             base_lr=base_lr, total_steps=total_steps, schedule=schedule, warmup_steps=warmup_steps, min_ratio=min_ratio
         )
         self.step = xp.zeros((), dtype=xp.int64)  # optimizer steps taken, skipped fp16 steps included
-        self.lr = xp.zeros((), dtype=xp.float64)
+        self.lr = xp.full((), self.host(0), dtype=xp.float64)
 
     def host(self, step: int) -> float:
         """The rate of ``step``, computed on the host (for logs)."""
         return lr_at(step, **self.kw)
 
     def advance(self) -> None:
-        """``lr = lr_at(step); step += 1`` on the device."""
+        """``step += 1; lr = lr_at(step)`` on the device."""
         if self.xp is np:
-            self.lr[...] = self.host(int(self.step))
             self.step += 1
+            self.lr[...] = self.host(int(self.step))
             return
+        _advance_kernel(self.cuda_advance("step", "lr"))(self.step, self.lr)
+
+    def cuda_advance(self, step: str, lr: str) -> str:
+        """CUDA statements advancing the int64 ``step`` and float64 ``lr`` lvalues named here."""
+        from mlptrain.multitensor import c_literal as lit
+
         kw = self.kw
-        _lr_kernel()(
-            kw["base_lr"],
-            kw["total_steps"],
-            kw["warmup_steps"],
-            kw["schedule"] == "cosine",
-            kw["min_ratio"],
-            self.step,
-            self.lr,
+        args = (
+            f"{lit(kw['base_lr'])}, {int(kw['total_steps'])}LL, {int(kw['warmup_steps'])}LL, "
+            f"{'true' if kw['schedule'] == 'cosine' else 'false'}, {lit(kw['min_ratio'])}"
         )
+        return f"{step} += 1; {lr} = mlptrain_lr_at({step}, {args});"
 
     def set_step(self, step: int) -> None:
         """Continue from ``step`` (resume)."""
         self.step[...] = step
+        self.lr[...] = self.host(step)
+
+
+LR_AT_CUDA = """
+// lr_at() of mlptrain/optim.py: linear warm-up, then constant or cosine decay.
+__device__ double mlptrain_lr_at(long long step, double base, long long total, long long warmup, bool cosine,
+                                 double min_ratio) {
+    if (step < warmup) return base * (double)(step + 1) / (double)warmup;
+    if (!cosine) return base;
+    const long long span = max(total - warmup - 1, 1LL);
+    const double progress = min((double)(step - warmup) / (double)span, 1.0);
+    return base * (min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + cos(3.141592653589793 * progress)));
+}
+"""
 
 
 @functools.cache
-def _lr_kernel() -> Any:
+def _advance_kernel(advance: str) -> Any:
     import cupy as cp
 
-    return cp.ElementwiseKernel(
-        "float64 base, int64 total, int64 warmup, bool cosine, float64 min_ratio",
-        "int64 step, float64 lr",
-        """
-        if (step < warmup) {
-            lr = base * (double)(step + 1) / (double)warmup;
-        } else if (!cosine) {
-            lr = base;
-        } else {
-            const long long span = max(total - warmup - 1, 1LL);
-            const double progress = min((double)(step - warmup) / (double)span, 1.0);
-            lr = base * (min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + cos(3.141592653589793 * progress)));
-        }
-        step += 1;
-        """,
-        "mlptrain_lr_schedule",
-    )
-
-
-# --- fused CuPy kernels ---------------------------------------------------------------------
-# T: gradient dtype (the GEMM's: fp16/bf16/fp32/fp64), P: master dtype, C: compute-copy dtype.
-# lr, inv_scale, skip, t are 0-d device arrays read as raw pointers.
-
-
-@functools.cache
-def _sgd_kernel(with_compute_copy: bool) -> Any:
-    import cupy as cp
-
-    out_params = "P p, P buf" + (", C pc" if with_compute_copy else "")
-    body = """
-    if (skip[0] == 0) {
-        P g = (P)grad * (P)inv_scale[0] + (P)weight_decay * p;
-        if (momentum != 0) {
-            buf = (P)momentum * buf + g;
-            g = nesterov ? g + (P)momentum * buf : buf;
-        }
-        p = p - (P)lr[0] * g;
-        %s
-    }
-    """ % ("pc = (C)p;" if with_compute_copy else "")
-    return cp.ElementwiseKernel(
-        "T grad, raw float64 lr, raw float64 inv_scale, raw int32 skip, "
-        "float64 momentum, float64 weight_decay, bool nesterov",
-        out_params,
-        body,
-        "mlptrain_sgd_step",
-    )
-
-
-@functools.cache
-def _adam_kernel(with_compute_copy: bool) -> Any:
-    import cupy as cp
-
-    out_params = "P p, P m, P v" + (", C pc" if with_compute_copy else "")
-    body = """
-    if (skip[0] == 0) {
-        P g = (P)grad * (P)inv_scale[0];
-        if (decoupled) { p = p * (P)(1.0 - lr[0] * weight_decay); } else { g = g + (P)weight_decay * p; }
-        m = (P)beta1 * m + (P)(1.0 - beta1) * g;
-        v = (P)beta2 * v + (P)(1.0 - beta2) * g * g;
-        P m_hat = m / (P)(1.0 - pow(beta1, t[0]));
-        P v_hat = v / (P)(1.0 - pow(beta2, t[0]));
-        p = p - (P)lr[0] * m_hat / (sqrt(v_hat) + (P)eps);
-        %s
-    }
-    """ % ("pc = (C)p;" if with_compute_copy else "")
-    return cp.ElementwiseKernel(
-        "T grad, raw float64 lr, raw float64 inv_scale, raw int32 skip, raw float64 t, "
-        "float64 beta1, float64 beta2, float64 eps, float64 weight_decay, bool decoupled",
-        out_params,
-        body,
-        "mlptrain_adam_step",
-    )
+    return cp.ElementwiseKernel("", "int64 step, float64 lr", advance, "mlptrain_lr_schedule", preamble=LR_AT_CUDA)

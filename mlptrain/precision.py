@@ -95,16 +95,23 @@ class LossScaler:
         self.found_inf = xp.zeros((), dtype=xp.int32)
         self.growth_tracker = xp.zeros((), dtype=xp.int32)
         self.consecutive_skips = xp.zeros((), dtype=xp.int32)
+        self._any_bad = xp.zeros(1, dtype=xp.int32)  # GPU check: blocks that saw inf/NaN set it
+        self._check_kernel: Any = None
 
     def check(self, grads: list[Any]) -> Any:
-        """Set ``found_inf`` to whether any gradient holds inf/NaN; returns it (device, no sync)."""
+        """Set ``found_inf`` to whether any gradient holds inf/NaN; returns it (device, no sync).
+
+        On the GPU one multi-tensor kernel scans every gradient; its last block to finish writes
+        the flag, so no separate kernel has to clear it first.
+        """
         xp = self.xp
         if not self.enabled:
             return self.found_inf  # stays 0: fp32/fp64 runs check the loss at the log interval
-        if xp is not np:  # one pass per gradient, no temporaries
-            self.found_inf.fill(0)
-            for g in grads:
-                _flag_nonfinite_kernel()(g, self.found_inf)
+        if xp is not np:
+            sizes = [g.size for g in grads]
+            if self._check_kernel is None or self._check_kernel.sizes != sizes:
+                self._check_kernel = _nonfinite_kernel(sizes)
+            self._check_kernel(grads, self._any_bad, self.found_inf)
             return self.found_inf
         bad = xp.zeros((), dtype=xp.bool_)
         for g in grads:
@@ -118,15 +125,8 @@ class LossScaler:
             return
         xp = self.xp
         if xp is not np:  # the same rules in one kernel launch
-            _scaler_update_kernel()(
-                self.found_inf,
-                self.backoff_factor,
-                self.growth_factor,
-                self.growth_interval,
-                self.scale,
-                self.inv_scale,
-                self.growth_tracker,
-                self.consecutive_skips,
+            _update_kernel(self.cuda_update("found", "scale", "inv_scale", "tracker", "skips"))(
+                self.found_inf, self.scale, self.inv_scale, self.growth_tracker, self.consecutive_skips
             )
             return
         inf = self.found_inf != 0
@@ -137,6 +137,17 @@ class LossScaler:
         xp.divide(1.0, self.scale, out=self.inv_scale)
         self.growth_tracker[...] = xp.where(grow, 0, tracker)
         self.consecutive_skips[...] = xp.where(inf, self.consecutive_skips + 1, 0)
+
+    def cuda_update(self, found: str, scale: str, inv_scale: str, tracker: str, skips: str) -> str:
+        """CUDA statements of :meth:`update` on the lvalues named here (the training step fuses them)."""
+        from mlptrain.multitensor import c_literal as lit
+
+        if not self.enabled:
+            return ""
+        return (
+            f"mlptrain_scaler_update({found}, {lit(self.backoff_factor)}, {lit(self.growth_factor)}, "
+            f"{int(self.growth_interval)}, {scale}, {inv_scale}, {tracker}, {skips});"
+        )
 
     def state_dict(self) -> dict[str, float | int]:
         return {
@@ -152,30 +163,46 @@ class LossScaler:
         self.consecutive_skips[...] = state["consecutive_skips"]
 
 
-@functools.cache
-def _flag_nonfinite_kernel() -> Any:
-    import cupy as cp
+SCALER_UPDATE_CUDA = """
+// LossScaler.update() of mlptrain/precision.py.
+__device__ void mlptrain_scaler_update(int found, double backoff, double growth, int interval, double& scale,
+                                       double& inv_scale, int& tracker, int& skips) {
+    if (found) { scale *= backoff; tracker = 0; skips += 1; }
+    else {
+        skips = 0;
+        tracker += 1;
+        if (tracker >= interval) { scale *= growth; tracker = 0; }
+    }
+    inv_scale = 1.0 / scale;
+}
+"""
 
-    return cp.ElementwiseKernel(
-        "T g", "raw int32 flag", "if (!isfinite((float)g)) flag[0] = 1;", "mlptrain_flag_nonfinite", no_return=True
+
+def _nonfinite_kernel(sizes: list[int]) -> Any:
+    """One launch over every gradient: ``found = any element is inf or NaN``."""
+    from mlptrain.multitensor import MultiTensorKernel
+
+    return MultiTensorKernel(
+        "mlptrain_check_nonfinite",
+        [("g", "G")],
+        sizes,
+        "if (!isfinite((float)$g)) bad = true;",
+        extra_params="raw int32 any_bad, raw int32 found",
+        loop_prep="bool bad = false;",
+        # Each block ORs its threads' flags into any_bad; the last block publishes and clears it.
+        block_flag=("bad", "any_bad"),
+        epilogue="found[0] = atomicExch(&any_bad[0], 0);",
     )
 
 
 @functools.cache
-def _scaler_update_kernel() -> Any:
+def _update_kernel(update: str) -> Any:
     import cupy as cp
 
     return cp.ElementwiseKernel(
-        "int32 found, float64 backoff, float64 growth, int32 interval",
-        "float64 scale, float64 inv_scale, int32 tracker, int32 skips",
-        """
-        if (found) { scale *= backoff; tracker = 0; skips += 1; }
-        else {
-            skips = 0;
-            tracker += 1;
-            if (tracker >= interval) { scale *= growth; tracker = 0; }
-        }
-        inv_scale = 1.0 / scale;
-        """,
+        "",
+        "int32 found, float64 scale, float64 inv_scale, int32 tracker, int32 skips",
+        update,
         "mlptrain_scaler_update",
+        preamble=SCALER_UPDATE_CUDA,
     )

@@ -12,16 +12,19 @@ Sections:
       fused, mlptrain naive and PyTorch eager (autocast with fp32 master weights, GradScaler for
       fp16), with peak GPU memory.
 
-Method: random normal data; CUDA events around each call after warm-up; medians. Every fused
+Method: random normal data; CUDA events around each call after warm-up; medians. Training steps
+are timed two ways: 20 steps back to back (the steady state of a training run) and one step at a
+time on an idle GPU (latency, host launch work included). Every fused
 result is checked against the naive one (max |difference| / max |value|, in the tables).
 
-Usage: python scripts/bench.py [--out DIR] [--sections abc] [--reps N] [--quick]
+Usage: python scripts/bench.py [--out DIR] [--sections abc] [--reps N] [--quick] [--autotune]
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import logging
 import platform
@@ -47,6 +50,9 @@ STEP_MODELS = [  # (name, widths, batch)
     ("4096 x 4", [4096] * 5, 8192),
     ("8192 x 4", [8192] * 5, 16384),
 ]
+
+
+CHAIN = 20  # steps timed back to back for the steady-state figures
 
 
 def median(times):
@@ -118,16 +124,12 @@ def bench_layer(m, k, n, dtype, reps):
     return r
 
 
-def bench_step_mlptrain(widths, batch, precision, mode, reps, graph=False):
-    import cupy as cp
-
+def step_trainer(widths, batch, precision, mode="fused", graph=True, autotune=False, optimizer="sgd", bgrad="auto"):
+    """A GPU Trainer for ``widths`` on random data (one batch per epoch), as the step benchmarks use it."""
     from mlptrain.config import TrainConfig
     from mlptrain.data import Dataset
-    from mlptrain.gpu import cuda_time_ms
     from mlptrain.train import Trainer
 
-    pool = cp.get_default_memory_pool()
-    pool.free_all_blocks()
     rng = np.random.default_rng(0)
     x = rng.standard_normal((batch, widths[0]), dtype=np.float32)
     y = rng.integers(0, widths[-1], batch)
@@ -137,24 +139,77 @@ def bench_step_mlptrain(widths, batch, precision, mode, reps, graph=False):
     cfg.device = type(cfg.device)("gpu")
     cfg.precision.name = type(cfg.precision.name)(precision)
     cfg.execution.mode = type(cfg.execution.mode)(mode)
+    cfg.execution.bgrad = type(cfg.execution.bgrad)(bgrad)
+    cfg.execution.autotune = autotune
     cfg.model.hidden = widths[1:-1]
     cfg.data.batch_size = batch
+    cfg.optimizer.name = type(cfg.optimizer.name)(optimizer)
     cfg.optimizer.schedule = type(cfg.optimizer.schedule)("constant")
     cfg.optimizer.lr = 1e-3
     cfg.progress = False
     cfg.graph = graph
-    tr = Trainer(cfg, dataset=ds)
+    return Trainer(cfg, dataset=ds)
+
+
+def bench_step_mlptrain(widths, batch, precision, mode, reps, graph=False, autotune=False):
+    import cupy as cp
+
+    from mlptrain.gpu import cuda_time_ms
+
+    pool = cp.get_default_memory_pool()
+    pool.free_all_blocks()
+    tr = step_trainer(widths, batch, precision, mode, graph=graph, autotune=autotune)
     losses = []
     with tr.stream:  # the stream a training run uses (graph capture needs a non-default one)
         xb, yb = next(iter(tr.train_loader.epoch(0)))
         times = cuda_time_ms(lambda: losses.append(tr.step(xb, yb)[0]), warmup=5, reps=reps)
-    peak = pool.total_bytes()
-    if graph:  # the graph's private pool holds the step's temporaries
-        peak += sum(g.pool.total_bytes() for g in tr.graphed._shapes.values())
+        chained = cuda_time_ms(lambda: tr.step(xb, yb), warmup=1, reps=reps, chain=CHAIN)
+        peak = pool.total_bytes()
+        if graph:  # the graph's private pool holds the step's temporaries
+            peak += sum(g.pool.total_bytes() for g in tr.graphed._shapes.values())
+        own_gemms = own_gemm_time(tr, xb, yb, reps) if graph else None  # after the peak: it allocates
     first_losses = [float(v) for v in losses[:3]]
     bgrad = tr.model.bgrad
     pool.free_all_blocks()
-    return {"ms": median(times), "peak_gib": peak / 2**30, "losses": first_losses, "bgrad": bgrad}
+    return {
+        "ms": median(chained),
+        "ms_isolated": median(times),
+        "own_gemms": own_gemms,
+        "peak_gib": peak / 2**30,
+        "losses": first_losses,
+        "bgrad": bgrad,
+    }
+
+
+def own_gemm_time(tr, xb, yb, reps):
+    """GPU time of the step's own GEMMs (with their epilogs), forward and backward, replayed from a graph.
+
+    The same calls as the training step makes (``model.forward``, ``model.backward``), with the
+    loss, the overflow check and the optimizer left out: what the step costs beyond its GEMMs is
+    the rest. Returns ``{"ms": steady, "ms_isolated": one replay}``.
+    """
+    import cupy as cp
+
+    from mlptrain.gpu import capture_graph, cuda_time_ms
+
+    stream = cp.cuda.get_current_stream()
+    out = tr.loss_fn(tr.model.forward(xb), yb, tr.scaler.scale, bias_grad=tr.bias_grad_from_loss)
+    dlogits, db = out[1], (out[3] if tr.bias_grad_from_loss else None)
+
+    def gemms():
+        tr.model.forward(xb)
+        tr.model.backward(dlogits, output_bias_grad=db)
+        return [p.grad for p in tr.model.params]
+
+    gemms()
+    graph, keep = capture_graph(gemms, stream)
+    launch = functools.partial(graph.launch, stream)
+    result = {
+        "ms": median(cuda_time_ms(launch, reps=reps, chain=CHAIN)),
+        "ms_isolated": median(cuda_time_ms(launch, reps=reps)),
+    }
+    del keep
+    return result
 
 
 def bench_step_torch(widths, batch, precision, reps):
@@ -192,9 +247,10 @@ def bench_step_torch(widths, batch, precision, reps):
     # Time on torch's current stream, with CuPy events on the same stream.
     stream = cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
     times = cuda_time_ms(step, warmup=5, reps=reps, stream=stream)
+    chained = cuda_time_ms(step, warmup=1, reps=reps, stream=stream, chain=CHAIN)
     peak = torch.cuda.max_memory_reserved() / 2**30
     torch.cuda.empty_cache()
-    return {"ms": median(times), "peak_gib": peak, "version": torch.__version__}
+    return {"ms": median(chained), "ms_isolated": median(times), "peak_gib": peak, "version": torch.__version__}
 
 
 def step_gemm_floor(widths, batch, dtype, reps):
@@ -228,8 +284,48 @@ def step_gemm_floor(widths, batch, dtype, reps):
         outputs = run()  # noqa: F841 - the graph writes into these: keep them alive
         graph = stream.end_capture()
         t = median(cuda_time_ms(lambda: graph.launch(stream), reps=reps))
+        chained = median(cuda_time_ms(lambda: graph.launch(stream), reps=reps, chain=CHAIN))
     gemm.free()
-    return t
+    return {"ms": chained, "ms_isolated": t}
+
+
+def bench_steps(name, widths, batch, precision, reps, autotune=False):
+    """Every variant of one model's training step (see section (c) of the module docstring)."""
+    import ml_dtypes
+
+    dtype = np.float16 if precision == "fp16" else np.dtype(ml_dtypes.bfloat16)
+    return {
+        "model": name,
+        "widths": widths,
+        "batch": batch,
+        "precision": precision,
+        "gemm_floor": step_gemm_floor(widths, batch, dtype, reps),
+        "autotune": autotune,
+        "fused_graph": bench_step_mlptrain(widths, batch, precision, "fused", reps, graph=True, autotune=autotune),
+        "fused": bench_step_mlptrain(widths, batch, precision, "fused", reps, autotune=autotune),
+        "naive": bench_step_mlptrain(widths, batch, precision, "naive", reps, autotune=autotune),
+        "torch": bench_step_torch(widths, batch, precision, reps),
+    }
+
+
+def step_rows(rec):
+    """Two table rows of one model and dtype: steady state, then isolated steps."""
+    g, f, nv, t, floor = (rec[k] for k in ("fused_graph", "fused", "naive", "torch", "gemm_floor"))
+    rows = []
+    for label, key in (("steady", "ms"), ("isolated", "ms_isolated")):
+        tt = t[key] if t else None
+        peak = (
+            f"{g['peak_gib']:.2f} / {f['peak_gib']:.2f} / {nv['peak_gib']:.2f} / {fmt(t['peak_gib'] if t else None, 2)}"
+        )
+        own = g["own_gemms"][key]
+        rows.append(
+            f"| {rec['model']} | {rec['batch']} | {rec['precision']} | {label} | {fmt(floor[key])} | {fmt(own)} "
+            f"| {fmt(g[key])} | {fmt(f[key])} | {fmt(nv[key])} | {fmt(tt)} | {g[key] / floor[key]:.2f}x "
+            f"| {g[key] / own:.2f}x "
+            f"| {f'{tt / g[key]:.2f}x' if tt else '-'} | {f'{tt / f[key]:.2f}x' if tt else '-'} "
+            f"| {nv[key] / f[key]:.2f}x | {peak} | {','.join(f['bgrad'])} |"
+        )
+    return rows
 
 
 def fmt(v, nd=3):
@@ -242,6 +338,7 @@ def main(argv=None):
     ap.add_argument("--sections", default="abc", help="which sections to run (a, b, c)")
     ap.add_argument("--reps", type=int, default=10, help="timed repetitions per measurement (median reported)")
     ap.add_argument("--quick", action="store_true", help="skip the largest shapes (seed layer, 8192 x 4 step)")
+    ap.add_argument("--autotune", action="store_true", help="mlptrain steps with execution.autotune=true")
     args = ap.parse_args(argv)
     available, reason = probe_gpu()
     if not available:
@@ -324,45 +421,25 @@ def main(argv=None):
             "Forward, softmax cross-entropy, backward, SGD with momentum (fp32 master weights). fp16 with "
             "dynamic loss scaling. mlptrain peak = CuPy pool high-water mark; PyTorch = max_memory_reserved. "
             "GEMM floor: the GPU time of the step's GEMMs alone (nvmath, replayed from a CUDA graph). "
-            "fused, graph: the whole step replayed from a CUDA graph (the default on the GPU).",
+            "own GEMMs: the step's GEMMs with their epilogs, as the fused step runs them, replayed alone. "
+            "fused, graph: the whole step replayed from a CUDA graph (the default on the GPU). "
+            f"Steady state: {CHAIN} steps back to back, per step (what a training run sees). Isolated: one "
+            "step on an idle GPU, host launch work included (latency).",
             "",
-            "| model | batch | dtype | GEMM floor | fused, graph | fused | naive | PyTorch eager | fused vs naive "
-            "| vs PyTorch (graph; eager) | graph vs floor | peak GiB graph / fused / naive / torch | bgrad |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| model | batch | dtype | timing | GEMM floor | own GEMMs | fused, graph | fused | naive | PyTorch eager "
+            "| graph / floor | graph / own GEMMs | PyTorch / graph | PyTorch / fused | naive / fused "
+            "| peak GiB graph / fused / naive / torch | bgrad |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
-        import ml_dtypes
-
         for name, widths, batch in STEP_MODELS:
             if args.quick and widths[0] == 8192:
                 continue
             for precision in ("fp16", "bf16"):
-                dtype = np.float16 if precision == "fp16" else np.dtype(ml_dtypes.bfloat16)
-                floor = step_gemm_floor(widths, batch, dtype, args.reps)
-                g = bench_step_mlptrain(widths, batch, precision, "fused", args.reps, graph=True)
-                f = bench_step_mlptrain(widths, batch, precision, "fused", args.reps)
-                nv = bench_step_mlptrain(widths, batch, precision, "naive", args.reps)
-                t = bench_step_torch(widths, batch, precision, args.reps)
-                rec = {
-                    "model": name,
-                    "widths": widths,
-                    "batch": batch,
-                    "precision": precision,
-                    "gemm_floor_ms": floor,
-                    "fused_graph": g,
-                    "fused": f,
-                    "naive": nv,
-                    "torch": t,
-                }
+                rec = bench_steps(name, widths, batch, precision, args.reps, autotune=args.autotune)
                 result["steps"].append(rec)
-                vs_torch = f"{t['ms'] / g['ms']:.2f}x; {t['ms'] / f['ms']:.2f}x" if t else "-"
-                row = (
-                    f"| {name} | {batch} | {precision} | {fmt(floor)} | {fmt(g['ms'])} | {fmt(f['ms'])} | "
-                    f"{fmt(nv['ms'])} | {fmt(t['ms'] if t else None)} | {nv['ms'] / f['ms']:.2f}x | {vs_torch} | "
-                    f"{g['ms'] / floor:.2f}x | {g['peak_gib']:.2f} / {f['peak_gib']:.2f} / {nv['peak_gib']:.2f} / "
-                    f"{fmt(t['peak_gib'] if t else None, 2)} | {','.join(f['bgrad'])} |"
-                )
-                md.append(row)
-                print(row, flush=True)
+                for row in step_rows(rec):
+                    md.append(row)
+                    print(row, flush=True)
         md.append("")
 
     (out / "bench.json").write_text(json.dumps(result, indent=2) + "\n")

@@ -174,29 +174,35 @@ def test_whole_network_gradients_against_float64_cpu(mode, bgrad):
 
 @pytest.mark.parametrize("name", ["sgd", "adam", "adamw"])
 @pytest.mark.parametrize("compute", ["float32", "float16", "bfloat16"])
-def test_fused_optimizer_kernels_match_numpy(name, compute):
+def test_multi_tensor_optimizer_kernel_matches_numpy(name, compute):
+    """One kernel over tensors of very different sizes (one element to many blocks), with a skipped step."""
     from mlptrain.config import OptimizerConfig, OptimizerName
     from mlptrain.layers import Param
     from mlptrain.optim import make_optimizer
 
     rng = np.random.default_rng(11)
-    w0 = rng.standard_normal((37, 5)).astype(np.float32)
-    grads = [rng.standard_normal((37, 5)).astype(np.float32) * 100 for _ in range(3)]
+    shapes = [(37, 5), (1,), (300, 70), (3,)]
+    w0 = [rng.standard_normal(s).astype(np.float32) for s in shapes]
     cfg = OptimizerConfig(name=OptimizerName(name), lr=0.01, momentum=0.9, nesterov=True, weight_decay=0.01)
-    pg = Param("w", cp.asarray(w0), _dtype(compute))
-    pc = Param("w", w0.copy(), np.float32)
-    og, oc = make_optimizer(name, [pg], cfg), make_optimizer(name, [pc], cfg)
-    for i, g in enumerate(grads):
-        g_half = g.astype(_dtype(compute))
-        pg.grad = cp.asarray(g_half)
-        pc.grad = g_half.astype(np.float32) / 128.0
+    pg = [Param(f"w{i}", cp.asarray(w), _dtype(compute)) for i, w in enumerate(w0)]
+    pc = [Param(f"w{i}", w.copy(), np.float32) for i, w in enumerate(w0)]
+    og, oc = make_optimizer(name, pg, cfg), make_optimizer(name, pc, cfg)
+    for i in range(4):
+        for a, b in zip(pg, pc, strict=True):
+            g_half = (rng.standard_normal(a.value.shape).astype(np.float32) * 100).astype(_dtype(compute))
+            a.grad = cp.asarray(g_half)
+            b.grad = g_half.astype(np.float32) / 128.0
         skip = cp.asarray(1 if i == 1 else 0, dtype=cp.int32)
         og.step(cp.asarray(0.01), inv_scale=cp.asarray(1 / 128.0), skip=skip)
         if i != 1:
             oc.step(np.asarray(0.01))
-    np.testing.assert_allclose(cp.asnumpy(pg.value), pc.value, rtol=1e-5, atol=1e-6)
-    if pg.has_compute_copy:
-        np.testing.assert_array_equal(_f64(pg.compute), _f64(cp.asnumpy(pg.value).astype(_dtype(compute))))
+    assert float(og.t) == float(oc.t) == 3  # applied steps: the skipped one does not count
+    for a, b in zip(pg, pc, strict=True):
+        np.testing.assert_allclose(cp.asnumpy(a.value), b.value, rtol=1e-5, atol=1e-6, err_msg=a.name)
+        if a.has_compute_copy:
+            np.testing.assert_array_equal(_f64(a.compute), _f64(cp.asnumpy(a.value).astype(_dtype(compute))))
+        for s in og.state_names:
+            np.testing.assert_allclose(cp.asnumpy(og.state[a.name][s]), oc.state[b.name][s], rtol=1e-5, atol=1e-6)
 
 
 def _train_losses(tr, steps):
@@ -248,7 +254,7 @@ def test_fp16_loss_scaling_survives_injected_overflow():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("B", "C"), [(7, 3), (256, 10), (1000, 4096)])
+@pytest.mark.parametrize(("B", "C"), [(7, 3), (256, 10), (1024, 32), (1025, 10), (256, 33), (1000, 4096)])
 def test_cross_entropy_kernels_match_numpy(dtype, B, C):
     from mlptrain.losses import softmax_cross_entropy
 
@@ -261,6 +267,10 @@ def test_cross_entropy_kernels_match_numpy(dtype, B, C):
     assert abs(float(loss) - float(ref_loss)) < 1e-5 * max(1.0, abs(float(ref_loss)))
     _close(d, ref_d, dtype, "cross-entropy gradient")
     assert int(correct) == int(ref_correct)
+    # The output layer's bias gradient from the reduction kernel (both of its paths: C <= 256 and not)
+    *_, db = softmax_cross_entropy(cp.asarray(z), cp.asarray(y), cp.asarray(512.0), bias_grad=True)
+    assert db.dtype == z.dtype and db.shape == (C,)
+    _close(db, _f64(d).sum(axis=0), dtype, "output bias gradient")
 
 
 def test_nonfinite_check_and_scaler_update_kernels():
@@ -279,6 +289,119 @@ def test_nonfinite_check_and_scaler_update_kernels():
         seq.append((found, float(s.scale), int(s.growth_tracker), int(s.consecutive_skips)))
     assert seq == [(1, 512.0, 0, 1), (0, 512.0, 1, 0), (0, 1024.0, 0, 0), (1, 512.0, 0, 1), (0, 512.0, 1, 0)]
     assert float(s.inv_scale) == 1 / 512.0
+
+
+@pytest.mark.parametrize("where", [None, (0, 0), (1, 0), (2, 2_000_000 - 1), (3, 0)])
+def test_nonfinite_check_finds_one_bad_element_anywhere(where):
+    """One multi-tensor launch over many blocks: a single inf in any tensor, first or last element."""
+    from mlptrain.precision import LossScaler
+
+    s = LossScaler(cp, enabled=True)
+    grads = [cp.ones(n, cp.float16) for n in (5, 1, 2_000_000, 77)]
+    for _ in range(3):  # repeated launches: the last-block counter and the flag reset themselves
+        if where is not None:
+            grads[where[0]][where[1]] = cp.inf
+        assert int(s.check(grads)) == (where is not None)
+        if where is not None:
+            grads[where[0]][where[1]] = 1
+        assert int(s.check(grads)) == 0
+
+
+def test_end_of_step_kernel_matches_numpy_bookkeeping():
+    """StepLog.end_step on the GPU (one kernel) against the same bookkeeping in NumPy."""
+    from mlptrain.optim import LRSchedule
+    from mlptrain.precision import LossScaler
+    from mlptrain.steplog import StepLog
+
+    logs = {}
+    for xp in (np, cp):
+        scaler = LossScaler(xp, enabled=True, init_scale=256.0, growth_interval=3)
+        sched = LRSchedule(xp, base_lr=0.1, total_steps=12, schedule="cosine", warmup_steps=3, min_ratio=0.1)
+        log = StepLog(xp, 4, scaler, sched)
+        log.start_epoch(1.5, 7)
+        lrs = []
+        for k in range(11):
+            scaler.found_inf[...] = int(k in (2, 5, 6))
+            lrs.append(float(sched.lr))
+            log.end_step(xp.asarray(0.5 + k, dtype=xp.float32), xp.asarray(k, dtype=xp.int64), 10 + k)
+        logs[xp.__name__] = (log, lrs, log.read(7, 4), float(scaler.scale), int(sched.step))
+    (lc, lrc, rc, sc, stc), (lg, lrg, rg, sg, stg) = logs["numpy"], logs["cupy"]
+    _end_of_step_as_optimizer_tail(rc)
+    assert stc == stg == 11 and sc == sg
+    np.testing.assert_allclose(lrg, lrc, rtol=1e-15)
+    np.testing.assert_allclose(lrc, [lr_at_ref(k) for k in range(11)], rtol=1e-12)
+    for key in ("loss", "correct", "skip", "scale"):
+        np.testing.assert_array_equal(rg[key], rc[key], err_msg=key)
+    assert list(rc["loss"]) == [7.5, 8.5, 9.5, 10.5] and list(rc["skip"]) == [0, 0, 0, 0]
+    assert float(lg.epoch_loss) == float(lc.epoch_loss) and int(lg.epoch_correct) == int(lc.epoch_correct) == 62
+
+
+def _end_of_step_as_optimizer_tail(expected):
+    """The same bookkeeping run by the last block of the optimizer kernel, as the training step runs it."""
+    from mlptrain.config import OptimizerConfig
+    from mlptrain.layers import Param
+    from mlptrain.optim import LRSchedule, make_optimizer
+    from mlptrain.precision import LossScaler
+    from mlptrain.steplog import StepLog
+
+    scaler = LossScaler(cp, enabled=True, init_scale=256.0, growth_interval=3)
+    sched = LRSchedule(cp, base_lr=0.1, total_steps=12, schedule="cosine", warmup_steps=3, min_ratio=0.1)
+    log = StepLog(cp, 4, scaler, sched)
+    log.start_epoch(1.5, 7)
+    p = Param("w", cp.ones(5000, cp.float32), cp.float16)  # several blocks: the tail runs once, in the last
+    p.grad = cp.ones(5000, cp.float16)
+    opt = make_optimizer("sgd", [p], OptimizerConfig(momentum=0.0))
+    for k in range(11):
+        scaler.found_inf[...] = int(k in (2, 5, 6))
+        opt.step(
+            sched.lr,
+            scaler.inv_scale,
+            scaler.found_inf,
+            tail=log.tail(cp.asarray(0.5 + k, cp.float32), cp.asarray(k, cp.int64), 10 + k),
+        )
+    got = log.read(7, 4)
+    for key in ("loss", "correct", "skip", "scale"):
+        np.testing.assert_array_equal(got[key], expected[key], err_msg=key)
+    assert int(sched.step) == 11 and int(log.epoch_correct) == 62 and float(opt.t) == 8
+
+
+def lr_at_ref(k):
+    from mlptrain.optim import lr_at
+
+    return lr_at(k, base_lr=0.1, total_steps=12, schedule="cosine", warmup_steps=3, min_ratio=0.1)
+
+
+def test_cross_entropy_kernel_ties_bad_labels_and_tiny_shapes():
+    from mlptrain.losses import softmax_cross_entropy
+
+    z = np.array([[1, 3, 3, 0], [2, 2, 2, 2], [0, 0, 5, 5], [-1, -2, -1, -3]], np.float16)  # ties: first index
+    for y in ([1, 0, 2, 0], [2, 1, 3, 2]):
+        for reps in (1, 300):  # the one-block kernel (B <= 1024) and the warp-per-row kernel
+            zz, yy = np.tile(z, (reps, 1)), np.tile(y, reps)
+            _, _, correct = softmax_cross_entropy(cp.asarray(zz), cp.asarray(yy))
+            assert int(correct) == int((zz.argmax(axis=1) == yy).sum()) == reps * int((z.argmax(axis=1) == y).sum())
+    loss, d, correct = softmax_cross_entropy(cp.asarray(np.zeros((1, 1), np.float32)), cp.asarray([0]))
+    assert float(loss) == 0.0 and float(d[0, 0]) == 0.0 and int(correct) == 1
+    for reps in (1, 300):
+        zz, yy = np.tile(z.astype(np.float32), (reps, 1)), np.tile([0, 1, 4, 2], reps)
+        loss, _, _ = softmax_cross_entropy(cp.asarray(zz), cp.asarray(yy))
+        assert np.isnan(float(loss))  # label 4 of 4 classes: NaN, not a read past the row
+
+
+def test_step_is_the_gemms_and_three_kernels():
+    """The captured fp16 step: 8 GEMMs plus exactly mlptrain's three small kernels, no CuPy op left."""
+    tr = _gpu_trainer(**{"precision.name": "fp16", "data.drop_last": True, "execution.bgrad": "bgradb"})
+    with tr.stream:
+        _train_losses(tr, 4)
+    names = tr.graphed.kernel_names()
+    ours = [n for n in names if n.startswith("mlptrain_")]
+    assert ours == [
+        "mlptrain_xent_small",  # 10 classes: the one-block loss kernel
+        "mlptrain_check_nonfinite",
+        "mlptrain_sgd_step",  # its last block ends the step (StepLog.tail)
+    ], names
+    assert not [n for n in names if n.startswith("cupy_")], names
+    assert len(names) - len(ours) >= 3 * len(tr.model.layers) - 1  # at least one kernel per GEMM
 
 
 def test_plans_are_made_once_and_reused():
@@ -344,3 +467,21 @@ def test_plan_cache_skips_planning_in_a_second_run(tmp_path):
     d2, _ = second("c.fwd", W, x.T, Epilog.RELU_AUX_BIAS, bias=b)
     assert second.plans_from_cache == 1
     cp.testing.assert_array_equal(d1, d2)
+
+
+def test_graph_autotune_picks_a_candidate_that_computes_the_contract(tmp_path):
+    """execution.autotune: every candidate is timed in a CUDA graph; the chosen one must still be exact."""
+    from mlptrain.gpu import PlanCache
+
+    rng = np.random.default_rng(8)
+    W, x, b = _rand(rng, (1024, 784), "float16"), _rand(rng, (256, 784), "float16"), _rand(rng, (1024,), "float16")
+    cache = PlanCache(tmp_path / "plans.npz")
+    gemm = NvmathGemm(autotune=True, plan_cache=cache)
+    d, aux = gemm("t.fwd", cp.asarray(W), cp.asarray(x).T, Epilog.RELU_AUX_BIAS, bias=cp.asarray(b))
+    ref, ref_aux = matmul(_f64(W), _f64(x).T, epilog=Epilog.RELU_AUX_BIAS, epilog_inputs={"bias": _f64(b)})
+    _close(d, ref, "float16", "autotuned RELU_AUX_BIAS")
+    assert (
+        unpack_relu_mask(cp.asnumpy(aux["relu_aux"]), 1024) == unpack_relu_mask(ref_aux["relu_aux"], 1024)
+    ).mean() > 0.999
+    assert any(k.startswith("tuned-") for k in PlanCache(tmp_path / "plans.npz")._algos)  # kept for the next run
+    gemm.free()

@@ -131,3 +131,31 @@ def test_bad_bgrad_is_rejected():
             compute_dtype=np.float64,
             bgrad="sideways",
         )
+
+
+@pytest.mark.parametrize("loss_fn", [softmax_cross_entropy, mse])
+@pytest.mark.parametrize("mode", ["fused", "naive"])
+def test_output_bias_gradient_from_the_loss_equals_bgradb(loss_fn, mode):
+    """The loss's summed dlogits stand in for the output layer's BGRADB: same gradients everywhere."""
+    rng = np.random.default_rng(4)
+    x, y = rng.standard_normal((9, 6)), rng.integers(0, 4, 9)
+    grads = []
+    for from_loss in (False, True):
+        net = MLP(
+            [6, 7, 5, 4],
+            execution=make_execution(mode),
+            xp=np,
+            rng=np.random.default_rng(1),
+            param_dtype=np.float64,
+            compute_dtype=np.float64,
+        )
+        logits = net.forward(x)
+        if from_loss:
+            _, d, _, db = loss_fn(logits, y, bias_grad=True)
+            np.testing.assert_allclose(db, d.sum(axis=0), rtol=1e-12)
+            net.backward(d, output_bias_grad=db)
+        else:
+            net.backward(loss_fn(logits, y)[1])
+        grads.append([p.grad.copy() for p in net.params])
+    for a, b in zip(*grads, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-15)

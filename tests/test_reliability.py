@@ -180,8 +180,8 @@ def _inject(monkeypatch: pytest.MonkeyPatch, where: str, step: int, what: str) -
     if where == "grad":
         original = MLP.backward
 
-        def backward(self: MLP, dlogits: Any) -> None:
-            original(self, dlogits)
+        def backward(self: MLP, dlogits: Any, output_bias_grad: Any = None) -> None:
+            original(self, dlogits, output_bias_grad)
             if count["n"] == step:
                 getattr(self.layers[int(layer[5:])], kind).grad[0] = np.inf
             count["n"] += 1

@@ -1,0 +1,152 @@
+"""One kernel launch over every parameter of a model: the optimizer update and the overflow check.
+
+A small MLP has a few large weights and a few tiny biases. One elementwise kernel per
+parameter means one launch per parameter; in a replayed CUDA graph each launch of a small kernel
+still costs a couple of microseconds of GPU time, as much as a small GEMM. A *multi-tensor*
+kernel (Apex's ``multi_tensor_apply``, PyTorch's ``foreach`` optimizers) does the whole model in
+one launch. Here the grid is fixed (enough threads to fill the GPU, fewer for a tiny model) and
+every thread walks every tensor with the grid's stride; the tensor sizes are compile-time
+constants, so each loop is as simple as a single-tensor kernel's::
+
+    thread i of N:  for (j = i; j < 802816; j += N) update(g0[j], p0[j], ...);   // layer0.weight
+                    for (j = i; j < 1024;   j += N) update(g1[j], p1[j], ...);   // layer0.bias
+                    ...
+
+Some work must happen once per launch, after every element is done: Adam's step count ``t``
+advances, the overflow flag of all gradients is published. :class:`MultiTensorKernel` gives a
+kernel a *last-block* epilogue (the threadfence reduction of the CUDA samples): each block, when
+its threads are done, increments a counter in device memory, and the block that sees the
+counter reach the grid size knows every other block has finished and runs the epilogue, then
+resets the counter for the next launch (or the next replay of a CUDA graph). The fixed grid keeps
+those atomic increments to about a thousand per launch; one block per 256 elements would queue
+thousands on one address, which measured slower than the update itself.
+
+The kernels are CuPy ElementwiseKernels over raw arrays, so CuPy names the dtypes (float16,
+bfloat16, float32, float64) and caches the compiled code on disk per model layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from string import Template
+from typing import Any
+
+
+def _flat(a: Any, what: str) -> Any:
+    """A 1-D view of a C-contiguous array (the multi-tensor index is the flat element index)."""
+    if not a.flags.c_contiguous:
+        raise ValueError(f"{what} of shape {a.shape} is not C-contiguous; the multi-tensor kernel needs flat views")
+    return a.reshape(-1)
+
+
+class MultiTensorKernel:
+    """``body`` applied to every element of every tensor, in one launch.
+
+    Args:
+        name: kernel name (shows in profiles and graph dumps).
+        roles: the per-tensor arrays, ``(name, type placeholder)``: ``[("g", "G"), ("p", "P")]``.
+            Every tensor of a role has the role's dtype.
+        sizes: element count of each tensor, in order.
+        body: CUDA statements for one element, with ``$g``, ``$p`` ... standing for the element of
+            each role (``g3[j]`` for tensor 3).
+        extra_params: raw arrays and scalars after the tensors (``"raw float64 lr"``).
+        loop_prep: statements each thread runs before its elements (read per-step scalars once).
+        block_flag: ``(local bool, raw int32 array)``: after the elements, a block in which any
+            thread's flag is true ORs 1 into ``array[0]`` (one atomic per block, not per element).
+        epilogue: statements the last block to finish runs once, after every element is done.
+        preamble: device functions the code calls.
+
+    Call it with the tensors role by role (``[g0, g1, ...], [p0, p1, ...]``), then the extras.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        roles: Sequence[tuple[str, str]],
+        sizes: Sequence[int],
+        body: str,
+        *,
+        extra_params: str = "",
+        loop_prep: str = "",
+        block_flag: tuple[str, str] | None = None,
+        epilogue: str = "",
+        preamble: str = "",
+    ) -> None:
+        import cupy as cp
+
+        self.roles = list(roles)
+        self.sizes = [int(s) for s in sizes]
+        self.total = sum(self.sizes)
+        if not self.sizes or min(self.sizes) < 1:
+            raise ValueError(f"{name}: every tensor needs at least one element; sizes {self.sizes}")
+        params = [f"raw {t} {r}{k}" for k in range(len(self.sizes)) for r, t in self.roles]
+        # Enough threads to fill the GPU (2048 per SM), in blocks of 256; fewer for a small model.
+        sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+        self.threads = min(-(-self.total // 256) * 256, sms * 2048)
+        loops = []
+        for k, n in enumerate(self.sizes):
+            element = Template(body).substitute({r: f"{r}{k}[j]" for r, _ in self.roles})
+            loops.append(f"for (ptrdiff_t j = i; j < {n}LL; j += {self.threads}LL) {{ {element} }}")
+        after = ""
+        if block_flag is not None:
+            flag, target = block_flag
+            after += f"if (__syncthreads_or({flag}) && threadIdx.x == 0) atomicOr(&{target}[0], 1);"
+        if epilogue:
+            params.append("raw int32 blocks_done")
+            after += f"""
+            __syncthreads();  // every thread of this block is done
+            if (threadIdx.x == 0) {{
+                __threadfence();  // this block's writes are visible before it is counted
+                if (atomicAdd(&blocks_done[0], 1) == (int)gridDim.x - 1) {{
+                    __threadfence();
+                    {epilogue}
+                    blocks_done[0] = 0;  // ready for the next launch or graph replay
+                }}
+            }}
+            """
+        if extra_params:
+            params.append(extra_params)
+        self._kernel = cp.ElementwiseKernel(
+            "",
+            ", ".join(params),
+            "\n".join(loops),
+            name,
+            loop_prep=loop_prep,
+            after_loop=after,
+            preamble=preamble,
+            no_return=True,
+        )
+        self._blocks_done = cp.zeros(1, dtype=cp.int32) if epilogue else None
+
+    def __call__(self, *args: Any) -> None:
+        """Launch over the tensors (one list per role) followed by the extra arguments."""
+        per_role, extras = args[: len(self.roles)], args[len(self.roles) :]
+        flat: list[Any] = []
+        for k, n in enumerate(self.sizes):
+            for (r, _), tensors in zip(self.roles, per_role, strict=True):
+                a = tensors[k]
+                if a.size != n:
+                    raise ValueError(f"{self._kernel.name}: {r}{k} has {a.size} elements; the kernel was built for {n}")
+                flat.append(_flat(a, f"{r}{k}"))
+        if self._blocks_done is not None:
+            flat.append(self._blocks_done)
+        self._kernel(*flat, *extras, size=self.threads, block_size=256)
+
+
+@dataclass(frozen=True)
+class KernelTail:
+    """Work appended to a multi-tensor kernel's last block: CUDA statements, their parameters
+    (raw arrays, named so they cannot clash with the kernel's own), the arguments, and the device
+    functions they call. The training step hands the optimizer its end-of-step bookkeeping this way
+    (:meth:`mlptrain.steplog.StepLog.tail`), which saves a kernel launch per step."""
+
+    code: str
+    params: str
+    args: tuple
+    preamble: str = ""
+
+
+def c_literal(x: float) -> str:
+    """``x`` as a CUDA double literal that parses to the same double."""
+    return repr(float(x))

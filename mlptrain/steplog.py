@@ -1,0 +1,172 @@
+"""The end of a training step: bookkeeping and metrics, recorded on the device in one kernel.
+
+After the optimizer update a step still has small jobs: the loss scaler grows or backs off, the
+learning-rate schedule moves to the next step, and the step's loss, correct count, skip flag and
+loss scale must be kept for the log. Each is a handful of scalar operations; as separate CuPy
+operations they are seven or eight launches per step, which in a replayed CUDA graph cost more
+GPU time than the small model's GEMMs, and outside the graph a few microseconds of host time
+each. :class:`StepLog` does all of it in one single-thread kernel that the graph captures with the
+rest of the step, so the host does nothing per step but replay the graph.
+
+Metrics go into a ring of ``capacity`` slots in device memory, indexed by the device step counter
+(slot ``step % capacity``); the training loop reads the ring back once per log interval (one host
+sync), and ``capacity`` is the interval length, so a slot is never overwritten before it is read.
+The epoch's running sums live on the device too.
+
+On the CPU the same bookkeeping runs as NumPy operations, in the same order.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import numpy as np
+
+from mlptrain.multitensor import KernelTail
+from mlptrain.optim import LRSchedule
+from mlptrain.precision import LossScaler
+
+
+class StepLog:
+    """Per-step metrics in a device ring, the epoch's running sums, and the end-of-step kernel.
+
+    Args:
+        xp: NumPy or CuPy.
+        capacity: ring slots (the log interval).
+        scaler: its :meth:`~mlptrain.precision.LossScaler.update` runs at the end of each step.
+        schedule: its :meth:`~mlptrain.optim.LRSchedule.advance` runs at the end of each step.
+
+    Attributes (device arrays): ``loss`` (capacity,) float64, ``correct`` (capacity,) int64,
+    ``skip`` (capacity,) int32 (fp16: the step overflowed and was skipped), ``scale`` (capacity,)
+    float64 (the loss scale after the step), ``epoch_loss`` 0-d float64 (sum of loss x batch size)
+    and ``epoch_correct`` 0-d int64.
+    """
+
+    def __init__(self, xp: Any, capacity: int, scaler: LossScaler, schedule: LRSchedule) -> None:
+        if capacity < 1:
+            raise ValueError(f"StepLog capacity={capacity} must be at least 1")
+        self.xp = xp
+        self.capacity = int(capacity)
+        self.scaler = scaler
+        self.schedule = schedule
+        self.loss = xp.zeros(capacity, dtype=xp.float64)
+        self.correct = xp.zeros(capacity, dtype=xp.int64)
+        self.skip = xp.zeros(capacity, dtype=xp.int32)
+        self.scale = xp.zeros(capacity, dtype=xp.float64)
+        self.epoch_loss = xp.zeros((), dtype=xp.float64)
+        self.epoch_correct = xp.zeros((), dtype=xp.int64)
+
+    def start_epoch(self, loss_sum: float = 0.0, correct: int = 0) -> None:
+        """Reset the epoch's running sums (to a checkpoint's partial sums when resuming mid-epoch)."""
+        self.epoch_loss[...] = loss_sum
+        self.epoch_correct[...] = correct
+
+    def end_step(self, loss: Any, correct: Any, batch_size: int) -> None:
+        """Record step ``schedule.step``'s metrics, update the loss scale, advance the schedule.
+
+        ``loss`` and ``correct`` are the step's 0-d device results; nothing is read back. On the
+        GPU the training step does not call this: it hands the same work to the optimizer
+        kernel's last block (:meth:`tail`).
+        """
+        xp, sc = self.xp, self.scaler
+        if xp is not np:
+            t = self.tail(loss, correct, batch_size, prefix="")
+            _end_step_kernel(t.params, t.code, t.preamble)(*t.args, size=1)
+            return
+        k = int(self.schedule.step) % self.capacity
+        self.loss[k] = loss
+        self.correct[k] = correct
+        self.skip[k] = sc.found_inf
+        sc.update()
+        self.scale[k] = sc.scale
+        self.epoch_loss += loss * batch_size
+        self.epoch_correct += correct
+        self.schedule.advance()
+
+    def tail(self, loss: Any, correct: Any, batch_size: int, prefix: str = "log_") -> KernelTail:
+        """:meth:`end_step` as CUDA statements for one thread, with parameter names starting with ``prefix``."""
+        from mlptrain.optim import LR_AT_CUDA
+        from mlptrain.precision import SCALER_UPDATE_CUDA
+
+        sc, sched = self.scaler, self.schedule
+        names = {n: prefix + n for n in _TAIL_ARRAYS}
+        arrays = (
+            loss,
+            correct,
+            sc.found_inf,
+            sc.scale,
+            sc.inv_scale,
+            sc.growth_tracker,
+            sc.consecutive_skips,
+            sched.step,
+            sched.lr,
+            self.loss,
+            self.correct,
+            self.skip,
+            self.scale,
+            self.epoch_loss,
+            self.epoch_correct,
+        )
+        n = names
+        code = _END_STEP.format(
+            **n,
+            capacity=self.capacity,
+            batch_size=int(batch_size),
+            scaler_update=sc.cuda_update(
+                f"{n['found']}[0]", f"{n['scale']}[0]", f"{n['inv_scale']}[0]", f"{n['tracker']}[0]", f"{n['skips']}[0]"
+            ),
+            schedule_advance=sched.cuda_advance(f"{n['step']}[0]", f"{n['lr']}[0]"),
+        )
+        params = ", ".join(f"raw {t} {names[a]}" for a, t in _TAIL_ARRAYS.items())
+        return KernelTail(code, params, arrays, SCALER_UPDATE_CUDA + LR_AT_CUDA)
+
+    def read(self, first_step: int, n: int) -> dict[str, np.ndarray]:
+        """Host copies of the metrics of steps ``first_step .. first_step + n - 1`` (syncs the device)."""
+        if not 0 <= n <= self.capacity:
+            raise ValueError(f"cannot read {n} steps from a StepLog of capacity {self.capacity}")
+        slots = (np.arange(first_step, first_step + n) % self.capacity).astype(np.int64)
+        to_host = (lambda a: a.get()) if self.xp is not np else np.asarray
+        return {name: to_host(getattr(self, name))[slots] for name in ("loss", "correct", "skip", "scale")}
+
+
+# The tail's arrays, in argument order, with their CUDA types (L, K: the loss's and count's dtypes).
+_TAIL_ARRAYS = {
+    "loss": "L",
+    "correct": "K",
+    "found": "int32",
+    "scale": "float64",
+    "inv_scale": "float64",
+    "tracker": "int32",
+    "skips": "int32",
+    "step": "int64",
+    "lr": "float64",
+    "ring_loss": "float64",
+    "ring_correct": "int64",
+    "ring_skip": "int32",
+    "ring_scale": "float64",
+    "epoch_loss": "float64",
+    "epoch_correct": "int64",
+}
+
+_END_STEP = """
+{{  // end of the training step: metrics into the ring, loss scale, next step's lr
+    const long long s = {step}[0];   // the step that just ran
+    const long long k = s % {capacity}LL;
+    {ring_loss}[k] = (double){loss}[0];
+    {ring_correct}[k] = (long long){correct}[0];
+    {ring_skip}[k] = {found}[0];
+    {scaler_update}
+    {ring_scale}[k] = {scale}[0];
+    {epoch_loss}[0] += (double){loss}[0] * {batch_size}.0;
+    {epoch_correct}[0] += (long long){correct}[0];
+    {schedule_advance}
+}}
+"""
+
+
+@functools.cache
+def _end_step_kernel(params: str, code: str, preamble: str) -> Any:
+    import cupy as cp
+
+    return cp.ElementwiseKernel("", params, code, "mlptrain_end_step", preamble=preamble, no_return=True)

@@ -1,0 +1,129 @@
+"""What one training step runs on the GPU, and what it costs.
+
+Builds the training step of a model as ``python -m mlptrain`` does (fused, CUDA graph), lists the
+kernels of the captured graph in launch order, and times the step against its GEMMs alone:
+
+* steady state: 20 steps back to back, per step (what a training run sees);
+* isolated: one step on an idle GPU (latency, host launch work included).
+
+Usage: python scripts/step_kernels.py [--widths 784,1024,1024,10] [--batch 256] [--precision fp16]
+       [--optimizer sgd] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from mlptrain.backend import probe_gpu  # noqa: E402
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--widths", default="784,1024,1024,10")
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--precision", default="fp16", choices=["fp32", "tf32", "fp16", "bf16"])
+    ap.add_argument("--optimizer", default="sgd", choices=["sgd", "adam", "adamw"])
+    ap.add_argument("--bgrad", default="auto", choices=["auto", "bgradb", "drelu_bgrad"])
+    ap.add_argument("--autotune", action="store_true", help="time cuBLASLt's candidate algorithms per GEMM")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--out", default=None, help="folder for kernels.json and graph.dot")
+    ap.add_argument("--profile", action="store_true", help="GPU time of each kernel (needs PyTorch's profiler)")
+    args = ap.parse_args(argv)
+    available, reason = probe_gpu()
+    if not available:
+        print(f"step_kernels.py needs an NVIDIA GPU with CuPy and nvmath-python: {reason}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.WARNING)
+    import cupy as cp
+    import ml_dtypes
+    from bench import CHAIN, median, step_gemm_floor, step_trainer
+
+    from mlptrain.gpu import cuda_time_ms
+
+    widths = [int(w) for w in args.widths.split(",")]
+    tr = step_trainer(
+        widths, args.batch, args.precision, autotune=args.autotune, optimizer=args.optimizer, bgrad=args.bgrad
+    )
+    with tr.stream:
+        xb, yb = next(iter(tr.train_loader.epoch(0)))
+        for _ in range(3):  # two warm-up steps, then the capture
+            tr.step(xb, yb)
+        graph = next(g.graph for g in tr.graphed._shapes.values() if g.graph is not None)
+        if args.out:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            (Path(args.out) / "graph.dot").write_text(graph.debug_dot_str())
+        names = tr.graphed.kernel_names()
+        step = {
+            "steady": median(cuda_time_ms(lambda: tr.step(xb, yb), warmup=2, reps=args.reps, chain=CHAIN)),
+            "isolated": median(cuda_time_ms(lambda: tr.step(xb, yb), warmup=2, reps=args.reps)),
+        }
+        per_kernel = profile_kernels(lambda: tr.step(xb, yb), args.reps) if args.profile else None
+    dtype = {"fp16": np.float16, "bf16": np.dtype(ml_dtypes.bfloat16)}.get(args.precision, np.float32)
+    floor = step_gemm_floor(widths, args.batch, dtype, args.reps)
+    ours = [n for n in names if n.startswith("mlptrain_")]
+    model = "-".join(map(str, widths))
+    tuned = ", autotuned" if args.autotune else ""
+    print(f"{model}, batch {args.batch}, {args.precision}, {args.optimizer}, bgrad {tr.model.bgrad}{tuned}")
+    print(f"{len(names)} graph nodes per step: {len(ours)} of mlptrain's kernels, the rest cuBLASLt's (GEMMs, memsets)")
+    for n in names:
+        print(f"  {n[:110]}")
+    if per_kernel:
+        print(f"GPU time per kernel (us, mean of {args.reps} replays, PyTorch profiler):")
+        for name, us in per_kernel:
+            print(f"  {us:8.2f}  {name[:100]}")
+        print(f"  {sum(us for _, us in per_kernel):8.2f}  total")
+    for label, key in (("steady", "ms"), ("isolated", "ms_isolated")):
+        t = step[label]
+        print(f"{label:>8}: step {t:.4f} ms, GEMMs alone {floor[key]:.4f} ms, ratio {t / floor[key]:.2f}x")
+    if args.out:
+        out = Path(args.out)
+        record = {
+            "widths": widths,
+            "batch": args.batch,
+            "precision": args.precision,
+            "optimizer": args.optimizer,
+            "bgrad": tr.model.bgrad,
+            "autotune": args.autotune,
+            "kernels": names,
+            "kernel_counts": Counter(names),
+            "step_ms": step,
+            "gemm_floor_ms": floor,
+            "kernel_us": per_kernel,
+            "cupy": cp.__version__,
+        }
+        (out / "kernels.json").write_text(json.dumps(record, indent=2) + "\n")
+    return 0
+
+
+def profile_kernels(fn, reps):
+    """``[(kernel name, mean GPU microseconds per call of fn)]`` from PyTorch's CUPTI-based profiler."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+    except ImportError:
+        print("--profile needs PyTorch (its profiler reads the kernel times through CUPTI)", file=sys.stderr)
+        return None
+    import cupy as cp
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        cp.cuda.get_current_stream().synchronize()
+    totals = {}
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            totals[e.name] = totals.get(e.name, 0.0) + e.time_range.elapsed_us() / reps
+    return sorted(totals.items(), key=lambda kv: -kv[1])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
