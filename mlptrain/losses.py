@@ -55,6 +55,16 @@ def softmax_cross_entropy(logits: Any, y: Any, grad_scale: Any = 1.0, *, bias_gr
     return loss, e.astype(logits.dtype, copy=False), correct
 
 
+def small_head(batch: int, classes: int) -> bool:
+    """Whether the GPU loss of ``(batch, classes)`` logits runs as one block (``mlptrain_xent_small``).
+
+    There the output layer's bias gradient is nearly free (a tree over the block's rows), so the
+    trainer takes it from the loss instead of a BGRADB epilog. For larger heads the two-kernel
+    path can sum it too, but one block summing many rows is slower than the epilog.
+    """
+    return batch <= 1024 and classes <= 32
+
+
 def _softmax_cross_entropy_cupy(logits: Any, y: Any, grad_scale: Any, bias_grad: bool) -> tuple:
     """The same as the NumPy path in two kernels (fp16/bf16/fp32 logits on the GPU).
 
@@ -86,7 +96,7 @@ def _softmax_cross_entropy_cupy(logits: Any, y: Any, grad_scale: Any, bias_grad:
     loss = cp.empty((), dtype=cp.float32)
     correct = cp.empty((), dtype=cp.int64)
     db = cp.empty(C if bias_grad else 1, dtype=logits.dtype)  # (C,): the output layer's bias gradient
-    if B <= 1024 and C <= 32:  # a small head (MNIST-sized): everything in one block, one row per thread
+    if small_head(B, C):  # MNIST-sized: everything in one block, one row per thread
         small(logits, y, scale, B, C, 1.0 / B, bias_grad, d, loss, correct, db, size=1024, block_size=1024)
         return (loss, d, correct, db) if bias_grad else (loss, d, correct)
     row_loss = cp.empty(B, dtype=cp.float32)

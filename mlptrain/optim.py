@@ -1,13 +1,15 @@
 """Optimizers (SGD with momentum/Nesterov, Adam, AdamW) and learning-rate schedules.
 
 One update rule per optimizer, written twice with the same arithmetic: as NumPy expressions
-for the CPU and as one fused CuPy ``ElementwiseKernel`` per parameter for the GPU, which reads
-the gradient, updates the master weight and the optimizer state, and writes the half-precision
-compute copy in a single pass over memory.
+for the CPU (one parameter at a time) and as the CUDA body of one element for the GPU, where a
+single multi-tensor kernel (:mod:`mlptrain.multitensor`) applies it to every parameter of the
+model. Per element it reads the gradient, updates the master weight and the optimizer state, and
+writes the half-precision compute copy, in a single pass over memory.
 
-Per-step scalars (learning rate, inverse loss scale, the skip flag of an overflowing fp16 step)
-are 0-d device arrays read inside the kernels, not host numbers baked into the launch, so a step
-never waits on the host and can be captured into a CUDA graph.
+Per-step scalars (learning rate, inverse loss scale, the skip flag of an overflowing fp16 step,
+Adam's step count) are 0-d device arrays read inside the kernel, not host numbers baked into the
+launch, so a step never waits on the host and can be captured into a CUDA graph. Hyperparameters
+(momentum, betas, weight decay) are fixed per optimizer and compiled in as constants.
 
 Semantics follow ``torch.optim``: SGD ``buf = momentum * buf + g`` (buf starts at 0, which equals
 torch's first-step ``buf = g``), Nesterov ``g + momentum * buf``; weight decay adds ``wd * p`` to the

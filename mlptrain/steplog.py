@@ -24,8 +24,8 @@ from typing import Any
 import numpy as np
 
 from mlptrain.multitensor import KernelTail
-from mlptrain.optim import LRSchedule
-from mlptrain.precision import LossScaler
+from mlptrain.optim import LR_AT_CUDA, LRSchedule
+from mlptrain.precision import SCALER_UPDATE_CUDA, LossScaler
 
 
 class StepLog:
@@ -56,6 +56,7 @@ class StepLog:
         self.scale = xp.zeros(capacity, dtype=xp.float64)
         self.epoch_loss = xp.zeros((), dtype=xp.float64)
         self.epoch_correct = xp.zeros((), dtype=xp.int64)
+        self._tail_code: dict[tuple[int, str], tuple[str, str, str]] = {}
 
     def start_epoch(self, loss_sum: float = 0.0, correct: int = 0) -> None:
         """Reset the epoch's running sums (to a checkpoint's partial sums when resuming mid-epoch)."""
@@ -86,11 +87,11 @@ class StepLog:
 
     def tail(self, loss: Any, correct: Any, batch_size: int, prefix: str = "log_") -> KernelTail:
         """:meth:`end_step` as CUDA statements for one thread, with parameter names starting with ``prefix``."""
-        from mlptrain.optim import LR_AT_CUDA
-        from mlptrain.precision import SCALER_UPDATE_CUDA
-
+        key = (int(batch_size), prefix)
+        if key not in self._tail_code:  # the code depends on the batch size only: built once per shape
+            self._tail_code[key] = self._tail_source(*key)
+        code, params, preamble = self._tail_code[key]
         sc, sched = self.scaler, self.schedule
-        names = {n: prefix + n for n in _TAIL_ARRAYS}
         arrays = (
             loss,
             correct,
@@ -108,18 +109,21 @@ class StepLog:
             self.epoch_loss,
             self.epoch_correct,
         )
-        n = names
+        return KernelTail(code, params, arrays, preamble)
+
+    def _tail_source(self, batch_size: int, prefix: str) -> tuple[str, str, str]:
+        n = {name: prefix + name for name in _TAIL_ARRAYS}
         code = _END_STEP.format(
             **n,
             capacity=self.capacity,
-            batch_size=int(batch_size),
-            scaler_update=sc.cuda_update(
+            batch_size=batch_size,
+            scaler_update=self.scaler.cuda_update(
                 f"{n['found']}[0]", f"{n['scale']}[0]", f"{n['inv_scale']}[0]", f"{n['tracker']}[0]", f"{n['skips']}[0]"
             ),
-            schedule_advance=sched.cuda_advance(f"{n['step']}[0]", f"{n['lr']}[0]"),
+            schedule_advance=self.schedule.cuda_advance(f"{n['step']}[0]", f"{n['lr']}[0]"),
         )
-        params = ", ".join(f"raw {t} {names[a]}" for a, t in _TAIL_ARRAYS.items())
-        return KernelTail(code, params, arrays, SCALER_UPDATE_CUDA + LR_AT_CUDA)
+        params = ", ".join(f"raw {t} {n[a]}" for a, t in _TAIL_ARRAYS.items())
+        return code, params, SCALER_UPDATE_CUDA + LR_AT_CUDA
 
     def read(self, first_step: int, n: int) -> dict[str, np.ndarray]:
         """Host copies of the metrics of steps ``first_step .. first_step + n - 1`` (syncs the device)."""
