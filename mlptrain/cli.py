@@ -113,9 +113,10 @@ def main() -> None:
     try:
         _run()
     except KeyboardInterrupt as exc:
-        # A first Ctrl-C while training saves a checkpoint, and the message (TrainingInterrupted) says how to resume.
+        # A first Ctrl-C (or SIGTERM) while training saves a checkpoint, and the message
+        # (TrainingInterrupted) says how to resume. Exit status 128 + signal, as a shell reports it.
         print(f"mlptrain: {exc}" if str(exc) else "error: interrupted", file=sys.stderr, flush=True)
-        sys.exit(130)
+        sys.exit(128 + getattr(exc, "signum", 2))
     if _failures:
         if len(_failures) > 1:
             print(f"error: {len(_failures)} jobs failed (see above)", file=sys.stderr)

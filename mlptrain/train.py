@@ -23,8 +23,8 @@ device ring of :class:`~mlptrain.steplog.StepLog`.
 What a run promises (docs/reliability.md): ``checkpoints/last.npz`` after every
 ``checkpoint_every`` epochs and every ``checkpoint_steps`` steps, ``best.npz`` when the
 validation accuracy improves (:mod:`mlptrain.checkpoint`); ``resume=`` continues a run with the
-same per-step losses, bit for bit on the CPU; the first Ctrl-C finishes the step, saves ``last``
-and raises :class:`TrainingInterrupted`, a second stops at once; an inf/NaN loss, gradient or
+same per-step losses, bit for bit on the CPU; the first Ctrl-C or SIGTERM finishes the step, saves
+``last`` and raises :class:`TrainingInterrupted`, a second stops at once; an inf/NaN loss, gradient or
 parameter stops the run naming the step and the tensor; running out of memory raises
 :class:`~mlptrain.errors.ResourceError` naming the sizes to lower.
 """
@@ -356,13 +356,14 @@ def _loop(
         if last_saved != (ckpt_dir / "last.npz", pos.step):
             save("last", pos)
         assert last_saved is not None
-        metrics.write(kind="interrupted", step=pos.step, epoch=pos.epoch, checkpoint=str(last_saved[0]))
+        name = signal.Signals(stop.signum).name
+        metrics.write(kind="interrupted", step=pos.step, epoch=pos.epoch, checkpoint=str(last_saved[0]), signal=name)
         message = (
-            f"interrupted at step {pos.step} (epoch {pos.epoch}); checkpoint saved to {last_saved[0]}; continue with: "
-            f"python -m mlptrain <the same overrides> hydra.run.dir={out_dir} resume=last"
+            f"interrupted at step {pos.step} (epoch {pos.epoch}, {name}); checkpoint saved to {last_saved[0]}; "
+            f"continue with: python -m mlptrain <the same overrides> hydra.run.dir={out_dir} resume=last"
         )
         log.warning(message)
-        raise TrainingInterrupted(message, last_saved[0], pos.step)
+        raise TrainingInterrupted(message, last_saved[0], pos.step, stop.signum)
 
     def check_finite(losses: np.ndarray, lrs: np.ndarray, epoch: int) -> None:
         """Raise NonFiniteError for the first inf/NaN loss of ``losses`` or any inf/NaN tensor now."""
@@ -568,41 +569,47 @@ class _Metrics(MetricsWriter):
 
 
 class TrainingInterrupted(KeyboardInterrupt):
-    """Ctrl-C stopped the run after ``checkpoint`` was saved at ``step``; the message says how to resume."""
+    """Ctrl-C (or SIGTERM) stopped the run after ``checkpoint`` was saved at ``step``; the message
+    says how to resume. ``signum`` is the signal (the CLI exits with 128 + signum)."""
 
-    def __init__(self, message: str, checkpoint: Path, step: int) -> None:
+    def __init__(self, message: str, checkpoint: Path, step: int, signum: int = signal.SIGINT) -> None:
         super().__init__(message)
         self.checkpoint = checkpoint
         self.step = step
+        self.signum = int(signum)
 
 
 class _StopRequest:
-    """SIGINT while training: the first sets ``requested`` (the loop saves and stops after the step),
-    a second raises KeyboardInterrupt at once. Installed in the main thread only; restored on exit.
+    """SIGINT or SIGTERM while training: the first sets ``requested`` (the loop saves and stops after
+    the step), a second raises KeyboardInterrupt at once. SIGTERM is what job schedulers and
+    ``docker stop`` send before they kill. Installed in the main thread only; restored on exit.
 
     The handler only sets a flag: printing or logging from a signal handler can re-enter a stream.
     """
 
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
     def __init__(self) -> None:
         self.requested = False
-        self._previous: Any = None
-        self._installed = False
+        self.signum = int(signal.SIGINT)  # the signal that asked to stop
+        self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> _StopRequest:
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handle)
-            self._installed = True
+            self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._installed:
-            previous = self._previous if self._previous is not None else signal.default_int_handler
-            signal.signal(signal.SIGINT, previous)
+        for s, previous in self._previous.items():
+            if previous is None:  # installed from outside Python
+                previous = signal.default_int_handler if s == signal.SIGINT else signal.SIG_DFL
+            signal.signal(s, previous)
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.requested:
             raise KeyboardInterrupt
         self.requested = True
+        self.signum = signum
 
 
 def _make_dirs(out_dir: Path) -> None:

@@ -99,6 +99,23 @@ def test_ctrl_c_saves_last_and_exits_130_then_resume_continues(tmp_path: Path) -
     assert resumed[: len(interrupted) - 1] == interrupted[:-1], "the records before the interrupt are kept as they were"
 
 
+def test_sigterm_saves_last_and_exits_143(tmp_path: Path) -> None:
+    """What a job scheduler or ``docker stop`` sends before it kills: treated as Ctrl-C, exit 128 + 15."""
+    run = tmp_path / "run"
+    proc = start_cli(*ENDLESS, f"hydra.run.dir={run}", cwd=tmp_path)
+    wait_for(proc, lambda: step_lines(run) >= 50)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, out + err
+    assert "Traceback" not in out + err
+    last = run / "checkpoints" / "last.npz"
+    line = [x for x in err.splitlines() if x.strip()][-1]
+    assert line.startswith("mlptrain: interrupted at step ") and "SIGTERM" in line and str(last) in line, err
+    rec = read_metrics(run / "metrics.jsonl")[-1]
+    assert rec["kind"] == "interrupted" and rec["signal"] == "SIGTERM"
+    assert checkpoint.load(last).position.step == rec["step"]
+
+
 def test_sigkill_leaves_a_loadable_last_and_resume_matches_uninterrupted(tmp_path: Path) -> None:
     run = tmp_path / "run"
     every = ["checkpoint_steps=25", "log_every=5"]
@@ -162,9 +179,9 @@ def test_second_ctrl_c_stops_at_once_and_restores_the_handler(tmp_path: Path, mo
 
 
 def test_ctrl_c_handler_is_restored_after_a_normal_run(tmp_path: Path) -> None:
-    before = signal.getsignal(signal.SIGINT)
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     train(make_cfg(epochs=1), tmp_path)
-    assert signal.getsignal(signal.SIGINT) is before
+    assert {s: signal.getsignal(s) for s in before} == before
 
 
 # ------------------------------------------------------------------------ non-finite values
