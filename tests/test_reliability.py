@@ -72,14 +72,20 @@ def step_lines(run: Path) -> int:
     return path.read_text().count('"kind": "step"') if path.is_file() else 0
 
 
+def interrupt_cli(run: Path, sig: int) -> str:
+    """Start an endless CLI run into ``run``, send ``sig`` after 50 steps; check the exit; return stderr."""
+    proc = start_cli(*ENDLESS, f"hydra.run.dir={run}", cwd=run.parent)
+    wait_for(proc, lambda: step_lines(run) >= 50)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + sig, out + err  # 130 for SIGINT, 143 for SIGTERM
+    assert "Traceback" not in out + err
+    return err
+
+
 def test_ctrl_c_saves_last_and_exits_130_then_resume_continues(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    proc = start_cli(*ENDLESS, f"hydra.run.dir={run}", cwd=tmp_path)
-    wait_for(proc, lambda: step_lines(run) >= 50)
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130, out + err
-    assert "Traceback" not in out + err
+    err = interrupt_cli(run, signal.SIGINT)
     lines = [line for line in err.splitlines() if line.strip()]
     last = run / "checkpoints" / "last.npz"
     assert lines[-1].startswith("mlptrain: interrupted at step ") and str(last) in lines[-1], err
@@ -102,12 +108,7 @@ def test_ctrl_c_saves_last_and_exits_130_then_resume_continues(tmp_path: Path) -
 def test_sigterm_saves_last_and_exits_143(tmp_path: Path) -> None:
     """What a job scheduler or ``docker stop`` sends before it kills: treated as Ctrl-C, exit 128 + 15."""
     run = tmp_path / "run"
-    proc = start_cli(*ENDLESS, f"hydra.run.dir={run}", cwd=tmp_path)
-    wait_for(proc, lambda: step_lines(run) >= 50)
-    proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 128 + signal.SIGTERM, out + err
-    assert "Traceback" not in out + err
+    err = interrupt_cli(run, signal.SIGTERM)
     last = run / "checkpoints" / "last.npz"
     line = [x for x in err.splitlines() if x.strip()][-1]
     assert line.startswith("mlptrain: interrupted at step ") and "SIGTERM" in line and str(last) in line, err
