@@ -154,6 +154,7 @@ def test_output_bias_gradient_from_the_loss_equals_bgradb(loss_fn, mode):
             _, d, _, db = loss_fn(logits, y, bias_grad=True)
             np.testing.assert_allclose(db, d.sum(axis=0), rtol=1e-12)
             net.backward(d, output_bias_grad=db)
+            assert net.layers[-1].bias.grad is db, "the loss's sums are the output bias gradient, not recomputed"
         else:
             net.backward(loss_fn(logits, y)[1])
         grads.append([p.grad.copy() for p in net.params])
