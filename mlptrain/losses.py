@@ -58,11 +58,13 @@ def softmax_cross_entropy(logits: Any, y: Any, grad_scale: Any = 1.0, *, bias_gr
 def small_head(batch: int, classes: int) -> bool:
     """Whether the GPU loss of ``(batch, classes)`` logits runs as one block (``mlptrain_xent_small``).
 
-    There the output layer's bias gradient is nearly free (a tree over the block's rows), so the
-    trainer takes it from the loss instead of a BGRADB epilog. For larger heads the two-kernel
-    path can sum it too, but one block summing many rows is slower than the epilog.
+    The block holds the whole tile in shared memory (float32, at most 10,240 elements: 40 KiB of
+    the 48 KiB a block may declare). There the output layer's bias gradient is nearly free (a
+    tree over the block's rows), so the trainer takes it from the loss instead of a BGRADB
+    epilog. For larger heads the two-kernel path can sum it too, but one block summing many rows
+    is slower than the epilog.
     """
-    return batch <= 1024 and classes <= 32
+    return batch <= 1024 and classes <= 32 and batch * classes <= 10240
 
 
 def _softmax_cross_entropy_cupy(logits: Any, y: Any, grad_scale: Any, bias_grad: bool) -> tuple:
@@ -78,11 +80,15 @@ def _softmax_cross_entropy_cupy(logits: Any, y: Any, grad_scale: Any, bias_grad:
        a fixed order, so the loss is the same bit for bit on every run; with ``bias_grad`` it also
        sums ``dlogits`` over the batch (float32 accumulation, a fixed order too).
 
-    A small head (``B <= 1024``, ``C <= 32``: MNIST at batch 256) is one kernel,
-    ``mlptrain_xent_small``: one block, one thread per row, then the same fixed-order sums. On
-    the H200, for (256, 10) with the bias gradient, the two kernels took 7.7 us and this one 6.7.
-    (Holding the row in a 32-wide register array instead measured slower, 7.8 us; not profiled,
-    but with 1024 threads a block gets 64 registers per thread, so the array probably spilled.)
+    A small head (:func:`small_head`: MNIST up to batch 1024) is one kernel,
+    ``mlptrain_xent_small``: one block loads the whole ``(B, C)`` tile into shared memory with
+    coalesced loads, one thread per row does the three passes there, the block stores ``dlogits``
+    coalesced, and warp shuffles and a tree give the fixed-order sums. On the H200, for (256, 10)
+    fp16 with the bias gradient, the two kernels took 7.7 us; this kernel took 6.7 us when each
+    thread read its row from global memory (30 dependent loads of L2 latency a thread), and
+    5.4 us with the tile in shared memory (``scripts/step_kernels.py --profile``, 2026-11-30).
+    (Holding the row in a 32-wide register array measured slower, 7.8 us: with 1024 threads a
+    block gets 64 registers per thread.)
     """
     import cupy as cp
 
@@ -186,55 +192,67 @@ if (want_db) {  // db[c] = sum over rows of d[r, c]
 
 
 _XENT_SMALL_PREP = r"""
-__shared__ double acc_loss[1024];
-__shared__ int acc_ok[1024];
-__shared__ float acc_db[1024];
-double my_loss = 0.0;
-int my_ok = 0;
+__shared__ float z[10240];       // the (B, C) logits, then their gradient, float32: B * C <= 10240
+__shared__ float acc_db[1024];   // column-sum partials of the bias gradient
+__shared__ double warp_loss[32];
+__shared__ int warp_ok[32];
 """
 
 _XENT_SMALL = r"""
-if (i < B) {  // thread i: row i, the three passes of mlptrain_xent_rows by one thread
-    const long long base = i * C;
-    const long long label = y[i];
-    float m = __int_as_float(0xff800000);  // -inf
-    long long am = 0;
-    for (long long j = 0; j < C; ++j) {
-        const float v = (float)x[base + j];
+// One block of 1024 threads; this body runs once per thread (i == threadIdx.x).
+const int t = threadIdx.x;
+const int n = (int)(B * C);
+for (int k = t; k < n; k += 1024) z[k] = (float)x[k];  // the whole tile, coalesced: <= 10 loads a thread
+__syncthreads();
+double my_loss = 0.0;
+int my_ok = 0;
+if (t < B) {  // thread t: row t, the three passes of mlptrain_xent_rows, from shared memory
+    const int base = t * (int)C;
+    const long long label = y[t];
+    float m = __int_as_float(0xff800000);  // -inf; ties and NaN keep the first column, as numpy.argmax
+    int am = 0;
+    for (int j = 0; j < C; ++j) {
+        const float v = z[base + j];
         if (v > m || (v != v && m == m)) { m = v; am = j; }
     }
     float s = 0.0f;
-    for (long long j = 0; j < C; ++j) s += expf((float)x[base + j] - m);
-    const float g = (float)(scale[0] * inv_b);
-    for (long long j = 0; j < C; ++j) {
-        d[base + j] = (T)((expf((float)x[base + j] - m) / s - (j == label ? 1.0f : 0.0f)) * g);
-    }
+    for (int j = 0; j < C; ++j) s += expf(z[base + j] - m);
     const bool valid = label >= 0 && label < C;  // a bad label gives a NaN loss, not a stray read
-    my_loss = valid ? (double)(logf(s) + m - (float)x[base + label]) : (double)__int_as_float(0x7fc00000);
+    my_loss = valid ? (double)(logf(s) + m - z[base + label]) : (double)__int_as_float(0x7fc00000);
     my_ok = am == label;
+    const float g = (float)(scale[0] * inv_b);  // loss scale / B
+    for (int j = 0; j < C; ++j) {  // the gradient, rounded to T here so db sums what d holds
+        z[base + j] = (float)(T)((expf(z[base + j] - m) / s - (j == label ? 1.0f : 0.0f)) * g);
+    }
 }
-"""
-
-_XENT_SMALL_AFTER = r"""
-const int t = threadIdx.x;
-acc_loss[t] = my_loss;
-acc_ok[t] = my_ok;
-__syncthreads();  // also makes this block's d visible to all its threads
-for (int half = 512; half > 0; half >>= 1) {
-    if (t < half) { acc_loss[t] += acc_loss[t + half]; acc_ok[t] += acc_ok[t + half]; }
-    __syncthreads();
+__syncthreads();
+for (int k = t; k < n; k += 1024) d[k] = (T)z[k];  // coalesced store of dlogits
+// loss and correct: a fixed shuffle tree per warp, then warp 0 over the 32 warp sums (same sum every run)
+for (int off = 16; off > 0; off >>= 1) {
+    my_loss += __shfl_down_sync(0xffffffffu, my_loss, off);
+    my_ok += __shfl_down_sync(0xffffffffu, my_ok, off);
 }
-if (t == 0) { loss[0] = (float)(acc_loss[0] / (double)B); correct[0] = acc_ok[0]; }
+if ((t & 31) == 0) { warp_loss[t >> 5] = my_loss; warp_ok[t >> 5] = my_ok; }
+__syncthreads();
+if (t < 32) {
+    double l = warp_loss[t];
+    int o = warp_ok[t];
+    for (int off = 16; off > 0; off >>= 1) {
+        l += __shfl_down_sync(0xffffffffu, l, off);
+        o += __shfl_down_sync(0xffffffffu, o, off);
+    }
+    if (t == 0) { loss[0] = (float)(l / (double)B); correct[0] = o; }
+}
 if (want_db) {  // db[c] = sum over rows of d[r, c]: R groups of C threads, then a tree over the groups
     int R = 1;
     while (2 * R * C <= 1024) R *= 2;
-    const int c = t % C, grp = t / C;
+    const int c = t % (int)C, grp = t / (int)C;
     float part = 0.0f;
-    if (grp < R) for (long long r = grp; r < B; r += R) part += (float)d[r * C + c];
+    if (grp < R) for (int r = grp; r < B; r += R) part += z[r * (int)C + c];
     acc_db[t] = part;
     __syncthreads();
     for (int h = R / 2; h > 0; h >>= 1) {
-        if (grp < h) acc_db[t] += acc_db[t + h * C];
+        if (grp < h) acc_db[t] += acc_db[t + h * (int)C];
         __syncthreads();
     }
     if (t < C) db[t] = (T)acc_db[t];
@@ -268,7 +286,6 @@ def _cupy_xent_kernels() -> tuple[Any, Any, Any]:
         _XENT_SMALL,
         "mlptrain_xent_small",
         loop_prep=_XENT_SMALL_PREP,
-        after_loop=_XENT_SMALL_AFTER,
         no_return=True,
     )
     return rows, mean, small
