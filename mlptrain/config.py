@@ -144,6 +144,9 @@ class ExecutionConfig:
     autotune: bool = False
     # GPU only: remember planned (and autotuned) algorithms on disk per GPU model, shape and dtype.
     plan_cache: bool = True
+    # GPU only: weight-gradient GEMMs on a second CUDA stream, concurrent with the input-gradient
+    # chain (mlptrain.network._WgradStream); false runs the backward on one stream.
+    wgrad_stream: bool = True
 
 
 @dataclass

@@ -264,11 +264,14 @@ def cuda_time_ms(fn: Any, *, warmup: int = 3, reps: int = 10, stream: Any = None
     return times
 
 
-def time_layer_backward(ex: Any, k: int, m: int, batch: int, dtype: Any, *, reps: int = 5) -> dict[str, float]:
+def time_layer_backward(
+    ex: Any, k: int, m: int, batch: int, dtype: Any, *, reps: int = 5, wgrad_stream: bool = False
+) -> dict[str, float]:
     """Median ms of one ReLU layer's fused backward (in=k, out=m) with each bgrad strategy.
 
     ``drelu_bgrad``: plain weight-gradient GEMM + DRELU_BGRAD input-gradient GEMM.
     ``bgradb``: BGRADB weight-gradient GEMM + DRELU input-gradient GEMM. Both do one reduction.
+    ``wgrad_stream``: the weight-gradient GEMM on a second stream, forked and joined by events.
     """
     from mlptrain.epilogs import pack_relu_mask
 
@@ -280,13 +283,24 @@ def time_layer_backward(ex: Any, k: int, m: int, batch: int, dtype: Any, *, reps
     key = f"probe{k}x{m}x{batch}"
     out = {}
     stream = cp.cuda.Stream(non_blocking=True)
+    side = cp.cuda.Stream(non_blocking=True) if wgrad_stream else None
+    fork, join = cp.cuda.Event(disable_timing=True), cp.cuda.Event(disable_timing=True)
     for name, in_wgrad in (("drelu_bgrad", False), ("bgradb", True)):
 
         def backward(site: str = f"{key}.{name}", in_wgrad: bool = in_wgrad) -> tuple:
-            return (
-                ex.weight_grad(site, x, dz, bias_grad=in_wgrad),
-                ex.input_grad(site, W, dz, mask, bias_grad_below=not in_wgrad),
-            )
+            if side is None:
+                return (
+                    ex.weight_grad(site, x, dz, bias_grad=in_wgrad),
+                    ex.input_grad(site, W, dz, mask, bias_grad_below=not in_wgrad),
+                )
+            fork.record(stream)
+            side.wait_event(fork)
+            with side:
+                wgrad = ex.weight_grad(site, x, dz, bias_grad=in_wgrad)
+            igrad = ex.input_grad(site, W, dz, mask, bias_grad_below=not in_wgrad)
+            join.record(side)
+            stream.wait_event(join)
+            return wgrad, igrad
 
         with stream:
             backward()  # plans and workspaces, outside the capture
@@ -326,14 +340,24 @@ def capture_graph(fn: Any, stream: Any) -> tuple[Any, Any]:
 
 
 def choose_bgrad(
-    widths: list[int], batch: int, dtype: Any, *, tf32: bool = False, reps: int = 5, store: Path | None = None
+    widths: list[int],
+    batch: int,
+    dtype: Any,
+    *,
+    tf32: bool = False,
+    reps: int = 5,
+    store: Path | None = None,
+    wgrad_stream: bool = False,
 ) -> list[str]:
     """Per hidden layer, the bias-gradient strategy that measures faster at its shape.
 
     Hidden layer ``i`` (out = ``widths[i + 1]``) has its bias gradient reduced either by the
     layer above (DRELU_BGRAD, in that layer's input-gradient GEMM) or by its own weight-gradient
     GEMM (BGRADB). The probe times the backward of the layer above with each strategy on random
-    data (:func:`time_layer_backward`); identical shapes are measured once.
+    data (:func:`time_layer_backward`); identical shapes are measured once. With
+    ``wgrad_stream`` the weight gradient runs on a second stream, as the training step runs it
+    (:class:`mlptrain.network.MLP`): a reduction there is nearly free when it hides behind the
+    input-gradient GEMM, so the answer can differ from the one-stream probe's.
 
     The two strategies round differently, so a choice that changed from run to run would make
     runs irreproducible: decisions are kept in ``store`` (a JSON file beside the plan cache, per
@@ -355,11 +379,12 @@ def choose_bgrad(
     for i in range(1, len(widths) - 1):
         k, m = widths[i], widths[i + 1]  # (in, out) of the layer above hidden layer i - 1
         key = f"{k}x{m} batch {batch} {np.dtype(dtype).name}{' tf32' if tf32 else ''}"
+        key += " 2 streams" if wgrad_stream else ""
         if key not in known:
             if ex is None:
                 gemm = NvmathGemm(tf32=tf32)
                 ex = FusedExecution(gemm)
-            t = time_layer_backward(ex, k, m, batch, dtype, reps=reps)
+            t = time_layer_backward(ex, k, m, batch, dtype, reps=reps, wgrad_stream=wgrad_stream)
             known[key] = min(t, key=lambda name: t[name])
             log.info("bgrad probe (in, out)=(%d, %d) batch %d: %s -> %s", k, m, batch, t, known[key])
         choices.append(known[key])

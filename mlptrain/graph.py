@@ -14,7 +14,9 @@ What makes the step capturable (nvmath-notes §6):
   host computes per step is baked into the graph.
 * The first ``warmup`` steps of each batch shape run uncaptured (they are ordinary training
   steps): nvmath plans and allocates its workspaces, CuPy compiles its kernels.
-* Inputs are copied into static buffers (``x_static``, ``y_static``) before each replay.
+* The graph reads its batch from static buffers (``x_static``, ``y_static``). The training loop's
+  loader gathers each batch straight into them (:meth:`GraphedStep.input_buffers`); a batch
+  that lives elsewhere is copied in before the replay.
 * The per-step metrics are written by the step itself into a device ring
   (:class:`mlptrain.steplog.StepLog`), so replaying needs no host work beyond the launch.
 * Everything the step allocates, from the warm-up on, comes from a private CuPy memory pool,
@@ -37,6 +39,7 @@ import re
 from typing import Any
 
 import cupy as cp
+import numpy as np
 
 from mlptrain.gpu import capture_graph
 
@@ -50,10 +53,17 @@ class _ShapeGraph:
         self.pool = cp.cuda.MemoryPool()
         self.warm = 0
         self.graph: Any = None
+        self.x_static: Any = None  # (B, in), C-order, compute dtype: the batch the graph reads
+        self.y_static: Any = None  # (B,)
+
+    def buffers(self, x_shape: tuple, x_dtype: Any, y_shape: tuple, y_dtype: Any) -> tuple[Any, Any]:
+        if self.x_static is None:
+            self.x_static = cp.empty(x_shape, dtype=x_dtype)
+            self.y_static = cp.empty(y_shape, dtype=y_dtype)
+        return self.x_static, self.y_static
 
     def capture(self, trainer: Any, x: Any, y: Any) -> None:
-        self.x_static = cp.empty_like(x)  # (B, in), C-order, compute dtype
-        self.y_static = cp.empty_like(y)  # (B,)
+        self.buffers(x.shape, x.dtype, y.shape, y.dtype)
         stream = cp.cuda.get_current_stream()
         with cp.cuda.using_allocator(self.pool.malloc):
             self.graph, (self.loss, self.correct) = capture_graph(
@@ -65,8 +75,11 @@ class _ShapeGraph:
 
     def replay(self, x: Any, y: Any) -> tuple[Any, Any]:
         stream = cp.cuda.get_current_stream()
-        # The batch, into the buffers the graph reads: two cudaMemcpyAsync (no kernel to launch).
+        # The batch, into the buffers the graph reads: two cudaMemcpyAsync (no kernel to launch),
+        # unless the loader gathered it there already (GraphedStep.input_buffers).
         for dst, src in ((self.x_static, x), (self.y_static, y)):
+            if src.data.ptr == dst.data.ptr:
+                continue
             if not src.flags.c_contiguous:
                 src = cp.ascontiguousarray(src)
             dst.data.copy_from_device_async(src.data, src.nbytes, stream)
@@ -117,6 +130,15 @@ class GraphedStep:
         out = g.replay(x, y)
         self.trainer.step_count += 1
         return out
+
+    def input_buffers(self, x_shape: tuple, x_dtype: Any, y_shape: tuple, y_dtype: Any) -> tuple[Any, Any]:
+        """The arrays the graph of this batch shape reads its batch from (created on first request).
+
+        A loader that gathers each batch into them (``DataLoader.epoch(out=...)``) spares the step
+        its copy: steps given these very arrays skip it. Their contents change with every batch.
+        """
+        key = (tuple(x_shape), np.dtype(x_dtype).str, tuple(y_shape), np.dtype(y_dtype).str)
+        return self._shapes.setdefault(key, _ShapeGraph()).buffers(x_shape, x_dtype, y_shape, y_dtype)
 
     @property
     def num_graphs(self) -> int:

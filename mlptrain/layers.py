@@ -107,12 +107,26 @@ class Linear:
         already multiplied by its ReLU derivative (setting ``below.bias.grad`` when this GEMM
         reduces it). The first layer returns None: nobody needs the gradient of the data.
         """
+        self.param_grads(ex, dz, bias_grad)
+        return self.grad_below(ex, dz, below)
+
+    def param_grads(self, ex: FusedExecution | NaiveExecution, dz: Any, bias_grad: Any = None) -> None:
+        """The weight-gradient GEMM: ``weight.grad`` (and ``bias.grad``), from ``dz (B, out)`` and the saved input.
+
+        Independent of :meth:`grad_below`, so the two may run on different streams (:class:`mlptrain.network.MLP`).
+        """
         reduce_here = self.bias_grad_in_wgrad and bias_grad is None
         self.weight.grad, db = ex.weight_grad(self.name, self._x, dz, reduce_here)
         if bias_grad is not None:
             self.bias.grad = bias_grad
         elif db is not None:
             self.bias.grad = db
+
+    def grad_below(self, ex: FusedExecution | NaiveExecution, dz: Any, below: Linear | None) -> Any:
+        """The input-gradient GEMM: ``dZ_below (B, in)``, the ReLU derivative of ``below`` applied.
+
+        None at the bottom layer (``below`` None): nobody needs the gradient of the data.
+        """
         if below is None:
             return None
         dz_below, db_below = ex.input_grad(

@@ -98,12 +98,17 @@ class DataLoader:
             return np.arange(self.num_samples, dtype=np.int64)
         return np.random.default_rng([self.seed, int(epoch)]).permutation(self.num_samples)
 
-    def epoch(self, epoch: int, start_batch: int = 0) -> Iterator[tuple[Any, Any]]:
+    def epoch(self, epoch: int, start_batch: int = 0, out: Any = None) -> Iterator[tuple[Any, Any]]:
         """Yield ``(xb, yb)`` device batches of ``epoch``, starting at batch ``start_batch``.
 
         ``xb`` is ``(B, F)`` of the loader's dtype and C-contiguous, ``yb`` is ``(B,)`` int64. Both
         are fresh arrays gathered on the device; ``B`` is ``batch_size`` except for a short last
         batch when ``drop_last`` is false.
+
+        ``out``: optional ``rows -> (xb, yb) or None``. When it returns arrays, the batch is
+        gathered into them instead of fresh ones (the training step's CUDA graph reads fixed
+        input buffers: gathering straight into them saves a copy per step). The next batch of
+        that size overwrites them, in stream order.
 
         Raises:
             ConfigError: ``start_batch`` outside ``[0, len(self)]``, or a negative ``epoch``.
@@ -111,13 +116,25 @@ class DataLoader:
         if not 0 <= start_batch <= len(self):
             raise ConfigError(f"DataLoader start_batch={start_batch} must be in [0, {len(self)}] (batches per epoch)")
         perm = self.xp.asarray(self.permutation(epoch))  # (N,) the epoch's one host-to-device copy
-        return self._batches(perm, start_batch)
+        return self._batches(perm, start_batch, out)
 
-    def _batches(self, perm: Any, start_batch: int) -> Iterator[tuple[Any, Any]]:
+    def _batches(self, perm: Any, start_batch: int, out: Any) -> Iterator[tuple[Any, Any]]:
         b, xp = self.batch_size, self.xp
         for i in range(start_batch, len(self)):
             idx = perm[i * b : (i + 1) * b]  # (B,) device indices
-            yield xp.take(self.x, idx, axis=0), xp.take(self.y, idx)  # (B, F), (B,)
+            bufs = out(len(idx)) if out is not None else None
+            if bufs is None:
+                yield xp.take(self.x, idx, axis=0), xp.take(self.y, idx)  # (B, F), (B,)
+                continue
+            xb, yb = bufs
+            if xb.shape != (len(idx), self.x.shape[1]) or xb.dtype != self.x.dtype or yb.shape != (len(idx),):
+                raise ValueError(
+                    f"batch buffers {xb.shape} {xb.dtype} / {yb.shape} do not fit a batch of "
+                    f"({len(idx)}, {self.x.shape[1]}) {self.x.dtype} / ({len(idx)},)"
+                )
+            xp.take(self.x, idx, axis=0, out=xb)
+            xp.take(self.y, idx, out=yb)
+            yield xb, yb
 
     def __iter__(self) -> Iterator[tuple[Any, Any]]:
         """The batches of epoch 0."""

@@ -67,6 +67,7 @@ class MLP:
             for i in range(n)
         ]
         self.set_bgrad(bgrad)
+        self._wgrad: _WgradStream | None = None  # see use_wgrad_stream
 
     def set_bgrad(self, bgrad: str | Sequence[str]) -> None:
         """Choose, per hidden layer, where its bias gradient is reduced (see class docstring)."""
@@ -103,8 +104,70 @@ class MLP:
         ``output_bias_grad``: ``dlogits`` summed over the batch, when the loss computed it (then
         the output layer's weight-gradient GEMM runs without the BGRADB epilog).
         """
+        side = self._wgrad
+        if side is None:
+            dz = dlogits
+            for i in reversed(range(len(self.layers))):
+                below = self.layers[i - 1] if i > 0 else None
+                bias_grad = output_bias_grad if i == len(self.layers) - 1 else None
+                dz = self.layers[i].backward(self.execution, dz, below, bias_grad)
+            return
+        side.backward(self, dlogits, output_bias_grad)
+
+    def use_wgrad_stream(self, enabled: bool = True) -> None:
+        """GPU: run the weight-gradient GEMMs on a second stream, concurrent with the input-gradient chain."""
+        self._wgrad = _WgradStream(len(self.layers)) if enabled else None
+
+
+class _WgradStream:
+    """The backward pass on two CUDA streams.
+
+    Layer ``l``'s two backward GEMMs both need only ``dZ_l``: the input gradient ``dZ_{l-1}``
+    (the critical path: the layer below waits for it) and the weight gradient ``dW_l`` (nothing
+    in the backward waits for it; only the optimizer does). At the small sizes where a step is
+    latency-bound one GEMM fills a fraction of the GPU, so the weight gradients run on a side
+    stream while the main stream goes on down the chain::
+
+        main:  loss ─┬─ dX (layer 2, DRELU_BGRAD) ─┬─ dX (layer 1, DRELU) ── dW (layer 0) ─┬─ check, update
+        side:        └─ dW (layer 2) ──────────────┴─ dW (layer 1) ─────────────────────────┘
+
+    An event recorded on the main stream when ``dZ_l`` is ready orders the side stream's GEMM
+    after it; one event at the end joins the side stream back before the optimizer. A CUDA graph
+    capture records the same fork and join as edges between parallel branches.
+
+    Memory: CuPy's pool gives each stream its own free lists. ``dZ_l`` is allocated on the main
+    stream and read by the side stream, so it stays referenced until the join is enqueued;
+    otherwise the main stream could reuse its memory while the side GEMM still reads it. The
+    gradients the side stream allocates are read by the optimizer after the join, and the side
+    stream reuses their memory only after the next step's first fork, which comes after that
+    optimizer launch on the main stream.
+    """
+
+    def __init__(self, num_layers: int) -> None:
+        import cupy as cp
+
+        self.stream = cp.cuda.Stream(non_blocking=True)
+        self.forks = [cp.cuda.Event(disable_timing=True) for _ in range(num_layers)]
+        self.join = cp.cuda.Event(disable_timing=True)
+
+    def backward(self, model: MLP, dlogits: Any, output_bias_grad: Any) -> None:
+        import cupy as cp
+
+        main = cp.cuda.get_current_stream()
+        ex, layers = model.execution, model.layers
+        read_by_side = []  # the dZ_l the side stream reads: alive until the join is enqueued
         dz = dlogits
-        for i in reversed(range(len(self.layers))):
-            below = self.layers[i - 1] if i > 0 else None
-            bias_grad = output_bias_grad if i == len(self.layers) - 1 else None
-            dz = self.layers[i].backward(self.execution, dz, below, bias_grad)
+        for i in reversed(range(len(layers))):
+            bias_grad = output_bias_grad if i == len(layers) - 1 else None
+            if i == 0:  # the last GEMM of the backward: nothing left to overlap on the main stream
+                layers[i].param_grads(ex, dz, bias_grad)
+                break
+            self.forks[i].record(main)  # dZ_l is ready
+            self.stream.wait_event(self.forks[i])
+            with self.stream:  # nvmath and CuPy enqueue (and allocate) on the current stream
+                layers[i].param_grads(ex, dz, bias_grad)
+            read_by_side.append(dz)
+            dz = layers[i].grad_below(ex, dz, layers[i - 1])
+        self.join.record(self.stream)
+        main.wait_event(self.join)  # the optimizer sees every gradient
+        del read_by_side

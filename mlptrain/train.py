@@ -122,6 +122,8 @@ class Trainer:
             init=cfg.model.init.value,
         )
         self.model.set_bgrad(self._choose_bgrad())
+        if self.backend.is_gpu and cfg.execution.wgrad_stream:  # dW GEMMs concurrent with the dX chain
+            self.model.use_wgrad_stream()
         d = cfg.data
         cdt = self.precision.compute_dtype
         data_seed_int = int(data_seed.generate_state(1)[0])
@@ -208,6 +210,7 @@ class Trainer:
                 self.precision.compute_dtype,
                 tf32=self.precision.tf32,
                 store=store,
+                wgrad_stream=self.cfg.execution.wgrad_stream,
             )
         return "bgradb"  # on the CPU (and in naive mode) the two do the same work
 
@@ -228,6 +231,14 @@ class Trainer:
         if self.graphed is not None:
             return self.graphed(x, y)
         return self.step_uncaptured(x, y)
+
+    def batch_buffers(self, rows: int) -> tuple[Any, Any] | None:
+        """Where the loader should gather a training batch of ``rows``: the CUDA graph's input
+        buffers for that shape (saves the step a copy), or None (fresh arrays) without a graph."""
+        if self.graphed is None:
+            return None
+        ld = self.train_loader
+        return self.graphed.input_buffers((rows, ld.x.shape[1]), ld.x.dtype, (rows,), ld.y.dtype)
 
     def step_uncaptured(self, x: Any, y: Any, count: bool = True) -> tuple[Any, Any]:
         """The step's device work, launched op by op (and recorded once for the graph)."""
@@ -408,7 +419,7 @@ def _loop(
         tr.log.start_epoch(pos.loss_sum, pos.correct)  # the epoch's running sums, on the device
         ep_n, batch = pos.samples, pos.batch
         bar = tqdm(
-            tr.train_loader.epoch(epoch, batch),
+            tr.train_loader.epoch(epoch, batch, out=tr.batch_buffers),
             initial=batch,
             total=tr.steps_per_epoch,
             desc=f"train {epoch + 1}/{cfg.epochs}",

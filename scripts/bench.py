@@ -124,7 +124,9 @@ def bench_layer(m, k, n, dtype, reps):
     return r
 
 
-def step_trainer(widths, batch, precision, mode="fused", graph=True, autotune=False, optimizer="sgd", bgrad="auto"):
+def step_trainer(
+    widths, batch, precision, mode="fused", graph=True, autotune=False, optimizer="sgd", bgrad="auto", wgrad_stream=True
+):
     """A GPU Trainer for ``widths`` on random data (one batch per epoch), as the step benchmarks use it."""
     from mlptrain.config import TrainConfig
     from mlptrain.data import Dataset
@@ -141,6 +143,7 @@ def step_trainer(widths, batch, precision, mode="fused", graph=True, autotune=Fa
     cfg.execution.mode = type(cfg.execution.mode)(mode)
     cfg.execution.bgrad = type(cfg.execution.bgrad)(bgrad)
     cfg.execution.autotune = autotune
+    cfg.execution.wgrad_stream = wgrad_stream
     cfg.model.hidden = widths[1:-1]
     cfg.data.batch_size = batch
     cfg.optimizer.name = type(cfg.optimizer.name)(optimizer)
@@ -151,17 +154,18 @@ def step_trainer(widths, batch, precision, mode="fused", graph=True, autotune=Fa
     return Trainer(cfg, dataset=ds)
 
 
-def bench_step_mlptrain(widths, batch, precision, mode, reps, graph=False, autotune=False):
+def bench_step_mlptrain(widths, batch, precision, mode, reps, graph=False, autotune=False, wgrad_stream=True):
     import cupy as cp
 
     from mlptrain.gpu import cuda_time_ms
 
     pool = cp.get_default_memory_pool()
     pool.free_all_blocks()
-    tr = step_trainer(widths, batch, precision, mode, graph=graph, autotune=autotune)
+    tr = step_trainer(widths, batch, precision, mode, graph=graph, autotune=autotune, wgrad_stream=wgrad_stream)
     losses = []
     with tr.stream:  # the stream a training run uses (graph capture needs a non-default one)
-        xb, yb = next(iter(tr.train_loader.epoch(0)))
+        # as the training loop does: gathered straight into the graph's input buffers (no copy in the step)
+        xb, yb = next(iter(tr.train_loader.epoch(0, out=tr.batch_buffers)))
         times = cuda_time_ms(lambda: losses.append(tr.step(xb, yb)[0]), warmup=5, reps=reps)
         chained = cuda_time_ms(lambda: tr.step(xb, yb), warmup=1, reps=reps, chain=CHAIN)
         peak = pool.total_bytes()
@@ -302,6 +306,9 @@ def bench_steps(name, widths, batch, precision, reps, autotune=False):
         "gemm_floor": step_gemm_floor(widths, batch, dtype, reps),
         "autotune": autotune,
         "fused_graph": bench_step_mlptrain(widths, batch, precision, "fused", reps, graph=True, autotune=autotune),
+        "fused_graph_1stream": bench_step_mlptrain(
+            widths, batch, precision, "fused", reps, graph=True, autotune=autotune, wgrad_stream=False
+        ),
         "fused": bench_step_mlptrain(widths, batch, precision, "fused", reps, autotune=autotune),
         "naive": bench_step_mlptrain(widths, batch, precision, "naive", reps, autotune=autotune),
         "torch": bench_step_torch(widths, batch, precision, reps),
@@ -311,6 +318,7 @@ def bench_steps(name, widths, batch, precision, reps, autotune=False):
 def step_rows(rec):
     """Two table rows of one model and dtype: steady state, then isolated steps."""
     g, f, nv, t, floor = (rec[k] for k in ("fused_graph", "fused", "naive", "torch", "gemm_floor"))
+    g1 = rec.get("fused_graph_1stream")  # absent in records from before the two-stream backward
     rows = []
     for label, key in (("steady", "ms"), ("isolated", "ms_isolated")):
         tt = t[key] if t else None
@@ -320,7 +328,8 @@ def step_rows(rec):
         own = g["own_gemms"][key]
         rows.append(
             f"| {rec['model']} | {rec['batch']} | {rec['precision']} | {label} | {fmt(floor[key])} | {fmt(own)} "
-            f"| {fmt(g[key])} | {fmt(f[key])} | {fmt(nv[key])} | {fmt(tt)} | {g[key] / floor[key]:.2f}x "
+            f"| {fmt(g[key])} | {fmt(g1[key] if g1 else None)} | {fmt(f[key])} | {fmt(nv[key])} | {fmt(tt)} "
+            f"| {g[key] / floor[key]:.2f}x "
             f"| {g[key] / own:.2f}x "
             f"| {f'{tt / g[key]:.2f}x' if tt else '-'} | {f'{tt / f[key]:.2f}x' if tt else '-'} "
             f"| {nv[key] / f[key]:.2f}x | {peak} | {','.join(f['bgrad'])} |"
@@ -422,14 +431,18 @@ def main(argv=None):
             "dynamic loss scaling. mlptrain peak = CuPy pool high-water mark; PyTorch = max_memory_reserved. "
             "GEMM floor: the GPU time of the step's GEMMs alone (nvmath, replayed from a CUDA graph). "
             "own GEMMs: the step's GEMMs with their epilogs, as the fused step runs them, replayed alone. "
-            "fused, graph: the whole step replayed from a CUDA graph (the default on the GPU). "
+            "fused, graph: the whole step replayed from a CUDA graph (the default on the GPU), weight "
+            "gradients on a second stream concurrent with the input-gradient chain; 1 stream: the same "
+            "graph with the backward on one stream (execution.wgrad_stream=false). The GEMM floor runs its "
+            "GEMMs one after another; own GEMMs runs them as the step does (two streams). "
             f"Steady state: {CHAIN} steps back to back, per step (what a training run sees). Isolated: one "
             "step on an idle GPU, host launch work included (latency).",
             "",
-            "| model | batch | dtype | timing | GEMM floor | own GEMMs | fused, graph | fused | naive | PyTorch eager "
+            "| model | batch | dtype | timing | GEMM floor | own GEMMs | fused, graph | graph, 1 stream | fused "
+            "| naive | PyTorch eager "
             "| graph / floor | graph / own GEMMs | PyTorch / graph | PyTorch / fused | naive / fused "
             "| peak GiB graph / fused / naive / torch | bgrad |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for name, widths, batch in STEP_MODELS:
             if args.quick and widths[0] == 8192:

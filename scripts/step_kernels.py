@@ -37,6 +37,7 @@ def main(argv=None):
     ap.add_argument("--autotune", action="store_true", help="time cuBLASLt's candidate algorithms per GEMM")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default=None, help="folder for kernels.json and graph.dot")
+    ap.add_argument("--one-stream", action="store_true", help="the backward on one stream (wgrad_stream=false)")
     ap.add_argument("--profile", action="store_true", help="GPU time of each kernel (needs PyTorch's profiler)")
     args = ap.parse_args(argv)
     available, reason = probe_gpu()
@@ -52,10 +53,16 @@ def main(argv=None):
 
     widths = [int(w) for w in args.widths.split(",")]
     tr = step_trainer(
-        widths, args.batch, args.precision, autotune=args.autotune, optimizer=args.optimizer, bgrad=args.bgrad
+        widths,
+        args.batch,
+        args.precision,
+        autotune=args.autotune,
+        optimizer=args.optimizer,
+        bgrad=args.bgrad,
+        wgrad_stream=not args.one_stream,
     )
     with tr.stream:
-        xb, yb = next(iter(tr.train_loader.epoch(0)))
+        xb, yb = next(iter(tr.train_loader.epoch(0, out=tr.batch_buffers)))  # into the graph's inputs
         for _ in range(3):  # two warm-up steps, then the capture
             tr.step(xb, yb)
         graph = next(g.graph for g in tr.graphed._shapes.values() if g.graph is not None)
@@ -73,7 +80,8 @@ def main(argv=None):
     ours = [n for n in names if n.startswith("mlptrain_")]
     model = "-".join(map(str, widths))
     tuned = ", autotuned" if args.autotune else ""
-    print(f"{model}, batch {args.batch}, {args.precision}, {args.optimizer}, bgrad {tr.model.bgrad}{tuned}")
+    streams = "one stream" if args.one_stream else "weight gradients on a second stream"
+    print(f"{model}, batch {args.batch}, {args.precision}, {args.optimizer}, bgrad {tr.model.bgrad}{tuned}, {streams}")
     print(f"{len(names)} graph nodes per step: {len(ours)} of mlptrain's kernels, the rest cuBLASLt's (GEMMs, memsets)")
     for n in names:
         print(f"  {n[:110]}")
@@ -94,6 +102,7 @@ def main(argv=None):
             "optimizer": args.optimizer,
             "bgrad": tr.model.bgrad,
             "autotune": args.autotune,
+            "wgrad_stream": not args.one_stream,
             "kernels": names,
             "kernel_counts": Counter(names),
             "step_ms": step,

@@ -4,6 +4,9 @@ Marked ``gpu``; skipped where CuPy, nvmath or a CUDA device is missing (see conf
 Run them with ``make test-gpu``; docs/bench/gpu-tests.log is the output of the last run on the H200.
 """
 
+import re
+from collections import Counter
+
 import numpy as np
 import pytest
 
@@ -254,7 +257,10 @@ def test_fp16_loss_scaling_survives_injected_overflow():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("B", "C"), [(7, 3), (256, 10), (1024, 32), (1025, 10), (256, 33), (1000, 4096)])
+# one block (B <= 1024, C <= 32, B * C <= 10240: 1024 x 10 and 320 x 32 at the limit) and the two-kernel path
+@pytest.mark.parametrize(
+    ("B", "C"), [(7, 3), (256, 10), (1024, 10), (320, 32), (1024, 32), (1025, 10), (256, 33), (1000, 4096)]
+)
 def test_cross_entropy_kernels_match_numpy(dtype, B, C):
     from mlptrain.losses import softmax_cross_entropy
 
@@ -404,6 +410,31 @@ def test_step_is_the_gemms_and_three_kernels():
     assert len(names) - len(ours) >= 3 * len(tr.model.layers) - 1  # at least one kernel per GEMM
 
 
+@pytest.mark.parametrize(("graph", "bgrad"), [(True, "bgradb"), (True, "drelu_bgrad"), (False, "bgradb")])
+def test_two_stream_backward_equals_one_stream(graph, bgrad):
+    """Weight gradients on a side stream: the same kernels on the same operands, so the same bits.
+
+    A missing fork or join, or memory reused while the other stream still reads it, changes the
+    gradients of some step; 84 steps span two epochs, a last short batch and its own graph.
+    """
+    cfg = {"precision.name": "fp16", "execution.bgrad": bgrad}
+    t2, l2 = _graph_run(graph, 84, **cfg)
+    t1, l1 = _graph_run(graph, 84, **cfg, **{"execution.wgrad_stream": False})
+    assert t2.model._wgrad is not None and t1.model._wgrad is None
+    np.testing.assert_array_equal(l2, l1)
+    for p2, p1 in zip(t2.model.params, t1.model.params, strict=True):
+        cp.testing.assert_array_equal(p2.value, p1.value)
+    if graph:  # the captured step forks: some node has two successors (dX and dW of the same dZ)
+        graph2 = next(g.graph for g in t2.graphed._shapes.values() if g.graph is not None)
+        graph1 = next(g.graph for g in t1.graphed._shapes.values() if g.graph is not None)
+        assert _max_out_degree(graph2) >= 2 and _max_out_degree(graph1) == 1
+
+
+def _max_out_degree(graph):
+    edges = re.findall(r'"[^"]*?(\d+)"\s*->\s*"', graph.debug_dot_str())
+    return max(Counter(edges).values())
+
+
 def test_plans_are_made_once_and_reused():
     tr = _gpu_trainer(**{"data.drop_last": True})
     _train_losses(tr, 5)
@@ -413,7 +444,7 @@ def test_plans_are_made_once_and_reused():
     assert tr.gemm.num_plans == n
 
 
-def _graph_run(graph, steps, **overrides):
+def _graph_run(graph, steps, buffers=True, **overrides):
     tr = _gpu_trainer(
         **{
             "data.batch_size": 64,
@@ -428,7 +459,8 @@ def _graph_run(graph, steps, **overrides):
     losses = []
     with cp.cuda.Stream(non_blocking=True):
         for epoch in range(4):
-            for x, y in tr.train_loader.epoch(epoch):
+            # buffers: gathered into the graph's inputs, as the training loop does; else copied in
+            for x, y in tr.train_loader.epoch(epoch, out=tr.batch_buffers if buffers else None):
                 losses.append(tr.step(x, y)[0].copy())  # a replayed graph rewrites the same loss array
                 if len(losses) == steps:
                     break
@@ -446,11 +478,14 @@ def test_graph_replay_equals_uncaptured_steps(precision):
     steps = 84
     tg, lg = _graph_run(True, steps, **{"precision.name": precision})
     te, le = _graph_run(False, steps, **{"precision.name": precision})
+    tc, lc = _graph_run(True, steps, buffers=False, **{"precision.name": precision})  # batches copied in
     assert tg.graphed is not None and tg.graphed.num_graphs == 2  # full batch and last batch
     assert tg.step_count == te.step_count == steps
     np.testing.assert_array_equal(lg, le)
-    for pg, pe in zip(tg.model.params, te.model.params, strict=True):
+    np.testing.assert_array_equal(lc, le)
+    for pg, pe, pc in zip(tg.model.params, te.model.params, tc.model.params, strict=True):
         cp.testing.assert_array_equal(pg.value, pe.value)
+        cp.testing.assert_array_equal(pc.value, pe.value)
     assert float(tg.schedule.lr) == float(te.schedule.lr) != float(tg.schedule.host(0))
 
 

@@ -147,3 +147,33 @@ def test_cupy_loader_matches_numpy() -> None:
         assert isinstance(x1, cupy.ndarray) and x1.flags.c_contiguous and x1.dtype == np.float32
         assert_array_equal(cupy.asnumpy(x1), x0)
         assert_array_equal(cupy.asnumpy(y1), y0)
+
+
+def test_gathering_into_given_buffers_yields_the_same_batches() -> None:
+    """``out``: each batch lands in the arrays the callback hands out (a CUDA graph's inputs)."""
+    loader = _loader(shuffle=True)
+    bufs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def out(rows: int) -> tuple[np.ndarray, np.ndarray]:
+        if rows not in bufs:
+            bufs[rows] = (np.full((rows, 5), np.nan, np.float32), np.full(rows, -1, np.int64))
+        return bufs[rows]
+
+    fresh = list(loader.epoch(3))
+    for (xb, yb), (xf, yf) in zip(loader.epoch(3, out=out), fresh, strict=True):
+        assert xb is bufs[len(yb)][0] and yb is bufs[len(yb)][1]
+        assert_array_equal(xb, xf)
+        assert_array_equal(yb, yf)
+    assert sorted(bufs) == [3, 10]  # 103 rows: ten full batches and one of 3
+    # a callback returning None means fresh arrays
+    for (xb, yb), (xf, yf) in zip(loader.epoch(3, out=lambda rows: None), fresh, strict=True):
+        assert not any(xb is b[0] for b in bufs.values())
+        assert_array_equal(xb, xf)
+        assert_array_equal(yb, yf)
+
+
+def test_buffers_of_the_wrong_shape_or_dtype_are_refused() -> None:
+    loader = _loader()
+    for x_buf in (np.zeros((10, 4), np.float32), np.zeros((10, 5), np.float64), np.zeros((9, 5), np.float32)):
+        with pytest.raises(ValueError, match=r"do not fit a batch of \(10, 5\) float32"):
+            next(loader.epoch(0, out=lambda rows, x_buf=x_buf: (x_buf, np.zeros(rows, np.int64))))
