@@ -103,6 +103,8 @@ def _softmax_cross_entropy_cupy(logits: Any, y: Any, grad_scale: Any, bias_grad:
     correct = cp.empty((), dtype=cp.int64)
     db = cp.empty(C if bias_grad else 1, dtype=logits.dtype)  # (C,): the output layer's bias gradient
     if small_head(B, C):  # MNIST-sized: everything in one block, one row per thread
+        # 1024 threads even for a few rows: more threads share the tile's loads (on the H200 a
+        # block of 256 for (256, 10) took 6.2 us against 5.4)
         small(logits, y, scale, B, C, 1.0 / B, bias_grad, d, loss, correct, db, size=1024, block_size=1024)
         return (loss, d, correct, db) if bias_grad else (loss, d, correct)
     row_loss = cp.empty(B, dtype=cp.float32)
@@ -199,16 +201,24 @@ __shared__ int warp_ok[32];
 """
 
 _XENT_SMALL = r"""
-// One block of 1024 threads; this body runs once per thread (i == threadIdx.x).
+// One block of N = 1024 threads; this body runs once per thread.
 const int t = threadIdx.x;
 const int n = (int)(B * C);
-for (int k = t; k < n; k += 1024) z[k] = (float)x[k];  // the whole tile, coalesced: <= 10 loads a thread
+const int N = 1024;
+// every global load first, so their latencies overlap: the label, the scale, the whole tile
+// (coalesced, at most 10240 / 1024 = 10 loads a thread, all issued before any is used)
+const long long label = t < B ? y[t] : 0;
+const float g = (float)(scale[0] * inv_b);  // loss scale / B
+float tile[10];
+#pragma unroll
+for (int q = 0; q < 10; ++q) tile[q] = t + q * N < n ? (float)x[t + q * N] : 0.0f;
+#pragma unroll
+for (int q = 0; q < 10; ++q) if (t + q * N < n) z[t + q * N] = tile[q];
 __syncthreads();
 double my_loss = 0.0;
 int my_ok = 0;
 if (t < B) {  // thread t: row t, the three passes of mlptrain_xent_rows, from shared memory
     const int base = t * (int)C;
-    const long long label = y[t];
     float m = __int_as_float(0xff800000);  // -inf; ties and NaN keep the first column, as numpy.argmax
     int am = 0;
     for (int j = 0; j < C; ++j) {
@@ -220,23 +230,22 @@ if (t < B) {  // thread t: row t, the three passes of mlptrain_xent_rows, from s
     const bool valid = label >= 0 && label < C;  // a bad label gives a NaN loss, not a stray read
     my_loss = valid ? (double)(logf(s) + m - z[base + label]) : (double)__int_as_float(0x7fc00000);
     my_ok = am == label;
-    const float g = (float)(scale[0] * inv_b);  // loss scale / B
     for (int j = 0; j < C; ++j) {  // the gradient, rounded to T here so db sums what d holds
         z[base + j] = (float)(T)((expf(z[base + j] - m) / s - (j == label ? 1.0f : 0.0f)) * g);
     }
 }
 __syncthreads();
-for (int k = t; k < n; k += 1024) d[k] = (T)z[k];  // coalesced store of dlogits
-// loss and correct: a fixed shuffle tree per warp, then warp 0 over the 32 warp sums (same sum every run)
+for (int k = t; k < n; k += N) d[k] = (T)z[k];  // coalesced store of dlogits
+// loss and correct: a fixed shuffle tree per warp, then warp 0 over the warp sums (same sum every run)
 for (int off = 16; off > 0; off >>= 1) {
     my_loss += __shfl_down_sync(0xffffffffu, my_loss, off);
     my_ok += __shfl_down_sync(0xffffffffu, my_ok, off);
 }
 if ((t & 31) == 0) { warp_loss[t >> 5] = my_loss; warp_ok[t >> 5] = my_ok; }
 __syncthreads();
-if (t < 32) {
-    double l = warp_loss[t];
-    int o = warp_ok[t];
+if (t < 32) {  // N / 32 warps wrote partials
+    double l = t < (N >> 5) ? warp_loss[t] : 0.0;
+    int o = t < (N >> 5) ? warp_ok[t] : 0;
     for (int off = 16; off > 0; off >>= 1) {
         l += __shfl_down_sync(0xffffffffu, l, off);
         o += __shfl_down_sync(0xffffffffu, o, off);
@@ -245,7 +254,7 @@ if (t < 32) {
 }
 if (want_db) {  // db[c] = sum over rows of d[r, c]: R groups of C threads, then a tree over the groups
     int R = 1;
-    while (2 * R * C <= 1024) R *= 2;
+    while (2 * R * C <= N) R *= 2;
     const int c = t % (int)C, grp = t / (int)C;
     float part = 0.0f;
     if (grp < R) for (int r = grp; r < B; r += R) part += z[r * (int)C + c];

@@ -24,6 +24,9 @@ SGD update; with the fixed grid, 4.5 and 8 us.
 
 The kernels are CuPy ElementwiseKernels over raw arrays, so CuPy names the dtypes (float16,
 bfloat16, float32, float64) and caches the compiled code on disk per model layout.
+
+The overflow check only reads, and reads one dtype: :class:`NonfiniteScan` does it with 16-byte
+loads (8 fp16 values each), 3.6 us instead of 4.5 for 784-1024-1024-10 on the H200.
 """
 
 from __future__ import annotations
@@ -133,6 +136,95 @@ class MultiTensorKernel:
         if self._blocks_done is not None:
             flat.append(self._blocks_done)
         self._kernel(*flat, *extras, size=self.threads, block_size=256)
+
+
+_NONFINITE_LANES = """
+// inf/NaN among the lanes of a 16-byte vector: an all-ones exponent.
+__device__ __forceinline__ bool mt_bad16_lane(unsigned int h, unsigned int e) { return (h & e) == e; }
+__device__ __forceinline__ bool mt_bad16(uint4 q, unsigned int e) {  // 8 fp16 (e = 0x7C00) or bf16 (0x7F80)
+    const unsigned int w[4] = {q.x, q.y, q.z, q.w};
+    bool bad = false;
+    for (int k = 0; k < 4; ++k) bad |= mt_bad16_lane(w[k] & 0xFFFFu, e) || mt_bad16_lane(w[k] >> 16, e);
+    return bad;
+}
+__device__ __forceinline__ bool mt_bad32(uint4 q) {  // 4 fp32
+    return ((q.x & 0x7F800000u) == 0x7F800000u) || ((q.y & 0x7F800000u) == 0x7F800000u) ||
+           ((q.z & 0x7F800000u) == 0x7F800000u) || ((q.w & 0x7F800000u) == 0x7F800000u);
+}
+"""
+
+_LANES = {"float16": "mt_bad16(v[j], 0x7C00u)", "bfloat16": "mt_bad16(v[j], 0x7F80u)", "float32": "mt_bad32(v[j])"}
+
+
+class NonfiniteScan:
+    """``found = any element of the tensors is inf or NaN``, in one launch of 16-byte loads.
+
+    The overflow check of an fp16 step reads every gradient once. Element by element (a
+    :class:`MultiTensorKernel`, one 2-byte load per element) that is 1.9 M loads for
+    784-1024-1024-10; here each thread loads 16-byte vectors (8 fp16 values) and tests their
+    exponent bits, with a scalar loop for each tensor's last ``size % 8`` elements. Fewer,
+    wider loads and a smaller grid (at most 4 blocks per SM) mean fewer instructions and fewer
+    blocks counting into the last-block epilogue. Every tensor must start 16-byte aligned (CuPy's
+    allocations do; :meth:`fits` says whether a list of arrays qualifies).
+    """
+
+    def __init__(self, name: str, sizes: Sequence[int], dtype: str) -> None:
+        import cupy as cp
+
+        if dtype not in _LANES:
+            raise ValueError(f"{name}: dtype {dtype} has no vector scan; expected one of {', '.join(_LANES)}")
+        self.sizes = [int(n) for n in sizes]
+        self.dtype = dtype
+        per_vec = 4 if dtype == "float32" else 8
+        sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+        blocks = max(1, min(4 * sms, -(-sum(n // per_vec for n in self.sizes) // 256)))
+        self.threads = blocks * 256
+        scans = []
+        for k, n in enumerate(self.sizes):
+            v = n // per_vec
+            scans.append(
+                f"{{ const uint4* v = reinterpret_cast<const uint4*>(&g{k}[(ptrdiff_t)0]);\n"
+                f"  for (ptrdiff_t j = i; j < {v}LL; j += {self.threads}LL) bad |= {_LANES[dtype]};\n"
+                f"  for (ptrdiff_t j = {v * per_vec}LL + i; j < {n}LL; j += {self.threads}LL) "
+                f"bad |= !isfinite((float)g{k}[j]); }}"
+            )
+        params = ", ".join(f"raw G g{k}" for k in range(len(self.sizes)))
+        self._kernel = cp.ElementwiseKernel(
+            "",
+            params + ", raw int32 any_bad, raw int32 found, raw int32 blocks_done",
+            "\n".join(scans),
+            name,
+            loop_prep="bool bad = false;",
+            after_loop="""
+            if (__syncthreads_or(bad) && threadIdx.x == 0) atomicOr(&any_bad[0], 1);
+            __syncthreads();
+            if (threadIdx.x == 0) {
+                __threadfence();
+                if (atomicAdd(&blocks_done[0], 1) == (int)gridDim.x - 1) {  // the last block: publish, reset
+                    __threadfence();
+                    found[0] = atomicExch(&any_bad[0], 0);
+                    blocks_done[0] = 0;
+                }
+            }
+            """,
+            preamble=_NONFINITE_LANES,
+            no_return=True,
+        )
+        self._blocks_done = cp.zeros(1, dtype=cp.int32)
+
+    @staticmethod
+    def fits(arrays: Sequence[Any]) -> bool:
+        """Whether the vector scan can read these arrays: a supported dtype, C-contiguous, 16-byte aligned."""
+        return all(
+            a.dtype.name in _LANES and a.flags.c_contiguous and a.data.ptr % 16 == 0 and a.dtype == arrays[0].dtype
+            for a in arrays
+        )
+
+    def __call__(self, grads: Sequence[Any], any_bad: Any, found: Any) -> None:
+        if [int(g.size) for g in grads] != self.sizes or not self.fits(grads) or grads[0].dtype.name != self.dtype:
+            raise ValueError(f"{self._kernel.name}: built for {self.dtype} sizes {self.sizes}; use fits() first")
+        flat = [_flat(g, f"g{k}") for k, g in enumerate(grads)]
+        self._kernel(*flat, any_bad, found, self._blocks_done, size=self.threads, block_size=256)
 
 
 @dataclass(frozen=True)

@@ -97,20 +97,28 @@ class LossScaler:
         self.consecutive_skips = xp.zeros((), dtype=xp.int32)
         self._any_bad = xp.zeros(1, dtype=xp.int32)  # GPU check: blocks that saw inf/NaN set it
         self._check_kernel: Any = None
+        self._check_key: tuple | None = None
 
     def check(self, grads: list[Any]) -> Any:
         """Set ``found_inf`` to whether any gradient holds inf/NaN; returns it (device, no sync).
 
-        On the GPU one multi-tensor kernel scans every gradient; its last block to finish writes
-        the flag, so no separate kernel has to clear it first.
+        On the GPU one kernel scans every gradient (16-byte loads when the gradients allow,
+        :class:`mlptrain.multitensor.NonfiniteScan`); its last block to finish writes the flag, so
+        no separate kernel has to clear it first.
         """
         xp = self.xp
         if not self.enabled:
             return self.found_inf  # stays 0: fp32/fp64 runs check the loss at the log interval
         if xp is not np:
-            sizes = [g.size for g in grads]
-            if self._check_kernel is None or self._check_kernel.sizes != sizes:
-                self._check_kernel = _nonfinite_kernel(sizes)
+            from mlptrain.multitensor import NonfiniteScan
+
+            sizes = [int(g.size) for g in grads]
+            vector = NonfiniteScan.fits(grads)  # 16-byte loads; else one element at a time
+            key = (vector, grads[0].dtype.name, tuple(sizes))
+            if self._check_key != key:
+                name = "mlptrain_check_nonfinite"
+                self._check_kernel = NonfiniteScan(name, sizes, key[1]) if vector else _nonfinite_kernel(sizes)
+                self._check_key = key
             self._check_kernel(grads, self._any_bad, self.found_inf)
             return self.found_inf
         bad = xp.zeros((), dtype=xp.bool_)

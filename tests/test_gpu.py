@@ -297,20 +297,27 @@ def test_nonfinite_check_and_scaler_update_kernels():
     assert float(s.inv_scale) == 1 / 512.0
 
 
-@pytest.mark.parametrize("where", [None, (0, 0), (1, 0), (2, 2_000_000 - 1), (3, 0)])
-def test_nonfinite_check_finds_one_bad_element_anywhere(where):
-    """One multi-tensor launch over many blocks: a single inf in any tensor, first or last element."""
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("aligned", [True, False])
+@pytest.mark.parametrize("where", [None, (0, 0), (1, 0), (2, 777_777), (2, 2_000_000 - 1), (3, 0), (3, 76)])
+def test_nonfinite_check_finds_one_bad_element_anywhere(where, aligned, dtype):
+    """One launch over many blocks: a single inf or NaN in any tensor, in a 16-byte vector or a
+    tensor's scalar tail (77 = 9 vectors of 8 + 5), first or last element. Arrays that do not start
+    on a 16-byte boundary take the element-by-element kernel, with the same answers."""
+    from mlptrain.multitensor import NonfiniteScan
     from mlptrain.precision import LossScaler
 
     s = LossScaler(cp, enabled=True)
-    grads = [cp.ones(n, cp.float16) for n in (5, 1, 2_000_000, 77)]
-    for _ in range(3):  # repeated launches: the last-block counter and the flag reset themselves
+    grads = [cp.ones(n + 1, _dtype(dtype))[0 if aligned else 1 :][:n] for n in (5, 1, 2_000_000, 77)]
+    assert NonfiniteScan.fits(grads) == aligned
+    for rep in range(3):  # repeated launches: the last-block counter and the flag reset themselves
         if where is not None:
-            grads[where[0]][where[1]] = cp.inf
+            grads[where[0]][where[1]] = cp.inf if rep % 2 == 0 else cp.nan
         assert int(s.check(grads)) == (where is not None)
         if where is not None:
             grads[where[0]][where[1]] = 1
         assert int(s.check(grads)) == 0
+    assert (type(s._check_kernel) is NonfiniteScan) == aligned
 
 
 def test_end_of_step_kernel_matches_numpy_bookkeeping():
