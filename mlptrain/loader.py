@@ -127,10 +127,11 @@ class DataLoader:
                 yield xp.take(self.x, idx, axis=0), xp.take(self.y, idx)  # (B, F), (B,)
                 continue
             xb, yb = bufs
-            if xb.shape != (len(idx), self.x.shape[1]) or xb.dtype != self.x.dtype or yb.shape != (len(idx),):
+            want = ((len(idx), self.x.shape[1]), self.x.dtype, (len(idx),), self.y.dtype)
+            if (xb.shape, xb.dtype, yb.shape, yb.dtype) != want:
                 raise ValueError(
-                    f"batch buffers {xb.shape} {xb.dtype} / {yb.shape} do not fit a batch of "
-                    f"({len(idx)}, {self.x.shape[1]}) {self.x.dtype} / ({len(idx)},)"
+                    f"batch buffers {xb.shape} {xb.dtype} / {yb.shape} {yb.dtype} do not fit a batch of "
+                    f"{want[0]} {want[1]} / {want[2]} {want[3]}"
                 )
             xp.take(self.x, idx, axis=0, out=xb)
             xp.take(self.y, idx, out=yb)

@@ -175,5 +175,7 @@ def test_gathering_into_given_buffers_yields_the_same_batches() -> None:
 def test_buffers_of_the_wrong_shape_or_dtype_are_refused() -> None:
     loader = _loader()
     for x_buf in (np.zeros((10, 4), np.float32), np.zeros((10, 5), np.float64), np.zeros((9, 5), np.float32)):
-        with pytest.raises(ValueError, match=r"do not fit a batch of \(10, 5\) float32"):
+        with pytest.raises(ValueError, match=r"do not fit a batch of \(10, 5\) float32 / \(10,\) int64"):
             next(loader.epoch(0, out=lambda rows, x_buf=x_buf: (x_buf, np.zeros(rows, np.int64))))
+    with pytest.raises(ValueError, match=r"\(10,\) int32 do not fit"):  # labels of the wrong dtype
+        next(loader.epoch(0, out=lambda rows: (np.zeros((rows, 5), np.float32), np.zeros(rows, np.int32))))
