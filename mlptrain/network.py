@@ -169,5 +169,4 @@ class _WgradStream:
             read_by_side.append(dz)
             dz = layers[i].grad_below(ex, dz, layers[i - 1])
         self.join.record(self.stream)
-        main.wait_event(self.join)  # the optimizer sees every gradient
-        del read_by_side
+        main.wait_event(self.join)  # the optimizer sees every gradient; read_by_side may go now
