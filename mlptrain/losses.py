@@ -92,7 +92,7 @@ def _softmax_cross_entropy_cupy(logits: Any, y: Any, grad_scale: Any, bias_grad:
     """
     import cupy as cp
 
-    rows, mean, small = _cupy_xent_kernels()
+    rows, mean = _cupy_xent_kernels()
     B, C = logits.shape
     if not logits.flags.c_contiguous:
         logits = cp.ascontiguousarray(logits)
@@ -105,7 +105,8 @@ def _softmax_cross_entropy_cupy(logits: Any, y: Any, grad_scale: Any, bias_grad:
     if small_head(B, C):  # MNIST-sized: everything in one block, one row per thread
         # 1024 threads even for a few rows: more threads share the tile's loads (on the H200 a
         # block of 256 for (256, 10) took 6.2 us against 5.4)
-        small(logits, y, scale, B, C, 1.0 / B, bias_grad, d, loss, correct, db, size=1024, block_size=1024)
+        small = _xent_small_kernel(C)  # C compiled in: the loops over a row unroll
+        small(logits, y, scale, B, 1.0 / B, bias_grad, d, loss, correct, db, size=1024, block_size=1024)
         return (loss, d, correct, db) if bias_grad else (loss, d, correct)
     row_loss = cp.empty(B, dtype=cp.float32)
     row_ok = cp.empty(B, dtype=cp.int32)
@@ -221,15 +222,18 @@ if (t < B) {  // thread t: row t, the three passes of mlptrain_xent_rows, from s
     const int base = t * (int)C;
     float m = __int_as_float(0xff800000);  // -inf; ties and NaN keep the first column, as numpy.argmax
     int am = 0;
+#pragma unroll
     for (int j = 0; j < C; ++j) {
         const float v = z[base + j];
         if (v > m || (v != v && m == m)) { m = v; am = j; }
     }
     float s = 0.0f;
+#pragma unroll
     for (int j = 0; j < C; ++j) s += expf(z[base + j] - m);
     const bool valid = label >= 0 && label < C;  // a bad label gives a NaN loss, not a stray read
     my_loss = valid ? (double)(logf(s) + m - z[base + label]) : (double)__int_as_float(0x7fc00000);
     my_ok = am == label;
+#pragma unroll
     for (int j = 0; j < C; ++j) {  // the gradient, rounded to T here so db sums what d holds
         z[base + j] = (float)(T)((expf(z[base + j] - m) / s - (j == label ? 1.0f : 0.0f)) * g);
     }
@@ -270,7 +274,7 @@ if (want_db) {  // db[c] = sum over rows of d[r, c]: R groups of C threads, then
 
 
 @functools.cache
-def _cupy_xent_kernels() -> tuple[Any, Any, Any]:
+def _cupy_xent_kernels() -> tuple[Any, Any]:
     import cupy as cp
 
     rows = cp.ElementwiseKernel(
@@ -289,15 +293,22 @@ def _cupy_xent_kernels() -> tuple[Any, Any, Any]:
         after_loop=_XENT_MEAN_AFTER,
         no_return=True,
     )
-    small = cp.ElementwiseKernel(
-        "raw T x, raw int64 y, raw float64 scale, int64 B, int64 C, float64 inv_b, bool want_db",
+    return rows, mean
+
+
+@functools.cache
+def _xent_small_kernel(classes: int) -> Any:
+    """``mlptrain_xent_small`` for ``classes`` classes, a compile-time constant (one per model)."""
+    import cupy as cp
+
+    return cp.ElementwiseKernel(
+        "raw T x, raw int64 y, raw float64 scale, int64 B, float64 inv_b, bool want_db",
         "raw T d, raw float32 loss, raw int64 correct, raw T db",
         _XENT_SMALL,
         "mlptrain_xent_small",
-        loop_prep=_XENT_SMALL_PREP,
+        loop_prep=f"const int C = {classes};\n" + _XENT_SMALL_PREP,
         no_return=True,
     )
-    return rows, mean, small
 
 
 def mse(logits: Any, y: Any, grad_scale: Any = 1.0, *, bias_grad: bool = False) -> tuple:

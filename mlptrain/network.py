@@ -98,21 +98,32 @@ class MLP:
             x = layer.forward(self.execution, x)
         return x
 
-    def backward(self, dlogits: Any, output_bias_grad: Any = None) -> None:
+    def backward(self, dlogits: Any, output_bias_grad: Any = None, head_grad: tuple | None = None) -> None:
         """Fill every ``param.grad`` from ``dlogits (B, out)``, the loss gradient of the logits.
 
         ``output_bias_grad``: ``dlogits`` summed over the batch, when the loss computed it (then
         the output layer's weight-gradient GEMM runs without the BGRADB epilog).
+        ``head_grad``: ``(dZ_below, db_below or None)``, the output layer's input gradient when the
+        loss kernel computed it (:mod:`mlptrain.head`); then that GEMM is not run.
         """
         side = self._wgrad
         if side is None:
             dz = dlogits
             for i in reversed(range(len(self.layers))):
-                below = self.layers[i - 1] if i > 0 else None
                 bias_grad = output_bias_grad if i == len(self.layers) - 1 else None
-                dz = self.layers[i].backward(self.execution, dz, below, bias_grad)
+                self.layers[i].param_grads(self.execution, dz, bias_grad)
+                dz = self.grad_below(i, dz, head_grad)
             return
-        side.backward(self, dlogits, output_bias_grad)
+        side.backward(self, dlogits, output_bias_grad, head_grad)
+
+    def grad_below(self, i: int, dz: Any, head_grad: tuple | None = None) -> Any:
+        """Layer ``i``'s input gradient ``dZ_{i-1}`` (None for the first layer), or the head's, given."""
+        if i == len(self.layers) - 1 and head_grad is not None:
+            dz_below, db_below = head_grad
+            if db_below is not None:
+                self.layers[i - 1].bias.grad = db_below
+            return dz_below
+        return self.layers[i].grad_below(self.execution, dz, self.layers[i - 1] if i > 0 else None)
 
     def use_wgrad_stream(self, enabled: bool = True) -> None:
         """GPU: run the weight-gradient GEMMs on a second stream, concurrent with the input-gradient chain."""
@@ -150,7 +161,7 @@ class _WgradStream:
         self.forks = [cp.cuda.Event(disable_timing=True) for _ in range(num_layers)]
         self.join = cp.cuda.Event(disable_timing=True)
 
-    def backward(self, model: MLP, dlogits: Any, output_bias_grad: Any) -> None:
+    def backward(self, model: MLP, dlogits: Any, output_bias_grad: Any, head_grad: tuple | None) -> None:
         import cupy as cp
 
         main = cp.cuda.get_current_stream()
@@ -167,6 +178,6 @@ class _WgradStream:
             with self.stream:  # nvmath and CuPy enqueue (and allocate) on the current stream
                 layers[i].param_grads(ex, dz, bias_grad)
             read_by_side.append(dz)
-            dz = layers[i].grad_below(ex, dz, layers[i - 1])
+            dz = model.grad_below(i, dz, head_grad)
         self.join.record(self.stream)
         main.wait_event(self.join)  # the optimizer sees every gradient; read_by_side may go now

@@ -52,6 +52,7 @@ from mlptrain.config import TrainConfig, to_plain, validate
 from mlptrain.data import Dataset, load_dataset
 from mlptrain.errors import ConfigError, MlptrainError, NonFiniteError, ResourceError
 from mlptrain.execution import FusedExecution, NaiveExecution, NumpyGemm
+from mlptrain.head import cross_entropy_head, head_kernel_applies
 from mlptrain.loader import DataLoader
 from mlptrain.losses import LOSSES, small_head
 from mlptrain.metrics import MetricsWriter
@@ -120,6 +121,17 @@ class Trainer:
             compute_dtype=self.precision.compute_dtype,
             relu=cfg.model.activation.value == "relu",
             init=cfg.model.init.value,
+        )
+        # Small heads on the GPU: the loss kernel also computes the output layer's input gradient
+        # (mlptrain.head), instead of a K = classes GEMM that cuBLASLt cannot fuse with DRELU_BGRAD.
+        self.head_kernel = (
+            self.backend.is_gpu
+            and cfg.execution.head_kernel
+            and cfg.execution.mode.value == "fused"
+            and cfg.model.loss.value == "cross_entropy"
+            and cfg.model.activation.value == "relu"
+            and len(self.widths) > 2
+            and head_kernel_applies(cfg.data.batch_size, self.widths[-1])
         )
         self.model.set_bgrad(self._choose_bgrad())
         if self.backend.is_gpu and cfg.execution.wgrad_stream:  # dW GEMMs concurrent with the dX chain
@@ -204,14 +216,16 @@ class Trainer:
                 from mlptrain.gpu import PlanCache
 
                 store = PlanCache.default_path().with_suffix(".bgrad.json")
+            # With the head kernel the top hidden layer's bias gradient is a column sum in that
+            # kernel (drelu_bgrad, no GEMM to probe); the probe measures the layers below it.
             return choose_bgrad(
-                self.widths,
+                self.widths[:-1] if self.head_kernel else self.widths,
                 self.cfg.data.batch_size,
                 self.precision.compute_dtype,
                 tf32=self.precision.tf32,
                 store=store,
                 wgrad_stream=self.cfg.execution.wgrad_stream,
-            )
+            ) + (["drelu_bgrad"] if self.head_kernel else [])
         return "bgradb"  # on the CPU (and in naive mode) the two do the same work
 
     def lr_at(self, step: int) -> float:
@@ -243,7 +257,19 @@ class Trainer:
     def step_uncaptured(self, x: Any, y: Any, count: bool = True) -> tuple[Any, Any]:
         """The step's device work, launched op by op (and recorded once for the graph)."""
         logits = self.model.forward(x)  # (B, classes)
-        if self.bias_grad_from_loss:
+        if self.head_kernel:  # a smaller last batch fits the kernel too
+            top, below = self.model.layers[-1], self.model.layers[-2]
+            # one kernel: the loss, dlogits, the output bias gradient, and dZ_below = (dlogits @ W) * relu'
+            loss, dlogits, correct, db_out, dz_below, db_below = cross_entropy_head(
+                logits,
+                y,
+                self.scaler.scale,
+                top.weight.compute,
+                below.mask,
+                bias_grad_below=not below.bias_grad_in_wgrad,
+            )
+            self.model.backward(dlogits, output_bias_grad=db_out, head_grad=(dz_below, db_below))
+        elif self.bias_grad_from_loss:
             loss, dlogits, correct, db_out = self.loss_fn(logits, y, self.scaler.scale, bias_grad=True)
             self.model.backward(dlogits, output_bias_grad=db_out)
         else:

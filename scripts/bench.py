@@ -125,7 +125,16 @@ def bench_layer(m, k, n, dtype, reps):
 
 
 def step_trainer(
-    widths, batch, precision, mode="fused", graph=True, autotune=False, optimizer="sgd", bgrad="auto", wgrad_stream=True
+    widths,
+    batch,
+    precision,
+    mode="fused",
+    graph=True,
+    autotune=False,
+    optimizer="sgd",
+    bgrad="auto",
+    wgrad_stream=True,
+    head_kernel=True,
 ):
     """A GPU Trainer for ``widths`` on random data (one batch per epoch), as the step benchmarks use it."""
     from mlptrain.config import TrainConfig
@@ -144,6 +153,7 @@ def step_trainer(
     cfg.execution.bgrad = type(cfg.execution.bgrad)(bgrad)
     cfg.execution.autotune = autotune
     cfg.execution.wgrad_stream = wgrad_stream
+    cfg.execution.head_kernel = head_kernel
     cfg.model.hidden = widths[1:-1]
     cfg.data.batch_size = batch
     cfg.optimizer.name = type(cfg.optimizer.name)(optimizer)
@@ -197,12 +207,21 @@ def own_gemm_time(tr, xb, yb, reps):
     from mlptrain.gpu import capture_graph, cuda_time_ms
 
     stream = cp.cuda.get_current_stream()
-    out = tr.loss_fn(tr.model.forward(xb), yb, tr.scaler.scale, bias_grad=tr.bias_grad_from_loss)
+    logits = tr.model.forward(xb)
+    head = None
+    if tr.head_kernel:  # the loss kernel computes the output layer's input gradient: not a GEMM of the step
+        from mlptrain.head import cross_entropy_head
+
+        top, below = tr.model.layers[-1], tr.model.layers[-2]
+        out = cross_entropy_head(logits, yb, tr.scaler.scale, top.weight.compute, below.mask)
+        head = (out[4], out[5] if not below.bias_grad_in_wgrad else None)
+    else:
+        out = tr.loss_fn(logits, yb, tr.scaler.scale, bias_grad=tr.bias_grad_from_loss)
     dlogits, db = out[1], (out[3] if tr.bias_grad_from_loss else None)
 
     def gemms():
         tr.model.forward(xb)
-        tr.model.backward(dlogits, output_bias_grad=db)
+        tr.model.backward(dlogits, output_bias_grad=db, head_grad=head)
         return [p.grad for p in tr.model.params]
 
     gemms()

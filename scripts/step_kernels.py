@@ -38,6 +38,11 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default=None, help="folder for kernels.json and graph.dot")
     ap.add_argument("--one-stream", action="store_true", help="the backward on one stream (wgrad_stream=false)")
+    ap.add_argument(
+        "--gemm-head",
+        action="store_true",
+        help="the output layer's input gradient as a cuBLASLt GEMM (head_kernel=false), not in the loss kernel",
+    )
     ap.add_argument("--profile", action="store_true", help="GPU time of each kernel (needs PyTorch's profiler)")
     args = ap.parse_args(argv)
     available, reason = probe_gpu()
@@ -60,6 +65,7 @@ def main(argv=None):
         optimizer=args.optimizer,
         bgrad=args.bgrad,
         wgrad_stream=not args.one_stream,
+        head_kernel=not args.gemm_head,
     )
     with tr.stream:
         xb, yb = next(iter(tr.train_loader.epoch(0, out=tr.batch_buffers)))  # into the graph's inputs
@@ -81,7 +87,9 @@ def main(argv=None):
     model = "-".join(map(str, widths))
     tuned = ", autotuned" if args.autotune else ""
     streams = "one stream" if args.one_stream else "weight gradients on a second stream"
-    print(f"{model}, batch {args.batch}, {args.precision}, {args.optimizer}, bgrad {tr.model.bgrad}{tuned}, {streams}")
+    head = "head kernel" if tr.head_kernel else "head GEMM"
+    setup = f"{args.precision}, {args.optimizer}, bgrad {tr.model.bgrad}{tuned}, {streams}, {head}"
+    print(f"{model}, batch {args.batch}, {setup}")
     print(f"{len(names)} graph nodes per step: {len(ours)} of mlptrain's kernels, the rest cuBLASLt's (GEMMs, memsets)")
     for n in names:
         print(f"  {n[:110]}")
@@ -103,6 +111,7 @@ def main(argv=None):
             "bgrad": tr.model.bgrad,
             "autotune": args.autotune,
             "wgrad_stream": not args.one_stream,
+            "head_kernel": tr.head_kernel,
             "kernels": names,
             "kernel_counts": Counter(names),
             "step_ms": step,

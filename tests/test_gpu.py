@@ -134,9 +134,9 @@ def _gpu_trainer(**overrides):
     return Trainer(cfg)
 
 
-@pytest.mark.parametrize("mode", ["fused", "naive"])
+@pytest.mark.parametrize(("mode", "head"), [("fused", False), ("naive", False), ("fused", True)])
 @pytest.mark.parametrize("bgrad", ["bgradb", "drelu_bgrad"])
-def test_whole_network_gradients_against_float64_cpu(mode, bgrad):
+def test_whole_network_gradients_against_float64_cpu(mode, head, bgrad):
     from mlptrain.execution import FusedExecution, NumpyGemm
     from mlptrain.losses import softmax_cross_entropy
     from mlptrain.network import MLP
@@ -167,8 +167,19 @@ def test_whole_network_gradients_against_float64_cpu(mode, bgrad):
         b = rng.standard_normal(lr.out_features) * 0.1
         lr.bias.value[...] = b
         lg.bias.value[...] = cp.asarray(b, cp.float32)
-    _, d, _ = softmax_cross_entropy(net.forward(cp.asarray(x)), cp.asarray(y))
-    net.backward(d)
+    logits = net.forward(cp.asarray(x))
+    if head:  # the loss kernel computes the output layer's input gradient (mlptrain.head)
+        from mlptrain.head import cross_entropy_head
+
+        top, below = net.layers[-1], net.layers[-2]
+        want = not below.bias_grad_in_wgrad
+        _, d, _, db, dz, db_below = cross_entropy_head(
+            logits, cp.asarray(y), 1.0, top.weight.compute, below.mask, bias_grad_below=want
+        )
+        net.backward(d, output_bias_grad=db, head_grad=(dz, db_below))
+    else:
+        _, d, _ = softmax_cross_entropy(logits, cp.asarray(y))
+        net.backward(d)
     _, d, _ = softmax_cross_entropy(ref.forward(x.astype(np.float64)), y)
     ref.backward(d)
     for pg, pr in zip(net.params, ref.params, strict=True):
@@ -401,20 +412,30 @@ def test_cross_entropy_kernel_ties_bad_labels_and_tiny_shapes():
         assert np.isnan(float(loss))  # label 4 of 4 classes: NaN, not a read past the row
 
 
-def test_step_is_the_gemms_and_three_kernels():
-    """The captured fp16 step: 8 GEMMs plus exactly mlptrain's three small kernels, no CuPy op left."""
-    tr = _gpu_trainer(**{"precision.name": "fp16", "data.drop_last": True, "execution.bgrad": "bgradb"})
+@pytest.mark.parametrize("head", [True, False])
+def test_step_is_the_gemms_and_mlptrains_kernels(head):
+    """The captured fp16 step: its GEMMs plus exactly mlptrain's small kernels, no CuPy op left.
+
+    With the head kernel the output layer's input gradient is mlptrain_head_dgrad: one GEMM fewer.
+    """
+    tr = _gpu_trainer(
+        **{"precision.name": "fp16", "data.drop_last": True, "execution.bgrad": "bgradb", "execution.head_kernel": head}
+    )
+    assert tr.head_kernel is head
     with tr.stream:
         _train_losses(tr, 4)
     names = tr.graphed.kernel_names()
     ours = [n for n in names if n.startswith("mlptrain_")]
     assert ours == [
         "mlptrain_xent_small",  # 10 classes: the one-block loss kernel
+        *(["mlptrain_head_dgrad"] if head else []),  # the output layer's input gradient
         "mlptrain_check_nonfinite",
         "mlptrain_sgd_step",  # its last block ends the step (StepLog.tail)
     ], names
     assert not [n for n in names if n.startswith("cupy_")], names
-    assert len(names) - len(ours) >= 3 * len(tr.model.layers) - 1  # at least one kernel per GEMM
+    gemms = 3 * len(tr.model.layers) - 1 - head  # fwd and wgrad per layer, dgrad for all but the first
+    assert len(names) - len(ours) >= gemms  # at least one kernel per GEMM
+    assert tr.gemm.num_plans == gemms
 
 
 @pytest.mark.parametrize(("graph", "bgrad"), [(True, "bgradb"), (True, "drelu_bgrad"), (False, "bgradb")])
@@ -446,7 +467,8 @@ def test_plans_are_made_once_and_reused():
     tr = _gpu_trainer(**{"data.drop_last": True})
     _train_losses(tr, 5)
     n = tr.gemm.num_plans
-    assert n == 3 * len(tr.model.layers) - 1  # fwd, wgrad per layer; dgrad for all but the first
+    # fwd, wgrad per layer; dgrad for all but the first, and not the output layer's (the head kernel's)
+    assert tr.head_kernel and n == 3 * len(tr.model.layers) - 2
     _train_losses(tr, 20)
     assert tr.gemm.num_plans == n
 
@@ -527,3 +549,110 @@ def test_graph_autotune_picks_a_candidate_that_computes_the_contract(tmp_path):
     ).mean() > 0.999
     assert any(k.startswith("tuned-") for k in PlanCache(tmp_path / "plans.npz")._algos)  # kept for the next run
     gemm.free()
+
+
+# (B, C, H): MNIST's, odd sizes, rows beyond one pass of 256 threads, the limits of B and C, a wide layer
+HEAD_SHAPES = [(256, 10, 1024), (7, 3, 33), (1024, 10, 100), (320, 32, 64), (1, 2, 5), (300, 10, 2000)]
+
+
+def _head_inputs(B, C, H, dtype, seed=0):
+    rng = np.random.default_rng(seed + B + C + H)
+    z = _rand(rng, (B, C), dtype) * 4
+    y = rng.integers(0, C, B)
+    W = _rand(rng, (C, H), dtype)
+    mask = rng.random((H, B)) > 0.4  # the layer below's Z >= 0, (H, B) as the forward GEMM's result
+    aux = pack_relu_mask(mask)  # (Mb, B) uint8 column-major, cuBLASLt's relu_aux layout
+    aux_dev = cp.asarray(np.ascontiguousarray(aux.T)).T  # the same layout on the device
+    return z, y, W, mask, aux, aux_dev
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("B", "C", "H"), HEAD_SHAPES)
+@pytest.mark.parametrize("want_db", [True, False])
+def test_head_kernel_matches_loss_then_drelu_bgrad_contract(B, C, H, dtype, want_db):
+    """cross_entropy_head = the loss kernel, then DRELU_BGRAD of (dlogits @ W) with relu_aux."""
+    from mlptrain.head import cross_entropy_head
+    from mlptrain.losses import softmax_cross_entropy
+
+    z, y, W, mask, aux, aux_dev = _head_inputs(B, C, H, dtype)
+    assert aux_dev.strides == (1, aux.shape[0])
+    zc, yc, scale = cp.asarray(z), cp.asarray(y), cp.asarray(512.0)
+    loss, d, correct, db, dz, db_below = cross_entropy_head(
+        zc, yc, scale, cp.asarray(W), aux_dev, bias_grad_below=want_db
+    )
+    # the loss part is the loss kernel's: the same bits
+    ref = softmax_cross_entropy(zc, yc, scale, bias_grad=True)
+    for got, want, what in zip((loss, d, correct, db), ref, ("loss", "dlogits", "correct", "db_out"), strict=True):
+        np.testing.assert_array_equal(cp.asnumpy(got), cp.asnumpy(want), err_msg=what)
+    # the head part against the NumPy epilog contract, from the kernel's own dlogits:
+    # dZ_below^T (H, B) = W^T (H, C) @ dlogits^T (C, B), DRELU_BGRAD with relu_aux
+    dzt_ref, aux_out = matmul(W.T, cp.asnumpy(d).T, epilog=Epilog.DRELU_BGRAD, epilog_inputs={"relu_aux": aux})
+    assert dz.shape == (B, H) and dz.dtype == z.dtype and dz.flags.c_contiguous
+    got = _f64(dz)
+    assert (got[~mask.T] == 0).all()  # dReLU: exactly zero where the layer below's ReLU was off
+    _close(got, dzt_ref.T, dtype, "dZ_below")
+    if dtype == "float32":  # ten float32 products: only the summation order differs
+        np.testing.assert_allclose(got, _f64(dzt_ref.T), rtol=1e-5, atol=1e-6 * np.abs(got).max())
+    if want_db:
+        assert db_below.shape == (H,) and db_below.dtype == z.dtype
+        _close(db_below, got.sum(axis=0), dtype, "db_below")  # sums what dZ_below holds
+        _close(db_below, _f64(aux_out["drelu_bgrad"]), dtype, "db_below against the contract")
+    else:
+        assert db_below is None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_head_kernel_matches_cublaslt_drelu_bgrad(dtype):
+    """The kernel against the GEMM it replaces: nvmath's DRELU_BGRAD at K = 10 on the same operands."""
+    from mlptrain.execution import FusedExecution
+    from mlptrain.head import cross_entropy_head
+
+    z, y, W, mask, aux, aux_dev = _head_inputs(256, 10, 1024, dtype, seed=1)
+    Wc = cp.asarray(W)
+    _, d, _, _, dz, db_below = cross_entropy_head(cp.asarray(z), cp.asarray(y), 1.0, Wc, aux_dev)
+    dz_gemm, db_gemm = FusedExecution(NvmathGemm()).input_grad("t", Wc, d, aux_dev, bias_grad_below=True)
+    _close(dz, dz_gemm, dtype, "dZ_below against cuBLASLt")
+    _close(db_below, db_gemm, dtype, "db_below against cuBLASLt")
+    assert ((cp.asnumpy(dz) == 0) == (cp.asnumpy(dz_gemm) == 0)).mean() > 0.999  # the same mask applied
+
+
+def test_head_kernel_refuses_operands_that_do_not_fit():
+    from mlptrain.head import cross_entropy_head
+
+    z, y, W, _, aux, aux_dev = _head_inputs(64, 10, 100, "float16")
+    zc, yc, Wc = cp.asarray(z), cp.asarray(y), cp.asarray(W)
+    with pytest.raises(ValueError, match=r"relu_aux must be uint8 \(16, 64\) column-major"):
+        cross_entropy_head(zc, yc, 1.0, Wc, cp.ascontiguousarray(aux_dev))  # C-order: the bits in the wrong place
+    with pytest.raises(ValueError, match=r"relu_aux must be uint8 \(16, 64\).*got uint8 \(16, 63\)"):
+        cross_entropy_head(zc, yc, 1.0, Wc, aux_dev[:, :63])
+    with pytest.raises(
+        ValueError, match=r"output weight must be C-contiguous \(10, hidden\) float16 for dlogits.*float32"
+    ):
+        cross_entropy_head(zc, yc, 1.0, Wc.astype(cp.float32), aux_dev)
+    with pytest.raises(ValueError, match=r"output weight.*\(9, 100\)"):
+        cross_entropy_head(zc, yc, 1.0, Wc[:9], aux_dev)
+    with pytest.raises(ValueError, match=r"not C-contiguous"):
+        cross_entropy_head(zc, yc, 1.0, cp.asfortranarray(Wc), aux_dev)
+    with pytest.raises(ValueError, match=r"B <= 1024.*got dlogits \(1025, 10\)"):
+        cross_entropy_head(cp.zeros((1025, 10), cp.float16), cp.zeros(1025, cp.int64), 1.0, Wc, aux_dev)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_head_kernel_trains_as_the_head_gemm(precision):
+    """84 replayed steps (two epochs, a short last batch, its own graph) with and without the head kernel.
+
+    The two round the ten-term dot products in a different order, so the runs agree to rounding,
+    not bit for bit; a wrong mask bit, a wrong column or a lost bias gradient would part them at once.
+    """
+    runs = {}
+    for head in (True, False):
+        # drelu_bgrad: the top hidden layer's bias gradient from the head kernel's sums (or DRELU_BGRAD)
+        cfg = {"precision.name": precision, "execution.head_kernel": head, "execution.bgrad": "drelu_bgrad"}
+        tr, losses = _graph_run(True, 84, **cfg)
+        assert tr.head_kernel is head and tr.graphed.num_graphs == 2
+        runs[head] = (tr, losses)
+    (tk, lk), (tg, lg) = runs[True], runs[False]
+    rtol = {"fp32": 1e-4, "fp16": 2e-2}[precision]
+    np.testing.assert_allclose(lk, lg, rtol=rtol)
+    for pk, pg in zip(tk.model.params, tg.model.params, strict=True):
+        _close(pk.value, pg.value, "float32" if precision == "fp32" else "float16", pk.name)
