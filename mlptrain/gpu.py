@@ -340,62 +340,69 @@ def capture_graph(fn: Any, stream: Any) -> tuple[Any, Any]:
 
 
 def choose_bgrad(
-    widths: list[int],
-    batch: int,
-    dtype: Any,
+    model: Any,
+    forward_backward: Any,
+    key: str,
     *,
-    tf32: bool = False,
-    reps: int = 5,
+    reps: int = 9,
     store: Path | None = None,
-    wgrad_stream: bool = False,
 ) -> list[str]:
-    """Per hidden layer, the bias-gradient strategy that measures faster at its shape.
+    """Per hidden layer, the bias-gradient strategy that makes the model's step faster.
 
-    Hidden layer ``i`` (out = ``widths[i + 1]``) has its bias gradient reduced either by the
-    layer above (DRELU_BGRAD, in that layer's input-gradient GEMM) or by its own weight-gradient
-    GEMM (BGRADB). The probe times the backward of the layer above with each strategy on random
-    data (:func:`time_layer_backward`); identical shapes are measured once. With
-    ``wgrad_stream`` the weight gradient runs on a second stream, as the training step runs it
-    (:class:`mlptrain.network.MLP`): a reduction there is nearly free when it hides behind the
-    input-gradient GEMM, so the answer can differ from the one-stream probe's.
+    Hidden layer ``i`` has its bias gradient reduced either by the layer above (DRELU_BGRAD in
+    that layer's input-gradient GEMM, or the head kernel's column sums for the top hidden
+    layer) or by its own weight-gradient GEMM (BGRADB). Which is faster depends on more than
+    the layer: with the weight gradients on a second stream a BGRADB reduction may hide behind
+    the input-gradient chain, except for the first layer, whose weight gradient ends the chain;
+    and cuBLASLt runs DRELU_BGRAD as one fused kernel at some shapes and as a GEMM plus a
+    separate epilogue kernel at others. So the probe times the thing itself:
+    ``forward_backward()`` (forward, loss and backward of the training step, no update) captured
+    into a CUDA graph with each choice, layer by layer from the top, keeping the faster (median
+    of ``reps`` chained replays, the two candidates timed in turn).
 
     The two strategies round differently, so a choice that changed from run to run would make
     runs irreproducible: decisions are kept in ``store`` (a JSON file beside the plan cache, per
-    GPU model) and later runs reuse them.
+    GPU model) under ``key`` (model, batch, dtype, streams) and later runs reuse them.
     """
     import json
 
-    from mlptrain.execution import FusedExecution
-
-    known: dict[str, str] = {}
+    known: dict[str, list[str]] = {}
     if store is not None and store.is_file():
         try:
             known = json.loads(store.read_text())
         except (OSError, ValueError) as exc:
             log.warning("ignoring unreadable bgrad choices %s (%s)", store, exc)
-    gemm: NvmathGemm | None = None
-    ex: FusedExecution | None = None
-    choices: list[str] = []
-    for i in range(1, len(widths) - 1):
-        k, m = widths[i], widths[i + 1]  # (in, out) of the layer above hidden layer i - 1
-        key = f"{k}x{m} batch {batch} {np.dtype(dtype).name}{' tf32' if tf32 else ''}"
-        key += " 2 streams" if wgrad_stream else ""
-        if key not in known:
-            if ex is None:
-                gemm = NvmathGemm(tf32=tf32)
-                ex = FusedExecution(gemm)
-            t = time_layer_backward(ex, k, m, batch, dtype, reps=reps, wgrad_stream=wgrad_stream)
-            known[key] = min(t, key=lambda name: t[name])
-            log.info("bgrad probe (in, out)=(%d, %d) batch %d: %s -> %s", k, m, batch, t, known[key])
-        choices.append(known[key])
-    if gemm is not None:
-        gemm.free()
-        if store is not None:
-            try:
-                store.parent.mkdir(parents=True, exist_ok=True)
-                tmp = store.with_name(f"{store.name}.{os.getpid()}.tmp")
-                tmp.write_text(json.dumps(known, indent=1, sort_keys=True) + "\n")
-                os.replace(tmp, store)
-            except OSError as exc:
-                log.warning("could not write the bgrad choices %s (%s)", store, exc)
+    choices = known.get(key)
+    if isinstance(choices, list) and len(choices) == len(model.bgrad):
+        return choices
+    choices = list(model.bgrad)
+    stream = cp.cuda.Stream(non_blocking=True)
+    for i in reversed(range(len(choices))):
+        graphs = {}
+        with stream:
+            for option in ("drelu_bgrad", "bgradb"):
+                choices[i] = option
+                model.set_bgrad(choices)
+                forward_backward()  # plans and workspaces, outside the capture
+                graphs[option] = capture_graph(forward_backward, stream)
+            times: dict[str, list[float]] = {option: [] for option in graphs}
+            for _ in range(reps):  # in turn, so that drifting clocks affect both alike
+                for option, (graph, _) in graphs.items():
+                    launch = functools.partial(graph.launch, stream)
+                    times[option] += cuda_time_ms(launch, warmup=1, reps=1, stream=stream, chain=10)
+        med = {option: sorted(t)[reps // 2] for option, t in times.items()}
+        choices[i] = min(med, key=lambda option: med[option])
+        log.info("bgrad probe, hidden layer %d: %s ms per step -> %s", i, med, choices[i])
+        stream.synchronize()
+        del graphs  # the graphs wrote into their results: freed only after the last replay
+    model.set_bgrad(choices)
+    if store is not None:
+        known[key] = choices
+        try:
+            store.parent.mkdir(parents=True, exist_ok=True)
+            tmp = store.with_name(f"{store.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(known, indent=1, sort_keys=True) + "\n")
+            os.replace(tmp, store)
+        except OSError as exc:
+            log.warning("could not write the bgrad choices %s (%s)", store, exc)
     return choices

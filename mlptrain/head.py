@@ -190,4 +190,5 @@ def _head_kernel(classes: int, cols: int = COLUMNS_PER_BLOCK, threads: int = THR
         "mlptrain_head_dgrad",
         loop_prep=prep,
         no_return=True,
+        options=(f"--maxrregcount={min(255, 65536 // threads)}",),  # a full block shares the register file
     )

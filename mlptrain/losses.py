@@ -308,6 +308,10 @@ def _xent_small_kernel(classes: int) -> Any:
         "mlptrain_xent_small",
         loop_prep=f"const int C = {classes};\n" + _XENT_SMALL_PREP,
         no_return=True,
+        # a block of 1024 threads leaves 64 registers a thread; CuPy's kernels carry no launch
+        # bounds, so unrolled over 32 classes NVRTC takes more and the launch would fail
+        # (CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES); capped, it spills instead
+        options=("--maxrregcount=64",),
     )
 
 

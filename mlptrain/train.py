@@ -133,7 +133,6 @@ class Trainer:
             and len(self.widths) > 2
             and head_kernel_applies(cfg.data.batch_size, self.widths[-1])
         )
-        self.model.set_bgrad(self._choose_bgrad())
         if self.backend.is_gpu and cfg.execution.wgrad_stream:  # dW GEMMs concurrent with the dX chain
             self.model.use_wgrad_stream()
         d = cfg.data
@@ -198,35 +197,41 @@ class Trainer:
         if self.backend.is_gpu:
             self.backend.xp.cuda.Device().synchronize()  # set-up work on the default stream is done
             self.stream = self.backend.xp.cuda.Stream(non_blocking=True)
+        self._choose_bgrad()  # on the GPU it may time the step, so after everything the step uses
+        if self.backend.is_gpu:
             if cfg.graph is not False:
                 from mlptrain.graph import GraphedStep
 
                 self.graphed = GraphedStep(self)
 
-    def _choose_bgrad(self) -> str | list[str]:
+    def _choose_bgrad(self) -> None:
+        """Set where each hidden layer's bias gradient is reduced (``execution.bgrad``)."""
         choice = self.cfg.execution.bgrad.value
         if choice != "auto":
-            return choice
-        if self.backend.is_gpu and self.cfg.execution.mode.value == "fused" and len(self.widths) > 2:
-            from mlptrain.gpu import choose_bgrad
+            self.model.set_bgrad(choice)
+            return
+        if not (self.backend.is_gpu and self.cfg.execution.mode.value == "fused" and len(self.widths) > 2):
+            self.model.set_bgrad("bgradb")  # on the CPU (and in naive mode) the two do the same work
+            return
+        from mlptrain.gpu import PlanCache, choose_bgrad
 
-            # Both strategies are exact; which is faster depends on the shape: measure it.
-            store = None
-            if self.cfg.execution.plan_cache:
-                from mlptrain.gpu import PlanCache
-
-                store = PlanCache.default_path().with_suffix(".bgrad.json")
-            # With the head kernel the top hidden layer's bias gradient is a column sum in that
-            # kernel (drelu_bgrad, no GEMM to probe); the probe measures the layers below it.
-            return choose_bgrad(
-                self.widths[:-1] if self.head_kernel else self.widths,
-                self.cfg.data.batch_size,
-                self.precision.compute_dtype,
-                tf32=self.precision.tf32,
-                store=store,
-                wgrad_stream=self.cfg.execution.wgrad_stream,
-            ) + (["drelu_bgrad"] if self.head_kernel else [])
-        return "bgradb"  # on the CPU (and in naive mode) the two do the same work
+        # Both strategies are exact; which is faster depends on the shapes and on how the
+        # backward is scheduled: time this model's step both ways, on random data.
+        ex = self.cfg.execution
+        cdt, B, xp = self.precision.compute_dtype, self.cfg.data.batch_size, self.xp
+        key = (
+            f"step {'-'.join(map(str, self.widths))} batch {B} {np.dtype(cdt).name}"
+            f"{' tf32' if self.precision.tf32 else ''}{' 2 streams' if ex.wgrad_stream else ''}"
+            f"{' head kernel' if self.head_kernel else ''}"
+        )
+        store = PlanCache.default_path().with_suffix(".bgrad.json") if ex.plan_cache else None
+        rng = xp.random.default_rng(0)
+        x = rng.standard_normal((B, self.widths[0]), dtype=xp.float32).astype(cdt)  # (B, in)
+        y = rng.integers(0, self.widths[-1], B)  # (B,) labels
+        self.model.set_bgrad("drelu_bgrad")
+        with self.stream:
+            chosen = choose_bgrad(self.model, lambda: self.forward_backward(x, y), key, store=store)
+        self.model.set_bgrad(chosen)
 
     def lr_at(self, step: int) -> float:
         """The learning rate of optimizer step ``step`` (host value, for logs)."""
@@ -256,10 +261,24 @@ class Trainer:
 
     def step_uncaptured(self, x: Any, y: Any, count: bool = True) -> tuple[Any, Any]:
         """The step's device work, launched op by op (and recorded once for the graph)."""
+        loss, correct = self.forward_backward(x, y)
+        skip = self.scaler.check([p.grad for p in self.model.params])  # fp16: any inf/NaN gradient
+        lr, inv_scale = self.schedule.lr, self.scaler.inv_scale  # this step's
+        if self.backend.is_gpu:  # one kernel: the update, then (its last block) the bookkeeping
+            self.optimizer.step(lr, inv_scale, skip, tail=self.log.tail(loss, correct, len(y)))
+        else:
+            self.optimizer.step(lr, inv_scale, skip)
+            self.log.end_step(loss, correct, len(y))  # scaler update, the next step's lr, the metrics
+        if count:
+            self.step_count += 1
+        return loss, correct
+
+    def forward_backward(self, x: Any, y: Any) -> tuple[Any, Any]:
+        """Forward, loss and backward: every ``param.grad`` set; returns device ``(loss, correct)``."""
         logits = self.model.forward(x)  # (B, classes)
         if self.head_kernel:  # a smaller last batch fits the kernel too
             top, below = self.model.layers[-1], self.model.layers[-2]
-            # one kernel: the loss, dlogits, the output bias gradient, and dZ_below = (dlogits @ W) * relu'
+            # the loss kernel, then one kernel for dZ_below = (dlogits @ W) * relu'(Z_below) and its sum
             loss, dlogits, correct, db_out, dz_below, db_below = cross_entropy_head(
                 logits,
                 y,
@@ -275,15 +294,6 @@ class Trainer:
         else:
             loss, dlogits, correct = self.loss_fn(logits, y, self.scaler.scale)
             self.model.backward(dlogits)
-        skip = self.scaler.check([p.grad for p in self.model.params])  # fp16: any inf/NaN gradient
-        lr, inv_scale = self.schedule.lr, self.scaler.inv_scale  # this step's
-        if self.backend.is_gpu:  # one kernel: the update, then (its last block) the bookkeeping
-            self.optimizer.step(lr, inv_scale, skip, tail=self.log.tail(loss, correct, len(y)))
-        else:
-            self.optimizer.step(lr, inv_scale, skip)
-            self.log.end_step(loss, correct, len(y))  # scaler update, the next step's lr, the metrics
-        if count:
-            self.step_count += 1
         return loss, correct
 
     def evaluate(self, split: str) -> dict[str, float]:

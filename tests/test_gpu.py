@@ -4,6 +4,7 @@ Marked ``gpu``; skipped where CuPy, nvmath or a CUDA device is missing (see conf
 Run them with ``make test-gpu``; docs/bench/gpu-tests.log is the output of the last run on the H200.
 """
 
+import json
 import re
 from collections import Counter
 
@@ -464,7 +465,8 @@ def _max_out_degree(graph):
 
 
 def test_plans_are_made_once_and_reused():
-    tr = _gpu_trainer(**{"data.drop_last": True})
+    # a fixed bgrad: "auto" times the step both ways at start-up, planning both sets of GEMMs
+    tr = _gpu_trainer(**{"data.drop_last": True, "execution.bgrad": "drelu_bgrad"})
     _train_losses(tr, 5)
     n = tr.gemm.num_plans
     # fwd, wgrad per layer; dgrad for all but the first, and not the output layer's (the head kernel's)
@@ -656,3 +658,32 @@ def test_head_kernel_trains_as_the_head_gemm(precision):
     np.testing.assert_allclose(lk, lg, rtol=rtol)
     for pk, pg in zip(tk.model.params, tg.model.params, strict=True):
         _close(pk.value, pg.value, "float32" if precision == "fp32" else "float16", pk.name)
+
+
+def test_bgrad_probe_times_the_step_and_remembers_its_choice(tmp_path):
+    from mlptrain.gpu import choose_bgrad
+
+    tr = _gpu_trainer(**{"execution.bgrad": "bgradb", "precision.name": "fp16"})
+    x, y = next(iter(tr.train_loader.epoch(0)))
+    calls = []
+
+    def forward_backward():
+        calls.append(list(tr.model.bgrad))
+        return tr.forward_backward(x, y)
+
+    store = tmp_path / "bgrad.json"
+    with tr.stream:
+        chosen = choose_bgrad(tr.model, forward_backward, "k", reps=3, store=store)
+    hidden = len(tr.model.layers) - 1
+    assert len(chosen) == hidden and set(chosen) <= {"drelu_bgrad", "bgradb"}
+    assert tr.model.bgrad == chosen
+    # each hidden layer was timed both ways (a warm-up and a capture each), the layer above first
+    tried = [c for i, c in enumerate(calls) if i % 2 == 0]
+    assert len(tried) == 2 * hidden
+    assert {t[-1] for t in tried[:2]} == {"drelu_bgrad", "bgradb"}
+    assert {t[0] for t in tried[-2:]} == {"drelu_bgrad", "bgradb"}
+    assert json.loads(store.read_text()) == {"k": chosen}
+    calls.clear()
+    tr.model.set_bgrad("drelu_bgrad" if chosen[0] == "bgradb" else "bgradb")
+    again = choose_bgrad(tr.model, forward_backward, "k", store=store)
+    assert again == chosen and not calls  # remembered: not timed again

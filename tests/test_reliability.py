@@ -21,7 +21,7 @@ from helpers import emulate_fp16, make_cfg, records
 
 from mlptrain import checkpoint, data
 from mlptrain.checkpoint import OutputError
-from mlptrain.config import Device, Schedule
+from mlptrain.config import Bgrad, Device, Schedule
 from mlptrain.errors import CheckpointError, DatasetError, NonFiniteError, ResourceError
 from mlptrain.metrics import read_metrics
 from mlptrain.network import MLP
@@ -198,8 +198,8 @@ def _inject(monkeypatch: pytest.MonkeyPatch, where: str, step: int, what: str) -
     if where == "grad":
         original = MLP.backward
 
-        def backward(self: MLP, dlogits: Any, output_bias_grad: Any = None) -> None:
-            original(self, dlogits, output_bias_grad)
+        def backward(self: MLP, dlogits: Any, output_bias_grad: Any = None, head_grad: Any = None) -> None:
+            original(self, dlogits, output_bias_grad, head_grad)
             if count["n"] == step:
                 getattr(self.layers[int(layer[5:])], kind).grad[0] = np.inf
             count["n"] += 1
@@ -278,8 +278,9 @@ def test_fp16_overflow_skips_then_a_persistent_one_stops(tmp_path: Path, monkeyp
 def test_gpu_inf_gradient_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _inject(monkeypatch, "grad", 12, "layer1.weight")
     with pytest.raises(NonFiniteError) as err:
-        # graph=False: the injection patches Python code, which a replayed CUDA graph never calls
-        train(make_cfg(device=Device.gpu, graph=False), tmp_path)
+        # graph=False: the injection patches Python code, which a replayed CUDA graph never calls;
+        # a fixed bgrad: "auto" may time the step at start-up, calling backward before step 0
+        train(make_cfg(device=Device.gpu, graph=False, execution__bgrad=Bgrad.drelu_bgrad), tmp_path)
     msg = str(err.value)
     # On the GPU the check runs at the log interval's sync: the loss of step 13 is the first non-finite one.
     assert "at step 13 (epoch 0, fp32): the training loss is " in msg, msg
