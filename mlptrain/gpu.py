@@ -395,6 +395,9 @@ def choose_bgrad(
         log.info("bgrad probe, hidden layer %d: %s ms per step -> %s", i, med, choices[i])
         stream.synchronize()
         del graphs  # the graphs wrote into their results: freed only after the last replay
+    # the probe's arrays go back to the device, not to the pool's cache: the training step's
+    # graph allocates from its own pool, so cached blocks here would only raise the peak
+    cp.get_default_memory_pool().free_all_blocks()
     model.set_bgrad(choices)
     if store is not None:
         known[key] = choices
