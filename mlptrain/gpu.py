@@ -397,6 +397,7 @@ def choose_bgrad(
         del graphs  # the graphs wrote into their results: freed only after the last replay
     # the probe's arrays go back to the device, not to the pool's cache: the training step's
     # graph allocates from its own pool, so cached blocks here would only raise the peak
+    model.release_step_arrays()
     cp.get_default_memory_pool().free_all_blocks()
     model.set_bgrad(choices)
     if store is not None:

@@ -90,6 +90,10 @@ class Linear:
     def params(self) -> list[Param]:
         return [self.weight, self.bias]
 
+    def release_saved(self) -> None:
+        """Forget the input and mask kept for the backward."""
+        self._x = self.mask = None
+
     def forward(self, ex: FusedExecution | NaiveExecution, x: Any) -> Any:
         """``x (B, in) -> y (B, out)``; keeps ``x`` and the ReLU mask for :meth:`backward`."""
         self._x = x

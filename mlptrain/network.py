@@ -125,6 +125,12 @@ class MLP:
             return dz_below
         return self.layers[i].grad_below(self.execution, dz, self.layers[i - 1] if i > 0 else None)
 
+    def release_step_arrays(self) -> None:
+        """Drop the gradients, saved inputs and masks of the last step (their memory can go)."""
+        for layer in self.layers:
+            layer.weight.grad = layer.bias.grad = None
+            layer.release_saved()
+
     def use_wgrad_stream(self, enabled: bool = True) -> None:
         """GPU: run the weight-gradient GEMMs on a second stream, concurrent with the input-gradient chain."""
         self._wgrad = _WgradStream(len(self.layers)) if enabled else None

@@ -118,6 +118,9 @@ def test_layout_chains_without_copies():
     net.backward(softmax_cross_entropy(logits, np.array([0, 1, 2, 0]))[1])
     for p in net.params:
         assert p.grad.shape == p.value.shape and p.grad.flags.c_contiguous, p.name
+    net.release_step_arrays()  # after the bgrad probe: nothing of its step is kept alive
+    assert all(p.grad is None for p in net.params)
+    assert all(layer._x is None and layer.mask is None for layer in net.layers)
 
 
 def test_bad_bgrad_is_rejected():
