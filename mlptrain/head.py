@@ -6,25 +6,28 @@ For an MNIST-sized head the output layer's input-gradient GEMM is tiny and awkwa
 
 K = C = 10: ten products per element. cuBLASLt has no fused kernel for DRELU_BGRAD at that K.
 On the H200 (784-1024-1024-10, batch 256, fp16) it ran a magma GEMM, a memset and a separate
-epilogue kernel, 11.3 us in all, on the critical path of the step
+epilogue kernel, 10.7 to 11.3 us in all, on the critical path of the step
 (``scripts/step_kernels.py --gemm-head --profile``).
 
-``mlptrain_head_dgrad`` does the same work in one launch. Block ``j`` owns hidden columns
-``8 j .. 8 j + 7`` of ``dZ_below (B, H)``: exactly one byte of relu_aux per row, because element
-``(h, b)`` of the mask is bit ``h % 8`` of byte ``h // 8`` of column ``b`` (:mod:`mlptrain.epilogs`).
-Thread ``r`` of the block takes row ``r`` (and ``r + 256``, ...):
+``mlptrain_head_dgrad`` does the same work in one launch of 4.2 us. Block ``j`` owns hidden
+columns ``8 j .. 8 j + 7`` of ``dZ_below (B, H)``: exactly one byte of relu_aux per row, because
+element ``(h, b)`` of the mask is bit ``h % 8`` of byte ``h // 8`` of column ``b``
+(:mod:`mlptrain.epilogs`). Its 512 threads are 64 rows x 8 columns; thread ``t`` takes column
+``t % 8`` of rows ``t // 8``, ``t // 8 + 64``, ...:
 
-1. it issues all its loads at once: the row of ``dlogits`` (C values), the mask byte, and one
-   element of the block's ``(C, 8)`` slice of ``W``, which the block shares through shared memory;
-2. eight float32 dot products of length C, as cuBLASLt accumulates;
-3. each kept where its mask bit is set (dReLU), rounded to the compute dtype and stored;
-4. the block sums its eight columns over the rows in a fixed order (warp shuffles, then the
-   warps): the bias gradient of the layer below, what DRELU_BGRAD returns. The sums stay
-   inside the block, so no atomics, and the same bits every run.
+1. every global load is issued before any is used: the thread's column of ``W`` (C values, into
+   registers), the mask bytes of its first eight rows, and its share of ``dlogits``, which the
+   block stages in shared memory as float32;
+2. per row, a float32 dot product of length C, as cuBLASLt accumulates; C is a compile-time
+   constant (one kernel per class count), so the loop unrolls exactly;
+3. kept where the row's mask bit is set (dReLU), rounded to the compute dtype and stored;
+4. the block sums each column over the rows in a fixed tree: the bias gradient of the layer
+   below, what DRELU_BGRAD returns. The sums stay inside the block, so no atomics, and the same
+   bits every run.
 
 The contract is the GEMM it replaces, ``FusedExecution.input_grad`` with DRELU_BGRAD (or DRELU),
 which is how the CPU (and ``execution.head_kernel=false``) computes it and what the GPU tests
-hold the kernel to.
+hold the kernel to. On random fp16 operands of (256, 10, 1024) it matched cuBLASLt bit for bit.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from mlptrain.losses import small_head, softmax_cross_entropy
 
 COLUMNS_PER_BLOCK = 8  # one relu_aux byte per row
 THREADS = 512  # 64 rows per pass of a block of 8 columns; larger batches take several
-MAX_CLASSES = 32  # a row of dlogits is held in registers
+MAX_CLASSES = 32  # a column of W is held in registers
 
 
 def head_kernel_applies(batch: int, classes: int) -> bool:

@@ -148,6 +148,8 @@ class _WgradStream:
         main:  loss ─┬─ dX (layer 2, DRELU_BGRAD) ─┬─ dX (layer 1, DRELU) ── dW (layer 0) ─┬─ check, update
         side:        └─ dW (layer 2) ──────────────┴─ dW (layer 1) ─────────────────────────┘
 
+    (With the head kernel, :mod:`mlptrain.head`, layer 2's dX is that kernel, before the first fork.)
+
     An event recorded on the main stream when ``dZ_l`` is ready orders the side stream's GEMM
     after it; one event at the end joins the side stream back before the optimizer. A CUDA graph
     capture records the same fork and join as edges between parallel branches.

@@ -10,13 +10,14 @@ synchronisation, so on the GPU it is captured once into a CUDA graph and replaye
 
     logits = model.forward(x)                       # fused: RELU_AUX_BIAS ... BIAS (3 GEMMs)
     loss, dlogits, correct, db = loss_fn(logits, y, scale)  # 1-2 kernels; db: output bias gradient
-    model.backward(dlogits, db)                     # fused: DRELU(_BGRAD), BGRADB (5 GEMMs)
+    dz, db_below = head_input_grad(dlogits, W_out, relu_aux)  # small heads: 1 kernel, not a GEMM
+    model.backward(dlogits, db, (dz, db_below))     # fused: DRELU(_BGRAD), BGRADB (4-5 GEMMs)
     found_inf = scaler.check(grads)                 # fp16 only: 1 kernel over all gradients
     optimizer.step(lr, 1/scale, skip=found_inf,     # 1 kernel over all parameters, whose last
                    tail=log.tail(loss, correct, B)) # block updates the loss scale and the lr
                                                     # and records the metrics on the device
 
-For 784-1024-1024-10 in fp16 that is 8 GEMMs and 3 small kernels (scripts/step_kernels.py lists
+For 784-1024-1024-10 in fp16 that is 7 GEMMs and 4 small kernels (scripts/step_kernels.py lists
 them). The host reads metrics back only every ``log_every`` steps (one sync per interval), from the
 device ring of :class:`~mlptrain.steplog.StepLog`.
 
