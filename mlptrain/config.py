@@ -147,8 +147,8 @@ class ExecutionConfig:
     # GPU only: weight-gradient GEMMs on a second CUDA stream, concurrent with the input-gradient
     # chain (mlptrain.network._WgradStream); false runs the backward on one stream.
     wgrad_stream: bool = True
-    # GPU only, small heads (batch <= 1024, classes <= 32) with cross-entropy and ReLU: the loss
-    # kernel also computes the output layer's input gradient with its dReLU and bias-gradient sum
+    # GPU only, small heads (batch <= 1024, classes <= 32) with cross-entropy and ReLU: one small
+    # kernel computes the output layer's input gradient with its dReLU and bias-gradient sum
     # (mlptrain.head), replacing a K = classes GEMM; false runs that GEMM with DRELU(_BGRAD).
     head_kernel: bool = True
 

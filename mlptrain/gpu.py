@@ -264,14 +264,12 @@ def cuda_time_ms(fn: Any, *, warmup: int = 3, reps: int = 10, stream: Any = None
     return times
 
 
-def time_layer_backward(
-    ex: Any, k: int, m: int, batch: int, dtype: Any, *, reps: int = 5, wgrad_stream: bool = False
-) -> dict[str, float]:
+def time_layer_backward(ex: Any, k: int, m: int, batch: int, dtype: Any, *, reps: int = 5) -> dict[str, float]:
     """Median ms of one ReLU layer's fused backward (in=k, out=m) with each bgrad strategy.
 
     ``drelu_bgrad``: plain weight-gradient GEMM + DRELU_BGRAD input-gradient GEMM.
     ``bgradb``: BGRADB weight-gradient GEMM + DRELU input-gradient GEMM. Both do one reduction.
-    ``wgrad_stream``: the weight-gradient GEMM on a second stream, forked and joined by events.
+    (``scripts/bench.py`` section b; the training step chooses with :func:`choose_bgrad`.)
     """
     from mlptrain.epilogs import pack_relu_mask
 
@@ -283,24 +281,13 @@ def time_layer_backward(
     key = f"probe{k}x{m}x{batch}"
     out = {}
     stream = cp.cuda.Stream(non_blocking=True)
-    side = cp.cuda.Stream(non_blocking=True) if wgrad_stream else None
-    fork, join = cp.cuda.Event(disable_timing=True), cp.cuda.Event(disable_timing=True)
     for name, in_wgrad in (("drelu_bgrad", False), ("bgradb", True)):
 
         def backward(site: str = f"{key}.{name}", in_wgrad: bool = in_wgrad) -> tuple:
-            if side is None:
-                return (
-                    ex.weight_grad(site, x, dz, bias_grad=in_wgrad),
-                    ex.input_grad(site, W, dz, mask, bias_grad_below=not in_wgrad),
-                )
-            fork.record(stream)
-            side.wait_event(fork)
-            with side:
-                wgrad = ex.weight_grad(site, x, dz, bias_grad=in_wgrad)
-            igrad = ex.input_grad(site, W, dz, mask, bias_grad_below=not in_wgrad)
-            join.record(side)
-            stream.wait_event(join)
-            return wgrad, igrad
+            return (
+                ex.weight_grad(site, x, dz, bias_grad=in_wgrad),
+                ex.input_grad(site, W, dz, mask, bias_grad_below=not in_wgrad),
+            )
 
         with stream:
             backward()  # plans and workspaces, outside the capture

@@ -95,29 +95,18 @@ class Linear:
         self._x = self.mask = None
 
     def forward(self, ex: FusedExecution | NaiveExecution, x: Any) -> Any:
-        """``x (B, in) -> y (B, out)``; keeps ``x`` and the ReLU mask for :meth:`backward`."""
+        """``x (B, in) -> y (B, out)``; keeps ``x`` and the ReLU mask for the backward."""
         self._x = x
         y, self.mask = ex.forward(self.name, self.weight.compute, self.bias.compute, x, self.relu)
         return y
 
-    def backward(
-        self, ex: FusedExecution | NaiveExecution, dz: Any, below: Linear | None, bias_grad: Any = None
-    ) -> Any:
-        """Gradients from ``dz``, the loss gradient w.r.t. this layer's pre-activation ``(B, out)``.
-
-        Sets ``weight.grad`` (and ``bias.grad`` when this layer reduces it, or to ``bias_grad``
-        when the caller already did: the loss kernel sums the logits' gradient), and when there
-        is a layer ``below``, returns the gradient w.r.t. *its* pre-activation, ``(B, in)``,
-        already multiplied by its ReLU derivative (setting ``below.bias.grad`` when this GEMM
-        reduces it). The first layer returns None: nobody needs the gradient of the data.
-        """
-        self.param_grads(ex, dz, bias_grad)
-        return self.grad_below(ex, dz, below)
-
     def param_grads(self, ex: FusedExecution | NaiveExecution, dz: Any, bias_grad: Any = None) -> None:
         """The weight-gradient GEMM: ``weight.grad`` (and ``bias.grad``), from ``dz (B, out)`` and the saved input.
 
-        Independent of :meth:`grad_below`, so the two may run on different streams (:class:`mlptrain.network.MLP`).
+        ``dz`` is the loss gradient w.r.t. this layer's pre-activation. ``bias.grad`` comes from
+        this GEMM's BGRADB when this layer reduces it, or is ``bias_grad`` when the caller already
+        did (the loss kernel sums the logits' gradient). Independent of :meth:`grad_below`, so the
+        two may run on different streams (:class:`mlptrain.network.MLP`).
         """
         reduce_here = self.bias_grad_in_wgrad and bias_grad is None
         self.weight.grad, db = ex.weight_grad(self.name, self._x, dz, reduce_here)

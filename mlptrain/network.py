@@ -104,7 +104,7 @@ class MLP:
         ``output_bias_grad``: ``dlogits`` summed over the batch, when the loss computed it (then
         the output layer's weight-gradient GEMM runs without the BGRADB epilog).
         ``head_grad``: ``(dZ_below, db_below or None)``, the output layer's input gradient when the
-        loss kernel computed it (:mod:`mlptrain.head`); then that GEMM is not run.
+        head kernel computed it (:mod:`mlptrain.head`); then that GEMM is not run.
         """
         side = self._wgrad
         if side is None:

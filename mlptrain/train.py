@@ -123,7 +123,7 @@ class Trainer:
             relu=cfg.model.activation.value == "relu",
             init=cfg.model.init.value,
         )
-        # Small heads on the GPU: the loss kernel also computes the output layer's input gradient
+        # Small heads on the GPU: a small kernel computes the output layer's input gradient
         # (mlptrain.head), instead of a K = classes GEMM that cuBLASLt cannot fuse with DRELU_BGRAD.
         self.head_kernel = (
             self.backend.is_gpu
