@@ -41,7 +41,7 @@ def main(argv=None):
     ap.add_argument(
         "--gemm-head",
         action="store_true",
-        help="the output layer's input gradient as a cuBLASLt GEMM (head_kernel=false), not in the loss kernel",
+        help="the output layer's input gradient as a cuBLASLt GEMM (head_kernel=false), not mlptrain_head_dgrad",
     )
     ap.add_argument("--profile", action="store_true", help="GPU time of each kernel (needs PyTorch's profiler)")
     args = ap.parse_args(argv)
