@@ -1,7 +1,23 @@
 """mlptrain: MLP training on cuBLASLt fused matmul epilogs (nvmath-python), with a NumPy CPU engine.
 
-Importing mlptrain never needs a GPU: CuPy and nvmath are imported only when a GPU is used
-(:mod:`mlptrain.backend`).
+``mlptrain.train(cfg, out_dir)`` runs a training run (:mod:`mlptrain.run`); ``mlptrain.Trainer``
+is its step (:mod:`mlptrain.trainer`). Importing mlptrain never needs a GPU: CuPy and nvmath are
+imported only when a GPU is used (:mod:`mlptrain.backend`, :mod:`mlptrain.gpu`).
 """
 
+from typing import Any
+
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    """``mlptrain.train`` and ``mlptrain.Trainer``, imported on first use (the CLI's --help needs neither)."""
+    if name == "train":
+        from mlptrain.run import train
+
+        return train
+    if name == "Trainer":
+        from mlptrain.trainer import Trainer
+
+        return Trainer
+    raise AttributeError(f"module 'mlptrain' has no attribute {name!r}")

@@ -1,8 +1,9 @@
-"""Array module and device selection: the only place that imports CuPy or nvmath.
+"""Array module and device selection: where the CPU side of mlptrain meets CuPy.
 
 One code path serves NumPy and CuPy through ``xp``, the array module of a :class:`Backend`
 (Chainer's ``get_array_module`` pattern). ``import mlptrain`` never needs a GPU, CuPy or a
-driver: CuPy is imported lazily, the first time a GPU is asked for or probed.
+driver: this module imports CuPy and nvmath lazily, the first time a GPU is asked for or probed,
+and it is the only module outside :mod:`mlptrain.gpu` that imports them at all.
 
 ``device=auto`` takes the GPU when CuPy can see one, else NumPy on the CPU. ``device=gpu`` on a
 machine without a usable GPU raises :class:`~mlptrain.errors.DeviceError` saying how to get one.
@@ -70,20 +71,26 @@ class Backend:
     def is_gpu(self) -> bool:
         return self.device == "gpu"
 
-    def asarray(self, a: Any, dtype: Any = None) -> Any:
-        """Move ``a`` to this backend's device (a no-op for arrays already there)."""
-        return self.xp.asarray(a, dtype=dtype)
-
     def to_host(self, a: Any) -> np.ndarray:
         """Copy ``a`` to a NumPy array. On the GPU this synchronises the device."""
         if self.is_gpu:
             return self.xp.asnumpy(a)
         return np.asarray(a)
 
-    def synchronize(self) -> None:
-        """Wait for all queued device work (a no-op on the CPU)."""
+    def free_cached_memory(self) -> None:
+        """GPU: return the memory CuPy's pools cache to the device (after running out of memory)."""
         if self.is_gpu:
-            self.xp.cuda.get_current_stream().synchronize()
+            self.xp.get_default_memory_pool().free_all_blocks()
+            self.xp.get_default_pinned_memory_pool().free_all_blocks()
+
+    def versions(self) -> dict[str, str]:
+        """The versions of the array stack, for run records: NumPy, and CuPy and nvmath on the GPU."""
+        out = {"numpy": np.__version__}
+        if self.is_gpu:
+            import nvmath
+
+            out.update(cupy=self.xp.__version__, nvmath=nvmath.__version__)
+        return out
 
     def describe(self) -> str:
         """A short line for logs: the device name, or the CPU."""

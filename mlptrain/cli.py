@@ -1,11 +1,18 @@
 """Command line: ``python -m mlptrain [key=value ...]``, a Hydra app over :class:`~mlptrain.config.TrainConfig`.
 
 Hydra composes ``conf/config.yaml`` with the typed schema, so an unknown key, a wrong type or an
-unknown group option fails before anything runs (Hydra prints the message, exit status 1). Then
-:func:`~mlptrain.config.validate` checks values, and :func:`mlptrain.train.train` runs in the
-run directory Hydra made. Any :class:`~mlptrain.errors.MlptrainError` becomes one line
-``error: <message>`` on stderr, without a traceback, and exit status 2. In a multirun the failed
-job is reported the same way, the remaining jobs still run, and the exit status is 2 at the end.
+unknown group option fails before anything runs; :func:`mlptrain.run.train` then validates the
+values and runs in the directory Hydra chose. Every mistake of the user's is one line
+``error: <message>`` on stderr, no traceback, exit status 2: Hydra's own composition errors, a run
+directory that cannot be created (:class:`RunDirectoryCheck`, before Hydra tries), and every
+:class:`~mlptrain.errors.MlptrainError`. In a multirun the failed job is reported the same way,
+the remaining jobs still run, and the exit status is 2 at the end. A stop request exits with
+``128 + signal`` (130 for Ctrl-C, 143 for SIGTERM). A bug still shows its traceback (exit 1).
+
+Nothing is written into a run directory before the run is accepted: Hydra's ``.hydra/`` files and
+``mlptrain.log`` are written by :func:`_accepted` (``hydra.output_subdir`` is null and the job's
+logging has no file handler in ``conf/``), and a run directory that a refused run created is
+removed again.
 
 The config directory is found by absolute path, which Hydra uses as is: ``mlptrain/conf`` in an
 installed wheel (the top-level ``conf/`` is copied there at build time), else the top-level
@@ -14,21 +21,30 @@ installed wheel (the top-level ``conf/`` is copied there at build time), else th
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException
+from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from mlptrain.config import TrainConfig, register_configs, validate
-from mlptrain.errors import MlptrainError
+from mlptrain.errors import Interrupted, MlptrainError
+from mlptrain.files import atomic_write
 
 log = logging.getLogger(__name__)
+
+LOG_FILE = "mlptrain.log"
+LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"
 
 
 def find_conf_dir() -> Path:
@@ -44,18 +60,16 @@ CONF_DIR = find_conf_dir()
 
 # Messages of the jobs that failed with an MlptrainError in this process (a multirun has several).
 _failures: list[str] = []
+# Run directories that this process created (RunDirectoryCheck): removed again if the run is refused.
+_created: set[Path] = set()
 
 
 def to_train_config(cfg: DictConfig) -> TrainConfig:
-    """Turn a composed config into a validated :class:`TrainConfig`.
-
-    Raises:
-        ConfigError: a value is out of range (every problem in one message).
-    """
+    """Turn a composed config into a :class:`TrainConfig` (not yet validated: :func:`train` does that)."""
     obj = OmegaConf.to_object(cfg)
     if not isinstance(obj, TrainConfig):  # only if config.yaml lost train_schema from its defaults
         raise TypeError(f"composed config is a {type(obj).__name__}, expected TrainConfig")
-    return validate(obj)
+    return obj
 
 
 def compose_config(overrides: Sequence[str] = (), config_name: str = "config") -> TrainConfig:
@@ -72,38 +86,118 @@ def compose_config(overrides: Sequence[str] = (), config_name: str = "config") -
     register_configs()
     with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR), job_name="mlptrain"):
         cfg = compose(config_name=config_name, overrides=list(overrides))
-    return to_train_config(cfg)
+    return validate(to_train_config(cfg))
+
+
+class RunDirectoryCheck(Callback):
+    """Creates the run (or sweep) directory before Hydra does, so that failing to is one clean error.
+
+    Listed in ``conf/config.yaml`` under ``hydra.callbacks``. Remembers a directory it created, so
+    that a run refused before it wrote anything leaves no directory behind.
+    """
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _create(Path(str(config.hydra.run.dir)), remember=True)
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _create(Path(str(config.hydra.sweep.dir)), remember=False)
+
+
+def _create(path: Path, *, remember: bool) -> None:
+    path = path.absolute()
+    if path.is_dir():
+        return
+    try:
+        path.mkdir(parents=True)
+    except OSError as exc:
+        print(
+            f"error: cannot create the output directory {path} ({type(exc).__name__}: {exc}); choose a writable "
+            "hydra.run.dir (or hydra.sweep.dir for a multirun)",
+            file=sys.stderr,
+            flush=True,
+        )
+        sys.exit(2)
+    if remember:
+        _created.add(path)
 
 
 def _report(exc: MlptrainError) -> None:
-    """Print ``error: <message>`` to stderr, and add it to the job's log file."""
+    """Print ``error: <message>`` to stderr (and to the job's log file, once there is one)."""
     hc = HydraConfig.get()
     where = f"[job {hc.job.num}: {hc.job.override_dirname or 'no overrides'}] " if hc.mode == RunMode.MULTIRUN else ""
     line = f"error: {where}{exc}"
     _failures.append(line)
     print(line, file=sys.stderr, flush=True)
-    # Only the file handlers: Hydra's console handler writes to stdout and would repeat the line.
+    # Only the file handlers: the console handler writes to stdout and would repeat the line.
     record = log.makeRecord(log.name, logging.ERROR, __file__, 0, line, (), None)
     for handler in logging.getLogger().handlers:
         if isinstance(handler, logging.FileHandler):
             handler.handle(record)
 
 
+def _accepted(cfg: DictConfig, out_dir: Path) -> logging.Handler:
+    """The run is accepted: write Hydra's ``.hydra/`` files, and log into ``mlptrain.log`` from now on."""
+    hc = HydraConfig.instance().cfg
+    files = {"config.yaml": cfg, "hydra.yaml": hc, "overrides.yaml": HydraConfig.get().overrides.task}
+    folder = out_dir / ".hydra"
+    folder.mkdir(exist_ok=True)
+    for name, node in files.items():
+        atomic_write(folder / name, OmegaConf.to_yaml(node))
+    handler = logging.FileHandler(out_dir / LOG_FILE, encoding="utf-8")
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    logging.getLogger().addHandler(handler)
+    return handler
+
+
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def _run(cfg: DictConfig) -> dict[str, Any] | None:
-    """One Hydra job: validate, then train into the job's output directory."""
+    """One Hydra job: train into the job's output directory, once the run is accepted."""
     from tqdm.contrib.logging import logging_redirect_tqdm
 
+    from mlptrain.run import train  # imported here: the training stack is not needed for --help or errors
+    from mlptrain.rundir import RunDirectory
+
+    out_dir = Path(HydraConfig.get().runtime.output_dir)
+    handlers: list[logging.Handler] = []
     try:
         config = to_train_config(cfg)
-        from mlptrain.train import train  # imported here: the training stack is not needed for --help or errors
-
-        out_dir = Path(HydraConfig.get().runtime.output_dir)
         with logging_redirect_tqdm():
-            return train(config, out_dir)
+            return train(config, out_dir, on_accept=lambda path: handlers.append(_accepted(cfg, path)))
     except MlptrainError as exc:
         _report(exc)
+        if not handlers and out_dir.absolute() in _created:
+            RunDirectory(out_dir).remove_if_empty()
         return None
+    finally:
+        for handler in handlers:
+            logging.getLogger().removeHandler(handler)
+            handler.close()
+
+
+@contextlib.contextmanager
+def _hydra_errors_raised() -> Iterator[None]:
+    """Let Hydra raise its own errors (instead of printing a stack and exiting 1) so that they become one line."""
+    previous = os.environ.get("HYDRA_FULL_ERROR")
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = previous
+
+
+def one_line(exc: BaseException) -> str:
+    """A Hydra or OmegaConf error (and its cause) as one line: the detail lines of the key path dropped."""
+    parts: list[str] = []
+    while exc is not None and len(parts) < 4:
+        for line in str(exc).splitlines():
+            line = line.strip()
+            if line and not line.startswith(("full_key:", "object_type=", "reference_type=", "Set the environment")):
+                parts.append(line.rstrip("."))
+        exc = exc.__cause__  # type: ignore[assignment]
+    return "; ".join(dict.fromkeys(parts))
 
 
 def main() -> None:
@@ -111,12 +205,19 @@ def main() -> None:
     register_configs()
     _failures.clear()
     try:
-        _run()
-    except KeyboardInterrupt as exc:
+        with _hydra_errors_raised():
+            _run()
+    except (HydraException, OmegaConfBaseException) as exc:  # composition: unknown key, option, type
+        print(f"error: {one_line(exc)}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    except Interrupted as exc:
         # A first Ctrl-C (or SIGTERM) while training saves a checkpoint, and the message
         # (TrainingInterrupted) says how to resume. Exit status 128 + signal, as a shell reports it.
         print(f"mlptrain: {exc}" if str(exc) else "error: interrupted", file=sys.stderr, flush=True)
-        sys.exit(128 + getattr(exc, "signum", 2))
+        sys.exit(128 + exc.signum)
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr, flush=True)
+        sys.exit(130)
     if _failures:
         if len(_failures) > 1:
             print(f"error: {len(_failures)} jobs failed (see above)", file=sys.stderr)

@@ -9,7 +9,8 @@ problem with its key.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, fields, is_dataclass
 from enum import Enum
 from typing import Any, Optional
 
@@ -203,7 +204,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             problems.append(msg)
 
     m, d, o, p = cfg.model, cfg.data, cfg.optimizer, cfg.precision
-    need(len(m.hidden) >= 0, "model.hidden must be a list")
+    for key, value in _floats(cfg):
+        need(math.isfinite(value), f"{key}={value} must be a finite number")
+    need(cfg.seed >= 0, f"seed={cfg.seed} must be a non-negative integer")
     for i, w in enumerate(m.hidden):
         need(w >= 1, f"model.hidden[{i}]={w} must be a positive layer width")
     for key in ("in_features", "out_features"):
@@ -239,6 +242,18 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if problems:
         raise ConfigError("invalid configuration: " + "; ".join(problems))
     return cfg
+
+
+def _floats(node: Any, prefix: str = "") -> list[tuple[str, float]]:
+    """Every float setting of a config dataclass, by dotted key."""
+    out: list[tuple[str, float]] = []
+    for f in fields(node):
+        value = getattr(node, f.name)
+        if is_dataclass(value):
+            out += _floats(value, f"{prefix}{f.name}.")
+        elif isinstance(value, float):
+            out.append((f"{prefix}{f.name}", value))
+    return out
 
 
 def register_configs() -> None:

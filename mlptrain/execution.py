@@ -70,8 +70,6 @@ class NumpyGemm:
 class FusedExecution:
     """Every elementwise op and reduction of a layer fused into its GEMMs as epilogs."""
 
-    name = "fused"
-
     def __init__(self, gemm: Gemm) -> None:
         self.gemm = gemm
 
@@ -118,8 +116,6 @@ class NaiveExecution:
     a boolean mask kept for the backward and applied with a multiply (no boolean-index
     assignment, which costs a compaction pass).
     """
-
-    name = "naive"
 
     def __init__(self, gemm: Gemm, xp: Any) -> None:
         self.gemm = gemm

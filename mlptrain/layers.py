@@ -83,20 +83,28 @@ class Linear:
         # weight-gradient GEMM (BGRADB), or by the layer above (DRELU_BGRAD). A layer without
         # ReLU has no relu_aux for the layer above to use, so it always reduces its own.
         self.bias_grad_in_wgrad = True
-        self._x: Any = None
-        self.mask: Any = None
+        self.x: Any = None  # (B, in) the input of the last forward, kept for the weight gradient
+        self.mask: Any = None  # its ReLU mask (fused: relu_aux (Mb, B) uint8; naive: (B, out) bool)
 
     @property
     def params(self) -> list[Param]:
         return [self.weight, self.bias]
 
+    def saved(self) -> tuple[Any, Any]:
+        """``(x, mask)`` kept by the last forward for the backward."""
+        return self.x, self.mask
+
+    def restore_saved(self, saved: tuple[Any, Any]) -> None:
+        """Point the layer at ``saved`` (what a replayed CUDA graph's forward wrote)."""
+        self.x, self.mask = saved
+
     def release_saved(self) -> None:
         """Forget the input and mask kept for the backward."""
-        self._x = self.mask = None
+        self.x = self.mask = None
 
     def forward(self, ex: FusedExecution | NaiveExecution, x: Any) -> Any:
         """``x (B, in) -> y (B, out)``; keeps ``x`` and the ReLU mask for the backward."""
-        self._x = x
+        self.x = x
         y, self.mask = ex.forward(self.name, self.weight.compute, self.bias.compute, x, self.relu)
         return y
 
@@ -106,10 +114,10 @@ class Linear:
         ``dz`` is the loss gradient w.r.t. this layer's pre-activation. ``bias.grad`` comes from
         this GEMM's BGRADB when this layer reduces it, or is ``bias_grad`` when the caller already
         did (the loss kernel sums the logits' gradient). Independent of :meth:`grad_below`, so the
-        two may run on different streams (:class:`mlptrain.network.MLP`).
+        two may run on different streams (:class:`mlptrain.gpu.streams.SideStream`).
         """
         reduce_here = self.bias_grad_in_wgrad and bias_grad is None
-        self.weight.grad, db = ex.weight_grad(self.name, self._x, dz, reduce_here)
+        self.weight.grad, db = ex.weight_grad(self.name, self.x, dz, reduce_here)
         if bias_grad is not None:
             self.bias.grad = bias_grad
         elif db is not None:

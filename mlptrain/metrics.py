@@ -12,14 +12,28 @@ Record kinds (the ``kind`` key):
   ``val/loss``, ``val/acc``, ``test/loss``, ``test/acc``, ``time_s``.
 * ``summary``: the final numbers of the run.
 * ``interrupted``: Ctrl-C stopped the run at ``step``; ``checkpoint`` is where ``last`` was saved.
+
+A resumed run continues the file from the records written up to its checkpoint
+(:func:`plan_prefix`): the records after it are written again, identically. A line that is not a
+JSON record (a damaged disk block, a hand edit) is never dropped: it is moved to
+``metrics.jsonl.corrupt`` and the records on both sides of it are kept.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from mlptrain.errors import OutputError
+from mlptrain.files import atomic_write
+
+log = logging.getLogger(__name__)
+
+CORRUPT_SUFFIX = ".corrupt"
 
 
 def _clean(record: dict[str, Any]) -> dict[str, Any]:
@@ -37,18 +51,38 @@ def _clean(record: dict[str, Any]) -> dict[str, Any]:
 
 
 class MetricsWriter:
-    """Append-only JSONL writer. ``append=True`` continues an existing file (resume)."""
+    """Appends records to ``path`` (it continues a file that holds ``records`` records), counting them.
 
-    def __init__(self, path: Path, append: bool = False) -> None:
+    Raises:
+        OutputError: the file cannot be opened or written (disk full, read-only); closing after a
+            failed write never raises a second error over the first.
+    """
+
+    def __init__(self, path: Path, records: int = 0) -> None:
         self.path = Path(path)
-        self._f = open(self.path, "a" if append else "w", encoding="utf-8")
+        self.records = records
+        try:
+            self._f = open(self.path, "a", encoding="utf-8")
+        except OSError as exc:
+            raise OutputError(f"cannot open {self.path} for writing ({exc}); choose a writable hydra.run.dir") from exc
 
     def write(self, **record: Any) -> None:
-        self._f.write(json.dumps(_clean(record), allow_nan=False) + "\n")
-        self._f.flush()
+        try:
+            self._f.write(json.dumps(_clean(record), allow_nan=False) + "\n")
+            self._f.flush()
+        except OSError as exc:
+            raise OutputError(
+                f"cannot write {self.path} ({type(exc).__name__}: {exc}); free disk space or choose another "
+                "hydra.run.dir"
+            ) from exc
+        self.records += 1
 
     def close(self) -> None:
-        self._f.close()
+        """Close the file; a buffered line that cannot be written any more is given up (it was reported)."""
+        try:
+            self._f.close()
+        except OSError as exc:
+            log.warning("closing %s: %s", self.path, exc)
 
     def __enter__(self) -> MetricsWriter:
         return self
@@ -71,3 +105,84 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
                 break  # the line being written when the process died
             raise ValueError(f"{path}: line {i + 1} is not valid JSON") from None
     return records
+
+
+@dataclass
+class MetricsPrefix:
+    """The first records of a ``metrics.jsonl``, read (not yet written anywhere): see :func:`plan_prefix`.
+
+    Attributes:
+        lines: the record lines to keep, each ending in a newline.
+        damaged: ``(line number, raw bytes)`` of the lines among them that are not JSON records.
+        torn: a last line cut short (the process died while writing it); not a record.
+        wanted: how many records the checkpoint counted; ``len(lines) + len(damaged)`` is less when
+            the file lost some.
+    """
+
+    source: Path | None
+    wanted: int
+    lines: list[bytes] = field(default_factory=list)
+    damaged: list[tuple[int, bytes]] = field(default_factory=list)
+    torn: bytes = b""
+
+    @property
+    def records(self) -> int:
+        """The records that will be in the file: its kept lines."""
+        return len(self.lines)
+
+    def apply(self, path: Path) -> None:
+        """Make ``path`` hold the kept records (atomically); append the damaged lines to ``path.corrupt``.
+
+        Raises:
+            OutputError: a file cannot be written.
+        """
+        found = len(self.lines) + len(self.damaged)
+        if found < self.wanted:
+            log.warning("%s holds %d of the %d records before the checkpoint; continuing after them",
+                        self.source, found, self.wanted)  # fmt: skip
+        path = Path(path)
+        corrupt = path.with_name(path.name + CORRUPT_SUFFIX)
+        try:
+            if self.damaged:
+                with open(corrupt, "ab") as f:
+                    f.writelines(raw.rstrip(b"\n") + b"\n" for _, raw in self.damaged)
+                    f.flush()
+                log.warning(
+                    "%s: line(s) %s are not JSON records; moved to %s, the records around them are kept",
+                    self.source, ", ".join(str(n) for n, _ in self.damaged), corrupt,
+                )  # fmt: skip
+            atomic_write(path, b"".join(self.lines))
+        except OSError as exc:
+            raise OutputError(
+                f"cannot write {path} ({type(exc).__name__}: {exc}); choose a writable hydra.run.dir"
+            ) from exc
+
+
+def plan_prefix(source: Path | None, records: int) -> MetricsPrefix:
+    """The first ``records`` lines of ``source`` (each was a record when it was written), read only.
+
+    Lines that are not JSON objects are set aside as damaged (they count among the ``records``:
+    they were records once); a torn last line (a killed run) is not a record and is left out.
+    """
+    plan = MetricsPrefix(source, records)
+    if records <= 0 or source is None or not Path(source).is_file():
+        return plan
+    try:
+        raw = Path(source).read_bytes()
+    except OSError as exc:
+        raise OutputError(f"cannot read {source} ({type(exc).__name__}: {exc})") from exc
+    for n, line in enumerate(raw.splitlines(keepends=True), start=1):
+        if len(plan.lines) + len(plan.damaged) == records:
+            break
+        complete = line.endswith(b"\n")
+        try:
+            ok = complete and isinstance(json.loads(line.decode("utf-8")), dict)
+        except (UnicodeDecodeError, ValueError):
+            ok = False
+        if ok:
+            plan.lines.append(line)
+        elif complete:
+            plan.damaged.append((n, line))
+        else:  # torn: the line being written when the process died (written again after the resume)
+            plan.torn = line
+    return plan

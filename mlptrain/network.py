@@ -3,11 +3,17 @@
 ``in -> hidden[0] -> ... -> hidden[-1] -> out``: every hidden layer is one GEMM with bias and
 ReLU (fused: RELU_AUX_BIAS), the output layer one GEMM with bias (fused: BIAS). Activations flow
 between layers as C-contiguous ``(B, features)`` arrays with no copies.
+
+The backward pass starts from the gradient of the logits that the output head computed
+(:class:`mlptrain.head.OutputHead`), together with whatever else of the output layer's backward
+the head already did (:class:`HeadGrads`): the network computes the rest, layer by layer from the
+top, and on the GPU runs the weight gradients on a second stream (:mod:`mlptrain.gpu.streams`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -16,6 +22,24 @@ from mlptrain.execution import FusedExecution, NaiveExecution
 from mlptrain.layers import Linear, Param
 
 BGRAD_STRATEGIES = ("drelu_bgrad", "bgradb")
+
+
+@dataclass
+class HeadGrads:
+    """What the output head computed of the output layer's backward, beyond ``dlogits``.
+
+    Attributes:
+        bias_grad: ``dlogits`` summed over the batch (``(out,)``): the output layer's bias gradient,
+            when the loss kernel reduced it (then the weight-gradient GEMM runs without BGRADB).
+        input_grad: ``dZ_below (B, H)``, the output layer's input gradient with the ReLU derivative
+            of the layer below applied, when the head kernel computed it (then that GEMM is not run).
+        input_bias_grad: ``input_grad`` summed over the batch: the layer below's bias gradient, when
+            that layer takes it from above (``drelu_bgrad``) and the head kernel reduced it.
+    """
+
+    bias_grad: Any = None
+    input_grad: Any = None
+    input_bias_grad: Any = None
 
 
 class MLP:
@@ -51,6 +75,7 @@ class MLP:
             raise ValueError(f"an MLP needs at least input and output widths; got {list(widths)}")
         self.widths = list(widths)
         self.execution = execution
+        self.xp = xp
         n = len(widths) - 1
         self.layers = [
             Linear(
@@ -67,7 +92,7 @@ class MLP:
             for i in range(n)
         ]
         self.set_bgrad(bgrad)
-        self._wgrad: _WgradStream | None = None  # see use_wgrad_stream
+        self._side: Any = None  # GPU: the weight gradients' stream (use_wgrad_stream)
 
     def set_bgrad(self, bgrad: str | Sequence[str]) -> None:
         """Choose, per hidden layer, where its bias gradient is reduced (see class docstring)."""
@@ -98,32 +123,59 @@ class MLP:
             x = layer.forward(self.execution, x)
         return x
 
-    def backward(self, dlogits: Any, output_bias_grad: Any = None, head_grad: tuple | None = None) -> None:
+    def backward(self, dlogits: Any, head: HeadGrads | None = None) -> None:
         """Fill every ``param.grad`` from ``dlogits (B, out)``, the loss gradient of the logits.
 
-        ``output_bias_grad``: ``dlogits`` summed over the batch, when the loss computed it (then
-        the output layer's weight-gradient GEMM runs without the BGRADB epilog).
-        ``head_grad``: ``(dZ_below, db_below or None)``, the output layer's input gradient when the
-        head kernel computed it (:mod:`mlptrain.head`); then that GEMM is not run.
+        ``head``: the parts of the output layer's backward the output head already computed;
+        the rest is computed here. On the GPU, with :meth:`use_wgrad_stream`, each layer's weight
+        gradient (all but the bottom layer's) runs on the side stream, forked when its ``dZ`` is
+        ready, and the side stream is joined before returning.
         """
-        side = self._wgrad
-        if side is None:
-            dz = dlogits
-            for i in reversed(range(len(self.layers))):
-                bias_grad = output_bias_grad if i == len(self.layers) - 1 else None
-                self.layers[i].param_grads(self.execution, dz, bias_grad)
-                dz = self.grad_below(i, dz, head_grad)
-            return
-        side.backward(self, dlogits, output_bias_grad, head_grad)
+        head = head or HeadGrads()
+        ex, layers, top = self.execution, self.layers, len(self.layers) - 1
+        dz = dlogits
+        for i in reversed(range(len(layers))):
+            layer = layers[i]
+            bias_grad = head.bias_grad if i == top else None
+            if self._side is None or i == 0:  # the bottom layer's dW ends the chain: nothing to overlap
+                layer.param_grads(ex, dz, bias_grad)
+            else:
+                self._side.run(i, lambda layer=layer, dz=dz, db=bias_grad: layer.param_grads(ex, dz, db), reads=dz)
+            if i == top and head.input_grad is not None:
+                if head.input_bias_grad is not None:
+                    layers[i - 1].bias.grad = head.input_bias_grad
+                dz = head.input_grad
+            else:
+                dz = layer.grad_below(ex, dz, layers[i - 1] if i > 0 else None)
+        if self._side is not None:
+            self._side.join()
 
-    def grad_below(self, i: int, dz: Any, head_grad: tuple | None = None) -> Any:
-        """Layer ``i``'s input gradient ``dZ_{i-1}`` (None for the first layer), or the head's, given."""
-        if i == len(self.layers) - 1 and head_grad is not None:
-            dz_below, db_below = head_grad
-            if db_below is not None:
-                self.layers[i - 1].bias.grad = db_below
-            return dz_below
-        return self.layers[i].grad_below(self.execution, dz, self.layers[i - 1] if i > 0 else None)
+    def use_wgrad_stream(self, enabled: bool = True) -> None:
+        """GPU: run the weight-gradient GEMMs on a second stream, concurrent with the input-gradient chain."""
+        if enabled:
+            from mlptrain.gpu.streams import SideStream
+
+            self._side = SideStream(len(self.layers))
+        else:
+            self._side = None
+
+    @property
+    def uses_wgrad_stream(self) -> bool:
+        return self._side is not None
+
+    # --- what a step leaves behind, and the parameters' state -------------------------------
+
+    def step_arrays(self) -> tuple[list[Any], list[tuple[Any, Any]]]:
+        """The gradients and the layers' saved inputs and masks of the last step (for a CUDA graph to keep)."""
+        return [p.grad for p in self.params], [layer.saved() for layer in self.layers]
+
+    def restore_step_arrays(self, arrays: tuple[list[Any], list[tuple[Any, Any]]]) -> None:
+        """Point the parameters and layers at ``arrays`` again (after a replayed step rewrote them)."""
+        grads, saved = arrays
+        for p, g in zip(self.params, grads, strict=True):
+            p.grad = g
+        for layer, s in zip(self.layers, saved, strict=True):
+            layer.restore_saved(s)
 
     def release_step_arrays(self) -> None:
         """Drop the gradients, saved inputs and masks of the last step (their memory can go)."""
@@ -131,61 +183,13 @@ class MLP:
             layer.weight.grad = layer.bias.grad = None
             layer.release_saved()
 
-    def use_wgrad_stream(self, enabled: bool = True) -> None:
-        """GPU: run the weight-gradient GEMMs on a second stream, concurrent with the input-gradient chain."""
-        self._wgrad = _WgradStream(len(self.layers)) if enabled else None
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """The master copy of every parameter, as host arrays by name (``layer0.weight``, ...)."""
+        to_host = np.array if self.xp is np else (lambda a: a.get())  # copies: the state at this moment
+        return {p.name: to_host(p.value) for p in self.params}
 
-
-class _WgradStream:
-    """The backward pass on two CUDA streams.
-
-    Layer ``l``'s two backward GEMMs both need only ``dZ_l``: the input gradient ``dZ_{l-1}``
-    (the critical path: the layer below waits for it) and the weight gradient ``dW_l`` (nothing
-    in the backward waits for it; only the optimizer does). At the small sizes where a step is
-    latency-bound one GEMM fills a fraction of the GPU, so the weight gradients run on a side
-    stream while the main stream goes on down the chain::
-
-        main:  loss ─┬─ dX (layer 2, DRELU_BGRAD) ─┬─ dX (layer 1, DRELU) ── dW (layer 0) ─┬─ check, update
-        side:        └─ dW (layer 2) ──────────────┴─ dW (layer 1) ─────────────────────────┘
-
-    (With the head kernel, :mod:`mlptrain.head`, layer 2's dX is that kernel, before the first fork.)
-
-    An event recorded on the main stream when ``dZ_l`` is ready orders the side stream's GEMM
-    after it; one event at the end joins the side stream back before the optimizer. A CUDA graph
-    capture records the same fork and join as edges between parallel branches.
-
-    Memory: CuPy's pool gives each stream its own free lists. ``dZ_l`` is allocated on the main
-    stream and read by the side stream, so it stays referenced until the join is enqueued;
-    otherwise the main stream could reuse its memory while the side GEMM still reads it. The
-    gradients the side stream allocates are read by the optimizer after the join, and the side
-    stream reuses their memory only after the next step's first fork, which comes after that
-    optimizer launch on the main stream.
-    """
-
-    def __init__(self, num_layers: int) -> None:
-        import cupy as cp
-
-        self.stream = cp.cuda.Stream(non_blocking=True)
-        self.forks = [cp.cuda.Event(disable_timing=True) for _ in range(num_layers)]
-        self.join = cp.cuda.Event(disable_timing=True)
-
-    def backward(self, model: MLP, dlogits: Any, output_bias_grad: Any, head_grad: tuple | None) -> None:
-        import cupy as cp
-
-        main = cp.cuda.get_current_stream()
-        ex, layers = model.execution, model.layers
-        read_by_side = []  # the dZ_l the side stream reads: alive until the join is enqueued
-        dz = dlogits
-        for i in reversed(range(len(layers))):
-            bias_grad = output_bias_grad if i == len(layers) - 1 else None
-            if i == 0:  # the last GEMM of the backward: nothing left to overlap on the main stream
-                layers[i].param_grads(ex, dz, bias_grad)
-                break
-            self.forks[i].record(main)  # dZ_l is ready
-            self.stream.wait_event(self.forks[i])
-            with self.stream:  # nvmath and CuPy enqueue (and allocate) on the current stream
-                layers[i].param_grads(ex, dz, bias_grad)
-            read_by_side.append(dz)
-            dz = model.grad_below(i, dz, head_grad)
-        self.join.record(self.stream)
-        main.wait_event(self.join)  # the optimizer sees every gradient; read_by_side may go now
+    def load_state_dict(self, arrays: dict[str, Any]) -> None:
+        """Copy ``arrays`` (by parameter name, shapes already checked) into the parameters and their compute copies."""
+        for p in self.params:
+            p.value[...] = self.xp.asarray(arrays[p.name])
+            p.sync_compute()

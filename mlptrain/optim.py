@@ -1,8 +1,8 @@
-"""Optimizers (SGD with momentum/Nesterov, Adam, AdamW) and learning-rate schedules.
+"""Optimizers: SGD with momentum/Nesterov, Adam, AdamW.
 
 One update rule per optimizer, written twice with the same arithmetic: as NumPy expressions
 for the CPU (one parameter at a time) and as the CUDA body of one element for the GPU, where a
-single multi-tensor kernel (:mod:`mlptrain.multitensor`) applies it to every parameter of the
+single multi-tensor kernel (:mod:`mlptrain.gpu.multitensor`) applies it to every parameter of the
 model. Per element it reads the gradient, updates the master weight and the optimizer state, and
 writes the half-precision compute copy, in a single pass over memory.
 
@@ -18,16 +18,14 @@ gradient (L2) in SGD and Adam, and is decoupled in AdamW (``p *= 1 - lr * wd``).
 
 from __future__ import annotations
 
-import functools
-import math
 from typing import Any
 
 import numpy as np
 
 from mlptrain.backend import get_array_module
+from mlptrain.cuda_source import KernelTail, c_literal
 from mlptrain.errors import ConfigError
 from mlptrain.layers import Param
-from mlptrain.multitensor import KernelTail
 
 
 class Optimizer:
@@ -52,7 +50,8 @@ class Optimizer:
         self.state: dict[str, dict[str, Any]] = {
             p.name: {s: self.xp.zeros_like(p.value) for s in self.state_names} for p in params
         }
-        # Number of applied (not skipped) steps, on the device.
+        # Updates applied (skipped fp16 steps excluded), on the device: Adam's t, per-optimizer state as
+        # torch.optim keeps it. Not a step counter of the run: that is mlptrain.schedule.StepClock.
         self.t = self.xp.zeros((), dtype=self.xp.float64)
         self._one = self.xp.ones((), dtype=self.xp.float64)
         self._no_skip = self.xp.zeros((), dtype=self.xp.int32)
@@ -61,7 +60,7 @@ class Optimizer:
     def step(self, lr: Any, inv_scale: Any = None, skip: Any = None, tail: KernelTail | None = None) -> None:
         """Apply one update to every parameter from its ``grad``.
 
-        On the GPU this is one multi-tensor kernel for the whole model (:mod:`mlptrain.multitensor`);
+        On the GPU this is one multi-tensor kernel for the whole model (:mod:`mlptrain.gpu.multitensor`);
         on the CPU one NumPy update per parameter.
 
         Args:
@@ -104,7 +103,7 @@ class Optimizer:
     def _multi_tensor_kernel(self, tail: KernelTail | None) -> Any:
         key = (tail.code, tail.params) if tail else None
         if key not in self._kernels:
-            from mlptrain.multitensor import MultiTensorKernel
+            from mlptrain.gpu.multitensor import MultiTensorKernel
 
             if len({p.has_compute_copy for p in self.params}) != 1:
                 raise ValueError("all parameters must have a compute copy, or none")
@@ -183,8 +182,7 @@ class SGD(Optimizer):
         p.value -= lr * g
 
     def _cuda_update(self) -> tuple[str, str]:
-        from mlptrain.multitensor import c_literal as lit
-
+        lit = c_literal
         body = f"if (!skipped) {{ P g = (P)$g * inv_s + (P){lit(self.weight_decay)} * $p;"
         if self.momentum > 0:
             body += f"$momentum = (P){lit(self.momentum)} * $momentum + g;"
@@ -234,8 +232,7 @@ class Adam(Optimizer):
         p.value -= lr * m_hat / (np.sqrt(v_hat) + self.eps)
 
     def _cuda_update(self) -> tuple[str, str]:
-        from mlptrain.multitensor import c_literal as lit
-
+        lit = c_literal
         b1, b2, wd = lit(self.beta1), lit(self.beta2), lit(self.weight_decay)
         loop_prep = f"""
         const double t_now = t[0] + 1.0;  // this step is the (t+1)-th applied one
@@ -250,110 +247,3 @@ class Adam(Optimizer):
             const P m_hat = $exp_avg / bc1, v_hat = $exp_avg_sq / bc2;
             $p = $p - lr_v * m_hat / (sqrt(v_hat) + (P){lit(self.eps)}); }}"""
         return loop_prep, body
-
-
-def make_optimizer(name: str, params: list[Param], cfg: Any) -> Optimizer:
-    """Build the optimizer ``name`` (``sgd``, ``adam``, ``adamw``) from an OptimizerConfig."""
-    if name == "sgd":
-        return SGD(params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov, weight_decay=cfg.weight_decay)
-    if name in ("adam", "adamw"):
-        return Adam(
-            params,
-            lr=cfg.lr,
-            betas=(cfg.beta1, cfg.beta2),
-            eps=cfg.eps,
-            weight_decay=cfg.weight_decay,
-            decoupled=name == "adamw",
-        )
-    raise ConfigError(f"optimizer {name!r} is unknown; expected one of sgd, adam, adamw")
-
-
-# --- learning-rate schedules ---------------------------------------------------------------
-
-
-def lr_at(step: int, *, base_lr: float, total_steps: int, schedule: str, warmup_steps: int = 0, min_ratio=0.0):
-    """Learning rate of (0-based) optimizer step ``step``.
-
-    Linear warm-up from ``base_lr / warmup_steps`` to ``base_lr`` over ``warmup_steps`` steps, then
-    ``constant`` or ``cosine`` decay to ``base_lr * min_ratio`` at ``total_steps - 1``.
-    """
-    if step < warmup_steps:
-        return base_lr * (step + 1) / warmup_steps
-    if schedule == "constant":
-        return base_lr
-    if schedule == "cosine":
-        span = max(total_steps - warmup_steps - 1, 1)
-        progress = min((step - warmup_steps) / span, 1.0)
-        return base_lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
-    raise ConfigError(f"schedule {schedule!r} is unknown; expected constant or cosine")
-
-
-class LRSchedule:
-    """:func:`lr_at` kept in device memory, next to a device step counter.
-
-    ``lr`` (0-d device array) always holds the rate of step ``step``; ``advance()`` moves both to
-    the next step on the device, with no host value in the launch, so a step captured into a CUDA
-    graph still follows the schedule when replayed. The training step fuses the advance into its
-    last kernel (:mod:`mlptrain.steplog`) through :meth:`cuda_advance`; on the CPU :func:`lr_at`
-    runs on the host.
-    """
-
-    def __init__(
-        self, xp: Any, *, base_lr: float, total_steps: int, schedule: str, warmup_steps: int = 0, min_ratio=0.0
-    ) -> None:
-        if schedule not in ("constant", "cosine"):
-            raise ConfigError(f"schedule {schedule!r} is unknown; expected constant or cosine")
-        self.xp = xp
-        self.kw = dict(
-            base_lr=base_lr, total_steps=total_steps, schedule=schedule, warmup_steps=warmup_steps, min_ratio=min_ratio
-        )
-        self.step = xp.zeros((), dtype=xp.int64)  # optimizer steps taken, skipped fp16 steps included
-        self.lr = xp.full((), self.host(0), dtype=xp.float64)
-
-    def host(self, step: int) -> float:
-        """The rate of ``step``, computed on the host (for logs)."""
-        return lr_at(step, **self.kw)
-
-    def advance(self) -> None:
-        """``step += 1; lr = lr_at(step)`` on the device."""
-        if self.xp is np:
-            self.step += 1
-            self.lr[...] = self.host(int(self.step))
-            return
-        _advance_kernel(self.cuda_advance("step", "lr"))(self.step, self.lr)
-
-    def cuda_advance(self, step: str, lr: str) -> str:
-        """CUDA statements advancing the int64 ``step`` and float64 ``lr`` lvalues named here."""
-        from mlptrain.multitensor import c_literal as lit
-
-        kw = self.kw
-        args = (
-            f"{lit(kw['base_lr'])}, {int(kw['total_steps'])}LL, {int(kw['warmup_steps'])}LL, "
-            f"{'true' if kw['schedule'] == 'cosine' else 'false'}, {lit(kw['min_ratio'])}"
-        )
-        return f"{step} += 1; {lr} = mlptrain_lr_at({step}, {args});"
-
-    def set_step(self, step: int) -> None:
-        """Continue from ``step`` (resume)."""
-        self.step[...] = step
-        self.lr[...] = self.host(step)
-
-
-LR_AT_CUDA = """
-// lr_at() of mlptrain/optim.py: linear warm-up, then constant or cosine decay.
-__device__ double mlptrain_lr_at(long long step, double base, long long total, long long warmup, bool cosine,
-                                 double min_ratio) {
-    if (step < warmup) return base * (double)(step + 1) / (double)warmup;
-    if (!cosine) return base;
-    const long long span = max(total - warmup - 1, 1LL);
-    const double progress = min((double)(step - warmup) / (double)span, 1.0);
-    return base * (min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + cos(3.141592653589793 * progress)));
-}
-"""
-
-
-@functools.cache
-def _advance_kernel(advance: str) -> Any:
-    import cupy as cp
-
-    return cp.ElementwiseKernel("", "int64 step, float64 lr", advance, "mlptrain_lr_schedule", preamble=LR_AT_CUDA)

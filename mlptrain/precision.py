@@ -18,13 +18,13 @@ state is 0-d device arrays updated by device operations, so a step never syncs t
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from mlptrain.backend import Backend
+from mlptrain.cuda_source import c_literal
 from mlptrain.errors import ConfigError, DeviceError
 
 PRECISIONS = ("fp64", "fp32", "tf32", "fp16", "bf16")
@@ -103,14 +103,14 @@ class LossScaler:
         """Set ``found_inf`` to whether any gradient holds inf/NaN; returns it (device, no sync).
 
         On the GPU one kernel scans every gradient (16-byte loads when the gradients allow,
-        :class:`mlptrain.multitensor.NonfiniteScan`); its last block to finish writes the flag, so
+        :class:`mlptrain.gpu.multitensor.NonfiniteScan`); its last block to finish writes the flag, so
         no separate kernel has to clear it first.
         """
         xp = self.xp
         if not self.enabled:
             return self.found_inf  # stays 0: fp32/fp64 runs check the loss at the log interval
         if xp is not np:
-            from mlptrain.multitensor import NonfiniteScan
+            from mlptrain.gpu.multitensor import NonfiniteScan
 
             sizes = [int(g.size) for g in grads]
             vector = NonfiniteScan.fits(grads)  # 16-byte loads; else one element at a time
@@ -133,9 +133,16 @@ class LossScaler:
             return
         xp = self.xp
         if xp is not np:  # the same rules in one kernel launch
-            _update_kernel(self.cuda_update("found", "scale", "inv_scale", "tracker", "skips"))(
-                self.found_inf, self.scale, self.inv_scale, self.growth_tracker, self.consecutive_skips
+            from mlptrain.gpu.kernels import elementwise
+
+            kernel = elementwise(
+                "",
+                "int32 found, float64 scale, float64 inv_scale, int32 tracker, int32 skips",
+                self.cuda_update("found", "scale", "inv_scale", "tracker", "skips"),
+                "mlptrain_scaler_update",
+                preamble=SCALER_UPDATE_CUDA,
             )
+            kernel(self.found_inf, self.scale, self.inv_scale, self.growth_tracker, self.consecutive_skips)
             return
         inf = self.found_inf != 0
         tracker = xp.where(inf, 0, self.growth_tracker + 1)
@@ -148,12 +155,10 @@ class LossScaler:
 
     def cuda_update(self, found: str, scale: str, inv_scale: str, tracker: str, skips: str) -> str:
         """CUDA statements of :meth:`update` on the lvalues named here (the training step fuses them)."""
-        from mlptrain.multitensor import c_literal as lit
-
         if not self.enabled:
             return ""
         return (
-            f"mlptrain_scaler_update({found}, {lit(self.backoff_factor)}, {lit(self.growth_factor)}, "
+            f"mlptrain_scaler_update({found}, {c_literal(self.backoff_factor)}, {c_literal(self.growth_factor)}, "
             f"{int(self.growth_interval)}, {scale}, {inv_scale}, {tracker}, {skips});"
         )
 
@@ -188,7 +193,7 @@ __device__ void mlptrain_scaler_update(int found, double backoff, double growth,
 
 def _nonfinite_kernel(sizes: list[int]) -> Any:
     """One launch over every gradient: ``found = any element is inf or NaN``."""
-    from mlptrain.multitensor import MultiTensorKernel
+    from mlptrain.gpu.multitensor import MultiTensorKernel
 
     return MultiTensorKernel(
         "mlptrain_check_nonfinite",
@@ -200,17 +205,4 @@ def _nonfinite_kernel(sizes: list[int]) -> Any:
         # Each block ORs its threads' flags into any_bad; the last block publishes and clears it.
         block_flag=("bad", "any_bad"),
         epilogue="found[0] = atomicExch(&any_bad[0], 0);",
-    )
-
-
-@functools.cache
-def _update_kernel(update: str) -> Any:
-    import cupy as cp
-
-    return cp.ElementwiseKernel(
-        "",
-        "int32 found, float64 scale, float64 inv_scale, int32 tracker, int32 skips",
-        update,
-        "mlptrain_scaler_update",
-        preamble=SCALER_UPDATE_CUDA,
     )

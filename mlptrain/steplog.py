@@ -8,9 +8,10 @@ GPU time than the small model's GEMMs, and outside the graph a few microseconds 
 each. :class:`StepLog` does all of it in one single-thread kernel that the graph captures with the
 rest of the step, so the host does nothing per step but replay the graph.
 
-Metrics go into a ring of ``capacity`` slots in device memory, indexed by the device step counter
-(slot ``step % capacity``); the training loop reads the ring back once per log interval (one host
-sync), and ``capacity`` is the interval length, so a slot is never overwritten before it is read.
+Metrics go into a ring of ``capacity`` slots in device memory, indexed by the device step count
+(slot ``step % capacity``, :class:`~mlptrain.schedule.StepClock`); the training loop reads the ring
+back once per log interval (one host sync), and ``capacity`` is the interval length, so a slot is
+never overwritten before it is read.
 The epoch's running sums live on the device too.
 
 On the CPU the same bookkeeping runs as NumPy operations, in the same order.
@@ -18,14 +19,13 @@ On the CPU the same bookkeeping runs as NumPy operations, in the same order.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import numpy as np
 
-from mlptrain.multitensor import KernelTail
-from mlptrain.optim import LR_AT_CUDA, LRSchedule
+from mlptrain.cuda_source import KernelTail
 from mlptrain.precision import SCALER_UPDATE_CUDA, LossScaler
+from mlptrain.schedule import LR_AT_CUDA, LRSchedule
 
 
 class StepLog:
@@ -35,7 +35,8 @@ class StepLog:
         xp: NumPy or CuPy.
         capacity: ring slots (the log interval).
         scaler: its :meth:`~mlptrain.precision.LossScaler.update` runs at the end of each step.
-        schedule: its :meth:`~mlptrain.optim.LRSchedule.advance` runs at the end of each step.
+        schedule: at the end of each step its clock's device count advances and its rate follows
+            (:class:`~mlptrain.schedule.LRSchedule`).
 
     Attributes (device arrays): ``loss`` (capacity,) float64, ``correct`` (capacity,) int64,
     ``skip`` (capacity,) int32 (fp16: the step overflowed and was skipped), ``scale`` (capacity,)
@@ -64,7 +65,7 @@ class StepLog:
         self.epoch_correct[...] = correct
 
     def end_step(self, loss: Any, correct: Any, batch_size: int) -> None:
-        """Record step ``schedule.step``'s metrics, update the loss scale, advance the schedule.
+        """Record this step's metrics, update the loss scale, advance the step count and the rate.
 
         ``loss`` and ``correct`` are the step's 0-d device results; nothing is read back. On the
         GPU the training step does not call this: it hands the same work to the optimizer
@@ -73,9 +74,12 @@ class StepLog:
         xp, sc = self.xp, self.scaler
         if xp is not np:
             t = self.tail(loss, correct, batch_size, prefix="")
-            _end_step_kernel(t.params, t.code, t.preamble)(*t.args, size=1)
+            from mlptrain.gpu.kernels import elementwise
+
+            elementwise("", t.params, t.code, "mlptrain_end_step", preamble=t.preamble, no_return=True)(*t.args, size=1)
             return
-        k = int(self.schedule.step) % self.capacity
+        clock = self.schedule.clock
+        k = int(clock.device) % self.capacity
         self.loss[k] = loss
         self.correct[k] = correct
         self.skip[k] = sc.found_inf
@@ -83,7 +87,8 @@ class StepLog:
         self.scale[k] = sc.scale
         self.epoch_loss += loss * batch_size
         self.epoch_correct += correct
-        self.schedule.advance()
+        clock.advance_device()
+        self.schedule.update()
 
     def tail(self, loss: Any, correct: Any, batch_size: int, prefix: str = "log_") -> KernelTail:
         """:meth:`end_step` as CUDA statements for one thread, with parameter names starting with ``prefix``."""
@@ -100,7 +105,7 @@ class StepLog:
             sc.inv_scale,
             sc.growth_tracker,
             sc.consecutive_skips,
-            sched.step,
+            sched.clock.device,
             sched.lr,
             self.loss,
             self.correct,
@@ -120,7 +125,9 @@ class StepLog:
             scaler_update=self.scaler.cuda_update(
                 f"{n['found']}[0]", f"{n['scale']}[0]", f"{n['inv_scale']}[0]", f"{n['tracker']}[0]", f"{n['skips']}[0]"
             ),
-            schedule_advance=self.schedule.cuda_advance(f"{n['step']}[0]", f"{n['lr']}[0]"),
+            schedule_advance=self.schedule.clock.cuda_advance(f"{n['step']}[0]")
+            + " "
+            + self.schedule.cuda_update(f"{n['step']}[0]", f"{n['lr']}[0]"),
         )
         params = ", ".join(f"raw {t} {n[a]}" for a, t in _TAIL_ARRAYS.items())
         return code, params, SCALER_UPDATE_CUDA + LR_AT_CUDA
@@ -167,10 +174,3 @@ _END_STEP = """
     {schedule_advance}
 }}
 """
-
-
-@functools.cache
-def _end_step_kernel(params: str, code: str, preamble: str) -> Any:
-    import cupy as cp
-
-    return cp.ElementwiseKernel("", params, code, "mlptrain_end_step", preamble=preamble, no_return=True)

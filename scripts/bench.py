@@ -71,7 +71,9 @@ def bench_layer(m, k, n, dtype, reps):
     import cupy as cp
 
     from mlptrain.execution import FusedExecution, NaiveExecution
-    from mlptrain.gpu import NvmathGemm, cuda_time_ms, time_layer_backward
+    from mlptrain.gpu.gemm import NvmathGemm
+    from mlptrain.gpu.probe import time_layer_backward
+    from mlptrain.gpu.timing import cuda_time_ms
 
     rng = cp.random.default_rng(1)
     W = (rng.standard_normal((m, k), dtype=cp.float32) / np.sqrt(k)).astype(dtype)  # (out, in)
@@ -139,7 +141,7 @@ def step_trainer(
     """A GPU Trainer for ``widths`` on random data (one batch per epoch), as the step benchmarks use it."""
     from mlptrain.config import TrainConfig
     from mlptrain.data import Dataset
-    from mlptrain.train import Trainer
+    from mlptrain.trainer import Trainer
 
     rng = np.random.default_rng(0)
     x = rng.standard_normal((batch, widths[0]), dtype=np.float32)
@@ -167,7 +169,7 @@ def step_trainer(
 def bench_step_mlptrain(widths, batch, precision, mode, reps, graph=False, autotune=False, wgrad_stream=True):
     import cupy as cp
 
-    from mlptrain.gpu import cuda_time_ms
+    from mlptrain.gpu.timing import cuda_time_ms
 
     pool = cp.get_default_memory_pool()
     pool.free_all_blocks()
@@ -180,7 +182,7 @@ def bench_step_mlptrain(widths, batch, precision, mode, reps, graph=False, autot
         chained = cuda_time_ms(lambda: tr.step(xb, yb), warmup=1, reps=reps, chain=CHAIN)
         peak = pool.total_bytes()
         if graph:  # the graph's private pool holds the step's temporaries
-            peak += sum(g.pool.total_bytes() for g in tr.graphed._shapes.values())
+            peak += tr.graphed.pool_bytes()
         own_gemms = own_gemm_time(tr, xb, yb, reps) if graph else None  # after the peak: it allocates
     first_losses = [float(v) for v in losses[:3]]
     bgrad = tr.model.bgrad
@@ -204,24 +206,15 @@ def own_gemm_time(tr, xb, yb, reps):
     """
     import cupy as cp
 
-    from mlptrain.gpu import capture_graph, cuda_time_ms
+    from mlptrain.gpu.timing import capture_graph, cuda_time_ms
 
     stream = cp.cuda.get_current_stream()
-    logits = tr.model.forward(xb)
-    head = None
-    if tr.head_kernel:  # the loss kernel computes the output layer's input gradient: not a GEMM of the step
-        from mlptrain.head import cross_entropy_head
-
-        top, below = tr.model.layers[-1], tr.model.layers[-2]
-        out = cross_entropy_head(logits, yb, tr.scaler.scale, top.weight.compute, below.mask)
-        head = (out[4], out[5] if not below.bias_grad_in_wgrad else None)
-    else:
-        out = tr.loss_fn(logits, yb, tr.scaler.scale, bias_grad=tr.bias_grad_from_loss)
-    dlogits, db = out[1], (out[3] if tr.bias_grad_from_loss else None)
+    # what the output head computes (the loss, and for small heads the head kernel): not GEMMs of the step
+    _, _, dlogits, head = tr.head.grads(tr.model, tr.model.forward(xb), yb, tr.scaler.scale)
 
     def gemms():
         tr.model.forward(xb)
-        tr.model.backward(dlogits, output_bias_grad=db, head_grad=head)
+        tr.model.backward(dlogits, head)
         return [p.grad for p in tr.model.params]
 
     gemms()
@@ -242,7 +235,7 @@ def bench_step_torch(widths, batch, precision, reps):
         return None
     import cupy as cp
 
-    from mlptrain.gpu import cuda_time_ms
+    from mlptrain.gpu.timing import cuda_time_ms
 
     torch.manual_seed(0)
     layers = []
@@ -281,7 +274,8 @@ def step_gemm_floor(widths, batch, dtype, reps):
     for all but the first layer."""
     import cupy as cp
 
-    from mlptrain.gpu import NvmathGemm, cuda_time_ms
+    from mlptrain.gpu.gemm import NvmathGemm
+    from mlptrain.gpu.timing import cuda_time_ms
 
     rng = cp.random.default_rng(2)
     gemm = NvmathGemm()

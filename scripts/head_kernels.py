@@ -3,7 +3,7 @@
 Times, each alone and replayed from a CUDA graph (20 launches back to back, median of 15
 replays, and one launch on an idle GPU):
 
-* ``mlptrain_head_dgrad`` (:mod:`mlptrain.head`) for several (columns per block, threads);
+* ``mlptrain_head_dgrad`` (:mod:`mlptrain.gpu.head_kernel`) for several (columns per block, threads);
 * the GEMM it replaces: ``FusedExecution.input_grad`` with DRELU_BGRAD through nvmath/cuBLASLt;
 * an empty kernel of the same launch shape (the launch floor) and the loss kernel.
 
@@ -43,10 +43,11 @@ def main(argv=None):
     import cupy as cp
     import ml_dtypes
 
-    from mlptrain import head
     from mlptrain.epilogs import pack_relu_mask
     from mlptrain.execution import FusedExecution
-    from mlptrain.gpu import NvmathGemm, capture_graph, cuda_time_ms
+    from mlptrain.gpu import head_kernel as head
+    from mlptrain.gpu.gemm import NvmathGemm
+    from mlptrain.gpu.timing import capture_graph, cuda_time_ms
     from mlptrain.losses import softmax_cross_entropy
 
     B, C, H = args.batch, args.classes, args.hidden

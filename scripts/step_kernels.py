@@ -54,7 +54,7 @@ def main(argv=None):
     import ml_dtypes
     from bench import CHAIN, median, step_gemm_floor, step_trainer
 
-    from mlptrain.gpu import cuda_time_ms
+    from mlptrain.gpu.timing import cuda_time_ms
 
     widths = [int(w) for w in args.widths.split(",")]
     tr = step_trainer(
@@ -71,7 +71,7 @@ def main(argv=None):
         xb, yb = next(iter(tr.train_loader.epoch(0, out=tr.batch_buffers)))  # into the graph's inputs
         for _ in range(3):  # two warm-up steps, then the capture
             tr.step(xb, yb)
-        graph = next(g.graph for g in tr.graphed._shapes.values() if g.graph is not None)
+        graph = next(iter(tr.graphed.graphs().values()))
         if args.out:
             Path(args.out).mkdir(parents=True, exist_ok=True)
             (Path(args.out) / "graph.dot").write_text(graph.debug_dot_str())
@@ -87,7 +87,7 @@ def main(argv=None):
     model = "-".join(map(str, widths))
     tuned = ", autotuned" if args.autotune else ""
     streams = "one stream" if args.one_stream else "weight gradients on a second stream"
-    head = "head kernel" if tr.head_kernel else "head GEMM"
+    head = "head kernel" if tr.head.mode == "kernel" else "head GEMM"
     setup = f"{args.precision}, {args.optimizer}, bgrad {tr.model.bgrad}{tuned}, {streams}, {head}"
     print(f"{model}, batch {args.batch}, {setup}")
     print(f"{len(names)} graph nodes per step: {len(ours)} of mlptrain's kernels, the rest cuBLASLt's (GEMMs, memsets)")
@@ -111,7 +111,7 @@ def main(argv=None):
             "bgrad": tr.model.bgrad,
             "autotune": args.autotune,
             "wgrad_stream": not args.one_stream,
-            "head_kernel": tr.head_kernel,
+            "head_kernel": tr.head.mode == "kernel",
             "kernels": names,
             "kernel_counts": Counter(names),
             "step_ms": step,

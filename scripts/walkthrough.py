@@ -62,7 +62,7 @@ def check(be: Backend, what: str, fused: Any, naive: Any) -> None:
 
 def make_gemm(be: Backend) -> Any:
     if be.is_gpu:
-        from mlptrain.gpu import NvmathGemm
+        from mlptrain.gpu.gemm import NvmathGemm
 
         return NvmathGemm()  # one planned nvmath Matmul per call site and operand signature
     return NumpyGemm()  # the epilog contract of mlptrain/epilogs.py, in NumPy

@@ -42,7 +42,7 @@ def emulate_fp16(monkeypatch: Any) -> None:
     The NumPy engine computes float16 GEMMs in float32 and rounds once, so the whole fp16 path
     (loss scaling, skipped steps, master and compute copies) runs without a GPU.
     """
-    from mlptrain import train as train_mod
+    from mlptrain import build
 
     fp16 = Precision("fp16", np.float32, np.float16, loss_scaling=True)
-    monkeypatch.setattr(train_mod, "get_precision", lambda name, backend: fp16)
+    monkeypatch.setattr(build, "get_precision", lambda name, backend: fp16)

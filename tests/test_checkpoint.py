@@ -16,12 +16,13 @@ import pytest
 from helpers import emulate_fp16, make_cfg, records
 from numpy.testing import assert_allclose, assert_array_equal
 
-from mlptrain import checkpoint
-from mlptrain.checkpoint import Best, OutputError, Position
+from mlptrain import checkpoint, files
+from mlptrain.checkpoint import Best, Position
 from mlptrain.config import Device, OptimizerName, PrecisionName, TrainConfig
-from mlptrain.errors import CheckpointError, ConfigError
+from mlptrain.errors import CheckpointError, ConfigError, OutputError, TrainingInterrupted
 from mlptrain.metrics import read_metrics
-from mlptrain.train import Trainer, TrainingInterrupted, train
+from mlptrain.run import train
+from mlptrain.trainer import Trainer
 
 
 def interrupt_at(monkeypatch: pytest.MonkeyPatch, step: int, times: int = 1) -> None:
@@ -63,11 +64,29 @@ def _arrays() -> dict[str, np.ndarray]:
 
 
 def _meta(step: int = 7) -> dict[str, Any]:
+    """A complete meta (every key of checkpoint.META_SCHEMA but those save() adds) at ``step``."""
     return {
-        "format": checkpoint.FORMAT,
-        "format_version": checkpoint.FORMAT_VERSION,
-        "position": Position(step=step).__dict__,
+        "position": Position(epoch=step // 10, batch=step % 10, step=step).__dict__,
+        "steps_per_epoch": 10,
+        "widths": [3, 4],
+        "param_dtype": "float32",
+        "compute_dtype": "float32",
+        "precision": "fp32",
+        "execution": "fused",
+        "bgrad": [],
+        "optimizer": "sgd",
+        "scaler": None,
+        "rng": {"seed": 0, "data_seed": 1},
+        "metrics_records": step,
+        "best": Best("val/acc").__dict__,
+        "config": {},
     }
+
+
+def _write_raw(path: Path, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
+    """A checkpoint file written as is: no fields added, no SHA-256 computed."""
+    with path.open("wb") as f:
+        np.savez(f, **arrays, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8))
 
 
 def test_save_then_load_round_trips_without_pickle(tmp_path: Path) -> None:
@@ -80,7 +99,8 @@ def test_save_then_load_round_trips_without_pickle(tmp_path: Path) -> None:
     for k, a in arrays.items():
         assert_array_equal(ckpt.arrays[k], a)
         assert ckpt.arrays[k].dtype == a.dtype
-    assert ckpt.meta["sha256"] == checkpoint.digest(arrays) and ckpt.position.step == 7
+    assert ckpt.meta["sha256"] == checkpoint.digest(arrays, ckpt.meta) and ckpt.position.step == 7
+    assert ckpt.meta["format_version"] == checkpoint.FORMAT_VERSION == 2
     # A plain NumPy zip: loads without pickle, the meta is UTF-8 JSON.
     with np.load(path, allow_pickle=False) as npz:
         assert set(npz.files) == {*arrays, "meta"}
@@ -101,8 +121,8 @@ def test_failed_save_leaves_the_previous_checkpoint(
             args[0].write(b"PK\x03\x04 half a checkpoint")  # something reached the temporary file
         raise error
 
-    target = {"savez": (np, "savez"), "ctrl-c": (np, "savez"), "fsync": (checkpoint.os, "fsync")}
-    target["replace"] = (checkpoint.os, "replace")
+    target = {"savez": (np, "savez"), "ctrl-c": (np, "savez"), "fsync": (files.os, "fsync")}
+    target["replace"] = (files.os, "replace")
     monkeypatch.setattr(*target[fail_in], fail)
     new = {k: v + 1 for k, v in _arrays().items()}
     with pytest.raises(KeyboardInterrupt if fail_in == "ctrl-c" else CheckpointError) as err:
@@ -139,7 +159,7 @@ def _corrupt(kind: str, path: Path) -> str:
             np.savez(f, **_arrays())
         return "not an mlptrain checkpoint"
     if kind == "newer format":
-        checkpoint.save(path, _arrays(), {**_meta(), "format_version": 99, "mlptrain": "9.0"})
+        _write_raw(path, _arrays(), {**_meta(), "format": checkpoint.FORMAT, "format_version": 99, "mlptrain": "9.0"})
         return "format version 99 (written by mlptrain 9.0)"
     if kind == "tampered arrays":  # a valid zip whose arrays no longer match the meta's SHA-256
         with np.load(path) as npz:
@@ -419,7 +439,7 @@ def test_checkpoint_with_incomplete_meta_is_refused(tmp_path: Path, finished: Pa
     ckpt = checkpoint.load(last)
     checkpoint.save(last, ckpt.arrays, {k: v for k, v in ckpt.meta.items() if k not in ("widths", "sha256")})
     before = snapshot_of(run)
-    with pytest.raises(CheckpointError, match=f"checkpoint {last} is incomplete: its meta lacks widths"):
+    with pytest.raises(CheckpointError, match=f"checkpoint {last} has a damaged meta: meta has missing keys widths"):
         train(make_cfg(resume="last", checkpoint_steps=10), run)
     _unchanged(run, before)
 
@@ -433,11 +453,9 @@ def test_resume_keeps_the_bgrad_strategy_the_run_was_trained_with(tmp_path: Path
     cfg = TrainConfig()
     cfg.device, cfg.progress, cfg.model.hidden = Device.cpu, False, [16, 8]
     cfg.execution.bgrad = type(cfg.execution.bgrad)("drelu_bgrad")
-    saved = Trainer(cfg)
-    arrays, meta = checkpoint.capture(saved, Position(step=0), metrics_records=0, best=Best("val/acc"))
-    checkpoint.save(tmp_path / "last.npz", arrays, meta)
+    arrays, meta = Trainer(cfg).state_dict()
     cfg.execution.bgrad = type(cfg.execution.bgrad)("bgradb")
     resumed = Trainer(cfg)
     assert resumed.model.bgrad == ["bgradb", "bgradb"]
-    checkpoint.restore(resumed, checkpoint.load(tmp_path / "last.npz"))
+    resumed.load_state_dict(arrays, meta, step=0, where="the checkpoint")
     assert resumed.model.bgrad == ["drelu_bgrad", "drelu_bgrad"]

@@ -14,8 +14,9 @@ from numpy.testing import assert_allclose, assert_array_equal
 
 from mlptrain import data
 from mlptrain.config import DataConfig, DatasetName, Normalize
-from mlptrain.data import Dataset, FileSpec, load_dataset, read_idx, stratified_split, write_idx
+from mlptrain.data import Dataset, FileSpec, load_dataset, read_idx, sources, stratified_split, write_idx
 from mlptrain.errors import ConfigError, DatasetError
+from mlptrain.files import cache_root
 
 # ------------------------------------------------------------------------------------------- digits
 
@@ -107,15 +108,15 @@ def test_val_fraction_zero_gives_empty_val_split() -> None:
 
 
 def test_corrupted_digits_file_fails_its_checksum(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    blob = bytearray(data.DIGITS_PATH.read_bytes())
+    blob = bytearray(sources.DIGITS_PATH.read_bytes())
     blob[len(blob) // 2] ^= 0xFF
     bad = tmp_path / "digits.csv.gz"
     bad.write_bytes(bytes(blob))
-    monkeypatch.setattr(data, "DIGITS_PATH", bad)
+    monkeypatch.setattr(sources, "DIGITS_PATH", bad)
     with pytest.raises(DatasetError, match="checksum") as err:
         load_dataset(DataConfig(), seed=0)
     msg = str(err.value)
-    assert str(bad) in msg and data.DIGITS_SHA256 in msg and hashlib.sha256(bytes(blob)).hexdigest() in msg
+    assert str(bad) in msg and sources.DIGITS_SHA256 in msg and hashlib.sha256(bytes(blob)).hexdigest() in msg
 
 
 def test_unknown_dataset_name_lists_the_available_ones() -> None:
@@ -145,11 +146,11 @@ def test_stratified_split_partitions_and_balances() -> None:
 def test_default_root_precedence(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("MLPTRAIN_DATA", str(tmp_path / "a"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "b"))
-    assert data.default_root() == tmp_path / "a"
+    assert cache_root() == tmp_path / "a"
     monkeypatch.delenv("MLPTRAIN_DATA")
-    assert data.default_root() == tmp_path / "b" / "mlptrain"
+    assert cache_root() == tmp_path / "b" / "mlptrain"
     monkeypatch.delenv("XDG_CACHE_HOME")
-    assert data.default_root() == Path.home() / ".cache" / "mlptrain"
+    assert cache_root() == Path.home() / ".cache" / "mlptrain"
 
 
 # ---------------------------------------------------------------------------------------------- IDX
@@ -334,7 +335,7 @@ def test_every_mirror_failing_names_files_and_folder(tmp_path: Path, monkeypatch
 @pytest.fixture(scope="module")
 def mnist1d_run() -> dict:
     pytest.importorskip("mnist1d")
-    data._MNIST1D_CACHE.clear()  # generate for real, even if another test module loaded it first
+    sources._MNIST1D_CACHE.clear()  # generate for real, even if another test module loaded it first
     np.random.seed(1234)
     random.seed(5678)
     before = (np.random.get_state(), random.getstate())
@@ -359,7 +360,7 @@ def test_mnist1d_leaves_global_random_state_alone(mnist1d_run: dict) -> None:
 
 
 def test_mnist1d_missing_package_names_the_install(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(data, "_MNIST1D_CACHE", {})
+    monkeypatch.setattr(sources, "_MNIST1D_CACHE", {})
     monkeypatch.setitem(sys.modules, "mnist1d", None)
     monkeypatch.setitem(sys.modules, "mnist1d.data", None)
     with pytest.raises(DatasetError, match=r"pip install mnist1d.*mlptrain\[datasets\]"):

@@ -2,8 +2,10 @@
 
 import numpy as np
 import pytest
+from gpu_helpers import close, cp, gpu_trainer
 
 from mlptrain.execution import FusedExecution, NaiveExecution, NumpyGemm
+from mlptrain.head import OutputHead
 from mlptrain.losses import mse, softmax_cross_entropy
 from mlptrain.network import MLP
 
@@ -118,9 +120,28 @@ def test_layout_chains_without_copies():
     net.backward(softmax_cross_entropy(logits, np.array([0, 1, 2, 0]))[1])
     for p in net.params:
         assert p.grad.shape == p.value.shape and p.grad.flags.c_contiguous, p.name
+    kept = net.step_arrays()  # what a CUDA graph keeps after capturing the step
     net.release_step_arrays()  # after the bgrad probe: nothing of its step is kept alive
     assert all(p.grad is None for p in net.params)
-    assert all(layer._x is None and layer.mask is None for layer in net.layers)
+    assert all(layer.x is None and layer.mask is None for layer in net.layers)
+    net.restore_step_arrays(kept)  # what a replay re-attaches
+    assert [p.grad for p in net.params] == kept[0] and net.layers[0].x is x and net.layers[1].x is h
+
+
+def test_state_dict_round_trip_copies_and_refreshes_compute_copies():
+    def make(seed):
+        return MLP([5, 7, 3], execution=make_execution("fused"), xp=np, rng=np.random.default_rng(seed),
+                   param_dtype=np.float32, compute_dtype=np.float16)  # fmt: skip
+
+    a, b = make(0), make(1)
+    state = a.state_dict()
+    assert sorted(state) == ["layer0.bias", "layer0.weight", "layer1.bias", "layer1.weight"]
+    a.params[0].value[0, 0] += 1.0  # the state dict is a copy: later changes do not reach it
+    assert state["layer0.weight"][0, 0] != a.params[0].value[0, 0]
+    b.load_state_dict(state)
+    for p in b.params:
+        np.testing.assert_array_equal(p.value, state[p.name])
+        np.testing.assert_array_equal(p.compute, state[p.name].astype(np.float16))  # the GEMMs read this
 
 
 def test_bad_bgrad_is_rejected():
@@ -136,14 +157,14 @@ def test_bad_bgrad_is_rejected():
         )
 
 
-@pytest.mark.parametrize("loss_fn", [softmax_cross_entropy, mse])
+@pytest.mark.parametrize("loss", ["cross_entropy", "mse"])
 @pytest.mark.parametrize("mode", ["fused", "naive"])
-def test_output_bias_gradient_from_the_loss_equals_bgradb(loss_fn, mode):
-    """The loss's summed dlogits stand in for the output layer's BGRADB: same gradients everywhere."""
+def test_output_bias_gradient_from_the_loss_equals_bgradb(loss, mode):
+    """The head's loss_bias mode: the loss's summed dlogits stand in for the output layer's BGRADB."""
     rng = np.random.default_rng(4)
     x, y = rng.standard_normal((9, 6)), rng.integers(0, 4, 9)
     grads = []
-    for from_loss in (False, True):
+    for head_mode in ("gemm", "loss_bias"):
         net = MLP(
             [6, 7, 5, 4],
             execution=make_execution(mode),
@@ -152,14 +173,55 @@ def test_output_bias_gradient_from_the_loss_equals_bgradb(loss_fn, mode):
             param_dtype=np.float64,
             compute_dtype=np.float64,
         )
+        head = OutputHead(loss, head_mode)
         logits = net.forward(x)
-        if from_loss:
-            _, d, _, db = loss_fn(logits, y, bias_grad=True)
-            np.testing.assert_allclose(db, d.sum(axis=0), rtol=1e-12)
-            net.backward(d, output_bias_grad=db)
-            assert net.layers[-1].bias.grad is db, "the loss's sums are the output bias gradient, not recomputed"
+        _, _, d, given = head.grads(net, logits, y, 1.0)
+        net.backward(d, given)
+        if head_mode == "loss_bias":
+            np.testing.assert_allclose(given.bias_grad, d.sum(axis=0), rtol=1e-12)
+            assert net.layers[-1].bias.grad is given.bias_grad, "the loss's sums are the output bias gradient"
         else:
-            net.backward(loss_fn(logits, y)[1])
+            assert given.bias_grad is None
         grads.append([p.grad.copy() for p in net.params])
     for a, b in zip(*grads, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("mode", "head"), [("fused", "gemm"), ("naive", "gemm"), ("fused", "loss_bias"), ("fused", "kernel")]
+)
+@pytest.mark.parametrize("bgrad", ["bgradb", "drelu_bgrad"])
+def test_whole_network_gradients_against_float64_cpu(mode, head, bgrad):
+    widths, B = [45, 130, 77, 10], 61
+    rng = np.random.default_rng(3)
+    x, y = rng.standard_normal((B, widths[0])).astype(np.float32), rng.integers(0, 10, B)
+    tr = gpu_trainer(**{"execution.mode": mode, "execution.bgrad": bgrad})
+    net = MLP(
+        widths,
+        execution=tr.execution,
+        xp=cp,
+        rng=np.random.default_rng(5),
+        param_dtype=cp.float32,
+        compute_dtype=cp.float32,
+        bgrad=bgrad,
+    )
+    ref = MLP(
+        widths,
+        execution=FusedExecution(NumpyGemm()),
+        xp=np,
+        rng=np.random.default_rng(5),
+        param_dtype=np.float64,
+        compute_dtype=np.float64,
+        bgrad=bgrad,
+    )
+    for lg, lr in zip(net.layers, ref.layers, strict=True):  # non-zero biases
+        b = rng.standard_normal(lr.out_features) * 0.1
+        lr.bias.value[...] = b
+        lg.bias.value[...] = cp.asarray(b, cp.float32)
+    logits = net.forward(cp.asarray(x))
+    OutputHead("cross_entropy", head).backward(net, logits, cp.asarray(y), 1.0)
+    _, d, _ = softmax_cross_entropy(ref.forward(x.astype(np.float64)), y)
+    ref.backward(d)
+    for pg, pr in zip(net.params, ref.params, strict=True):
+        close(pg.grad, pr.grad, "float32", pg.name)

@@ -7,7 +7,8 @@ import pytest
 
 from mlptrain.errors import ConfigError
 from mlptrain.layers import Param
-from mlptrain.optim import SGD, Adam, lr_at
+from mlptrain.optim import SGD, Adam
+from mlptrain.schedule import lr_at
 
 
 def one_param(value=1.0, grad=0.5):

@@ -19,14 +19,15 @@ import numpy as np
 import pytest
 from helpers import emulate_fp16, make_cfg, records
 
-from mlptrain import checkpoint, data
-from mlptrain.checkpoint import OutputError
+from mlptrain import checkpoint, files
 from mlptrain.config import Bgrad, Device, Schedule
-from mlptrain.errors import CheckpointError, DatasetError, NonFiniteError, ResourceError
+from mlptrain.data import sources
+from mlptrain.errors import CheckpointError, DatasetError, Interrupted, NonFiniteError, OutputError, ResourceError
 from mlptrain.metrics import read_metrics
 from mlptrain.network import MLP
 from mlptrain.optim import Optimizer
-from mlptrain.train import Trainer, train
+from mlptrain.run import train
+from mlptrain.trainer import Trainer
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -173,9 +174,10 @@ def test_second_ctrl_c_stops_at_once_and_restores_the_handler(tmp_path: Path, mo
     before = signal.getsignal(signal.SIGINT)
     with pytest.raises(KeyboardInterrupt) as err:
         train(make_cfg(checkpoint_steps=10), tmp_path)
-    assert type(err.value) is KeyboardInterrupt, "a second Ctrl-C must not wait for a checkpoint"
+    assert type(err.value) is Interrupted and err.value.signum == signal.SIGINT, "no checkpoint for a second Ctrl-C"
     assert signal.getsignal(signal.SIGINT) is before
-    assert saved == [("last", 10), ("last", 20), ("last", 21), ("best", 21)], "none after the second Ctrl-C"
+    # best is written before last, whose meta refers to it; none after the second Ctrl-C
+    assert saved == [("last", 10), ("last", 20), ("best", 21), ("last", 21)]
     assert checkpoint.load(tmp_path / "checkpoints" / "last.npz").position.step == 21
 
 
@@ -198,8 +200,8 @@ def _inject(monkeypatch: pytest.MonkeyPatch, where: str, step: int, what: str) -
     if where == "grad":
         original = MLP.backward
 
-        def backward(self: MLP, dlogits: Any, output_bias_grad: Any = None, head_grad: Any = None) -> None:
-            original(self, dlogits, output_bias_grad, head_grad)
+        def backward(self: MLP, dlogits: Any, head: Any = None) -> None:
+            original(self, dlogits, head)
             if count["n"] == step:
                 getattr(self.layers[int(layer[5:])], kind).grad[0] = np.inf
             count["n"] += 1
@@ -262,8 +264,8 @@ def test_fp16_overflow_skips_then_a_persistent_one_stops(tmp_path: Path, monkeyp
     # ... but overflow on every step stops the run after max_consecutive_skips.
     original = MLP.backward
 
-    def always_inf(self: MLP, dlogits: Any) -> None:
-        original(self, dlogits)
+    def always_inf(self: MLP, dlogits: Any, head: Any = None) -> None:
+        original(self, dlogits, head)
         self.layers[0].weight.grad[0] = np.inf
 
     monkeypatch.setattr(MLP, "backward", always_inf)
@@ -317,8 +319,9 @@ def test_out_of_memory_while_building_names_the_config(tmp_path: Path, monkeypat
     with pytest.raises(ResourceError) as err:
         train(make_cfg(model__hidden=[4096, 4096], data__batch_size=512), tmp_path)
     msg = str(err.value)
-    assert "while building the model and copying the data (MemoryError: no details)" in msg
+    assert "while loading the dataset, building the model and copying the data (MemoryError: no details)" in msg
     assert "data.batch_size=512" in msg and "model.hidden=[4096, 4096]" in msg and "lower data.batch_size" in msg
+    assert "use a smaller dataset" in msg
 
 
 @pytest.mark.gpu
@@ -363,7 +366,7 @@ def test_failed_checkpoint_write_stops_and_keeps_the_previous(tmp_path: Path, mo
                 raise OSError(28, "No space left on device")
         real_replace(src, dst)
 
-    monkeypatch.setattr(checkpoint.os, "replace", replace)
+    monkeypatch.setattr(files.os, "replace", replace)
     with pytest.raises(CheckpointError) as err:
         train(make_cfg(checkpoint_steps=8, checkpoint_every=0), tmp_path)
     last = tmp_path / "checkpoints" / "last.npz"
@@ -376,11 +379,11 @@ def test_corrupt_dataset_fails_resume_and_keeps_the_run(tmp_path: Path, monkeypa
     run = tmp_path / "run"
     train(make_cfg(epochs=1, max_steps=10), run)
     before = snapshot(run)
-    blob = bytearray(data.DIGITS_PATH.read_bytes())
+    blob = bytearray(sources.DIGITS_PATH.read_bytes())
     blob[len(blob) // 3] ^= 0x01
     bad = tmp_path / "digits.csv.gz"
     bad.write_bytes(bytes(blob))
-    monkeypatch.setattr(data, "DIGITS_PATH", bad)
+    monkeypatch.setattr(sources, "DIGITS_PATH", bad)
     with pytest.raises(DatasetError) as err:
         train(make_cfg(epochs=1, resume="last"), run)
     msg = str(err.value)

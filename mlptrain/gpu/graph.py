@@ -25,25 +25,31 @@ What makes the step capturable (nvmath-notes §6):
 * Python's cyclic garbage collector is paused during capture, so no finaliser can make a call
   (a device synchronisation) that is illegal while a stream is being captured.
 * The arrays the captured step produced (gradients, relu_aux masks, the loss) stay referenced
-  here and are re-attached to the parameters and layers after each replay.
+  here: the step's owner hands over a ``keep`` function that gathers them after the capture and a
+  ``restore`` function that re-attaches them after each replay, so host code (checks,
+  checkpoints) sees what the graph wrote.
 
 One graph per batch shape: the last, smaller batch of an epoch gets its own. Replay runs the
 same kernels on the same operands as the uncaptured step, so losses and parameters agree bit
-for bit (tests/test_gpu.py).
+for bit (tests/gpu/test_graph_gpu.py). :class:`GraphedStep` knows nothing of training: it
+replays any function ``step(x, y) -> result`` of two device arrays.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 from typing import Any
 
 import cupy as cp
 import numpy as np
 
-from mlptrain.gpu import capture_graph
+from mlptrain.gpu.timing import capture_graph
 
 log = logging.getLogger(__name__)
+
+StepFn = Callable[[Any, Any], Any]
 
 
 class _ShapeGraph:
@@ -55,6 +61,8 @@ class _ShapeGraph:
         self.graph: Any = None
         self.x_static: Any = None  # (B, in), C-order, compute dtype: the batch the graph reads
         self.y_static: Any = None  # (B,)
+        self.result: Any = None  # what the captured step returned (device arrays the replays rewrite)
+        self.kept: Any = None  # what the step's owner asked to keep (keep())
 
     def buffers(self, x_shape: tuple, x_dtype: Any, y_shape: tuple, y_dtype: Any) -> tuple[Any, Any]:
         if self.x_static is None:
@@ -62,18 +70,15 @@ class _ShapeGraph:
             self.y_static = cp.empty(y_shape, dtype=y_dtype)
         return self.x_static, self.y_static
 
-    def capture(self, trainer: Any, x: Any, y: Any) -> None:
+    def capture(self, step: StepFn, keep: Callable[[], Any], x: Any, y: Any) -> None:
         self.buffers(x.shape, x.dtype, y.shape, y.dtype)
         stream = cp.cuda.get_current_stream()
         with cp.cuda.using_allocator(self.pool.malloc):
-            self.graph, (self.loss, self.correct) = capture_graph(
-                lambda: trainer.step_uncaptured(self.x_static, self.y_static, count=False), stream
-            )
+            self.graph, self.result = capture_graph(lambda: step(self.x_static, self.y_static), stream)
         self.graph.upload(stream)
-        self.grads = [(p, p.grad) for p in trainer.model.params]
-        self.saved = [(layer, layer.mask, layer._x) for layer in trainer.model.layers]
+        self.kept = keep()
 
-    def replay(self, x: Any, y: Any) -> tuple[Any, Any]:
+    def replay(self, x: Any, y: Any) -> None:
         stream = cp.cuda.get_current_stream()
         # The batch, into the buffers the graph reads: two cudaMemcpyAsync (no kernel to launch),
         # unless the loader gathered it there already (GraphedStep.input_buffers).
@@ -84,52 +89,60 @@ class _ShapeGraph:
                 src = cp.ascontiguousarray(src)
             dst.data.copy_from_device_async(src.data, src.nbytes, stream)
         self.graph.launch(stream)
-        for p, g in self.grads:  # host code (checks, checkpoints) sees what the graph wrote
-            p.grad = g
-        for layer, mask, x_in in self.saved:
-            layer.mask, layer._x = mask, x_in
-        return self.loss, self.correct
 
 
 class GraphedStep:
-    """Runs a trainer's step as a replayed CUDA graph, one graph per batch shape.
+    """Runs ``step(x, y)`` as a replayed CUDA graph, one graph per batch shape.
 
     Call it on a non-default CuPy stream, the same one every time (``with trainer.stream:``):
     CUDA cannot capture the legacy default stream, so there the steps simply run uncaptured.
 
     Args:
-        trainer: a :class:`mlptrain.train.Trainer` on the GPU.
+        step: the work of one step on device arrays ``x (B, in)``, ``y (B,)``; it returns device
+            arrays (the replays rewrite them in place, so the same objects come back every replay).
+            It must allocate nothing that outlives it except what it returns or hands to ``keep``.
+        keep: called after a capture; its result is what the captured step left behind for others
+            to read (gradients, masks), kept alive with the graph.
+        restore: called with ``keep()``'s result after every replay of that graph.
         warmup: uncaptured steps of each shape before it is captured (at least 1: nvmath's first
             execute allocates its workspace, which must not happen during capture).
     """
 
-    def __init__(self, trainer: Any, warmup: int = 2) -> None:
+    def __init__(
+        self,
+        step: StepFn,
+        *,
+        keep: Callable[[], Any] = lambda: None,
+        restore: Callable[[Any], None] = lambda kept: None,
+        warmup: int = 2,
+    ) -> None:
         if warmup < 1:
             raise ValueError(f"warmup={warmup}: at least one uncaptured step must precede a capture")
-        self.trainer = trainer
+        self.step = step
+        self.keep = keep
+        self.restore = restore
         self.warmup = warmup
         self._shapes: dict[tuple, _ShapeGraph] = {}
         self._warned = False
 
-    def __call__(self, x: Any, y: Any) -> tuple[Any, Any]:
-        """One training step on batch ``x (B, in)``, ``y (B,)``; returns device ``(loss, correct)``."""
+    def __call__(self, x: Any, y: Any) -> Any:
+        """One step on batch ``x (B, in)``, ``y (B,)``; returns what ``step`` returns."""
         if cp.cuda.get_current_stream().ptr == 0:
             if not self._warned:
                 log.warning("the legacy default stream cannot be captured: running the step without a CUDA graph")
                 self._warned = True
-            return self.trainer.step_uncaptured(x, y)
-        key = (x.shape, x.dtype.str, y.shape, y.dtype.str)
-        g = self._shapes.setdefault(key, _ShapeGraph())
+            return self.step(x, y)
+        g = self._shapes.setdefault(_key(x.shape, x.dtype, y.shape, y.dtype), _ShapeGraph())
         if g.graph is None:
             if g.warm < self.warmup:
                 g.warm += 1
                 with cp.cuda.using_allocator(g.pool.malloc):
-                    return self.trainer.step_uncaptured(x, y)
+                    return self.step(x, y)
             log.info("capturing the training step for batch shape %s into a CUDA graph", x.shape)
-            g.capture(self.trainer, x, y)
-        out = g.replay(x, y)
-        self.trainer.step_count += 1
-        return out
+            g.capture(self.step, self.keep, x, y)
+        g.replay(x, y)
+        self.restore(g.kept)
+        return g.result
 
     def input_buffers(self, x_shape: tuple, x_dtype: Any, y_shape: tuple, y_dtype: Any) -> tuple[Any, Any]:
         """The arrays the graph of this batch shape reads its batch from (created on first request).
@@ -137,20 +150,32 @@ class GraphedStep:
         A loader that gathers each batch into them (``DataLoader.epoch(out=...)``) spares the step
         its copy: steps given these very arrays skip it. Their contents change with every batch.
         """
-        key = (tuple(x_shape), np.dtype(x_dtype).str, tuple(y_shape), np.dtype(y_dtype).str)
+        key = _key(x_shape, x_dtype, y_shape, y_dtype)
         return self._shapes.setdefault(key, _ShapeGraph()).buffers(x_shape, x_dtype, y_shape, y_dtype)
 
     @property
     def num_graphs(self) -> int:
         return sum(g.graph is not None for g in self._shapes.values())
 
+    def graphs(self) -> dict[tuple, Any]:
+        """The captured graphs by batch shape ``x.shape``, in capture order."""
+        return {k[0]: g.graph for k, g in self._shapes.items() if g.graph is not None}
+
+    def pool_bytes(self) -> int:
+        """Bytes held by the graphs' private memory pools."""
+        return sum(g.pool.total_bytes() for g in self._shapes.values())
+
     def kernel_names(self, shape: tuple | None = None) -> list[str]:
         """The kernels one replay runs, in capture order (``shape``: the batch shape; default the first captured)."""
-        graphs = {k[0]: g.graph for k, g in self._shapes.items() if g.graph is not None}
+        graphs = self.graphs()
         if not graphs:
             raise RuntimeError("no graph has been captured yet: run at least warmup + 1 steps")
         graph = graphs[shape] if shape is not None else next(iter(graphs.values()))
         return kernel_names(graph)
+
+
+def _key(x_shape: tuple, x_dtype: Any, y_shape: tuple, y_dtype: Any) -> tuple:
+    return (tuple(x_shape), np.dtype(x_dtype).str, tuple(y_shape), np.dtype(y_dtype).str)
 
 
 # A node of cudaGraphDebugDotPrint's output: kernels are octagons labelled "<id>\n<function name>",

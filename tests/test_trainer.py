@@ -1,10 +1,12 @@
-"""The training loop on the CPU: fused and naive agree step by step, convergence, determinism."""
+"""The training step and run: fused and naive agree step by step, convergence, determinism; on the GPU too."""
 
 import numpy as np
 import pytest
+from gpu_helpers import cp, gpu_trainer, train_losses
 
 from mlptrain.config import Device, Mode, OptimizerName, PrecisionName, TrainConfig
-from mlptrain.train import Trainer, train
+from mlptrain.run import train
+from mlptrain.trainer import Trainer
 
 
 def make_cfg(mode: str, precision: str, **kw) -> TrainConfig:
@@ -85,3 +87,57 @@ def test_fp16_step_records_carry_each_steps_loss_scale(tmp_path, monkeypatch):
         assert r["loss_scale"] == scale or r["loss_scale"] == 2 * scale, r
         scale = r["loss_scale"]
     assert sum(r["skipped"] for r in steps[:10]) >= 5  # several back-offs inside the first interval
+
+
+# --- on the GPU -----------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
+def test_fused_and_naive_train_alike_on_the_gpu(precision):
+    runs = {}
+    for mode in ("fused", "naive"):
+        tr = gpu_trainer(**{"execution.mode": mode, "precision.name": precision, "epochs": 10})
+        losses = train_losses(tr, 10 * tr.steps_per_epoch)
+        runs[mode] = (losses, tr.evaluate("test")["test/acc"])
+    (lf, af), (ln, an) = runs["fused"], runs["naive"]
+    assert af > 0.95 and an > 0.95, (af, an)
+    assert abs(af - an) <= 0.02
+    early = slice(0, 50)  # before rounding differences compound: the curves must coincide
+    rtol, atol = {"fp32": (1e-4, 0), "fp16": (3e-2, 5e-3), "bf16": (6e-2, 1e-2)}[precision]
+    np.testing.assert_allclose(lf[early], ln[early], rtol=rtol, atol=atol)
+    # whole curve: epoch means agree
+    n = len(lf) // 10 * 10
+    np.testing.assert_allclose(lf[:n].reshape(10, -1).mean(1), ln[:n].reshape(10, -1).mean(1), rtol=0.25, atol=0.02)
+
+
+@pytest.mark.gpu
+def test_fp16_loss_scaling_survives_injected_overflow():
+    """Start with a loss scale far beyond fp16's range: every first step overflows."""
+    tr = gpu_trainer(**{"precision.name": "fp16", "precision.init_scale": 2.0**40, "epochs": 8})
+    before = [p.value.copy() for p in tr.model.params]
+    x, y = next(iter(tr.train_loader.epoch(0)))
+    tr.step(x, y)
+    assert int(tr.scaler.found_inf) == 1 and float(tr.scaler.scale) == 2.0**39
+    for p, b in zip(tr.model.params, before, strict=True):
+        cp.testing.assert_array_equal(p.value, b)  # skipped: weights untouched
+    skipped = 1
+    for epoch in range(8):
+        for x, y in tr.train_loader.epoch(epoch):
+            tr.step(x, y)
+            skipped += int(tr.scaler.found_inf)
+    assert 10 <= skipped <= 40  # about log2(2**40 / 2**16): backs off until gradients fit
+    assert float(tr.scaler.scale) < 2.0**30
+    assert tr.evaluate("test")["test/acc"] > 0.9
+
+
+@pytest.mark.gpu
+def test_plans_are_made_once_and_reused():
+    # a fixed bgrad: "auto" times the step both ways at start-up, planning both sets of GEMMs
+    tr = gpu_trainer(**{"data.drop_last": True, "execution.bgrad": "drelu_bgrad"})
+    train_losses(tr, 5)
+    n = tr.gemm.num_plans
+    # fwd, wgrad per layer; dgrad for all but the first, and not the output layer's (the head kernel's)
+    assert tr.head.mode == "kernel" and n == 3 * len(tr.model.layers) - 2
+    train_losses(tr, 20)
+    assert tr.gemm.num_plans == n

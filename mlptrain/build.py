@@ -1,0 +1,175 @@
+"""One builder per config group: where each part of the configuration becomes its object.
+
+============== ===================================== =========================================
+config group   builder                               object
+============== ===================================== =========================================
+``device``     :func:`mlptrain.backend.get_backend`  :class:`~mlptrain.backend.Backend`
+``precision``  :func:`precision`                     :class:`~mlptrain.precision.Precision`,
+               :func:`scaler`                        :class:`~mlptrain.precision.LossScaler`
+``execution``  :func:`gemm`, :func:`execution`       the GEMM engine, fused or naive execution
+``model``      :func:`widths`, :func:`model`,        :class:`~mlptrain.network.MLP`,
+               :func:`head`                          :class:`~mlptrain.head.OutputHead`
+``data``       :func:`loaders`                       :class:`~mlptrain.loader.DataLoader` per split
+``optimizer``  :func:`optimizer`, :func:`schedule`   the optimizer, the learning-rate schedule
+============== ===================================== =========================================
+
+The builders take the config group they build from (typed, already validated) and the objects
+they need; :class:`mlptrain.trainer.Trainer` calls them in order. Adding an option to a group
+means adding it to the schema (:mod:`mlptrain.config`), the check that validates it, and the
+builder of its group.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from mlptrain.backend import Backend
+from mlptrain.config import DataConfig, ExecutionConfig, ModelConfig, OptimizerConfig, PrecisionConfig, TrainConfig
+from mlptrain.data import Dataset
+from mlptrain.errors import ConfigError
+from mlptrain.execution import FusedExecution, NaiveExecution, NumpyGemm
+from mlptrain.head import OutputHead
+from mlptrain.loader import DataLoader
+from mlptrain.network import MLP
+from mlptrain.optim import SGD, Adam, Optimizer
+from mlptrain.precision import LossScaler, Precision, get_precision
+from mlptrain.schedule import LRSchedule, StepClock
+
+
+def precision(cfg: PrecisionConfig, backend: Backend) -> Precision:
+    """``precision.name`` on ``backend`` (half precision and TF32 need the GPU)."""
+    return get_precision(cfg.name.value, backend)
+
+
+def scaler(cfg: PrecisionConfig, xp: Any, prec: Precision) -> LossScaler:
+    """Dynamic loss scaling for fp16; a scale of 1 that never changes otherwise."""
+    return LossScaler(
+        xp,
+        enabled=prec.loss_scaling,
+        init_scale=cfg.init_scale,
+        growth_factor=cfg.growth_factor,
+        backoff_factor=cfg.backoff_factor,
+        growth_interval=cfg.growth_interval,
+    )
+
+
+def gemm(cfg: ExecutionConfig, backend: Backend, prec: Precision) -> Any:
+    """The GEMM engine: planned nvmath Matmuls on the GPU, the NumPy epilog contract on the CPU."""
+    if not backend.is_gpu:
+        return NumpyGemm()
+    from mlptrain.gpu.gemm import NvmathGemm
+    from mlptrain.gpu.plan_cache import PlanCache
+
+    cache = PlanCache(PlanCache.default_path()) if cfg.plan_cache else None
+    return NvmathGemm(tf32=prec.tf32, autotune=cfg.autotune, plan_cache=cache)
+
+
+def execution(cfg: ExecutionConfig, engine: Any, xp: Any) -> FusedExecution | NaiveExecution:
+    """``execution.mode``: epilogs in the GEMMs, or plain GEMMs and separate array operations."""
+    return FusedExecution(engine) if cfg.mode.value == "fused" else NaiveExecution(engine, xp)
+
+
+def widths(cfg: ModelConfig, dataset: Dataset) -> list[int]:
+    """``[in, hidden..., out]``, checking configured widths against the dataset."""
+    in_f, out_f = dataset.num_features, dataset.num_classes
+    if cfg.in_features is not None and cfg.in_features != in_f:
+        raise ConfigError(
+            f"model.in_features={cfg.in_features} does not match dataset {dataset.name!r}, which has {in_f} "
+            f"features per sample; set model.in_features={in_f} or null (taken from the dataset)"
+        )
+    if cfg.out_features is not None and cfg.out_features != out_f:
+        raise ConfigError(
+            f"model.out_features={cfg.out_features} does not match dataset {dataset.name!r}, which has "
+            f"{out_f} classes; set model.out_features={out_f} or null"
+        )
+    return [in_f, *cfg.hidden, out_f]
+
+
+def model(
+    cfg: ModelConfig,
+    ex_cfg: ExecutionConfig,
+    sizes: list[int],
+    ex: FusedExecution | NaiveExecution,
+    backend: Backend,
+    prec: Precision,
+    rng: np.random.Generator,
+) -> MLP:
+    """The MLP of ``sizes``, initialised from ``rng``; on the GPU its weight gradients on a second stream."""
+    net = MLP(
+        sizes,
+        execution=ex,
+        xp=backend.xp,
+        rng=rng,
+        param_dtype=prec.param_dtype,
+        compute_dtype=prec.compute_dtype,
+        relu=cfg.activation.value == "relu",
+        init=cfg.init.value,
+    )
+    if backend.is_gpu and ex_cfg.wgrad_stream:  # dW GEMMs concurrent with the dX chain
+        net.use_wgrad_stream()
+    return net
+
+
+def head(cfg: TrainConfig, backend: Backend, sizes: list[int]) -> OutputHead:
+    """How the loss and the output layer's gradients are computed (:mod:`mlptrain.head`)."""
+    return OutputHead.choose(
+        loss=cfg.model.loss.value,
+        gpu=backend.is_gpu,
+        fused=cfg.execution.mode.value == "fused",
+        relu=cfg.model.activation.value == "relu",
+        widths=sizes,
+        batch_size=cfg.data.batch_size,
+        head_kernel=cfg.execution.head_kernel,
+    )
+
+
+def loaders(cfg: DataConfig, dataset: Dataset, xp: Any, dtype: Any, seed: int) -> tuple[DataLoader, dict]:
+    """The shuffled training loader (order from ``seed``) and an ordered loader per evaluation split."""
+    train = DataLoader(
+        dataset.x_train,
+        dataset.y_train,
+        cfg.batch_size,
+        xp=xp,
+        dtype=dtype,
+        shuffle=True,
+        drop_last=cfg.drop_last,
+        seed=seed,
+    )
+    evaluation = {
+        split: DataLoader(x, y, cfg.eval_batch_size, xp=xp, dtype=dtype, shuffle=False, drop_last=False, seed=0)
+        for split, x, y in (("val", dataset.x_val, dataset.y_val), ("test", dataset.x_test, dataset.y_test))
+        if len(x) > 0
+    }
+    return train, evaluation
+
+
+def optimizer(cfg: OptimizerConfig, params: list) -> Optimizer:
+    """``optimizer.name``: SGD (momentum, Nesterov), Adam, or AdamW (decoupled weight decay)."""
+    name = cfg.name.value
+    if name == "sgd":
+        return SGD(params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov, weight_decay=cfg.weight_decay)
+    if name in ("adam", "adamw"):
+        return Adam(
+            params,
+            lr=cfg.lr,
+            betas=(cfg.beta1, cfg.beta2),
+            eps=cfg.eps,
+            weight_decay=cfg.weight_decay,
+            decoupled=name == "adamw",
+        )
+    raise ConfigError(f"optimizer {name!r} is unknown; expected one of sgd, adam, adamw")
+
+
+def schedule(cfg: OptimizerConfig, xp: Any, clock: StepClock, total_steps: int) -> LRSchedule:
+    """The learning rate of every step, on the device, from the step count of ``clock``."""
+    return LRSchedule(
+        xp,
+        clock,
+        base_lr=cfg.lr,
+        total_steps=total_steps,
+        schedule=cfg.schedule.value,
+        warmup_steps=cfg.warmup_steps,
+        min_ratio=cfg.min_lr_ratio,
+    )

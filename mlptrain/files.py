@@ -1,0 +1,79 @@
+"""Writing files so that a crash never leaves a torn one, and where mlptrain keeps its caches.
+
+:func:`atomic_write` is the one way mlptrain writes a file that something else reads back
+(checkpoints, ``metrics.jsonl`` when it is rewritten, ``run.json``, plan caches, dataset caches):
+the bytes go to a temporary file of this writer's own in the same folder, which is flushed and
+fsynced, renamed over the destination with :func:`os.replace` and the folder fsynced. A crash,
+a full disk or a second Ctrl-C at any moment leaves the old file or the new one, never a mix;
+two writers never share a temporary file. A temporary file left by a killed writer matches
+:data:`TEMP_GLOB`; the run directory removes (and reports) them at the next start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO
+
+TEMP_SUFFIX = ".tmp"
+TEMP_GLOB = "*" + TEMP_SUFFIX
+
+
+def temp_name(path: Path) -> Path:
+    """A temporary file beside ``path`` that no other writer (process or call) uses."""
+    return path.with_name(f"{path.name}.{os.getpid()}.{secrets.token_hex(4)}{TEMP_SUFFIX}")
+
+
+def atomic_write(path: Path, content: bytes | str | Callable[[IO[bytes]], None]) -> None:
+    """Replace ``path`` with ``content`` atomically: temp file, fsync, rename, fsync the folder.
+
+    ``content`` is bytes, text (UTF-8), or a function that writes to the open binary file.
+
+    Raises:
+        OSError: the file cannot be written; ``path`` is then as it was, and no temp file is left
+            (where the folder still lets us remove it).
+    """
+    path = Path(path)
+    tmp = temp_name(path)
+    try:
+        with open(tmp, "wb") as f:
+            if callable(content):
+                content(f)
+            else:
+                f.write(content.encode("utf-8") if isinstance(content, str) else content)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    finally:
+        with contextlib.suppress(OSError):  # a read-only folder refuses even this: the original error wins
+            tmp.unlink(missing_ok=True)
+
+
+def fsync_dir(folder: Path) -> None:
+    """Make a rename in ``folder`` durable (POSIX; a no-op where folders cannot be opened or synced)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # pragma: no cover - Windows
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover - file systems that refuse fsync on folders
+        pass
+    finally:
+        os.close(fd)
+
+
+def cache_root() -> Path:
+    """mlptrain's cache: ``$MLPTRAIN_DATA``, else ``$XDG_CACHE_HOME/mlptrain``, else ``~/.cache/mlptrain``.
+
+    Downloads, dataset caches, cuBLASLt plans and measured choices live there, never in a run directory.
+    """
+    if os.environ.get("MLPTRAIN_DATA"):
+        return Path(os.environ["MLPTRAIN_DATA"]).expanduser()
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "mlptrain"
+    return Path.home() / ".cache" / "mlptrain"

@@ -1,0 +1,21 @@
+"""The GPU half of mlptrain: every module here imports CuPy (and nvmath) when it is imported.
+
+The CPU modules never import CuPy or nvmath themselves: they compute with the array module
+``xp`` they are given (:mod:`mlptrain.backend`), and reach this package only through imports
+inside their GPU branches, so ``import mlptrain`` and the whole CPU path work without a GPU.
+
+=================== ================================================================
+module              what it owns
+=================== ================================================================
+``gemm``            :class:`NvmathGemm`: one planned nvmath ``Matmul`` per call site, epilogs
+``plan_cache``      cuBLASLt algorithms kept on disk per GPU model and library version
+``timing``          CUDA-event timing and graph capture of a function
+``graph``           :class:`GraphedStep`: a step function replayed as one CUDA graph per shape
+``probe``           the measured bias-gradient strategy of a model (``execution.bgrad=auto``)
+``streams``         the second stream that the weight gradients run on
+``multitensor``     one kernel over every parameter: the optimizer update, the overflow check
+``kernels``         compiled element-wise kernels built from CUDA source the CPU modules write
+``xent``            the softmax cross-entropy kernels
+``head_kernel``     the output layer's input gradient as one small kernel
+=================== ================================================================
+"""

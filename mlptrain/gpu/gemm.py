@@ -1,0 +1,173 @@
+"""The GPU GEMM engine: one planned ``nvmath.linalg.advanced.Matmul`` per call site and signature.
+
+cuBLASLt work is split into *planning* (choose an algorithm for these shapes, dtypes, layouts
+and this epilog; it blocks the host) and *execution* (enqueue the kernel; it does not). A
+stateful ``Matmul`` is planned once and executed every step: when a layer's forward runs again
+with a new batch of the same shape, only the operand pointers change, which
+``reset_operands_unchecked`` rewrites on the descriptor in a few microseconds.
+
+A plan is cached per call site (``layer3.wgrad``) and operand signature (shapes, strides,
+dtype, epilog). A training run therefore plans each GEMM once for the full batch, once for the
+last partial batch, and once for the evaluation batch size, and never again.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+import cupy as cp
+import nvmath
+from nvmath.linalg.advanced import Algorithm, Matmul, MatmulEpilog
+
+from mlptrain.epilogs import Epilog
+from mlptrain.gpu.plan_cache import PlanCache
+from mlptrain.gpu.timing import capture_graph, cuda_time_ms
+
+log = logging.getLogger(__name__)
+
+_NV_EPILOG = {e: getattr(MatmulEpilog, e.value) for e in Epilog}
+
+
+def signature(a: Any, b: Any, epilog: Epilog | None) -> tuple:
+    """What a plan depends on: operand shapes, strides and dtype, and the epilog."""
+    return (a.shape, a.strides, b.shape, b.strides, a.dtype.str, epilog)
+
+
+class NvmathGemm:
+    """GEMMs through planned nvmath ``Matmul`` objects, with cuBLASLt epilogs.
+
+    Args:
+        tf32: float32 GEMMs with TF32 tensor cores (``COMPUTE_32F_FAST_TF32``) instead of FP32.
+        autotune: time the heuristics' candidate algorithms once per plan, in a CUDA graph
+            (:func:`graph_autotune`), and keep the fastest.
+        plan_cache: algorithms remembered from earlier runs (:class:`PlanCache`), or None.
+
+    Every call enqueues on CuPy's current stream (nvmath's default), so a ``with stream:`` block
+    (the training step's stream, the side stream of the weight gradients) decides where a GEMM runs.
+    """
+
+    def __init__(self, *, tf32: bool = False, autotune: bool = False, plan_cache: PlanCache | None = None) -> None:
+        self.tf32 = tf32
+        self.autotune = autotune
+        self.plan_cache = plan_cache
+        self._plans: dict[tuple, Matmul] = {}
+        self.plans_from_cache = 0
+        # nvmath logs every call at INFO; keep it quiet unless asked for.
+        self._logger = logging.getLogger("mlptrain.nvmath")
+        self._logger.setLevel(logging.WARNING)
+
+    def _options(self, dtype: Any) -> dict[str, Any]:
+        options: dict[str, Any] = {"logger": self._logger}
+        if self.tf32 and dtype == cp.float32:
+            options["compute_type"] = nvmath.linalg.advanced.MatmulComputeType.COMPUTE_32F_FAST_TF32
+        return options
+
+    def __call__(
+        self, key: str, a: Any, b: Any, epilog: Epilog | None = None, *, bias: Any = None, relu_aux: Any = None
+    ) -> tuple[Any, dict[str, Any]]:
+        inputs = {name: v for name, v in (("bias", bias), ("relu_aux", relu_aux)) if v is not None}
+        sig = (key, *signature(a, b, epilog))
+        mm = self._plans.get(sig)
+        if mm is None:
+            mm = self._plan(key, a, b, epilog, inputs)
+            self._plans[sig] = mm
+        else:
+            # Same shapes, strides and dtype by construction of the cache key: only the
+            # pointers change, so the unchecked reset is safe and costs no validation.
+            mm.reset_operands_unchecked(a=a, b=b, epilog_inputs=inputs or None)
+        out = mm.execute()
+        return out if isinstance(out, tuple) else (out, {})
+
+    def _plan(self, key: str, a: Any, b: Any, epilog: Epilog | None, inputs: dict[str, Any]) -> Matmul:
+        mm = Matmul(a, b, options=self._options(a.dtype))
+        nv_epilog = _NV_EPILOG[epilog] if epilog is not None else None
+        sig = signature(a, b, epilog)
+        cached = self.plan_cache.get(sig, self.tf32, self.autotune) if self.plan_cache else None
+        source = "heuristics"
+        if cached is not None:
+            try:
+                mm.plan(algorithms=[cached], epilog=nv_epilog, epilog_inputs=inputs or None)
+                source = "plan cache"
+                self.plans_from_cache += 1
+            except Exception as exc:  # a stale entry: plan afresh
+                log.warning("cached algorithm for %s was rejected (%s); planning afresh", key, exc)
+                cached = None
+        if cached is None:
+            algorithms = mm.plan(epilog=nv_epilog, epilog_inputs=inputs or None)
+            if self.autotune and len(algorithms) > 1:
+                best = graph_autotune(mm, algorithms, key)
+                mm.plan(algorithms=[best], epilog=nv_epilog, epilog_inputs=inputs or None)
+                source = "autotune"
+            if self.plan_cache is not None:
+                self.plan_cache.put(sig, self.tf32, self.autotune, mm.algorithms[0])
+        algo = mm.algorithms[0]
+        log.info(
+            "planned %s (%s): (%d, %d) @ (%d, %d) %s epilog=%s algorithm=%s tile=%s",
+            key,
+            source,
+            *a.shape,
+            *b.shape,
+            a.dtype,
+            epilog.name if epilog else "none",
+            getattr(algo, "algorithm_id", "?"),
+            getattr(algo, "tile", "?"),
+        )
+        return mm
+
+    @property
+    def num_plans(self) -> int:
+        return len(self._plans)
+
+    def free(self) -> None:
+        """Release every plan's workspace and cuBLASLt descriptors (synchronises the device)."""
+        # free() waits on the event of the last execute; an execute recorded into a CUDA graph
+        # left an event that cannot be waited on. Wait for the whole device instead.
+        cp.cuda.Device().synchronize()
+        for mm in self._plans.values():
+            mm.last_compute_event = None
+            mm.free()
+        self._plans.clear()
+
+    def __del__(self) -> None:  # pragma: no cover - best effort at interpreter exit
+        try:
+            self.free()
+        except Exception:
+            pass
+
+
+def graph_autotune(mm: Matmul, algorithms: tuple, key: str, *, calls: int = 5, reps: int = 5) -> Algorithm:
+    """The fastest of a planned Matmul's ``algorithms``, timed as the training step runs them.
+
+    nvmath's ``Matmul.autotune()`` times each candidate with a host synchronisation and an L2
+    flush around every run. For the microsecond GEMMs of a small MLP that measures launch
+    latency, not the kernel: on the H200 it replaced the heuristics' 10.6 us choice for the
+    output layer's BGRADB weight gradient of 784-1024-1024-10 (batch 256, fp16) with one that
+    runs 17.7 us in the training step. Here each candidate runs ``calls`` times back to back in a CUDA
+    graph (GPU time only, L2 warm as in training) and the median of ``reps`` replays decides.
+    Candidates that fail to run are skipped.
+    """
+    stream = cp.cuda.Stream(non_blocking=True)
+    cp.cuda.get_current_stream().synchronize()  # one stream at a time per Matmul
+    times: list[float] = []
+    with stream:
+        for algo in algorithms:
+
+            def run(algo: Any = algo) -> list[Any]:
+                return [mm.execute(algorithm=algo, stream=stream) for _ in range(calls)]
+
+            try:
+                mm.execute(algorithm=algo, stream=stream)  # sizes the workspace, outside the capture
+                graph, outputs = capture_graph(run, stream)
+                t = cuda_time_ms(functools.partial(graph.launch, stream), warmup=1, reps=reps, stream=stream)
+                times.append(sorted(t)[reps // 2] / calls)
+                del outputs
+            except Exception as exc:  # a candidate the library cannot run here: not a choice
+                log.debug("autotune %s: algorithm %s failed (%s)", key, getattr(algo, "algorithm_id", "?"), exc)
+                times.append(float("inf"))
+        stream.synchronize()
+    mm.last_compute_event = None  # recorded during capture: not an event anyone can wait on
+    best = min(range(len(algorithms)), key=times.__getitem__)
+    log.info("autotune %s: %s us per candidate, chose #%d", key, [round(t * 1e3, 2) for t in times], best)
+    return algorithms[best]

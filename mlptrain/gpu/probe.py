@@ -1,0 +1,125 @@
+"""Measured choices: where each hidden layer's bias gradient is reduced (``execution.bgrad=auto``).
+
+Both strategies are exact; which is faster depends on the shapes and on how the backward is
+scheduled, so the probe times the model's own forward-backward both ways, replayed from CUDA
+graphs, and remembers the choice per GPU model so that later runs are reproducible.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import cupy as cp
+
+from mlptrain.epilogs import pack_relu_mask
+from mlptrain.files import atomic_write
+from mlptrain.gpu.timing import capture_graph, cuda_time_ms
+
+log = logging.getLogger(__name__)
+
+
+def choose_bgrad(
+    model: Any,
+    forward_backward: Any,
+    key: str,
+    *,
+    reps: int = 9,
+    store: Path | None = None,
+) -> list[str]:
+    """Per hidden layer, the bias-gradient strategy that makes the model's step faster.
+
+    Hidden layer ``i`` has its bias gradient reduced either by the layer above (DRELU_BGRAD in
+    that layer's input-gradient GEMM, or the head kernel's column sums for the top hidden
+    layer) or by its own weight-gradient GEMM (BGRADB). Which is faster depends on more than
+    the layer: with the weight gradients on a second stream a BGRADB reduction may hide behind
+    the input-gradient chain, except for the first layer, whose weight gradient ends the chain;
+    and cuBLASLt runs DRELU_BGRAD as one fused kernel at some shapes and as a GEMM plus a
+    separate epilogue kernel at others. So the probe times the thing itself:
+    ``forward_backward()`` (forward, loss and backward of the training step, no update) captured
+    into a CUDA graph with each choice, layer by layer from the top, keeping the faster (median
+    of ``reps`` chained replays, the two candidates timed in turn).
+
+    The two strategies round differently, so a choice that changed from run to run would make
+    runs irreproducible: decisions are kept in ``store`` (a JSON file beside the plan cache, per
+    GPU model) under ``key`` (model, batch, dtype, streams) and later runs reuse them.
+    """
+    known: dict[str, list[str]] = {}
+    if store is not None and store.is_file():
+        try:
+            known = json.loads(store.read_text())
+        except (OSError, ValueError) as exc:
+            log.warning("ignoring unreadable bgrad choices %s (%s)", store, exc)
+    choices = known.get(key)
+    if isinstance(choices, list) and len(choices) == len(model.bgrad):
+        return choices
+    choices = list(model.bgrad)
+    stream = cp.cuda.Stream(non_blocking=True)
+    for i in reversed(range(len(choices))):
+        graphs = {}
+        with stream:
+            for option in ("drelu_bgrad", "bgradb"):
+                choices[i] = option
+                model.set_bgrad(choices)
+                forward_backward()  # plans and workspaces, outside the capture
+                graphs[option] = capture_graph(forward_backward, stream)
+            times: dict[str, list[float]] = {option: [] for option in graphs}
+            for _ in range(reps):  # in turn, so that drifting clocks affect both alike
+                for option, (graph, _) in graphs.items():
+                    launch = functools.partial(graph.launch, stream)
+                    times[option] += cuda_time_ms(launch, warmup=1, reps=1, stream=stream, chain=10)
+        med = {option: sorted(t)[reps // 2] for option, t in times.items()}
+        choices[i] = min(med, key=lambda option: med[option])
+        log.info("bgrad probe, hidden layer %d: %s ms per step -> %s", i, med, choices[i])
+        stream.synchronize()
+        del graphs  # the graphs wrote into their results: freed only after the last replay
+    # the probe's arrays go back to the device, not to the pool's cache: the training step's
+    # graph allocates from its own pool, so cached blocks here would only raise the peak
+    model.release_step_arrays()
+    cp.get_default_memory_pool().free_all_blocks()
+    model.set_bgrad(choices)
+    if store is not None:
+        known[key] = choices
+        try:
+            store.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write(store, json.dumps(known, indent=1, sort_keys=True) + "\n")
+        except OSError as exc:
+            log.warning("could not write the bgrad choices %s (%s)", store, exc)
+    return choices
+
+
+def time_layer_backward(ex: Any, k: int, m: int, batch: int, dtype: Any, *, reps: int = 5) -> dict[str, float]:
+    """Median ms of one ReLU layer's fused backward (in=k, out=m) with each bgrad strategy.
+
+    ``drelu_bgrad``: plain weight-gradient GEMM + DRELU_BGRAD input-gradient GEMM.
+    ``bgradb``: BGRADB weight-gradient GEMM + DRELU input-gradient GEMM. Both do one reduction.
+    (``scripts/bench.py`` section b; the training step chooses with :func:`choose_bgrad`.)
+    """
+    rng = cp.random.default_rng(0)
+    W = rng.standard_normal((m, k), dtype=cp.float32).astype(dtype)  # (out, in)
+    x = rng.standard_normal((batch, k), dtype=cp.float32).astype(dtype)  # (B, in)
+    dz = rng.standard_normal((batch, m), dtype=cp.float32).astype(dtype)  # (B, out)
+    mask = pack_relu_mask(rng.random((k, batch)) > 0.5)  # relu_aux of the layer below, (Mb(in), B)
+    key = f"probe{k}x{m}x{batch}"
+    out = {}
+    stream = cp.cuda.Stream(non_blocking=True)
+    for name, in_wgrad in (("drelu_bgrad", False), ("bgradb", True)):
+
+        def backward(site: str = f"{key}.{name}", in_wgrad: bool = in_wgrad) -> tuple:
+            return (
+                ex.weight_grad(site, x, dz, bias_grad=in_wgrad),
+                ex.input_grad(site, W, dz, mask, bias_grad_below=not in_wgrad),
+            )
+
+        with stream:
+            backward()  # plans and workspaces, outside the capture
+            # GPU time only: replayed from a CUDA graph, as the training step runs. Timed op by op,
+            # a small layer's host launch work would decide the choice.
+            graph, outputs = capture_graph(backward, stream)
+            t = cuda_time_ms(functools.partial(graph.launch, stream), warmup=2, reps=reps, chain=10)
+            out[name] = sorted(t)[reps // 2]
+            del outputs  # the graph wrote into these: freed only after its last replay
+    return out

@@ -1,0 +1,263 @@
+"""The epoch loop of a run: steps, the log interval, evaluation, checkpoints, stop requests.
+
+:meth:`Loop.run` reads like a training script::
+
+    for epoch in range(start.epoch, cfg.epochs):
+        for x, y in train_loader.epoch(epoch):     # train_epoch: steps, one sync per log interval
+            loss, correct = trainer.step(x, y)
+            ...                                    # metrics, checks, checkpoints every N steps
+        ...                                        # end_epoch: evaluate, epoch record, best, last
+
+Everything else has a name: :class:`Interval` keeps the host side of the steps whose metrics are
+still on the device, :meth:`Loop.save` writes a checkpoint of the trainer's state at a position,
+:meth:`Loop.interrupt` saves and stops on Ctrl-C or SIGTERM.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from pathlib import Path
+from typing import Any, NoReturn
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from mlptrain import checkpoint, faults
+from mlptrain.checkpoint import Best, Position
+from mlptrain.config import to_plain
+from mlptrain.errors import TrainingInterrupted
+from mlptrain.faults import StopRequest
+from mlptrain.metrics import MetricsWriter
+from mlptrain.rundir import RunDirectory
+from mlptrain.trainer import Trainer
+
+log = logging.getLogger(__name__)
+
+
+class Interval:
+    """The steps of one log interval: host-side sizes and rates; their metrics are in ``tr.log`` on the device."""
+
+    def __init__(self, tr: Trainer, log_every: int) -> None:
+        self.tr = tr
+        self.size = np.zeros(log_every, dtype=np.int64)
+        self.lr = np.zeros(log_every)
+        self.pending = 0
+        self.samples_per_s = 0.0
+        self.restart_clock()
+
+    def restart_clock(self) -> None:
+        self.started = time.perf_counter()
+
+    def add(self, batch_size: int, lr: float) -> None:
+        self.size[self.pending] = batch_size
+        self.lr[self.pending] = lr
+        self.pending += 1
+
+    def flush(self, metrics: MetricsWriter, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """Write one ``step`` record per pending step (one host sync); return their losses and lrs."""
+        n, tr = self.pending, self.tr
+        first = tr.step_count - n
+        got = tr.log.read(first, n)  # syncs the device
+        now = time.perf_counter()
+        self.samples_per_s = int(self.size[:n].sum()) / (now - self.started)
+        step_ms = (now - self.started) * 1e3 / n
+        for j in range(n):
+            rec: dict[str, Any] = {
+                "kind": "step",
+                "step": first + j,
+                "epoch": epoch,
+                "train/loss": float(got["loss"][j]),
+                "train/acc": int(got["correct"][j]) / int(self.size[j]),
+                "lr": float(self.lr[j]),
+            }
+            if tr.scaler.enabled:
+                rec["loss_scale"] = float(got["scale"][j])
+                rec["skipped"] = bool(got["skip"][j])
+            if j == n - 1:
+                rec.update(samples_per_s=self.samples_per_s, step_time_ms=step_ms)
+            metrics.write(**rec)
+        self.pending = 0
+        self.restart_clock()
+        return got["loss"], self.lr[:n].copy()
+
+
+class Loop:
+    """Epochs from ``start`` to the end of the run, writing into ``run_dir``.
+
+    On the CPU the loss and every tensor are checked after each step (no device to sync), naming
+    the exact step; on the GPU at the interval's one sync, so a step never waits for the host.
+    """
+
+    def __init__(
+        self,
+        tr: Trainer,
+        run_dir: RunDirectory,
+        metrics: MetricsWriter,
+        start: Position,
+        best: Best,
+        resumed_from: Path | None,
+    ) -> None:
+        self.tr, self.cfg, self.run_dir, self.metrics = tr, tr.cfg, run_dir, metrics
+        self.start, self.best = start, best
+        self.interval = Interval(tr, tr.cfg.log_every)
+        self.each_step = not tr.backend.is_gpu
+        self.last_saved: tuple[Path, int] | None = (resumed_from, start.step) if resumed_from is not None else None
+        self.stop = StopRequest()
+        self.progress_disable = None if self.cfg.progress is None else not self.cfg.progress
+        self.record: dict[str, Any] = {}
+
+    def run(self) -> dict[str, Any]:
+        """Train to the end (or a stop request); returns the summary record."""
+        tr, cfg = self.tr, self.cfg
+        t_start = time.perf_counter()
+        # inf/NaN are reported by the checks, which name the step and the tensor: no NumPy warnings
+        with self.stop, tr.stream, np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            epochs = tqdm(
+                range(self.start.epoch, cfg.epochs), initial=self.start.epoch, total=cfg.epochs, desc="epoch",
+                unit="epoch", position=0, disable=self.progress_disable,
+            )  # fmt: skip
+            epoch = self.start.epoch
+            for epoch in epochs:
+                t_epoch = time.perf_counter()
+                pos, done = self.train_epoch(epoch)
+                here = self.end_epoch(epoch, pos, done, t_epoch)
+                epochs.set_postfix(
+                    {k: f"{v:.4f}" for k, v in self.record.items() if k in ("train/loss", "val/acc", "test/acc")},
+                    refresh=False,
+                )
+                self.interval.restart_clock()  # evaluation and saving are not training throughput
+                if done:
+                    break
+                if self.stop.requested:
+                    self.interrupt(here)
+        wall = time.perf_counter() - t_start
+        summary = {
+            "kind": "summary",
+            "steps": tr.step_count,
+            "epochs": epoch + 1,
+            "wall_s": wall,
+            "samples_per_s": (tr.step_count - self.start.step) * cfg.data.batch_size / wall,
+            **{k: v for k, v in self.record.items() if "/" in k},
+        }
+        self.metrics.write(**summary)
+        return summary
+
+    def train_epoch(self, epoch: int) -> tuple[Position, bool]:
+        """The steps of ``epoch`` (from the start position in the first); returns where it ended and
+        whether the run is done."""
+        tr, cfg, interval = self.tr, self.cfg, self.interval
+        pos = self.start if epoch == self.start.epoch else Position(epoch, 0, tr.step_count)
+        tr.log.start_epoch(pos.loss_sum, pos.correct)  # the epoch's running sums, on the device
+        samples, batch, done = pos.samples, pos.batch, False
+        bar = tqdm(
+            tr.train_loader.epoch(epoch, batch, out=tr.batch_buffers), initial=batch, total=tr.steps_per_epoch,
+            desc=f"train {epoch + 1}/{cfg.epochs}", unit="batch", leave=False, position=1,
+            disable=self.progress_disable,
+        )  # fmt: skip
+        for x, y in bar:
+            lr = tr.lr_at(tr.step_count)
+            loss, _ = tr.step(x, y)
+            interval.add(len(y), lr)  # host only: the step recorded its metrics on the device
+            samples += len(y)
+            batch += 1
+            done = tr.step_count >= tr.total_steps
+            if self.each_step:
+                self.check(np.array([float(loss)]), np.array([lr]), epoch, flush_first=True)
+            ckpt_due = cfg.checkpoint_steps > 0 and tr.step_count % cfg.checkpoint_steps == 0 and not done
+            if interval.pending == cfg.log_every or done or ckpt_due or self.stop.requested:
+                losses = self.flush(epoch)
+                bar.set_postfix(loss=f"{losses[-1]:.4f}", sps=f"{interval.samples_per_s:,.0f}", refresh=False)
+            if (ckpt_due or self.stop.requested) and not done:
+                here = self.position(epoch, batch, samples)
+                if self.stop.requested:
+                    self.interrupt(here)
+                self.save("last", here)
+                interval.restart_clock()  # saving is not training throughput
+            if done:
+                break
+        if interval.pending:  # the epoch's step records come before its epoch record
+            self.flush(epoch)
+        return self.position(epoch, batch, samples), done
+
+    def end_epoch(self, epoch: int, pos: Position, done: bool, t_epoch: float) -> Position:
+        """Evaluate, write the epoch record, save ``best`` (first) and ``last``; returns where the run stands."""
+        tr, cfg = self.tr, self.cfg
+        n = max(pos.samples, 1)
+        rec: dict[str, Any] = {"kind": "epoch", "epoch": epoch, "step": tr.step_count, "train/loss": pos.loss_sum / n,
+               "train/acc": pos.correct / n}  # fmt: skip
+        for split in tr.eval_loaders:
+            rec.update(tr.evaluate(split))
+        rec["time_s"] = time.perf_counter() - t_epoch
+        self.record = rec
+        # A checkpoint after a whole epoch resumes at the next one, its epoch record written; one
+        # after a partial epoch (max_steps) resumes inside it, before its epoch record.
+        whole = pos.batch == tr.steps_per_epoch
+        here = Position(epoch + 1, 0, tr.step_count) if whole else pos
+        if whole:
+            self.metrics.write(**rec)
+        improved = self.best.improves(rec[self.best.metric])
+        if improved:
+            self.best = Best(self.best.metric, rec[self.best.metric], epoch, tr.step_count)
+            self.save("best", here)  # before anything that refers to it: last's meta names this best
+        if done or self.stop.requested or (cfg.checkpoint_every > 0 and (epoch + 1) % cfg.checkpoint_every == 0):
+            self.save("last", here)
+        if not whole:
+            self.metrics.write(**rec)
+        return here
+
+    def position(self, epoch: int, batch: int, samples: int) -> Position:
+        """Where the run stands now, inside ``epoch`` (reads the epoch's running sums: syncs the device)."""
+        log_ = self.tr.log
+        return Position(epoch, batch, self.tr.step_count, float(log_.epoch_loss), int(log_.epoch_correct), samples)
+
+    def flush(self, epoch: int) -> np.ndarray:
+        """Write the interval's step records (the one host sync of the interval), then check them."""
+        losses, lrs = self.interval.flush(self.metrics, epoch)
+        if not self.each_step:
+            self.check(losses, lrs, epoch)
+        faults.check_scaler(self.tr)
+        return losses
+
+    def check(self, losses: np.ndarray, lrs: np.ndarray, epoch: int, *, flush_first: bool = False) -> None:
+        """Stop with a NonFiniteError if a loss of the last steps or a tensor now is inf/NaN."""
+        error = faults.nonfinite_error(self.tr, losses, lrs, epoch, each_step=self.each_step, saved=self.saved_note())
+        if error is not None:
+            if flush_first:
+                self.interval.flush(self.metrics, epoch)  # the records up to the bad step, then the error
+            raise error
+
+    def saved_note(self) -> str:
+        if self.last_saved is None:
+            return ""
+        return f"; the last checkpoint, {self.last_saved[0]} (step {self.last_saved[1]}), is intact"
+
+    def save(self, name: str, pos: Position) -> None:
+        """Write checkpoint ``name`` (``last`` or ``best``) of the trainer at ``pos`` (syncs the device)."""
+        arrays, meta = self.tr.state_dict()
+        meta.update(
+            position=pos.__dict__,
+            metrics_records=self.metrics.records,
+            best=self.best.__dict__,
+            config=to_plain(self.cfg),
+        )
+        path = self.run_dir.checkpoint(name)
+        checkpoint.save(path, arrays, meta)
+        if name == "last":
+            self.last_saved = (path, pos.step)
+
+    def interrupt(self, pos: Position) -> NoReturn:
+        """Ctrl-C or SIGTERM: save ``last`` at ``pos`` (unless it is there already), record it, stop."""
+        last = self.run_dir.checkpoint("last")
+        if self.last_saved != (last, pos.step):
+            self.save("last", pos)
+        signum = self.stop.signum
+        name = signal.Signals(signum).name
+        self.metrics.write(kind="interrupted", step=pos.step, epoch=pos.epoch, checkpoint=str(last), signal=name)
+        message = (
+            f"interrupted at step {pos.step} (epoch {pos.epoch}, {name}); checkpoint saved to {last}; "
+            f"continue with: python -m mlptrain <the same overrides> hydra.run.dir={self.run_dir.path} resume=last"
+        )
+        log.warning(message)
+        raise TrainingInterrupted(message, last, pos.step, signum)

@@ -1,0 +1,268 @@
+"""A training run: :func:`train` takes a config and a run directory and trains, checkpoints, logs.
+
+The run is orchestration; the step is :class:`~mlptrain.trainer.Trainer`. In order:
+
+1. **Check**, writing nothing: the config (:func:`~mlptrain.config.validate`), the directory's
+   lock (:class:`~mlptrain.rundir.RunDirectory`: one writer at a time), the data and the model
+   (building the trainer), and where to start (:func:`_prepare`): a fresh run refuses a directory
+   that holds a run; a resume reads its checkpoint, checks that it fits, and plans the repairs of
+   ``metrics.jsonl`` and ``best.npz``.
+2. **Accept** (:func:`_accept`): only now does anything in the directory change.
+3. **Train** (:class:`_Loop`): epochs of steps, one host sync per log interval, evaluation and
+   checkpoints at the end of each epoch, Ctrl-C and SIGTERM saving ``last`` before they stop.
+
+What a run promises is listed, with the test of each promise, in docs/reliability.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mlptrain import __version__, checkpoint, faults
+from mlptrain.backend import get_backend
+from mlptrain.checkpoint import CHECKPOINT_DIR, Best, Checkpoint, Position
+from mlptrain.config import TrainConfig, flatten, to_plain, validate
+from mlptrain.data import Dataset
+from mlptrain.errors import CheckpointError, ConfigError, MlptrainError
+from mlptrain.loop import Loop
+from mlptrain.metrics import MetricsPrefix, MetricsWriter, plan_prefix
+from mlptrain.rundir import METRICS, RUN_RECORD, RunDirectory
+from mlptrain.trainer import Trainer
+
+log = logging.getLogger(__name__)
+
+# Config keys that may differ on resume without changing the numbers of the run.
+COSMETIC_KEYS = ("resume", "progress", "log_every", "checkpoint_every", "checkpoint_steps")
+
+
+def train(
+    cfg: TrainConfig, out_dir: Path, dataset: Dataset | None = None, *, on_accept: Callable[[Path], None] | None = None
+) -> dict[str, Any]:
+    """Train as ``cfg`` says, writing ``run.json``, ``metrics.jsonl`` and ``checkpoints/`` into ``out_dir``.
+
+    Args:
+        cfg: the configuration; with ``cfg.resume`` set, continue the run of that checkpoint.
+        out_dir: the run directory (created if missing; removed again if the run is refused).
+        dataset: train on this dataset instead of the one ``cfg.data`` names.
+        on_accept: called with ``out_dir`` once every check passed, before anything is written
+            there (the CLI writes Hydra's config files and opens the log file then).
+
+    Returns:
+        The summary record (also the last line of ``metrics.jsonl``).
+
+    Raises:
+        TrainingInterrupted: Ctrl-C or SIGTERM; ``last`` was saved first (a second one raises
+            :class:`~mlptrain.errors.Interrupted` at once).
+        ConfigError: a config value is out of range.
+        CheckpointError: the checkpoint to resume from is missing, corrupt or does not fit.
+        OutputError: ``out_dir`` cannot be written, is in use, or holds a run this one would overwrite.
+        NonFiniteError: a loss, gradient or parameter became inf/NaN (the message names it).
+        ResourceError: out of memory (the message says which sizes to lower).
+    """
+    validate(cfg)
+    run_dir = RunDirectory(Path(out_dir))
+    created = run_dir.create()
+    try:
+        with run_dir.lock():
+            return _train_locked(cfg, run_dir, dataset, on_accept)
+    except MlptrainError:
+        if created:
+            run_dir.remove_if_empty()  # refused before it wrote anything: leave no trace
+        raise
+
+
+def _train_locked(
+    cfg: TrainConfig, run_dir: RunDirectory, dataset: Dataset | None, on_accept: Callable[[Path], None] | None
+) -> dict[str, Any]:
+    backend = get_backend(cfg.device.value)
+    tr: Trainer | None = None
+    try:
+        tr = Trainer(cfg, dataset, backend)
+        start = _prepare(tr, run_dir)
+        _accept(tr, run_dir, start, on_accept)
+        with MetricsWriter(run_dir.metrics, start.metrics.records) as metrics:
+            summary = Loop(tr, run_dir, metrics, start.position, start.best, start.resumed_from).run()
+    except MemoryError as exc:
+        if isinstance(exc, MlptrainError):
+            raise
+        raise faults.out_of_memory(exc, cfg, backend, tr, run_dir.checkpoint("last")) from exc
+    line = (
+        f"mlptrain: {tr.dataset.name} {'-'.join(map(str, tr.widths))} {cfg.execution.mode.value} "
+        f"{tr.precision.name} on {backend.device}: {summary['epochs']} epochs, {tr.step_count} steps in "
+        f"{summary['wall_s']:.1f} s"
+    )
+    if "test/acc" in summary:
+        line += f" | test acc {summary['test/acc']:.4f} loss {summary['test/loss']:.4f}"
+    log.info(line)
+    print(line, flush=True)
+    return summary
+
+
+# --- 1. where to start (reads, writes nothing) ------------------------------------------------
+
+
+@dataclass
+class Start:
+    """Where a run starts, and what its directory needs before it does (applied by :func:`_accept`)."""
+
+    position: Position
+    best: Best
+    metrics: MetricsPrefix
+    resumed_from: Path | None = None
+    best_file: Checkpoint | None = None  # to write as checkpoints/best.npz (a copy or a repair)
+    notes: list[str] = field(default_factory=list)
+
+
+def _prepare(tr: Trainer, run_dir: RunDirectory) -> Start:
+    """Check that the run may start here, and from where; change nothing.
+
+    Raises:
+        OutputError: a fresh run into a directory that holds a run.
+        CheckpointError: the checkpoint is missing, corrupt, does not fit, or is behind a newer ``last``.
+        ConfigError: the checkpoint is at or past the end of this run.
+    """
+    cfg = tr.cfg
+    best = Best("val/acc" if "val" in tr.eval_loaders else "train/acc")
+    if cfg.resume is None:
+        run_dir.refuse_overwrite(hint="continue it with resume=last")
+        return Start(Position(), best, plan_prefix(None, 0))
+    if cfg.resume == "last" and _died_before_first_checkpoint(run_dir):
+        note = (
+            f"{run_dir.path} holds a run that stopped before its first checkpoint: resuming it from its start "
+            "(step 0), which its config determines"
+        )
+        return Start(Position(), best, plan_prefix(run_dir.metrics, 0), notes=[note])
+    path = checkpoint.resolve(cfg.resume, run_dir.path)
+    ckpt = checkpoint.load(path)
+    pos, where = ckpt.position, f"checkpoint {path}"
+    tr.load_state_dict(ckpt.arrays, ckpt.meta, step=pos.step, where=where)
+    spe = tr.steps_per_epoch
+    if ckpt.meta["steps_per_epoch"] != spe or pos.batch > spe:
+        raise CheckpointError(
+            f"{where} stands at epoch {pos.epoch}, batch {pos.batch}, step {pos.step} of "
+            f"{ckpt.meta['steps_per_epoch']} batches per epoch, but this run has {spe} (data.batch_size="
+            f"{cfg.data.batch_size}, the checkpoint's {flatten(ckpt.meta['config']).get('data.batch_size')}); resume "
+            "with the checkpoint's data settings"
+        )
+    if pos.step >= tr.total_steps:
+        raise ConfigError(
+            f"checkpoint {path} is at step {pos.step}, at or past the end of this run ({tr.total_steps} steps: "
+            f"epochs={cfg.epochs}, max_steps={cfg.max_steps}); raise epochs or max_steps to train further"
+        )
+    _warn_differences(ckpt.meta["config"], to_plain(cfg), where)
+    records = ckpt.meta["metrics_records"]
+    if path.resolve().parent == run_dir.checkpoints.resolve():
+        run_dir.newer_last(path, pos)
+        start = Start(pos, ckpt.best or best, plan_prefix(run_dir.metrics, records), path)
+        _plan_best(start, ckpt, run_dir.checkpoint("best"), copy=False)
+    else:
+        run_dir.refuse_overwrite(hint=f"resume into a new hydra.run.dir with resume={path}")
+        source = path.parent.parent if path.parent.name == CHECKPOINT_DIR else None
+        start = Start(pos, ckpt.best or best, plan_prefix(source / METRICS if source else None, records), path)
+        if source is not None:
+            _plan_best(start, ckpt, source / CHECKPOINT_DIR / "best.npz", copy=True)
+    return start
+
+
+def _died_before_first_checkpoint(run_dir: RunDirectory) -> bool:
+    """A run of this directory started (``run.json``) but wrote no checkpoint before it was killed."""
+    return (run_dir.path / RUN_RECORD).is_file() and not list(run_dir.checkpoints.glob("*.npz"))
+
+
+def _plan_best(start: Start, ckpt: Checkpoint, best_path: Path, *, copy: bool) -> None:
+    """Make ``best.npz`` agree with the checkpoint's record of the best epoch.
+
+    ``best_path``: the ``best.npz`` of the run the checkpoint belongs to; ``copy``: it is another
+    run's (a resume into a new directory brings it along).
+    """
+    recorded = ckpt.best
+    if recorded is None or recorded.step is None:
+        return
+    try:
+        found: Checkpoint | None = checkpoint.load(best_path)
+    except CheckpointError as exc:
+        found, problem = None, str(exc)
+    pos = ckpt.position
+    if found is not None and found.position.step == recorded.step:
+        if copy:
+            start.best_file = found
+        return
+    if found is not None and found.position.step > pos.step:
+        start.notes.append(
+            f"{best_path} (step {found.position.step}) is ahead of {ckpt.path} (step {pos.step}): the run stopped "
+            "between writing the two; it is written again when the run gets there"
+        )
+        return
+    if pos.step == recorded.step:  # the best epoch is the checkpoint's own: the same state
+        start.best_file = ckpt
+        start.notes.append(f"{best_path} repaired from {ckpt.path}, which holds the same state (step {pos.step})")
+        return
+    start.best = Best(recorded.metric)
+    what = problem if found is None else f"it holds step {found.position.step}"
+    start.notes.append(
+        f"the best checkpoint of this run (step {recorded.step}, {recorded.metric} {recorded.value}) is lost ({what}); "
+        "the best is chosen again from the next epoch on"
+    )
+
+
+def _warn_differences(saved: dict[str, Any], now: dict[str, Any], where: str) -> None:
+    """Log every setting that differs from the checkpoint's: the run will not match an uninterrupted one."""
+    a, b = flatten(saved), flatten(now)
+    keys = sorted((set(a) | set(b)) - set(COSMETIC_KEYS))
+    diff = [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in keys if a.get(k) != b.get(k)]
+    if diff:
+        log.warning(
+            "resuming from %s with settings that differ from its run (%s); the result may differ from an "
+            "uninterrupted run's",
+            where,
+            "; ".join(diff),
+        )
+
+
+# --- 2. accepted: the directory changes from here on ------------------------------------------
+
+
+def _accept(tr: Trainer, run_dir: RunDirectory, start: Start, on_accept: Callable[[Path], None] | None) -> None:
+    if on_accept is not None:
+        on_accept(run_dir.path)
+    run_dir.remove_temp_files()
+    run_dir.make_checkpoint_dir()
+    start.metrics.apply(run_dir.metrics)
+    if start.best_file is not None:
+        meta = {k: v for k, v in start.best_file.meta.items() if k not in ("format", "format_version", "sha256")}
+        checkpoint.save(run_dir.checkpoint("best"), start.best_file.arrays, meta)
+    run_dir.write_json(RUN_RECORD, _run_record(tr, start))
+    ds = tr.dataset
+    log.info(
+        "mlptrain %s: %s, dataset %s (%d train / %d val / %d test), model %s (%s params), %s, %s, bgrad %s",
+        __version__, tr.backend.describe(), ds.name, len(ds.y_train), len(ds.y_val), len(ds.y_test),
+        "-".join(map(str, tr.widths)), f"{tr.model.num_params:,}", tr.cfg.execution.mode.value, tr.precision.name,
+        ",".join(tr.model.bgrad) or "-",
+    )  # fmt: skip
+    if start.resumed_from is not None:
+        p = start.position
+        log.info("resuming from %s at step %d (epoch %d, batch %d)", start.resumed_from, p.step, p.epoch, p.batch)
+    for note in start.notes:
+        log.warning(note)
+
+
+def _run_record(tr: Trainer, start: Start) -> dict[str, Any]:
+    record: dict[str, Any] = {
+        "mlptrain": __version__,
+        "python": platform.python_version(),
+        **tr.backend.versions(),
+        "device": tr.backend.describe(),
+        "widths": tr.widths,
+        "bgrad": tr.model.bgrad,
+        "head": tr.head.mode,
+        "params": tr.model.num_params,
+        "config": to_plain(tr.cfg),
+    }
+    if start.resumed_from is not None:
+        record["resumed_from"] = {"checkpoint": str(start.resumed_from), "step": start.position.step}
+    return record

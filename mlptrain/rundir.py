@@ -1,0 +1,190 @@
+"""The run directory: who may write it, what it holds, and the files a run writes there.
+
+A run directory holds ``run.json``, ``metrics.jsonl``, ``checkpoints/last.npz`` and ``best.npz``
+(and, from the command line, Hydra's ``.hydra/`` and ``mlptrain.log``). The promises kept here:
+
+* **One writer.** :meth:`RunDirectory.lock` takes an exclusive ``flock`` on the directory itself
+  for the whole run: a second process (a second run, a resume of the same run) is refused at once,
+  naming the process that holds it. The kernel drops the lock when its process dies, so a killed
+  run never blocks its resume, and taking it writes nothing.
+* **Nothing changes before a run is accepted.** Everything that inspects the directory
+  (:meth:`holds_run`, :meth:`newer_last`, :meth:`temp_files`) only reads; the files are written
+  by the run after every check passed (:func:`mlptrain.run.train`).
+* **A stray temp file** left by a writer that was killed mid-write is removed, and reported, at
+  the next start (:meth:`remove_temp_files`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from mlptrain import checkpoint
+from mlptrain.checkpoint import CHECKPOINT_DIR, Position
+from mlptrain.errors import CheckpointError, OutputError
+from mlptrain.files import TEMP_GLOB, atomic_write
+
+log = logging.getLogger(__name__)
+
+METRICS = "metrics.jsonl"
+RUN_RECORD = "run.json"
+
+
+class RunDirectory:
+    """The folder of one run (``hydra.run.dir``)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.checkpoints = self.path / CHECKPOINT_DIR
+        self.metrics = self.path / METRICS
+        self._lock_fd: int | None = None
+
+    def checkpoint(self, name: str) -> Path:
+        return self.checkpoints / f"{name}.npz"
+
+    # --- one writer -------------------------------------------------------------------------
+
+    def create(self) -> bool:
+        """Create the folder if it does not exist; returns whether this call created it.
+
+        Raises:
+            OutputError: it cannot be created (read-only, below a regular file, disk full).
+        """
+        if self.path.is_dir():
+            return False
+        try:
+            self.path.mkdir(parents=True)
+        except OSError as exc:
+            raise OutputError(
+                f"cannot create the output directory {self.path} ({type(exc).__name__}: {exc}); choose a "
+                "writable hydra.run.dir"
+            ) from exc
+        return True
+
+    @contextlib.contextmanager
+    def lock(self) -> Iterator[RunDirectory]:
+        """Hold the directory's exclusive lock for the ``with`` block.
+
+        Raises:
+            OutputError: another process holds it (its pid is named where Linux tells it).
+        """
+        try:
+            fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        except OSError as exc:
+            raise OutputError(
+                f"cannot open the output directory {self.path} ({exc}); choose another hydra.run.dir"
+            ) from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise OutputError(f"cannot lock the output directory {self.path} ({exc})") from exc
+            holder = _lock_holder(self.path)
+            raise OutputError(
+                f"output directory {self.path} is in use by another mlptrain process"
+                f"{f' (pid {holder})' if holder else ''}; wait for it to finish or stop it, or choose another "
+                "hydra.run.dir (nothing was changed)"
+            ) from None
+        self._lock_fd = fd
+        try:
+            yield self
+        finally:
+            self._lock_fd = None
+            os.close(fd)  # closing the last descriptor drops the lock
+
+    def remove_if_empty(self) -> bool:
+        """Remove the folder if it is empty and no run holds it (a refused run that created it)."""
+        try:
+            with self.lock():
+                if any(self.path.iterdir()):
+                    return False
+                self.path.rmdir()
+                return True
+        except OSError:
+            return False
+
+    # --- what the directory holds (read only) -----------------------------------------------
+
+    def holds_run(self) -> list[str]:
+        """What a fresh run here would overwrite: ``metrics.jsonl`` (non-empty) and checkpoints."""
+        found = [METRICS] if self.metrics.is_file() and self.metrics.stat().st_size > 0 else []
+        return found + [f"{CHECKPOINT_DIR}/{p.name}" for p in sorted(self.checkpoints.glob("*.npz"))]
+
+    def refuse_overwrite(self, hint: str) -> None:
+        """Raise OutputError if the directory holds a run's metrics or checkpoints."""
+        found = self.holds_run()
+        if found:
+            raise OutputError(
+                f"output directory {self.path} already holds a run ({', '.join(found)}); {hint}, or choose a new "
+                "hydra.run.dir (nothing was changed)"
+            )
+
+    def newer_last(self, path: Path, pos: Position) -> None:
+        """Raise CheckpointError if resuming from ``path`` would overwrite a newer ``last.npz`` beside it."""
+        last = Path(path).parent / "last.npz"
+        if Path(path).resolve() == last.resolve() or not last.is_file():
+            return
+        try:
+            newer = checkpoint.load(last).position.step
+        except CheckpointError:
+            return  # an unreadable last.npz holds nothing to protect
+        if newer > pos.step:
+            raise CheckpointError(
+                f"resuming from {path} (step {pos.step}) in its own run directory would overwrite {last} (step "
+                f"{newer}) and the metrics after step {pos.step}; resume into a new directory instead: "
+                f"hydra.run.dir=<new directory> resume={path}"
+            )
+
+    def temp_files(self) -> list[Path]:
+        """Temporary files of writers that died mid-write (``*.tmp``), in the run and its checkpoints."""
+        return sorted([*self.path.glob(TEMP_GLOB), *self.checkpoints.glob(TEMP_GLOB)])
+
+    # --- writing (after the run was accepted) -----------------------------------------------
+
+    def remove_temp_files(self) -> None:
+        """Remove the temp files a killed writer left behind, saying so."""
+        for tmp in self.temp_files():
+            try:
+                tmp.unlink()
+                log.warning("removed %s, the temporary file of a write that was interrupted", tmp)
+            except OSError as exc:
+                log.warning("could not remove the stray temporary file %s (%s)", tmp, exc)
+
+    def make_checkpoint_dir(self) -> None:
+        try:
+            self.checkpoints.mkdir(exist_ok=True)
+        except OSError as exc:
+            raise OutputError(
+                f"cannot create {self.checkpoints} ({type(exc).__name__}: {exc}); choose a writable hydra.run.dir"
+            ) from exc
+
+    def write_json(self, name: str, record: dict[str, Any]) -> None:
+        """Write ``record`` to ``name`` in the run directory, atomically."""
+        path = self.path / name
+        try:
+            atomic_write(path, json.dumps(record, indent=2) + "\n")
+        except OSError as exc:
+            raise OutputError(
+                f"cannot write {path} ({type(exc).__name__}: {exc}); choose a writable hydra.run.dir"
+            ) from exc
+
+
+def _lock_holder(path: Path) -> int | None:
+    """The pid holding a ``flock`` on ``path``, from ``/proc/locks`` (Linux), or None."""
+    try:
+        inode = os.stat(path).st_ino
+        for line in Path("/proc/locks").read_text().splitlines():
+            fields = line.split()  # "1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF"
+            if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5].rsplit(":", 1)[-1] == str(inode):
+                return int(fields[4])
+    except (OSError, ValueError):
+        pass
+    return None

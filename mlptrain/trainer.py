@@ -1,0 +1,268 @@
+"""The training step: the model, its loss, its optimizer, and one step of them on the device.
+
+A :class:`Trainer` is built from a valid config (:mod:`mlptrain.build` turns each config group
+into its object) and does one thing: train steps. The run around it (epochs, metrics,
+checkpoints, interruption) is :func:`mlptrain.run.train`.
+
+One step (:meth:`Trainer.step`), all on the device, with no host synchronisation, so on the GPU it
+is captured once into a CUDA graph and replayed (:mod:`mlptrain.gpu.graph`, ``graph=false`` to
+turn off)::
+
+    logits = model.forward(x)                            # fused: RELU_AUX_BIAS ... BIAS
+    loss, correct = head.backward(model, logits, y, s)   # the loss kernel (and, small heads, the
+                                                         # head kernel), then the network's backward:
+                                                         # DRELU(_BGRAD), BGRADB
+    skip = scaler.check(grads)                           # fp16 only: 1 kernel over all gradients
+    optimizer.step(lr, 1/s, skip,                        # 1 kernel over all parameters, whose last
+                   tail=log.tail(loss, correct, B))      # block updates the loss scale, the step
+                                                         # count and the lr, and records the metrics
+
+For 784-1024-1024-10 in fp16 that is 7 GEMMs and 4 small kernels (``scripts/step_kernels.py``
+lists them). The host reads the metrics back only every ``log_every`` steps, from the device ring
+of :class:`~mlptrain.steplog.StepLog`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any
+
+import numpy as np
+
+from mlptrain import build
+from mlptrain.backend import Backend, get_backend
+from mlptrain.config import TrainConfig
+from mlptrain.data import Dataset, load_dataset
+from mlptrain.errors import CheckpointError
+from mlptrain.schedule import StepClock
+from mlptrain.steplog import StepLog
+
+log = logging.getLogger(__name__)
+
+
+class Trainer:
+    """The step of a run, built from a valid :class:`TrainConfig` (:func:`mlptrain.config.validate`).
+
+    Args:
+        cfg: the configuration.
+        dataset: the data to train on (default: the one ``cfg.data`` names).
+        backend: where to run (default: ``cfg.device``).
+    """
+
+    def __init__(self, cfg: TrainConfig, dataset: Dataset | None = None, backend: Backend | None = None) -> None:
+        self.cfg = cfg
+        self.backend = backend or get_backend(cfg.device.value)
+        xp = self.xp = self.backend.xp
+        self.precision = build.precision(cfg.precision, self.backend)
+        self.dataset = dataset or load_dataset(cfg.data, seed=cfg.seed)
+        self.widths = build.widths(cfg.model, self.dataset)
+        # Independent host streams for init and data order, from one seed.
+        init_seed, data_seed = np.random.SeedSequence(cfg.seed).spawn(2)
+        self.gemm = build.gemm(cfg.execution, self.backend, self.precision)
+        self.execution = build.execution(cfg.execution, self.gemm, xp)
+        self.model = build.model(
+            cfg.model, cfg.execution, self.widths, self.execution, self.backend, self.precision,
+            np.random.default_rng(init_seed),
+        )  # fmt: skip
+        self.head = build.head(cfg, self.backend, self.widths)
+        cdt = self.precision.compute_dtype
+        self.train_loader, self.eval_loaders = build.loaders(
+            cfg.data, self.dataset, xp, cdt, int(data_seed.generate_state(1)[0])
+        )
+        self.optimizer = build.optimizer(cfg.optimizer, self.model.params)
+        self.scaler = build.scaler(cfg.precision, xp, self.precision)
+        self.steps_per_epoch = len(self.train_loader)
+        self.total_steps = self.steps_per_epoch * cfg.epochs
+        if cfg.max_steps is not None:
+            self.total_steps = min(self.total_steps, cfg.max_steps)
+        self.clock = StepClock(xp)  # the one step counter of the run
+        self.schedule = build.schedule(cfg.optimizer, xp, self.clock, self.total_steps)
+        # Per-step metrics and the end-of-step bookkeeping, on the device (read every log_every steps).
+        self.log = StepLog(xp, cfg.log_every, self.scaler, self.schedule)
+        # The stream the training loop runs on: a non-default CUDA stream on the GPU (graph
+        # capture needs one); on the CPU a context that does nothing.
+        self.stream: Any = contextlib.nullcontext()
+        self.graphed: Any = None
+        if self.backend.is_gpu:
+            xp.cuda.Device().synchronize()  # set-up work on the default stream is done
+            self.stream = xp.cuda.Stream(non_blocking=True)
+        self._choose_bgrad()  # on the GPU it may time the step, so after everything the step uses
+        if self.backend.is_gpu and cfg.graph is not False:
+            from mlptrain.gpu.graph import GraphedStep
+
+            model = self.model
+            self.graphed = GraphedStep(self._launch, keep=model.step_arrays, restore=model.restore_step_arrays)
+
+    # --- the step ---------------------------------------------------------------------------
+
+    @property
+    def step_count(self) -> int:
+        """Optimizer steps taken (skipped fp16 steps included): the host half of :attr:`clock`."""
+        return self.clock.n
+
+    def step(self, x: Any, y: Any) -> tuple[Any, Any]:
+        """One optimizer step on batch ``x (B, in)``, ``y (B,)``; returns device ``(loss, correct)``.
+
+        On the GPU (unless ``graph=false``) the step is replayed from a CUDA graph. The returned
+        arrays belong to the step: a replay rewrites them.
+        """
+        out = self.graphed(x, y) if self.graphed is not None else self._launch(x, y)
+        self.clock.tick()
+        return out
+
+    def _launch(self, x: Any, y: Any) -> tuple[Any, Any]:
+        """The step's device work, launched op by op (what a CUDA graph records once)."""
+        loss, correct = self.forward_backward(x, y)
+        skip = self.scaler.check([p.grad for p in self.model.params])  # fp16: any inf/NaN gradient
+        lr, inv_scale = self.schedule.lr, self.scaler.inv_scale  # this step's
+        if self.backend.is_gpu:  # one kernel: the update, then (its last block) the bookkeeping
+            self.optimizer.step(lr, inv_scale, skip, tail=self.log.tail(loss, correct, len(y)))
+        else:
+            self.optimizer.step(lr, inv_scale, skip)
+            self.log.end_step(loss, correct, len(y))  # scaler update, the step count and lr, the metrics
+        return loss, correct
+
+    def forward_backward(self, x: Any, y: Any) -> tuple[Any, Any]:
+        """Forward, loss and backward: every ``param.grad`` set; returns device ``(loss, correct)``."""
+        logits = self.model.forward(x)  # (B, classes)
+        return self.head.backward(self.model, logits, y, self.scaler.scale)
+
+    def batch_buffers(self, rows: int) -> tuple[Any, Any] | None:
+        """Where the loader should gather a training batch of ``rows``: the CUDA graph's input
+        buffers for that shape (saves the step a copy), or None (fresh arrays) without a graph."""
+        if self.graphed is None:
+            return None
+        ld = self.train_loader
+        return self.graphed.input_buffers((rows, ld.x.shape[1]), ld.x.dtype, (rows,), ld.y.dtype)
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of optimizer step ``step`` (host value, for logs)."""
+        return self.schedule.host(step)
+
+    def evaluate(self, split: str) -> dict[str, float]:
+        """Mean loss and accuracy over a whole split (syncs once at the end)."""
+        xp = self.xp
+        loader = self.eval_loaders[split]
+        loss_sum = xp.zeros((), dtype=xp.float64)
+        correct = xp.zeros((), dtype=xp.int64)
+        for x, y in loader.epoch(0):
+            loss, c = self.head.evaluate(self.model.forward(x), y)
+            loss_sum += loss * len(y)
+            correct += c
+        n = loader.num_samples
+        return {f"{split}/loss": float(loss_sum) / n, f"{split}/acc": int(correct) / n}
+
+    # --- measured choices -------------------------------------------------------------------
+
+    def _choose_bgrad(self) -> None:
+        """Set where each hidden layer's bias gradient is reduced (``execution.bgrad``)."""
+        choice = self.cfg.execution.bgrad.value
+        if choice != "auto":
+            self.model.set_bgrad(choice)
+            return
+        if not (self.backend.is_gpu and self.cfg.execution.mode.value == "fused" and len(self.widths) > 2):
+            self.model.set_bgrad("bgradb")  # on the CPU (and in naive mode) the two do the same work
+            return
+        from mlptrain.gpu.plan_cache import PlanCache
+        from mlptrain.gpu.probe import choose_bgrad
+
+        # Both strategies are exact; which is faster depends on the shapes and on how the
+        # backward is scheduled: time this model's step both ways, on random data.
+        ex = self.cfg.execution
+        cdt, B, xp = self.precision.compute_dtype, self.cfg.data.batch_size, self.xp
+        key = (
+            f"step {'-'.join(map(str, self.widths))} batch {B} {np.dtype(cdt).name}"
+            f"{' tf32' if self.precision.tf32 else ''}{' 2 streams' if ex.wgrad_stream else ''}"
+            f"{' head kernel' if self.head.mode == 'kernel' else ''}"
+        )
+        store = PlanCache.default_path().with_suffix(".bgrad.json") if ex.plan_cache else None
+        rng = xp.random.default_rng(0)
+        x = rng.standard_normal((B, self.widths[0]), dtype=xp.float32).astype(cdt)  # (B, in)
+        y = rng.integers(0, self.widths[-1], B)  # (B,) labels
+        self.model.set_bgrad("drelu_bgrad")
+        with self.stream:
+            chosen = choose_bgrad(self.model, lambda: self.forward_backward(x, y), key, store=store)
+        self.model.set_bgrad(chosen)
+
+    # --- state ------------------------------------------------------------------------------
+
+    def state_dict(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """``(arrays, meta)``: the state of training, as host arrays and JSON-ready values (syncs the device).
+
+        Arrays: ``param/<name>`` (master copies), ``optim/<name>/<state>`` and ``optim/t``. Meta:
+        the architecture and dtypes it fits, the bgrad strategies, the loss scaler's state and
+        the data seed. The step count is the run's position (:class:`mlptrain.run.Position`).
+        """
+        arrays = {f"param/{k}": v for k, v in self.model.state_dict().items()}
+        arrays.update({f"optim/{k}": np.asarray(v) for k, v in self.optimizer.state_dict().items()})
+        cfg = self.cfg
+        meta = {
+            "steps_per_epoch": self.steps_per_epoch,
+            "widths": self.widths,
+            "param_dtype": np.dtype(self.precision.param_dtype).name,
+            "compute_dtype": np.dtype(self.precision.compute_dtype).name,
+            "precision": self.precision.name,
+            "execution": cfg.execution.mode.value,
+            "bgrad": self.model.bgrad,
+            "optimizer": cfg.optimizer.name.value,
+            "scaler": self.scaler.state_dict() if self.scaler.enabled else None,
+            "rng": {"seed": cfg.seed, "data_seed": self.train_loader.seed},
+        }
+        return arrays, meta
+
+    def load_state_dict(self, arrays: dict[str, np.ndarray], meta: dict[str, Any], *, step: int, where: str) -> None:
+        """Continue from a state of :meth:`state_dict` at optimizer step ``step``, after checking that it fits.
+
+        Raises:
+            CheckpointError: another architecture, parameter dtype or optimizer, or missing,
+                extra or misshapen arrays (``where`` names the checkpoint in the message).
+        """
+        self._check_fits(arrays, meta, where)
+        self.model.load_state_dict({k[len("param/") :]: v for k, v in arrays.items() if k.startswith("param/")})
+        self.optimizer.load_state_dict({k[len("optim/") :]: v for k, v in arrays.items() if k.startswith("optim/")})
+        if self.scaler.enabled and meta["scaler"] is not None:
+            self.scaler.load_state_dict(meta["scaler"])
+        self.clock.set(step)
+        self.schedule.sync()
+        if meta.get("bgrad") and meta["bgrad"] != self.model.bgrad:
+            # The strategies round differently: continue with the one the run was trained with.
+            log.info("%s: using the checkpoint's bgrad strategies %s", where, meta["bgrad"])
+            self.model.set_bgrad(meta["bgrad"])
+
+    def _check_fits(self, arrays: dict[str, np.ndarray], m: dict[str, Any], where: str) -> None:
+        if m["widths"] != self.widths:
+            raise CheckpointError(
+                f"{where} is for model {_w(m['widths'])} but this run builds {_w(self.widths)}; "
+                f"resume with model.hidden={m['widths'][1:-1]} or start a new run"
+            )
+        want_dtype = np.dtype(self.precision.param_dtype).name
+        if m["param_dtype"] != want_dtype:
+            raise CheckpointError(
+                f"{where} holds {m['param_dtype']} parameters (precision={m['precision']}) but this run uses "
+                f"precision={self.precision.name} with {want_dtype} parameters; resume with precision={m['precision']}"
+            )
+        if m["optimizer"] != self.cfg.optimizer.name.value:
+            raise CheckpointError(
+                f"{where} holds {m['optimizer']} optimizer state but this run uses "
+                f"optimizer={self.cfg.optimizer.name.value}; resume with optimizer={m['optimizer']}"
+            )
+        expected = {f"param/{p.name}": (tuple(p.value.shape), want_dtype) for p in self.model.params}
+        expected.update({f"optim/{k}": (tuple(v.shape), None) for k, v in self.optimizer.state_dict().items()})
+        for key, (shape, dtype) in expected.items():
+            a = arrays.get(key)
+            if a is None:
+                raise CheckpointError(f"{where} has no {key!r} (optimizer settings such as momentum changed?)")
+            if a.shape != shape or (dtype is not None and a.dtype.name != dtype):
+                raise CheckpointError(
+                    f"{where}: {key!r} is {a.dtype.name}{list(a.shape)}, expected {dtype or a.dtype.name}{list(shape)}"
+                )
+        extra = sorted(set(arrays) - set(expected))
+        if extra:
+            raise CheckpointError(
+                f"{where} has state this run does not use: {', '.join(extra)} (optimizer settings changed?)"
+            )
+
+
+def _w(widths: list[int]) -> str:
+    return "-".join(map(str, widths))

@@ -1,0 +1,98 @@
+"""CUDA graph capture of a step (mlptrain.gpu.graph): a toy step function, and the training step itself."""
+
+import numpy as np
+import pytest
+from gpu_helpers import HAS_GPU, cp, gpu_trainer, graph_run, train_losses
+
+pytestmark = pytest.mark.gpu
+
+if HAS_GPU:
+    from mlptrain.gpu.graph import GraphedStep
+
+
+def test_a_toy_step_function_is_warmed_up_captured_and_replayed():
+    """GraphedStep knows nothing of training: any ``step(x, y)`` of device arrays is replayed per batch shape."""
+    state = cp.zeros(3, cp.float32)  # state the step updates in place, as an optimizer does its parameters
+    restored = []
+
+    def step(x, y):
+        out = x.sum(axis=1) * 2 + y  # (B,), a fresh array each call: in the capture, from the graph's pool
+        state[...] += out[:3]
+        return out
+
+    graphed = GraphedStep(step, keep=lambda: "what the step left", restore=restored.append, warmup=2)
+    rng = np.random.default_rng(0)
+    expected_state = np.zeros(3)
+    outs = []
+    with cp.cuda.Stream(non_blocking=True) as stream:
+        for i in range(7):
+            rows = 4 if i < 6 else 2  # a second batch shape: warmed up on its own
+            x = rng.standard_normal((rows, 5)).astype(np.float32)
+            y = rng.standard_normal(rows).astype(np.float32)
+            out = graphed(cp.asarray(x), cp.asarray(y))
+            np.testing.assert_allclose(cp.asnumpy(out), x.sum(axis=1) * 2 + y, rtol=1e-6)  # new inputs each replay
+            expected_state += (x.sum(axis=1) * 2 + y)[:3]
+            outs.append(out)
+        stream.synchronize()
+    np.testing.assert_allclose(cp.asnumpy(state), expected_state, rtol=1e-5)  # every call ran exactly once
+    assert graphed.num_graphs == 1  # shape (4, 5) captured at its third call; (2, 5) only warmed up
+    assert outs[2] is outs[3] is outs[5] and outs[0] is not outs[1] is not outs[2]  # replays rewrite one array
+    assert restored == ["what the step left"] * 4  # after every replay, the capture's own included
+    xs, ys = graphed.input_buffers((4, 5), np.float32, (4,), np.float32)
+    with cp.cuda.Stream(non_blocking=True) as stream:
+        xs[...] = 1.0
+        ys[...] = 0.5
+        assert float(graphed(xs, ys)[0]) == 10.5  # the graph reads its own buffers: no copy needed
+        stream.synchronize()
+
+
+def test_the_legacy_default_stream_runs_the_step_uncaptured():
+    graphed = GraphedStep(lambda x, y: x + y, warmup=1)
+    for _ in range(3):  # no non-default stream: nothing can be captured, the step still runs
+        out = graphed(cp.ones(2), cp.ones(2))
+    assert graphed.num_graphs == 0 and float(out[0]) == 2.0
+
+
+@pytest.mark.parametrize("head", [True, False])
+def test_step_is_the_gemms_and_mlptrains_kernels(head):
+    """The captured fp16 step: its GEMMs plus exactly mlptrain's small kernels, no CuPy op left.
+
+    With the head kernel the output layer's input gradient is mlptrain_head_dgrad: one GEMM fewer.
+    """
+    tr = gpu_trainer(
+        **{"precision.name": "fp16", "data.drop_last": True, "execution.bgrad": "bgradb", "execution.head_kernel": head}
+    )
+    assert (tr.head.mode == "kernel") is head
+    with tr.stream:
+        train_losses(tr, 4)
+    names = tr.graphed.kernel_names()
+    ours = [n for n in names if n.startswith("mlptrain_")]
+    assert ours == [
+        "mlptrain_xent_small",  # 10 classes: the one-block loss kernel
+        *(["mlptrain_head_dgrad"] if head else []),  # the output layer's input gradient
+        "mlptrain_check_nonfinite",
+        "mlptrain_sgd_step",  # its last block ends the step (StepLog.tail)
+    ], names
+    assert not [n for n in names if n.startswith("cupy_")], names
+    gemms = 3 * len(tr.model.layers) - 1 - head  # fwd and wgrad per layer, dgrad for all but the first
+    assert len(names) - len(ours) >= gemms  # at least one kernel per GEMM
+    assert tr.gemm.num_plans == gemms
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_graph_replay_equals_uncaptured_steps(precision):
+    """Across an epoch boundary (with its smaller last batch) and a changing learning rate."""
+    # digits: 21 batches per epoch at 64, the last of 14 samples: it warms up at steps 20 and 41,
+    # is captured at step 62 and replayed at step 83
+    steps = 84
+    tg, lg = graph_run(True, steps, **{"precision.name": precision})
+    te, le = graph_run(False, steps, **{"precision.name": precision})
+    tc, lc = graph_run(True, steps, buffers=False, **{"precision.name": precision})  # batches copied in
+    assert tg.graphed is not None and tg.graphed.num_graphs == 2  # full batch and last batch
+    assert tg.step_count == te.step_count == steps
+    np.testing.assert_array_equal(lg, le)
+    np.testing.assert_array_equal(lc, le)
+    for pg, pe, pc in zip(tg.model.params, te.model.params, tc.model.params, strict=True):
+        cp.testing.assert_array_equal(pg.value, pe.value)
+        cp.testing.assert_array_equal(pc.value, pe.value)
+    assert float(tg.schedule.lr) == float(te.schedule.lr) != float(tg.schedule.host(0))

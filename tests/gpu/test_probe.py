@@ -1,0 +1,37 @@
+"""The measured bias-gradient strategy (mlptrain.gpu.probe, execution.bgrad=auto)."""
+
+import json
+
+import pytest
+from gpu_helpers import gpu_trainer
+
+pytestmark = pytest.mark.gpu
+
+
+def test_bgrad_probe_times_the_step_and_remembers_its_choice(tmp_path):
+    from mlptrain.gpu.probe import choose_bgrad
+
+    tr = gpu_trainer(**{"execution.bgrad": "bgradb", "precision.name": "fp16"})
+    x, y = next(iter(tr.train_loader.epoch(0)))
+    calls = []
+
+    def forward_backward():
+        calls.append(list(tr.model.bgrad))
+        return tr.forward_backward(x, y)
+
+    store = tmp_path / "bgrad.json"
+    with tr.stream:
+        chosen = choose_bgrad(tr.model, forward_backward, "k", reps=3, store=store)
+    hidden = len(tr.model.layers) - 1
+    assert len(chosen) == hidden and set(chosen) <= {"drelu_bgrad", "bgradb"}
+    assert tr.model.bgrad == chosen
+    # each hidden layer was timed both ways (a warm-up and a capture each), the layer above first
+    tried = [c for i, c in enumerate(calls) if i % 2 == 0]
+    assert len(tried) == 2 * hidden
+    assert {t[-1] for t in tried[:2]} == {"drelu_bgrad", "bgradb"}
+    assert {t[0] for t in tried[-2:]} == {"drelu_bgrad", "bgradb"}
+    assert json.loads(store.read_text()) == {"k": chosen}
+    calls.clear()
+    tr.model.set_bgrad("drelu_bgrad" if chosen[0] == "bgradb" else "bgradb")
+    again = choose_bgrad(tr.model, forward_backward, "k", store=store)
+    assert again == chosen and not calls  # remembered: not timed again
