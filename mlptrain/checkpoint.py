@@ -256,9 +256,10 @@ def load(path: Path) -> Checkpoint:
 
 def _read_arrays(path: Path) -> dict[str, np.ndarray]:
     try:
-        with np.load(path, allow_pickle=False) as npz:
-            if not isinstance(npz, np.lib.npyio.NpzFile):
-                raise ValueError(f"a {type(npz).__name__}, not a zip of arrays")
+        npz = np.load(path, allow_pickle=False)
+        if not isinstance(npz, np.lib.npyio.NpzFile):  # a .npy file: one array, not a checkpoint
+            raise ValueError(f"it holds one {type(npz).__name__} (a .npy file), not a zip of arrays")
+        with npz:
             arrays = {name: npz[name] for name in npz.files}  # reads every entry: the zip checks its CRC-32
     except Exception as exc:  # whatever the bytes: a zip, npy or pickle error, a header too large
         raise CheckpointError(

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -110,6 +111,8 @@ def _create(path: Path, *, remember: bool) -> None:
     try:
         path.mkdir(parents=True)
     except OSError as exc:
+        if isinstance(exc, FileExistsError) and path.is_dir():
+            return  # made a moment ago by a run started beside this one: not ours
         print(
             f"error: cannot create the output directory {path} ({type(exc).__name__}: {exc}); choose a writable "
             "hydra.run.dir (or hydra.sweep.dir for a multirun)",
@@ -189,19 +192,44 @@ def _hydra_errors_raised() -> Iterator[None]:
 
 
 def one_line(exc: BaseException) -> str:
-    """A Hydra or OmegaConf error (and its cause) as one line: the detail lines of the key path dropped."""
-    parts: list[str] = []
-    while exc is not None and len(parts) < 4:
-        for line in str(exc).splitlines():
-            line = line.strip()
-            if line and not line.startswith(("full_key:", "object_type=", "reference_type=", "Set the environment")):
-                parts.append(line.rstrip("."))
+    """A Hydra or OmegaConf error (and its cause) as one line.
+
+    The key-path details and Hydra's search path are dropped; a list under a line ending in ``:``
+    (the available options of a group) is joined with commas.
+    """
+    lines: list[str] = []
+    while exc is not None and len(lines) < 40:
+        lines += [line.strip() for line in str(exc).splitlines()]
         exc = exc.__cause__  # type: ignore[assignment]
+    skip = ("full_key:", "object_type=", "reference_type=", "Set the environment", "Config search path", "provider=")
+    parts: list[str] = []
+    listing = False
+    for line in (x for x in lines if x and not x.startswith(skip)):
+        if listing and " " not in line:  # an item of the list the line above announced
+            parts[-1] += (" " if parts[-1].endswith(":") else ", ") + line
+            continue
+        listing = line.endswith(":")
+        parts.append(line if listing else line.rstrip("."))
     return "; ".join(dict.fromkeys(parts))
 
 
+def _exit_now(signum: int, frame: Any) -> None:
+    """Ctrl-C or SIGTERM outside a run (Hydra composing the config, between the jobs of a multirun):
+    nothing of a run is being written, so exit at once, with one line and ``128 + signal``. Raising in
+    the middle of Hydra's or OmegaConf's code could leave a half-built object to fail on (a traceback).
+    A run installs its own handlers (:class:`mlptrain.faults.StopRequest`)."""
+    os.write(2, f"error: stopped by {signal.Signals(signum).name} before training; nothing was written\n".encode())
+    os._exit(128 + signum)
+
+
 def main() -> None:
-    """Console entry point (``mlptrain`` and ``python -m mlptrain``); Hydra parses ``sys.argv``."""
+    """Console entry point (``mlptrain`` and ``python -m mlptrain``); Hydra parses ``sys.argv``.
+
+    The process's entry point: it owns the signal handlers, and when it is done a late Ctrl-C or SIGTERM is
+    ignored (the run's work is written; there is nothing left to stop).
+    """
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _exit_now)
     register_configs()
     _failures.clear()
     try:
@@ -215,9 +243,9 @@ def main() -> None:
         # (TrainingInterrupted) says how to resume. Exit status 128 + signal, as a shell reports it.
         print(f"mlptrain: {exc}" if str(exc) else "error: interrupted", file=sys.stderr, flush=True)
         sys.exit(128 + exc.signum)
-    except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr, flush=True)
-        sys.exit(130)
+    finally:  # the work is done (or reported): a late Ctrl-C or SIGTERM has nothing left to stop
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if _failures:
         if len(_failures) > 1:
             print(f"error: {len(_failures)} jobs failed (see above)", file=sys.stderr)

@@ -25,19 +25,26 @@ from mlptrain.trainer import Trainer
 
 
 class StopRequest:
-    """SIGINT or SIGTERM while training: the first sets ``requested`` (the loop saves and stops after
-    the step), a second raises :class:`Interrupted` at once. SIGTERM is what job schedulers and
-    ``docker stop`` send before they kill. Installed in the main thread only; restored on exit.
+    """SIGINT and SIGTERM during a run. SIGTERM is what job schedulers and ``docker stop`` send
+    before they kill. Installed in the main thread only; restored on exit.
 
-    The handler only sets a flag: printing or logging from a signal handler can re-enter a stream.
+    Until :meth:`defer` (before the run is accepted, when nothing has been written) a signal raises
+    :class:`Interrupted` at once. From then on the first one only sets ``requested``: the loop saves
+    ``last`` and stops after the current step; a second raises :class:`Interrupted` at once. The
+    handler itself only sets a flag or raises: printing from a signal handler can re-enter a stream.
     """
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self) -> None:
         self.requested = False
+        self.deferred = False
         self.signum = int(signal.SIGINT)  # the signal that asked to stop
         self._previous: dict[int, Any] = {}
+
+    def defer(self) -> None:
+        """From now on a first signal asks the run to stop at the next step, after saving ``last``."""
+        self.deferred = True
 
     def __enter__(self) -> StopRequest:
         if threading.current_thread() is threading.main_thread():
@@ -51,8 +58,11 @@ class StopRequest:
             signal.signal(s, previous)
 
     def _handle(self, signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if not self.deferred:
+            raise Interrupted(f"stopped by {name} before training started; nothing was written", signum)
         if self.requested:
-            raise Interrupted(f"stopped at once by a second {signal.Signals(signum).name}", signum)
+            raise Interrupted(f"stopped at once by a second {name}", signum)
         self.requested = True
         self.signum = signum
 

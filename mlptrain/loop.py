@@ -29,7 +29,7 @@ from mlptrain.checkpoint import Best, Position
 from mlptrain.config import to_plain
 from mlptrain.errors import TrainingInterrupted
 from mlptrain.faults import StopRequest
-from mlptrain.metrics import MetricsWriter
+from mlptrain.metrics import MetricsWriter, read_metrics
 from mlptrain.rundir import RunDirectory
 from mlptrain.trainer import Trainer
 
@@ -84,7 +84,7 @@ class Interval:
 
 
 class Loop:
-    """Epochs from ``start`` to the end of the run, writing into ``run_dir``.
+    """Epochs from ``start`` to the end of the run, writing into ``run_dir``; ``stop`` says when to stop early.
 
     On the CPU the loss and every tensor are checked after each step (no device to sync), naming
     the exact step; on the GPU at the interval's one sync, so a step never waits for the host.
@@ -95,6 +95,7 @@ class Loop:
         tr: Trainer,
         run_dir: RunDirectory,
         metrics: MetricsWriter,
+        stop: StopRequest,
         start: Position,
         best: Best,
         resumed_from: Path | None,
@@ -104,7 +105,7 @@ class Loop:
         self.interval = Interval(tr, tr.cfg.log_every)
         self.each_step = not tr.backend.is_gpu
         self.last_saved: tuple[Path, int] | None = (resumed_from, start.step) if resumed_from is not None else None
-        self.stop = StopRequest()
+        self.stop = stop
         self.progress_disable = None if self.cfg.progress is None else not self.cfg.progress
         self.record: dict[str, Any] = {}
 
@@ -112,8 +113,12 @@ class Loop:
         """Train to the end (or a stop request); returns the summary record."""
         tr, cfg = self.tr, self.cfg
         t_start = time.perf_counter()
+        if self.stop.requested:  # asked to stop while the run was being set up
+            self.interrupt(self.start)
+        if self.start.step >= tr.total_steps:  # a run stopped after its last checkpoint, before its summary
+            return self.summary(self.finish(), t_start)
         # inf/NaN are reported by the checks, which name the step and the tensor: no NumPy warnings
-        with self.stop, tr.stream, np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        with tr.stream, np.errstate(over="ignore", invalid="ignore", divide="ignore"):
             epochs = tqdm(
                 range(self.start.epoch, cfg.epochs), initial=self.start.epoch, total=cfg.epochs, desc="epoch",
                 unit="epoch", position=0, disable=self.progress_disable,
@@ -132,17 +137,32 @@ class Loop:
                     break
                 if self.stop.requested:
                     self.interrupt(here)
+        return self.summary(epoch + 1, t_start)
+
+    def summary(self, epochs: int, t_start: float) -> dict[str, Any]:
+        """Write and return the summary record: the run's size and speed, and the last epoch's metrics."""
+        tr = self.tr
         wall = time.perf_counter() - t_start
         summary = {
             "kind": "summary",
             "steps": tr.step_count,
-            "epochs": epoch + 1,
+            "epochs": epochs,
             "wall_s": wall,
-            "samples_per_s": (tr.step_count - self.start.step) * cfg.data.batch_size / wall,
+            "samples_per_s": (tr.step_count - self.start.step) * self.cfg.data.batch_size / wall,
             **{k: v for k, v in self.record.items() if "/" in k},
         }
         self.metrics.write(**summary)
         return summary
+
+    def finish(self) -> int:
+        """End a run whose last checkpoint is its end: the last epoch's record (evaluated again where the
+        run stopped inside an epoch, read back where it ended one); returns the epochs run."""
+        pos = self.start
+        if pos.batch > 0:  # a partial epoch (max_steps): its record comes after the checkpoint
+            self.end_epoch(pos.epoch, pos, True, time.perf_counter())
+            return pos.epoch + 1
+        self.record = next(r for r in reversed(read_metrics(self.metrics.path)) if r["kind"] == "epoch")
+        return pos.epoch
 
     def train_epoch(self, epoch: int) -> tuple[Position, bool]:
         """The steps of ``epoch`` (from the start position in the first); returns where it ended and

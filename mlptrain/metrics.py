@@ -186,3 +186,18 @@ def plan_prefix(source: Path | None, records: int) -> MetricsPrefix:
         else:  # torn: the line being written when the process died (written again after the resume)
             plan.torn = line
     return plan
+
+
+def kinds_after(path: Path, records: int) -> list[str]:
+    """The ``kind`` of every readable record after the first ``records`` lines of ``path`` (none if it is missing)."""
+    try:
+        lines = Path(path).read_bytes().splitlines()[records:]
+    except OSError:
+        return []
+    kinds = []
+    for line in lines:
+        try:
+            kinds.append(str(json.loads(line.decode("utf-8")).get("kind")))
+        except (UnicodeDecodeError, ValueError, AttributeError):
+            continue
+    return kinds

@@ -29,8 +29,9 @@ from mlptrain.checkpoint import CHECKPOINT_DIR, Best, Checkpoint, Position
 from mlptrain.config import TrainConfig, flatten, to_plain, validate
 from mlptrain.data import Dataset
 from mlptrain.errors import CheckpointError, ConfigError, MlptrainError
+from mlptrain.faults import StopRequest
 from mlptrain.loop import Loop
-from mlptrain.metrics import MetricsPrefix, MetricsWriter, plan_prefix
+from mlptrain.metrics import MetricsPrefix, MetricsWriter, kinds_after, plan_prefix
 from mlptrain.rundir import METRICS, RUN_RECORD, RunDirectory
 from mlptrain.trainer import Trainer
 
@@ -82,11 +83,13 @@ def _train_locked(
     backend = get_backend(cfg.device.value)
     tr: Trainer | None = None
     try:
-        tr = Trainer(cfg, dataset, backend)
-        start = _prepare(tr, run_dir)
-        _accept(tr, run_dir, start, on_accept)
-        with MetricsWriter(run_dir.metrics, start.metrics.records) as metrics:
-            summary = Loop(tr, run_dir, metrics, start.position, start.best, start.resumed_from).run()
+        with StopRequest() as stop:  # until stop.defer(), Ctrl-C and SIGTERM stop at once: nothing is written
+            tr = Trainer(cfg, dataset, backend)
+            start = _prepare(tr, run_dir)
+            stop.defer()  # accepted: from here a stop request saves last first
+            _accept(tr, run_dir, start, on_accept)
+            with MetricsWriter(run_dir.metrics, start.metrics.records) as metrics:
+                summary = Loop(tr, run_dir, metrics, stop, start.position, start.best, start.resumed_from).run()
     except MemoryError as exc:
         if isinstance(exc, MlptrainError):
             raise
@@ -131,13 +134,9 @@ def _prepare(tr: Trainer, run_dir: RunDirectory) -> Start:
     if cfg.resume is None:
         run_dir.refuse_overwrite(hint="continue it with resume=last")
         return Start(Position(), best, plan_prefix(None, 0))
-    if cfg.resume == "last" and _died_before_first_checkpoint(run_dir):
-        note = (
-            f"{run_dir.path} holds a run that stopped before its first checkpoint: resuming it from its start "
-            "(step 0), which its config determines"
-        )
-        return Start(Position(), best, plan_prefix(run_dir.metrics, 0), notes=[note])
-    path = checkpoint.resolve(cfg.resume, run_dir.path)
+    path, notes = _resume_path(cfg.resume, run_dir)
+    if path is None:  # a run killed before it saved any checkpoint: its start is its config's
+        return Start(Position(), best, plan_prefix(run_dir.metrics, 0), notes=notes)
     ckpt = checkpoint.load(path)
     pos, where = ckpt.position, f"checkpoint {path}"
     tr.load_state_dict(ckpt.arrays, ckpt.meta, step=pos.step, where=where)
@@ -149,7 +148,7 @@ def _prepare(tr: Trainer, run_dir: RunDirectory) -> Start:
             f"{cfg.data.batch_size}, the checkpoint's {flatten(ckpt.meta['config']).get('data.batch_size')}); resume "
             "with the checkpoint's data settings"
         )
-    if pos.step >= tr.total_steps:
+    if pos.step >= tr.total_steps and not _unfinished(path, pos.step == tr.total_steps, ckpt.meta["metrics_records"]):
         raise ConfigError(
             f"checkpoint {path} is at step {pos.step}, at or past the end of this run ({tr.total_steps} steps: "
             f"epochs={cfg.epochs}, max_steps={cfg.max_steps}); raise epochs or max_steps to train further"
@@ -158,7 +157,7 @@ def _prepare(tr: Trainer, run_dir: RunDirectory) -> Start:
     records = ckpt.meta["metrics_records"]
     if path.resolve().parent == run_dir.checkpoints.resolve():
         run_dir.newer_last(path, pos)
-        start = Start(pos, ckpt.best or best, plan_prefix(run_dir.metrics, records), path)
+        start = Start(pos, ckpt.best or best, plan_prefix(run_dir.metrics, records), path, notes=notes)
         _plan_best(start, ckpt, run_dir.checkpoint("best"), copy=False)
     else:
         run_dir.refuse_overwrite(hint=f"resume into a new hydra.run.dir with resume={path}")
@@ -169,9 +168,28 @@ def _prepare(tr: Trainer, run_dir: RunDirectory) -> Start:
     return start
 
 
-def _died_before_first_checkpoint(run_dir: RunDirectory) -> bool:
-    """A run of this directory started (``run.json``) but wrote no checkpoint before it was killed."""
-    return (run_dir.path / RUN_RECORD).is_file() and not list(run_dir.checkpoints.glob("*.npz"))
+def _resume_path(resume: str, run_dir: RunDirectory) -> tuple[Path | None, list[str]]:
+    """The checkpoint ``resume=`` names, or None for a run of this directory that saved none.
+
+    ``resume=last`` in a directory whose run was killed before its first ``last.npz`` (``run.json``
+    says a run started there) continues from ``best.npz`` if there is one (the latest state on
+    disk), else from the start, which the config determines; a note says so.
+    """
+    last = run_dir.checkpoint("last")
+    if resume != "last" or last.exists() or not (run_dir.path / RUN_RECORD).is_file():
+        return checkpoint.resolve(resume, run_dir.path), []
+    best = run_dir.checkpoint("best")
+    if best.exists():
+        return best, [f"{run_dir.path} has no {last.name} (its run stopped before saving one): resuming from {best}"]
+    return None, [f"{run_dir.path} holds a run that stopped before its first checkpoint: resuming it from its start "
+                  "(step 0), which its config determines"]  # fmt: skip
+
+
+def _unfinished(path: Path, at_end: bool, records: int) -> bool:
+    """A checkpoint at the very end of its run, killed before it wrote its summary: resuming finishes it."""
+    if not at_end or path.parent.name != CHECKPOINT_DIR:
+        return False
+    return "summary" not in kinds_after(path.parent.parent / METRICS, records)
 
 
 def _plan_best(start: Start, ckpt: Checkpoint, best_path: Path, *, copy: bool) -> None:

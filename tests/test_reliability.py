@@ -401,3 +401,95 @@ def test_cli_reports_a_bad_resume_in_one_line(tmp_path: Path) -> None:
     assert len(errors) == 1 and "resume='last': no checkpoint at " in errors[0] and "hydra.run.dir=" in errors[0]
     assert "Traceback" not in out + err
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+# ------------------------------------------------------------- more stops, more bad inputs
+
+
+def test_a_second_sigterm_stops_at_once_with_143(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    proc = start_cli(*ENDLESS, "checkpoint_steps=10", f"hydra.run.dir={run}", cwd=tmp_path)
+    wait_for(proc, lambda: step_lines(run) >= 50)
+    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, out + err  # not 130: the signal that stopped the run is SIGTERM
+    assert "Traceback" not in out + err
+    checkpoint.load(run / "checkpoints" / "last.npz")  # whichever signal won the race, last.npz loads
+
+
+def test_divergence_is_one_error_line_without_numpy_warnings(tmp_path: Path) -> None:
+    proc = start_cli(*ENDLESS[:-1], "optimizer.lr=1e6", "optimizer.momentum=0", "device=cpu",
+                     f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)  # fmt: skip
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2, out + err
+    assert "RuntimeWarning" not in out + err and "Traceback" not in out + err
+    (line,) = [x for x in err.splitlines() if x.strip()]
+    assert line.startswith("error: non-finite values at step ") and "lower optimizer.lr" in line
+
+
+@pytest.mark.parametrize(
+    ("override", "phrase"),
+    [
+        ("seed=-1", "seed=-1 must be a non-negative integer"),
+        ("optimizer.eps=inf", "optimizer.eps=inf must be a finite number"),
+        ("optimizer.lr=nan", "optimizer.lr=nan must be a finite number"),
+        ("precision.init_scale=inf", "precision.init_scale=inf must be a finite number"),
+        ("data=synthetic data.samples=2", "has 2 samples for training, too few"),
+    ],
+)
+def test_values_that_cannot_train_are_refused_in_one_line(tmp_path: Path, override: str, phrase: str) -> None:
+    proc = start_cli("device=cpu", "epochs=1", *override.split(), f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2, out + err
+    (line,) = [x for x in err.splitlines() if x.strip()]
+    assert line.startswith("error: ") and phrase in line, err
+    if "samples" in override:
+        assert "raise data.samples" in line
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("kind", ["directory", "link to /dev/zero"])
+def test_an_mnist_cache_entry_that_is_not_a_file_is_refused(tmp_path: Path, kind: str) -> None:
+    from mlptrain.config import DataConfig, DatasetName
+    from mlptrain.data import IDX_FILES, load_dataset
+
+    folder = tmp_path / "mnist"
+    folder.mkdir()
+    target = folder / IDX_FILES[0]
+    if kind == "directory":
+        target.mkdir()
+    else:
+        target.symlink_to("/dev/zero")  # reading it never ends: it must not be read
+    with pytest.raises(DatasetError, match=rf"cached file {target} is corrupt, truncated or not a file \(not a regul"):
+        load_dataset(DataConfig(name=DatasetName.mnist, root=str(tmp_path), download=False), seed=0)
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_non_finite_input_data_is_named_by_split_row_and_column(tmp_path: Path, value: float) -> None:
+    from mlptrain.data import Dataset
+
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((60, 4)).astype(np.float32), np.arange(60) % 3
+    x_val = x[:10].copy()
+    x_val[7, 2] = value
+    with pytest.raises(DatasetError, match=rf"split val: row 7, column 2 holds {value}; features must be finite"):
+        Dataset("mine", x[10:], y[10:], x_val, y[:10], x[:10], y[:10], num_classes=3)
+
+
+def test_a_read_only_checkpoint_folder_is_one_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The temp file cannot be created and its clean-up fails too: the first error is the one reported."""
+    real_open = open
+
+    def read_only(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        if str(file).endswith(".tmp") and "checkpoints" in str(file):
+            raise PermissionError(13, "Permission denied", str(file))
+        return real_open(file, mode, *args, **kwargs)
+
+    def unlink(self: Path, missing_ok: bool = False) -> None:
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(files, "open", read_only, raising=False)
+    monkeypatch.setattr(files.Path, "unlink", unlink)
+    with pytest.raises(CheckpointError, match=r"cannot write checkpoint .*best.npz \(PermissionError: \[Errno 13\]"):
+        train(make_cfg(), tmp_path)

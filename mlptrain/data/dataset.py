@@ -43,8 +43,22 @@ class Dataset:
                     f"dataset {self.name!r} split {split}: x {x.shape} and y {y.shape} are not (N, F) and (N,) "
                     f"with F={self.x_train.shape[-1]} as in the train split"
                 )
+            bad = first_nonfinite(x)
+            if bad is not None:
+                raise DatasetError(
+                    f"dataset {self.name!r} split {split}: row {bad[0]}, column {bad[1]} holds {x[bad]}; features "
+                    "must be finite numbers (remove or fill the missing values)"
+                )
 
     @property
     def num_features(self) -> int:
         """Number of input features ``F``."""
         return int(self.x_train.shape[1])
+
+
+def first_nonfinite(x: np.ndarray) -> tuple[int, int] | None:
+    """``(row, column)`` of the first inf or NaN in ``x (N, F)``, or None (one pass when there is none)."""
+    if x.size == 0 or np.isfinite(x).all():
+        return None
+    row, col = np.argwhere(~np.isfinite(x))[0]
+    return int(row), int(col)

@@ -112,7 +112,7 @@ def load_dataset(cfg: DataConfig, seed: int) -> Dataset:
         train, val = stratified_split(y, cfg.val_fraction, rng)
     except ConfigError as exc:
         raise ConfigError(
-            f"dataset {name!r} has {n} training samples, too few to split off data.val_fraction="
+            f"dataset {name!r} has {n} samples for training, too few to split off data.val_fraction="
             f"{cfg.val_fraction}{'' if official_test else f' and data.test_fraction={cfg.test_fraction}'} "
             f"({exc}); {'raise data.samples or ' if name == 'synthetic' else ''}lower the fractions"
         ) from exc
