@@ -1,5 +1,7 @@
 # mlptrain developer commands. `make help` lists them. On a fresh machine with only python3 and make,
-# `make run` and `make test` set everything up (a virtual environment in $(VENV), editable install).
+# `make run` and `make test` set everything up (a virtual environment in $(VENV), editable install):
+# `make run` installs what running needs (and, with an NVIDIA driver, the matching CUDA extra),
+# `make test` the developer tools.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -8,7 +10,12 @@ PYTEST_ARGS ?=
 
 BIN := $(VENV)/bin
 # Written after a successful install; pip runs again only when pyproject.toml is newer.
-STAMP := $(VENV)/.installed
+RUN_STAMP := $(VENV)/.installed-run
+STAMP := $(VENV)/.installed-dev
+# The CUDA extra that the NVIDIA driver supports: cu13 from driver 580, cu12 from 525; none without a driver.
+# Override with GPU_EXTRA=cu12, or GPU_EXTRA= for the CPU only.
+GPU_EXTRA ?= $(shell v=$$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -n1 | cut -d. -f1); \
+	if [ -n "$$v" ] && [ "$$v" -ge 580 ] 2>/dev/null; then echo cu13; elif [ -n "$$v" ] && [ "$$v" -ge 525 ] 2>/dev/null; then echo cu12; fi)
 # Only the folders that exist (git does not keep empty ones).
 LINT_PATHS := $(wildcard mlptrain scripts tests)
 
@@ -20,21 +27,28 @@ help: ## List the targets
 	@echo
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_-]+:.*## / {printf "  %-10s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
-$(STAMP): pyproject.toml
+$(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --upgrade pip
+
+$(RUN_STAMP): pyproject.toml | $(BIN)/python
+	@echo "installing mlptrain $(if $(GPU_EXTRA),with the $(GPU_EXTRA) extra (an NVIDIA driver was found),for the CPU only (no NVIDIA driver found))"
+	$(BIN)/python -m pip install -e '.$(if $(GPU_EXTRA),[$(GPU_EXTRA)])'
+	touch $@
+
+$(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -e '.[dev]'
 	touch $@
 
 install: $(STAMP) ## Create the venv (VENV, default .venv) and install mlptrain editable with the dev extra (only when needed)
 
-run: $(STAMP) ## Train the default model on the default dataset (device auto); ARGS='data=mnist1d epochs=5'
+run: $(RUN_STAMP) ## Train the default model on the default dataset (GPU if there is one); ARGS='data=mnist1d epochs=5'
 	$(BIN)/python -m mlptrain $(ARGS)
 
 test: $(STAMP) ## Run the CPU test suite; PYTEST_ARGS='-k config -x'
 	$(BIN)/python -m pytest -m 'not gpu' $(PYTEST_ARGS)
 
-test-gpu: $(STAMP) ## Run the GPU tests (needs an NVIDIA GPU and the cu12 or cu13 extra)
+test-gpu: $(STAMP) $(RUN_STAMP) ## Run the GPU tests (needs an NVIDIA GPU; installs the CUDA extra of the driver)
 	$(BIN)/python -m pytest -m gpu $(PYTEST_ARGS)
 
 lint: $(STAMP) ## Check lint and formatting (ruff)
@@ -48,7 +62,7 @@ format: $(STAMP) ## Sort imports and format the code (ruff)
 typecheck: $(STAMP) ## Type-check the package (mypy)
 	$(BIN)/python -m mypy
 
-bench: $(STAMP) ## Time fused vs naive steps; ARGS are passed to scripts/bench.py
+bench: $(STAMP) $(RUN_STAMP) ## Time fused vs naive steps; ARGS are passed to scripts/bench.py
 	$(BIN)/python scripts/bench.py $(ARGS)
 
 # The sweep directory: COMPARE_DIR if given, else runs/compare/<date>_<time> (computed once, in the shell).

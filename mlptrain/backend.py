@@ -89,7 +89,11 @@ class Backend:
         if self.is_gpu:
             import nvmath
 
-            out.update(cupy=self.xp.__version__, nvmath=nvmath.__version__)
+            out.update(
+                cupy=self.xp.__version__,
+                nvmath=nvmath.__version__,
+                cuda_runtime=str(self.xp.cuda.runtime.runtimeGetVersion()),
+            )
         return out
 
     def describe(self) -> str:

@@ -28,7 +28,7 @@ import numpy as np
 from mlptrain.backend import Backend
 from mlptrain.config import DataConfig, ExecutionConfig, ModelConfig, OptimizerConfig, PrecisionConfig, TrainConfig
 from mlptrain.data import Dataset
-from mlptrain.errors import ConfigError
+from mlptrain.errors import ConfigError, ResourceError
 from mlptrain.execution import FusedExecution, NaiveExecution, NumpyGemm
 from mlptrain.head import OutputHead
 from mlptrain.loader import DataLoader
@@ -72,8 +72,13 @@ def execution(cfg: ExecutionConfig, engine: Any, xp: Any) -> FusedExecution | Na
 
 
 def widths(cfg: ModelConfig, dataset: Dataset) -> list[int]:
-    """``[in, hidden..., out]``, checking configured widths against the dataset."""
-    in_f, out_f = dataset.num_features, dataset.num_classes
+    """``[in, hidden..., out]``, checking configured widths and the loss against the dataset."""
+    in_f, out_f = dataset.num_features, dataset.num_outputs
+    if dataset.task == "regression" and cfg.loss.value != "mse":
+        raise ConfigError(
+            f"dataset {dataset.name!r} is a regression (targets {', '.join(dataset.target_names or [])}) but "
+            f"model.loss={cfg.loss.value}; set model.loss=mse"
+        )
     if cfg.in_features is not None and cfg.in_features != in_f:
         raise ConfigError(
             f"model.in_features={cfg.in_features} does not match dataset {dataset.name!r}, which has {in_f} "
@@ -82,7 +87,8 @@ def widths(cfg: ModelConfig, dataset: Dataset) -> list[int]:
     if cfg.out_features is not None and cfg.out_features != out_f:
         raise ConfigError(
             f"model.out_features={cfg.out_features} does not match dataset {dataset.name!r}, which has "
-            f"{out_f} classes; set model.out_features={out_f} or null"
+            f"{out_f} {'classes' if dataset.task == 'classification' else 'targets'}; set model.out_features={out_f} "
+            "or null"
         )
     return [in_f, *cfg.hidden, out_f]
 
@@ -126,7 +132,13 @@ def head(cfg: TrainConfig, backend: Backend, sizes: list[int]) -> OutputHead:
 
 
 def loaders(cfg: DataConfig, dataset: Dataset, xp: Any, dtype: Any, seed: int) -> tuple[DataLoader, dict]:
-    """The shuffled training loader (order from ``seed``) and an ordered loader per evaluation split."""
+    """The shuffled training loader (order from ``seed``) and an ordered loader per evaluation split.
+
+    The loaders copy every split to the device once; on the GPU the copies must fit its free memory.
+    """
+    if xp is not np:
+        free, total = xp.cuda.runtime.memGetInfo()
+        check_device_memory(dataset, np.dtype(dtype), free, total)
     train = DataLoader(
         dataset.x_train,
         dataset.y_train,
@@ -143,6 +155,23 @@ def loaders(cfg: DataConfig, dataset: Dataset, xp: Any, dtype: Any, seed: int) -
         if len(x) > 0
     }
     return train, evaluation
+
+
+def check_device_memory(dataset: Dataset, dtype: np.dtype, free: int, total: int) -> None:
+    """Raise ResourceError if the splits of ``dataset`` in ``dtype`` take more than 90% of ``free`` bytes."""
+    rows = len(dataset.x_train) + len(dataset.x_val) + len(dataset.x_test)
+    y_bytes = 8 if dataset.task == "classification" else 4 * dataset.num_outputs
+    need = rows * (dataset.num_features * dtype.itemsize + y_bytes)
+    if need > 0.9 * free:
+        raise ResourceError(
+            f"dataset {dataset.name!r} ({rows:,} rows x {dataset.num_features} features in {dtype.name}) needs "
+            f"{_size(need)} on the GPU, more than the {_size(free)} free of {_size(total)}; "
+            "use fewer rows, or a half-precision run (precision=bf16 or fp16) to halve it"
+        )
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def optimizer(cfg: OptimizerConfig, params: list) -> Optimizer:

@@ -10,6 +10,7 @@ entry                     contents
 ``param/<name>``          master copy of each parameter (``layer0.weight`` ...), param dtype
 ``optim/<name>/<state>``  optimizer state (``momentum``, ``exp_avg``, ``exp_avg_sq``)
 ``optim/t``               the optimizer's count of applied updates, float64, 0-d
+``data/shift``, ``scale`` the normalisation of the raw features (``(x - shift) / scale``), float64
 ``meta``                  UTF-8 JSON as a uint8 array (:data:`META_SCHEMA`)
 ========================= ============================================================
 
@@ -19,10 +20,12 @@ trainers. ``meta`` holds the format version and mlptrain version; the position i
 (``step``, ``epoch``, ``batch``: the next batch of that epoch, and the epoch's running sums); the
 model (``widths``, dtypes, precision, execution mode, bgrad strategies, optimizer); the loss-scaler
 state; the RNG state; the number of ``metrics.jsonl`` records written up to this position; the best
-metric so far; the whole config; and ``sha256``, the SHA-256 of every array (name, dtype, shape,
-bytes) and of the rest of the meta, so that neither can change unnoticed. mlptrain draws random
-numbers after initialisation only for the data order, and the order of epoch ``e`` is
-``default_rng([data_seed, e]).permutation(N)``, so ``(data_seed, epoch, batch)`` is the whole RNG state.
+metric so far; the whole config; the data's preprocessing (``data``: task, feature, class and
+target names, normalisation method), so that raw inputs can be scored; and ``sha256``, the
+SHA-256 of every array (name, dtype, shape, bytes) and of the rest of the meta, so that neither
+can change unnoticed. mlptrain draws random numbers after initialisation only for the data order,
+and the order of epoch ``e`` is ``default_rng([data_seed, e]).permutation(N)``, so
+``(data_seed, epoch, batch)`` is the whole RNG state.
 
 Writing goes through :func:`mlptrain.files.atomic_write` (a temp file of this writer's own,
 fsync, rename, fsync the folder): a crash at any moment leaves the previous checkpoint or the new
@@ -73,15 +76,19 @@ class Position:
 
 @dataclass
 class Best:
-    """The best value of ``metric`` (higher is better) seen at the end of an epoch."""
+    """The best value of ``metric`` seen at the end of an epoch; ``mode`` ``max`` (accuracy) or ``min`` (loss)."""
 
     metric: str
     value: float | None = None
     epoch: int | None = None
     step: int | None = None
+    mode: str = "max"
 
-    def improves(self, value: float) -> bool:
-        return self.value is None or value > self.value
+    def improves(self, value: float, min_delta: float = 0.0) -> bool:
+        """Whether ``value`` beats the best so far by more than ``min_delta``."""
+        if self.value is None:
+            return True
+        return value > self.value + min_delta if self.mode == "max" else value < self.value - min_delta
 
 
 @dataclass
@@ -106,7 +113,7 @@ class Checkpoint:
 _INT, _NUM, _STR = "int", "number", "str"
 _POSITION = {"epoch": _INT, "batch": _INT, "step": _INT, "loss_sum": _NUM, "correct": _INT, "samples": _INT}
 _SCALER = {"scale": _NUM, "growth_tracker": _INT, "consecutive_skips": _INT}
-_BEST = {"metric": _STR, "value": (_NUM, None), "epoch": (_INT, None), "step": (_INT, None)}
+_BEST = {"metric": _STR, "value": (_NUM, None), "epoch": (_INT, None), "step": (_INT, None), "mode": _STR}
 # Every key a checkpoint's meta holds, with its type: a dict is a nested object of those keys,
 # [t] a list of t, a tuple the types allowed (None: null). Counts and positions must be >= 0.
 META_SCHEMA: dict[str, Any] = {
@@ -127,6 +134,7 @@ META_SCHEMA: dict[str, Any] = {
     "metrics_records": _INT,
     "best": (_BEST, None),
     "config": dict,
+    "data": (dict, None),  # the preprocessing of the data (names, task): mlptrain.data.Dataset.preprocessing
     "sha256": _STR,
 }
 
@@ -250,6 +258,10 @@ def load(path: Path) -> Checkpoint:
         raise CheckpointError(
             f"checkpoint {path} is corrupt: its {what} have SHA-256 {found}, the file says {meta.get('sha256')}"
         )
+    if version == 1:  # what version 1 did not record
+        meta.setdefault("data", None)
+        if isinstance(meta.get("best"), dict):
+            meta["best"].setdefault("mode", "max")
     check_meta(meta, path)
     return Checkpoint(path, arrays, meta)
 

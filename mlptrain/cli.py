@@ -38,7 +38,8 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from mlptrain.config import TrainConfig, register_configs, validate
+from mlptrain.checks import suggest, validate
+from mlptrain.config import TrainConfig, register_configs
 from mlptrain.errors import Interrupted, MlptrainError
 from mlptrain.files import atomic_write
 
@@ -210,6 +211,9 @@ def one_line(exc: BaseException) -> str:
             continue
         listing = line.endswith(":")
         parts.append(line if listing else line.rstrip("."))
+    key = next((x.split(":", 1)[1].strip() for x in lines if x.startswith("full_key:")), "")
+    hint = suggest(key).lstrip("; ") if key and any(" not in " in p for p in parts) else ""
+    parts += [hint] if hint else []
     return "; ".join(dict.fromkeys(parts))
 
 
@@ -222,6 +226,29 @@ def _exit_now(signum: int, frame: Any) -> None:
     os._exit(128 + signum)
 
 
+def version() -> str:
+    """mlptrain's version and the stack under it (``python -m mlptrain --version``)."""
+    import platform
+
+    import numpy as np
+    import omegaconf
+
+    from mlptrain import __version__
+    from mlptrain.backend import get_backend, probe_gpu
+
+    line = (
+        f"mlptrain {__version__} (Python {platform.python_version()}, NumPy {np.__version__}, "
+        f"Hydra {hydra.__version__}, OmegaConf {omegaconf.__version__}"
+    )
+    available, reason = probe_gpu()
+    if not available:
+        return line + f"; no GPU: {reason})"
+    gpu = get_backend("gpu")
+    v = gpu.versions()
+    line += f", CuPy {v['cupy']}, nvmath-python {v['nvmath']}, CUDA runtime {v['cuda_runtime']}"
+    return line + f"; {gpu.describe()})"
+
+
 def main() -> None:
     """Console entry point (``mlptrain`` and ``python -m mlptrain``); Hydra parses ``sys.argv``.
 
@@ -230,6 +257,9 @@ def main() -> None:
     """
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _exit_now)
+    if sys.argv[1:] == ["--version"]:  # mlptrain's, not Hydra's
+        print(version())
+        return
     register_configs()
     _failures.clear()
     try:

@@ -1,20 +1,17 @@
-"""Typed configuration: the dataclass schema Hydra validates against, and semantic checks.
+"""Typed configuration: the dataclass schema Hydra validates against, one help text per key.
 
 The schema is stored in Hydra's ConfigStore as ``train_schema`` and listed first in
 ``conf/config.yaml``'s defaults, so Hydra rejects unknown keys, wrong types and unknown enum
-values while composing. :func:`validate` then checks what types cannot (positive learning
-rate, widths, precision a device can run) and raises one :class:`ConfigError` listing every
-problem with its key.
+values while composing. :mod:`mlptrain.checks` checks what types cannot (ranges, keys that the
+chosen options do not use). Every field carries its help text in ``metadata["help"]``, which
+``python -m mlptrain --help`` lists: the schema is the one place a setting is described.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Optional
-
-from mlptrain.errors import ConfigError
 
 
 class Device(str, Enum):
@@ -62,6 +59,13 @@ class DatasetName(str, Enum):
     mnist = "mnist"
     fashion_mnist = "fashion_mnist"
     synthetic = "synthetic"
+    file = "file"
+
+
+class Task(str, Enum):
+    auto = "auto"
+    classification = "classification"
+    regression = "regression"
 
 
 class Normalize(str, Enum):
@@ -81,6 +85,11 @@ class Schedule(str, Enum):
     cosine = "cosine"
 
 
+class Logger(str, Enum):
+    none = "none"
+    tensorboard = "tensorboard"
+
+
 class PrecisionName(str, Enum):
     fp64 = "fp64"
     fp32 = "fp32"
@@ -89,81 +98,88 @@ class PrecisionName(str, Enum):
     bf16 = "bf16"
 
 
+def _f(default: Any, help: str, factory: Any = None) -> Any:
+    """A schema field with its help text (``python -m mlptrain --help`` lists them)."""
+    if factory is not None:
+        return field(default_factory=factory, metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass
 class ModelConfig:
     """An MLP: ``in_features -> hidden[0] -> ... -> hidden[-1] -> out_features``."""
 
-    hidden: list[int] = field(default_factory=lambda: [128, 128])
-    # None: taken from the dataset. If given, it must match the dataset.
-    in_features: Optional[int] = None
-    out_features: Optional[int] = None
-    activation: Activation = Activation.relu
-    init: Init = Init.he
-    loss: LossName = LossName.cross_entropy
+    hidden: list[int] = _f(None, "widths of the hidden layers", factory=lambda: [128, 128])
+    in_features: Optional[int] = _f(None, "input width; null: the dataset's (if given, it must match)")
+    out_features: Optional[int] = _f(None, "output width; null: the dataset's classes or targets")
+    activation: Activation = _f(Activation.relu, "activation of the hidden layers")
+    init: Init = _f(Init.he, "initialisation of the hidden layers' weights")
+    loss: LossName = _f(LossName.cross_entropy, "cross_entropy (classification) or mse (regression, or one-hot)")
 
 
 @dataclass
 class DataConfig:
-    name: DatasetName = DatasetName.digits
-    batch_size: int = 64
-    eval_batch_size: int = 1024
-    drop_last: bool = False
-    normalize: Normalize = Normalize.standard
-    val_fraction: float = 0.1
-    # Used only by datasets without an official test split (digits, synthetic).
-    test_fraction: float = 0.2
-    # Cache folder for downloaded files; None: $MLPTRAIN_DATA or ~/.cache/mlptrain.
-    root: Optional[str] = None
-    download: bool = True
-    # synthetic only
-    samples: int = 10000
-    features: int = 32
-    classes: int = 10
+    name: DatasetName = _f(DatasetName.digits, "the dataset (data=<name> selects its config group)")
+    batch_size: int = _f(64, "training batch size")
+    eval_batch_size: int = _f(1024, "batch size of evaluation")
+    drop_last: bool = _f(False, "drop the last, short training batch of an epoch")
+    normalize: Normalize = _f(Normalize.standard, "feature scaling, from the train split's statistics")
+    val_fraction: float = _f(0.1, "share of the training data held out for validation (stratified)")
+    test_fraction: float = _f(0.2, "share held out for testing, where the dataset has no test split of its own")
+    split_seed: int = _f(0, "seed of the validation and test splits (and of synthetic data); seed does not change them")
+    root: Optional[str] = _f(None, "mnist, fashion_mnist: download cache folder; null: $MLPTRAIN_DATA or ~/.cache")
+    download: bool = _f(True, "mnist, fashion_mnist: download missing files")
+    samples: int = _f(10000, "synthetic: number of samples")
+    features: int = _f(32, "synthetic: number of features")
+    classes: int = _f(10, "synthetic: number of classes")
+    path: Optional[str] = _f(None, "file: the training data (CSV/TSV with a header, .gz, NPZ, Parquet)")
+    test_path: Optional[str] = _f(None, "file: a test file with the same columns; null: split from path")
+    target: Any = _f("label", "file: the target column, or a list of columns (regression)")
+    task: Task = _f(Task.auto, "file: classification or regression; auto: from the target columns")
+    cache: bool = _f(True, "file: keep a binary copy of a parsed file, memory-mapped by the next run")
 
 
 @dataclass
 class OptimizerConfig:
-    name: OptimizerName = OptimizerName.sgd
-    lr: float = 0.05
-    momentum: float = 0.9
-    nesterov: bool = False
-    weight_decay: float = 0.0
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
-    schedule: Schedule = Schedule.cosine
-    warmup_steps: int = 0
-    # cosine decays to lr * min_lr_ratio at the last step
-    min_lr_ratio: float = 0.0
+    name: OptimizerName = _f(OptimizerName.sgd, "sgd, adam or adamw (optimizer=<name> selects its group)")
+    lr: float = _f(0.05, "learning rate (the peak of the schedule)")
+    momentum: float = _f(0.9, "sgd: momentum")
+    nesterov: bool = _f(False, "sgd: Nesterov momentum")
+    weight_decay: float = _f(0.0, "L2 weight decay (decoupled for adamw)")
+    beta1: float = _f(0.9, "adam, adamw: decay of the first moment")
+    beta2: float = _f(0.999, "adam, adamw: decay of the second moment")
+    eps: float = _f(1e-8, "adam, adamw: added to the denominator")
+    schedule: Schedule = _f(Schedule.cosine, "learning-rate schedule after warm-up")
+    warmup_steps: int = _f(0, "linear warm-up steps")
+    min_lr_ratio: float = _f(0.0, "cosine: the last step's rate as a share of lr")
 
 
 @dataclass
 class ExecutionConfig:
-    mode: Mode = Mode.fused
-    bgrad: Bgrad = Bgrad.auto
-    # GPU only: time cuBLASLt's candidate algorithms per planned GEMM (in a CUDA graph), keep the fastest.
-    autotune: bool = False
-    # GPU only: remember planned (and autotuned) algorithms on disk per GPU model, shape and dtype.
-    plan_cache: bool = True
-    # GPU only: weight-gradient GEMMs on a second CUDA stream, concurrent with the input-gradient
-    # chain (mlptrain.network._WgradStream); false runs the backward on one stream.
-    wgrad_stream: bool = True
-    # GPU only, small heads (batch <= 1024, classes <= 32) with cross-entropy and ReLU: one small
-    # kernel computes the output layer's input gradient with its dReLU and bias-gradient sum
-    # (mlptrain.head), replacing a K = classes GEMM; false runs that GEMM with DRELU(_BGRAD).
-    head_kernel: bool = True
+    mode: Mode = _f(Mode.fused, "fused: bias, ReLU and their gradients in cuBLASLt epilogs; naive: separate ops")
+    bgrad: Bgrad = _f(Bgrad.auto, "fused: where a hidden layer's bias gradient is reduced; auto: measured (GPU)")
+    autotune: bool = _f(False, "GPU: time cuBLASLt's candidate algorithms per GEMM and keep the fastest")
+    plan_cache: bool = _f(True, "GPU: remember planned algorithms and measured choices on disk")
+    wgrad_stream: bool = _f(True, "GPU: weight gradients on a second stream, beside the input-gradient chain")
+    head_kernel: bool = _f(True, "GPU, fused, small heads: the output layer's input gradient as one kernel")
 
 
 @dataclass
 class PrecisionConfig:
-    name: PrecisionName = PrecisionName.fp32
-    # Dynamic loss scaling (fp16 only; ignored otherwise), torch GradScaler semantics.
-    init_scale: float = 65536.0
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
-    growth_interval: int = 2000
-    # Stop the run after this many consecutive skipped (overflowing) steps.
-    max_consecutive_skips: int = 50
+    name: PrecisionName = _f(PrecisionName.fp32, "fp64, fp32, tf32, fp16 or bf16 (precision=<name>)")
+    init_scale: float = _f(65536.0, "fp16: initial loss scale")
+    growth_factor: float = _f(2.0, "fp16: the scale grows by this after growth_interval clean steps")
+    backoff_factor: float = _f(0.5, "fp16: the scale shrinks by this after an overflow")
+    growth_interval: int = _f(2000, "fp16: clean steps before the scale grows")
+    max_consecutive_skips: int = _f(50, "fp16: stop after this many overflowing steps in a row")
+
+
+@dataclass
+class EarlyStoppingConfig:
+    patience: int = _f(0, "stop after this many epochs without an improvement of the metric (0: off)")
+    metric: str = _f("auto", "the epoch metric that selects best.npz and stops early; auto: val/acc or val/loss")
+    mode: str = _f("auto", "max or min; auto: max for an accuracy, min for a loss")
+    min_delta: float = _f(0.0, "an improvement must be larger than this")
 
 
 @dataclass
@@ -173,87 +189,19 @@ class TrainConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     execution: ExecutionConfig = field(default_factory=ExecutionConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
-    device: Device = Device.auto
-    seed: int = 0
-    epochs: int = 20
-    # Read metrics back from the device every log_every steps (the only host syncs of a step).
-    log_every: int = 10
-    # None: progress bars when stderr is a terminal; true/false forces them on/off.
-    progress: Optional[bool] = None
-    # Checkpoints: save `last` every checkpoint_every epochs (0: only at the end).
-    checkpoint_every: int = 1
-    # Also save `last` every this many optimizer steps (0: off), so a killed run loses at most that many.
-    checkpoint_steps: int = 0
-    # Resume from a checkpoint path, or "last" for the run directory's last checkpoint.
-    resume: Optional[str] = None
-    # GPU: replay the training step from a CUDA graph (None: on when a GPU is used; false: off).
-    graph: Optional[bool] = None
-    # Stop after this many optimizer steps (None: run all epochs). For tests and benchmarks.
-    max_steps: Optional[int] = None
-
-
-def validate(cfg: TrainConfig) -> TrainConfig:
-    """Check what the types cannot; raise one ConfigError listing every problem.
-
-    Returns ``cfg`` unchanged so the call can be chained.
-    """
-    problems: list[str] = []
-
-    def need(ok: bool, msg: str) -> None:
-        if not ok:
-            problems.append(msg)
-
-    m, d, o, p = cfg.model, cfg.data, cfg.optimizer, cfg.precision
-    for key, value in _floats(cfg):
-        need(math.isfinite(value), f"{key}={value} must be a finite number")
-    need(cfg.seed >= 0, f"seed={cfg.seed} must be a non-negative integer")
-    for i, w in enumerate(m.hidden):
-        need(w >= 1, f"model.hidden[{i}]={w} must be a positive layer width")
-    for key in ("in_features", "out_features"):
-        v = getattr(m, key)
-        need(v is None or v >= 1, f"model.{key}={v} must be a positive width or null (taken from the dataset)")
-    need(d.batch_size >= 1, f"data.batch_size={d.batch_size} must be a positive integer")
-    need(d.eval_batch_size >= 1, f"data.eval_batch_size={d.eval_batch_size} must be a positive integer")
-    need(0.0 <= d.val_fraction < 1.0, f"data.val_fraction={d.val_fraction} must be in [0, 1)")
-    need(0.0 < d.test_fraction < 1.0, f"data.test_fraction={d.test_fraction} must be in (0, 1)")
-    need(d.val_fraction + d.test_fraction < 1.0, "data.val_fraction + data.test_fraction must be below 1")
-    need(d.samples >= 2, f"data.samples={d.samples} must be at least 2")
-    need(d.features >= 1, f"data.features={d.features} must be positive")
-    need(d.classes >= 2, f"data.classes={d.classes} must be at least 2")
-    need(o.lr > 0, f"optimizer.lr={o.lr} must be positive")
-    need(0.0 <= o.momentum < 1.0, f"optimizer.momentum={o.momentum} must be in [0, 1)")
-    need(not o.nesterov or o.momentum > 0, "optimizer.nesterov=true needs optimizer.momentum > 0")
-    need(o.weight_decay >= 0, f"optimizer.weight_decay={o.weight_decay} must be >= 0")
-    need(0.0 <= o.beta1 < 1.0, f"optimizer.beta1={o.beta1} must be in [0, 1)")
-    need(0.0 <= o.beta2 < 1.0, f"optimizer.beta2={o.beta2} must be in [0, 1)")
-    need(o.eps > 0, f"optimizer.eps={o.eps} must be positive")
-    need(o.warmup_steps >= 0, f"optimizer.warmup_steps={o.warmup_steps} must be >= 0")
-    need(0.0 <= o.min_lr_ratio <= 1.0, f"optimizer.min_lr_ratio={o.min_lr_ratio} must be in [0, 1]")
-    need(p.init_scale > 0, f"precision.init_scale={p.init_scale} must be positive")
-    need(p.growth_factor > 1, f"precision.growth_factor={p.growth_factor} must be > 1")
-    need(0 < p.backoff_factor < 1, f"precision.backoff_factor={p.backoff_factor} must be in (0, 1)")
-    need(p.growth_interval >= 1, f"precision.growth_interval={p.growth_interval} must be >= 1")
-    need(p.max_consecutive_skips >= 1, f"precision.max_consecutive_skips={p.max_consecutive_skips} must be >= 1")
-    need(cfg.epochs >= 1, f"epochs={cfg.epochs} must be a positive integer")
-    need(cfg.log_every >= 1, f"log_every={cfg.log_every} must be a positive integer")
-    need(cfg.checkpoint_every >= 0, f"checkpoint_every={cfg.checkpoint_every} must be >= 0")
-    need(cfg.checkpoint_steps >= 0, f"checkpoint_steps={cfg.checkpoint_steps} must be >= 0 (0: off)")
-    need(cfg.max_steps is None or cfg.max_steps >= 1, f"max_steps={cfg.max_steps} must be positive or null")
-    if problems:
-        raise ConfigError("invalid configuration: " + "; ".join(problems))
-    return cfg
-
-
-def _floats(node: Any, prefix: str = "") -> list[tuple[str, float]]:
-    """Every float setting of a config dataclass, by dotted key."""
-    out: list[tuple[str, float]] = []
-    for f in fields(node):
-        value = getattr(node, f.name)
-        if is_dataclass(value):
-            out += _floats(value, f"{prefix}{f.name}.")
-        elif isinstance(value, float):
-            out.append((f"{prefix}{f.name}", value))
-    return out
+    early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
+    device: Device = _f(Device.auto, "auto (the GPU when there is one), cpu or gpu")
+    seed: int = _f(0, "seed of the initial weights and the data order")
+    epochs: int = _f(20, "epochs to train")
+    log_every: int = _f(10, "read the metrics back from the device every this many steps (one sync)")
+    progress: Optional[bool] = _f(None, "progress bars; null: when stderr is a terminal")
+    checkpoint_every: int = _f(1, "save checkpoints/last.npz every this many epochs (0: only at the end)")
+    checkpoint_steps: int = _f(0, "also save last every this many steps (0: off)")
+    resume: Optional[str] = _f(None, "continue a run: last, best, or the path of a checkpoint or run directory")
+    graph: Optional[bool] = _f(None, "GPU: replay the step as a CUDA graph; null: on")
+    max_steps: Optional[int] = _f(None, "stop after this many steps (null: all epochs)")
+    logger: Logger = _f(Logger.none, "tensorboard: also write event files into <run dir>/tensorboard")
+    optimized_metric: Optional[str] = _f(None, "the summary value returned to a Hydra sweeper; null: the best metric")
 
 
 def register_configs() -> None:

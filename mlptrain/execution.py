@@ -21,7 +21,8 @@ The three GEMMs of layer ``l`` (``X`` its input, ``Z = X @ W^T + b`` its pre-act
 role         fused                              naive
 ============ ================================== ============================================
 forward      Z^T (out,B) = W @ X^T,             Z (B,out) = X @ W^T; Z += b; mask = Z >= 0;
-             RELU_AUX_BIAS (BIAS if no ReLU)    Z = max(Z, 0)
+             RELU_AUX_BIAS (BIAS if no ReLU;    Z = max(Z, 0)
+             RELU_BIAS when no backward follows)
 input grad   dX^T (in,B) = W^T @ dZ^T,          dX (B,in) = dZ @ W; dX *= mask_below;
              DRELU or DRELU_BGRAD with the      db_below = dX.sum(0)
              relu_aux of the layer below
@@ -73,13 +74,14 @@ class FusedExecution:
     def __init__(self, gemm: Gemm) -> None:
         self.gemm = gemm
 
-    def forward(self, key: str, W: Any, b: Any, x: Any, relu: bool) -> tuple[Any, Any]:
+    def forward(self, key: str, W: Any, b: Any, x: Any, relu: bool, mask: bool = True) -> tuple[Any, Any]:
         """``y = relu(x @ W^T + b)`` (or without relu); returns ``(y (B, out), relu_aux or None)``.
 
         RELU_AUX_BIAS: Z^T = W @ X^T + b[:, None], the ReLU applied, and the bit-packed mask
-        ``Z >= 0`` returned as relu_aux (uint8 (Mb, B)) for the backward. BIAS without ReLU.
+        ``Z >= 0`` returned as relu_aux (uint8 (Mb, B)) for the backward. With ``mask=False``
+        (inference, evaluation: no backward follows) RELU_BIAS, which writes no mask. BIAS without ReLU.
         """
-        epilog = Epilog.RELU_AUX_BIAS if relu else Epilog.BIAS
+        epilog = (Epilog.RELU_AUX_BIAS if mask else Epilog.RELU_BIAS) if relu else Epilog.BIAS
         # (out, in) @ (in, B) -> (out, B) column-major == (B, out) C-order
         zt, aux = self.gemm(f"{key}.fwd", W, x.T, epilog, bias=b)
         return zt.T, aux.get("relu_aux")
@@ -121,14 +123,14 @@ class NaiveExecution:
         self.gemm = gemm
         self.xp = xp
 
-    def forward(self, key: str, W: Any, b: Any, x: Any, relu: bool) -> tuple[Any, Any]:
+    def forward(self, key: str, W: Any, b: Any, x: Any, relu: bool, mask: bool = True) -> tuple[Any, Any]:
         z, _ = self.gemm(f"{key}.fwd", x, W.T)  # (B, in) @ (in, out) -> (B, out)
         z += b  # bias per feature, broadcast over the batch
         if not relu:
             return z, None
-        mask = z >= 0  # (B, out) bool, kept for the backward
+        keep = z >= 0 if mask else None  # (B, out) bool, kept for the backward
         self.xp.maximum(z, 0, out=z)
-        return z, mask
+        return z, keep
 
     def input_grad(self, key: str, W: Any, dz: Any, mask_below: Any, bias_grad_below: bool) -> tuple[Any, Any]:
         dx, _ = self.gemm(f"{key}.dgrad", dz, W)  # (B, out) @ (out, in) -> (B, in)

@@ -12,6 +12,7 @@ two writers never share a temporary file. A temporary file left by a killed writ
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import secrets
 from collections.abc import Callable
@@ -65,6 +66,15 @@ def fsync_dir(folder: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def sha256_file(path: Path) -> str:
+    """The SHA-256 of a file's bytes (hex), read in 4 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def cache_root() -> Path:

@@ -102,10 +102,12 @@ class Linear:
         """Forget the input and mask kept for the backward."""
         self.x = self.mask = None
 
-    def forward(self, ex: FusedExecution | NaiveExecution, x: Any) -> Any:
-        """``x (B, in) -> y (B, out)``; keeps ``x`` and the ReLU mask for the backward."""
-        self.x = x
-        y, self.mask = ex.forward(self.name, self.weight.compute, self.bias.compute, x, self.relu)
+    def forward(self, ex: FusedExecution | NaiveExecution, x: Any, keep: bool = True) -> Any:
+        """``x (B, in) -> y (B, out)``; keeps ``x`` and the ReLU mask for the backward (``keep=False``:
+        inference, no mask made, nothing kept)."""
+        y, mask = ex.forward(self.name, self.weight.compute, self.bias.compute, x, self.relu, mask=keep)
+        if keep:
+            self.x, self.mask = x, mask
         return y
 
     def param_grads(self, ex: FusedExecution | NaiveExecution, dz: Any, bias_grad: Any = None) -> None:

@@ -26,7 +26,7 @@ class DataLoader:
 
     Args:
         x: ``(N, F)`` host features.
-        y: ``(N,)`` host integer labels.
+        y: ``(N,)`` host integer labels, or ``(N, T)`` regression targets.
         batch_size: Rows per batch ``B`` (the last batch may be shorter unless ``drop_last``).
         xp: ``numpy`` or ``cupy``; the arrays are stored and batches are yielded there.
         dtype: Feature dtype on the device, e.g. ``numpy.float32``.
@@ -36,7 +36,7 @@ class DataLoader:
 
     Attributes:
         x: ``(N, F)`` device array of ``dtype``, C-contiguous.
-        y: ``(N,)`` device array, int64 (the dtype of :class:`mlptrain.data.Dataset` labels).
+        y: ``(N,)`` int64 device labels, or ``(N, T)`` float32 targets.
 
     Raises:
         ConfigError: ``batch_size < 1``, ``seed < 0``, ``x`` not 2-D, ``y`` not 1-D integers, length
@@ -61,10 +61,13 @@ class DataLoader:
             raise ConfigError(f"DataLoader seed={seed} must be a non-negative integer")
         if x.ndim != 2:
             raise ConfigError(f"DataLoader x has shape {tuple(x.shape)}; expected (N, F)")
-        if y.ndim != 1 or len(y) != len(x):
-            raise ConfigError(f"DataLoader y has shape {tuple(y.shape)}; expected ({len(x)},) to match x {x.shape}")
-        if not np.issubdtype(np.dtype(y.dtype), np.integer):
-            raise ConfigError(f"DataLoader y has dtype {y.dtype}; expected integer class labels")
+        if y.ndim not in (1, 2) or len(y) != len(x):
+            raise ConfigError(
+                f"DataLoader y has shape {tuple(y.shape)}; expected ({len(x)},) labels or ({len(x)}, T) targets to "
+                f"match x {x.shape}"
+            )
+        if y.ndim == 1 and not np.issubdtype(np.dtype(y.dtype), np.integer):
+            raise ConfigError(f"DataLoader y has dtype {y.dtype}; expected integer class labels (or (N, T) targets)")
         n = len(x)
         if drop_last and 0 < n < batch_size:
             raise ConfigError(
@@ -78,7 +81,8 @@ class DataLoader:
         self.seed = int(seed)
         # Always a copy, on the CPU too, so NumPy and CuPy runs share semantics: the loader owns its data.
         self.x = xp.array(x, dtype=dtype, order="C")  # (N, F), the split's one host-to-device copy
-        self.y = xp.array(y, dtype=xp.int64)  # (N,)
+        # (N,) int64 class labels, or (N, T) float32 regression targets
+        self.y = xp.array(y, dtype=xp.int64 if y.ndim == 1 else xp.float32)
 
     @property
     def num_samples(self) -> int:
@@ -124,17 +128,17 @@ class DataLoader:
             idx = perm[i * b : (i + 1) * b]  # (B,) device indices
             bufs = out(len(idx)) if out is not None else None
             if bufs is None:
-                yield xp.take(self.x, idx, axis=0), xp.take(self.y, idx)  # (B, F), (B,)
+                yield xp.take(self.x, idx, axis=0), xp.take(self.y, idx, axis=0)  # (B, F), (B,) or (B, T)
                 continue
             xb, yb = bufs
-            want = ((len(idx), self.x.shape[1]), self.x.dtype, (len(idx),), self.y.dtype)
+            want = ((len(idx), self.x.shape[1]), self.x.dtype, (len(idx), *self.y.shape[1:]), self.y.dtype)
             if (xb.shape, xb.dtype, yb.shape, yb.dtype) != want:
                 raise ValueError(
                     f"batch buffers {xb.shape} {xb.dtype} / {yb.shape} {yb.dtype} do not fit a batch of "
                     f"{want[0]} {want[1]} / {want[2]} {want[3]}"
                 )
             xp.take(self.x, idx, axis=0, out=xb)
-            xp.take(self.y, idx, out=yb)
+            xp.take(self.y, idx, axis=0, out=yb)
             yield xb, yb
 
     def __iter__(self) -> Iterator[tuple[Any, Any]]:

@@ -15,6 +15,7 @@ still on the device, :meth:`Loop.save` writes a checkpoint of the trainer's stat
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 import time
@@ -26,8 +27,8 @@ from tqdm.auto import tqdm
 
 from mlptrain import checkpoint, faults
 from mlptrain.checkpoint import Best, Position
-from mlptrain.config import to_plain
-from mlptrain.errors import TrainingInterrupted
+from mlptrain.config import TrainConfig, to_plain
+from mlptrain.errors import ConfigError, TrainingInterrupted
 from mlptrain.faults import StopRequest
 from mlptrain.metrics import MetricsWriter, read_metrics
 from mlptrain.rundir import RunDirectory
@@ -41,6 +42,7 @@ class Interval:
 
     def __init__(self, tr: Trainer, log_every: int) -> None:
         self.tr = tr
+        self.classification = tr.dataset.task == "classification"
         self.size = np.zeros(log_every, dtype=np.int64)
         self.lr = np.zeros(log_every)
         self.pending = 0
@@ -69,9 +71,10 @@ class Interval:
                 "step": first + j,
                 "epoch": epoch,
                 "train/loss": float(got["loss"][j]),
-                "train/acc": int(got["correct"][j]) / int(self.size[j]),
-                "lr": float(self.lr[j]),
             }
+            if self.classification:
+                rec["train/acc"] = int(got["correct"][j]) / int(self.size[j])
+            rec["lr"] = float(self.lr[j])
             if tr.scaler.enabled:
                 rec["loss_scale"] = float(got["scale"][j])
                 rec["skipped"] = bool(got["skip"][j])
@@ -108,6 +111,7 @@ class Loop:
         self.stop = stop
         self.progress_disable = None if self.cfg.progress is None else not self.cfg.progress
         self.record: dict[str, Any] = {}
+        self.stopped_early: int | None = None
 
     def run(self) -> dict[str, Any]:
         """Train to the end (or a stop request); returns the summary record."""
@@ -127,20 +131,21 @@ class Loop:
             for epoch in epochs:
                 t_epoch = time.perf_counter()
                 pos, done = self.train_epoch(epoch)
-                here = self.end_epoch(epoch, pos, done, t_epoch)
+                here, stop_early = self.end_epoch(epoch, pos, done, t_epoch)
                 epochs.set_postfix(
                     {k: f"{v:.4f}" for k, v in self.record.items() if k in ("train/loss", "val/acc", "test/acc")},
                     refresh=False,
                 )
                 self.interval.restart_clock()  # evaluation and saving are not training throughput
-                if done:
+                if done or stop_early:
                     break
                 if self.stop.requested:
                     self.interrupt(here)
         return self.summary(epoch + 1, t_start)
 
     def summary(self, epochs: int, t_start: float) -> dict[str, Any]:
-        """Write and return the summary record: the run's size and speed, and the last epoch's metrics."""
+        """Write and return the summary record: the run's size and speed, the last epoch's metrics, and the
+        best checkpoint's epoch, metric and test scores (``best/test/acc`` ...)."""
         tr = self.tr
         wall = time.perf_counter() - t_start
         summary = {
@@ -150,9 +155,27 @@ class Loop:
             "wall_s": wall,
             "samples_per_s": (tr.step_count - self.start.step) * self.cfg.data.batch_size / wall,
             **{k: v for k, v in self.record.items() if "/" in k},
+            "best": self.best.__dict__,
+            **{f"best/{k}": v for k, v in self.best_scores().items()},
         }
+        if self.stopped_early is not None:
+            summary["stopped_early"] = self.stopped_early
         self.metrics.write(**summary)
         return summary
+
+    def best_scores(self) -> dict[str, float]:
+        """The test scores of the parameters in ``best.npz`` (evaluated in place, then the last state put back)."""
+        path = self.run_dir.checkpoint("best")
+        if "test" not in self.tr.eval_loaders or not path.is_file():
+            return {}
+        model = self.tr.model
+        now = model.state_dict()
+        best = checkpoint.load(path).arrays
+        model.load_state_dict({k[len("param/") :]: v for k, v in best.items() if k.startswith("param/")})
+        try:
+            return self.tr.evaluate("test")
+        finally:
+            model.load_state_dict(now)
 
     def finish(self) -> int:
         """End a run whose last checkpoint is its end: the last epoch's record (evaluated again where the
@@ -201,12 +224,16 @@ class Loop:
             self.flush(epoch)
         return self.position(epoch, batch, samples), done
 
-    def end_epoch(self, epoch: int, pos: Position, done: bool, t_epoch: float) -> Position:
-        """Evaluate, write the epoch record, save ``best`` (first) and ``last``; returns where the run stands."""
+    def end_epoch(self, epoch: int, pos: Position, done: bool, t_epoch: float) -> tuple[Position, bool]:
+        """Evaluate, write the epoch record (and its log line), save ``best`` (first) and ``last``.
+
+        Returns where the run stands, and whether early stopping ends it here.
+        """
         tr, cfg = self.tr, self.cfg
         n = max(pos.samples, 1)
-        rec: dict[str, Any] = {"kind": "epoch", "epoch": epoch, "step": tr.step_count, "train/loss": pos.loss_sum / n,
-               "train/acc": pos.correct / n}  # fmt: skip
+        rec: dict[str, Any] = {"kind": "epoch", "epoch": epoch, "step": tr.step_count, "train/loss": pos.loss_sum / n}
+        if self.interval.classification:
+            rec["train/acc"] = pos.correct / n
         for split in tr.eval_loaders:
             rec.update(tr.evaluate(split))
         rec["time_s"] = time.perf_counter() - t_epoch
@@ -217,15 +244,25 @@ class Loop:
         here = Position(epoch + 1, 0, tr.step_count) if whole else pos
         if whole:
             self.metrics.write(**rec)
-        improved = self.best.improves(rec[self.best.metric])
-        if improved:
-            self.best = Best(self.best.metric, rec[self.best.metric], epoch, tr.step_count)
+        es = cfg.early_stopping
+        if self.best.improves(rec[self.best.metric], es.min_delta):
+            self.best = dataclasses.replace(self.best, value=rec[self.best.metric], epoch=epoch, step=tr.step_count)
             self.save("best", here)  # before anything that refers to it: last's meta names this best
-        if done or self.stop.requested or (cfg.checkpoint_every > 0 and (epoch + 1) % cfg.checkpoint_every == 0):
+        stop_early = es.patience > 0 and not done and epoch - (self.best.epoch or 0) >= es.patience
+        end = done or stop_early or self.stop.requested
+        if end or (cfg.checkpoint_every > 0 and (epoch + 1) % cfg.checkpoint_every == 0):
             self.save("last", here)
         if not whole:
             self.metrics.write(**rec)
-        return here
+        log.info(epoch_line(rec, cfg.epochs, tr, self.interval.samples_per_s))
+        if stop_early:
+            self.stopped_early = epoch
+            log.info(
+                "early stopping after epoch %d: %s has not improved for %d epochs (best %.4g at epoch %d, in %s)",
+                epoch, self.best.metric, epoch - (self.best.epoch or 0), self.best.value, self.best.epoch,
+                self.run_dir.checkpoint("best"),
+            )  # fmt: skip
+        return here, stop_early
 
     def position(self, epoch: int, batch: int, samples: int) -> Position:
         """Where the run stands now, inside ``epoch`` (reads the epoch's running sums: syncs the device)."""
@@ -281,3 +318,37 @@ class Loop:
         )
         log.warning(message)
         raise TrainingInterrupted(message, last, pos.step, signum)
+
+
+def selection(cfg: TrainConfig, classification: bool, has_val: bool) -> Best:
+    """The epoch metric that selects ``best.npz`` (and stops early): ``early_stopping.metric`` and ``mode``.
+
+    ``auto``: the validation accuracy (the validation loss for a regression; the training split's
+    when there is no validation split); the mode ``max`` for an accuracy, ``min`` for a loss.
+    """
+    es = cfg.early_stopping
+    metric = es.metric
+    if metric == "auto":
+        metric = f"{'val' if has_val else 'train'}/{'acc' if classification else 'loss'}"
+    if (metric.startswith("val/") and not has_val) or (metric.endswith("/acc") and not classification):
+        raise ConfigError(
+            f"early_stopping.metric={metric} is not measured in this run"
+            f"{' (no validation split: data.val_fraction=0)' if not has_val else ' (a regression has no accuracy)'}"
+        )
+    mode = es.mode if es.mode != "auto" else ("min" if metric.endswith("/loss") else "max")
+    return Best(metric, mode=mode)
+
+
+def epoch_line(rec: dict[str, Any], epochs: int, tr: Trainer, samples_per_s: float) -> str:
+    """One line per epoch, as Keras' ``verbose=2`` prints (also when no progress bar is shown)."""
+    parts = [f"epoch {rec['epoch'] + 1}/{epochs}"]
+    for split in ("train", "val", "test"):
+        scores = [f"{k} {rec[f'{split}/{k}']:.4f}" for k in ("loss", "acc") if f"{split}/{k}" in rec]
+        if scores:
+            parts.append(f"{split} " + " ".join(scores))
+    parts.append(f"lr {tr.lr_at(max(tr.step_count - 1, 0)):.3g}")
+    parts.append(f"{samples_per_s:,.0f} samples/s")
+    if tr.scaler.enabled:
+        parts.append(f"loss scale {float(tr.scaler.scale):.3g}")
+    parts.append(f"{rec['time_s']:.1f} s")
+    return " | ".join(parts)

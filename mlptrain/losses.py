@@ -60,16 +60,22 @@ def softmax_cross_entropy(logits: Any, y: Any, grad_scale: Any = 1.0, *, bias_gr
 
 
 def mse(logits: Any, y: Any, grad_scale: Any = 1.0, *, bias_grad: bool = False) -> tuple:
-    """Mean squared error between ``logits (B, C)`` and the one-hot encoding of ``y (B,)``.
+    """Mean squared error of ``logits (B, C)`` against regression targets ``y (B, C)``, or against
+    the one-hot encoding of class labels ``y (B,)``.
 
-    ``loss = mean over B and C of (z - onehot)^2``; ``dlogits = 2 (z - onehot) / (B C)``.
+    ``loss = mean over B and C of (z - t)^2``; ``dlogits = 2 (z - t) / (B C)``. ``correct`` counts
+    the rows whose argmax is the label (classification); it is 0 for a regression.
     """
     xp = get_array_module(logits)
     B, C = logits.shape
     z = logits.astype(_loss_dtype(xp, logits.dtype))
-    z -= xp.arange(C)[None, :] == y[:, None]  # residual (B, C)
+    if y.ndim == 2:  # regression targets
+        z -= y  # residual (B, C)
+        correct = xp.zeros((), dtype=xp.int64)
+    else:
+        z -= xp.arange(C)[None, :] == y[:, None]  # residual (B, C)
+        correct = (logits.argmax(axis=1) == y).sum()
     loss = (z * z).mean()
-    correct = (logits.argmax(axis=1) == y).sum()
     z *= 2.0 * grad_scale / (B * C) if isinstance(grad_scale, float) else grad_scale * (2.0 / (B * C))
     if bias_grad:  # see softmax_cross_entropy
         return loss, z.astype(logits.dtype, copy=False), correct, z.sum(axis=0).astype(logits.dtype, copy=False)

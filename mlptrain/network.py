@@ -117,10 +117,10 @@ class MLP:
     def num_params(self) -> int:
         return sum(int(p.value.size) for p in self.params)
 
-    def forward(self, x: Any) -> Any:
-        """``x (B, in) -> logits (B, out)``."""
+    def forward(self, x: Any, keep: bool = True) -> Any:
+        """``x (B, in) -> logits (B, out)``; ``keep=False`` for inference (RELU_BIAS, nothing kept for a backward)."""
         for layer in self.layers:
-            x = layer.forward(self.execution, x)
+            x = layer.forward(self.execution, x, keep)
         return x
 
     def backward(self, dlogits: Any, head: HeadGrads | None = None) -> None:

@@ -26,7 +26,8 @@ from typing import Any
 from mlptrain import __version__, checkpoint, faults
 from mlptrain.backend import get_backend
 from mlptrain.checkpoint import CHECKPOINT_DIR, Best, Checkpoint, Position
-from mlptrain.config import TrainConfig, flatten, to_plain, validate
+from mlptrain.checks import validate
+from mlptrain.config import TrainConfig, flatten, to_plain
 from mlptrain.data import Dataset
 from mlptrain.errors import CheckpointError, ConfigError, MlptrainError
 from mlptrain.faults import StopRequest
@@ -99,11 +100,24 @@ def _train_locked(
         f"{tr.precision.name} on {backend.device}: {summary['epochs']} epochs, {tr.step_count} steps in "
         f"{summary['wall_s']:.1f} s"
     )
-    if "test/acc" in summary:
-        line += f" | test acc {summary['test/acc']:.4f} loss {summary['test/loss']:.4f}"
+    if "test/loss" in summary:
+        line += " | " + _scores(summary, "test/")
+    best = summary["best"]
+    if best["epoch"] is not None and "best/test/loss" in summary:
+        line += f" | best (epoch {best['epoch'] + 1}, {best['metric']} {best['value']:.4f}): "
+        line += _scores(summary, "best/test/")
+    if "stopped_early" in summary:
+        line += f" | stopped early after epoch {summary['stopped_early'] + 1}"
     log.info(line)
     print(line, flush=True)
     return summary
+
+
+def _scores(summary: dict[str, Any], prefix: str) -> str:
+    """``test acc 0.9805 loss 0.0912`` (a regression: the loss alone), from the ``{prefix}acc`` keys."""
+    if f"{prefix}acc" in summary:
+        return f"test acc {summary[f'{prefix}acc']:.4f} loss {summary[f'{prefix}loss']:.4f}"
+    return f"test loss {summary[f'{prefix}loss']:.4g}" if f"{prefix}loss" in summary else ""
 
 
 # --- 1. where to start (reads, writes nothing) ------------------------------------------------
@@ -130,7 +144,10 @@ def _prepare(tr: Trainer, run_dir: RunDirectory) -> Start:
         ConfigError: the checkpoint is at or past the end of this run.
     """
     cfg = tr.cfg
-    best = Best("val/acc" if "val" in tr.eval_loaders else "train/acc")
+    split = "val" if "val" in tr.eval_loaders else "train"  # the test split never selects a model
+    best = (
+        Best(f"{split}/acc", mode="max") if tr.dataset.task == "classification" else Best(f"{split}/loss", mode="min")
+    )
     if cfg.resume is None:
         run_dir.refuse_overwrite(hint="continue it with resume=last")
         return Start(Position(), best, plan_prefix(None, 0))
@@ -220,7 +237,7 @@ def _plan_best(start: Start, ckpt: Checkpoint, best_path: Path, *, copy: bool) -
         start.best_file = ckpt
         start.notes.append(f"{best_path} repaired from {ckpt.path}, which holds the same state (step {pos.step})")
         return
-    start.best = Best(recorded.metric)
+    start.best = Best(recorded.metric, mode=recorded.mode)
     what = problem if found is None else f"it holds step {found.position.step}"
     start.notes.append(
         f"the best checkpoint of this run (step {recorded.step}, {recorded.metric} {recorded.value}) is lost ({what}); "

@@ -134,24 +134,27 @@ class Trainer:
         if self.graphed is None:
             return None
         ld = self.train_loader
-        return self.graphed.input_buffers((rows, ld.x.shape[1]), ld.x.dtype, (rows,), ld.y.dtype)
+        return self.graphed.input_buffers((rows, ld.x.shape[1]), ld.x.dtype, (rows, *ld.y.shape[1:]), ld.y.dtype)
 
     def lr_at(self, step: int) -> float:
         """The learning rate of optimizer step ``step`` (host value, for logs)."""
         return self.schedule.host(step)
 
     def evaluate(self, split: str) -> dict[str, float]:
-        """Mean loss and accuracy over a whole split (syncs once at the end)."""
+        """Mean loss (and, for a classification, accuracy) over a whole split (syncs once at the end)."""
         xp = self.xp
         loader = self.eval_loaders[split]
         loss_sum = xp.zeros((), dtype=xp.float64)
         correct = xp.zeros((), dtype=xp.int64)
         for x, y in loader.epoch(0):
-            loss, c = self.head.evaluate(self.model.forward(x), y)
+            loss, c = self.head.evaluate(self.model.forward(x, keep=False), y)
             loss_sum += loss * len(y)
             correct += c
         n = loader.num_samples
-        return {f"{split}/loss": float(loss_sum) / n, f"{split}/acc": int(correct) / n}
+        out = {f"{split}/loss": float(loss_sum) / n}
+        if self.dataset.task == "classification":
+            out[f"{split}/acc"] = int(correct) / n
+        return out
 
     # --- measured choices -------------------------------------------------------------------
 
@@ -190,12 +193,15 @@ class Trainer:
     def state_dict(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         """``(arrays, meta)``: the state of training, as host arrays and JSON-ready values (syncs the device).
 
-        Arrays: ``param/<name>`` (master copies), ``optim/<name>/<state>`` and ``optim/t``. Meta:
-        the architecture and dtypes it fits, the bgrad strategies, the loss scaler's state and
-        the data seed. The step count is the run's position (:class:`mlptrain.run.Position`).
+        Arrays: ``param/<name>`` (master copies), ``optim/<name>/<state>`` and ``optim/t``, and the
+        data's normalisation (``data/shift``, ``data/scale``). Meta: the architecture and dtypes it
+        fits, the bgrad strategies, the loss scaler's state, the data seed and the data's
+        preprocessing. The step count is the run's position (:class:`mlptrain.checkpoint.Position`).
         """
         arrays = {f"param/{k}": v for k, v in self.model.state_dict().items()}
         arrays.update({f"optim/{k}": np.asarray(v) for k, v in self.optimizer.state_dict().items()})
+        data_meta, data_arrays = self.dataset.preprocessing()
+        arrays.update(data_arrays)
         cfg = self.cfg
         meta = {
             "steps_per_epoch": self.steps_per_epoch,
@@ -208,6 +214,7 @@ class Trainer:
             "optimizer": cfg.optimizer.name.value,
             "scaler": self.scaler.state_dict() if self.scaler.enabled else None,
             "rng": {"seed": cfg.seed, "data_seed": self.train_loader.seed},
+            "data": data_meta,
         }
         return arrays, meta
 
@@ -219,6 +226,10 @@ class Trainer:
                 extra or misshapen arrays (``where`` names the checkpoint in the message).
         """
         self._check_fits(arrays, meta, where)
+        _, now = self.dataset.preprocessing()
+        if any(k in arrays and not np.array_equal(arrays[k], v) for k, v in now.items()):
+            log.warning("%s: the data is normalised differently than when the checkpoint was saved (the data changed)",
+                        where)  # fmt: skip
         self.model.load_state_dict({k[len("param/") :]: v for k, v in arrays.items() if k.startswith("param/")})
         self.optimizer.load_state_dict({k[len("optim/") :]: v for k, v in arrays.items() if k.startswith("optim/")})
         if self.scaler.enabled and meta["scaler"] is not None:
@@ -257,7 +268,7 @@ class Trainer:
                 raise CheckpointError(
                     f"{where}: {key!r} is {a.dtype.name}{list(a.shape)}, expected {dtype or a.dtype.name}{list(shape)}"
                 )
-        extra = sorted(set(arrays) - set(expected))
+        extra = sorted(k for k in set(arrays) - set(expected) if not k.startswith("data/"))
         if extra:
             raise CheckpointError(
                 f"{where} has state this run does not use: {', '.join(extra)} (optimizer settings changed?)"

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from mlptrain.config import Device, TrainConfig
+from mlptrain.config import Device, PrecisionName, TrainConfig
 from mlptrain.metrics import read_metrics
 from mlptrain.precision import Precision
 
@@ -36,8 +36,13 @@ def records(run_dir: Path) -> list[dict[str, Any]]:
     return [{k: v for k, v in r.items() if k not in TIMING} for r in read_metrics(run_dir / "metrics.jsonl")]
 
 
+FP16 = {"precision__name": PrecisionName.fp16}  # make_cfg(**FP16, ...) with emulate_fp16
+
+
 def emulate_fp16(monkeypatch: Any) -> None:
     """Run precision=fp16 on the CPU: float16 GEMMs, float32 master weights, dynamic loss scaling.
+
+    Configs say ``precision=fp16`` (``make_cfg(**FP16)``), so that its loss-scaling settings count as used.
 
     The NumPy engine computes float16 GEMMs in float32 and rounds once, so the whole fp16 path
     (loss scaling, skipped steps, master and compute copies) runs without a GPU.

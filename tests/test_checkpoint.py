@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers import emulate_fp16, make_cfg, records
+from helpers import FP16, emulate_fp16, make_cfg, records
 from numpy.testing import assert_allclose, assert_array_equal
 
 from mlptrain import checkpoint, files
@@ -80,6 +80,7 @@ def _meta(step: int = 7) -> dict[str, Any]:
         "metrics_records": step,
         "best": Best("val/acc").__dict__,
         "config": {},
+        "data": None,
     }
 
 
@@ -286,7 +287,7 @@ def test_resume_into_a_new_directory_copies_the_metrics_prefix(
 def test_fp16_loss_scaler_state_resumes_exactly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """fp16's scale, growth tracker and skip count are in the checkpoint (fp16 emulated on the CPU)."""
     emulate_fp16(monkeypatch)
-    overrides = {"precision__init_scale": 2.0**30, "precision__growth_interval": 4, "epochs": 2}
+    overrides = {**FP16, "precision__init_scale": 2.0**30, "precision__growth_interval": 4, "epochs": 2}
     train(make_cfg(**overrides), tmp_path / "straight")
     ref = records(tmp_path / "straight")
     steps = [r for r in ref if r["kind"] == "step"]
@@ -553,6 +554,7 @@ def test_version_1_checkpoints_are_still_read(tmp_path: Path) -> None:
     path = tmp_path / "v1.npz"
     arrays = _arrays()
     meta = {**_meta(), "format": checkpoint.FORMAT, "format_version": 1, "mlptrain": "0.1.0"}
+    del meta["data"], meta["best"]["mode"]  # what version 1 did not record
     meta["sha256"] = checkpoint.digest(arrays)
     _write_raw(path, arrays, meta)
     assert checkpoint.load(path).position.step == 7

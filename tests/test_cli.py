@@ -177,3 +177,50 @@ def test_installed_wheel_finds_its_configs(wheel: Path, tmp_path: Path) -> None:
     assert "name: mnist1d" in proc.stdout and "name: adamw" in proc.stdout
     proc = run_cli("optimizer.lr=0", f"hydra.run.dir={tmp_path}/run", cwd=cwd, pythonpath=site)
     assert proc.returncode == 2 and "optimizer.lr" in proc.stderr, output(proc)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("+optimizer.lrr=0.1", "optimizer.lrr is not a setting; did you mean optimizer.lr?"),
+        ("optimizer.lrr=0.1", "Key 'lrr' not in 'OptimizerConfig'; did you mean optimizer.lr?"),
+        ("data.features=1024", "data.features=1024 is not used with data=digits: it applies to data=synthetic"),
+    ],
+)
+def test_an_ignored_or_unknown_setting_is_one_line_and_exit_2(tmp_path: Path, override: str, message: str) -> None:
+    proc = run_cli(override, "device=cpu", f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)
+    assert proc.returncode == 2, output(proc)
+    (line,) = [x for x in proc.stderr.splitlines() if x.strip()]
+    assert line.startswith("error: ") and message in line
+    assert not (tmp_path / "run").exists()
+
+
+def test_version_is_mlptrains_own(tmp_path: Path) -> None:
+    proc = run_cli("--version", cwd=tmp_path)
+    assert proc.returncode == 0, output(proc)
+    assert proc.stdout.startswith("mlptrain 0.1.0 (Python ") and "NumPy" in proc.stdout and "Hydra" in proc.stdout
+
+
+@pytest.mark.parametrize(("driver", "extra"), [("580.159.04", "[cu13]"), ("535.104.05", "[cu12]"), (None, "")])
+def test_make_run_installs_the_cuda_extra_that_the_driver_supports(
+    tmp_path: Path, driver: str | None, extra: str
+) -> None:
+    """``make run`` asks nvidia-smi for the driver version (a stand-in here) and installs cu13, cu12 or neither."""
+    import shutil
+
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    if driver is not None:
+        fake = bin_dir / "nvidia-smi"
+        fake.write_text(f"#!/bin/sh\necho {driver}\n")
+        fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}/usr/bin{os.pathsep}/bin"}
+    venv = tmp_path / "venv"  # a venv that does not exist: make -n only prints what it would do
+    proc = subprocess.run(
+        ["make", "-n", "-C", str(REPO), "run", f"VENV={venv}"], env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert f"pip install -e '.{extra}'" in proc.stdout, proc.stdout
+    assert "pip install -e '.[dev]'" not in proc.stdout, "running needs no developer tools"

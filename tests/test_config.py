@@ -10,6 +10,7 @@ import pytest
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf import OmegaConf
 
+from mlptrain.checks import validate
 from mlptrain.cli import CONF_DIR, compose_config
 from mlptrain.config import (
     DatasetName,
@@ -17,7 +18,6 @@ from mlptrain.config import (
     OptimizerName,
     PrecisionName,
     TrainConfig,
-    validate,
 )
 from mlptrain.errors import ConfigError, MlptrainError
 
@@ -61,7 +61,8 @@ def test_defaults() -> None:
 @pytest.mark.parametrize("path", GROUP_FILES, ids=lambda p: f"{p.parent.name}={p.stem}")
 def test_every_group_option_composes(path: Path) -> None:
     group, option = path.parent.name, path.stem
-    cfg = compose_config([f"{group}={option}"])
+    needs = {"data=file": ["data.path=train.csv"]}  # the settings an option cannot do without
+    cfg = compose_config([f"{group}={option}", *needs.get(f"{group}={option}", [])])
     node = getattr(cfg, group)
     expected = OmegaConf.to_container(OmegaConf.load(path))
     assert isinstance(expected, dict) and expected, f"{path} sets nothing"
@@ -171,3 +172,45 @@ def test_validate_rejects_non_positive(override: str, key: str) -> None:
 def test_validate_accepts_defaults_and_returns_its_argument() -> None:
     cfg = TrainConfig()
     assert validate(cfg) is cfg
+
+
+# --- a configuration never ignores what was said ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["+optimizer.lrr=0.1"], "optimizer.lrr is not a setting; did you mean optimizer.lr?"),
+        (["+model.hiden=[8]"], "model.hiden is not a setting; did you mean model.hidden?"),
+        (["data.features=1024"], "data.features=1024 is not used with data=digits: it applies to data=synthetic"),
+        (["optimizer=adam", "optimizer.momentum=0.5"], "optimizer.momentum=0.5 is not used with optimizer=adam"),
+        (["optimizer.beta2=0.99"], "optimizer.beta2=0.99 is not used with optimizer=sgd: it applies to optimizer=adam"),
+        (["execution=naive", "execution.bgrad=bgradb"], "execution.bgrad=bgradb is not used with execution=naive"),
+        (["device=cpu", "execution.autotune=true"], "execution.autotune=true is not used with device=cpu"),
+        (["device=cpu", "graph=true"], "graph=true is not used with device=cpu: it applies to the GPU"),
+        (["precision.init_scale=1024"], "precision.init_scale=1024.0 is not used with precision=fp32"),
+        (["optimizer.schedule=constant", "optimizer.min_lr_ratio=0.1"], "is not used with optimizer.schedule=constant"),
+        (["data=mnist", "data.test_fraction=0.3"], "data.test_fraction=0.3 is not used with data=mnist, which has a"),
+        (["data.path=x.csv"], "data.path=x.csv is not used with data=digits: it applies to data=file"),
+        (["data=synthetic", "data.root=/tmp"], "data.root=/tmp is not used with data=synthetic"),
+        (["data=file"], "data=file needs data.path=<the training file>"),
+    ],
+)
+def test_a_setting_that_would_be_ignored_is_an_error(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        compose_config(overrides)
+    assert message in str(info.value)
+
+
+def test_settings_that_apply_are_accepted() -> None:
+    compose_config(["data=synthetic", "data.features=1024"])
+    compose_config(["optimizer=adam", "optimizer.beta2=0.99", "precision=fp16", "precision.init_scale=1024"])
+    compose_config(["data=file", "data.path=x.csv", "data.target=[a,b]", "data.test_fraction=0.3"])
+    compose_config(["optimizer.momentum=0.9", "data.features=32"])  # the defaults: nothing was said
+
+
+def test_an_attribute_set_from_python_is_checked_too() -> None:
+    cfg = TrainConfig()
+    cfg.optimizer.lrr = 0.1  # type: ignore[attr-defined]
+    with pytest.raises(ConfigError, match="optimizer.lrr is not a setting; did you mean optimizer.lr"):
+        validate(cfg)

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers import emulate_fp16, make_cfg, records
+from helpers import FP16, emulate_fp16, make_cfg, records
 
 from mlptrain import checkpoint, files
 from mlptrain.config import Bgrad, Device, Schedule
@@ -257,7 +257,7 @@ def test_diverging_learning_rate_stops_with_the_loss_and_step(tmp_path: Path) ->
 def test_fp16_overflow_skips_then_a_persistent_one_stops(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     emulate_fp16(monkeypatch)
     # An overflowing step is skipped (parameters unchanged) and the scale backs off ...
-    train(make_cfg(epochs=1, precision__init_scale=2.0**30, log_every=1), tmp_path / "transient")
+    train(make_cfg(**FP16, epochs=1, precision__init_scale=2.0**30, log_every=1), tmp_path / "transient")
     steps = [r for r in read_metrics(tmp_path / "transient" / "metrics.jsonl") if r["kind"] == "step"]
     assert [r["loss_scale"] for r in steps[:4]] == [2.0**29, 2.0**28, 2.0**27, 2.0**26]
     assert steps[0]["skipped"] and not steps[-1]["skipped"]
@@ -270,7 +270,7 @@ def test_fp16_overflow_skips_then_a_persistent_one_stops(tmp_path: Path, monkeyp
 
     monkeypatch.setattr(MLP, "backward", always_inf)
     with pytest.raises(NonFiniteError) as err:
-        train(make_cfg(precision__max_consecutive_skips=7, log_every=1), tmp_path / "persistent")
+        train(make_cfg(**FP16, precision__max_consecutive_skips=7, log_every=1), tmp_path / "persistent")
     msg = str(err.value)
     assert "fp16 gradients overflowed on 7 consecutive steps up to step 6 (loss scale now 512;" in msg
     assert "last step's inf/NaN: layer0.weight gradient" in msg and "lower optimizer.lr or use precision=bf16" in msg

@@ -226,7 +226,7 @@ def atomic_write(path, content):
 files.atomic_write = atomic_write
 import mlptrain.checkpoint
 mlptrain.checkpoint.atomic_write = atomic_write
-train(make_cfg(epochs=8, optimizer__lr=0.02), Path({str(run)!r}))
+train(make_cfg(epochs=8, optimizer__lr=0.01), Path({str(run)!r}))
 """
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent.parent)])}
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
@@ -236,7 +236,7 @@ def test_killed_while_writing_best_then_resumed_keeps_the_best_model(tmp_path: P
     """best.npz is written before last.npz, whose meta refers to it: a kill between the two (here in the
     middle of best's write) never leaves a best older than last says; the resume writes it again."""
     straight = tmp_path / "straight"
-    train(make_cfg(epochs=8, optimizer__lr=0.02), straight)
+    train(make_cfg(epochs=8, optimizer__lr=0.01), straight)
     accs = [r["val/acc"] for r in read_metrics(straight / "metrics.jsonl") if r["kind"] == "epoch"]
     improved = [i for i, a in enumerate(accs) if a > max(accs[:i], default=-1)]
     assert len(improved) >= 4, accs  # best.npz is written at least 4 times: the 3rd write is not the last
@@ -247,7 +247,7 @@ def test_killed_while_writing_best_then_resumed_keeps_the_best_model(tmp_path: P
     last = checkpoint.load(run / "checkpoints" / "last.npz")
     on_disk = checkpoint.load(run / "checkpoints" / "best.npz")
     assert last.best.step == on_disk.position.step, "last.npz refers to the best.npz that is on disk"
-    train(make_cfg(epochs=8, optimizer__lr=0.02, resume="last"), run)
+    train(make_cfg(epochs=8, optimizer__lr=0.01, resume="last"), run)
     assert records(run) == records(straight)
     for name in ("best", "last"):
         a, b = (checkpoint.load(d / "checkpoints" / f"{name}.npz") for d in (run, straight))

@@ -51,9 +51,9 @@ def test_a_wrong_mask_would_be_caught():
     fused = step_losses(make_cfg("fused", "fp64"), epochs=1)
     original = ex.NaiveExecution.forward
 
-    def shifted(self, key, W, b, x, relu):
-        z, mask = original(self, key, W, b, x, relu)
-        return z, (None if mask is None else z > 0.5)
+    def shifted(self, key, W, b, x, relu, mask=True):
+        z, kept = original(self, key, W, b, x, relu, mask)
+        return z, (None if kept is None else z > 0.5)
 
     ex.NaiveExecution.forward = shifted
     try:
@@ -75,10 +75,10 @@ def test_default_run_reaches_96_percent_and_is_deterministic(tmp_path):
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning", "ignore:invalid value:RuntimeWarning")
 def test_fp16_step_records_carry_each_steps_loss_scale(tmp_path, monkeypatch):
     """Read back once per interval, the loss scale is still the one after each step."""
-    from helpers import emulate_fp16, make_cfg, records
+    from helpers import FP16, emulate_fp16, make_cfg, records
 
     emulate_fp16(monkeypatch)
-    train(make_cfg(precision__init_scale=2.0**30, precision__growth_interval=4, log_every=10), tmp_path)
+    train(make_cfg(**FP16, precision__init_scale=2.0**30, precision__growth_interval=4, log_every=10), tmp_path)
     steps = [r for r in records(tmp_path) if r["kind"] == "step"]
     scale = 2.0**30
     for r in steps:

@@ -8,7 +8,6 @@ four files, their SHA-256 and the folder to put them in.
 from __future__ import annotations
 
 import gzip
-import hashlib
 import http.client
 import logging
 import math
@@ -23,6 +22,7 @@ import numpy as np
 from tqdm import tqdm
 
 from mlptrain.errors import DatasetError
+from mlptrain.files import sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -65,14 +65,6 @@ MIRRORS: dict[str, list[str]] = {
     "fashion_mnist": ["http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/"],
 }
 DOWNLOAD_TIMEOUT_S = 30.0
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 _IDX_CODES = {0x08: "u1", 0x09: "i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
@@ -166,7 +158,7 @@ def _check_file(path: Path, spec: FileSpec) -> str | None:
         return "not a regular file (a directory, a device, or a link to one)"
     if st.st_size != spec.size:
         return f"size {st.st_size} bytes, expected {spec.size} (and SHA-256 {spec.sha256})"
-    digest = _sha256(path)
+    digest = sha256_file(path)
     if digest != spec.sha256:
         return f"SHA-256 {digest}, expected {spec.sha256}"
     return None

@@ -1,8 +1,9 @@
-"""The built-in datasets: digits (bundled), mnist1d (generated), MNIST and Fashion-MNIST (downloaded), synthetic.
+"""The sources of data: digits (bundled), mnist1d (generated), MNIST and Fashion-MNIST (downloaded),
+synthetic, and the user's own files (``data=file``).
 
-Each source returns ``(x_train, y_train, x_test, y_test, num_classes, class_names)`` as host
-arrays; ``x_test`` is None when the dataset has no official test split (the caller then splits one
-off). :mod:`mlptrain.data.prepare` splits and normalises.
+Each source returns a :class:`Raw`: host arrays, with ``x_test`` None when the dataset has no test
+split of its own (the caller then splits one off). :mod:`mlptrain.data.prepare` splits and
+normalises.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from pathlib import Path
 import numpy as np
 
 from mlptrain.config import DataConfig
+from mlptrain.data.dataset import Raw
+from mlptrain.data.files_source import load_file
 from mlptrain.data.idx import IDX_FILES, ensure_idx_files, read_idx
 from mlptrain.errors import ConfigError, DatasetError
 from mlptrain.files import cache_root
@@ -42,7 +45,7 @@ FASHION_NAMES = [
 SYNTHETIC_SEPARATION = 4.0  # blob-centre spread; linear models reach ~80 %, an MLP ~93 % at 32 features
 
 
-def _load_digits(cfg: DataConfig, rng: np.random.Generator) -> tuple:
+def _load_digits(cfg: DataConfig, rng: np.random.Generator) -> Raw:
     path = Path(DIGITS_PATH)
     try:
         raw = path.read_bytes()
@@ -57,13 +60,14 @@ def _load_digits(cfg: DataConfig, rng: np.random.Generator) -> tuple:
     table = np.loadtxt(io.BytesIO(gzip.decompress(raw)), delimiter=",", dtype=np.float64, ndmin=2)  # (1797, 65)
     if table.shape != (1797, 65):
         raise DatasetError(f"bundled digits file {path} has shape {table.shape}; expected (1797, 65)")
-    return table[:, :64], table[:, 64].astype(np.int64), None, None, 10, DIGIT_NAMES
+    pixels = [f"pixel_{r}_{c}" for r in range(8) for c in range(8)]
+    return Raw(table[:, :64], table[:, 64].astype(np.int64), None, None, 10, DIGIT_NAMES, feature_names=pixels)
 
 
 _MNIST1D_CACHE: dict[str, np.ndarray] = {}
 
 
-def _load_mnist1d(cfg: DataConfig, rng: np.random.Generator) -> tuple:
+def _load_mnist1d(cfg: DataConfig, rng: np.random.Generator) -> Raw:
     if not _MNIST1D_CACHE:
         try:
             from mnist1d.data import get_dataset_args, make_dataset
@@ -82,11 +86,11 @@ def _load_mnist1d(cfg: DataConfig, rng: np.random.Generator) -> tuple:
             _MNIST1D_CACHE[key] = np.array(d[key])
             _MNIST1D_CACHE[key].setflags(write=False)
     c = _MNIST1D_CACHE
-    return c["x"], c["y"].astype(np.int64), c["x_test"], c["y_test"].astype(np.int64), 10, DIGIT_NAMES
+    return Raw(c["x"], c["y"].astype(np.int64), c["x_test"], c["y_test"].astype(np.int64), 10, DIGIT_NAMES)
 
 
-def _load_idx_dataset(name: str, class_names: list[str]) -> Callable[[DataConfig, np.random.Generator], tuple]:
-    def load(cfg: DataConfig, rng: np.random.Generator) -> tuple:
+def _load_idx_dataset(name: str, class_names: list[str]) -> Callable[[DataConfig, np.random.Generator], Raw]:
+    def load(cfg: DataConfig, rng: np.random.Generator) -> Raw:
         folder = (Path(cfg.root).expanduser() if cfg.root else cache_root()) / name
         ensure_idx_files(name, folder, cfg.download)
         xtr, ytr, xte, yte = (read_idx(folder / f) for f in IDX_FILES)
@@ -98,12 +102,12 @@ def _load_idx_dataset(name: str, class_names: list[str]) -> Callable[[DataConfig
                 )
         # uint8 (N, 28, 28) -> float32 (N, 784)
         flat = [x.reshape(len(x), -1).astype(np.float32) for x in (xtr, xte)]
-        return flat[0], ytr.astype(np.int64), flat[1], yte.astype(np.int64), 10, class_names
+        return Raw(flat[0], ytr.astype(np.int64), flat[1], yte.astype(np.int64), 10, class_names)
 
     return load
 
 
-def _load_synthetic(cfg: DataConfig, rng: np.random.Generator) -> tuple:
+def _load_synthetic(cfg: DataConfig, rng: np.random.Generator) -> Raw:
     """Each class is a mixture of two Gaussian blobs, so the classes are not linearly separable."""
     n, f, c = cfg.samples, cfg.features, cfg.classes
     if n < 2 or f < 1 or c < 2:
@@ -112,13 +116,14 @@ def _load_synthetic(cfg: DataConfig, rng: np.random.Generator) -> tuple:
     y = rng.permutation(np.arange(n) % c)  # (N,) balanced classes
     blob = rng.integers(0, 2, size=n)  # (N,) which blob of its class each sample comes from
     x = centres[y, blob] + rng.normal(size=(n, f))  # (N, F), unit noise
-    return x, y.astype(np.int64), None, None, c, None
+    return Raw(x, y.astype(np.int64), None, None, c)
 
 
-SOURCES: dict[str, Callable[[DataConfig, np.random.Generator], tuple]] = {
+SOURCES: dict[str, Callable[[DataConfig, np.random.Generator], Raw]] = {
     "digits": _load_digits,
     "mnist1d": _load_mnist1d,
     "mnist": _load_idx_dataset("mnist", DIGIT_NAMES),
     "fashion_mnist": _load_idx_dataset("fashion_mnist", FASHION_NAMES),
     "synthetic": _load_synthetic,
+    "file": load_file,
 }

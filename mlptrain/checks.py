@@ -1,0 +1,214 @@
+"""What the types of the schema cannot check: ranges, and settings that would be silently ignored.
+
+:func:`validate` raises one :class:`~mlptrain.errors.ConfigError` listing every problem, each with
+its key: a value out of range or not finite; a key that is no setting at all (``+optimizer.lrr``,
+with the nearest real key suggested); and a setting that the chosen options do not use
+(``data.features`` with ``data=digits``, ``optimizer.momentum`` with ``optimizer=adam``), so that
+a configuration never ignores what was said. A setting counts as said when it differs from the
+schema's default; :data:`USES` says where each option-specific setting applies.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from collections.abc import Callable
+from dataclasses import fields, is_dataclass
+from typing import Any
+
+from mlptrain.config import TrainConfig, flatten, to_plain
+from mlptrain.errors import ConfigError
+
+
+def _data(*names: str) -> Callable[[TrainConfig], bool]:
+    return lambda c: c.data.name.value in names
+
+
+def _optimizer(*names: str) -> Callable[[TrainConfig], bool]:
+    return lambda c: c.optimizer.name.value in names
+
+
+def _gpu(c: TrainConfig) -> bool:
+    return c.device.value != "cpu"
+
+
+# Option-specific settings: key -> (whether the chosen options use it, where it applies).
+USES: dict[str, tuple[Callable[[TrainConfig], bool], str]] = {
+    "data.samples": (_data("synthetic"), "data=synthetic"),
+    "data.features": (_data("synthetic"), "data=synthetic"),
+    "data.classes": (_data("synthetic"), "data=synthetic"),
+    "data.root": (_data("mnist", "fashion_mnist"), "data=mnist and data=fashion_mnist"),
+    "data.download": (_data("mnist", "fashion_mnist"), "data=mnist and data=fashion_mnist"),
+    "data.path": (_data("file"), "data=file"),
+    "data.test_path": (_data("file"), "data=file"),
+    "data.target": (_data("file"), "data=file"),
+    "data.task": (_data("file"), "data=file"),
+    "data.cache": (_data("file"), "data=file"),
+    "data.test_fraction": (
+        lambda c: c.data.name.value in ("digits", "synthetic", "file") and not c.data.test_path,
+        "datasets without a test split of their own (digits, synthetic, data=file without data.test_path)",
+    ),
+    "optimizer.momentum": (_optimizer("sgd"), "optimizer=sgd"),
+    "optimizer.nesterov": (_optimizer("sgd"), "optimizer=sgd"),
+    "optimizer.beta1": (_optimizer("adam", "adamw"), "optimizer=adam and optimizer=adamw"),
+    "optimizer.beta2": (_optimizer("adam", "adamw"), "optimizer=adam and optimizer=adamw"),
+    "optimizer.eps": (_optimizer("adam", "adamw"), "optimizer=adam and optimizer=adamw"),
+    "optimizer.min_lr_ratio": (lambda c: c.optimizer.schedule.value == "cosine", "optimizer.schedule=cosine"),
+    "execution.bgrad": (lambda c: c.execution.mode.value == "fused", "execution=fused"),
+    "execution.head_kernel": (lambda c: c.execution.mode.value == "fused" and _gpu(c), "execution=fused on a GPU"),
+    "execution.autotune": (_gpu, "the GPU"),
+    "execution.plan_cache": (_gpu, "the GPU"),
+    "execution.wgrad_stream": (_gpu, "the GPU"),
+    "graph": (_gpu, "the GPU"),
+    **{
+        f"precision.{k}": (lambda c: c.precision.name.value == "fp16", "precision=fp16 (dynamic loss scaling)")
+        for k in ("init_scale", "growth_factor", "backoff_factor", "growth_interval", "max_consecutive_skips")
+    },
+}
+
+
+def validate(cfg: TrainConfig) -> TrainConfig:
+    """Check what the types cannot; raise one ConfigError listing every problem. Returns ``cfg``."""
+    problems = unknown_keys(cfg) + _ranges(cfg) + _unused(cfg)
+    if problems:
+        raise ConfigError("invalid configuration: " + "; ".join(problems))
+    return cfg
+
+
+def all_keys(node: Any = None, prefix: str = "") -> list[str]:
+    """Every setting of the schema, as dotted keys (``optimizer.lr``)."""
+    node = TrainConfig if node is None else node
+    out = []
+    for f in fields(node):
+        sub = f.default_factory() if callable(f.default_factory) else None  # type: ignore[misc]
+        out += all_keys(sub, f"{prefix}{f.name}.") if is_dataclass(sub) else [f"{prefix}{f.name}"]
+    return out
+
+
+def suggest(key: str) -> str:
+    """``; did you mean optimizer.lr?`` for a key close to a real one, else ``""``."""
+    close = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]}?" if close else ""
+
+
+def unknown_keys(node: Any, prefix: str = "") -> list[str]:
+    """Attributes of the config that are no setting (``+optimizer.lrr=0.1`` adds one), each with a suggestion."""
+    known = {f.name for f in fields(node)}
+    problems = []
+    for name, value in vars(node).items():
+        if name not in known:
+            problems.append(f"{prefix}{name} is not a setting{suggest(prefix + name)}")
+        elif is_dataclass(value):
+            problems += unknown_keys(value, f"{prefix}{name}.")
+    return problems
+
+
+def _unused(cfg: TrainConfig) -> list[str]:
+    """Settings changed from their default that the chosen options do not use."""
+    default, now = flatten(to_plain(TrainConfig())), flatten(to_plain(cfg))
+    problems = []
+    for key, (applies, where) in USES.items():
+        if now.get(key) != default[key] and not applies(cfg):
+            problems.append(f"{key}={_yaml(now[key])} is not used with {_chosen(cfg, key)}: it applies to {where}")
+    return problems
+
+
+def _chosen(cfg: TrainConfig, key: str) -> str:
+    """The choice that leaves ``key`` unused, for the message."""
+    group = key.split(".")[0]
+    if key == "data.test_fraction":
+        name = cfg.data.name.value
+        return "data=file with data.test_path" if name == "file" else f"data={name}, which has a test split of its own"
+    if group == "data":
+        return f"data={cfg.data.name.value}"
+    if group == "optimizer":
+        return f"optimizer.schedule={cfg.optimizer.schedule.value}" if key == "optimizer.min_lr_ratio" else (
+            f"optimizer={cfg.optimizer.name.value}")  # fmt: skip
+    if group == "precision":
+        return f"precision={cfg.precision.name.value}"
+    if key == "execution.bgrad" or (key == "execution.head_kernel" and cfg.execution.mode.value == "naive"):
+        return f"execution={cfg.execution.mode.value}"
+    return f"device={cfg.device.value}"
+
+
+def _yaml(value: Any) -> str:
+    """A value as it is written on the command line (``true``, not ``True``)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _floats(node: Any, prefix: str = "") -> list[tuple[str, float]]:
+    """Every float setting of a config dataclass, by dotted key."""
+    out: list[tuple[str, float]] = []
+    for f in fields(node):
+        value = getattr(node, f.name)
+        if is_dataclass(value):
+            out += _floats(value, f"{prefix}{f.name}.")
+        elif isinstance(value, float):
+            out.append((f"{prefix}{f.name}", value))
+    return out
+
+
+def _ranges(cfg: TrainConfig) -> list[str]:
+    m, d, o, p = cfg.model, cfg.data, cfg.optimizer, cfg.precision
+    rules = [(math.isfinite(v), f"{k}={v} must be a finite number") for k, v in _floats(cfg)]
+    rules += [(w >= 1, f"model.hidden[{i}]={w} must be a positive layer width") for i, w in enumerate(m.hidden)]
+    rules += [
+        (m.in_features is None or m.in_features >= 1, f"model.in_features={m.in_features} must be >= 1 or null"),
+        (m.out_features is None or m.out_features >= 1, f"model.out_features={m.out_features} must be >= 1 or null"),
+        (d.batch_size >= 1, f"data.batch_size={d.batch_size} must be a positive integer"),
+        (d.eval_batch_size >= 1, f"data.eval_batch_size={d.eval_batch_size} must be a positive integer"),
+        (0.0 <= d.val_fraction < 1.0, f"data.val_fraction={d.val_fraction} must be in [0, 1)"),
+        (0.0 < d.test_fraction < 1.0, f"data.test_fraction={d.test_fraction} must be in (0, 1)"),
+        (d.val_fraction + d.test_fraction < 1.0, "data.val_fraction + data.test_fraction must be below 1"),
+        (d.split_seed >= 0, f"data.split_seed={d.split_seed} must be a non-negative integer"),
+        (d.samples >= 2, f"data.samples={d.samples} must be at least 2"),
+        (d.features >= 1, f"data.features={d.features} must be positive"),
+        (d.classes >= 2, f"data.classes={d.classes} must be at least 2"),
+        (d.name.value != "file" or bool(d.path), "data=file needs data.path=<the training file>"),
+        (_target_ok(d.target), f"data.target={d.target!r} must be a column name or a list of column names"),
+        (o.lr > 0, f"optimizer.lr={o.lr} must be positive"),
+        (0.0 <= o.momentum < 1.0, f"optimizer.momentum={o.momentum} must be in [0, 1)"),
+        (not o.nesterov or o.momentum > 0, "optimizer.nesterov=true needs optimizer.momentum > 0"),
+        (o.weight_decay >= 0, f"optimizer.weight_decay={o.weight_decay} must be >= 0"),
+        (0.0 <= o.beta1 < 1.0, f"optimizer.beta1={o.beta1} must be in [0, 1)"),
+        (0.0 <= o.beta2 < 1.0, f"optimizer.beta2={o.beta2} must be in [0, 1)"),
+        (o.eps > 0, f"optimizer.eps={o.eps} must be positive"),
+        (o.warmup_steps >= 0, f"optimizer.warmup_steps={o.warmup_steps} must be >= 0"),
+        (0.0 <= o.min_lr_ratio <= 1.0, f"optimizer.min_lr_ratio={o.min_lr_ratio} must be in [0, 1]"),
+        (p.init_scale > 0, f"precision.init_scale={p.init_scale} must be positive"),
+        (p.growth_factor > 1, f"precision.growth_factor={p.growth_factor} must be > 1"),
+        (0 < p.backoff_factor < 1, f"precision.backoff_factor={p.backoff_factor} must be in (0, 1)"),
+        (p.growth_interval >= 1, f"precision.growth_interval={p.growth_interval} must be >= 1"),
+        (p.max_consecutive_skips >= 1, f"precision.max_consecutive_skips={p.max_consecutive_skips} must be >= 1"),
+        (cfg.seed >= 0, f"seed={cfg.seed} must be a non-negative integer"),
+        (cfg.epochs >= 1, f"epochs={cfg.epochs} must be a positive integer"),
+        (cfg.log_every >= 1, f"log_every={cfg.log_every} must be a positive integer"),
+        (cfg.checkpoint_every >= 0, f"checkpoint_every={cfg.checkpoint_every} must be >= 0"),
+        (cfg.checkpoint_steps >= 0, f"checkpoint_steps={cfg.checkpoint_steps} must be >= 0 (0: off)"),
+        (cfg.max_steps is None or cfg.max_steps >= 1, f"max_steps={cfg.max_steps} must be positive or null"),
+        *_early_stopping(cfg),
+    ]
+    return [msg for ok, msg in rules if not ok]
+
+
+EPOCH_METRICS = ("train/loss", "train/acc", "val/loss", "val/acc")
+
+
+def _early_stopping(cfg: TrainConfig) -> list[tuple[bool, str]]:
+    es = cfg.early_stopping
+    return [
+        (es.patience >= 0, f"early_stopping.patience={es.patience} must be >= 0 (0: off)"),
+        (
+            es.metric == "auto" or es.metric in EPOCH_METRICS,
+            f"early_stopping.metric={es.metric} must be auto or "
+            f"one of {', '.join(EPOCH_METRICS)} (the test split never selects a model)",
+        ),  # fmt: skip
+        (es.mode in ("auto", "max", "min"), f"early_stopping.mode={es.mode} must be auto, max or min"),
+        (es.min_delta >= 0, f"early_stopping.min_delta={es.min_delta} must be >= 0"),
+    ]
+
+
+def _target_ok(target: Any) -> bool:
+    if isinstance(target, str):
+        return bool(target)
+    return isinstance(target, (list, tuple)) and len(target) > 0 and all(isinstance(t, str) and t for t in target)

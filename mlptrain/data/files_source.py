@@ -1,0 +1,141 @@
+"""``data=file``: the user's files as a dataset: labels or regression targets, checked.
+
+``data.path`` is read (through the binary cache with ``data.cache=true``, :mod:`mlptrain.data.cache`);
+``data.test_path``, or the ``x_test``/``y_test`` arrays of an NPZ file, is the test split, else one
+is split off the training rows. Then, naming the file, the line and the column of every problem:
+
+* ``data.task=auto`` decides: several target columns, or a numeric column with non-integer values,
+  is a regression; integer or text labels are a classification;
+* classification: the classes are the training labels, sorted (their names are kept: ``cat``,
+  ``dog``, or ``3``, ``7``); one class only is refused, and so is a test label never seen in training;
+* regression: the targets must be numbers;
+* features and targets must be finite; a test file must have the training file's columns.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mlptrain.config import DataConfig
+from mlptrain.data import cache
+from mlptrain.data.dataset import Raw, first_nonfinite
+from mlptrain.data.files import Table, read_table
+from mlptrain.errors import DatasetError
+
+
+def load_file(cfg: DataConfig, rng: np.random.Generator) -> Raw:
+    """The :class:`Raw` data of ``cfg.path`` (and ``cfg.test_path``); parsed files are cached once they pass."""
+    target = cfg.target if isinstance(cfg.target, str) else list(cfg.target)
+    files = [str(cfg.path), *([str(cfg.test_path)] if cfg.test_path else [])]
+    cached = [cache.load(f, target) if cfg.cache else None for f in files]
+    parsed = [c if c is not None else read_table(f, target) for f, c in zip(files, cached, strict=True)]
+    raw = _raw(cfg, parsed[0][0], parsed[1][0] if cfg.test_path else parsed[0][1])
+    for f, c, p in zip(files, cached, parsed, strict=True):
+        if cfg.cache and c is None:
+            cache.store(f, target, p)
+    return raw
+
+
+def _raw(cfg: DataConfig, train: Table, test: Table | None) -> Raw:
+    if cfg.test_path and test is not None:
+        if (test.feature_names, test.target_names) != (train.feature_names, train.target_names):
+            raise DatasetError(
+                f"test file {test.path} has the columns {[*test.feature_names, *test.target_names]}, the training file "
+                f"{train.path} has {[*train.feature_names, *train.target_names]}; they must be the same"
+            )
+    tables = [t for t in (train, test) if t is not None]
+    for table in tables:
+        _check_finite(table, table.x, table.feature_names, "features")
+    task = _task(cfg.task.value, train)
+    if task == "regression":
+        ys = [_regression_targets(t) for t in tables]
+        return Raw(train.x, ys[0], _x(test), ys[1] if test else None, ys[0].shape[1], None, task,
+                   train.feature_names, train.target_names)  # fmt: skip
+    classes, names = _classes(train)
+    ys = [_labels(t, classes) for t in tables]
+    return Raw(train.x, ys[0], _x(test), ys[1] if test else None, len(classes), names, task, train.feature_names)
+
+
+def _x(table: Table | None) -> np.ndarray | None:
+    return None if table is None else table.x
+
+
+def _task(task: str, train: Table) -> str:
+    if task != "auto":
+        return task
+    y = train.y
+    if y.ndim == 2:  # several target columns
+        return "regression"
+    if y.dtype.kind in "fc" and not np.all(np.mod(y[np.isfinite(y)], 1) == 0):
+        return "regression"  # fractional values
+    return "classification"
+
+
+def _check_finite(table: Table, values: np.ndarray, names: list[str], what: str) -> None:
+    bad = first_nonfinite(values.reshape(len(values), -1))
+    if bad is not None:
+        row, col = bad
+        raise DatasetError(
+            f"data file {table.path} {table.where(row)}, column {names[col]!r}: {values.reshape(len(values), -1)[bad]} "
+            f"is not a finite number; {what} must be finite (fill or remove missing values)"
+        )
+
+
+def _regression_targets(table: Table) -> np.ndarray:
+    y = table.y
+    if y.dtype.kind not in "fiub":
+        row = next(i for i, v in enumerate(y.reshape(len(y), -1)) if not _all_numbers(v))
+        raise DatasetError(
+            f"data file {table.path} {table.where(row)}: target {y.reshape(len(y), -1)[row].tolist()} is not a number; "
+            f"a regression needs numeric targets in {', '.join(table.target_names)}"
+        )
+    y = y.astype(np.float32).reshape(len(y), -1)  # (N, T)
+    _check_finite(table, y, table.target_names, "targets")
+    return y
+
+
+def _all_numbers(values: np.ndarray) -> bool:
+    try:
+        np.asarray(values, dtype=np.float64)
+    except ValueError:
+        return False
+    return True
+
+
+def _classes(train: Table) -> tuple[np.ndarray, list[str]]:
+    y = train.y
+    if y.dtype.kind in "fc":
+        y = y.astype(np.int64)  # integral by _task
+    classes = np.unique(y)
+    if len(classes) < 2:
+        raise DatasetError(
+            f"data file {train.path}: the target column {train.target_names[0]!r} holds one class only "
+            f"({classes[0] if len(classes) else 'no rows'}); a classifier needs at least two"
+        )
+    return classes, [str(c) for c in classes]
+
+
+def _labels(table: Table, classes: np.ndarray) -> np.ndarray:
+    """The class index of every row; a label the training file does not have is an error."""
+    y = table.y
+    if y.ndim != 1:
+        raise DatasetError(
+            f"data file {table.path}: a classification takes one target column, got {table.target_names}"
+        )
+    if y.dtype.kind in "fc":
+        if not np.all(np.mod(y, 1) == 0):
+            row = int(np.flatnonzero(np.mod(y, 1) != 0)[0])
+            raise DatasetError(f"data file {table.path} {table.where(row)}: label {y[row]} is not a whole number")
+        y = y.astype(np.int64)
+    if classes.dtype.kind != y.dtype.kind and not (classes.dtype.kind in "iu" and y.dtype.kind in "iu"):
+        y, classes = y.astype(str), classes.astype(str)
+    idx = np.searchsorted(classes, y)
+    idx[idx >= len(classes)] = 0
+    unknown = np.flatnonzero(classes[idx] != y)
+    if len(unknown):
+        row = int(unknown[0])
+        raise DatasetError(
+            f"data file {table.path} {table.where(row)}: label {y[row].item()!r} is not among the training labels "
+            f"({', '.join(map(str, classes[:20]))}{', ...' if len(classes) > 20 else ''})"
+        )
+    return idx.astype(np.int64)
