@@ -187,6 +187,10 @@ def _ranges(cfg: TrainConfig) -> list[str]:
         (cfg.checkpoint_steps >= 0, f"checkpoint_steps={cfg.checkpoint_steps} must be >= 0 (0: off)"),
         (cfg.max_steps is None or cfg.max_steps >= 1, f"max_steps={cfg.max_steps} must be positive or null"),
         *_early_stopping(cfg),
+        (
+            cfg.logger.value != "tensorboard" or _importable("tensorboardX"),
+            "logger=tensorboard needs tensorboardX: pip install 'mlptrain[tensorboard]', or use logger=none",
+        ),  # fmt: skip
     ]
     return [msg for ok, msg in rules if not ok]
 
@@ -206,6 +210,12 @@ def _early_stopping(cfg: TrainConfig) -> list[tuple[bool, str]]:
         (es.mode in ("auto", "max", "min"), f"early_stopping.mode={es.mode} must be auto, max or min"),
         (es.min_delta >= 0, f"early_stopping.min_delta={es.min_delta} must be >= 0"),
     ]
+
+
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
 
 
 def _target_ok(target: Any) -> bool:

@@ -132,7 +132,7 @@ def _report(exc: MlptrainError) -> None:
     line = f"error: {where}{exc}"
     _failures.append(line)
     print(line, file=sys.stderr, flush=True)
-    # Only the file handlers: the console handler writes to stdout and would repeat the line.
+    # Only the file handlers: the console handler would print the line a second time.
     record = log.makeRecord(log.name, logging.ERROR, __file__, 0, line, (), None)
     for handler in logging.getLogger().handlers:
         if isinstance(handler, logging.FileHandler):
@@ -153,9 +153,22 @@ def _accepted(cfg: DictConfig, out_dir: Path) -> logging.Handler:
     return handler
 
 
+def sweep_value(summary: dict[str, Any], key: str | None) -> float:
+    """What a job returns to a Hydra sweeper (Optuna...): ``optimized_metric`` of the summary, else the best
+    checkpoint's metric. NaN when the run has no such value."""
+    value = summary["best"]["value"] if key is None else summary.get(key)
+    if value is None:
+        log.warning("optimized_metric=%s is not in the run's summary (%s)", key, ", ".join(summary))
+        return float("nan")
+    return float(value)
+
+
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
-def _run(cfg: DictConfig) -> dict[str, Any] | None:
-    """One Hydra job: train into the job's output directory, once the run is accepted."""
+def _run(cfg: DictConfig) -> float:
+    """One Hydra job: train into the job's output directory, once the run is accepted.
+
+    Returns the value a sweeper optimises (:func:`sweep_value`); NaN for a job that failed.
+    """
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     from mlptrain.run import train  # imported here: the training stack is not needed for --help or errors
@@ -166,12 +179,13 @@ def _run(cfg: DictConfig) -> dict[str, Any] | None:
     try:
         config = to_train_config(cfg)
         with logging_redirect_tqdm():
-            return train(config, out_dir, on_accept=lambda path: handlers.append(_accepted(cfg, path)))
+            summary = train(config, out_dir, on_accept=lambda path: handlers.append(_accepted(cfg, path)))
+        return sweep_value(summary, config.optimized_metric)
     except MlptrainError as exc:
         _report(exc)
         if not handlers and out_dir.absolute() in _created:
             RunDirectory(out_dir).remove_if_empty()
-        return None
+        return float("nan")
     finally:
         for handler in handlers:
             logging.getLogger().removeHandler(handler)

@@ -204,6 +204,30 @@ class TrainConfig:
     optimized_metric: Optional[str] = _f(None, "the summary value returned to a Hydra sweeper; null: the best metric")
 
 
+def settings_help(node: Any = None, prefix: str = "", values: Any = None) -> str:
+    """Every setting of the schema, one line each: ``key = value  description`` (``--help`` shows it).
+
+    ``values``: the composed config whose values to show (the command line's overrides and chosen
+    groups applied); default the schema's defaults.
+    """
+    from dataclasses import MISSING, fields, is_dataclass
+
+    node = TrainConfig if node is None else node
+    lines = []
+    for f in fields(node):
+        default = f.default_factory() if f.default_factory is not MISSING else f.default  # type: ignore[misc]
+        value = default if values is None else values.get(f.name, default)
+        if is_dataclass(default):
+            lines.append(settings_help(default, f"{prefix}{f.name}.", value if values is not None else None))
+            continue
+        shown = value.value if isinstance(value, Enum) else value
+        if hasattr(shown, "_content") or isinstance(shown, (list, tuple)):  # an OmegaConf ListConfig, a list
+            shown = "[" + ", ".join(map(str, shown)) + "]"
+        shown = "null" if shown is None else str(shown).lower() if isinstance(shown, bool) else shown
+        lines.append(f"  {prefix + f.name + ' = ' + str(shown):<36} {f.metadata.get('help', '')}")
+    return "\n".join(lines)
+
+
 def register_configs() -> None:
     """Store :class:`TrainConfig` in Hydra's ConfigStore as ``train_schema``.
 
@@ -213,8 +237,14 @@ def register_configs() -> None:
     group option named after it. Safe to call more than once.
     """
     from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
 
     ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+    # conf/config.yaml's help template lists the settings from the schema: written once, here
+    # ($ doubled: Hydra fills the template with string.Template)
+    OmegaConf.register_new_resolver(
+        "mlptrain_settings", lambda *, _root_: settings_help(values=_root_).replace("$", "$$"), replace=True
+    )
 
 
 def to_plain(cfg: TrainConfig) -> dict[str, Any]:

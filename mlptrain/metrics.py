@@ -58,9 +58,10 @@ class MetricsWriter:
             failed write never raises a second error over the first.
     """
 
-    def __init__(self, path: Path, records: int = 0) -> None:
+    def __init__(self, path: Path, records: int = 0, sinks: list[Any] | None = None) -> None:
         self.path = Path(path)
         self.records = records
+        self.sinks = list(sinks or [])  # metrics.csv, TensorBoard (mlptrain.sinks): they get every record too
         try:
             self._f = open(self.path, "a", encoding="utf-8")
         except OSError as exc:
@@ -76,13 +77,18 @@ class MetricsWriter:
                 "hydra.run.dir"
             ) from exc
         self.records += 1
+        for sink in self.sinks:
+            sink.write(record)
 
     def close(self) -> None:
-        """Close the file; a buffered line that cannot be written any more is given up (it was reported)."""
+        """Close the file and the sinks; a buffered line that cannot be written any more is given up (it was
+        reported)."""
         try:
             self._f.close()
         except OSError as exc:
             log.warning("closing %s: %s", self.path, exc)
+        for sink in self.sinks:
+            sink.close()
 
     def __enter__(self) -> MetricsWriter:
         return self

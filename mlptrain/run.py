@@ -31,9 +31,10 @@ from mlptrain.config import TrainConfig, flatten, to_plain
 from mlptrain.data import Dataset
 from mlptrain.errors import CheckpointError, ConfigError, MlptrainError
 from mlptrain.faults import StopRequest
-from mlptrain.loop import Loop
+from mlptrain.loop import Loop, selection
 from mlptrain.metrics import MetricsPrefix, MetricsWriter, kinds_after, plan_prefix
 from mlptrain.rundir import METRICS, RUN_RECORD, RunDirectory
+from mlptrain.sinks import CSV_NAME, TENSORBOARD_DIR, CsvSink, TensorBoardSink, csv_columns
 from mlptrain.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -89,7 +90,7 @@ def _train_locked(
             start = _prepare(tr, run_dir)
             stop.defer()  # accepted: from here a stop request saves last first
             _accept(tr, run_dir, start, on_accept)
-            with MetricsWriter(run_dir.metrics, start.metrics.records) as metrics:
+            with MetricsWriter(run_dir.metrics, start.metrics.records, _sinks(tr, run_dir)) as metrics:
                 summary = Loop(tr, run_dir, metrics, stop, start.position, start.best, start.resumed_from).run()
     except MemoryError as exc:
         if isinstance(exc, MlptrainError):
@@ -111,6 +112,15 @@ def _train_locked(
     log.info(line)
     print(line, flush=True)
     return summary
+
+
+def _sinks(tr: Trainer, run_dir: RunDirectory) -> list[Any]:
+    """metrics.csv, and TensorBoard with ``logger=tensorboard``: views of metrics.jsonl (:mod:`mlptrain.sinks`)."""
+    columns = csv_columns(tr.dataset.task == "classification", list(tr.eval_loaders), tr.scaler.enabled)
+    out: list[Any] = [CsvSink(run_dir.path / CSV_NAME, columns, run_dir.metrics)]
+    if tr.cfg.logger.value == "tensorboard":
+        out.append(TensorBoardSink(run_dir.path / TENSORBOARD_DIR))
+    return out
 
 
 def _scores(summary: dict[str, Any], prefix: str) -> str:
@@ -144,10 +154,8 @@ def _prepare(tr: Trainer, run_dir: RunDirectory) -> Start:
         ConfigError: the checkpoint is at or past the end of this run.
     """
     cfg = tr.cfg
-    split = "val" if "val" in tr.eval_loaders else "train"  # the test split never selects a model
-    best = (
-        Best(f"{split}/acc", mode="max") if tr.dataset.task == "classification" else Best(f"{split}/loss", mode="min")
-    )
+    # the metric that selects best.npz (and stops early); the test split never selects a model
+    best = selection(cfg, tr.dataset.task == "classification", "val" in tr.eval_loaders)
     if cfg.resume is None:
         run_dir.refuse_overwrite(hint="continue it with resume=last")
         return Start(Position(), best, plan_prefix(None, 0))

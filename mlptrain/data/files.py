@@ -47,10 +47,11 @@ class Table:
 
     path: Path
     x: np.ndarray
-    y: np.ndarray
+    y: Any  # np.ndarray, or None for a file read without its targets
     feature_names: list[str]
     target_names: list[str]
     text: bool = True  # rows are lines of a text file, after a header line
+    named: bool = True  # the file names its feature columns (an NPZ file without feature_names does not)
 
     def where(self, row: int) -> str:
         """``line 7`` of a text file (row 0 is line 2), ``row 5`` of an NPZ or Parquet file."""
@@ -78,7 +79,8 @@ def read_table(path: str | Path, target: str | list[str], *, reader: str = "auto
 
     Args:
         path: a CSV/TSV (optionally .gz), NPZ or Parquet file.
-        target: the target column, or several (regression); NPZ files hold them as ``y``.
+        target: the target column, or several (regression); NPZ files hold them as ``y``. An empty
+            list reads features only (inputs to score; ``Table.y`` is None).
         reader: ``auto`` (Arrow when installed), ``numpy`` or ``arrow``, for CSV and TSV.
     """
     path = Path(path).expanduser()
@@ -86,7 +88,7 @@ def read_table(path: str | Path, target: str | list[str], *, reader: str = "auto
     kind, delimiter = file_kind(path)
     targets = [target] if isinstance(target, str) else list(target)
     if kind == "npz":
-        return _read_npz(path)
+        return _read_npz(path, need_y=bool(targets))
     if kind == "parquet" or (kind == "csv" and (reader == "arrow" or (reader == "auto" and arrow_available()))):
         return _read_arrow(path, kind, delimiter, targets), None
     return _read_csv_numpy(path, delimiter or ",", targets), None
@@ -139,6 +141,28 @@ def _header(path: Path, delimiter: str, targets: list[str]) -> tuple[list[str], 
     if not features:
         raise DatasetError(f"data file {path} has only target columns ({', '.join(targets)}); no features")
     return names, features, [names.index(t) for t in targets]
+
+
+def columns(path: str | Path) -> list[str]:
+    """The column names of a data file.
+
+    An NPZ file: its ``feature_names`` (or ``x0 ...``), then ``y`` if it has targets.
+    """
+    path = Path(path).expanduser()
+    _check_file(path)
+    kind, delimiter = file_kind(path)
+    if kind == "csv":
+        first = next(_lines(path), "")
+        return [n.strip() for n in next(csv.reader([first], delimiter=delimiter or ","), [])]
+    if kind == "npz":
+        table, _ = _read_npz(path, need_y=False)
+        return [*table.feature_names, *(table.target_names if table.y is not None else [])]
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as exc:
+        hint = "pip install 'mlptrain[arrow]'"
+        raise DatasetError(f"data file {path}: reading Parquet files needs pyarrow ({hint})") from exc
+    return list(pq.read_schema(path).names)
 
 
 def _is_number(text: str) -> bool:
@@ -196,9 +220,10 @@ def _read_csv_numpy(path: Path, delimiter: str, targets: list[str]) -> Table:
             f"data file {path} line {_line_of_row(path, row)}, column {names[col - 1]!r}: {value!r} is not a number; "
             "features must be numbers (fill or remove missing values)"
         ) from None
-    y = np.loadtxt(path, usecols=target_cols, dtype=str, ndmin=2, encoding="utf-8", **opts)
-    y = np.char.strip(y)
-    return Table(path, x, _numbers_if_numeric(y), [names[i] for i in features], targets)
+    y = None
+    if target_cols:
+        y = _numbers_if_numeric(np.char.strip(np.loadtxt(path, usecols=target_cols, dtype=str, ndmin=2, **opts)))
+    return Table(path, x, y, [names[i] for i in features], targets)
 
 
 def _numbers_if_numeric(y: np.ndarray) -> np.ndarray:
@@ -283,6 +308,8 @@ def _arrow_table(path: Path, table: Any, targets: list[str], text: bool) -> Tabl
                 "numbers (fill or remove missing values)"
             ) from None
     cells = [table.column(t).to_numpy(zero_copy_only=False) for t in targets]
+    if not cells:
+        return Table(path, xt.T, None, features, targets, text=text)
     y = np.stack(cells, axis=1) if len(cells) > 1 else cells[0]
     if y.dtype == object:
         y = np.array(["" if v is None else str(v) for v in y.ravel()]).reshape(y.shape)
@@ -292,13 +319,13 @@ def _arrow_table(path: Path, table: Any, targets: list[str], text: bool) -> Tabl
 # --- NPZ --------------------------------------------------------------------------------------
 
 
-def _read_npz(path: Path) -> tuple[Table, Table | None]:
+def _read_npz(path: Path, need_y: bool = True) -> tuple[Table, Table | None]:
     try:
         with np.load(path, allow_pickle=False) as npz:
             arrays = {k: npz[k] for k in npz.files}
     except Exception as exc:  # not a zip, a pickled object, a truncated file
         raise DatasetError(f"data file {path} cannot be read as an NPZ file ({type(exc).__name__}: {exc})") from exc
-    missing = [k for k in ("x", "y") if k not in arrays]
+    missing = [k for k in ("x", "y") if k not in arrays and (k == "x" or need_y)]
     if missing:
         raise DatasetError(
             f"data file {path} holds the arrays {', '.join(sorted(arrays)) or 'none'}; an NPZ dataset needs 'x' "
@@ -308,9 +335,9 @@ def _read_npz(path: Path) -> tuple[Table, Table | None]:
     for xk, yk in (("x", "y"), ("x_test", "y_test")):
         if xk not in arrays and yk not in arrays:
             continue
-        if (xk in arrays) != (yk in arrays):
+        if (xk in arrays) != (yk in arrays) and (need_y or xk not in arrays):
             raise DatasetError(f"data file {path} holds {xk if xk in arrays else yk} without its partner")
-        x, y = arrays[xk], arrays[yk]
+        x, y = arrays[xk], arrays.get(yk, np.zeros((len(arrays[xk]), 0)))
         if x.ndim != 2 or y.ndim not in (1, 2) or len(x) != len(y) or not np.issubdtype(x.dtype, np.number):
             raise DatasetError(
                 f"data file {path}: {xk} is {x.dtype} {x.shape} and {yk} is {y.dtype} {y.shape}; expected numbers "
@@ -320,7 +347,11 @@ def _read_npz(path: Path) -> tuple[Table, Table | None]:
         names = [str(s) for s in arrays["feature_names"]] if "feature_names" in arrays else None
         targets = [str(s) for s in arrays["target_names"]] if "target_names" in arrays else [f"y{i}" for i in range(t)]
         features = names or [f"x{i}" for i in range(x.shape[1])]
-        tables.append(Table(path, x.astype(np.float64, copy=False), y, features, targets, text=False))
+        has_y = yk in arrays
+        x64 = x.astype(np.float64, copy=False)
+        tables.append(
+            Table(path, x64, y if has_y else None, features, targets if has_y else [], text=False, named=bool(names))
+        )
     return tables[0], (tables[1] if len(tables) > 1 else None)
 
 

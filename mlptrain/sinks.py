@@ -1,0 +1,95 @@
+"""Where a run's metrics records go besides ``metrics.jsonl``: ``metrics.csv`` and TensorBoard.
+
+``metrics.jsonl`` is the record (:mod:`mlptrain.metrics`); the sinks are views of it that other
+tools read. :class:`CsvSink` writes ``metrics.csv`` with a fixed set of columns (the way
+Lightning's ``CSVLogger`` does), rebuilt from ``metrics.jsonl`` when a run starts, so that after a
+resume the two files agree row for row. :class:`TensorBoardSink` (``logger=tensorboard``, the
+``tensorboard`` extra) writes event files through tensorboardX: step records under ``train/...``
+and ``lr``, epoch records under ``epoch/...``, at the optimizer step of the record.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+from mlptrain.errors import ConfigError, OutputError
+from mlptrain.metrics import read_metrics
+
+log = logging.getLogger(__name__)
+
+CSV_NAME = "metrics.csv"
+TENSORBOARD_DIR = "tensorboard"
+
+
+def csv_columns(classification: bool, splits: list[str], loss_scale: bool) -> list[str]:
+    """The columns of ``metrics.csv`` for a run: its splits, whether it has accuracies and a loss scale."""
+    cols = ["kind", "epoch", "step", "train/loss", *(["train/acc"] if classification else [])]
+    for split in splits:
+        cols += [f"{split}/loss", *([f"{split}/acc"] if classification else [])]
+    cols += ["lr", *(["loss_scale", "skipped"] if loss_scale else []), "samples_per_s", "step_time_ms", "time_s"]
+    return cols
+
+
+class CsvSink:
+    """``metrics.csv`` beside ``metrics.jsonl``: one row per record, the ``columns`` of :func:`csv_columns`."""
+
+    def __init__(self, path: Path, columns: list[str], jsonl: Path) -> None:
+        self.path = Path(path)
+        self.columns = columns
+        try:
+            rows = read_metrics(jsonl) if Path(jsonl).is_file() else []
+            self._f = open(self.path, "w", encoding="utf-8", newline="")  # rebuilt: it follows metrics.jsonl
+            self._w = csv.DictWriter(self._f, fieldnames=columns, extrasaction="ignore")
+            self._w.writeheader()
+            for row in rows:
+                self._w.writerow(_cells(row))
+            self._f.flush()
+        except (OSError, ValueError) as exc:
+            raise OutputError(f"cannot write {self.path} ({type(exc).__name__}: {exc})") from exc
+
+    def write(self, record: dict[str, Any]) -> None:
+        try:
+            self._w.writerow(_cells(record))
+            self._f.flush()
+        except OSError as exc:
+            raise OutputError(f"cannot write {self.path} ({type(exc).__name__}: {exc}); free disk space") from exc
+
+    def close(self) -> None:
+        try:
+            self._f.close()
+        except OSError as exc:
+            log.warning("closing %s: %s", self.path, exc)
+
+
+def _cells(record: dict[str, Any]) -> dict[str, Any]:
+    return {k: ("" if v is None else v) for k, v in record.items() if not isinstance(v, (dict, list))}
+
+
+class TensorBoardSink:
+    """TensorBoard event files in ``folder``: scalars of the step and epoch records at their step."""
+
+    def __init__(self, folder: Path) -> None:
+        try:
+            from tensorboardX import SummaryWriter
+        except ImportError as exc:
+            raise ConfigError(
+                "logger=tensorboard needs tensorboardX (pip install 'mlptrain[tensorboard]'), or use logger=none"
+            ) from exc
+        self.writer = SummaryWriter(str(folder))
+
+    def write(self, record: dict[str, Any]) -> None:
+        kind, step = record.get("kind"), record.get("step")
+        if kind not in ("step", "epoch") or step is None:
+            return
+        prefix = "epoch/" if kind == "epoch" else ""
+        for key, value in record.items():
+            scalar = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            if scalar and ("/" in key or key in ("lr", "loss_scale", "samples_per_s")):
+                self.writer.add_scalar(prefix + key, value, step)
+
+    def close(self) -> None:
+        self.writer.close()

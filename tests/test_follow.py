@@ -1,0 +1,205 @@
+"""Runs you can follow and tune: early stopping, per-epoch log lines, metrics.csv, TensorBoard,
+the value a Hydra sweeper gets, a multirun's summary table, and ``--help``."""
+
+from __future__ import annotations
+
+import csv
+import struct
+from pathlib import Path
+
+import pytest
+from helpers import make_cfg, records
+from test_cli import output, run_cli
+
+from mlptrain import checkpoint
+from mlptrain.checks import all_keys
+from mlptrain.cli import sweep_value
+from mlptrain.config import Logger
+from mlptrain.metrics import read_metrics
+from mlptrain.run import train
+
+# --- early stopping ------------------------------------------------------------------------------
+
+
+def test_early_stopping_stops_patience_epochs_after_the_last_improvement(tmp_path: Path) -> None:
+    # lr=1e-12: the predictions never change, so val/acc is the same every epoch: epoch 0 is the best
+    # (a strict improvement is needed after it) and patience=2 ends the run after epoch 2.
+    cfg = make_cfg(epochs=10, optimizer__lr=1e-12, early_stopping__patience=2)
+    summary = train(cfg, tmp_path / "run")
+    epochs = [r for r in records(tmp_path / "run") if r["kind"] == "epoch"]
+    assert [r["epoch"] for r in epochs] == [0, 1, 2]
+    assert summary["stopped_early"] == 2 and summary["epochs"] == 3
+    assert summary["best"]["epoch"] == 0 and summary["best"]["metric"] == "val/acc"
+    best = checkpoint.load(tmp_path / "run" / "checkpoints" / "best.npz")
+    assert best.meta["best"]["epoch"] == 0
+    last = checkpoint.load(tmp_path / "run" / "checkpoints" / "last.npz")
+    assert last.position.epoch == 3, "last.npz is where the run stopped"
+
+
+def test_early_stopping_waits_while_the_metric_improves(tmp_path: Path) -> None:
+    # The training loss falls every epoch at a small learning rate: patience=1 never triggers.
+    cfg = make_cfg(epochs=4, optimizer__lr=0.01, early_stopping__patience=1, early_stopping__metric="train/loss")
+    summary = train(cfg, tmp_path / "run")
+    losses = [r["train/loss"] for r in records(tmp_path / "run") if r["kind"] == "epoch"]
+    assert all(b < a for a, b in zip(losses, losses[1:], strict=False)), losses
+    assert "stopped_early" not in summary and summary["epochs"] == 4
+    assert summary["best"] == {**summary["best"], "epoch": 3, "mode": "min", "metric": "train/loss"}
+
+
+def test_summary_reports_the_best_checkpoints_test_scores(tmp_path: Path) -> None:
+    cfg = make_cfg(epochs=3)
+    summary = train(cfg, tmp_path / "run")
+    best = checkpoint.load(tmp_path / "run" / "checkpoints" / "best.npz")
+    # Evaluate best.npz independently: a fresh trainer loading its parameters.
+    from mlptrain.trainer import Trainer
+
+    tr = Trainer(cfg)
+    tr.model.load_state_dict({k[6:]: v for k, v in best.arrays.items() if k.startswith("param/")})
+    assert summary["best/test/acc"] == tr.evaluate("test")["test/acc"]
+    assert summary["best/test/loss"] == pytest.approx(tr.evaluate("test")["test/loss"], rel=1e-12)
+    assert "test/acc" in summary  # and the last epoch's, as before
+
+
+# --- what a run writes as it goes ------------------------------------------------------------
+
+
+def test_off_a_terminal_every_epoch_is_one_log_line(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = run_cli("epochs=3", "device=cpu", "model.hidden=[16]", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert proc.returncode == 0, output(proc)
+    epochs = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "epoch"]
+    for where in (proc.stderr, (run_dir / "mlptrain.log").read_text()):
+        lines = [line for line in where.splitlines() if " - epoch " in line]
+        assert len(lines) == 3, where
+        for line, rec in zip(lines, epochs, strict=True):
+            assert f"epoch {rec['epoch'] + 1}/3" in line
+            assert f"train loss {rec['train/loss']:.4f} acc {rec['train/acc']:.4f}" in line
+            assert f"val loss {rec['val/loss']:.4f}" in line and f"test loss {rec['test/loss']:.4f}" in line
+            assert "lr " in line and "samples/s" in line
+    assert "\r" not in proc.stderr, "no progress bar off a terminal"
+
+
+def test_metrics_csv_has_a_row_per_record_and_survives_a_resume(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    train(make_cfg(epochs=2, log_every=5), run_dir)
+    train(make_cfg(epochs=3, log_every=5, resume="last"), run_dir)
+    jsonl = read_metrics(run_dir / "metrics.jsonl")
+    with open(run_dir / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == len(jsonl) and [r["kind"] for r in rows] == [r["kind"] for r in jsonl]
+    for row, rec in zip(rows, jsonl, strict=True):
+        for key in ("step", "train/loss", "val/acc", "lr"):
+            if rec.get(key) is not None:
+                assert float(row[key]) == pytest.approx(rec[key], rel=1e-12), (key, row, rec)
+
+
+def _events(folder: Path) -> list[tuple[str, int, float]]:
+    """``(tag, step, value)`` of every scalar in a folder's TensorBoard event files (TFRecord framing)."""
+    from tensorboardX.proto import event_pb2
+
+    out = []
+    for path in sorted(folder.glob("events.out.tfevents.*")):
+        data = path.read_bytes()
+        pos = 0
+        while pos < len(data):
+            (n,) = struct.unpack("<Q", data[pos : pos + 8])
+            event = event_pb2.Event.FromString(data[pos + 12 : pos + 12 + n])
+            pos += 12 + n + 4
+            out += [(v.tag, event.step, v.simple_value) for v in event.summary.value]
+    return out
+
+
+def test_tensorboard_event_files_hold_the_metrics(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboardX")
+    run_dir = tmp_path / "run"
+    train(make_cfg(epochs=2, log_every=7, logger=Logger.tensorboard), run_dir)
+    events = _events(run_dir / "tensorboard")
+    jsonl = read_metrics(run_dir / "metrics.jsonl")
+    epochs = [r for r in jsonl if r["kind"] == "epoch"]
+    got = {(tag, step): value for tag, step, value in events}
+    for rec in epochs:
+        assert got[("epoch/val/acc", rec["step"])] == pytest.approx(rec["val/acc"], rel=1e-6)
+        assert got[("epoch/train/loss", rec["step"])] == pytest.approx(rec["train/loss"], rel=1e-6)
+    steps = [r for r in jsonl if r["kind"] == "step"]
+    assert [s for t, s, _ in events if t == "train/loss"] == [r["step"] for r in steps]
+
+
+# --- tuning: the sweeper's value and the sweep's table ---------------------------------------
+
+
+def test_sweep_value_is_the_optimized_metric_or_the_best() -> None:
+    summary = {"best": {"metric": "val/acc", "value": 0.75}, "test/acc": 0.5, "val/loss": 0.25}
+    assert sweep_value(summary, None) == 0.75
+    assert sweep_value(summary, "val/loss") == 0.25
+    assert isinstance(sweep_value(summary, "test/acc"), float)
+    assert sweep_value(summary, "nope") != sweep_value(summary, "nope")  # NaN: the job has no such value
+
+
+def test_the_task_function_returns_a_float(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What Hydra's sweepers receive: ``_run`` returns ``float``, the optimized metric."""
+    import sys
+
+    from mlptrain import cli
+
+    seen: list[object] = []
+    monkeypatch.setattr(sys, "argv", ["mlptrain", "epochs=1", "device=cpu", "model.hidden=[8]", "progress=false",
+                                      "optimized_metric=val/loss", f"hydra.run.dir={tmp_path}/run"])  # fmt: skip
+    real = cli.sweep_value
+    monkeypatch.setattr(cli, "sweep_value", lambda s, k: seen.append(real(s, k)) or seen[-1])
+    monkeypatch.chdir(tmp_path)
+    cli.register_configs()
+    cli._run()
+    summary = read_metrics(tmp_path / "run" / "metrics.jsonl")[-1]
+    assert seen == [summary["val/loss"]] and isinstance(seen[0], float)
+
+
+def test_a_multirun_writes_its_summary_table(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    proc = run_cli("-m", "epochs=1", "device=cpu", "model.hidden=[8],[16]", "optimizer.lr=0.05,1e-9",
+                   f"hydra.sweep.dir={sweep}", cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, output(proc)
+    with open(sweep / "summary.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 4
+    for row in rows:
+        summary = read_metrics(sweep / row["job"] / "metrics.jsonl")[-1]
+        assert row["status"] == "finished"
+        assert float(row["best"]) == pytest.approx(summary["best"]["value"], rel=1e-9)
+        assert float(row["test acc"]) == pytest.approx(summary["test/acc"], rel=1e-9)
+    assert sorted(r["overrides"] for r in rows) == sorted(
+        f"model.hidden={h} optimizer.lr={lr}" for h in ("[8]", "[16]") for lr in ("0.05", "1e-09")
+    )  # what differs between the jobs; what they share is above the table
+    md = (sweep / "summary.md").read_text()
+    assert "Every job: epochs=1 device=cpu" in md
+    assert md.count("\n| ") == 1 + 4  # the header and a row per job
+
+
+def test_help_lists_every_setting_with_its_default_and_description(tmp_path: Path) -> None:
+    proc = run_cli("--help", cwd=tmp_path)
+    assert proc.returncode == 0, output(proc)
+    lines = proc.stdout.splitlines()
+    for key in all_keys():
+        line = next((x for x in lines if x.strip().startswith(f"{key} = ")), None)
+        assert line is not None, f"--help does not list {key}"
+        assert len(line.split(None, 3)) == 4, f"--help gives {key} no description: {line!r}"
+    assert "optimizer.lr = 0.05" in proc.stdout and "data.split_seed = 0" in proc.stdout
+    assert "optimizer: adam, adamw, sgd" in proc.stdout  # the groups, from Hydra
+    chosen = run_cli("optimizer=adam", "data.batch_size=7", "--help", cwd=tmp_path).stdout
+    assert "optimizer.lr = 0.001" in chosen and "data.batch_size = 7 " in chosen  # the composed values
+
+
+def test_an_optuna_sweep_gets_each_jobs_value(tmp_path: Path) -> None:
+    """The README's Optuna sweep, where the plugin is installed ('mlptrain[optuna]')."""
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    import yaml
+
+    sweep = tmp_path / "sweep"
+    proc = run_cli("-m", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=3", "hydra.sweeper.direction=maximize",
+                   "optimizer.lr=interval(0.01,0.2)", "model.hidden=choice([16],[32])", "epochs=1", "device=cpu",
+                   f"hydra.sweep.dir={sweep}", cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, output(proc)
+    values = [read_metrics(job / "metrics.jsonl")[-1]["best"]["value"] for job in sweep.glob("*/") if job.is_dir()]
+    assert len(values) == 3
+    result = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
+    assert result["best_value"] == max(values)  # Optuna saw each job's val/acc
+    assert (sweep / "summary.csv").read_text().count("\n") == 1 + 3
