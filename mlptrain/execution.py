@@ -40,7 +40,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Protocol
 
-from mlptrain.epilogs import Epilog, matmul
+from mlptrain.epilogs import Epilog, matmul, unpack_relu_mask
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +91,14 @@ class FusedExecution:
 
         DRELU applies the derivative of the layer below's ReLU (its relu_aux) to the product;
         DRELU_BGRAD also returns the row sums over the batch: the bias gradient of that layer.
-        With no ReLU below, a plain GEMM.
+        With no ReLU below, a plain GEMM. A layer with one output (a single-target regression)
+        makes this GEMM's K = 1, which cuBLASLt's dReLU epilogs reject: then the GEMM is plain and
+        the mask is applied (and the bias gradient reduced) separately.
         """
+        if mask_below is not None and dz.shape[1] == 1:
+            dxt, _ = self.gemm(f"{key}.dgrad", W.T, dz.T)  # (in, 1) @ (1, B): an outer product
+            dx = dxt.T * unpack_relu_mask(mask_below, W.shape[1]).T  # (B, in), dReLU of the layer below
+            return dx, (dx.sum(axis=0) if bias_grad_below else None)
         if mask_below is None:
             epilog = None
         else:

@@ -126,6 +126,29 @@ def test_regression_on_two_target_columns(tmp_path: Path) -> None:
         train(cfg, tmp_path / "run2")
 
 
+@pytest.mark.parametrize("bgrad", ["drelu_bgrad", "bgradb"])
+def test_regression_on_one_target_column_trains_fused_as_naive(tmp_path: Path, bgrad: str) -> None:
+    """One output: the output layer's input-gradient GEMM has K = 1, which the dReLU epilogs reject."""
+    from mlptrain.config import Bgrad, Mode
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((300, 4))
+    y = x @ [1.0, -2.0, 0.5, 0.0] + 0.1 * rng.standard_normal(300)
+    write(tmp_path / "r.csv", x, y, target="y")
+    losses = {}
+    for mode in (Mode.fused, Mode.naive):
+        cfg = file_cfg(tmp_path / "r.csv", epochs=4, model__loss=LossName.mse, optimizer__lr=0.01,
+                       model__hidden=[16, 8], execution__mode=mode)  # fmt: skip
+        cfg.data.target = "y"
+        if mode is Mode.fused:
+            cfg.execution.bgrad = Bgrad(bgrad)
+        train(cfg, tmp_path / f"run-{mode.value}")
+        recs = read_metrics(tmp_path / f"run-{mode.value}" / "metrics.jsonl")
+        losses[mode] = [r["train/loss"] for r in recs if r["kind"] == "step"]
+    np.testing.assert_allclose(losses[Mode.fused], losses[Mode.naive], rtol=1e-5)
+    assert losses[Mode.fused][-1] < 0.2 * losses[Mode.fused][0]  # it learned
+
+
 def test_task_auto_reads_fractional_values_as_a_regression(tmp_path: Path) -> None:
     x, _ = rows(60)
     ds_cfg = DataConfig(name=DatasetName.file, path=str(write(tmp_path / "d.csv", x, x[:, 0] * 0.5)))
