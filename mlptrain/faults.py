@@ -68,23 +68,24 @@ class StopRequest:
 
 
 def nonfinite_tensors(tr: Trainer, *, grads: bool) -> list[str]:
-    """Names of the gradients (if ``grads``) and parameters holding inf/NaN, in model order (one sync).
+    """Names of the gradients (if ``grads``) and parameters holding inf/NaN, in model order.
 
-    One reduction per tensor screens it: a sum of squares (a dot product on the CPU, where this
-    runs every step) is finite only if every element is, and a flagged tensor is confirmed
-    element-wise, since the reduction itself can overflow.
+    On the GPU one kernel flags them all (:mod:`mlptrain.gpu.nonfinite`: one launch per dtype,
+    compiled once per machine, not a CuPy reduction per tensor). On the CPU, where this runs
+    every step, one dot product per tensor screens it (a sum of squares is finite only if every
+    element is) and a flagged tensor is confirmed element-wise, since the dot product itself can
+    overflow.
     """
     params = tr.model.params
     items = [(f"{p.name} gradient", p.grad) for p in params if grads and p.grad is not None]
     items += [(p.name, p.value) for p in params]
-    xp = tr.xp
-    screens: Any
     if tr.backend.is_gpu:
-        screens = tr.backend.to_host(xp.stack([a.sum(dtype=xp.float64) for _, a in items]))  # syncs the device
-    else:
-        with np.errstate(over="ignore", invalid="ignore"):
-            screens = [np.dot(a.ravel(), a.ravel()) for _, a in items]
-    return [n for (n, a), s in zip(items, screens, strict=True) if not math.isfinite(s) and not xp.isfinite(a).all()]
+        from mlptrain.gpu.nonfinite import nonfinite_flags
+
+        return [n for (n, _), bad in zip(items, nonfinite_flags([a for _, a in items]), strict=True) if bad]
+    with np.errstate(over="ignore", invalid="ignore"):
+        screens = [np.dot(a.ravel(), a.ravel()) for _, a in items]
+    return [n for (n, a), s in zip(items, screens, strict=True) if not math.isfinite(s) and not np.isfinite(a).all()]
 
 
 def nonfinite_error(

@@ -41,6 +41,11 @@ from mlptrain.steplog import StepLog
 log = logging.getLogger(__name__)
 
 
+# Below this many GEMM FLOPs per training step (6 x batch x sum of in x out), execution.bgrad=auto
+# takes bgradb without timing both strategies: the step is launch-bound, so they time the same.
+PROBE_MIN_FLOPS = 1e9
+
+
 class Trainer:
     """The step of a run, built from a valid :class:`TrainConfig` (:func:`mlptrain.config.validate`).
 
@@ -166,6 +171,10 @@ class Trainer:
             return
         if not (self.backend.is_gpu and self.cfg.execution.mode.value == "fused" and len(self.widths) > 2):
             self.model.set_bgrad("bgradb")  # on the CPU (and in naive mode) the two do the same work
+            return
+        flops = 6 * self.cfg.data.batch_size * sum(a * b for a, b in zip(self.widths, self.widths[1:], strict=False))
+        if flops < PROBE_MIN_FLOPS:  # a step of microseconds: the choice cannot matter, the probe would
+            self.model.set_bgrad("bgradb")  # cost more than the whole run (the default digits run)
             return
         from mlptrain.gpu.plan_cache import PlanCache
         from mlptrain.gpu.probe import choose_bgrad

@@ -1,0 +1,91 @@
+"""How long the default run takes from a cold cache and a warm one (the first GPU run a user makes).
+
+Runs ``python -m mlptrain [overrides]`` in subprocesses, each into a new run directory:
+
+1. cold: CuPy's kernel cache (``CUPY_CACHE_DIR``) and mlptrain's cache (``MLPTRAIN_DATA``: plans,
+   measured choices) empty, as on a fresh machine;
+2. warm: the same caches again (what every later run sees), twice.
+
+Per run: the wall time of the process, the training loop's time (``wall_s`` of the summary
+record) and the rest (start-up: imports, data, planning, kernel compilation). With ``--profile``
+a cold and a warm run are also profiled (cProfile; the top functions by cumulative time go
+into ``cold-profile.txt`` and ``warm-profile.txt``): what the start-up spends its time on.
+
+Usage: python scripts/bench_startup.py [--out DIR] [--profile] [-- overrides ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pstats
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_once(overrides: list[str], caches: Path, run_dir: Path, profile: Path | None = None) -> dict:
+    env = {**os.environ, "CUPY_CACHE_DIR": str(caches / "cupy"), "MLPTRAIN_DATA": str(caches / "mlptrain")}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
+    cmd = [sys.executable, *(["-m", "cProfile", "-o", str(profile)] if profile else []), "-m", "mlptrain",
+           *overrides, f"hydra.run.dir={run_dir}"]  # fmt: skip
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    summary = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+    kernels = len(list((caches / "cupy").glob("*"))) if (caches / "cupy").is_dir() else 0
+    return {"wall_s": wall, "loop_s": summary["wall_s"], "startup_s": wall - summary["wall_s"],
+            "test_acc": summary.get("test/acc"), "cached_kernels": kernels}  # fmt: skip
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="bench-startup-out")
+    ap.add_argument("--profile", action="store_true", help="also profile a cold run (cProfile)")
+    ap.add_argument("overrides", nargs="*", help="overrides of the run (default: none, the default run)")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        caches = Path(tmp) / "caches"
+        for i, label in enumerate(["cold", "warm", "warm"]):
+            rec = run_once(args.overrides, caches, Path(tmp) / f"run{i}")
+            rows.append({"run": label, **rec})
+            print(json.dumps(rows[-1]), flush=True)
+        if args.profile:  # a cold run and then a warm one, on caches of their own
+            for label in ("cold", "warm"):
+                prof = Path(tmp) / f"{label}.prof"
+                run_once(args.overrides, Path(tmp) / "caches-profiled", Path(tmp) / f"run-{label}-profiled", prof)
+                with open(out / f"{label}-profile.txt", "w") as f:
+                    pstats.Stats(str(prof), stream=f).sort_stats("cumulative").print_stats(80)
+    cold, warm = rows[0], min(rows[1:], key=lambda r: r["wall_s"])
+    md = [
+        f"Measured {datetime.date.today().isoformat()}, command: `python scripts/bench_startup.py "
+        f"{' '.join(sys.argv[1:])}` (overrides: {' '.join(args.overrides) or 'none: the default run'}).",
+        "",
+        "| run | wall s | training loop s | start-up s | kernels compiled into CuPy's cache |",
+        "|---|---|---|---|---|",
+        *(
+            f"| {r['run']} | {r['wall_s']:.2f} | {r['loop_s']:.2f} | {r['startup_s']:.2f} | {r['cached_kernels']} |"
+            for r in rows
+        ),  # fmt: skip
+        "",
+        f"cold / warm wall time: {cold['wall_s'] / warm['wall_s']:.2f}x",
+    ]
+    (out / "bench-startup.md").write_text("\n".join(md) + "\n")
+    (out / "bench-startup.json").write_text(json.dumps(rows, indent=1))
+    print("\n".join(md))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
