@@ -257,10 +257,10 @@ class Loop:
         log.info(epoch_line(rec, cfg.epochs, tr, self.interval.samples_per_s))
         if stop_early:
             self.stopped_early = epoch
+            best = self.best.epoch or 0
             log.info(
                 "early stopping after epoch %d: %s has not improved for %d epochs (best %.4g at epoch %d, in %s)",
-                epoch, self.best.metric, epoch - (self.best.epoch or 0), self.best.value, self.best.epoch,
-                self.run_dir.checkpoint("best"),
+                epoch + 1, self.best.metric, epoch - best, self.best.value, best + 1, self.run_dir.checkpoint("best"),
             )  # fmt: skip
         return here, stop_early
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -152,6 +153,8 @@ def test_wheel_contains_configs_and_data(wheel: Path) -> None:
     assert not any(n.startswith("conf/") for n in names), "conf/ must not be a top-level package"
     assert "mlptrain/data/digits.csv.gz" in names  # the bundled default dataset
     assert "mlptrain/conf/hydra/job_logging/mlptrain.yaml" in names
+    for script in ("compare.py", "plot.py", "bench.py", "bench_predict.py"):  # a wheel user can draw a sweep
+        assert f"mlptrain/scripts/{script}" in names
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     assert "mlptrain = mlptrain.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
 
@@ -177,6 +180,17 @@ def test_installed_wheel_finds_its_configs(wheel: Path, tmp_path: Path) -> None:
     assert "name: mnist1d" in proc.stdout and "name: adamw" in proc.stdout
     proc = run_cli("optimizer.lr=0", f"hydra.run.dir={tmp_path}/run", cwd=cwd, pythonpath=site)
     assert proc.returncode == 2 and "optimizer.lr" in proc.stderr, output(proc)
+    if importlib.util.find_spec("matplotlib") is not None:  # the shipped scripts draw a run from the wheel
+        proc = run_cli("epochs=2", "device=cpu", "model.hidden=[8]", f"hydra.run.dir={tmp_path}/run2", cwd=cwd,
+                       pythonpath=site)  # fmt: skip
+        assert proc.returncode == 0, output(proc)
+        env = {**os.environ, "PYTHONPATH": str(site)}
+        for module in ("mlptrain.scripts.plot", "mlptrain.plot"):
+            drawn = subprocess.run([sys.executable, "-m", module, str(tmp_path / "run2"), "--out",
+                                    str(tmp_path / f"{module}.png")], cwd=cwd, env=env, capture_output=True,
+                                   text=True, timeout=120)  # fmt: skip
+            assert drawn.returncode == 0, drawn.stderr
+            assert (tmp_path / f"{module}.png").read_bytes()[:4] == b"\x89PNG"
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,95 @@
+"""The small commands beside training: ``python -m mlptrain.predict``, ``.evaluate``, ``.export``.
+
+They take ``key=value`` arguments like the main command (no Hydra: they compose nothing and write
+no run directory). Each declares its arguments as a dataclass whose fields carry a help text;
+:func:`main` parses the command line into it, prints ``--help`` from it, and reports every mistake
+as one line ``error: <message>`` on stderr with exit status 2, as ``python -m mlptrain`` does.
+Ctrl-C exits with 130 and leaves every output file as it was (outputs are written atomically).
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import sys
+import typing
+from collections.abc import Callable, Sequence
+from dataclasses import MISSING, field, fields
+from typing import Any, TypeVar
+
+from mlptrain.errors import ConfigError, MlptrainError
+
+T = TypeVar("T")
+
+REQUIRED: Any = MISSING
+
+
+def arg(default: Any, help: str) -> Any:
+    """A command argument with its help text (``REQUIRED`` for one without a default)."""
+    return field(default=default, metadata={"help": help})
+
+
+def parse(cls: type[T], argv: Sequence[str]) -> T:
+    """``key=value`` arguments into ``cls``; unknown keys, bad values and missing keys raise ConfigError."""
+    hints = typing.get_type_hints(cls)
+    known = {f.name: f for f in fields(cls)}  # type: ignore[arg-type]
+    values: dict[str, Any] = {}
+    for token in argv:
+        key, eq, text = token.partition("=")
+        if not eq:
+            raise ConfigError(f"argument {token!r} is not key=value; the keys are {', '.join(known)}")
+        if key not in known:
+            close = difflib.get_close_matches(key, list(known), n=1)
+            hint = f"did you mean {close[0]}?" if close else f"the keys are {', '.join(known)}"
+            raise ConfigError(f"unknown argument {key!r}; {hint}")
+        values[key] = _convert(key, text, hints[key])
+    missing = [name for name, f in known.items() if f.default is MISSING and name not in values]
+    if missing:
+        raise ConfigError(f"missing {', '.join(f'{m}=...' for m in missing)}; see --help")
+    return cls(**values)
+
+
+def _convert(key: str, text: str, hint: Any) -> Any:
+    options = [a for a in typing.get_args(hint) if a is not type(None)]
+    kind = options[0] if options else hint
+    if options and text.lower() in ("null", "none", ""):
+        return None
+    if kind is bool:
+        if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
+            raise ConfigError(f"{key}={text!r}; expected true or false")
+        return text.lower() in ("true", "1", "yes")
+    if kind is int:
+        try:
+            return int(text)
+        except ValueError:
+            raise ConfigError(f"{key}={text!r}; expected a whole number") from None
+    return text
+
+
+def usage(cls: type, command: str, about: str) -> str:
+    """``--help``: what the command does, and every argument with its default and description."""
+    lines = [about, "", f"Usage: python -m {command} key=value ...", "", "Arguments (key = default):"]
+    for f in fields(cls):
+        default = "(required)" if f.default is MISSING else ("null" if f.default is None else f.default)
+        shown = str(default).lower() if isinstance(default, bool) else str(default)
+        lines.append(f"  {f.name + ' = ' + shown:<28} {f.metadata.get('help', '')}")
+    return "\n".join(lines)
+
+
+def main(
+    cls: type[T], command: str, about: str, run: Callable[[T], int | None], argv: Sequence[str] | None = None
+) -> int:
+    """Parse the arguments, run, and turn errors into one line and an exit status (0, 2, 130)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in argv):
+        print(usage(cls, command, about))
+        return 0
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
+    try:
+        return run(parse(cls, argv)) or 0
+    except MlptrainError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    except KeyboardInterrupt:
+        print("error: interrupted; no output was written", file=sys.stderr, flush=True)
+        return 130

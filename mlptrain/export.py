@@ -1,0 +1,184 @@
+"""``python -m mlptrain.export ckpt=PATH format=safetensors|onnx output=FILE``: the model for other tools.
+
+**safetensors** (written here, no dependency; the format is an 8-byte little-endian header length,
+a JSON header naming each tensor's dtype, shape and byte range, then the bytes): the parameters
+under the names and layout of PyTorch's ``nn.Sequential(Linear, ReLU, ..., Linear)`` state dict
+(``0.weight`` ``(out, in)``, ``0.bias``, ``2.weight`` ...; without ReLU the indices run 0, 1, 2),
+so that ``model.load_state_dict(safetensors.torch.load_file(path))`` works. The header's
+``__metadata__`` holds what scoring raw inputs needs besides (:func:`preprocessing`, as JSON
+under ``mlptrain``): the widths, the normalisation ``(x - shift) / scale``, and the feature, class
+and target names.
+
+**ONNX** (the ``onnx`` extra): the whole inference path as one graph, normalisation included::
+
+    x (N, F) float32 -> Sub(shift) -> Mul(1/scale) -> [Gemm(W^T, b) -> Relu] ... -> Gemm -> logits (N, C)
+    classification: probabilities = Softmax(logits), class_id = ArgMax(logits) (int64)
+
+with the same float32 arithmetic as :class:`mlptrain.inference.Predictor` on the CPU, so
+ONNX Runtime gives the same predictions (tests/test_export.py).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mlptrain import commands
+from mlptrain.commands import REQUIRED, arg
+from mlptrain.errors import ConfigError, OutputError
+from mlptrain.files import atomic_write
+from mlptrain.inference import Predictor
+
+FORMATS = ("safetensors", "onnx")
+DTYPES = {"fp32": np.float32, "fp16": np.float16}
+_ST_DTYPES = {"float32": "F32", "float16": "F16", "float64": "F64", "int64": "I64"}
+ONNX_OPSET = 17
+
+
+@dataclass
+class ExportArgs:
+    ckpt: str = arg(REQUIRED, "a checkpoint (.npz), or a run directory (its checkpoints/best.npz)")
+    format: str = arg(REQUIRED, "safetensors (PyTorch nn.Sequential names) or onnx (normalisation included)")
+    output: str | None = arg(None, "the file to write; null: beside the checkpoint, <name>.<format>")
+    dtype: str = arg("fp32", "safetensors: the parameters' dtype, fp32 or fp16 (ONNX: fp32)")
+
+
+def sequential_state_dict(p: Predictor, dtype: Any = np.float32) -> dict[str, np.ndarray]:
+    """The parameters as ``nn.Sequential(Linear, ReLU, ..., Linear).state_dict()`` names them."""
+    relu = any(layer.relu for layer in p.model.layers)
+    step = 2 if relu else 1  # Linear, ReLU, Linear, ...: the Linear layers are every other module
+    out = {}
+    for i, layer in enumerate(p.model.layers):
+        # W (out, in) and b (out,): the layout of torch.nn.Linear
+        out[f"{step * i}.weight"] = np.ascontiguousarray(p.backend.to_host(layer.weight.value), dtype=dtype)
+        out[f"{step * i}.bias"] = np.ascontiguousarray(p.backend.to_host(layer.bias.value), dtype=dtype)  # (out,)
+    return out
+
+
+def preprocessing(p: Predictor) -> dict[str, Any]:
+    """What scoring raw inputs needs besides the parameters, as JSON-ready values."""
+    return {
+        "format": "mlptrain-model",
+        "widths": p.widths,
+        "activation": "relu" if any(layer.relu for layer in p.model.layers) else "none",
+        "task": p.task,
+        "normalization": {"shift": p.shift.tolist(), "scale": p.scale.tolist(), "formula": "(x - shift) / scale"},
+        "feature_names": p.feature_names,
+        "class_names": p.class_names,
+        "target_names": p.target_names,
+        "checkpoint": str(p.path),
+    }
+
+
+def safetensors_bytes(tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> bytes:
+    """A safetensors file: header length (u64 LE), JSON header, then each tensor's C-order bytes."""
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset, blobs = 0, []
+    for name, a in tensors.items():
+        data = np.ascontiguousarray(a).astype(a.dtype.newbyteorder("<"), copy=False).tobytes()
+        span = [offset, offset + len(data)]
+        header[name] = {"dtype": _ST_DTYPES[a.dtype.name], "shape": list(a.shape), "data_offsets": span}
+        offset += len(data)
+        blobs.append(data)
+    text = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+    return struct.pack("<Q", len(text)) + text + b"".join(blobs)
+
+
+def load_safetensors(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """Read a safetensors file into NumPy arrays and its metadata (PyTorch not needed)."""
+    raw = Path(path).read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    meta = header.pop("__metadata__", {})
+    names = {v: k for k, v in _ST_DTYPES.items()}
+    body = raw[8 + n :]
+    tensors = {}
+    for k, v in header.items():
+        begin, end = v["data_offsets"]
+        dtype = np.dtype(names[v["dtype"]]).newbyteorder("<")
+        tensors[k] = np.frombuffer(body[begin:end], dtype=dtype).reshape(v["shape"])
+    return tensors, meta
+
+
+def onnx_model(p: Predictor) -> Any:
+    """The inference path of ``p`` as an ONNX ModelProto (normalisation, layers, softmax and argmax)."""
+    try:
+        import onnx
+        from onnx import TensorProto, helper, numpy_helper
+    except ImportError as exc:
+        raise ConfigError("format=onnx needs the onnx package: pip install 'mlptrain[onnx]'") from exc
+    f32 = np.float32
+    inits = [numpy_helper.from_array(p.shift.astype(f32), "shift"),
+             numpy_helper.from_array((1.0 / p.scale).astype(f32), "inv_scale")]  # fmt: skip
+    nodes = [helper.make_node("Sub", ["x", "shift"], ["x_shifted"]),
+             helper.make_node("Mul", ["x_shifted", "inv_scale"], ["h0"])]  # fmt: skip
+    for i, layer in enumerate(p.model.layers):
+        w, b = (np.ascontiguousarray(p.backend.to_host(t.value), dtype=f32) for t in (layer.weight, layer.bias))
+        inits += [numpy_helper.from_array(w, f"layer{i}.weight"), numpy_helper.from_array(b, f"layer{i}.bias")]
+        out = "logits" if i == len(p.model.layers) - 1 else f"z{i + 1}"
+        # Gemm: h @ W^T + b, W (out, in) as mlptrain and PyTorch store it
+        nodes.append(helper.make_node("Gemm", [f"h{i}", f"layer{i}.weight", f"layer{i}.bias"], [out], transB=1))
+        if layer.relu:
+            nodes.append(helper.make_node("Relu", [out], [f"h{i + 1}"]))
+        elif out != "logits":
+            nodes.append(helper.make_node("Identity", [out], [f"h{i + 1}"]))
+    n, c = "N", p.num_outputs
+    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [n, c])]
+    if p.classification:
+        nodes += [helper.make_node("Softmax", ["logits"], ["probabilities"], axis=1),
+                  helper.make_node("ArgMax", ["logits"], ["class_id"], axis=1, keepdims=0)]  # fmt: skip
+        outputs += [helper.make_tensor_value_info("probabilities", TensorProto.FLOAT, [n, c]),
+                    helper.make_tensor_value_info("class_id", TensorProto.INT64, [n])]  # fmt: skip
+    graph = helper.make_graph(
+        nodes, "mlptrain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [n, p.num_features])], outputs, inits
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", ONNX_OPSET)], producer_name="mlptrain")
+    model.ir_version = min(model.ir_version, 8)  # readable by older ONNX Runtime releases too
+    helper.set_model_props(model, {"mlptrain": json.dumps(preprocessing(p))})
+    onnx.checker.check_model(model)
+    return model
+
+
+def export(args: ExportArgs) -> Path:
+    if args.format not in FORMATS:
+        raise ConfigError(f"format={args.format!r}; expected one of {', '.join(FORMATS)}")
+    if args.dtype not in DTYPES or (args.format == "onnx" and args.dtype != "fp32"):
+        raise ConfigError(f"dtype={args.dtype!r}; expected {'fp32' if args.format == 'onnx' else 'fp32 or fp16'}")
+    p = Predictor(args.ckpt, device="cpu", precision="fp32")  # host arrays, master weights
+    out = Path(args.output).expanduser() if args.output else p.path.with_suffix(f".{args.format}")
+    if not out.parent.is_dir():
+        raise OutputError(f"output={out}: the folder {out.parent} does not exist")
+    if args.format == "safetensors":
+        meta = {"format": "pt", "mlptrain": json.dumps(preprocessing(p))}
+        content: bytes = safetensors_bytes(sequential_state_dict(p, DTYPES[args.dtype]), meta)
+    else:
+        content = onnx_model(p).SerializeToString()
+    try:
+        atomic_write(out, content)
+    except OSError as exc:
+        raise OutputError(f"cannot write {out} ({exc})") from exc
+    return out
+
+
+def run(args: ExportArgs) -> int:
+    out = export(args)
+    print(f"wrote {out} ({out.stat().st_size:,} bytes, {args.format})")
+    return 0
+
+
+ABOUT = "Export a trained mlptrain checkpoint as safetensors (PyTorch nn.Sequential) or ONNX (with normalisation)."
+
+
+def main(argv: list[str] | None = None) -> int:
+    return commands.main(ExportArgs, "mlptrain.export", ABOUT, run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

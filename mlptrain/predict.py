@@ -1,0 +1,198 @@
+"""``python -m mlptrain.predict ckpt=PATH input=FILE output=FILE``: score a file of raw inputs.
+
+The input is any file ``data=file`` reads (CSV/TSV with a header, ``.gz``, NPZ, Parquet). Its
+feature columns are matched to the checkpoint's by name, in any order; a missing or unknown
+feature column is an error naming both. A target column, if the file has one, is not a feature:
+its labels are compared with the predictions and the accuracy is reported. The output is
+
+* ``.csv`` / ``.tsv`` (``.gz`` too): ``class_id,class_name`` per row, with ``p_<class>`` columns
+  when ``probabilities=true``; a regression: one column per target;
+* ``.npy``: the class ids ``(N,)`` (``probabilities=true``: the ``(N, C)`` probabilities; a
+  regression: the ``(N, T)`` outputs);
+* ``.npz``: ``class_id``, ``class_name`` and (when asked) ``probabilities``, or ``values``.
+
+``keep=id,name`` copies input columns that are not features (an id) into the output, before the
+predictions (CSV and NPZ).
+
+It is written atomically once every row is scored: a failed or interrupted run leaves any
+previous output as it was. In Python, ``mlptrain.predict(ckpt, x)`` scores an array (this
+module is callable: :func:`mlptrain.inference.predict`).
+"""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import io
+import logging
+import sys
+import time
+import types
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+
+from mlptrain import commands
+from mlptrain.commands import REQUIRED, arg
+from mlptrain.data.files import columns, read_table
+from mlptrain.errors import ConfigError, DatasetError, OutputError
+from mlptrain.files import atomic_write
+from mlptrain.inference import DEFAULT_BATCH, Outputs, Predictor, predict
+
+log = logging.getLogger(__name__)
+
+__all__ = ["predict", "main", "PredictArgs", "read_inputs", "write_outputs"]
+
+OUTPUT_SUFFIXES = (".csv", ".csv.gz", ".tsv", ".tsv.gz", ".npy", ".npz")
+
+
+@dataclass
+class PredictArgs:
+    ckpt: str = arg(REQUIRED, "a checkpoint (.npz), or a run directory (its checkpoints/best.npz)")
+    input: str = arg(REQUIRED, "raw inputs: CSV/TSV with a header (.gz too), NPZ or Parquet")
+    output: str = arg(REQUIRED, f"where to write the predictions: {', '.join(OUTPUT_SUFFIXES)}")
+    probabilities: bool = arg(False, "also write the class probabilities (softmax of the logits)")
+    batch_size: int = arg(DEFAULT_BATCH, "rows per batch")
+    device: str = arg("auto", "auto (the GPU when there is one), cpu or gpu")
+    precision: str | None = arg(None, "GEMM precision; null: the checkpoint's (fp32 on the CPU)")
+    progress: bool | None = arg(None, "progress bar; null: on a terminal only")
+    autotune: bool = arg(False, "GPU: time cuBLASLt's candidate algorithms per GEMM once, keep the fastest")
+    keep: str | None = arg(None, "input columns to copy into the output (not features), comma-separated: keep=id")
+
+
+def output_kind(path: Path) -> str:
+    name = path.name.lower()
+    for suffix in OUTPUT_SUFFIXES:
+        if name.endswith(suffix):
+            return suffix
+    raise ConfigError(f"output={path}: unknown format; expected a file ending in {', '.join(OUTPUT_SUFFIXES)}")
+
+
+def read_inputs(
+    p: Predictor, path: Path, keep: list[str] | None = None
+) -> tuple[np.ndarray, np.ndarray | None, dict[str, np.ndarray]]:
+    """The raw feature rows of ``path`` in the model's column order, the targets if the file has them,
+    and the ``keep`` columns (an id, say: not features, written beside the predictions)."""
+    keep = list(keep or [])
+    names = columns(path)
+    missing = [k for k in keep if k not in names]
+    if missing:
+        raise DatasetError(f"input file {path} has no column {', '.join(map(repr, missing))} (keep); its columns are "
+                           f"{', '.join(names)}")  # fmt: skip
+    present = [t for t in p.target_columns if t in names and t not in keep]
+    table, _ = read_table(path, present + keep)
+    x = p.arrange(table.feature_names, table.x, f"input file {path}", named=table.named)
+    cells = np.asarray(table.y).reshape(len(x), -1) if present or keep else np.empty((len(x), 0))
+    y = None
+    if present:
+        y = p.labels(cells[:, 0], f"input file {path}") if p.classification else cells[:, : len(present)]
+    kept = {k: _tidy(cells[:, len(present) + i]) for i, k in enumerate(keep)}
+    return x, y, kept
+
+
+def _tidy(column: np.ndarray) -> np.ndarray:
+    """Whole numbers read as floats (an id column) back to integers."""
+    if column.dtype.kind == "f" and np.isfinite(column).all() and (column == np.round(column)).all():
+        return column.astype(np.int64)
+    return column
+
+
+def write_outputs(p: Predictor, out: Outputs, path: Path, kept: dict[str, np.ndarray] | None = None) -> None:
+    """Write ``out`` (and the ``kept`` input columns before it) to ``path`` (format by suffix), atomically."""
+    kind = output_kind(path)
+    kept = kept or {}
+    if kind == ".npy":
+        array = next(a for a in (out.values, out.probabilities, out.class_id) if a is not None)
+        atomic_write(path, lambda f: np.save(f, array))
+    elif kind == ".npz":
+        arrays: dict[str, Any] = dict(kept)
+        arrays.update({"values": out.values} if out.values is not None else {"class_id": out.class_id})
+        if out.class_id is not None:
+            arrays["class_name"] = np.array(p.class_name(out.class_id))
+        if out.probabilities is not None:
+            arrays["probabilities"] = out.probabilities
+        atomic_write(path, lambda f: np.savez(f, **arrays))
+    else:
+        atomic_write(path, lambda f: _write_csv(p, out, kept, f, "\t" if kind.startswith(".tsv") else ",", kind))
+
+
+def _write_csv(
+    p: Predictor, out: Outputs, kept: dict[str, np.ndarray], f: IO[bytes], delimiter: str, kind: str
+) -> None:
+    raw: Any = gzip.GzipFile(fileobj=f, mode="wb", mtime=0) if kind.endswith(".gz") else f
+    text = io.TextIOWrapper(raw, encoding="utf-8", newline="")
+    w = csv.writer(text, delimiter=delimiter, lineterminator="\n")
+    first = [list(kept)]  # the kept input columns come first, row by row
+    lead = list(zip(*(c.tolist() for c in kept.values()), strict=True)) if kept else None
+    if out.values is not None:
+        w.writerow(first[0] + (p.target_names or [f"y{i}" for i in range(p.num_outputs)]))
+        rows: Any = out.values.tolist()
+    else:
+        names = p.class_name(np.arange(p.num_outputs))
+        probs = out.probabilities
+        w.writerow(first[0] + ["class_id", "class_name", *((f"p_{n}" for n in names) if probs is not None else ())])
+        ids = out.class_id.tolist()  # type: ignore[union-attr]
+        if probs is None:
+            rows = ([i, names[i]] for i in ids)
+        else:
+            rows = ([i, names[i], *(f"{v:.6g}" for v in row)] for i, row in zip(ids, probs.tolist(), strict=True))
+    if lead is None:
+        w.writerows(rows)
+    else:
+        w.writerows([*k, *r] for k, r in zip(lead, rows, strict=True))
+    text.flush()
+    text.detach()
+    if raw is not f:
+        raw.close()
+
+
+def run(args: PredictArgs) -> int:
+    from tqdm import tqdm
+
+    out_path, in_path = Path(args.output).expanduser(), Path(args.input).expanduser()
+    keep = [k.strip() for k in args.keep.split(",") if k.strip()] if args.keep else []
+    if output_kind(out_path) == ".npy" and keep:  # checked before the work, as is the folder it goes to
+        raise ConfigError(f"keep={args.keep}: a .npy file holds one array; write .csv or .npz to keep columns")
+    if not out_path.parent.is_dir():
+        raise OutputError(f"output={out_path}: the folder {out_path.parent} does not exist")
+    p = Predictor(args.ckpt, device=args.device, precision=args.precision, batch_size=args.batch_size,
+                  autotune=args.autotune)  # fmt: skip
+    log.info("%s", p.describe())
+    x, y, kept = read_inputs(p, in_path, keep)
+    t0 = time.perf_counter()
+    with tqdm(total=len(x), unit="rows", desc="predict", disable=None if args.progress is None else not args.progress,
+              unit_scale=True, dynamic_ncols=True) as bar:  # fmt: skip
+        out = p.run(x, probabilities=args.probabilities, progress=bar.update)
+    seconds = time.perf_counter() - t0
+    write_outputs(p, out, out_path, kept)
+    line = f"predicted {len(x):,} rows in {seconds:.2f} s ({len(x) / max(seconds, 1e-9):,.0f} rows/s) -> {out_path}"
+    if y is not None:
+        if out.class_id is not None:
+            line += f" | accuracy {np.mean(out.class_id == y):.4f} against the file's {p.target_columns[0]!r} column"
+        elif out.values is not None:
+            mse = float(np.mean((out.values - np.asarray(y, dtype=np.float64)) ** 2))
+            line += f" | mse {mse:.6g} against the file's targets"
+    print(line)
+    return 0
+
+
+ABOUT = "Score raw inputs with a trained mlptrain checkpoint (its normalisation and column names included)."
+
+
+def main(argv: list[str] | None = None) -> int:
+    return commands.main(PredictArgs, "mlptrain.predict", ABOUT, run, argv)
+
+
+class _CallableModule(types.ModuleType):
+    """``mlptrain.predict(ckpt, x)`` calls :func:`mlptrain.inference.predict`: the module is also the function."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return predict(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,271 @@
+"""Inference throughput: ``mlptrain.predict`` against PyTorch eager and ``torch.compile``.
+
+For each model (784-1024-1024-10 and 4096 x 4: four 4096 -> 4096 layers) and dtype (fp16, bf16),
+the same random weights score the same 1,000,000 raw float32 rows, resident on the GPU, in batches
+of 8192. The work per batch is the same in every variant: normalise ``(x - shift) * (1 / scale)``
+and cast, the MLP, the argmax; the class ids of all rows come back to the host at the end.
+
+* mlptrain: :class:`mlptrain.inference.Predictor` (one normalise kernel, then a CUDA graph of the
+  RELU_BIAS/BIAS GEMMs and the argmax);
+* PyTorch eager: ``nn.Sequential(Linear, ReLU, ...)`` in the dtype, under ``torch.inference_mode``;
+* ``torch.compile`` (inductor, default mode) of the same function.
+
+Each variant's pass over all rows is timed with CUDA events after a warm-up pass (which also
+compiles); the median of ``--reps`` passes gives rows/s. The predictions are compared with
+mlptrain's (share of equal class ids: half-precision GEMMs with other algorithms may round
+differently at near-ties). mlptrain from host (NumPy) rows is timed too, transfers included.
+
+Usage: python scripts/bench_predict.py [--out DIR] [--rows N] [--batch B] [--reps R]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import platform
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from mlptrain import checkpoint  # noqa: E402
+from mlptrain.backend import probe_gpu  # noqa: E402
+from mlptrain.inference import Predictor  # noqa: E402
+
+MODELS = [("784-1024-1024-10", [784, 1024, 1024, 10]), ("4096 x 4", [4096] * 5)]
+
+
+def random_checkpoint(widths: list[int], precision: str, seed: int = 0) -> checkpoint.Checkpoint:
+    """A checkpoint of random He-initialised weights and a random normalisation (nothing trained)."""
+    rng = np.random.default_rng(seed)
+    arrays = {}
+    for i in range(len(widths) - 1):
+        fan_in = widths[i]
+        w = rng.standard_normal((widths[i + 1], fan_in)) * np.sqrt(2.0 / fan_in)
+        arrays[f"param/layer{i}.weight"] = w.astype(np.float32)
+        arrays[f"param/layer{i}.bias"] = (0.1 * rng.standard_normal(widths[i + 1])).astype(np.float32)
+    arrays["data/shift"] = rng.standard_normal(widths[0])
+    arrays["data/scale"] = rng.uniform(0.5, 2.0, widths[0])
+    meta = {
+        "format_version": checkpoint.FORMAT_VERSION, "mlptrain": "bench", "widths": widths, "precision": precision,
+        "config": {"model": {"activation": "relu"}},
+        "data": {"task": "classification", "feature_names": None, "class_names": None, "target_names": None},
+    }  # fmt: skip
+    return checkpoint.Checkpoint(Path(f"random-{'-'.join(map(str, widths))}.npz"), arrays, meta)
+
+
+def time_passes(fn, stream_events, reps: int) -> list[float]:
+    """Seconds of ``fn()`` per call, by CUDA events on its stream, after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(reps):
+        start, end, elapsed = stream_events()
+        start()
+        fn()
+        end()
+        times.append(elapsed())
+    return times
+
+
+def cupy_events(stream):
+    import cupy as cp
+
+    def make():
+        a, b = cp.cuda.Event(), cp.cuda.Event()
+        return (
+            (lambda: a.record(stream)),
+            (lambda: (b.record(stream), b.synchronize())),
+            (lambda: cp.cuda.get_elapsed_time(a, b) / 1e3),
+        )
+
+    return make
+
+
+def torch_events():
+    import torch
+
+    def make():
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        return (lambda: a.record()), (lambda: (b.record(), b.synchronize())), (lambda: a.elapsed_time(b) / 1e3)
+
+    return make
+
+
+def forward_floor(p: Predictor, xb, batch: int, chain: int = 20) -> dict:
+    """The forward GEMMs alone (RELU_BIAS ... BIAS, no normalisation, no argmax): the floor per batch."""
+    import cupy as cp
+
+    xc = xb.astype(p.precision.compute_dtype)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        for _ in range(3):
+            p.model.forward(xc, keep=False)
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record(stream)
+        for _ in range(chain):
+            p.model.forward(xc, keep=False)
+        end.record(stream)
+        end.synchronize()
+    s = cp.cuda.get_elapsed_time(start, end) / 1e3 / chain
+    return {"s_per_batch": s, "rows_per_s": batch / s}
+
+
+def torch_variants(p: Predictor, ckpt: checkpoint.Checkpoint, precision: str, batch: int):
+    import torch
+
+    dtype = torch.float16 if precision == "fp16" else torch.bfloat16
+    widths = ckpt.meta["widths"]
+    layers = []
+    for i in range(len(widths) - 1):
+        lin = torch.nn.Linear(widths[i], widths[i + 1])
+        lin.weight.data = torch.from_numpy(ckpt.arrays[f"param/layer{i}.weight"])
+        lin.bias.data = torch.from_numpy(ckpt.arrays[f"param/layer{i}.bias"])
+        layers += [lin] + ([torch.nn.ReLU()] if i < len(widths) - 2 else [])
+    model = torch.nn.Sequential(*layers).cuda().to(dtype).eval()
+    shift = torch.tensor(p.shift.astype(np.float32), device="cuda")
+    inv = torch.tensor((1.0 / p.scale).astype(np.float32), device="cuda")
+
+    def infer(xb):  # the same work per batch as mlptrain's
+        return model(((xb - shift) * inv).to(dtype)).argmax(dim=1)
+
+    compiled = torch.compile(infer)
+    xb = torch.randn(batch, widths[0], device="cuda").to(dtype)
+    with torch.inference_mode():  # the model alone, for the floor
+        for _ in range(3):
+            model(xb)
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(20):
+            model(xb)
+        b.record()
+        b.synchronize()
+    floor = a.elapsed_time(b) / 1e3 / 20
+
+    def runner(fn):
+        def run_all(x):
+            with torch.inference_mode():
+                out = torch.empty(len(x), dtype=torch.int64, device="cuda")
+                for s in range(0, len(x), batch):
+                    out[s : s + batch] = fn(x[s : s + batch])
+                return out.cpu().numpy()
+
+        return run_all
+
+    return {"torch eager": runner(infer), "torch.compile": runner(compiled)}, {
+        "s_per_batch": floor,
+        "rows_per_s": batch / floor,
+    }
+
+
+def bench(name: str, widths: list[int], precision: str, rows: int, batch: int, reps: int) -> dict:
+    import cupy as cp
+
+    ckpt = random_checkpoint(widths, precision)
+    p = Predictor(ckpt, device="gpu", precision=precision, batch_size=batch)
+    rng = np.random.default_rng(1)
+    x_host = (rng.standard_normal((rows, widths[0]), dtype=np.float32) * p.scale + p.shift).astype(np.float32)
+    x_dev = cp.asarray(x_host)
+    rec: dict = {"model": name, "widths": widths, "precision": precision, "rows": rows, "batch": batch}
+    ours = p.run(x_dev).class_id
+    times = time_passes(lambda: p.run(x_dev), cupy_events(p._gpu.stream), reps)
+    rec["mlptrain"] = {"s": statistics.median(times), "rows_per_s": rows / statistics.median(times)}
+    tuned = Predictor(ckpt, device="gpu", precision=precision, batch_size=batch, autotune=True)
+    agree = float(np.mean(tuned.run(x_dev).class_id == ours))  # (plans, autotunes and captures)
+    t = statistics.median(time_passes(lambda: tuned.run(x_dev), cupy_events(tuned._gpu.stream), reps))
+    rec["mlptrain, autotune"] = {
+        "s": t,
+        "rows_per_s": rows / t,
+        "agree": agree,
+    }
+    rec["forward GEMMs only"] = forward_floor(p, x_dev[:batch], batch)
+    host = statistics.median(time_passes(lambda: p.run(x_host), cupy_events(p._gpu.stream), 2))
+    rec["mlptrain, host rows"] = {"s": host, "rows_per_s": rows / host}  # transfers and finiteness check included
+    try:
+        import torch
+    except ImportError:
+        return rec
+    x_t = torch.from_dlpack(x_dev)  # the same device memory
+    cp.cuda.Device().synchronize()
+    variants, rec["torch forward only"] = torch_variants(p, ckpt, precision, batch)
+    for label, fn in variants.items():
+        times = time_passes(lambda fn=fn: fn(x_t), torch_events(), reps)
+        theirs = fn(x_t)
+        rec[label] = {"s": statistics.median(times), "rows_per_s": rows / statistics.median(times),
+                      "agree": float(np.mean(theirs == ours))}  # fmt: skip
+    return rec
+
+
+def table(results: list[dict]) -> list[str]:
+    md = ["| model | dtype | mlptrain | mlptrain, autotune | torch eager | torch.compile | vs eager | vs compile | "
+          "same class id (eager, compile) | forward only: mlptrain, torch | mlptrain from host rows |",
+          "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in results:
+        ours, tuned = r["mlptrain"]["rows_per_s"], r["mlptrain, autotune"]["rows_per_s"]
+        e, c, tf = r.get("torch eager"), r.get("torch.compile"), r.get("torch forward only")
+        peers = "- | - | - | - | -"
+        if e and c:
+            peers = (f"{e['rows_per_s'] / 1e6:.2f} M | {c['rows_per_s'] / 1e6:.2f} M | "
+                     f"{ours / e['rows_per_s']:.2f}x ({tuned / e['rows_per_s']:.2f}x) | "
+                     f"{ours / c['rows_per_s']:.2f}x ({tuned / c['rows_per_s']:.2f}x) | "
+                     f"{e['agree']:.4f}, {c['agree']:.4f}")  # fmt: skip
+        floor = f"{r['forward GEMMs only']['rows_per_s'] / 1e6:.2f} M, " + (
+            f"{tf['rows_per_s'] / 1e6:.2f} M" if tf else "-"
+        )
+        host = r["mlptrain, host rows"]["rows_per_s"] / 1e6
+        md.append(f"| {r['model']} | {r['precision']} | {ours / 1e6:.2f} M | {tuned / 1e6:.2f} M | {peers} | {floor} | "
+                  f"{host:.2f} M |")  # fmt: skip
+    md += ["", "Rows per second. Ratios: mlptrain's default (autotune in brackets) over the peer. Forward only: the "
+           "model's layers on one batch already in the compute dtype, 20 batches back to back: the ceiling "
+           "that normalising, the argmax and the batching are measured against."]  # fmt: skip
+    return md
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="bench-predict-out", help="folder for bench_predict.json and .md")
+    ap.add_argument("--rows", type=int, default=1_000_000)
+    ap.add_argument("--batch", type=int, default=8192)
+    ap.add_argument("--reps", type=int, default=5, help="timed passes over all rows per variant (median)")
+    args = ap.parse_args(argv)
+    available, reason = probe_gpu()
+    if not available:
+        print(f"bench_predict.py needs an NVIDIA GPU with CuPy and nvmath-python: {reason}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.WARNING)
+    import cupy as cp
+    import nvmath
+
+    props = cp.cuda.runtime.getDeviceProperties(0)
+    stack = {"gpu": props["name"].decode(), "date": datetime.date.today().isoformat(), "nvmath": nvmath.__version__,
+             "cupy": cp.__version__, "python": platform.python_version(),
+             "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]])}  # fmt: skip
+    try:
+        import torch
+
+        stack["torch"] = torch.__version__
+    except ImportError:
+        pass
+    results = []
+    for name, widths in MODELS:
+        for precision in ("fp16", "bf16"):
+            results.append(bench(name, widths, precision, args.rows, args.batch, args.reps))
+            print(json.dumps(results[-1]), flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_predict.json").write_text(json.dumps({"stack": stack, "results": results}, indent=1))
+    md = [f"Measured {stack['date']} on {stack['gpu']}: nvmath-python {stack['nvmath']}, CuPy {stack['cupy']}"
+          + (f", PyTorch {stack['torch']}" if "torch" in stack else "") + f". Command: `{stack['command']}`.",
+          f"{args.rows:,} raw float32 rows on the GPU, batch {args.batch}; medians of {args.reps} passes "
+          "(CUDA events, after a warm-up pass).", "", *table(results)]  # fmt: skip
+    (out / "bench_predict.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

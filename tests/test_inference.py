@@ -1,0 +1,250 @@
+"""Using a trained model: the Predictor, ``python -m mlptrain.predict`` and ``python -m mlptrain.evaluate``."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import make_cfg
+from test_cli import REPO
+
+import mlptrain
+from mlptrain import checkpoint
+from mlptrain.config import DatasetName
+from mlptrain.data.files import write_csv
+from mlptrain.errors import CheckpointError, ConfigError, DatasetError
+from mlptrain.evaluate import EvaluateArgs, classification_report, evaluate
+from mlptrain.inference import Predictor, softmax
+from mlptrain.predict import PredictArgs, read_inputs
+from mlptrain.predict import main as predict_main
+from mlptrain.run import train
+from mlptrain.trainer import Trainer
+
+CLASSES = ["cat", "dog", "emu"]
+FEATURES = [f"f{i}" for i in range(6)]
+
+
+def _blobs(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Three classes of 6 features on very different scales (normalisation matters)."""
+    rng = np.random.default_rng(seed)
+    y = rng.integers(0, 3, n)
+    centres = np.array([[0, 1, 2, 0, 1, 2], [2, 0, 1, 2, 0, 1], [1, 2, 0, 1, 2, 0]], dtype=np.float64)
+    x = centres[y] + 0.6 * rng.standard_normal((n, 6))
+    return x * np.array([1.0, 10.0, 100.0, 0.1, 1000.0, 1.0]) + 50.0, y
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """A model trained on a CSV with text labels and a separate test file; its run and its files."""
+    d = tmp_path_factory.mktemp("trained")
+    (xtr, ytr), (xte, yte) = _blobs(600, 0), _blobs(200, 1)
+    write_csv(d / "train.csv", xtr, np.array(CLASSES)[ytr], FEATURES, target="animal")
+    write_csv(d / "test.csv", xte, np.array(CLASSES)[yte], FEATURES, target="animal")
+    cfg = make_cfg(data__name=DatasetName.file, data__path=str(d / "train.csv"), data__test_path=str(d / "test.csv"),
+                   data__target="animal", data__batch_size=32, data__cache=False, epochs=3)  # fmt: skip
+    summary = train(cfg, d / "run")
+    return {"dir": d, "cfg": cfg, "run": d / "run", "best": d / "run/checkpoints/best.npz", "summary": summary,
+            "x_test": xte, "y_test": yte}  # fmt: skip
+
+
+def test_predict_on_raw_inputs_equals_the_models_test_split_predictions(trained: dict) -> None:
+    # The trainer's own view of the test split: normalised by the dataset, forward as in evaluation.
+    tr = Trainer(trained["cfg"])
+    best = checkpoint.load(trained["best"])
+    tr.model.load_state_dict({k[6:]: v for k, v in best.arrays.items() if k.startswith("param/")})
+    want = tr.model.forward(tr.dataset.x_test, keep=False)  # (N, 3) logits
+    p = Predictor(trained["best"], device="cpu")
+    x, y, _ = read_inputs(p, trained["dir"] / "test.csv")  # raw rows, by column name
+    np.testing.assert_array_equal(p.logits(x), want)  # the same preprocessing, bit for bit
+    ids = mlptrain.predict(p, x)
+    np.testing.assert_array_equal(ids, want.argmax(axis=1))
+    np.testing.assert_array_equal(y, tr.dataset.y_test)  # text labels to the same class indices
+    assert np.mean(ids == y) == trained["summary"]["best/test/acc"]
+    probs = mlptrain.predict(p, x, probabilities=True)
+    np.testing.assert_allclose(probs, softmax(want.astype(np.float64)), rtol=1e-6, atol=1e-7)
+
+
+def test_predict_matches_columns_by_name_in_any_order(trained: dict, tmp_path: Path) -> None:
+    x, y = trained["x_test"], trained["y_test"]
+    order = [3, 0, 5, 1, 4, 2]
+    write_csv(tmp_path / "shuffled.csv", x[:, order], np.array(CLASSES)[y], [FEATURES[i] for i in order], "animal")
+    p = Predictor(trained["best"], device="cpu")
+    xs, ys, _ = read_inputs(p, tmp_path / "shuffled.csv")
+    np.testing.assert_array_equal(xs, read_inputs(p, trained["dir"] / "test.csv")[0])
+    # No target column: predicted all the same, no labels.
+    np.savez(tmp_path / "rows.npz", x=x, feature_names=np.array(FEATURES))
+    xn, yn, _ = read_inputs(p, tmp_path / "rows.npz")
+    assert yn is None
+    np.testing.assert_array_equal(mlptrain.predict(p, xn), mlptrain.predict(p, xs))
+
+
+@pytest.mark.parametrize(
+    ("columns", "message"),
+    [
+        (FEATURES[:5], "lacks the feature column(s) 'f5'"),
+        ([*FEATURES, "extra"], "has column(s) the model was not trained on: 'extra'"),
+        ([*FEATURES[:5], "F5"],
+         "lacks the feature column(s) 'f5' and has column(s) the model was not trained on: 'F5' (renamed?)"),
+    ],
+)  # fmt: skip
+def test_missing_extra_or_renamed_columns_are_clear_errors(
+    trained: dict, tmp_path: Path, columns: list[str], message: str
+) -> None:
+    x = np.random.default_rng(0).standard_normal((4, len(columns)))
+    write_csv(tmp_path / "in.csv", x, np.array(["cat"] * 4), columns, "animal")
+    p = Predictor(trained["best"], device="cpu")
+    with pytest.raises(DatasetError) as err:
+        read_inputs(p, tmp_path / "in.csv")
+    assert message in str(err.value) and "in.csv" in str(err.value) and "'f0'" in str(err.value)
+    assert not (tmp_path / "out.csv").exists()
+
+
+def test_checkpoints_of_another_format_version_are_refused_clearly(trained: dict, tmp_path: Path) -> None:
+    ckpt = checkpoint.load(trained["best"])
+    # Version 1 (before the preprocessing was kept): readable, but it cannot score raw inputs.
+    arrays = {k: v for k, v in ckpt.arrays.items() if not k.startswith("data/")}
+    meta = {**ckpt.meta, "format_version": 1, "data": None}
+    meta.pop("sha256")
+    meta["sha256"] = checkpoint.digest(arrays)
+    with (tmp_path / "v1.npz").open("wb") as f:
+        np.savez(f, **arrays, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8))
+    with pytest.raises(CheckpointError, match=r"format version 1, .*does not hold the data's preprocessing"):
+        Predictor(tmp_path / "v1.npz", device="cpu")
+    # A version from the future: named, with the versions this mlptrain reads.
+    meta = {**ckpt.meta, "format_version": 3}
+    with (tmp_path / "v3.npz").open("wb") as f:
+        np.savez(f, **ckpt.arrays, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8))
+    with pytest.raises(CheckpointError, match="has format version 3 .* reads versions 1, 2"):
+        Predictor(tmp_path / "v3.npz", device="cpu")
+
+
+def test_predict_command_writes_ids_names_and_probabilities(trained: dict, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "pred.csv"
+    rc = predict_main([f"ckpt={trained['run']}", f"input={trained['dir'] / 'test.csv'}", f"output={out}",
+                       "probabilities=true", "batch_size=7", "device=cpu"])  # fmt: skip
+    assert rc == 0
+    with open(out, newline="") as f:
+        rows = list(csv.DictReader(f))
+    p = Predictor(trained["best"], device="cpu")
+    x, y, _ = read_inputs(p, trained["dir"] / "test.csv")
+    ids = mlptrain.predict(p, x)
+    assert [int(r["class_id"]) for r in rows] == ids.tolist()
+    assert [r["class_name"] for r in rows] == [CLASSES[i] for i in ids]
+    probs = np.array([[float(r[f"p_{c}"]) for c in CLASSES] for r in rows])
+    np.testing.assert_allclose(probs, mlptrain.predict(p, x, probabilities=True), rtol=1e-5)
+    line = capsys.readouterr().out
+    assert f"accuracy {np.mean(ids == y):.4f} against the file's 'animal' column" in line
+    assert predict_main([f"ckpt={trained['best']}", f"input={trained['dir'] / 'test.csv'}",
+                         f"output={tmp_path / 'ids.npy'}", "device=cpu"]) == 0  # fmt: skip
+    np.testing.assert_array_equal(np.load(tmp_path / "ids.npy"), ids)
+
+
+def test_predict_command_errors_are_one_line_and_leave_the_output_alone(trained: dict, tmp_path: Path) -> None:
+    out = tmp_path / "pred.csv"
+    out.write_text("precious\n")
+    bad = tmp_path / "bad.csv"
+    write_csv(bad, np.ones((2, 5)), np.array(["cat", "dog"]), FEATURES[:5], "animal")
+    env_path = {"PYTHONPATH": str(REPO)}
+    for args, phrase in [
+        ([f"input={bad}", f"output={out}"], "lacks the feature column(s) 'f5'"),
+        ([f"input={trained['dir'] / 'test.csv'}", f"output={tmp_path / 'p.xlsx'}"], "unknown format"),
+        ([f"input={trained['dir'] / 'test.csv'}", f"output={out}", "batch_size=0"], "batch_size=0"),
+        ([f"input={trained['dir'] / 'test.csv'}", f"outptu={out}"], "did you mean output?"),
+    ]:
+        command = [sys.executable, "-m", "mlptrain.predict", f"ckpt={trained['best']}", "device=cpu", *args]
+        proc = subprocess.run(command, capture_output=True, text=True, env=env_path, timeout=120)
+        assert proc.returncode == 2, proc.stderr
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1 and phrase in errors[0] and "Traceback" not in proc.stderr, proc.stderr
+    assert out.read_text() == "precious\n"
+
+
+def test_inputs_of_the_wrong_shape_or_with_nan_are_refused(trained: dict) -> None:
+    p = Predictor(trained["best"], device="cpu")
+    with pytest.raises(DatasetError, match=r"shape \(3, 5\); the model .* takes \(N, 6\)"):
+        p.run(np.zeros((3, 5)))
+    x = np.ones((3, 6))
+    x[1, 4] = np.nan
+    with pytest.raises(DatasetError, match="row 1, f4 holds nan"):
+        p.run(x)
+    with pytest.raises(ConfigError, match="batch_size=0"):
+        Predictor(trained["best"], device="cpu", batch_size=0)
+
+
+def test_evaluate_on_the_own_test_split_matches_the_runs_best_scores(trained: dict, tmp_path: Path) -> None:
+    report, folder = evaluate(EvaluateArgs(ckpt=str(trained["best"]), device="cpu"))
+    s = trained["summary"]
+    assert report["acc"] == s["best/test/acc"]
+    assert report["loss"] == pytest.approx(s["best/test/loss"], rel=1e-5)
+    assert folder == trained["run"] / "evaluation" / "best-test"
+    confusion = np.array(report["confusion"])
+    assert confusion.sum() == report["samples"] == 200
+    assert np.trace(confusion) / 200 == report["acc"]
+    # The same scores from the file of the test split, with its text labels.
+    args = EvaluateArgs(ckpt=str(trained["best"]), data=str(trained["dir"] / "test.csv"), device="cpu")
+    from_file, _ = evaluate(args)
+    assert from_file["acc"] == report["acc"] and from_file["confusion"] == report["confusion"]
+
+
+def test_classification_report_on_a_constructed_case() -> None:
+    # true:      0 0 0 1 1 2;  predicted: 0 0 1 1 2 2
+    y = np.array([0, 0, 0, 1, 1, 2])
+    logits = np.eye(3)[[0, 0, 1, 1, 2, 2]] * 5.0
+    r = classification_report(logits, y, ["a", "b", "c"])
+    assert r["confusion"] == [[2, 1, 0], [0, 1, 1], [0, 0, 1]]
+    assert r["acc"] == pytest.approx(4 / 6)
+    assert r["per_class"]["a"] == {"precision": 1.0, "recall": pytest.approx(2 / 3), "f1": pytest.approx(0.8),
+                                   "support": 3}  # fmt: skip
+    assert r["per_class"]["b"]["precision"] == 0.5 and r["per_class"]["b"]["recall"] == 0.5
+    assert r["per_class"]["c"]["precision"] == 0.5 and r["per_class"]["c"]["recall"] == 1.0
+    lse = np.log(np.exp(5.0) + 2.0)
+    assert r["loss"] == pytest.approx((4 * (lse - 5.0) + 2 * lse) / 6)
+
+
+def test_evaluate_command_writes_json_and_png(trained: dict, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from mlptrain.evaluate import main
+
+    assert main([f"ckpt={trained['best']}", f"output={tmp_path / 'ev'}", "device=cpu"]) == 0
+    report = json.loads((tmp_path / "ev" / "evaluation.json").read_text())
+    assert report["class_names"] == CLASSES and len(report["confusion"]) == 3
+    assert (tmp_path / "ev" / "confusion.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rc = main([f"ckpt={trained['best']}", f"data={trained['dir'] / 'nope.csv'}", "device=cpu"])
+    assert rc == 2
+
+
+def test_predict_args_reject_unknown_and_missing_keys() -> None:
+    from mlptrain.commands import parse
+
+    with pytest.raises(ConfigError, match="missing input=..., output=..."):
+        parse(PredictArgs, ["ckpt=x"])
+    with pytest.raises(ConfigError, match="probabilities='maybe'; expected true or false"):
+        parse(PredictArgs, ["ckpt=x", "input=y", "output=z", "probabilities=maybe"])
+    args = parse(PredictArgs, ["ckpt=x", "input=y", "output=z", "precision=null", "batch_size=5"])
+    assert args.precision is None and args.batch_size == 5
+
+
+def test_keep_copies_an_id_column_beside_the_predictions(trained: dict, tmp_path: Path) -> None:
+    x, y = trained["x_test"][:20], trained["y_test"][:20]
+    order = [5, 4, 3, 2, 1, 0]
+    ids = np.arange(100, 120)
+    src = tmp_path / "new.csv"
+    write_csv(src, np.column_stack([x[:, order], ids]), np.array(CLASSES)[y], [*(FEATURES[i] for i in order), "id"],
+              target="animal")  # fmt: skip
+    p = Predictor(trained["best"], device="cpu")
+    with pytest.raises(DatasetError, match="not trained on: 'id'"):  # not a feature unless kept
+        read_inputs(p, src)
+    out = tmp_path / "pred.csv"
+    assert predict_main([f"ckpt={trained['best']}", f"input={src}", f"output={out}", "keep=id", "device=cpu"]) == 0
+    with open(out, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == ["id", "class_id", "class_name"]
+    assert [float(r["id"]) for r in rows] == ids.tolist()  # as the file has them
+    assert [int(r["class_id"]) for r in rows] == mlptrain.predict(p, x).tolist()
+    assert predict_main([f"ckpt={trained['best']}", f"input={src}", f"output={tmp_path / 'p.npy'}", "keep=id"]) == 2
+    assert predict_main([f"ckpt={trained['best']}", f"input={src}", f"output={out}", "keep=nope"]) == 2
