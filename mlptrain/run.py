@@ -90,7 +90,7 @@ def _train_locked(
             start = _prepare(tr, run_dir)
             stop.defer()  # accepted: from here a stop request saves last first
             _accept(tr, run_dir, start, on_accept)
-            with MetricsWriter(run_dir.metrics, start.metrics.records, _sinks(tr, run_dir)) as metrics:
+            with MetricsWriter(run_dir.metrics, start.metrics.records, _sinks(tr, run_dir, start)) as metrics:
                 summary = Loop(tr, run_dir, metrics, stop, start.position, start.best, start.resumed_from).run()
     except MemoryError as exc:
         if isinstance(exc, MlptrainError):
@@ -114,12 +114,13 @@ def _train_locked(
     return summary
 
 
-def _sinks(tr: Trainer, run_dir: RunDirectory) -> list[Any]:
+def _sinks(tr: Trainer, run_dir: RunDirectory, start: Start) -> list[Any]:
     """metrics.csv, and TensorBoard with ``logger=tensorboard``: views of metrics.jsonl (:mod:`mlptrain.sinks`)."""
     columns = csv_columns(tr.dataset.task == "classification", list(tr.eval_loaders), tr.scaler.enabled)
     out: list[Any] = [CsvSink(run_dir.path / CSV_NAME, columns, run_dir.metrics)]
-    if tr.cfg.logger.value == "tensorboard":
-        out.append(TensorBoardSink(run_dir.path / TENSORBOARD_DIR))
+    if tr.cfg.logger.value == "tensorboard":  # a resume purges what the killed run logged past its checkpoint
+        purge = start.position.step if start.resumed_from is not None else None
+        out.append(TensorBoardSink(run_dir.path / TENSORBOARD_DIR, purge_step=purge))
     return out
 
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 import csv
 import logging
 import math
+import os
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -70,16 +72,23 @@ def _cells(record: dict[str, Any]) -> dict[str, Any]:
 
 
 class TensorBoardSink:
-    """TensorBoard event files in ``folder``: scalars of the step and epoch records at their step."""
+    """TensorBoard event files in ``folder``: scalars of the step and epoch records at their step.
 
-    def __init__(self, folder: Path) -> None:
+    ``purge_step``: a resumed run's first step. The killed run may have logged steps past its
+    checkpoint, which the resumed run logs again; TensorBoard drops the earlier events from that
+    step on (tensorboardX's ``purge_step``, as PyTorch's SummaryWriter and Lightning do).
+    """
+
+    def __init__(self, folder: Path, purge_step: int | None = None) -> None:
         try:
             from tensorboardX import SummaryWriter
         except ImportError as exc:
             raise ConfigError(
                 "logger=tensorboard needs tensorboardX (pip install 'mlptrain[tensorboard]'), or use logger=none"
             ) from exc
-        self.writer = SummaryWriter(str(folder))
+        # a suffix of this writer's own: two writers in one second would otherwise share a file name
+        suffix = f".{os.getpid()}.{secrets.token_hex(4)}"
+        self.writer = SummaryWriter(str(folder), purge_step=purge_step, filename_suffix=suffix)
 
     def write(self, record: dict[str, Any]) -> None:
         kind, step = record.get("kind"), record.get("step")

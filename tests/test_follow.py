@@ -203,3 +203,25 @@ def test_an_optuna_sweep_gets_each_jobs_value(tmp_path: Path) -> None:
     result = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
     assert result["best_value"] == max(values)  # Optuna saw each job's val/acc
     assert (sweep / "summary.csv").read_text().count("\n") == 1 + 3
+
+
+def test_a_resumed_run_tells_tensorboard_to_drop_what_it_logs_again(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboardX")
+    from tensorboardX.proto import event_pb2
+
+    run_dir = tmp_path / "run"
+    train(make_cfg(epochs=2, log_every=7, logger=Logger.tensorboard), run_dir)
+    train(make_cfg(epochs=3, log_every=7, logger=Logger.tensorboard, resume="last"), run_dir)
+    files = sorted((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert len(files) == 2  # one per writer, even within one second
+    starts = []
+    for path in files:
+        data, pos = path.read_bytes(), 0
+        while pos < len(data):
+            (n,) = struct.unpack("<Q", data[pos : pos + 8])
+            event = event_pb2.Event.FromString(data[pos + 12 : pos + 12 + n])
+            pos += 12 + n + 4
+            if event.HasField("session_log") and event.session_log.status == event_pb2.SessionLog.START:
+                starts.append(event.step)
+    resumed_at = checkpoint.load(run_dir / "checkpoints" / "last.npz").meta["steps_per_epoch"] * 2
+    assert starts == [resumed_at]  # TensorBoard purges the first run's events from this step on
