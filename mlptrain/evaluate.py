@@ -14,6 +14,7 @@ matrix (with the ``plot`` extra, matplotlib). Every file is written atomically.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import sys
@@ -80,9 +81,13 @@ def classification_report(logits: np.ndarray, y: np.ndarray, names: list[str]) -
 
 
 def regression_report(outputs: np.ndarray, y: np.ndarray, names: list[str]) -> dict[str, Any]:
+    """Mean squared error per target and over them; a target whose column is all NaN (absent from the
+    file) is left out."""
     err = outputs.astype(np.float64) - y.astype(np.float64)  # (N, T)
-    mse = (err**2).mean(axis=0)
-    return {"samples": int(len(y)), "loss": float(mse.mean()), "mse": dict(zip(names, map(float, mse), strict=True))}
+    present = np.asarray(~np.isnan(err).all(axis=0))  # (T,) bool
+    mse = np.nanmean(err[:, present] ** 2, axis=0) if len(y) else np.full(int(present.sum()), np.nan)
+    scored = [n for n, ok in zip(names, present.tolist(), strict=True) if ok]
+    return {"samples": int(len(y)), "loss": float(mse.mean()), "mse": dict(zip(scored, map(float, mse), strict=True))}
 
 
 def _own_split(p: Predictor, split: str) -> tuple[np.ndarray, np.ndarray, str]:
@@ -126,7 +131,9 @@ def evaluate(args: EvaluateArgs) -> tuple[dict[str, Any], Path]:
                 f"data={path} has no target column {', '.join(map(repr, p.target_columns))}; evaluation needs the "
                 "true labels (python -m mlptrain.predict scores a file without them)"
             )
-        y, what, stem = y_read, f"file {path}", path.name.split(".")[0]
+        # the file's whole name and a digest of where it is: other files never share a folder
+        digest = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:8]
+        y, what, stem = y_read, f"file {path}", f"{path.name}-{digest}"
         logits = p.logits(x)
     if p.classification:
         report = classification_report(logits, np.asarray(y), p.class_name(np.arange(p.num_outputs)))

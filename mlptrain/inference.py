@@ -124,6 +124,8 @@ class Predictor:
         if not self.classification:
             return list(self.target_names or [])
         target = (self.meta.get("config") or {}).get("data", {}).get("target", "label")
+        if isinstance(target, list) and len(target) == 1:  # data.target=[animal]
+            target = target[0]
         return [target] if isinstance(target, str) else ["label"]
 
     def class_name(self, ids: np.ndarray) -> list[str]:
@@ -257,13 +259,16 @@ class Predictor:
         """Class indices of a target column: by class name, or an integer class index."""
         names = self.class_names or [str(i) for i in range(self.num_outputs)]
         index = {n: i for i, n in enumerate(names)}
+        # A number stands for a class index only where the class names are not numbers themselves
+        # (fashion_mnist's "Trouser" is label 1; with classes "1", "2", "3", label 1 is class "1").
+        by_index = not all(_number(n) is not None for n in names)
         out = np.empty(len(y), dtype=np.int64)
         for row, v in enumerate(y.tolist()):
-            number = _number(v)  # 3, 3.0 and "3.0" are class "3" (or index 3)
+            number = _number(v)  # 3, 3.0 and "3.0" are class "3"
             key = str(int(number)) if number is not None and number.is_integer() else str(v).strip()
             if key in index:
                 out[row] = index[key]
-            elif number is not None and number.is_integer() and 0 <= number < len(names):
+            elif by_index and number is not None and number.is_integer() and 0 <= number < len(names):
                 out[row] = int(number)
             else:
                 raise DatasetError(f"{where} row {row}: label {v!r} is not a class of the model ({_list(names)})")
@@ -289,9 +294,8 @@ def predict(
     p = ckpt if isinstance(ckpt, Predictor) else Predictor(ckpt, device=device, batch_size=batch_size)
     columns = getattr(x, "columns", None)
     if columns is not None:  # a DataFrame: by name, the target column ignored
-        names = [str(c) for c in columns]
-        keep = [i for i, c in enumerate(names) if c not in p.target_columns]
-        x = p.arrange([names[i] for i in keep], np.asarray(x, dtype=np.float64)[:, keep], "the DataFrame")
+        features = [c for c in columns if str(c) not in p.target_columns]  # selected before any conversion
+        x = p.arrange([str(c) for c in features], np.asarray(x[features], dtype=np.float64), "the DataFrame")
     out = p.run(x, probabilities=probabilities)
     if out.values is not None:
         return out.values

@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         path = curves_figure(args.target, args.out)
-    except OutputError as exc:
+    except (OutputError, OSError, ValueError, KeyError) as exc:  # a damaged metrics.jsonl too: one line
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(f"wrote {path}")

@@ -36,7 +36,7 @@ import numpy as np
 
 from mlptrain import commands
 from mlptrain.commands import REQUIRED, arg
-from mlptrain.data.files import columns, read_table
+from mlptrain.data.files import _lines, columns, file_kind, read_table
 from mlptrain.errors import ConfigError, DatasetError, OutputError
 from mlptrain.files import atomic_write
 from mlptrain.inference import DEFAULT_BATCH, Outputs, Predictor, predict
@@ -73,36 +73,81 @@ def output_kind(path: Path) -> str:
 def read_inputs(
     p: Predictor, path: Path, keep: list[str] | None = None
 ) -> tuple[np.ndarray, np.ndarray | None, dict[str, np.ndarray]]:
-    """The raw feature rows of ``path`` in the model's column order, the targets if the file has them,
-    and the ``keep`` columns (an id, say: not features, written beside the predictions)."""
+    """What an input file holds for the model.
+
+    Returns the raw feature rows in the model's column order; the targets if the file has them
+    (class indices ``(N,)``; a regression's ``(N, T)`` float64, NaN in the columns of targets the
+    file lacks) or None; and the ``keep`` columns (an id, say: not features, written beside the
+    predictions) as the file has them, text as text. An NPZ file's targets are its ``y``.
+    """
     keep = list(keep or [])
+    where = f"input file {path}"
+    kind, _ = file_kind(path)
     names = columns(path)
-    missing = [k for k in keep if k not in names]
-    if missing:
-        raise DatasetError(f"input file {path} has no column {', '.join(map(repr, missing))} (keep); its columns are "
-                           f"{', '.join(names)}")  # fmt: skip
     present = [t for t in p.target_columns if t in names and t not in keep]
-    table, _ = read_table(path, present + keep)
-    x = p.arrange(table.feature_names, table.x, f"input file {path}", named=table.named)
-    cells = np.asarray(table.y).reshape(len(x), -1) if present or keep else np.empty((len(x), 0))
+    if kind == "npz":  # x, and y if the file has it; keep names other arrays of the file
+        table, _ = read_table(path, [])
+        cells = None if table.y is None else np.asarray(table.y).reshape(len(table.x), -1)
+        present = list(p.target_columns) if cells is not None else []
+    else:
+        table, _ = read_table(path, present + keep)
+        cells = np.asarray(table.y).reshape(len(table.x), -1) if present else None
+    x = p.arrange(table.feature_names, table.x, where, named=table.named)
     y = None
-    if present:
-        y = p.labels(cells[:, 0], f"input file {path}") if p.classification else cells[:, : len(present)]
-    kept = {k: _tidy(cells[:, len(present) + i]) for i, k in enumerate(keep)}
-    return x, y, kept
+    if cells is not None and p.classification:
+        y = p.labels(cells[:, 0], where)
+    elif cells is not None:
+        y = np.full((len(x), p.num_outputs), np.nan)
+        for i, t in enumerate(present[: cells.shape[1]]):
+            try:
+                y[:, p.target_columns.index(t)] = cells[:, i].astype(np.float64)
+            except ValueError:
+                raise DatasetError(f"{where}: the target column {t!r} holds values that are not numbers") from None
+    return x, y, kept_columns(path, keep, len(x))
 
 
-def _tidy(column: np.ndarray) -> np.ndarray:
-    """Whole numbers read as floats (an id column) back to integers."""
-    if column.dtype.kind == "f" and np.isfinite(column).all() and (column == np.round(column)).all():
-        return column.astype(np.int64)
-    return column
+def kept_columns(path: Path, keep: list[str], rows: int) -> dict[str, np.ndarray]:
+    """The ``keep`` columns of ``path``, each as the file holds it (CSV: the text of each cell)."""
+    if not keep:
+        return {}
+    kind, delimiter = file_kind(path)
+    out: dict[str, np.ndarray] = {}
+    if kind == "csv":
+        lines = (line for line in _lines(path) if line.strip())  # blank lines are not rows, as read_table reads
+        header = [n.strip() for n in next(csv.reader([next(lines)], delimiter=delimiter or ","))]
+        where = [header.index(k) if k in header else -1 for k in keep]
+        cells: list[list[str]] = [[] for _ in keep]
+        if -1 not in where:
+            for row in csv.reader(lines, delimiter=delimiter or ","):
+                for j, i in enumerate(where):
+                    cells[j].append(row[i].strip())
+        out = {k: np.array(c, dtype=str) for k, c in zip(keep, cells, strict=True) if k in header}
+    elif kind == "npz":
+        with np.load(path, allow_pickle=False) as npz:
+            out = {k: npz[k] for k in keep if k in npz.files and npz[k].shape[:1] == (rows,)}
+    else:
+        import pyarrow.parquet as pq
+
+        schema = pq.read_schema(path).names
+        table = pq.read_table(path, columns=[k for k in keep if k in schema])
+        out = {k: table.column(k).to_numpy(zero_copy_only=False) for k in table.column_names}
+    missing = [k for k in keep if k not in out]
+    if missing:
+        raise DatasetError(f"input file {path} has no column {', '.join(map(repr, missing))} of {rows} rows (keep); "
+                           f"its columns are {', '.join(columns(path))}")  # fmt: skip
+    return out
 
 
 def write_outputs(p: Predictor, out: Outputs, path: Path, kept: dict[str, np.ndarray] | None = None) -> None:
     """Write ``out`` (and the ``kept`` input columns before it) to ``path`` (format by suffix), atomically."""
+    try:
+        _write(p, out, path, kept or {})
+    except OSError as exc:
+        raise OutputError(f"cannot write {path} ({type(exc).__name__}: {exc}); nothing was written there") from exc
+
+
+def _write(p: Predictor, out: Outputs, path: Path, kept: dict[str, np.ndarray]) -> None:
     kind = output_kind(path)
-    kept = kept or {}
     if kind == ".npy":
         array = next(a for a in (out.values, out.probabilities, out.class_id) if a is not None)
         atomic_write(path, lambda f: np.save(f, array))
@@ -171,8 +216,8 @@ def run(args: PredictArgs) -> int:
     if y is not None:
         if out.class_id is not None:
             line += f" | accuracy {np.mean(out.class_id == y):.4f} against the file's {p.target_columns[0]!r} column"
-        elif out.values is not None:
-            mse = float(np.mean((out.values - np.asarray(y, dtype=np.float64)) ** 2))
+        elif out.values is not None:  # over the targets the file has (the others are NaN in y)
+            mse = float(np.nanmean((out.values - y) ** 2))
             line += f" | mse {mse:.6g} against the file's targets"
     print(line)
     return 0

@@ -42,6 +42,7 @@ class CsvSink:
     def __init__(self, path: Path, columns: list[str], jsonl: Path) -> None:
         self.path = Path(path)
         self.columns = columns
+        self._f: Any = None
         try:
             rows = read_metrics(jsonl) if Path(jsonl).is_file() else []
             self._f = open(self.path, "w", encoding="utf-8", newline="")  # rebuilt: it follows metrics.jsonl
@@ -51,6 +52,8 @@ class CsvSink:
                 self._w.writerow(_cells(row))
             self._f.flush()
         except (OSError, ValueError) as exc:
+            if getattr(self, "_f", None) is not None:
+                self._f.close()
             raise OutputError(f"cannot write {self.path} ({type(exc).__name__}: {exc})") from exc
 
     def write(self, record: dict[str, Any]) -> None:

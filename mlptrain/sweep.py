@@ -46,7 +46,7 @@ def job_row(job: Path) -> dict[str, Any]:
     """The row of one job folder."""
     overrides_file = job / ".hydra" / "overrides.yaml"
     overrides = yaml.safe_load(overrides_file.read_text()) if overrides_file.is_file() else []
-    row: dict[str, Any] = {"job": job.name, "overrides": " ".join(overrides or []), "status": "did not start"}
+    row: dict[str, Any] = {"job": job.name, "overrides": list(overrides or []), "status": "did not start"}
     metrics = job / "metrics.jsonl"
     records = read_metrics(metrics) if metrics.is_file() else []
     if records:
@@ -70,9 +70,9 @@ def write_summary(sweep_dir: Path) -> list[dict[str, Any]]:
     jobs = sorted(p for p in Path(sweep_dir).iterdir() if p.is_dir() and (p / ".hydra").is_dir())
     rows = [job_row(j) for j in jobs]
     # The overrides every job shares go above the table; each row shows what differs.
-    split = [r["overrides"].split() for r in rows]
-    common = [o for o in split[0] if all(o in s for s in split)] if rows else []
-    for row, overrides in zip(rows, split, strict=True):
+    lists = [r["overrides"] for r in rows]  # as Hydra recorded them (a value may hold spaces)
+    common = [o for o in lists[0] if all(o in other for other in lists)] if rows else []
+    for row, overrides in zip(rows, lists, strict=True):
         row["overrides"] = " ".join(o for o in overrides if o not in common)
     text = io.StringIO()
     w = csv.DictWriter(text, fieldnames=COLUMNS, lineterminator="\n")

@@ -101,7 +101,6 @@ def test_missing_extra_or_renamed_columns_are_clear_errors(
     with pytest.raises(DatasetError) as err:
         read_inputs(p, tmp_path / "in.csv")
     assert message in str(err.value) and "in.csv" in str(err.value) and "'f0'" in str(err.value)
-    assert not (tmp_path / "out.csv").exists()
 
 
 def test_checkpoints_of_another_format_version_are_refused_clearly(trained: dict, tmp_path: Path) -> None:
@@ -248,3 +247,66 @@ def test_keep_copies_an_id_column_beside_the_predictions(trained: dict, tmp_path
     assert [int(r["class_id"]) for r in rows] == mlptrain.predict(p, x).tolist()
     assert predict_main([f"ckpt={trained['best']}", f"input={src}", f"output={tmp_path / 'p.npy'}", "keep=id"]) == 2
     assert predict_main([f"ckpt={trained['best']}", f"input={src}", f"output={out}", "keep=nope"]) == 2
+
+
+def test_kept_columns_are_copied_as_the_file_has_them(trained: dict, tmp_path: Path) -> None:
+    """Big ids (beyond float64's 2^53) and leading zeros survive: kept cells are never numbers."""
+    x, y = trained["x_test"][:3], trained["y_test"][:3]
+    ids = ["9007199254740993", "9007199254740995", "007"]
+    lines = [",".join([*FEATURES, "animal", "id"])]
+    lines += [",".join([*(repr(v) for v in row), CLASSES[c], i]) for row, c, i in zip(x.tolist(), y, ids, strict=True)]
+    (tmp_path / "in.csv").write_text("\n".join(lines) + "\n")
+    out = tmp_path / "pred.csv"
+    assert predict_main([f"ckpt={trained['best']}", f"input={tmp_path / 'in.csv'}", f"output={out}", "keep=id",
+                         "device=cpu"]) == 0  # fmt: skip
+    with open(out, newline="") as f:
+        assert [r["id"] for r in csv.DictReader(f)] == ids
+
+
+def test_labels_that_are_numbers_name_classes_before_indices(trained: dict) -> None:
+    p = Predictor(trained["best"], device="cpu")
+    p.class_names = ["1", "2", "3"]  # classes that are numbers: label 1 is class "1", never index 1
+    np.testing.assert_array_equal(p.labels(np.array([1.0, 3.0, 2.0]), "t"), [0, 2, 1])
+    with pytest.raises(DatasetError, match="label 0.0 is not a class of the model"):
+        p.labels(np.array([0.0]), "t")
+    p.class_names = ["cat", "dog", "emu"]  # names that are not numbers: an integer label is an index
+    np.testing.assert_array_equal(p.labels(np.array(["dog", "2", "0"]), "t"), [1, 2, 0])
+
+
+def test_a_target_given_as_a_one_element_list_and_npz_targets(trained: dict, tmp_path: Path) -> None:
+    p = Predictor(trained["best"], device="cpu")
+    p.meta["config"]["data"]["target"] = ["animal"]  # data.target=[animal]
+    assert p.target_columns == ["animal"]
+    x, y = trained["x_test"], trained["y_test"]
+    np.savez(tmp_path / "t.npz", x=x, y=np.array(CLASSES)[y], feature_names=np.array(FEATURES))
+    report, _ = evaluate(EvaluateArgs(ckpt=str(trained["best"]), data=str(tmp_path / "t.npz"), device="cpu"))
+    assert report["acc"] == trained["summary"]["best/test/acc"]  # the NPZ's y are the labels
+
+
+def test_a_failed_write_is_one_error_after_the_work(trained: dict, tmp_path: Path, capsys) -> None:
+    rc = predict_main([f"ckpt={trained['best']}", f"input={trained['dir'] / 'test.csv'}", "output=/proc/pred.csv",
+                       "device=cpu"])  # fmt: skip
+    assert rc == 2 and "cannot write /proc/pred.csv" in capsys.readouterr().err
+
+
+def test_regression_files_with_some_of_the_targets_are_scored_on_those(tmp_path: Path) -> None:
+    from mlptrain.config import LossName
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((300, 3))
+    t = np.stack([x @ [1.0, 2.0, 0.0], x @ [0.0, -1.0, 3.0]], axis=1)
+    (tmp_path / "r.csv").write_text(
+        "a,b,c,t1,t2\n" + "\n".join(",".join(map(repr, r)) for r in np.hstack([x, t]).tolist())
+    )
+    cfg = make_cfg(data__name=DatasetName.file, data__path=str(tmp_path / "r.csv"), data__target=["t1", "t2"],
+                   data__cache=False, model__loss=LossName.mse, epochs=2)  # fmt: skip
+    train(cfg, tmp_path / "run")
+    p = Predictor(tmp_path / "run", device="cpu")
+    only_t2 = tmp_path / "t2.csv"
+    only_t2.write_text("a,b,c,t2\n" + "\n".join(",".join(map(repr, r)) for r in np.hstack([x, t[:, 1:]]).tolist()))
+    xs, ys, _ = read_inputs(p, only_t2)
+    assert np.isnan(ys[:, 0]).all() and np.array_equal(ys[:, 1], t[:, 1])
+    report, _ = evaluate(EvaluateArgs(ckpt=str(tmp_path / "run"), data=str(only_t2), device="cpu"))
+    out = p.run(xs).values.astype(np.float64)
+    assert list(report["mse"]) == ["t2"]
+    assert report["mse"]["t2"] == pytest.approx(np.mean((out[:, 1] - t[:, 1]) ** 2), rel=1e-12)

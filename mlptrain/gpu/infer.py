@@ -13,8 +13,10 @@ Per batch of ``B`` raw rows (:class:`mlptrain.inference.Predictor` holds the mod
 
 The host waits once, when the results come back after the last batch. The last, shorter batch
 reuses the same graph: its rows go into the first part of the input buffer, the rest of which
-still holds the previous batch (finite values whose outputs are dropped), so one batch shape
-means one graph.
+still holds whatever was there (rows are independent through every layer, and those rows'
+outputs are dropped), so one batch shape means one graph. Inputs of fewer rows than a batch use
+a batch of the next power of two (at least 64): a service scoring requests of every size
+captures at most ``log2(batch)`` graphs.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class GraphedInference:
         self.dtype = np.dtype(compute_dtype)
         self.shift = cp.asarray(shift.astype(np.float32))  # (F,)
         self.inv = cp.asarray((1.0 / scale).astype(np.float32))  # (F,)
+        cp.cuda.get_current_stream().synchronize()  # uploaded before another stream reads them
         self.stream = cp.cuda.Stream(non_blocking=True)  # graphs cannot capture the legacy default stream
         self._graphs: dict[tuple[bool, bool], GraphedStep] = {}
         self._staging: Any = None  # (B, F) float32: host rows on their way to the normaliser
@@ -66,11 +69,15 @@ class GraphedInference:
         and, with ``probabilities``, ``probabilities (N, C)`` after it.
         """
         n, f = x.shape
-        b = min(batch, max(n, 1))
+        # Batch rows: ``batch``, or for fewer rows the next power of two (at least 64), so that calls
+        # of every size share a handful of graphs instead of capturing one per size.
+        b = min(batch, max(64, 1 << max(n - 1, 0).bit_length()))
         key = (classification, probabilities)
         if key not in self._graphs:
             self._graphs[key] = GraphedStep(self._step(*key), warmup=1)
         graphed = self._graphs[key]
+        # The caller's stream may still be computing x: this stream waits for it (no host sync).
+        self.stream.wait_event(cp.cuda.get_current_stream().record())
         with self.stream:
             x_in, y_in = graphed.input_buffers((b, f), self.dtype, (b, 0), np.int8)
             results: list[Any] = []

@@ -2,7 +2,8 @@
 
 Between them run the GEMMs; around them, at 4096 features a batch moves hundreds of megabytes,
 so both are written to run at memory speed, for every compute dtype, in one module (one NVRTC
-compile, cached on disk by CuPy) that needs no CUDA headers (conversions are PTX ``cvt``):
+compile, cached on disk by CuPy; the bfloat16 conversion, sm_80 and newer, in a second one) that
+needs no CUDA headers (conversions are PTX ``cvt``):
 
 ``mlptrain_normalise_<dtype>(x, shift, inv, y, rows, f)``
     ``y[r, c] = (x[r, c] - shift[c]) * inv[c]`` from float32 ``x (rows, f)`` into ``y`` of the
@@ -13,7 +14,8 @@ compile, cached on disk by CuPy) that needs no CUDA headers (conversions are PTX
     and ``x`` starts 16-byte aligned.
 
 ``mlptrain_argmax_<dtype>(z, out, rows, c)``
-    ``out[r] = argmax(z[r, :])`` as int64, the first index of the maximum (NumPy's rule). One warp
+    ``out[r] = argmax(z[r, :])`` as int64, the first index of the maximum, a NaN counting as the
+    maximum (NumPy's rule). One warp
     per row: each lane scans every 32nd column, then the lanes combine their (value, index) pairs
     with shuffles.
 
@@ -30,15 +32,16 @@ from typing import Any
 import cupy as cp
 import numpy as np
 
-_SOURCE = r"""
+_CONVERT = r"""
 __device__ __forceinline__ unsigned short f2h(float v) {
     unsigned short h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v)); return h; }
-__device__ __forceinline__ unsigned short f2bf(float v) {
-    unsigned short h; asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v)); return h; }
 __device__ __forceinline__ float h2f(unsigned short h) {
     float v; asm("cvt.f32.f16 %0, %1;" : "=f"(v) : "h"(h)); return v; }
 __device__ __forceinline__ float bf2f(unsigned short h) { return __uint_as_float(((unsigned int)h) << 16); }
 
+"""
+
+_NORMALISE = r"""
 // --- normalise: float32 (rows, f) -> OUT (rows, f) ----------------------------------------------
 #define MLPTRAIN_NORMALISE(NAME, OUT, CVT)                                                              \
 extern "C" __global__ void NAME(const float* __restrict__ x, const float* __restrict__ shift,          \
@@ -63,10 +66,15 @@ extern "C" __global__ void NAME(const float* __restrict__ x, const float* __rest
         }                                                                                              \
     }                                                                                                  \
 }
+"""
+
+_SOURCE = (
+    _CONVERT
+    + _NORMALISE
+    + r"""
 __device__ __forceinline__ float keep_f(float v) { return v; }
 __device__ __forceinline__ double to_d(float v) { return (double)v; }
 MLPTRAIN_NORMALISE(mlptrain_normalise_float16, unsigned short, f2h)
-MLPTRAIN_NORMALISE(mlptrain_normalise_bfloat16, unsigned short, f2bf)
 MLPTRAIN_NORMALISE(mlptrain_normalise_float32, float, keep_f)
 MLPTRAIN_NORMALISE(mlptrain_normalise_float64, double, to_d)
 
@@ -82,15 +90,23 @@ extern "C" __global__ void NAME(const IN* __restrict__ z, long long* __restrict_
         ACC best = LOAD(zr[0]); int at = 0;                                                            \
         for (int j = lane; j < c; j += 32) {                                                           \
             const ACC v = LOAD(zr[j]);                                                                 \
-            if (v > best || (v == best && j < at)) { best = v; at = j; }                               \
+            if (mlptrain_before(v, j, best, at)) { best = v; at = j; }                                 \
         }                                                                                              \
         for (int s = 16; s > 0; s >>= 1) {                                                             \
             const ACC ov = __shfl_down_sync(0xffffffffu, best, s);                                     \
             const int oat = __shfl_down_sync(0xffffffffu, at, s);                                      \
-            if (ov > best || (ov == best && oat < at)) { best = ov; at = oat; }                        \
+            if (mlptrain_before(ov, oat, best, at)) { best = ov; at = oat; }                           \
         }                                                                                              \
         if (lane == 0) out[r] = at;                                                                    \
     }                                                                                                  \
+}
+// (v, j) comes before (best, at): NumPy's argmax, where a NaN is larger than every number, and of
+// equal values (or NaNs) the first index wins.
+template <typename T>
+__device__ __forceinline__ bool mlptrain_before(T v, int j, T best, int at) {
+    const bool vn = v != v, bn = best != best;
+    if (vn || bn) return vn && (!bn || j < at);
+    return v > best || (v == best && j < at);
 }
 __device__ __forceinline__ float id_f(float v) { return v; }
 __device__ __forceinline__ double id_d(double v) { return v; }
@@ -99,13 +115,25 @@ MLPTRAIN_ARGMAX(mlptrain_argmax_bfloat16, unsigned short, float, bf2f)
 MLPTRAIN_ARGMAX(mlptrain_argmax_float32, float, float, id_f)
 MLPTRAIN_ARGMAX(mlptrain_argmax_float64, double, double, id_d)
 """
+)
+
+# bfloat16 conversion (cvt.rn.bf16.f32) needs sm_80 or newer: a module of its own, so that the
+# others load on older GPUs too.
+_BF16_SOURCE = (
+    r"""
+__device__ __forceinline__ unsigned short f2bf(float v) {
+    unsigned short h; asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v)); return h; }
+"""
+    + _NORMALISE
+    + "MLPTRAIN_NORMALISE(mlptrain_normalise_bfloat16, unsigned short, f2bf)\n"
+)
 
 _THREADS = 256
 
 
 @functools.cache
-def _module() -> Any:
-    return cp.RawModule(code=_SOURCE)
+def _module(bf16: bool = False) -> Any:
+    return cp.RawModule(code=_BF16_SOURCE if bf16 else _SOURCE)
 
 
 @functools.cache
@@ -116,11 +144,18 @@ def _sms() -> int:
 def normalise(x: Any, shift: Any, inv: Any, out: Any) -> Any:
     """``out[:] = (x - shift) * inv`` in ``out``'s dtype; ``x`` float32 and ``out`` C-contiguous ``(rows, f)``."""
     rows, f = x.shape
-    if out.shape != x.shape or x.dtype != cp.float32 or not (x.flags.c_contiguous and out.flags.c_contiguous):
-        raise ValueError(f"normalise needs float32 x and an out of its shape, both C-contiguous; got {x}, {out}")
+    dtype = np.dtype(out.dtype).name
+    ok = x.dtype == cp.float32 and out.shape == x.shape and x.flags.c_contiguous and out.flags.c_contiguous
+    ok = ok and all(a.dtype == cp.float32 and a.shape == (f,) for a in (shift, inv))
+    if not ok or dtype not in ("float16", "bfloat16", "float32", "float64"):
+        raise ValueError(
+            f"normalise needs C-contiguous float32 x (rows, f), float32 shift and inv (f,) and an out of x's shape "
+            f"in float16, bfloat16, float32 or float64; got x {x.dtype}{x.shape}, shift {shift.dtype}{shift.shape}, "
+            f"inv {inv.dtype}{inv.shape}, out {out.dtype}{out.shape}"
+        )
     if rows == 0:
         return out
-    kernel = _module().get_function(f"mlptrain_normalise_{np.dtype(out.dtype).name}")
+    kernel = _module(dtype == "bfloat16").get_function(f"mlptrain_normalise_{dtype}")
     vec = f % 4 == 0 and x.data.ptr % 16 == 0
     per_row = -(-(f // 4 if vec else f) // _THREADS)
     grid_y = int(min(rows, max(1, 8 * _sms() // per_row), 65535))

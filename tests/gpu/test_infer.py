@@ -115,3 +115,52 @@ def test_argmax_kernel_takes_the_first_maximum(name: str, c: int) -> None:
     z[rows, (top[rows] + 5) % c] = z[rows, top[rows]]  # ties: before or after the first maximum
     want = z.astype(np.float64).argmax(axis=1)  # NumPy: the first index of the maximum
     np.testing.assert_array_equal(cp.asnumpy(argmax(cp.asarray(z))), want)
+
+
+def test_calls_of_many_sizes_share_a_few_graphs(ckpt: Path) -> None:
+    cpu = Predictor(ckpt, device="cpu")
+    gpu = Predictor(ckpt, device="gpu", precision="fp32")
+    x = _raw(1000)
+    for n in (1, 5, 60, 64, 100, 1000, 3, 999, 120):  # each size warmed up once, then captured
+        got, want = gpu.run(x[:n], probabilities=True), cpu.run(x[:n], probabilities=True)
+        np.testing.assert_allclose(got.probabilities, want.probabilities, rtol=1e-4, atol=1e-5)
+        assert got.class_id.shape == (n,)
+    assert gpu._gpu.graphs_captured() == 3  # batches of 64, 128 and 1024 rows
+
+
+@pytest.mark.parametrize("name", ["float16", "bfloat16", "float32", "float64"])
+def test_argmax_kernel_takes_the_first_nan_as_numpy_does(name: str) -> None:
+    from gpu_helpers import np_dtype
+
+    from mlptrain.gpu.infer_kernels import argmax
+
+    z = np.random.default_rng(1).standard_normal((200, 50)).astype(np_dtype(name))
+    z[3, 7] = z[3, 40] = np.nan  # the first NaN wins
+    z[4, 0] = np.nan  # at column 0
+    z[5, 49] = np.nan  # at the last column
+    z[6, :] = np.nan
+    want = z.astype(np.float64).argmax(axis=1)
+    assert want[3] == 7 and want[4] == 0 and want[5] == 49 and want[6] == 0
+    np.testing.assert_array_equal(cp.asnumpy(argmax(cp.asarray(z))), want)
+
+
+def test_normalise_kernel_refuses_operands_by_shape_and_dtype() -> None:
+    from mlptrain.gpu.infer_kernels import normalise
+
+    x = cp.ones((4, 8), cp.float32)
+    with pytest.raises(ValueError, match=r"got x float32\(4, 8\), shift float32\(7,\)"):
+        normalise(x, cp.ones(7, cp.float32), cp.ones(8, cp.float32), cp.empty((4, 8), cp.float16))
+    with pytest.raises(ValueError, match=r"out int32\(4, 8\)"):
+        normalise(x, cp.ones(8, cp.float32), cp.ones(8, cp.float32), cp.empty((4, 8), cp.int32))
+
+
+def test_inputs_still_being_computed_on_another_stream_are_waited_for(ckpt: Path) -> None:
+    gpu = Predictor(ckpt, device="gpu", precision="fp32", batch_size=512)
+    raw = _raw(4096)
+    want = gpu.run(raw).class_id
+    with cp.cuda.Stream(non_blocking=True):
+        x = cp.asarray(raw, dtype=cp.float32)
+        for _ in range(50):  # keep this stream busy, then rewrite x in place as the last thing it does
+            x = x * 1.0
+        got = gpu.run(x).class_id
+    np.testing.assert_array_equal(got, want)
