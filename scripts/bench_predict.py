@@ -15,7 +15,7 @@ compiles); the median of ``--reps`` passes gives rows/s. The predictions are com
 mlptrain's (share of equal class ids: half-precision GEMMs with other algorithms may round
 differently at near-ties). mlptrain from host (NumPy) rows is timed too, transfers included.
 
-Usage: python scripts/bench_predict.py [--out DIR] [--rows N] [--batch B] [--reps R]
+Usage: python scripts/bench_predict.py [--out DIR] [--rows N] [--batch B] [--reps R] [--models NAME]
 """
 
 from __future__ import annotations
@@ -231,6 +231,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, default=1_000_000)
     ap.add_argument("--batch", type=int, default=8192)
     ap.add_argument("--reps", type=int, default=5, help="timed passes over all rows per variant (median)")
+    ap.add_argument("--models", default="all", help="all, or one model's name: 784-1024-1024-10 or '4096 x 4'")
     args = ap.parse_args(argv)
     available, reason = probe_gpu()
     if not available:
@@ -252,6 +253,8 @@ def main(argv=None) -> int:
         pass
     results = []
     for name, widths in MODELS:
+        if args.models not in ("all", name):
+            continue
         for precision in ("fp16", "bf16"):
             results.append(bench(name, widths, precision, args.rows, args.batch, args.reps))
             print(json.dumps(results[-1]), flush=True)
