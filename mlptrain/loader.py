@@ -80,9 +80,11 @@ class DataLoader:
         self.drop_last = bool(drop_last)
         self.seed = int(seed)
         # Always a copy, on the CPU too, so NumPy and CuPy runs share semantics: the loader owns its data.
-        self.x = xp.array(x, dtype=dtype, order="C")  # (N, F), the split's one host-to-device copy
+        # The dtype is set on the host, then one host-to-device copy: a device-side cast would
+        # compile a CuPy kernel per dtype pair on a fresh machine (the first run's start-up).
+        self.x = xp.asarray(np.array(x, dtype=dtype, order="C"))  # (N, F)
         # (N,) int64 class labels, or (N, T) float32 regression targets
-        self.y = xp.array(y, dtype=xp.int64 if y.ndim == 1 else xp.float32)
+        self.y = xp.asarray(np.array(y, dtype=np.int64 if y.ndim == 1 else np.float32))
 
     @property
     def num_samples(self) -> int:

@@ -57,7 +57,11 @@ class StepLog:
         self.scale = xp.zeros(capacity, dtype=xp.float64)
         self.epoch_loss = xp.zeros((), dtype=xp.float64)
         self.epoch_correct = xp.zeros((), dtype=xp.int64)
-        self._tail_code: dict[tuple[int, str], tuple[str, str, str]] = {}
+        self._tail_code: dict[str, tuple[str, str, str]] = {}
+        # The batch size of each step shape as a 0-d device value, an argument of the end-of-step
+        # code rather than a constant in it: one compiled kernel serves the full batches and the
+        # epoch's short last batch (a constant made CuPy compile the optimizer kernel twice).
+        self._batch_size: dict[int, Any] = {}
 
     def start_epoch(self, loss_sum: float = 0.0, correct: int = 0) -> None:
         """Reset the epoch's running sums (to a checkpoint's partial sums when resuming mid-epoch)."""
@@ -92,10 +96,12 @@ class StepLog:
 
     def tail(self, loss: Any, correct: Any, batch_size: int, prefix: str = "log_") -> KernelTail:
         """:meth:`end_step` as CUDA statements for one thread, with parameter names starting with ``prefix``."""
-        key = (int(batch_size), prefix)
-        if key not in self._tail_code:  # the code depends on the batch size only: built once per shape
-            self._tail_code[key] = self._tail_source(*key)
-        code, params, preamble = self._tail_code[key]
+        if prefix not in self._tail_code:
+            self._tail_code[prefix] = self._tail_source(prefix)
+        code, params, preamble = self._tail_code[prefix]
+        b = int(batch_size)
+        if b not in self._batch_size:  # first seen in an uncaptured step (graph warm-up), never in a capture
+            self._batch_size[b] = self.xp.asarray(np.float64(b))
         sc, sched = self.scaler, self.schedule
         arrays = (
             loss,
@@ -113,15 +119,15 @@ class StepLog:
             self.scale,
             self.epoch_loss,
             self.epoch_correct,
+            self._batch_size[b],
         )
         return KernelTail(code, params, arrays, preamble)
 
-    def _tail_source(self, batch_size: int, prefix: str) -> tuple[str, str, str]:
+    def _tail_source(self, prefix: str) -> tuple[str, str, str]:
         n = {name: prefix + name for name in _TAIL_ARRAYS}
         code = _END_STEP.format(
             **n,
             capacity=self.capacity,
-            batch_size=batch_size,
             scaler_update=self.scaler.cuda_update(
                 f"{n['found']}[0]", f"{n['scale']}[0]", f"{n['inv_scale']}[0]", f"{n['tracker']}[0]", f"{n['skips']}[0]"
             ),
@@ -158,6 +164,7 @@ _TAIL_ARRAYS = {
     "ring_scale": "float64",
     "epoch_loss": "float64",
     "epoch_correct": "int64",
+    "batch_size": "float64",
 }
 
 _END_STEP = """
@@ -169,7 +176,7 @@ _END_STEP = """
     {ring_skip}[k] = {found}[0];
     {scaler_update}
     {ring_scale}[k] = {scale}[0];
-    {epoch_loss}[0] += (double){loss}[0] * {batch_size}.0;
+    {epoch_loss}[0] += (double){loss}[0] * {batch_size}[0];
     {epoch_correct}[0] += (long long){correct}[0];
     {schedule_advance}
 }}

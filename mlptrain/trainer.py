@@ -146,19 +146,21 @@ class Trainer:
         return self.schedule.host(step)
 
     def evaluate(self, split: str) -> dict[str, float]:
-        """Mean loss (and, for a classification, accuracy) over a whole split (syncs once at the end)."""
-        xp = self.xp
+        """Mean loss (and, for a classification, accuracy) over a whole split (syncs once at the end).
+
+        Each batch's 0-d loss and count stay on the device until the last batch is queued; the sums
+        are then taken on the host (float64, in batch order), so evaluating compiles no kernel of its own.
+        """
         loader = self.eval_loaders[split]
-        loss_sum = xp.zeros((), dtype=xp.float64)
-        correct = xp.zeros((), dtype=xp.int64)
+        per_batch = []
         for x, y in loader.epoch(0):
-            loss, c = self.head.evaluate(self.model.forward(x, keep=False), y)
-            loss_sum += loss * len(y)
-            correct += c
+            per_batch.append((*self.head.evaluate(self.model.forward(x, keep=False), y), len(y)))
+        to_host = self.backend.to_host
+        loss_sum = sum(np.float64(np.float32(to_host(loss)) * np.float32(b)) for loss, _, b in per_batch)
         n = loader.num_samples
         out = {f"{split}/loss": float(loss_sum) / n}
         if self.dataset.task == "classification":
-            out[f"{split}/acc"] = int(correct) / n
+            out[f"{split}/acc"] = int(sum(int(to_host(c)) for _, c, _ in per_batch)) / n
         return out
 
     # --- measured choices -------------------------------------------------------------------
