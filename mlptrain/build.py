@@ -63,7 +63,7 @@ def gemm(cfg: ExecutionConfig, backend: Backend, prec: Precision) -> Any:
     from mlptrain.gpu.plan_cache import PlanCache
 
     cache = PlanCache(PlanCache.default_path()) if cfg.plan_cache else None
-    return NvmathGemm(tf32=prec.tf32, autotune=cfg.autotune, plan_cache=cache)
+    return NvmathGemm(tf32=prec.tf32, autotune=cfg.autotune, plan_cache=cache, workspace_mib=cfg.workspace_mib)
 
 
 def execution(cfg: ExecutionConfig, engine: Any, xp: Any) -> FusedExecution | NaiveExecution:

@@ -59,6 +59,7 @@ USES: dict[str, tuple[Callable[[TrainConfig], bool], str]] = {
     "execution.autotune": (_gpu, "the GPU"),
     "execution.plan_cache": (_gpu, "the GPU"),
     "execution.wgrad_stream": (_gpu, "the GPU"),
+    "execution.workspace_mib": (_gpu, "the GPU"),
     "graph": (_gpu, "the GPU"),
     **{
         f"precision.{k}": (lambda c: c.precision.name.value == "fp16", "precision=fp16 (dynamic loss scaling)")
@@ -156,6 +157,10 @@ def _ranges(cfg: TrainConfig) -> list[str]:
         (m.in_features is None or m.in_features >= 1, f"model.in_features={m.in_features} must be >= 1 or null"),
         (m.out_features is None or m.out_features >= 1, f"model.out_features={m.out_features} must be >= 1 or null"),
         (d.batch_size >= 1, f"data.batch_size={d.batch_size} must be a positive integer"),
+        (
+            cfg.execution.workspace_mib is None or cfg.execution.workspace_mib >= 1,
+            f"execution.workspace_mib={cfg.execution.workspace_mib} must be a positive number of MiB or null",
+        ),
         (d.eval_batch_size >= 1, f"data.eval_batch_size={d.eval_batch_size} must be a positive integer"),
         (0.0 <= d.val_fraction < 1.0, f"data.val_fraction={d.val_fraction} must be in [0, 1)"),
         (0.0 < d.test_fraction < 1.0, f"data.test_fraction={d.test_fraction} must be in (0, 1)"),

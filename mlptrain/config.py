@@ -162,6 +162,9 @@ class ExecutionConfig:
     plan_cache: bool = _f(True, "GPU: remember planned algorithms and measured choices on disk")
     wgrad_stream: bool = _f(True, "GPU: weight gradients on a second stream, beside the input-gradient chain")
     head_kernel: bool = _f(True, "GPU, fused, small heads: the output layer's input gradient as one kernel")
+    workspace_mib: Optional[int] = _f(
+        64, "GPU: cap on each GEMM's cuBLASLt workspace, MiB; null: nvmath's default (up to 80% of the memory)"
+    )
 
 
 @dataclass

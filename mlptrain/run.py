@@ -92,6 +92,8 @@ def _train_locked(
             _accept(tr, run_dir, start, on_accept)
             with MetricsWriter(run_dir.metrics, start.metrics.records, _sinks(tr, run_dir, start)) as metrics:
                 summary = Loop(tr, run_dir, metrics, stop, start.position, start.best, start.resumed_from).run()
+            if backend.is_gpu:
+                _record_memory(tr, run_dir, start)
     except MemoryError as exc:
         if isinstance(exc, MlptrainError):
             raise
@@ -293,6 +295,15 @@ def _accept(tr: Trainer, run_dir: RunDirectory, start: Start, on_accept: Callabl
         log.info("resuming from %s at step %d (epoch %d, batch %d)", start.resumed_from, p.step, p.epoch, p.batch)
     for note in start.notes:
         log.warning(note)
+
+
+def _record_memory(tr: Trainer, run_dir: RunDirectory, start: Start) -> None:
+    """Add the GPU memory account at the end of the run (peak and live bytes by category) to ``run.json``."""
+    from mlptrain.gpu.memory import account, describe
+
+    acc = account(tr)
+    log.info("GPU memory: %s", describe(acc).replace("\n", "; "))
+    run_dir.write_json(RUN_RECORD, {**_run_record(tr, start), "memory": acc})
 
 
 def _run_record(tr: Trainer, start: Start) -> dict[str, Any]:

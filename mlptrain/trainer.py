@@ -89,15 +89,21 @@ class Trainer:
         # capture needs one); on the CPU a context that does nothing.
         self.stream: Any = contextlib.nullcontext()
         self.graphed: Any = None
+        self.memory_peak: Any = None  # GPU: high-water mark of the pools (mlptrain.gpu.memory)
         if self.backend.is_gpu:
+            from mlptrain.gpu.memory import PeakTracker
+
             xp.cuda.Device().synchronize()  # set-up work on the default stream is done
             self.stream = xp.cuda.Stream(non_blocking=True)
+            self.memory_peak = PeakTracker(lambda: self.graphed.pool_bytes() if self.graphed is not None else 0)
         self._choose_bgrad()  # on the GPU it may time the step, so after everything the step uses
         if self.backend.is_gpu and cfg.graph is not False:
             from mlptrain.gpu.graph import GraphedStep
 
             model = self.model
-            self.graphed = GraphedStep(self._launch, keep=model.step_arrays, restore=model.restore_step_arrays)
+            self.graphed = GraphedStep(
+                self._launch, keep=model.step_arrays, restore=model.restore_step_arrays, release=self.release_step
+            )
 
     # --- the step ---------------------------------------------------------------------------
 
@@ -112,9 +118,20 @@ class Trainer:
         On the GPU (unless ``graph=false``) the step is replayed from a CUDA graph. The returned
         arrays belong to the step: a replay rewrites them.
         """
-        out = self.graphed(x, y) if self.graphed is not None else self._launch(x, y)
+        if self.graphed is not None:
+            out = self.graphed(x, y)
+        else:
+            self.release_step()  # the last step's arrays go before this step allocates its own
+            out = self._launch(x, y)
         self.clock.tick()
         return out
+
+    def release_step(self) -> None:
+        """Drop the arrays the last step left: gradients, saved inputs and masks, and the GEMM plans'
+        references to their last operands (their memory returns to the pool for the next step)."""
+        self.model.release_step_arrays()
+        if self.backend.is_gpu:
+            self.gemm.release_operands()
 
     def _launch(self, x: Any, y: Any) -> tuple[Any, Any]:
         """The step's device work, launched op by op (what a CUDA graph records once)."""
@@ -155,6 +172,8 @@ class Trainer:
         per_batch = []
         for x, y in loader.epoch(0):
             per_batch.append((*self.head.evaluate(self.model.forward(x, keep=False), y), len(y)))
+        if self.backend.is_gpu:
+            self.gemm.release_operands()  # the plans forget the last batch: its memory can go
         to_host = self.backend.to_host
         loss_sum = sum(np.float64(np.float32(to_host(loss)) * np.float32(b)) for loss, _, b in per_batch)
         n = loader.num_samples
@@ -189,6 +208,7 @@ class Trainer:
             f"step {'-'.join(map(str, self.widths))} batch {B} {np.dtype(cdt).name}"
             f"{' tf32' if self.precision.tf32 else ''}{' 2 streams' if ex.wgrad_stream else ''}"
             f"{' head kernel' if self.head.mode == 'kernel' else ''}"
+            f"{f' workspace {ex.workspace_mib} MiB' if ex.workspace_mib is not None else ''}"
         )
         store = PlanCache.default_path().with_suffix(".bgrad.json") if ex.plan_cache else None
         rng = xp.random.default_rng(0)
@@ -196,8 +216,20 @@ class Trainer:
         y = rng.integers(0, self.widths[-1], B)  # (B,) labels
         self.model.set_bgrad("drelu_bgrad")
         with self.stream:
-            chosen = choose_bgrad(self.model, lambda: self.forward_backward(x, y), key, store=store)
+            batch = [x, y]  # a list, so that the batch can go before the pool is emptied
+            del x, y
+            chosen = choose_bgrad(
+                self.model, lambda: self.forward_backward(*batch), key, store=store, release=self.release_step
+            )
         self.model.set_bgrad(chosen)
+        # Nothing of the probe stays: its plans (the strategy not chosen has its own GEMMs, and a
+        # DRELU_BGRAD plan can hold a workspace of gigabytes) and the arrays they still reference
+        # go, and so do the blocks its graphs allocated. The step plans again (from the plan cache).
+        self.memory_peak.sample("bgrad probe")
+        batch.clear()
+        self.release_step()
+        self.gemm.free()
+        xp.get_default_memory_pool().free_all_blocks()
 
     # --- state ------------------------------------------------------------------------------
 

@@ -10,14 +10,18 @@ Sections:
   (c) whole training steps (forward, loss, backward, optimizer) for 784-1024-1024-10 at batch
       256, 4096 x 4 layers at batch 8192 and 8192 x 4 at batch 16384, fp16 and bf16: mlptrain
       fused, mlptrain naive and PyTorch eager (autocast with fp32 master weights, GradScaler for
-      fp16), with peak GPU memory.
+      fp16), with peak GPU memory;
+  (m) peak GPU memory of 4096 x 4 and 8192 x 4 steps against PyTorch eager, with mlptrain's live
+      bytes by category (scripts/bench_memory.py);
+  (l) the widest 4-layer MLP that trains at batch 16384 in fp16, mlptrain and PyTorch eager.
 
 Method: random normal data; CUDA events around each call after warm-up; medians. Training steps
 are timed two ways: 20 steps back to back (the steady state of a training run) and one step at a
 time on an idle GPU (latency, host launch work included). Every fused
 result is checked against the naive one (max |difference| / max |value|, in the tables).
 
-Usage: python scripts/bench.py [--out DIR] [--sections abc] [--reps N] [--quick] [--autotune]
+Usage: python scripts/bench.py [--out DIR] [--sections abcml] [--reps N] [--quick] [--autotune]
+       [--workspace-caps none,64]
 """
 
 from __future__ import annotations
@@ -137,6 +141,7 @@ def step_trainer(
     bgrad="auto",
     wgrad_stream=True,
     head_kernel=True,
+    workspace_mib="default",
 ):
     """A GPU Trainer for ``widths`` on random data (one batch per epoch), as the step benchmarks use it."""
     from mlptrain.config import TrainConfig
@@ -163,14 +168,19 @@ def step_trainer(
     cfg.optimizer.lr = 1e-3
     cfg.progress = False
     cfg.graph = graph
+    if workspace_mib != "default":  # else the configuration's default cap
+        cfg.execution.workspace_mib = workspace_mib
     return Trainer(cfg, dataset=ds)
 
 
 def bench_step_mlptrain(widths, batch, precision, mode, reps, graph=False, autotune=False, wgrad_stream=True):
+    import gc
+
     import cupy as cp
 
     from mlptrain.gpu.timing import cuda_time_ms
 
+    gc.collect()
     pool = cp.get_default_memory_pool()
     pool.free_all_blocks()
     tr = step_trainer(widths, batch, precision, mode, graph=graph, autotune=autotune, wgrad_stream=wgrad_stream)
@@ -180,9 +190,8 @@ def bench_step_mlptrain(widths, batch, precision, mode, reps, graph=False, autot
         xb, yb = next(iter(tr.train_loader.epoch(0, out=tr.batch_buffers)))
         times = cuda_time_ms(lambda: losses.append(tr.step(xb, yb)[0]), warmup=5, reps=reps)
         chained = cuda_time_ms(lambda: tr.step(xb, yb), warmup=1, reps=reps, chain=CHAIN)
-        peak = pool.total_bytes()
-        if graph:  # the graph's private pool holds the step's temporaries
-            peak += tr.graphed.pool_bytes()
+        tr.memory_peak.sample("steps")  # the pools' high-water mark, the bgrad probe's included
+        peak = tr.memory_peak.peak
         own_gemms = own_gemm_time(tr, xb, yb, reps) if graph else None  # after the peak: it allocates
     first_losses = [float(v) for v in losses[:3]]
     bgrad = tr.model.bgrad
@@ -357,10 +366,11 @@ def fmt(v, nd=3):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="bench-out", help="folder for bench.json and bench.md")
-    ap.add_argument("--sections", default="abc", help="which sections to run (a, b, c)")
+    ap.add_argument("--sections", default="abc", help="which sections to run (a, b, c, m, l)")
     ap.add_argument("--reps", type=int, default=10, help="timed repetitions per measurement (median reported)")
     ap.add_argument("--quick", action="store_true", help="skip the largest shapes (seed layer, 8192 x 4 step)")
     ap.add_argument("--autotune", action="store_true", help="mlptrain steps with execution.autotune=true")
+    ap.add_argument("--workspace-caps", default="64,none", help="section m: execution.workspace_mib values")
     args = ap.parse_args(argv)
     available, reason = probe_gpu()
     if not available:
@@ -467,6 +477,17 @@ def main(argv=None):
                     md.append(row)
                     print(row, flush=True)
         md.append("")
+
+    if "m" in args.sections or "l" in args.sections:
+        import bench_memory
+
+        if "m" in args.sections:
+            caps = [None if c == "none" else int(c) for c in args.workspace_caps.split(",")]
+            result["memory"], rows = bench_memory.memory_section(args.reps, caps)
+            md += rows
+        if "l" in args.sections:
+            result["largest"], rows = bench_memory.largest_section()
+            md += rows
 
     (out / "bench.json").write_text(json.dumps(result, indent=2) + "\n")
     (out / "bench.md").write_text("\n".join(md) + "\n")

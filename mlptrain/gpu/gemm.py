@@ -43,13 +43,26 @@ class NvmathGemm:
         autotune: time the heuristics' candidate algorithms once per plan, in a CUDA graph
             (:func:`graph_autotune`), and keep the fastest.
         plan_cache: algorithms remembered from earlier runs (:class:`PlanCache`), or None.
+        workspace_mib: cap on each plan's cuBLASLt workspace (nvmath's ``memory_limit``), or None for
+            nvmath's default, 80% of the device memory. Every planned ``Matmul`` holds its own
+            workspace, and with no cap the heuristics pick algorithms that want gigabytes (a
+            DRELU_BGRAD of 8192 x 16384 in bf16: over 1 GiB), so the cap is a memory setting
+            (``scripts/bench.py --sections m`` measures it).
 
     Every call enqueues on CuPy's current stream (nvmath's default), so a ``with stream:`` block
     (the training step's stream, the side stream of the weight gradients) decides where a GEMM runs.
     """
 
-    def __init__(self, *, tf32: bool = False, autotune: bool = False, plan_cache: PlanCache | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        tf32: bool = False,
+        autotune: bool = False,
+        plan_cache: PlanCache | None = None,
+        workspace_mib: int | None = None,
+    ) -> None:
         self.tf32 = tf32
+        self.workspace_mib = workspace_mib
         self.autotune = autotune
         self.plan_cache = plan_cache
         self._plans: dict[tuple, Matmul] = {}
@@ -60,6 +73,8 @@ class NvmathGemm:
 
     def _options(self, dtype: Any) -> dict[str, Any]:
         options: dict[str, Any] = {"logger": self._logger}
+        if self.workspace_mib is not None:
+            options["memory_limit"] = int(self.workspace_mib) * 2**20
         if self.tf32 and dtype == cp.float32:
             options["compute_type"] = nvmath.linalg.advanced.MatmulComputeType.COMPUTE_32F_FAST_TF32
         return options
@@ -84,6 +99,8 @@ class NvmathGemm:
         mm = Matmul(a, b, options=self._options(a.dtype))
         nv_epilog = _NV_EPILOG[epilog] if epilog is not None else None
         sig = signature(a, b, epilog)
+        if self.workspace_mib is not None:  # the heuristics choose within the cap: another cache entry
+            sig = (*sig, ("workspace_mib", int(self.workspace_mib)))
         cached = self.plan_cache.get(sig, self.tf32, self.autotune) if self.plan_cache else None
         source = "heuristics"
         if cached is not None:
@@ -119,6 +136,21 @@ class NvmathGemm:
     @property
     def num_plans(self) -> int:
         return len(self._plans)
+
+    def workspace_bytes(self) -> int:
+        """Bytes of the cuBLASLt workspaces the planned GEMMs hold (one per plan, allocated at its first execute)."""
+        return sum(int(mm.workspace.allocated_size or 0) for mm in self._plans.values())
+
+    def release_operands(self) -> None:
+        """Let every plan forget the arrays of its last call (nvmath keeps ``a``, ``b`` and the epilog inputs).
+
+        A plan holds its last operands until its next call replaces them, so without this the
+        previous step's activations and masks stay alive while the next step allocates its own:
+        two copies at the peak. The next call passes every operand again (``reset_operands_unchecked``
+        with ``a``, ``b`` and the epilog inputs), which is what nvmath asks after a release.
+        """
+        for mm in self._plans.values():
+            mm.release_operands()
 
     def free(self) -> None:
         """Release every plan's workspace and cuBLASLt descriptors (synchronises the device)."""

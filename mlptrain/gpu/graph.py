@@ -104,6 +104,9 @@ class GraphedStep:
         keep: called after a capture; its result is what the captured step left behind for others
             to read (gradients, masks), kept alive with the graph.
         restore: called with ``keep()``'s result after every replay of that graph.
+        release: called before every uncaptured warm-up step and before the capture: drops what
+            the previous step left behind (gradients, saved inputs), so that the step does not
+            allocate its arrays while the last step's are still alive (two copies in the pool).
         warmup: uncaptured steps of each shape before it is captured (at least 1: nvmath's first
             execute allocates its workspace, which must not happen during capture).
     """
@@ -114,6 +117,7 @@ class GraphedStep:
         *,
         keep: Callable[[], Any] = lambda: None,
         restore: Callable[[Any], None] = lambda kept: None,
+        release: Callable[[], None] = lambda: None,
         warmup: int = 2,
     ) -> None:
         if warmup < 1:
@@ -121,6 +125,7 @@ class GraphedStep:
         self.step = step
         self.keep = keep
         self.restore = restore
+        self.release = release
         self.warmup = warmup
         self._shapes: dict[tuple, _ShapeGraph] = {}
         self._warned = False
@@ -134,6 +139,7 @@ class GraphedStep:
             return self.step(x, y)
         g = self._shapes.setdefault(_key(x.shape, x.dtype, y.shape, y.dtype), _ShapeGraph())
         if g.graph is None:
+            self.release()
             if g.warm < self.warmup:
                 g.warm += 1
                 with cp.cuda.using_allocator(g.pool.malloc):

@@ -29,6 +29,7 @@ def choose_bgrad(
     *,
     reps: int = 9,
     store: Path | None = None,
+    release: Any = lambda: None,
 ) -> list[str]:
     """Per hidden layer, the bias-gradient strategy that makes the model's step faster.
 
@@ -41,11 +42,16 @@ def choose_bgrad(
     separate epilogue kernel at others. So the probe times the thing itself:
     ``forward_backward()`` (forward, loss and backward of the training step, no update) captured
     into a CUDA graph with each choice, layer by layer from the top, keeping the faster (median
-    of ``reps`` chained replays, the two candidates timed in turn).
+    of ``reps`` chained replays; one candidate's graph at a time, so that the probe holds no more
+    memory than the step it measures).
 
     The two strategies round differently, so a choice that changed from run to run would make
     runs irreproducible: decisions are kept in ``store`` (a JSON file beside the plan cache, per
     GPU model) under ``key`` (model, batch, dtype, streams) and later runs reuse them.
+
+    ``release()`` runs before every uncaptured pass and every capture: it drops the last pass's
+    arrays (:meth:`mlptrain.trainer.Trainer.release_step`), so that the probe, like the training
+    step, never holds two copies of them.
     """
     known: dict[str, list[str]] = {}
     if store is not None and store.is_file():
@@ -59,27 +65,27 @@ def choose_bgrad(
     choices = list(model.bgrad)
     stream = cp.cuda.Stream(non_blocking=True)
     for i in reversed(range(len(choices))):
-        graphs = {}
+        times: dict[str, list[float]] = {}
         with stream:
+            # One graph alive at a time: two would hold two copies of the step's arrays, and the
+            # probe's peak would be the run's (the largest model that trains would shrink by it).
             for option in ("drelu_bgrad", "bgradb"):
                 choices[i] = option
                 model.set_bgrad(choices)
+                release()
                 forward_backward()  # plans and workspaces, outside the capture
-                graphs[option] = capture_graph(forward_backward, stream)
-            times: dict[str, list[float]] = {option: [] for option in graphs}
-            for _ in range(reps):  # in turn, so that drifting clocks affect both alike
-                for option, (graph, _) in graphs.items():
-                    launch = functools.partial(graph.launch, stream)
-                    times[option] += cuda_time_ms(launch, warmup=1, reps=1, stream=stream, chain=10)
+                release()
+                graph, outputs = capture_graph(forward_backward, stream)
+                launch = functools.partial(graph.launch, stream)
+                times[option] = cuda_time_ms(launch, warmup=1, reps=reps, stream=stream, chain=10)
+                stream.synchronize()
+                del graph, outputs, launch  # the graph wrote into its results: freed only after the last replay
+                release()
         med = {option: sorted(t)[reps // 2] for option, t in times.items()}
         choices[i] = min(med, key=lambda option: med[option])
         log.info("bgrad probe, hidden layer %d: %s ms per step -> %s", i, med, choices[i])
-        stream.synchronize()
-        del graphs  # the graphs wrote into their results: freed only after the last replay
-    # the probe's arrays go back to the device, not to the pool's cache: the training step's
-    # graph allocates from its own pool, so cached blocks here would only raise the peak
-    model.release_step_arrays()
-    cp.get_default_memory_pool().free_all_blocks()
+    # The caller frees what the probe allocated (mlptrain.trainer.Trainer._choose_bgrad: the
+    # step's arrays, the plans and their workspaces, the pool's cached blocks).
     model.set_bgrad(choices)
     if store is not None:
         known[key] = choices

@@ -1,0 +1,138 @@
+"""What a training step holds in GPU memory, by category, beside what CuPy's pools hold.
+
+Two views of the same memory:
+
+* **Live bytes by category**, from the objects that own them (each array counted once, by its
+  device pointer): the fp32 master weights, the compute copies the GEMMs read (fp16/bf16), the
+  gradients, the optimizer state, the layer inputs saved for the weight gradients, the relu_aux
+  masks, the batch the graph reads, the dataset on the device, and the cuBLASLt workspaces of the
+  planned GEMMs (nvmath allocates one per planned ``Matmul`` from the current CuPy allocator).
+* **The pools**: CuPy's default pool and the private pool of each CUDA graph, ``used`` (arrays
+  alive now) and ``total`` (reserved from the device: used plus cached free blocks). A graph's
+  free blocks are not waste: they are the step's temporaries (the activations' gradients, the
+  logits and their gradient), which the captured kernels write on every replay.
+
+``peak_bytes`` is the largest ``total`` over the samples :class:`PeakTracker` took; pools only grow
+between ``free_all_blocks`` calls, so sampling before each of those and at the end gives the high-
+water mark of reserved memory, the figure PyTorch reports as ``max_memory_reserved``.
+
+For an MLP of widths ``w_0 .. w_L`` at batch ``B`` the categories follow a formula
+(:func:`expected_bytes`), which the GPU tests hold the account to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import cupy as cp
+import numpy as np
+
+from mlptrain.epilogs import relu_aux_shape
+
+GIB = 2**30
+
+
+def _unique_bytes(arrays: Iterable[Any], seen: set[int]) -> int:
+    total = 0
+    for a in arrays:
+        if a is None or a.size == 0 or a.data.ptr in seen:
+            continue
+        seen.add(a.data.ptr)
+        total += int(a.nbytes)
+    return total
+
+
+class PeakTracker:
+    """High-water mark of the bytes CuPy's pools reserve (default pool plus ``extra()``, the graph pools)."""
+
+    def __init__(self, extra: Callable[[], int] = lambda: 0) -> None:
+        self.extra = extra
+        self.peak = 0
+        self.where = "start"
+
+    def reserved(self) -> int:
+        return int(cp.get_default_memory_pool().total_bytes()) + int(self.extra())
+
+    def sample(self, where: str) -> int:
+        now = self.reserved()
+        if now > self.peak:
+            self.peak, self.where = now, where
+        return now
+
+
+def account(trainer: Any) -> dict[str, Any]:
+    """Bytes live by category and the pools' state for ``trainer`` (a GPU :class:`~mlptrain.trainer.Trainer`)."""
+    model, seen = trainer.model, set()
+    params = model.params
+    layers = model.layers
+    graphed = trainer.graphed
+    batch = []
+    if graphed is not None:
+        for g in graphed._shapes.values():
+            batch += [g.x_static, g.y_static]
+    cats = {
+        "master_weights": _unique_bytes((p.value for p in params), seen),
+        "compute_copies": _unique_bytes((p.compute for p in params if p.has_compute_copy), seen),
+        "gradients": _unique_bytes((p.grad for p in params), seen),
+        "optimizer_state": _unique_bytes((v for st in trainer.optimizer.state.values() for v in st.values()), seen),
+        "batch": _unique_bytes(batch, seen),
+        "saved_inputs": _unique_bytes((layer.x for layer in layers), seen),
+        "relu_aux": _unique_bytes((layer.mask for layer in layers), seen),
+        "dataset": _unique_bytes(
+            [a for ld in (trainer.train_loader, *trainer.eval_loaders.values()) for a in (ld.x, ld.y)], seen
+        ),
+        "gemm_workspaces": trainer.gemm.workspace_bytes(),
+    }
+    default = cp.get_default_memory_pool()
+    pools = {
+        "default_used": int(default.used_bytes()),
+        "default_total": int(default.total_bytes()),
+        "graph_used": sum(int(g.pool.used_bytes()) for g in graphed._shapes.values()) if graphed else 0,
+        "graph_total": graphed.pool_bytes() if graphed else 0,
+    }
+    reserved = pools["default_total"] + pools["graph_total"]
+    peak = trainer.memory_peak
+    peak.sample("account")
+    return {
+        "live_bytes": cats,
+        "live_total": sum(cats.values()),
+        "pools": pools,
+        "reserved_bytes": reserved,
+        "peak_bytes": peak.peak,
+        "peak_at": peak.where,
+    }
+
+
+def expected_bytes(widths: list[int], batch: int, param_dtype: Any, compute_dtype: Any, state_per_param: int) -> dict:
+    """The live bytes of a fused MLP step by the formula (what :func:`account` must find after a step).
+
+    Parameters ``P = sum(w_i w_{i+1} + w_{i+1})``: master weights ``P`` in the parameter dtype,
+    compute copies ``P`` in the compute dtype (when it differs), gradients ``P`` in the compute
+    dtype, optimizer state ``state_per_param x P`` in the parameter dtype; saved inputs
+    ``B x sum(w_1 .. w_{L-1})`` in the compute dtype (layer 0's input is the batch); relu_aux masks
+    ``round_up(ceil(w_i / 8), 16) x B`` bytes per hidden layer.
+    """
+    sp, sc = np.dtype(param_dtype).itemsize, np.dtype(compute_dtype).itemsize
+    n = sum(a * b + b for a, b in zip(widths, widths[1:], strict=False))
+    hidden = widths[1:-1]
+    return {
+        "master_weights": sp * n,
+        "compute_copies": sc * n if np.dtype(param_dtype) != np.dtype(compute_dtype) else 0,
+        "gradients": sc * n,
+        "optimizer_state": sp * n * state_per_param,
+        "saved_inputs": sc * batch * sum(hidden),
+        "relu_aux": sum(int(np.prod(relu_aux_shape(w, batch))) for w in hidden),
+    }
+
+
+def describe(acc: dict[str, Any]) -> str:
+    """The account as a few lines of text (GiB)."""
+    cats = ", ".join(f"{k} {v / GIB:.3f}" for k, v in acc["live_bytes"].items() if v)
+    p = acc["pools"]
+    return (
+        f"live {acc['live_total'] / GIB:.3f} GiB ({cats})\n"
+        f"pools: default {p['default_used'] / GIB:.3f} used / {p['default_total'] / GIB:.3f} reserved, "
+        f"graphs {p['graph_used'] / GIB:.3f} used / {p['graph_total'] / GIB:.3f} reserved; "
+        f"peak {acc['peak_bytes'] / GIB:.3f} GiB ({acc['peak_at']})"
+    )

@@ -1,0 +1,106 @@
+"""GPU memory of the training step (mlptrain.gpu.memory): the live-byte account holds to its formula,
+the graph's pool holds one step's temporaries and no second copy of anything, a replay allocates
+nothing, and the bgrad probe leaves nothing behind."""
+
+import numpy as np
+import pytest
+from gpu_helpers import cp, gpu_trainer
+
+pytestmark = pytest.mark.gpu
+
+MiB = 2**20
+
+
+def _steps(tr, n):
+    """``n`` steps of full batches as the training loop runs them (gathered into the graph's inputs)."""
+    done = 0
+    with tr.stream:
+        for x, y in tr.train_loader.epoch(0, out=tr.batch_buffers):
+            if len(y) != tr.cfg.data.batch_size:
+                continue
+            tr.step(x, y)
+            done += 1
+            if done == n:
+                break
+        tr.stream.synchronize()
+    return x, y
+
+
+CASES = [  # (hidden widths, batch, precision, optimizer)
+    ([2048, 2048, 2048], 512, "fp16", "sgd"),
+    ([1536, 1024], 384, "bf16", "adam"),
+    ([1024, 512], 256, "fp32", "sgd"),
+]
+
+
+@pytest.mark.parametrize(("hidden", "batch", "precision", "optimizer"), CASES)
+def test_live_bytes_follow_the_formula_and_the_graph_pool_holds_one_step(hidden, batch, precision, optimizer):
+    from mlptrain.gpu.memory import account, expected_bytes
+
+    tr = gpu_trainer(**{
+        "model.hidden": hidden, "data.batch_size": batch, "precision.name": precision, "optimizer.name": optimizer,
+        "execution.bgrad": "bgradb", "execution.plan_cache": False,
+    })  # fmt: skip
+    _steps(tr, 4)  # two warm-up steps, the capture, a replay
+    acc = account(tr)
+    live = acc["live_bytes"]
+    want = expected_bytes(
+        tr.widths, batch, tr.precision.param_dtype, tr.precision.compute_dtype, 1 if optimizer == "sgd" else 2
+    )
+    for key, value in want.items():
+        assert live[key] == value, f"{key}: the account has {live[key]} bytes, the formula {value}"
+    # The graph's pool: what the step keeps (gradients, saved inputs, masks) and the workspaces its
+    # GEMMs allocated, plus the temporaries of one backward (a layer's dZ and the dZ below it, the
+    # logits and their gradient). A second copy of the saved inputs or of the gradients does not fit.
+    sc = np.dtype(tr.precision.compute_dtype).itemsize
+    kept = want["gradients"] + want["saved_inputs"] + want["relu_aux"]
+    temporaries = 3 * batch * max(tr.widths[1:]) * sc + 2 * batch * tr.widths[-1] * 4 + MiB
+    pools = acc["pools"]
+    bound = kept + live["gemm_workspaces"] + temporaries
+    assert pools["graph_total"] <= bound, (
+        f"graph pool {pools['graph_total']} bytes > kept {kept} + workspaces {live['gemm_workspaces']} + "
+        f"temporaries {temporaries}"
+    )
+    if len(hidden) == 3:  # large enough for the bound to tell: a second copy of the saved inputs would not fit
+        assert want["saved_inputs"] > bound - pools["graph_total"], "the bound is too loose"
+    # nothing of the step outside the graph's pool: the default pool holds the state and the data
+    state = sum(want[k] for k in ("master_weights", "compute_copies", "optimizer_state"))
+    outside = pools["default_used"] - state - live["dataset"] - live["batch"]
+    assert 0 <= outside <= MiB, f"{outside} bytes of the default pool are neither state nor data"
+    assert acc["peak_bytes"] >= pools["default_total"] + pools["graph_total"]
+
+
+def test_a_replayed_step_allocates_nothing():
+    tr = gpu_trainer(**{"model.hidden": [256, 256], "data.batch_size": 128, "precision.name": "fp16",
+                        "execution.bgrad": "bgradb"})  # fmt: skip
+    x, y = _steps(tr, 3)  # captured
+    pool = cp.get_default_memory_pool()
+    before = (pool.used_bytes(), pool.total_bytes(), tr.graphed.pool_bytes())
+
+    def refuse(size):
+        raise AssertionError(f"a replayed step allocated {size} bytes")
+
+    with tr.stream, cp.cuda.using_allocator(refuse):
+        for _ in range(3):
+            tr.step(x, y)
+    tr.stream.synchronize()
+    assert (pool.used_bytes(), pool.total_bytes(), tr.graphed.pool_bytes()) == before
+
+
+def test_the_bgrad_probe_leaves_no_plan_workspace_or_cached_block(monkeypatch):
+    from mlptrain import trainer as trainer_module
+    from mlptrain.gpu.memory import expected_bytes
+
+    monkeypatch.setattr(trainer_module, "PROBE_MIN_FLOPS", 1.0)  # probe this small model
+    pool = cp.get_default_memory_pool()
+    pool.free_all_blocks()
+    base = pool.used_bytes()
+    tr = gpu_trainer(**{"model.hidden": [512, 512], "data.batch_size": 256, "precision.name": "bf16",
+                        "execution.bgrad": "auto", "execution.plan_cache": False})  # fmt: skip
+    assert tr.gemm.num_plans == 0 and tr.gemm.workspace_bytes() == 0
+    assert pool.total_bytes() == pool.used_bytes(), "cached free blocks left in the default pool"
+    want = expected_bytes(tr.widths, 256, tr.precision.param_dtype, tr.precision.compute_dtype, 1)
+    state = want["master_weights"] + want["compute_copies"] + want["optimizer_state"]
+    data = sum(int(a.nbytes) for ld in (tr.train_loader, *tr.eval_loaders.values()) for a in (ld.x, ld.y))
+    assert 0 <= pool.used_bytes() - base - state - data <= MiB
+    assert tr.memory_peak.where == "bgrad probe" and tr.memory_peak.peak > state + data
