@@ -25,6 +25,7 @@ of :class:`~mlptrain.steplog.StepLog`.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 from typing import Any
 
@@ -229,6 +230,7 @@ class Trainer:
         batch.clear()
         self.release_step()
         self.gemm.free()
+        gc.collect()  # the probe's graphs and their outputs, if a reference cycle still holds them
         xp.get_default_memory_pool().free_all_blocks()
 
     # --- state ------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ graphs, and remembers the choice per GPU model so that later runs are reproducib
 from __future__ import annotations
 
 import functools
+import gc
 import json
 import logging
 from pathlib import Path
@@ -81,6 +82,7 @@ def choose_bgrad(
                 stream.synchronize()
                 del graph, outputs, launch  # the graph wrote into its results: freed only after the last replay
                 release()
+                gc.collect()  # a captured graph and its outputs may sit in a reference cycle: free them now
         med = {option: sorted(t)[reps // 2] for option, t in times.items()}
         choices[i] = min(med, key=lambda option: med[option])
         log.info("bgrad probe, hidden layer %d: %s ms per step -> %s", i, med, choices[i])
