@@ -146,6 +146,10 @@ def matmul(
         bias = epilog_inputs["bias"]
         if bias.shape not in ((m,), (m, 1)):
             raise ValueError(f"epilog {epilog.name} needs a bias of shape ({m},) along M; got {bias.shape}")
+        _check_unit_stride(epilog, "bias", bias, bias.itemsize)
+        # Two roundings in half precision, as cuBLASLt does (measured on the H200): the product is
+        # rounded to D's dtype, then the bias added and rounded again. A=[[1, -2^-13]], B=[[1], [1]],
+        # bias=[-1] in float16 gives Z = 0 (mask bit set), not -2^-13.
         d += bias.reshape(m, 1).astype(d.dtype, copy=False)  # per row i (M), broadcast along N
         if epilog is Epilog.RELU_AUX_BIAS:
             aux["relu_aux"] = pack_relu_mask(d >= 0)  # (Mb, N) uint8: bit set where Z >= 0
@@ -161,13 +165,14 @@ def matmul(
                 f"epilog {epilog.name} needs relu_aux of dtype uint8 and shape {expected} for an ({m}, {n}) "
                 f"result; got {relu_aux.dtype} {relu_aux.shape}"
             )
-        d *= unpack_relu_mask(relu_aux, m)  # dReLU: keep the gradient where the forward Z >= 0
+        _check_unit_stride(epilog, "relu_aux", relu_aux, 1)
+        d *= unpack_relu_mask(relu_aux, m)  # dReLU: keep the gradient where the forward Z >= 0 (relu'(0) = 1)
         if epilog is Epilog.DRELU_BGRAD:
-            aux["drelu_bgrad"] = d.sum(axis=1)  # (M,): row sums over N
+            aux["drelu_bgrad"] = reduce_sum(d, axis=1)  # (M,): row sums over N, in a wide accumulator
     elif epilog is Epilog.BGRADA:
-        aux["bgrada"] = _sum(a, axis=1, dtype=d.dtype)  # (M,): A summed over K
+        aux["bgrada"] = reduce_sum(a, axis=1, dtype=d.dtype)  # (M,): A summed over K
     elif epilog is Epilog.BGRADB:
-        aux["bgradb"] = _sum(b, axis=0, dtype=d.dtype)  # (N,): B summed over K
+        aux["bgradb"] = reduce_sum(b, axis=0, dtype=d.dtype)  # (N,): B summed over K
     return (d, aux) if aux else d
 
 
@@ -176,8 +181,29 @@ def _compute_copy(d: np.ndarray, dtype: np.dtype) -> np.ndarray:
     return d if d.dtype == dtype else d.astype(dtype, order="K")
 
 
-def _sum(x: np.ndarray, axis: int, dtype: np.dtype) -> np.ndarray:
-    return x.sum(axis=axis, dtype=np.promote_types(dtype, np.float32)).astype(dtype)
+def accumulator(dtype: Any) -> np.dtype:
+    """The dtype the contract's reductions accumulate in: float32 for half precision, float64 for
+    float32 and float64 (at least as exact as cuBLASLt, whose epilogs reduce in float32)."""
+    return np.dtype(np.float32) if np.dtype(dtype).itemsize < 4 else np.dtype(np.float64)
+
+
+def reduce_sum(x: Any, axis: int, dtype: Any = None) -> Any:
+    """``x`` summed over ``axis`` in :func:`accumulator`'s dtype, rounded once to ``dtype`` (default x's).
+
+    A sum in the data's own dtype drifts: in float16 a running sum of ones stops at 2048, and
+    NumPy's float32 sums of 65,536 terms are off by about 1e-3 relative (nvmath's suite allows 2e-4).
+    """
+    dtype = x.dtype if dtype is None else dtype
+    return x.sum(axis=axis, dtype=accumulator(x.dtype)).astype(dtype)
+
+
+def _check_unit_stride(epilog: Epilog, name: str, x: Any, unit: int) -> None:
+    """nvmath refuses an epilog input whose elements along M are not adjacent (the stride along M is 1)."""
+    if x.strides[0] != unit:
+        raise ValueError(
+            f"epilog {epilog.name} needs {name} with unit stride along M (nvmath's requirement); got strides "
+            f"{x.strides} for shape {x.shape} ({x.dtype}): pass a contiguous array"
+        )
 
 
 def _xp(a: Any) -> Any:

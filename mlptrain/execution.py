@@ -40,7 +40,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Protocol
 
-from mlptrain.epilogs import Epilog, matmul, unpack_relu_mask
+from mlptrain.epilogs import Epilog, matmul, reduce_sum, unpack_relu_mask
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class FusedExecution:
         if mask_below is not None and dz.shape[1] == 1:
             dxt, _ = self.gemm(f"{key}.dgrad", W.T, dz.T)  # (in, 1) @ (1, B): an outer product
             dx = dxt.T * unpack_relu_mask(mask_below, W.shape[1]).T  # (B, in), dReLU of the layer below
-            return dx, (dx.sum(axis=0) if bias_grad_below else None)
+            return dx, (reduce_sum(dx, axis=0) if bias_grad_below else None)
         if mask_below is None:
             epilog = None
         else:
@@ -143,8 +143,13 @@ class NaiveExecution:
         if mask_below is None:
             return dx, None
         dx *= mask_below  # dReLU of the layer below
-        return dx, (dx.sum(axis=0) if bias_grad_below else None)  # (in,) bias gradient of the layer below
+        return dx, (self._sum(dx) if bias_grad_below else None)  # (in,) bias gradient of the layer below
 
     def weight_grad(self, key: str, x: Any, dz: Any, bias_grad: bool) -> tuple[Any, Any]:
         dwt, _ = self.gemm(f"{key}.wgrad", x.T, dz)  # (in, B) @ (B, out) -> (in, out) == dW (out, in)^T
-        return dwt.T, (dz.sum(axis=0) if bias_grad else None)  # (out,)
+        return dwt.T, (self._sum(dz) if bias_grad else None)  # (out,)
+
+    def _sum(self, x: Any) -> Any:
+        """Column sums of ``x (B, n)``: on the CPU in the epilog contract's accumulator (so that naive and
+        fused agree bit for bit there), on the GPU as CuPy sums."""
+        return reduce_sum(x, axis=0) if self.xp.__name__ == "numpy" else x.sum(axis=0)
