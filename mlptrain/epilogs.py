@@ -20,7 +20,17 @@ DRELU           relu_aux       -                    D = (A@B) * mask
 DRELU_BGRAD     relu_aux       drelu_bgrad (M,)     as DRELU, plus its row sums over N
 BGRADA          -              bgrada (M,)          D = A@B, plus A summed over K
 BGRADB          -              bgradb (N,)          D = A@B, plus B summed over K
+GELU_BIAS       bias (M,)      -                    D = gelu(A@B + bias[:, None])
+GELU_AUX_BIAS   bias (M,)      gelu_aux (Mp, N)     as GELU_BIAS, plus Z itself (the pre-activation)
+DGELU           gelu_aux       -                    D = (A@B) * gelu'(Z)
+DGELU_BGRAD     gelu_aux       dgelu_bgrad (M,)     as DGELU, plus its row sums over N
 =============== ============== ==================== ===========================================
+
+(GELU and GELU_AUX are the same without a bias.) GELU is the tanh approximation cuBLASLt computes,
+``gelu(z) = 0.5 z (1 + tanh(sqrt(2/pi) (z + 0.044715 z^3)))``; its ``gelu_aux`` is the
+pre-activation in D's dtype, ``(Mp, N)`` with ``Mp = round_up(M, 8)``, column-major, rows past M
+undefined (zeros here). The GELU epilogs are in the contract (the oracle); the training step does
+not use them yet.
 
 Layout: every epilog above returns D column-major (F-order), as cuBLASLt's bias and aux
 epilogs require. A plain GEMM (no epilog) follows A's order. The ``relu_aux`` mask is cuBLASLt's
@@ -47,6 +57,12 @@ class Epilog(enum.Enum):
     DRELU_BGRAD = "DRELU_BGRAD"
     BGRADA = "BGRADA"
     BGRADB = "BGRADB"
+    GELU = "GELU"
+    GELU_AUX = "GELU_AUX"
+    GELU_BIAS = "GELU_BIAS"
+    GELU_AUX_BIAS = "GELU_AUX_BIAS"
+    DGELU = "DGELU"
+    DGELU_BGRAD = "DGELU_BGRAD"
 
 
 # Which epilog_inputs each epilog takes (the aux output names are in the table above).
@@ -58,7 +74,41 @@ EPILOG_INPUTS: dict[Epilog, tuple[str, ...]] = {
     Epilog.DRELU_BGRAD: ("relu_aux",),
     Epilog.BGRADA: (),
     Epilog.BGRADB: (),
+    Epilog.GELU: (),
+    Epilog.GELU_AUX: (),
+    Epilog.GELU_BIAS: ("bias",),
+    Epilog.GELU_AUX_BIAS: ("bias",),
+    Epilog.DGELU: ("gelu_aux",),
+    Epilog.DGELU_BGRAD: ("gelu_aux",),
 }
+_GELU_FORWARD = (Epilog.GELU, Epilog.GELU_AUX, Epilog.GELU_BIAS, Epilog.GELU_AUX_BIAS)
+_BIAS = (Epilog.BIAS, Epilog.RELU_BIAS, Epilog.RELU_AUX_BIAS, Epilog.GELU_BIAS, Epilog.GELU_AUX_BIAS)
+_GELU_C = float(np.sqrt(2.0 / np.pi))
+
+
+def gelu_aux_shape(m: int, n: int) -> tuple[int, int]:
+    """Shape ``(Mp, N)`` of the gelu_aux of an ``(M, N)`` result: ``Mp = round_up(M, 8)``."""
+    return m + (-m) % 8, n
+
+
+def _gelu_sigmoid(z: Any) -> Any:
+    """``s = 0.5 (1 + tanh(u))`` with ``u = sqrt(2/pi) (z + 0.044715 z^3)``, as the logistic function of
+    ``2u`` evaluated without cancellation (``1 + tanh(u)`` loses every digit in the far negative tail)."""
+    xp = _xp(z)
+    u = _GELU_C * (z + 0.044715 * z**3)
+    return xp.exp(-xp.logaddexp(0.0, -2.0 * u))
+
+
+def gelu(z: Any) -> Any:
+    """The tanh approximation of GELU, ``0.5 z (1 + tanh(sqrt(2/pi) (z + 0.044715 z^3)))``, in z's dtype."""
+    return z * _gelu_sigmoid(z)
+
+
+def gelu_grad(z: Any) -> Any:
+    """``d gelu / dz`` of :func:`gelu`: ``s + 2 z s (1 - s) sqrt(2/pi) (1 + 3 * 0.044715 z^2)``, ``s`` as above
+    (the same as ``0.5 (1 + t) + 0.5 z (1 - t^2) ...`` with ``t = tanh(u)``, without its cancellation)."""
+    s = _gelu_sigmoid(z)
+    return s + 2.0 * z * s * (1.0 - s) * _GELU_C * (1.0 + 3 * 0.044715 * z * z)
 
 
 def relu_aux_shape(m: int, n: int) -> tuple[int, int]:
@@ -142,15 +192,13 @@ def matmul(
     d = _compute_copy(d, a.dtype)
 
     aux: dict[str, Any] = {}
-    if epilog in (Epilog.BIAS, Epilog.RELU_BIAS, Epilog.RELU_AUX_BIAS):
-        bias = epilog_inputs["bias"]
-        if bias.shape not in ((m,), (m, 1)):
-            raise ValueError(f"epilog {epilog.name} needs a bias of shape ({m},) along M; got {bias.shape}")
-        _check_unit_stride(epilog, "bias", bias, bias.itemsize)
+    if epilog in _GELU_FORWARD or epilog in (Epilog.DGELU, Epilog.DGELU_BGRAD):
+        return _gelu_epilog(epilog, d, epilog_inputs, k)
+    if epilog in _BIAS:
         # Two roundings in half precision, as cuBLASLt does (measured on the H200): the product is
         # rounded to D's dtype, then the bias added and rounded again. A=[[1, -2^-13]], B=[[1], [1]],
         # bias=[-1] in float16 gives Z = 0 (mask bit set), not -2^-13.
-        d += bias.reshape(m, 1).astype(d.dtype, copy=False)  # per row i (M), broadcast along N
+        _add_bias(epilog, d, epilog_inputs["bias"])  # per row i (M), broadcast along N
         if epilog is Epilog.RELU_AUX_BIAS:
             aux["relu_aux"] = pack_relu_mask(d >= 0)  # (Mb, N) uint8: bit set where Z >= 0
         if epilog is not Epilog.BIAS:
@@ -174,6 +222,44 @@ def matmul(
     elif epilog is Epilog.BGRADB:
         aux["bgradb"] = reduce_sum(b, axis=0, dtype=d.dtype)  # (N,): B summed over K
     return (d, aux) if aux else d
+
+
+def _add_bias(epilog: Epilog, d: np.ndarray, bias: Any) -> None:
+    m = d.shape[0]
+    if bias.shape not in ((m,), (m, 1)):
+        raise ValueError(f"epilog {epilog.name} needs a bias of shape ({m},) along M; got {bias.shape}")
+    _check_unit_stride(epilog, "bias", bias, bias.itemsize)
+    d += bias.reshape(m, 1).astype(d.dtype, copy=False)  # rounded a second time in half precision
+
+
+def _gelu_epilog(epilog: Epilog, d: np.ndarray, inputs: dict[str, Any], k: int) -> Any:
+    """The GELU family on the rounded product ``d (M, N)`` (F-order, D's dtype). The activation and
+    its derivative are evaluated in float64 and rounded once to D's dtype."""
+    m, n = d.shape
+    aux: dict[str, Any] = {}
+    if epilog in _GELU_FORWARD:
+        if "bias" in inputs:
+            _add_bias(epilog, d, inputs["bias"])
+        if epilog in (Epilog.GELU_AUX, Epilog.GELU_AUX_BIAS):
+            z = np.zeros(gelu_aux_shape(m, n), dtype=d.dtype, order="F")  # (Mp, N), rows past M undefined
+            z[:m] = d
+            aux["gelu_aux"] = z
+        out = gelu(d.astype(np.float64)).astype(d.dtype, order="F")
+        return (out, aux) if aux else out
+    if k == 1:
+        raise ValueError(f"epilog {epilog.name} rejects K=1 (nvmath 1.0 does too)")
+    z = inputs["gelu_aux"]
+    expected = gelu_aux_shape(m, n)
+    if z.dtype != d.dtype or z.shape != expected:
+        raise ValueError(
+            f"epilog {epilog.name} needs gelu_aux of dtype {d.dtype} and shape {expected} for an ({m}, {n}) "
+            f"result; got {z.dtype} {z.shape}"
+        )
+    _check_unit_stride(epilog, "gelu_aux", z, z.itemsize)
+    out = (d.astype(np.float64) * gelu_grad(z[:m].astype(np.float64))).astype(d.dtype, order="F")
+    if epilog is Epilog.DGELU_BGRAD:
+        return out, {"dgelu_bgrad": reduce_sum(out, axis=1)}  # (M,): row sums over N
+    return out
 
 
 def _compute_copy(d: np.ndarray, dtype: np.dtype) -> np.ndarray:
