@@ -29,7 +29,7 @@ from mlptrain.backend import Backend
 from mlptrain.config import DataConfig, ExecutionConfig, ModelConfig, OptimizerConfig, PrecisionConfig, TrainConfig
 from mlptrain.data import Dataset
 from mlptrain.errors import ConfigError, ResourceError
-from mlptrain.execution import FusedExecution, NaiveExecution, NumpyGemm
+from mlptrain.execution import GELU_GPU, FusedExecution, NaiveExecution, NumpyGemm
 from mlptrain.head import OutputHead
 from mlptrain.loader import DataLoader
 from mlptrain.network import MLP
@@ -103,6 +103,8 @@ def model(
     rng: np.random.Generator,
 ) -> MLP:
     """The MLP of ``sizes``, initialised from ``rng``; on the GPU its weight gradients on a second stream."""
+    if cfg.activation.value == "gelu" and backend.is_gpu:
+        raise ConfigError(GELU_GPU.format(what=f"this run is on {backend.device}"))
     net = MLP(
         sizes,
         execution=ex,
@@ -110,7 +112,7 @@ def model(
         rng=rng,
         param_dtype=prec.param_dtype,
         compute_dtype=prec.compute_dtype,
-        relu=cfg.activation.value == "relu",
+        activation=cfg.activation.value,
         init=cfg.init.value,
     )
     if backend.is_gpu and ex_cfg.wgrad_stream:  # dW GEMMs concurrent with the dX chain

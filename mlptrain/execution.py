@@ -40,9 +40,21 @@ from __future__ import annotations
 import logging
 from typing import Any, Protocol
 
-from mlptrain.epilogs import Epilog, matmul, reduce_sum, unpack_relu_mask
+from mlptrain.epilogs import Epilog, gelu, gelu_grad, matmul, reduce_sum, unpack_relu_mask
 
 log = logging.getLogger(__name__)
+
+ACTIVATIONS = ("relu", "gelu", "none")
+# GELU is in the epilog contract and both CPU paths; the GPU path is not measured yet (issue #17).
+GELU_GPU = (
+    "model.activation=gelu runs on the CPU in this version ({what}): the fused GPU path (GELU_AUX_BIAS "
+    "and DGELU_BGRAD through nvmath) is not measured yet; add device=cpu, or use model.activation=relu on the GPU"
+)
+# The epilogs of each activation: forward for training (with the aux the backward needs), forward
+# for inference (no aux), and the input-gradient GEMM of the layer above (without, with the bias gradient).
+_FORWARD = {"relu": (Epilog.RELU_AUX_BIAS, Epilog.RELU_BIAS), "gelu": (Epilog.GELU_AUX_BIAS, Epilog.GELU_BIAS)}
+_BACKWARD = {"relu": (Epilog.DRELU, Epilog.DRELU_BGRAD), "gelu": (Epilog.DGELU, Epilog.DGELU_BGRAD)}
+_AUX = {"relu": "relu_aux", "gelu": "gelu_aux"}
 
 
 class Gemm(Protocol):
@@ -53,7 +65,15 @@ class Gemm(Protocol):
     """
 
     def __call__(
-        self, key: str, a: Any, b: Any, epilog: Epilog | None = None, *, bias: Any = None, relu_aux: Any = None
+        self,
+        key: str,
+        a: Any,
+        b: Any,
+        epilog: Epilog | None = None,
+        *,
+        bias: Any = None,
+        relu_aux: Any = None,
+        gelu_aux: Any = None,
     ) -> tuple[Any, dict[str, Any]]: ...
 
 
@@ -61,9 +81,17 @@ class NumpyGemm:
     """The CPU engine: :func:`mlptrain.epilogs.matmul`, the contract the GPU is tested against."""
 
     def __call__(
-        self, key: str, a: Any, b: Any, epilog: Epilog | None = None, *, bias: Any = None, relu_aux: Any = None
+        self,
+        key: str,
+        a: Any,
+        b: Any,
+        epilog: Epilog | None = None,
+        *,
+        bias: Any = None,
+        relu_aux: Any = None,
+        gelu_aux: Any = None,
     ) -> tuple[Any, dict[str, Any]]:
-        inputs = {name: v for name, v in (("bias", bias), ("relu_aux", relu_aux)) if v is not None}
+        inputs = {n: v for n, v in (("bias", bias), ("relu_aux", relu_aux), ("gelu_aux", gelu_aux)) if v is not None}
         out = matmul(a, b, epilog=epilog, epilog_inputs=inputs)
         return out if isinstance(out, tuple) else (out, {})
 
@@ -74,38 +102,48 @@ class FusedExecution:
     def __init__(self, gemm: Gemm) -> None:
         self.gemm = gemm
 
-    def forward(self, key: str, W: Any, b: Any, x: Any, relu: bool, mask: bool = True) -> tuple[Any, Any]:
-        """``y = relu(x @ W^T + b)`` (or without relu); returns ``(y (B, out), relu_aux or None)``.
+    def forward(self, key: str, W: Any, b: Any, x: Any, activation: str, mask: bool = True) -> tuple[Any, Any]:
+        """``y = act(x @ W^T + b)``; returns ``(y (B, out), aux or None)``, aux what the backward needs.
 
         RELU_AUX_BIAS: Z^T = W @ X^T + b[:, None], the ReLU applied, and the bit-packed mask
-        ``Z >= 0`` returned as relu_aux (uint8 (Mb, B)) for the backward. With ``mask=False``
-        (inference, evaluation: no backward follows) RELU_BIAS, which writes no mask. BIAS without ReLU.
+        ``Z >= 0`` returned as relu_aux (uint8 (Mb, B)) for the backward. GELU_AUX_BIAS: the same
+        with GELU, and Z itself returned as gelu_aux ((round_up(out, 8), B), column-major). With
+        ``mask=False`` (inference, evaluation: no backward follows) RELU_BIAS or GELU_BIAS, which
+        write no aux. BIAS without an activation.
         """
-        epilog = (Epilog.RELU_AUX_BIAS if mask else Epilog.RELU_BIAS) if relu else Epilog.BIAS
+        epilog = _FORWARD[activation][0 if mask else 1] if activation != "none" else Epilog.BIAS
         # (out, in) @ (in, B) -> (out, B) column-major == (B, out) C-order
         zt, aux = self.gemm(f"{key}.fwd", W, x.T, epilog, bias=b)
-        return zt.T, aux.get("relu_aux")
+        return zt.T, (aux.get(_AUX[activation]) if activation != "none" else None)
 
-    def input_grad(self, key: str, W: Any, dz: Any, mask_below: Any, bias_grad_below: bool) -> tuple[Any, Any]:
-        """``dX = dZ @ W``, masked by the layer below's ReLU; returns ``(dZ_below, db_below or None)``.
+    def input_grad(
+        self, key: str, W: Any, dz: Any, mask_below: Any, bias_grad_below: bool, activation_below: str = "relu"
+    ) -> tuple[Any, Any]:
+        """``dX = dZ @ W``, through the layer below's activation; returns ``(dZ_below, db_below or None)``.
 
-        DRELU applies the derivative of the layer below's ReLU (its relu_aux) to the product;
-        DRELU_BGRAD also returns the row sums over the batch: the bias gradient of that layer.
-        With no ReLU below, a plain GEMM. A layer with one output (a single-target regression)
-        makes this GEMM's K = 1, which cuBLASLt's dReLU epilogs reject: then the GEMM is plain and
-        the mask is applied (and the bias gradient reduced) separately.
+        DRELU applies the derivative of the layer below's ReLU (its relu_aux) to the product, DGELU
+        that of its GELU (at its gelu_aux, the pre-activation); DRELU_BGRAD and DGELU_BGRAD also
+        return the row sums over the batch: the bias gradient of that layer. With no activation
+        below, a plain GEMM. A layer with one output (a single-target regression) makes this GEMM's
+        K = 1, which cuBLASLt's dReLU and dGELU epilogs reject: then the GEMM is plain and the
+        derivative is applied (and the bias gradient reduced) separately.
         """
         if mask_below is not None and dz.shape[1] == 1:
             dxt, _ = self.gemm(f"{key}.dgrad", W.T, dz.T)  # (in, 1) @ (1, B): an outer product
-            dx = dxt.T * unpack_relu_mask(mask_below, W.shape[1]).T  # (B, in), dReLU of the layer below
+            m = W.shape[1]
+            if activation_below == "gelu":
+                dx = dxt.T * gelu_grad(mask_below[:m].T.astype("float64")).astype(dxt.dtype)  # (B, in)
+            else:
+                dx = dxt.T * unpack_relu_mask(mask_below, m).T  # (B, in), dReLU of the layer below
             return dx, (reduce_sum(dx, axis=0) if bias_grad_below else None)
         if mask_below is None:
-            epilog = None
-        else:
-            epilog = Epilog.DRELU_BGRAD if bias_grad_below else Epilog.DRELU
+            dxt, _ = self.gemm(f"{key}.dgrad", W.T, dz.T)
+            return dxt.T, None
+        epilog = _BACKWARD[activation_below][1 if bias_grad_below else 0]
+        aux_input = {_AUX[activation_below]: mask_below}
         # (in, out) @ (out, B) -> (in, B) column-major == (B, in) C-order
-        dxt, aux = self.gemm(f"{key}.dgrad", W.T, dz.T, epilog, relu_aux=mask_below)
-        return dxt.T, aux.get("drelu_bgrad")
+        dxt, aux = self.gemm(f"{key}.dgrad", W.T, dz.T, epilog, **aux_input)
+        return dxt.T, aux.get("drelu_bgrad", aux.get("dgelu_bgrad"))
 
     def weight_grad(self, key: str, x: Any, dz: Any, bias_grad: bool) -> tuple[Any, Any]:
         """``dW = dZ^T @ X`` in W's (out, in) layout; with ``bias_grad`` also ``db = dZ.sum(0)``.
@@ -129,20 +167,27 @@ class NaiveExecution:
         self.gemm = gemm
         self.xp = xp
 
-    def forward(self, key: str, W: Any, b: Any, x: Any, relu: bool, mask: bool = True) -> tuple[Any, Any]:
+    def forward(self, key: str, W: Any, b: Any, x: Any, activation: str, mask: bool = True) -> tuple[Any, Any]:
         z, _ = self.gemm(f"{key}.fwd", x, W.T)  # (B, in) @ (in, out) -> (B, out)
         z += b  # bias per feature, broadcast over the batch
-        if not relu:
+        if activation == "none":
             return z, None
+        if activation == "gelu":  # keep Z for the backward (gelu'(Z)); GELU evaluated in float64, as the contract
+            return gelu(z.astype("float64")).astype(z.dtype), (z if mask else None)
         keep = z >= 0 if mask else None  # (B, out) bool, kept for the backward
         self.xp.maximum(z, 0, out=z)
         return z, keep
 
-    def input_grad(self, key: str, W: Any, dz: Any, mask_below: Any, bias_grad_below: bool) -> tuple[Any, Any]:
+    def input_grad(
+        self, key: str, W: Any, dz: Any, mask_below: Any, bias_grad_below: bool, activation_below: str = "relu"
+    ) -> tuple[Any, Any]:
         dx, _ = self.gemm(f"{key}.dgrad", dz, W)  # (B, out) @ (out, in) -> (B, in)
         if mask_below is None:
             return dx, None
-        dx *= mask_below  # dReLU of the layer below
+        if activation_below == "gelu":  # dGELU of the layer below, at its pre-activation
+            dx = (dx.astype("float64") * gelu_grad(mask_below.astype("float64"))).astype(dx.dtype)
+        else:
+            dx *= mask_below  # dReLU of the layer below
         return dx, (self._sum(dx) if bias_grad_below else None)  # (in,) bias gradient of the layer below
 
     def weight_grad(self, key: str, x: Any, dz: Any, bias_grad: bool) -> tuple[Any, Any]:

@@ -50,9 +50,9 @@ class ExportArgs:
 
 
 def sequential_state_dict(p: Predictor, dtype: Any = np.float32) -> dict[str, np.ndarray]:
-    """The parameters as ``nn.Sequential(Linear, ReLU, ..., Linear).state_dict()`` names them."""
-    relu = any(layer.relu for layer in p.model.layers)
-    step = 2 if relu else 1  # Linear, ReLU, Linear, ...: the Linear layers are every other module
+    """The parameters as ``nn.Sequential(Linear, ReLU, ..., Linear).state_dict()`` names them
+    (``nn.GELU(approximate="tanh")`` in place of ReLU for a GELU model)."""
+    step = 2 if _activation(p) != "none" else 1  # Linear, ReLU, Linear, ...: every other module is a Linear
     out = {}
     for i, layer in enumerate(p.model.layers):
         # W (out, in) and b (out,): the layout of torch.nn.Linear
@@ -61,12 +61,36 @@ def sequential_state_dict(p: Predictor, dtype: Any = np.float32) -> dict[str, np
     return out
 
 
+def _activation(p: Predictor) -> str:
+    """The hidden layers' activation: relu, gelu or none."""
+    return p.model.layers[0].activation if len(p.model.layers) > 1 else "none"
+
+
+def _onnx_gelu(z: str, out: str, i: int) -> list[Any]:
+    """GELU's tanh form as basic ONNX operators (``Gelu`` needs opset 20):
+    ``0.5 z (1 + tanh(sqrt(2/pi) (z + 0.044715 z^3)))``, with the constants as ``gelu_*`` initializers."""
+    from onnx import helper
+
+    t = f"gelu{i}_"
+    return [
+        helper.make_node("Mul", [z, z], [t + "z2"]),
+        helper.make_node("Mul", [t + "z2", z], [t + "z3"]),
+        helper.make_node("Mul", [t + "z3", "gelu_k"], [t + "kz3"]),
+        helper.make_node("Add", [z, t + "kz3"], [t + "inner"]),
+        helper.make_node("Mul", [t + "inner", "gelu_c"], [t + "u"]),
+        helper.make_node("Tanh", [t + "u"], [t + "t"]),
+        helper.make_node("Add", [t + "t", "gelu_one"], [t + "1pt"]),
+        helper.make_node("Mul", [z, t + "1pt"], [t + "z1pt"]),
+        helper.make_node("Mul", [t + "z1pt", "gelu_half"], [out]),
+    ]
+
+
 def preprocessing(p: Predictor) -> dict[str, Any]:
     """What scoring raw inputs needs besides the parameters, as JSON-ready values."""
     return {
         "format": "mlptrain-model",
         "widths": p.widths,
-        "activation": "relu" if any(layer.relu for layer in p.model.layers) else "none",
+        "activation": _activation(p),  # gelu: the tanh form, nn.GELU(approximate="tanh")
         "task": p.task,
         "normalization": {"shift": p.shift.tolist(), "scale": p.scale.tolist(), "formula": "(x - shift) / scale"},
         "feature_names": p.feature_names,
@@ -117,6 +141,9 @@ def onnx_model(p: Predictor) -> Any:
     f32 = np.float32
     inits = [numpy_helper.from_array(p.shift.astype(f32), "shift"),
              numpy_helper.from_array((1.0 / p.scale).astype(f32), "inv_scale")]  # fmt: skip
+    if _activation(p) == "gelu":
+        consts = {"gelu_k": 0.044715, "gelu_c": np.sqrt(2 / np.pi), "gelu_one": 1.0, "gelu_half": 0.5}
+        inits += [numpy_helper.from_array(np.array(v, f32), name) for name, v in consts.items()]
     nodes = [helper.make_node("Sub", ["x", "shift"], ["x_shifted"]),
              helper.make_node("Mul", ["x_shifted", "inv_scale"], ["h0"])]  # fmt: skip
     for i, layer in enumerate(p.model.layers):
@@ -127,6 +154,8 @@ def onnx_model(p: Predictor) -> Any:
         nodes.append(helper.make_node("Gemm", [f"h{i}", f"layer{i}.weight", f"layer{i}.bias"], [out], transB=1))
         if layer.relu:
             nodes.append(helper.make_node("Relu", [out], [f"h{i + 1}"]))
+        elif layer.activation == "gelu":
+            nodes += _onnx_gelu(out, f"h{i + 1}", i)
         elif out != "logits":
             nodes.append(helper.make_node("Identity", [out], [f"h{i + 1}"]))
     n, c = "N", p.num_outputs

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from mlptrain.execution import FusedExecution, NaiveExecution
+from mlptrain.execution import ACTIVATIONS, FusedExecution, NaiveExecution
 
 
 class Param:
@@ -47,12 +47,12 @@ class Param:
 
 
 class Linear:
-    """``y = relu(x @ W^T + b)`` (or without ReLU) for a batch ``x (B, in)``.
+    """``y = act(x @ W^T + b)`` for a batch ``x (B, in)``; ``act`` is ReLU, GELU or nothing.
 
     Args:
         name: prefix of the parameter names and of the GEMM call sites.
         in_features, out_features: ``W`` is ``(out_features, in_features)``.
-        relu: apply ReLU (hidden layers) or not (the output layer).
+        activation: ``"relu"`` or ``"gelu"`` (hidden layers), or ``"none"`` (the output layer).
         rng: host NumPy Generator; He init ``N(0, 2/in)`` for ReLU layers, LeCun ``N(0, 1/in)``
             otherwise (or as ``init`` says). Drawn on the host so CPU and GPU runs start from
             the same weights.
@@ -64,7 +64,7 @@ class Linear:
         in_features: int,
         out_features: int,
         *,
-        relu: bool,
+        activation: str,
         rng: np.random.Generator,
         xp: Any,
         param_dtype: Any,
@@ -74,7 +74,9 @@ class Linear:
         self.name = name
         self.in_features = in_features
         self.out_features = out_features
-        self.relu = relu
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation {activation!r} is not one of {ACTIVATIONS}")
+        self.activation = activation
         gain = 2.0 if init == "he" else 1.0
         w = rng.standard_normal((out_features, in_features)) * math.sqrt(gain / in_features)
         self.weight = Param(f"{name}.weight", xp.asarray(w, dtype=param_dtype), compute_dtype)
@@ -84,7 +86,18 @@ class Linear:
         # ReLU has no relu_aux for the layer above to use, so it always reduces its own.
         self.bias_grad_in_wgrad = True
         self.x: Any = None  # (B, in) the input of the last forward, kept for the weight gradient
-        self.mask: Any = None  # its ReLU mask (fused: relu_aux (Mb, B) uint8; naive: (B, out) bool)
+        self.mask: Any = None  # what the backward needs of the activation: ReLU: its mask (fused:
+        # relu_aux (Mb, B) uint8; naive: (B, out) bool); GELU: the pre-activation (fused: gelu_aux
+        # (round_up(out, 8), B) column-major; naive: (B, out))
+
+    @property
+    def relu(self) -> bool:
+        return self.activation == "relu"
+
+    @property
+    def nonlinear(self) -> bool:
+        """A hidden layer: its activation has a derivative the layer above applies (DRELU, DGELU)."""
+        return self.activation != "none"
 
     @property
     def params(self) -> list[Param]:
@@ -105,7 +118,7 @@ class Linear:
     def forward(self, ex: FusedExecution | NaiveExecution, x: Any, keep: bool = True) -> Any:
         """``x (B, in) -> y (B, out)``; keeps ``x`` and the ReLU mask for the backward (``keep=False``:
         inference, no mask made, nothing kept)."""
-        y, mask = ex.forward(self.name, self.weight.compute, self.bias.compute, x, self.relu, mask=keep)
+        y, mask = ex.forward(self.name, self.weight.compute, self.bias.compute, x, self.activation, mask=keep)
         if keep:
             self.x, self.mask = x, mask
         return y
@@ -133,7 +146,12 @@ class Linear:
         if below is None:
             return None
         dz_below, db_below = ex.input_grad(
-            self.name, self.weight.compute, dz, below.mask, bias_grad_below=not below.bias_grad_in_wgrad
+            self.name,
+            self.weight.compute,
+            dz,
+            below.mask,
+            bias_grad_below=not below.bias_grad_in_wgrad,
+            activation_below=below.activation,
         )
         if db_below is not None:
             below.bias.grad = db_below

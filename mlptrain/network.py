@@ -51,9 +51,9 @@ class MLP:
         xp: the array module the parameters live in.
         rng: host Generator for the initial weights.
         param_dtype, compute_dtype: master and GEMM dtypes (equal except for fp16/bf16).
-        relu: ReLU on hidden layers (False gives a deep linear model).
+        activation: of the hidden layers: ``"relu"``, ``"gelu"`` or ``"none"`` (a deep linear model).
         init: ``"he"`` or ``"lecun"``.
-        bgrad: per hidden layer, where its bias gradient is reduced (``drelu_bgrad``: by the
+        bgrad: per hidden layer, where its bias gradient is reduced (``drelu_bgrad``, DGELU_BGRAD for GELU: by the
             input-gradient GEMM of the layer above; ``bgradb``: by its own weight-gradient GEMM);
             one string for all.
     """
@@ -67,7 +67,7 @@ class MLP:
         rng: np.random.Generator,
         param_dtype: Any,
         compute_dtype: Any,
-        relu: bool = True,
+        activation: str = "relu",
         init: str = "he",
         bgrad: str | Sequence[str] = "bgradb",
     ) -> None:
@@ -82,12 +82,12 @@ class MLP:
                 f"layer{i}",
                 widths[i],
                 widths[i + 1],
-                relu=relu and i < n - 1,
+                activation=activation if i < n - 1 else "none",
                 rng=rng,
                 xp=xp,
                 param_dtype=param_dtype,
                 compute_dtype=compute_dtype,
-                init=init if (relu and i < n - 1) else "lecun",
+                init=init if (activation != "none" and i < n - 1) else "lecun",
             )
             for i in range(n)
         ]
@@ -96,7 +96,7 @@ class MLP:
 
     def set_bgrad(self, bgrad: str | Sequence[str]) -> None:
         """Choose, per hidden layer, where its bias gradient is reduced (see class docstring)."""
-        hidden = [layer for layer in self.layers if layer.relu]
+        hidden = [layer for layer in self.layers if layer.nonlinear]
         choices = [bgrad] * len(hidden) if isinstance(bgrad, str) else list(bgrad)
         if len(choices) != len(hidden) or any(c not in BGRAD_STRATEGIES for c in choices):
             raise ValueError(
@@ -107,7 +107,7 @@ class MLP:
 
     @property
     def bgrad(self) -> list[str]:
-        return ["bgradb" if layer.bias_grad_in_wgrad else "drelu_bgrad" for layer in self.layers if layer.relu]
+        return ["bgradb" if layer.bias_grad_in_wgrad else "drelu_bgrad" for layer in self.layers if layer.nonlinear]
 
     @property
     def params(self) -> list[Param]:

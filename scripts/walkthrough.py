@@ -108,7 +108,7 @@ def one_layer(be: Backend, gemm: Any, rng: np.random.Generator) -> tuple[Any, ..
 
     print("naive: Z = X @ W^T (plain GEMM); Z += b; mask = Z >= 0; Z = max(Z, 0): three more passes over Z")
     naive = NaiveExecution(gemm, xp)
-    y_naive, mask = naive.forward("walk", W, b, x, relu=True)
+    y_naive, mask = naive.forward("walk", W, b, x, activation="relu")
     print(f"  y: {layout(y_naive)}; mask: {layout(mask)}")
     check(be, "forward output y", y, y_naive)
     unpacked = be.to_host(unpack_relu_mask(relu_aux, n_out)).T  # (out, B) bool -> (B, out)

@@ -38,7 +38,7 @@ def output(proc: subprocess.CompletedProcess[str]) -> str:
     [
         ("foo=1", "Key 'foo' not in 'TrainConfig'"),
         ("optimizer.lr=abc", "could not be converted to Float"),
-        ("model.activation=tanh", "expected one of [relu, none]"),
+        ("model.activation=tanh", "expected one of [relu, gelu, none]"),
         ("execution=bogus", "Could not find 'execution/bogus'"),
     ],
 )

@@ -106,7 +106,7 @@ def test_overrides(overrides: list[str], expected: dict[str, object]) -> None:
         ("optimizer.lr=abc", "could not be converted to Float"),
         ("data.batch_size=1.5", "could not be converted to Integer"),
         ("model.hidden=[128,x]", "could not be converted to Integer"),
-        ("model.activation=tanh", "expected one of [relu, none]"),
+        ("model.activation=tanh", "expected one of [relu, gelu, none]"),
         ("execution.mode=fast", "expected one of [fused, naive]"),
         ("optimizer.betas=1", "Key 'betas' not in 'OptimizerConfig'"),
     ],
@@ -214,3 +214,18 @@ def test_an_attribute_set_from_python_is_checked_too() -> None:
     cfg.optimizer.lrr = 0.1  # type: ignore[attr-defined]
     with pytest.raises(ConfigError, match="optimizer.lrr is not a setting; did you mean optimizer.lr"):
         validate(cfg)
+
+
+def test_gelu_on_the_gpu_is_refused_with_the_way_out():
+    """The fused GELU path is not measured on the GPU yet: a clear error naming device=cpu, not a crash."""
+    import numpy as np
+
+    from mlptrain import build
+    from mlptrain.backend import Backend
+    from mlptrain.config import Activation, TrainConfig
+    from mlptrain.errors import ConfigError
+
+    cfg = TrainConfig()
+    cfg.model.activation = Activation.gelu
+    with pytest.raises(ConfigError, match=r"model.activation=gelu runs on the CPU.*device=cpu"):
+        build.model(cfg.model, cfg.execution, [4, 8, 2], None, Backend("gpu", np), None, np.random.default_rng(0))

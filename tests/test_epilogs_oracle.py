@@ -92,7 +92,7 @@ def test_relu_derivative_at_exactly_zero_is_one_on_the_cpu_engines():
     b = np.zeros(2)
     x = np.array([[1.0, 1.0], [1.0, -4.0]])  # row 0: z = (0, 2.5); row 1: z = (5, 0)
     for ex in (FusedExecution(NumpyGemm()), NaiveExecution(NumpyGemm(), np)):
-        y, mask = ex.forward("t", W, b, x, relu=True)
+        y, mask = ex.forward("t", W, b, x, activation="relu")
         np.testing.assert_array_equal(y, [[0.0, 2.5], [5.0, 0.0]])
         dz_above = np.ones((2, 3))
         W_above = np.ones((3, 2))

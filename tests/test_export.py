@@ -115,6 +115,37 @@ def test_onnx_of_a_linear_model(tmp_path: Path) -> None:
                                atol=1e-5)  # fmt: skip
 
 
+def test_a_gelu_model_trains_on_the_cpu_and_exports_to_onnx_and_torch(tmp_path: Path) -> None:
+    """activation=gelu (the tanh form): trained through the epilog contract on the CPU, its ONNX graph
+    (GELU as basic operators) and its nn.Sequential(..., GELU(approximate="tanh"), ...) agree with mlptrain."""
+    pytest.importorskip("onnx")
+    ort = pytest.importorskip("onnxruntime")
+    d = tmp_path / "run"
+    summary = train(make_cfg(epochs=3, model__hidden=[24, 16], model__activation=Activation.gelu), d)
+    assert summary["test/acc"] > 0.8  # digits learns with GELU as it does with ReLU
+    tensors, meta = load_safetensors(export(ExportArgs(ckpt=str(d), format="safetensors")))
+    assert list(tensors)[::2] == ["0.weight", "2.weight", "4.weight"]
+    assert json.loads(meta["mlptrain"])["activation"] == "gelu"
+    session = ort.InferenceSession(str(export(ExportArgs(ckpt=str(d), format="onnx"))))
+    p = Predictor(d, device="cpu")
+    x = _raw(p, 200)
+    logits, ids = session.run(["logits", "class_id"], {"x": x.astype(np.float32)})
+    np.testing.assert_allclose(logits, p.logits(x), rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(ids, p.run(x).class_id)
+    try:
+        import torch
+    except ImportError:
+        return
+    model = torch.nn.Sequential(torch.nn.Linear(64, 24), torch.nn.GELU(approximate="tanh"), torch.nn.Linear(24, 16),
+                                torch.nn.GELU(approximate="tanh"), torch.nn.Linear(16, 10))  # fmt: skip
+    model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in tensors.items()})
+    info = json.loads(meta["mlptrain"])["normalization"]
+    shift, scale = (torch.tensor(info[k], dtype=torch.float32) for k in ("shift", "scale"))
+    with torch.no_grad():
+        out = model((torch.tensor(x, dtype=torch.float32) - shift) * (1 / scale)).numpy()
+    np.testing.assert_allclose(out, p.logits(x), rtol=1e-4, atol=1e-4)
+
+
 def test_bad_arguments_are_clear(run_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="format='pickle'; expected one of safetensors, onnx"):
         export(ExportArgs(ckpt=str(run_dir), format="pickle"))

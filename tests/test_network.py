@@ -31,7 +31,7 @@ def numerical_grads(net, loss_of, eps=1e-6):
     return grads
 
 
-def check_gradients(widths, mode, bgrad, loss_fn, relu=True, batch=5, seed=0):
+def check_gradients(widths, mode, bgrad, loss_fn, activation="relu", batch=5, seed=0):
     rng = np.random.default_rng(seed)
     net = MLP(
         widths,
@@ -40,7 +40,7 @@ def check_gradients(widths, mode, bgrad, loss_fn, relu=True, batch=5, seed=0):
         rng=rng,
         param_dtype=np.float64,
         compute_dtype=np.float64,
-        relu=relu,
+        activation=activation,
         bgrad=bgrad,
     )
     for layer in net.layers:  # non-zero biases, so a missing bias gradient is visible
@@ -77,7 +77,7 @@ def test_whole_network(mode, bgrad, loss_fn):
 
 @pytest.mark.parametrize("mode", ["fused", "naive"])
 def test_linear_network_without_relu(mode):
-    check_gradients([4, 6, 3], mode, "bgradb", softmax_cross_entropy, relu=False)
+    check_gradients([4, 6, 3], mode, "bgradb", softmax_cross_entropy, activation="none")
 
 
 @pytest.mark.parametrize("bgrad", ["bgradb", "drelu_bgrad"])
@@ -225,3 +225,29 @@ def test_whole_network_gradients_against_float64_cpu(mode, head, bgrad):
     ref.backward(d)
     for pg, pr in zip(net.params, ref.params, strict=True):
         close(pg.grad, pr.grad, "float32", pg.name)
+
+
+@pytest.mark.parametrize("mode", ["fused", "naive"])
+@pytest.mark.parametrize("bgrad", ["bgradb", "drelu_bgrad", ["drelu_bgrad", "bgradb", "drelu_bgrad"]])
+@pytest.mark.parametrize("loss_fn", [softmax_cross_entropy, mse])
+def test_gelu_network_gradients_against_finite_differences(mode, bgrad, loss_fn):
+    """GELU hidden layers: GELU_AUX_BIAS forward, DGELU / DGELU_BGRAD backward (fused), or separate ops (naive)."""
+    check_gradients([9, 17, 8, 12, 4], mode, bgrad, loss_fn, activation="gelu", batch=6)
+
+
+@pytest.mark.parametrize("bgrad", ["bgradb", "drelu_bgrad"])
+@pytest.mark.parametrize("widths", [[10, 32, 32, 5], [7, 13, 1]])  # [.., 1]: the K=1 input-gradient path
+def test_gelu_fused_and_naive_agree_in_fp64(bgrad, widths):
+    rng = np.random.default_rng(4)
+    x, y = rng.standard_normal((16, widths[0])), rng.standard_normal((16, widths[-1]))
+    grads, outs = {}, {}
+    for mode in ("fused", "naive"):
+        net = MLP(widths, execution=make_execution(mode), xp=np, rng=np.random.default_rng(1),
+                  param_dtype=np.float64, compute_dtype=np.float64, activation="gelu", bgrad=bgrad)  # fmt: skip
+        outs[mode] = net.forward(x)
+        _, d = mse(outs[mode], y)[:2]
+        net.backward(d)
+        grads[mode] = [p.grad.copy() for p in net.params]
+    np.testing.assert_allclose(outs["fused"], outs["naive"], rtol=1e-10, atol=1e-10)
+    for gf, gn in zip(grads["fused"], grads["naive"], strict=True):
+        np.testing.assert_allclose(gf, gn, rtol=1e-10, atol=1e-10)
