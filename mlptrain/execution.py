@@ -61,19 +61,12 @@ class Gemm(Protocol):
     """A GEMM engine: ``(D, aux) = A @ B`` with an optional cuBLASLt epilog.
 
     ``key`` names the call site (layer and role); engines that plan (nvmath) keep one plan per
-    key and operand signature and reuse it every step.
+    key and operand signature and reuse it every step. ``epilog_inputs`` go by nvmath's names
+    (``bias``, ``relu_aux``, ``gelu_aux``); None values are left out.
     """
 
     def __call__(
-        self,
-        key: str,
-        a: Any,
-        b: Any,
-        epilog: Epilog | None = None,
-        *,
-        bias: Any = None,
-        relu_aux: Any = None,
-        gelu_aux: Any = None,
+        self, key: str, a: Any, b: Any, epilog: Epilog | None = None, **epilog_inputs: Any
     ) -> tuple[Any, dict[str, Any]]: ...
 
 
@@ -81,17 +74,9 @@ class NumpyGemm:
     """The CPU engine: :func:`mlptrain.epilogs.matmul`, the contract the GPU is tested against."""
 
     def __call__(
-        self,
-        key: str,
-        a: Any,
-        b: Any,
-        epilog: Epilog | None = None,
-        *,
-        bias: Any = None,
-        relu_aux: Any = None,
-        gelu_aux: Any = None,
+        self, key: str, a: Any, b: Any, epilog: Epilog | None = None, **epilog_inputs: Any
     ) -> tuple[Any, dict[str, Any]]:
-        inputs = {n: v for n, v in (("bias", bias), ("relu_aux", relu_aux), ("gelu_aux", gelu_aux)) if v is not None}
+        inputs = {name: v for name, v in epilog_inputs.items() if v is not None}
         out = matmul(a, b, epilog=epilog, epilog_inputs=inputs)
         return out if isinstance(out, tuple) else (out, {})
 

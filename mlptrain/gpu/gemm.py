@@ -80,17 +80,9 @@ class NvmathGemm:
         return options
 
     def __call__(
-        self,
-        key: str,
-        a: Any,
-        b: Any,
-        epilog: Epilog | None = None,
-        *,
-        bias: Any = None,
-        relu_aux: Any = None,
-        gelu_aux: Any = None,
+        self, key: str, a: Any, b: Any, epilog: Epilog | None = None, **epilog_inputs: Any
     ) -> tuple[Any, dict[str, Any]]:
-        inputs = {n: v for n, v in (("bias", bias), ("relu_aux", relu_aux), ("gelu_aux", gelu_aux)) if v is not None}
+        inputs = {name: v for name, v in epilog_inputs.items() if v is not None}
         sig = (key, *signature(a, b, epilog))
         mm = self._plans.get(sig)
         if mm is None:
