@@ -133,8 +133,11 @@ def head(cfg: TrainConfig, backend: Backend, sizes: list[int]) -> OutputHead:
     )
 
 
-def loaders(cfg: DataConfig, dataset: Dataset, xp: Any, dtype: Any, seed: int) -> tuple[DataLoader, dict]:
-    """The shuffled training loader (order from ``seed``) and an ordered loader per evaluation split.
+def loaders(
+    cfg: DataConfig, dataset: Dataset, xp: Any, dtype: Any, seed: int, shard: tuple[int, int] | None = None
+) -> tuple[DataLoader, dict]:
+    """The shuffled training loader (order from ``seed``; ``shard``: this rank's rows of each batch)
+    and an ordered loader per evaluation split.
 
     The loaders copy every split to the device once; on the GPU the copies must fit its free memory.
     """
@@ -150,6 +153,7 @@ def loaders(cfg: DataConfig, dataset: Dataset, xp: Any, dtype: Any, seed: int) -
         shuffle=True,
         drop_last=cfg.drop_last,
         seed=seed,
+        shard=shard,
     )
     evaluation = {
         split: DataLoader(x, y, cfg.eval_batch_size, xp=xp, dtype=dtype, shuffle=False, drop_last=False, seed=0)

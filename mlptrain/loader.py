@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from mlptrain.distributed.dp import shard_rows
 from mlptrain.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -33,6 +34,8 @@ class DataLoader:
         shuffle: Draw a new order each epoch; otherwise batches follow ``arange(N)``.
         drop_last: Skip the final short batch.
         seed: Non-negative seed of the epoch permutations.
+        shard: ``(rank, world)``: yield only this rank's rows of every global batch
+            (:func:`mlptrain.distributed.dp.shard_rows`); every rank draws the same global order.
 
     Attributes:
         x: ``(N, F)`` device array of ``dtype``, C-contiguous.
@@ -54,6 +57,7 @@ class DataLoader:
         shuffle: bool,
         drop_last: bool,
         seed: int,
+        shard: tuple[int, int] | None = None,
     ) -> None:
         if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
             raise ConfigError(f"DataLoader batch_size={batch_size!r} must be a positive integer")
@@ -74,6 +78,18 @@ class DataLoader:
                 f"DataLoader batch_size={batch_size} with drop_last=true gives no batch for {n} samples; "
                 f"lower the batch size to at most {n} or set drop_last=false"
             )
+        if shard is not None:
+            rank, world = shard
+            if not 0 <= rank < world or batch_size < world:
+                raise ConfigError(f"DataLoader shard {shard} of batch_size={batch_size}: expected 0 <= rank < world <= "
+                                  "batch_size (every rank takes at least one row of a batch)")  # fmt: skip
+            short = n % batch_size
+            if not drop_last and 0 < short < world:
+                raise ConfigError(
+                    f"the last batch of {n} samples in batches of {batch_size} has {short} rows, fewer than the "
+                    f"{world} ranks; set drop_last=true or choose another batch size"
+                )
+        self.shard = shard
         self.xp = xp
         self.batch_size = int(batch_size)
         self.shuffle = bool(shuffle)
@@ -128,6 +144,8 @@ class DataLoader:
         b, xp = self.batch_size, self.xp
         for i in range(start_batch, len(self)):
             idx = perm[i * b : (i + 1) * b]  # (B,) device indices
+            if self.shard is not None:  # this rank's rows of the global batch
+                idx = idx[shard_rows(len(idx), *self.shard)]
             bufs = out(len(idx)) if out is not None else None
             if bufs is None:
                 yield xp.take(self.x, idx, axis=0), xp.take(self.y, idx, axis=0)  # (B, F), (B,) or (B, T)

@@ -54,9 +54,14 @@ class Trainer:
         cfg: the configuration.
         dataset: the data to train on (default: the one ``cfg.data`` names).
         backend: where to run (default: ``cfg.device``).
+        comm: data parallelism (:mod:`mlptrain.distributed`): this trainer is one rank of
+            ``comm.world``; it takes its shard of every training batch and its gradients become the
+            global batch's before each update. No command-line option sets it yet (issue #18).
     """
 
-    def __init__(self, cfg: TrainConfig, dataset: Dataset | None = None, backend: Backend | None = None) -> None:
+    def __init__(
+        self, cfg: TrainConfig, dataset: Dataset | None = None, backend: Backend | None = None, *, comm: Any = None
+    ) -> None:
         self.cfg = cfg
         self.backend = backend or get_backend(cfg.device.value)
         xp = self.xp = self.backend.xp
@@ -73,9 +78,15 @@ class Trainer:
         )  # fmt: skip
         self.head = build.head(cfg, self.backend, self.widths)
         cdt = self.precision.compute_dtype
+        shard = (comm.rank, comm.world) if comm is not None else None
         self.train_loader, self.eval_loaders = build.loaders(
-            cfg.data, self.dataset, xp, cdt, int(data_seed.generate_state(1)[0])
+            cfg.data, self.dataset, xp, cdt, int(data_seed.generate_state(1)[0]), shard
         )
+        self.grad_sync: Any = None
+        if comm is not None:
+            from mlptrain.distributed.dp import GradientSync
+
+            self.grad_sync = GradientSync(comm)
         self.optimizer = build.optimizer(cfg.optimizer, self.model.params)
         self.scaler = build.scaler(cfg.precision, xp, self.precision)
         self.steps_per_epoch = len(self.train_loader)
@@ -137,6 +148,8 @@ class Trainer:
     def _launch(self, x: Any, y: Any) -> tuple[Any, Any]:
         """The step's device work, launched op by op (what a CUDA graph records once)."""
         loss, correct = self.forward_backward(x, y)
+        if self.grad_sync is not None:  # data parallel: this rank's gradients -> the global batch's
+            self.grad_sync(self.model.params, len(y))
         skip = self.scaler.check([p.grad for p in self.model.params])  # fp16: any inf/NaN gradient
         lr, inv_scale = self.schedule.lr, self.scaler.inv_scale  # this step's
         if self.backend.is_gpu:  # one kernel: the update, then (its last block) the bookkeeping
