@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -91,9 +92,91 @@ def test_two_ranks_take_the_steps_of_one_with_the_global_batch(optimizer):
 
 
 def test_a_rank_that_never_arrives_makes_the_others_fail_not_hang():
-    import threading as th
-
     group = LocalGroup(2, timeout=0.5)
     comm = group.communicator(0)
-    with pytest.raises(th.BrokenBarrierError):
+    with pytest.raises(threading.BrokenBarrierError):
         comm.all_reduce([np.ones(3)])
+
+
+# --- launch: the environment launchers set, and the NCCL id's rendezvous -----------------------
+
+
+def test_torchrun_and_mpirun_environments_are_read():
+    from mlptrain.distributed.launch import DistEnv
+
+    assert DistEnv.from_environ({}) is None  # no launcher: a single process
+    tr = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "node0", "MASTER_PORT": "29500"}
+    assert DistEnv.from_environ(tr) == DistEnv(1, 4, 1, "node0", 29500, "torchrun")
+    mpi = {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+           "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "12345"}  # fmt: skip
+    assert DistEnv.from_environ(mpi) == DistEnv(3, 8, 1, "10.0.0.1", 12345, "mpirun")
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"RANK": "0", "WORLD_SIZE": "2"}, "LOCAL_RANK is not set"),
+        ({"RANK": "x", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, r"RANK='x'; expected an integer"),
+        ({"RANK": "2", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, "expected 0 <= rank < world size"),
+        ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, "without MASTER_ADDR"),
+        (
+            {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "h", "MASTER_PORT": "70000"},
+            "expected a TCP port",
+        ),
+    ],
+)
+def test_bad_launcher_environments_are_named(env, message):
+    from mlptrain.distributed.launch import DistEnv
+
+    with pytest.raises(ConfigError, match=message):
+        DistEnv.from_environ(env)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ranks(world: int, arrive: int, timeout: float) -> list:
+    from mlptrain.distributed.launch import DistEnv, rendezvous
+
+    port = _free_port()
+    results: list = [None] * arrive
+
+    def run(r: int) -> None:
+        env = DistEnv(r, world, r, "127.0.0.1", port, "torchrun")
+        try:
+            results[r] = rendezvous(env, b"nccl-id-\x00\xff" * 16 if r == 0 else None, timeout=timeout)
+        except Exception as exc:
+            results[r] = exc
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in reversed(range(arrive))]  # rank 0 starts last
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    return results
+
+
+def test_rank_0s_id_reaches_every_rank():
+    results = _ranks(world=4, arrive=4, timeout=10)
+    assert results == [b"nccl-id-\x00\xff" * 16] * 4
+
+
+def test_a_rank_that_never_connects_fails_rank_0_within_the_timeout():
+    results = _ranks(world=3, arrive=2, timeout=1.0)
+    assert isinstance(results[0], TimeoutError) and "1 of 2 ranks never connected" in str(results[0])
+    assert results[1] == b"nccl-id-\x00\xff" * 16
+
+
+def test_a_rank_without_rank_0_fails_within_the_timeout():
+    from mlptrain.distributed.launch import DistEnv, rendezvous
+
+    env = DistEnv(1, 2, 1, "127.0.0.1", _free_port(), "torchrun")
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="could not reach rank 0 at 127.0.0.1"):
+        rendezvous(env, None, timeout=0.5)
+    assert time.monotonic() - t0 < 5
