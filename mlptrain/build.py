@@ -28,6 +28,7 @@ import numpy as np
 from mlptrain.backend import Backend
 from mlptrain.config import DataConfig, ExecutionConfig, ModelConfig, OptimizerConfig, PrecisionConfig, TrainConfig
 from mlptrain.data import Dataset
+from mlptrain.distributed.dp import shard_rows
 from mlptrain.errors import ConfigError, ResourceError
 from mlptrain.execution import GELU_GPU, FusedExecution, NaiveExecution, NumpyGemm
 from mlptrain.head import OutputHead
@@ -155,11 +156,15 @@ def loaders(
         seed=seed,
         shard=shard,
     )
-    evaluation = {
-        split: DataLoader(x, y, cfg.eval_batch_size, xp=xp, dtype=dtype, shuffle=False, drop_last=False, seed=0)
-        for split, x, y in (("val", dataset.x_val, dataset.y_val), ("test", dataset.x_test, dataset.y_test))
-        if len(x) > 0
-    }
+    evaluation = {}
+    for split, x, y in (("val", dataset.x_val, dataset.y_val), ("test", dataset.x_test, dataset.y_test)):
+        if len(x) == 0:
+            continue
+        if shard is not None:  # data parallel: this rank's contiguous rows of the split (maybe none)
+            rows = shard_rows(len(x), *shard)
+            x, y = x[rows], y[rows]
+        evaluation[split] = DataLoader(x, y, cfg.eval_batch_size, xp=xp, dtype=dtype, shuffle=False, drop_last=False,
+                                       seed=0)  # fmt: skip
     return train, evaluation
 
 

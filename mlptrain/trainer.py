@@ -181,6 +181,7 @@ class Trainer:
 
         Each batch's 0-d loss and count stay on the device until the last batch is queued; the sums
         are then taken on the host (float64, in batch order), so evaluating compiles no kernel of its own.
+        Data parallel: each rank evaluates its rows of the split and the sums are all-reduced.
         """
         loader = self.eval_loaders[split]
         per_batch = []
@@ -189,11 +190,16 @@ class Trainer:
         if self.backend.is_gpu:
             self.gemm.release_operands()  # the plans forget the last batch: its memory can go
         to_host = self.backend.to_host
-        loss_sum = sum(np.float64(np.float32(to_host(loss)) * np.float32(b)) for loss, _, b in per_batch)
-        n = loader.num_samples
-        out = {f"{split}/loss": float(loss_sum) / n}
-        if self.dataset.task == "classification":
-            out[f"{split}/acc"] = int(sum(int(to_host(c)) for _, c, _ in per_batch)) / n
+        # loss x rows in the loss's own dtype (as the device did), summed in float64
+        loss_sum = sum(np.float64(h * h.dtype.type(b)) for h, b in ((to_host(loss), b) for loss, _, b in per_batch))
+        classification = self.dataset.task == "classification"
+        correct = sum(int(to_host(c)) for _, c, _ in per_batch) if classification else 0
+        sums = np.array([loss_sum, correct, loader.num_samples], dtype=np.float64)
+        if self.grad_sync is not None:
+            self.grad_sync.comm.all_reduce([sums])  # every rank's rows: the whole split
+        out = {f"{split}/loss": float(sums[0]) / sums[2]}
+        if classification:
+            out[f"{split}/acc"] = int(sums[1]) / int(sums[2])
         return out
 
     # --- measured choices -------------------------------------------------------------------

@@ -180,3 +180,26 @@ def test_a_rank_without_rank_0_fails_within_the_timeout():
     with pytest.raises(TimeoutError, match="could not reach rank 0 at 127.0.0.1"):
         rendezvous(env, None, timeout=0.5)
     assert time.monotonic() - t0 < 5
+
+
+def test_evaluation_is_split_across_ranks_and_reduced():
+    """Each rank scores its rows of val and test; the all-reduced sums are the whole split's."""
+    cfg = make_cfg(data__batch_size=64, precision__name=PrecisionName.fp64, data__eval_batch_size=50)
+    one = Trainer(cfg).evaluate("test")
+    group = LocalGroup(3)
+    results: list = [None] * 3
+
+    def rank(r: int) -> None:
+        tr = Trainer(cfg, comm=group.communicator(r))
+        assert tr.eval_loaders["test"].num_samples < len(tr.dataset.y_test)  # a third of the rows each
+        results[r] = tr.evaluate("test")
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    for res in results:
+        assert res["test/acc"] == one["test/acc"]
+        np.testing.assert_allclose(res["test/loss"], one["test/loss"], rtol=1e-12)
+    assert results[0] == results[1] == results[2]  # the same bytes on every rank
