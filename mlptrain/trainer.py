@@ -190,8 +190,10 @@ class Trainer:
         if self.backend.is_gpu:
             self.gemm.release_operands()  # the plans forget the last batch: its memory can go
         to_host = self.backend.to_host
-        # loss x rows in the loss's own dtype (as the device did), summed in float64
-        loss_sum = sum(np.float64(h * h.dtype.type(b)) for h, b in ((to_host(loss), b) for loss, _, b in per_batch))
+        loss_sum = 0.0
+        for loss, _, rows in per_batch:
+            h = to_host(loss)  # 0-d, the loss's dtype
+            loss_sum += np.float64(h * h.dtype.type(rows))  # loss x rows in that dtype, as the device did
         classification = self.dataset.task == "classification"
         correct = sum(int(to_host(c)) for _, c, _ in per_batch) if classification else 0
         sums = np.array([loss_sum, correct, loader.num_samples], dtype=np.float64)
