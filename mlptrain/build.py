@@ -30,7 +30,7 @@ from mlptrain.config import DataConfig, ExecutionConfig, ModelConfig, OptimizerC
 from mlptrain.data import Dataset
 from mlptrain.distributed.dp import shard_rows
 from mlptrain.errors import ConfigError, ResourceError
-from mlptrain.execution import GELU_GPU, FusedExecution, NaiveExecution, NumpyGemm
+from mlptrain.execution import FusedExecution, NaiveExecution, NumpyGemm
 from mlptrain.head import OutputHead
 from mlptrain.loader import DataLoader
 from mlptrain.network import MLP
@@ -104,8 +104,6 @@ def model(
     rng: np.random.Generator,
 ) -> MLP:
     """The MLP of ``sizes``, initialised from ``rng``; on the GPU its weight gradients on a second stream."""
-    if cfg.activation.value == "gelu" and backend.is_gpu:
-        raise ConfigError(GELU_GPU.format(what=f"this run is on {backend.device}"))
     net = MLP(
         sizes,
         execution=ex,

@@ -113,7 +113,7 @@ class ModelConfig:
     hidden: list[int] = _f(None, "widths of the hidden layers", factory=lambda: [128, 128])
     in_features: Optional[int] = _f(None, "input width; null: the dataset's (if given, it must match)")
     out_features: Optional[int] = _f(None, "output width; null: the dataset's classes or targets")
-    activation: Activation = _f(Activation.relu, "hidden layers: relu, gelu (tanh form; on the CPU for now) or none")
+    activation: Activation = _f(Activation.relu, "hidden layers: relu, gelu (the tanh form) or none")
     init: Init = _f(Init.he, "initialisation of the hidden layers' weights")
     loss: LossName = _f(LossName.cross_entropy, "cross_entropy (classification) or mse (regression, or one-hot)")
 

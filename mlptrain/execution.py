@@ -45,11 +45,6 @@ from mlptrain.epilogs import Epilog, gelu, gelu_grad, matmul, reduce_sum, unpack
 log = logging.getLogger(__name__)
 
 ACTIVATIONS = ("relu", "gelu", "none")
-# GELU is in the epilog contract and both CPU paths; the GPU path is not measured yet (issue #17).
-GELU_GPU = (
-    "model.activation=gelu runs on the CPU in this version ({what}): the fused GPU path (GELU_AUX_BIAS "
-    "and DGELU_BGRAD through nvmath) is not measured yet; add device=cpu, or use model.activation=relu on the GPU"
-)
 # The epilogs of each activation: forward for training (with the aux the backward needs), forward
 # for inference (no aux), and the input-gradient GEMM of the layer above (without, with the bias gradient).
 _FORWARD = {"relu": (Epilog.RELU_AUX_BIAS, Epilog.RELU_BIAS), "gelu": (Epilog.GELU_AUX_BIAS, Epilog.GELU_BIAS)}
@@ -157,8 +152,8 @@ class NaiveExecution:
         z += b  # bias per feature, broadcast over the batch
         if activation == "none":
             return z, None
-        if activation == "gelu":  # keep Z for the backward (gelu'(Z)); GELU evaluated in float64, as the contract
-            return gelu(z.astype("float64")).astype(z.dtype), (z if mask else None)
+        if activation == "gelu":  # keep Z for the backward (gelu'(Z)), GELU evaluated in a wide dtype
+            return gelu(z.astype(self._wide(z))).astype(z.dtype), (z if mask else None)
         keep = z >= 0 if mask else None  # (B, out) bool, kept for the backward
         self.xp.maximum(z, 0, out=z)
         return z, keep
@@ -170,7 +165,8 @@ class NaiveExecution:
         if mask_below is None:
             return dx, None
         if activation_below == "gelu":  # dGELU of the layer below, at its pre-activation
-            dx = (dx.astype("float64") * gelu_grad(mask_below.astype("float64"))).astype(dx.dtype)
+            wide = self._wide(dx)
+            dx = (dx.astype(wide) * gelu_grad(mask_below.astype(wide))).astype(dx.dtype)
         else:
             dx *= mask_below  # dReLU of the layer below
         return dx, (self._sum(dx) if bias_grad_below else None)  # (in,) bias gradient of the layer below
@@ -178,6 +174,12 @@ class NaiveExecution:
     def weight_grad(self, key: str, x: Any, dz: Any, bias_grad: bool) -> tuple[Any, Any]:
         dwt, _ = self.gemm(f"{key}.wgrad", x.T, dz)  # (in, B) @ (B, out) -> (in, out) == dW (out, in)^T
         return dwt.T, (self._sum(dz) if bias_grad else None)  # (out,)
+
+    def _wide(self, x: Any) -> str:
+        """The dtype GELU is evaluated in: float64 on the CPU (the epilog contract's, so that naive and
+        fused agree there), float32 on the GPU for every narrower dtype (as PyTorch's half kernels do:
+        float64 temporaries would make the naive baseline slower than a careful engineer's)."""
+        return "float64" if self.xp.__name__ == "numpy" or x.dtype.itemsize == 8 else "float32"
 
     def _sum(self, x: Any) -> Any:
         """Column sums of ``x (B, n)``: on the CPU in the epilog contract's accumulator (so that naive and

@@ -32,7 +32,7 @@ import numpy as np
 from mlptrain import checkpoint
 from mlptrain.backend import Backend, get_backend
 from mlptrain.errors import CheckpointError, ConfigError, DatasetError
-from mlptrain.execution import GELU_GPU, FusedExecution, NumpyGemm
+from mlptrain.execution import FusedExecution, NumpyGemm
 from mlptrain.network import MLP
 from mlptrain.precision import Precision, get_precision
 
@@ -329,8 +329,6 @@ def _model(ckpt: checkpoint.Checkpoint, backend: Backend, prec: Precision, autot
     activation = config.get("model", {}).get("activation", "relu")
     if activation not in ("relu", "gelu", "none"):
         raise CheckpointError(f"checkpoint {ckpt.path}: model.activation={activation!r} is not relu, gelu or none")
-    if activation == "gelu" and backend.is_gpu:
-        raise ConfigError(GELU_GPU.format(what=f"scoring {ckpt.path}"))
     model = MLP(ckpt.meta["widths"], execution=FusedExecution(gemm), xp=backend.xp, rng=np.random.default_rng(0),
                 param_dtype=prec.param_dtype, compute_dtype=prec.compute_dtype, activation=activation)  # fmt: skip
     params = {k[len("param/") :]: v for k, v in ckpt.arrays.items() if k.startswith("param/")}

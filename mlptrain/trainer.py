@@ -228,6 +228,7 @@ class Trainer:
         cdt, B, xp = self.precision.compute_dtype, self.cfg.data.batch_size, self.xp
         key = (
             f"step {'-'.join(map(str, self.widths))} batch {B} {np.dtype(cdt).name}"
+            f"{'' if self.cfg.model.activation.value == 'relu' else ' ' + self.cfg.model.activation.value}"
             f"{' tf32' if self.precision.tf32 else ''}{' 2 streams' if ex.wgrad_stream else ''}"
             f"{' head kernel' if self.head.mode == 'kernel' else ''}"
             f"{f' workspace {ex.workspace_mib} MiB' if ex.workspace_mib is not None else ''}"

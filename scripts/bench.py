@@ -70,8 +70,8 @@ def rel_err(a, b):
     return float(cp.abs(a - b).max() / max(float(cp.abs(b).max()), 1e-30))
 
 
-def bench_layer(m, k, n, dtype, reps):
-    """Forward and backward of one ReLU layer: out=m, in=k, batch=n."""
+def bench_layer(m, k, n, dtype, reps, activation="relu"):
+    """Forward and backward of one ReLU (or GELU) layer: out=m, in=k, batch=n."""
     import cupy as cp
 
     from mlptrain.execution import FusedExecution, NaiveExecution
@@ -85,6 +85,8 @@ def bench_layer(m, k, n, dtype, reps):
     x = rng.standard_normal((n, k), dtype=cp.float32).astype(dtype)  # (B, in)
     dz = rng.standard_normal((n, m), dtype=cp.float32).astype(dtype)  # (B, out)
     mask_bool = rng.random((n, k)) > 0.5  # ReLU mask of the layer below, naive layout (B, in)
+    z_below = rng.standard_normal((n, k), dtype=cp.float32).astype(dtype)  # GELU: its pre-activation (B, in)
+    below = z_below if activation == "gelu" else mask_bool  # what the naive backward keeps
     gemm = NvmathGemm()
     fused, naive = FusedExecution(gemm), NaiveExecution(gemm, cp)
     flop = 2.0 * m * k * n
@@ -92,10 +94,10 @@ def bench_layer(m, k, n, dtype, reps):
 
     # forward
     r["gemm_fwd"] = median(cuda_time_ms(lambda: gemm("gemm.fwd", W, x.T), reps=reps))
-    r["fused_fwd"] = median(cuda_time_ms(lambda: fused.forward("f", W, b, x, True), reps=reps))
-    r["naive_fwd"] = median(cuda_time_ms(lambda: naive.forward("n", W, b, x, True), reps=reps))
-    yf, aux = fused.forward("f", W, b, x, True)
-    yn, mask_n = naive.forward("n", W, b, x, True)
+    r["fused_fwd"] = median(cuda_time_ms(lambda: fused.forward("f", W, b, x, activation), reps=reps))
+    r["naive_fwd"] = median(cuda_time_ms(lambda: naive.forward("n", W, b, x, activation), reps=reps))
+    yf, aux = fused.forward("f", W, b, x, activation)
+    yn, mask_n = naive.forward("n", W, b, x, activation)
     r["fwd_err"] = rel_err(yf, yn)
     del yf, yn, aux, mask_n
 
@@ -106,22 +108,26 @@ def bench_layer(m, k, n, dtype, reps):
 
     def naive_bwd():
         naive.weight_grad("n", x, dz, bias_grad=True)
-        naive.input_grad("n", W, dz, mask_bool, bias_grad_below=False)
+        naive.input_grad("n", W, dz, below, bias_grad_below=False, activation_below=activation)
 
     r["gemm_bwd"] = median(cuda_time_ms(gemms_bwd, reps=reps))
     r["naive_bwd"] = median(cuda_time_ms(naive_bwd, reps=reps))
-    t = time_layer_backward(fused, k, m, n, dtype, reps=reps)
+    t = time_layer_backward(fused, k, m, n, dtype, reps=reps, activation=activation)
     r["fused_bwd_drelu_bgrad"], r["fused_bwd_bgradb"] = t["drelu_bgrad"], t["bgradb"]
     r["fused_bwd"] = min(t.values())
     r["fused_bwd_strategy"] = min(t, key=t.get)
     # correctness of the backward: fused (bgradb) against naive, same mask
     from mlptrain.epilogs import pack_relu_mask
 
-    relu_aux = pack_relu_mask(mask_bool.T)  # (Mb(in), B)
+    if activation == "gelu":  # gelu_aux: Z of the layer below, (round_up(in, 8), B) column-major
+        aux_below = cp.zeros((k + (-k) % 8, n), dtype=z_below.dtype, order="F")
+        aux_below[:k] = z_below.T
+    else:
+        aux_below = pack_relu_mask(mask_bool.T)  # relu_aux, (Mb(in), B)
     dWf, dbf = fused.weight_grad("chk", x, dz, bias_grad=True)
-    dxf, _ = fused.input_grad("chk", W, dz, relu_aux, bias_grad_below=False)
+    dxf, _ = fused.input_grad("chk", W, dz, aux_below, bias_grad_below=False, activation_below=activation)
     dWn, dbn = naive.weight_grad("chkn", x, dz, bias_grad=True)
-    dxn, _ = naive.input_grad("chkn", W, dz, mask_bool, bias_grad_below=False)
+    dxn, _ = naive.input_grad("chkn", W, dz, below, bias_grad_below=False, activation_below=activation)
     r["bwd_err"] = max(rel_err(dWf, dWn), rel_err(dbf, dbn), rel_err(dxf, dxn))
     r["tflops_gemm_fwd"] = flop / r["gemm_fwd"] / 1e9
     r["tflops_fused_fwd"] = flop / r["fused_fwd"] / 1e9
@@ -142,6 +148,7 @@ def step_trainer(
     wgrad_stream=True,
     head_kernel=True,
     workspace_mib="default",
+    activation="relu",
 ):
     """A GPU Trainer for ``widths`` on random data (one batch per epoch), as the step benchmarks use it."""
     from mlptrain.config import TrainConfig
@@ -162,6 +169,7 @@ def step_trainer(
     cfg.execution.wgrad_stream = wgrad_stream
     cfg.execution.head_kernel = head_kernel
     cfg.model.hidden = widths[1:-1]
+    cfg.model.activation = type(cfg.model.activation)(activation)
     cfg.data.batch_size = batch
     cfg.optimizer.name = type(cfg.optimizer.name)(optimizer)
     cfg.optimizer.schedule = type(cfg.optimizer.schedule)("constant")
@@ -173,7 +181,9 @@ def step_trainer(
     return Trainer(cfg, dataset=ds)
 
 
-def bench_step_mlptrain(widths, batch, precision, mode, reps, graph=False, autotune=False, wgrad_stream=True):
+def bench_step_mlptrain(
+    widths, batch, precision, mode, reps, graph=False, autotune=False, wgrad_stream=True, activation="relu"
+):
     import gc
 
     import cupy as cp
@@ -183,7 +193,9 @@ def bench_step_mlptrain(widths, batch, precision, mode, reps, graph=False, autot
     gc.collect()
     pool = cp.get_default_memory_pool()
     pool.free_all_blocks()
-    tr = step_trainer(widths, batch, precision, mode, graph=graph, autotune=autotune, wgrad_stream=wgrad_stream)
+    tr = step_trainer(
+        widths, batch, precision, mode, graph=graph, autotune=autotune, wgrad_stream=wgrad_stream, activation=activation
+    )
     losses = []
     with tr.stream:  # the stream a training run uses (graph capture needs a non-default one)
         # as the training loop does: gathered straight into the graph's input buffers (no copy in the step)
@@ -237,7 +249,9 @@ def own_gemm_time(tr, xb, yb, reps):
     return result
 
 
-def bench_step_torch(widths, batch, precision, reps):
+def bench_step_torch(widths, batch, precision, reps, activation="relu", compile=False):
+    """PyTorch's step: autocast with fp32 master weights, SGD momentum, GradScaler for fp16; eager,
+    or ``torch.compile`` d (default mode) with ``compile``. GELU as ``nn.GELU(approximate="tanh")``."""
     try:
         import torch
     except ImportError:
@@ -251,7 +265,7 @@ def bench_step_torch(widths, batch, precision, reps):
     for i in range(len(widths) - 1):
         layers.append(torch.nn.Linear(widths[i], widths[i + 1]))
         if i < len(widths) - 2:
-            layers.append(torch.nn.ReLU())
+            layers.append(torch.nn.GELU(approximate="tanh") if activation == "gelu" else torch.nn.ReLU())
     model = torch.nn.Sequential(*layers).cuda()  # fp32 master weights
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     dtype = torch.float16 if precision == "fp16" else torch.bfloat16
@@ -260,10 +274,12 @@ def bench_step_torch(widths, batch, precision, reps):
     y = torch.randint(0, widths[-1], (batch,), device="cuda")
     loss_fn = torch.nn.CrossEntropyLoss()
 
+    forward = torch.compile(model) if compile else model
+
     def step():
         opt.zero_grad(set_to_none=True)
         with torch.autocast("cuda", dtype=dtype):
-            loss = loss_fn(model(x), y)
+            loss = loss_fn(forward(x), y)
         scaler.scale(loss).backward()
         scaler.step(opt)
         scaler.update()

@@ -214,18 +214,3 @@ def test_an_attribute_set_from_python_is_checked_too() -> None:
     cfg.optimizer.lrr = 0.1  # type: ignore[attr-defined]
     with pytest.raises(ConfigError, match="optimizer.lrr is not a setting; did you mean optimizer.lr"):
         validate(cfg)
-
-
-def test_gelu_on_the_gpu_is_refused_with_the_way_out():
-    """The fused GELU path is not measured on the GPU yet: a clear error naming device=cpu, not a crash."""
-    import numpy as np
-
-    from mlptrain import build
-    from mlptrain.backend import Backend
-    from mlptrain.config import Activation, TrainConfig
-    from mlptrain.errors import ConfigError
-
-    cfg = TrainConfig()
-    cfg.model.activation = Activation.gelu
-    with pytest.raises(ConfigError, match=r"model.activation=gelu runs on the CPU.*device=cpu"):
-        build.model(cfg.model, cfg.execution, [4, 8, 2], None, Backend("gpu", np), None, np.random.default_rng(0))

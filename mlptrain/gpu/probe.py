@@ -100,19 +100,25 @@ def choose_bgrad(
     return choices
 
 
-def time_layer_backward(ex: Any, k: int, m: int, batch: int, dtype: Any, *, reps: int = 5) -> dict[str, float]:
-    """Median ms of one ReLU layer's fused backward (in=k, out=m) with each bgrad strategy.
+def time_layer_backward(
+    ex: Any, k: int, m: int, batch: int, dtype: Any, *, reps: int = 5, activation: str = "relu"
+) -> dict[str, float]:
+    """Median ms of one layer's fused backward (in=k, out=m) with each bgrad strategy, through the
+    ``activation`` (relu or gelu) of the layer below.
 
-    ``drelu_bgrad``: plain weight-gradient GEMM + DRELU_BGRAD input-gradient GEMM.
-    ``bgradb``: BGRADB weight-gradient GEMM + DRELU input-gradient GEMM. Both do one reduction.
+    ``drelu_bgrad``: plain weight-gradient GEMM + DRELU_BGRAD (DGELU_BGRAD) input-gradient GEMM.
+    ``bgradb``: BGRADB weight-gradient GEMM + DRELU (DGELU) input-gradient GEMM. Both do one reduction.
     (``scripts/bench.py`` section b; the training step chooses with :func:`choose_bgrad`.)
     """
     rng = cp.random.default_rng(0)
     W = rng.standard_normal((m, k), dtype=cp.float32).astype(dtype)  # (out, in)
     x = rng.standard_normal((batch, k), dtype=cp.float32).astype(dtype)  # (B, in)
     dz = rng.standard_normal((batch, m), dtype=cp.float32).astype(dtype)  # (B, out)
-    mask = pack_relu_mask(rng.random((k, batch)) > 0.5)  # relu_aux of the layer below, (Mb(in), B)
-    key = f"probe{k}x{m}x{batch}"
+    if activation == "gelu":  # gelu_aux of the layer below: its pre-activation, (round_up(in, 8), B) column-major
+        mask = cp.asfortranarray(rng.standard_normal((k + (-k) % 8, batch), dtype=cp.float32).astype(dtype))
+    else:  # relu_aux of the layer below, (Mb(in), B)
+        mask = pack_relu_mask(rng.random((k, batch)) > 0.5)
+    key = f"probe{k}x{m}x{batch}{activation}"
     out = {}
     stream = cp.cuda.Stream(non_blocking=True)
     for name, in_wgrad in (("drelu_bgrad", False), ("bgradb", True)):
@@ -120,7 +126,7 @@ def time_layer_backward(ex: Any, k: int, m: int, batch: int, dtype: Any, *, reps
         def backward(site: str = f"{key}.{name}", in_wgrad: bool = in_wgrad) -> tuple:
             return (
                 ex.weight_grad(site, x, dz, bias_grad=in_wgrad),
-                ex.input_grad(site, W, dz, mask, bias_grad_below=not in_wgrad),
+                ex.input_grad(site, W, dz, mask, bias_grad_below=not in_wgrad, activation_below=activation),
             )
 
         with stream:
