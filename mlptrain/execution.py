@@ -135,6 +135,26 @@ class FusedExecution:
         return dwt.T, aux.get("bgradb")
 
 
+# u = sqrt(2/pi) (z + 0.044715 z^3), t = tanh(u), du = du/dz; W: float, or double for float64 data
+_GELU_CUDA = """
+typedef typename mlptrain_wide<T>::type W;
+W v = (W)z;
+W u = (W)0.7978845608028654 * (v + (W)0.044715 * v * v * v);
+W t = tanh(u);
+W du = (W)0.7978845608028654 * ((W)1 + (W)(3 * 0.044715) * v * v);
+"""
+_WIDE_CUDA = """
+template <typename T> struct mlptrain_wide { typedef float type; };
+template <> struct mlptrain_wide<double> { typedef double type; };
+"""
+
+
+def _gpu_kernel(in_params: str, out_params: str, body: str, name: str) -> Any:
+    from mlptrain.gpu.kernels import elementwise  # the GPU path only: CuPy is imported there
+
+    return elementwise(in_params, out_params, body, name, preamble=_WIDE_CUDA)
+
+
 class NaiveExecution:
     """Plain GEMMs, then bias, ReLU, mask and reductions as separate array operations.
 
@@ -152,8 +172,8 @@ class NaiveExecution:
         z += b  # bias per feature, broadcast over the batch
         if activation == "none":
             return z, None
-        if activation == "gelu":  # keep Z for the backward (gelu'(Z)), GELU evaluated in a wide dtype
-            return gelu(z.astype(self._wide(z))).astype(z.dtype), (z if mask else None)
+        if activation == "gelu":  # keep Z for the backward (gelu'(Z))
+            return self._gelu(z), (z if mask else None)
         keep = z >= 0 if mask else None  # (B, out) bool, kept for the backward
         self.xp.maximum(z, 0, out=z)
         return z, keep
@@ -165,8 +185,7 @@ class NaiveExecution:
         if mask_below is None:
             return dx, None
         if activation_below == "gelu":  # dGELU of the layer below, at its pre-activation
-            wide = self._wide(dx)
-            dx = (dx.astype(wide) * gelu_grad(mask_below.astype(wide))).astype(dx.dtype)
+            dx = self._gelu_backward(dx, mask_below)
         else:
             dx *= mask_below  # dReLU of the layer below
         return dx, (self._sum(dx) if bias_grad_below else None)  # (in,) bias gradient of the layer below
@@ -175,11 +194,21 @@ class NaiveExecution:
         dwt, _ = self.gemm(f"{key}.wgrad", x.T, dz)  # (in, B) @ (B, out) -> (in, out) == dW (out, in)^T
         return dwt.T, (self._sum(dz) if bias_grad else None)  # (out,)
 
-    def _wide(self, x: Any) -> str:
-        """The dtype GELU is evaluated in: float64 on the CPU (the epilog contract's, so that naive and
-        fused agree there), float32 on the GPU for every narrower dtype (as PyTorch's half kernels do:
-        float64 temporaries would make the naive baseline slower than a careful engineer's)."""
-        return "float64" if self.xp.__name__ == "numpy" or x.dtype.itemsize == 8 else "float32"
+    # GELU and its derivative: on the CPU the contract's float64 formulas (so that naive and fused
+    # agree there); on the GPU one element-wise kernel each, in float32 for the narrower dtypes, as
+    # PyTorch's eager gelu and gelu_backward kernels (a chain of CuPy array operations would make
+    # six passes over memory and a slower baseline than a careful engineer's).
+    def _gelu(self, z: Any) -> Any:
+        if self.xp.__name__ == "numpy":
+            return gelu(z.astype("float64")).astype(z.dtype)
+        return _gpu_kernel("T z", "T y", _GELU_CUDA + "y = (T)((W)0.5 * v * ((W)1 + t));", "mlptrain_naive_gelu")(z)
+
+    def _gelu_backward(self, dx: Any, z: Any) -> Any:
+        if self.xp.__name__ == "numpy":
+            return (dx.astype("float64") * gelu_grad(z.astype("float64"))).astype(dx.dtype)
+        body = _GELU_CUDA + "g = (T)((W)g * ((W)0.5 * ((W)1 + t) + (W)0.5 * v * ((W)1 - t * t) * du));"
+        _gpu_kernel("T z", "T g", body, "mlptrain_naive_dgelu")(z, dx)  # in place: dX *= gelu'(Z)
+        return dx
 
     def _sum(self, x: Any) -> Any:
         """Column sums of ``x (B, n)``: on the CPU in the epilog contract's accumulator (so that naive and

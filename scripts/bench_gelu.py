@@ -43,7 +43,7 @@ def layers(reps: int) -> list[dict]:
     for m, k, n in bench.GRID:
         for dtype in (np.float16, ml_dtypes.bfloat16):
             for activation in ("gelu", "relu"):
-                r = bench.bench_layer(m, k, n, dtype, reps, activation=activation)
+                r = bench.bench_layer(m, k, n, dtype, reps, activation=activation, graphed=True)
                 r["activation"] = activation
                 rows.append(r)
                 print(
@@ -91,8 +91,8 @@ def markdown(rec: dict) -> str:
         f"`{rec['command']}`. {rec['device']}; CuPy {rec['cupy']}, nvmath-python {rec['nvmath']}, "
         f"PyTorch {rec['torch'] or '-'}, Python {rec['python']}.",
         "",
-        "## One layer, ms (medians; backward: weight gradient + own bias gradient + input gradient through "
-        "the activation of the layer below)",
+        "## One layer, ms (GPU time from CUDA graph replays, medians; backward: weight gradient + own bias "
+        "gradient + input gradient through the activation of the layer below)",
         "",
         "| shape (out, in, batch) | dtype | act | GEMM fwd | fused fwd | naive fwd | naive/fused fwd | GEMMs bwd "
         "| fused bwd (strategy) | naive bwd | naive/fused bwd | err fwd, bwd |",
