@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import os
 from collections.abc import Callable
 from dataclasses import fields, is_dataclass
 from typing import Any
@@ -26,6 +27,11 @@ def _data(*names: str) -> Callable[[TrainConfig], bool]:
 
 def _optimizer(*names: str) -> Callable[[TrainConfig], bool]:
     return lambda c: c.optimizer.name.value in names
+
+
+def _launched() -> bool:
+    """Started by torchrun or mpirun as one rank of a group (:mod:`mlptrain.distributed.launch`)."""
+    return any(k in os.environ for k in ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"))
 
 
 def _gpu(c: TrainConfig) -> bool:
@@ -61,6 +67,14 @@ USES: dict[str, tuple[Callable[[TrainConfig], bool], str]] = {
     "execution.wgrad_stream": (_gpu, "the GPU"),
     "execution.workspace_mib": (_gpu, "the GPU"),
     "graph": (_gpu, "the GPU"),
+    "distributed.verify": (
+        lambda c: c.distributed.gpus > 1 or _launched(),
+        "data parallel runs (distributed.gpus > 1, torchrun, mpirun)",
+    ),
+    "distributed.timeout_s": (
+        lambda c: c.distributed.gpus > 1 or _launched(),
+        "data parallel runs (distributed.gpus > 1, torchrun, mpirun)",
+    ),
     **{
         f"precision.{k}": (lambda c: c.precision.name.value == "fp16", "precision=fp16 (dynamic loss scaling)")
         for k in ("init_scale", "growth_factor", "backoff_factor", "growth_interval", "max_consecutive_skips")
@@ -68,9 +82,11 @@ USES: dict[str, tuple[Callable[[TrainConfig], bool], str]] = {
 }
 
 
-def validate(cfg: TrainConfig) -> TrainConfig:
-    """Check what the types cannot; raise one ConfigError listing every problem. Returns ``cfg``."""
-    problems = unknown_keys(cfg) + _ranges(cfg) + _unused(cfg)
+def validate(cfg: TrainConfig, *, data_parallel: bool = False) -> TrainConfig:
+    """Check what the types cannot; raise one ConfigError listing every problem. Returns ``cfg``.
+
+    ``data_parallel``: this process is one rank of a group (the ``distributed.*`` settings apply)."""
+    problems = unknown_keys(cfg) + _ranges(cfg) + _unused(cfg, data_parallel)
     if problems:
         raise ConfigError("invalid configuration: " + "; ".join(problems))
     return cfg
@@ -104,11 +120,13 @@ def unknown_keys(node: Any, prefix: str = "") -> list[str]:
     return problems
 
 
-def _unused(cfg: TrainConfig) -> list[str]:
+def _unused(cfg: TrainConfig, data_parallel: bool = False) -> list[str]:
     """Settings changed from their default that the chosen options do not use."""
     default, now = flatten(to_plain(TrainConfig())), flatten(to_plain(cfg))
     problems = []
     for key, (applies, where) in USES.items():
+        if data_parallel and key.startswith("distributed."):
+            continue
         if now.get(key) != default[key] and not applies(cfg):
             problems.append(f"{key}={_yaml(now[key])} is not used with {_chosen(cfg, key)}: it applies to {where}")
     return problems
@@ -192,6 +210,18 @@ def _ranges(cfg: TrainConfig) -> list[str]:
         (cfg.checkpoint_steps >= 0, f"checkpoint_steps={cfg.checkpoint_steps} must be >= 0 (0: off)"),
         (cfg.max_steps is None or cfg.max_steps >= 1, f"max_steps={cfg.max_steps} must be positive or null"),
         *_early_stopping(cfg),
+        (cfg.distributed.gpus >= 1, f"distributed.gpus={cfg.distributed.gpus} must be a positive number of GPUs"),
+        (
+            cfg.distributed.gpus == 1 or cfg.device.value != "cpu",
+            f"distributed.gpus={cfg.distributed.gpus} needs GPUs (device=gpu or auto); "
+            "data parallelism runs on NCCL, which the CPU does not have",
+        ),
+        (cfg.distributed.timeout_s > 0, f"distributed.timeout_s={cfg.distributed.timeout_s} must be positive"),
+        (
+            cfg.distributed.gpus == 1 or cfg.data.batch_size >= cfg.distributed.gpus,
+            f"data.batch_size={cfg.data.batch_size} is the global batch and must be at least distributed.gpus="
+            f"{cfg.distributed.gpus} (one row per GPU)",
+        ),
         (
             cfg.logger.value != "tensorboard" or _importable("tensorboardX"),
             "logger=tensorboard needs tensorboardX: pip install 'mlptrain[tensorboard]', or use logger=none",

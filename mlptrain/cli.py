@@ -40,7 +40,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from mlptrain.checks import suggest, validate
 from mlptrain.config import TrainConfig, register_configs
-from mlptrain.errors import Interrupted, MlptrainError
+from mlptrain.errors import ConfigError, Interrupted, MlptrainError
 from mlptrain.files import atomic_write
 
 log = logging.getLogger(__name__)
@@ -139,14 +139,18 @@ def _report(exc: MlptrainError) -> None:
             handler.handle(record)
 
 
-def _accepted(cfg: DictConfig, out_dir: Path) -> logging.Handler:
-    """The run is accepted: write Hydra's ``.hydra/`` files, and log into ``mlptrain.log`` from now on."""
+def _hydra_files(cfg: DictConfig) -> dict[str, str]:
+    """Hydra's ``.hydra/`` files of this job: relative path -> YAML text."""
     hc = HydraConfig.instance().cfg
     files = {"config.yaml": cfg, "hydra.yaml": hc, "overrides.yaml": HydraConfig.get().overrides.task}
-    folder = out_dir / ".hydra"
-    folder.mkdir(exist_ok=True)
-    for name, node in files.items():
-        atomic_write(folder / name, OmegaConf.to_yaml(node))
+    return {f".hydra/{name}": OmegaConf.to_yaml(node) for name, node in files.items()}
+
+
+def _accepted(cfg: DictConfig, out_dir: Path) -> logging.Handler:
+    """The run is accepted: write Hydra's ``.hydra/`` files, and log into ``mlptrain.log`` from now on."""
+    (out_dir / ".hydra").mkdir(exist_ok=True)
+    for name, text in _hydra_files(cfg).items():
+        atomic_write(out_dir / name, text)
     handler = logging.FileHandler(out_dir / LOG_FILE, encoding="utf-8")
     handler.setFormatter(logging.Formatter(LOG_FORMAT))
     logging.getLogger().addHandler(handler)
@@ -171,7 +175,6 @@ def _run(cfg: DictConfig) -> float:
     """
     from tqdm.contrib.logging import logging_redirect_tqdm
 
-    from mlptrain.run import train  # imported here: the training stack is not needed for --help or errors
     from mlptrain.rundir import RunDirectory
 
     out_dir = Path(HydraConfig.get().runtime.output_dir)
@@ -179,7 +182,7 @@ def _run(cfg: DictConfig) -> float:
     try:
         config = to_train_config(cfg)
         with logging_redirect_tqdm():
-            summary = train(config, out_dir, on_accept=lambda path: handlers.append(_accepted(cfg, path)))
+            summary = _train_job(cfg, config, out_dir, handlers)
         return sweep_value(summary, config.optimized_metric)
     except MlptrainError as exc:
         _report(exc)
@@ -190,6 +193,37 @@ def _run(cfg: DictConfig) -> float:
         for handler in handlers:
             logging.getLogger().removeHandler(handler)
             handler.close()
+
+
+def _train_job(cfg: DictConfig, config: TrainConfig, out_dir: Path, handlers: list[logging.Handler]) -> dict[str, Any]:
+    """One run: here, on ``distributed.gpus`` GPUs of this host (one process each), or as one rank
+    that torchrun or mpirun started (:mod:`mlptrain.distributed`)."""
+    from mlptrain.distributed.launch import DistEnv
+    from mlptrain.run import train  # imported here: the training stack is not needed for --help or errors
+
+    env = DistEnv.from_environ(os.environ)
+    if config.distributed.gpus > 1:
+        if env is not None:
+            raise ConfigError(
+                f"distributed.gpus={config.distributed.gpus} under {env.launcher}, which started {env.world} "
+                "ranks already: leave distributed.gpus at 1 and let the launcher set the number of processes"
+            )
+        from mlptrain.distributed.spawn import launch
+
+        validate(config)
+        return launch(config, out_dir, accept_files=_hydra_files(cfg))
+    if env is None:
+        return train(config, out_dir, on_accept=lambda path: handlers.append(_accepted(cfg, path)))
+    from mlptrain.distributed.spawn import join
+
+    comm = join(env)
+    accept = (lambda path: handlers.append(_accepted(cfg, path))) if env.rank == 0 else None
+    summary = train(config, out_dir, on_accept=accept, comm=comm)
+    if env.rank != 0 and out_dir.absolute() in _created:  # Hydra's directory of this rank: unused
+        from mlptrain.rundir import RunDirectory
+
+        RunDirectory(out_dir).remove_if_empty()
+    return summary
 
 
 @contextlib.contextmanager

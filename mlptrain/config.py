@@ -187,6 +187,13 @@ class EarlyStoppingConfig:
 
 
 @dataclass
+class DistributedConfig:
+    gpus: int = _f(1, "data parallel: one process per GPU on this host (torchrun and mpirun: their ranks)")
+    timeout_s: float = _f(300.0, "data parallel: a rank that makes no progress for this long stops the run")
+    verify: bool = _f(False, "data parallel: check at every log interval that every rank holds the same parameters")
+
+
+@dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -194,6 +201,7 @@ class TrainConfig:
     execution: ExecutionConfig = field(default_factory=ExecutionConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
     device: Device = _f(Device.auto, "auto (the GPU when there is one), cpu or gpu")
     seed: int = _f(0, "seed of the initial weights and the data order")
     epochs: int = _f(20, "epochs to train")

@@ -90,6 +90,7 @@ class DataLoader:
                     f"{world} ranks; set drop_last=true or choose another batch size"
                 )
         self.shard = shard
+        self.global_rows = 0  # of the batch last yielded
         self.xp = xp
         self.batch_size = int(batch_size)
         self.shuffle = bool(shuffle)
@@ -144,6 +145,7 @@ class DataLoader:
         b, xp = self.batch_size, self.xp
         for i in range(start_batch, len(self)):
             idx = perm[i * b : (i + 1) * b]  # (B,) device indices
+            self.global_rows = len(idx)  # the batch's rows on every rank together (Trainer.rows)
             if self.shard is not None:  # this rank's rows of the global batch
                 idx = idx[shard_rows(len(idx), *self.shard)]
             bufs = out(len(idx)) if out is not None else None

@@ -202,8 +202,9 @@ class Loop:
         for x, y in bar:
             lr = tr.lr_at(tr.step_count)
             loss, _ = tr.step(x, y)
-            interval.add(len(y), lr)  # host only: the step recorded its metrics on the device
-            samples += len(y)
+            rows = tr.rows(y)  # of the global batch (data parallel: every rank's shard together)
+            interval.add(rows, lr)  # host only: the step recorded its metrics on the device
+            samples += rows
             batch += 1
             done = tr.step_count >= tr.total_steps
             if self.each_step:
@@ -270,8 +271,16 @@ class Loop:
         return Position(epoch, batch, self.tr.step_count, float(log_.epoch_loss), int(log_.epoch_correct), samples)
 
     def flush(self, epoch: int) -> np.ndarray:
-        """Write the interval's step records (the one host sync of the interval), then check them."""
+        """Write the interval's step records (the one host sync of the interval), then check them.
+
+        Data parallel: every rank also agrees here whether one of them was asked to stop."""
         losses, lrs = self.interval.flush(self.metrics, epoch)
+        if hasattr(self.stop, "agree"):
+            self.stop.agree()
+            if self.cfg.distributed.verify:  # every rank still holds the same bytes
+                from mlptrain.distributed.control import check_replicas
+
+                check_replicas(self.tr.grad_sync.comm, self.tr.model.state_dict(), self.tr.step_count)
         if not self.each_step:
             self.check(losses, lrs, epoch)
         faults.check_scaler(self.tr)
@@ -291,7 +300,10 @@ class Loop:
         return f"; the last checkpoint, {self.last_saved[0]} (step {self.last_saved[1]}), is intact"
 
     def save(self, name: str, pos: Position) -> None:
-        """Write checkpoint ``name`` (``last`` or ``best``) of the trainer at ``pos`` (syncs the device)."""
+        """Write checkpoint ``name`` (``last`` or ``best``) of the trainer at ``pos`` (syncs the device).
+
+        Data parallel: every rank saves (the others into their private directories, :func:`mlptrain.run.train`),
+        so that every rank reads the same ``best`` back for the summary's test scores."""
         arrays, meta = self.tr.state_dict()
         meta.update(
             position=pos.__dict__,

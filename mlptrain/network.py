@@ -12,7 +12,7 @@ top, and on the GPU runs the weight gradients on a second stream (:mod:`mlptrain
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,6 +93,9 @@ class MLP:
         ]
         self.set_bgrad(bgrad)
         self._side: Any = None  # GPU: the weight gradients' stream (use_wgrad_stream)
+        # Called with a layer's weight Param as soon as its gradient is enqueued on the side stream
+        # (data parallel: mlptrain.distributed.dp.GradientSync starts its all-reduce there)
+        self.on_weight_grad: Callable[[Any], None] | None = None
 
     def set_bgrad(self, bgrad: str | Sequence[str]) -> None:
         """Choose, per hidden layer, where its bias gradient is reduced (see class docstring)."""
@@ -140,7 +143,7 @@ class MLP:
             if self._side is None or i == 0:  # the bottom layer's dW ends the chain: nothing to overlap
                 layer.param_grads(ex, dz, bias_grad)
             else:
-                self._side.run(i, lambda layer=layer, dz=dz, db=bias_grad: layer.param_grads(ex, dz, db), reads=dz)
+                self._side.run(i, lambda layer=layer, dz=dz, db=bias_grad: self._param_grads(layer, dz, db), reads=dz)
             if i == top and head.input_grad is not None:
                 if head.input_bias_grad is not None:
                     layers[i - 1].bias.grad = head.input_bias_grad
@@ -149,6 +152,18 @@ class MLP:
                 dz = layer.grad_below(ex, dz, layers[i - 1] if i > 0 else None)
         if self._side is not None:
             self._side.join()
+
+    def _param_grads(self, layer: Linear, dz: Any, bias_grad: Any) -> None:
+        """On the side stream: layer's weight gradient, then ``on_weight_grad`` (data parallel: its
+        all-reduce starts here, while the main stream goes on down the chain)."""
+        layer.param_grads(self.execution, dz, bias_grad)
+        if self.on_weight_grad is not None:
+            self.on_weight_grad(layer.weight)
+
+    @property
+    def side_stream(self) -> Any:
+        """The weight gradients' stream (:meth:`use_wgrad_stream`), or None."""
+        return self._side.stream if self._side is not None else None
 
     def use_wgrad_stream(self, enabled: bool = True) -> None:
         """GPU: run the weight-gradient GEMMs on a second stream, concurrent with the input-gradient chain."""

@@ -16,9 +16,11 @@ What a run promises is listed, with the test of each promise, in docs/reliabilit
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import platform
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,11 +42,20 @@ from mlptrain.trainer import Trainer
 log = logging.getLogger(__name__)
 
 # Config keys that may differ on resume without changing the numbers of the run.
-COSMETIC_KEYS = ("resume", "progress", "log_every", "checkpoint_every", "checkpoint_steps")
+# The number of GPUs is one of them: the global batch, and so every step, is the same on any number.
+COSMETIC_KEYS = (
+    "resume", "progress", "log_every", "checkpoint_every", "checkpoint_steps",
+    "distributed.gpus", "distributed.timeout_s", "distributed.verify",
+)  # fmt: skip
 
 
 def train(
-    cfg: TrainConfig, out_dir: Path, dataset: Dataset | None = None, *, on_accept: Callable[[Path], None] | None = None
+    cfg: TrainConfig,
+    out_dir: Path,
+    dataset: Dataset | None = None,
+    *,
+    on_accept: Callable[[Path], None] | None = None,
+    comm: Any = None,
 ) -> dict[str, Any]:
     """Train as ``cfg`` says, writing ``run.json``, ``metrics.jsonl`` and ``checkpoints/`` into ``out_dir``.
 
@@ -54,6 +65,10 @@ def train(
         dataset: train on this dataset instead of the one ``cfg.data`` names.
         on_accept: called with ``out_dir`` once every check passed, before anything is written
             there (the CLI writes Hydra's config files and opens the log file then).
+        comm: data parallel (:mod:`mlptrain.distributed`): this process is rank ``comm.rank`` of
+            ``comm.world``. Rank 0 writes the run into ``out_dir``; the other ranks take the same
+            steps and write nothing there (their checkpoints and metrics go to a private temporary
+            directory, removed at the end); a resume reads rank 0's checkpoint on every rank.
 
     Returns:
         The summary record (also the last line of ``metrics.jsonl``).
@@ -67,26 +82,57 @@ def train(
         NonFiniteError: a loss, gradient or parameter became inf/NaN (the message names it).
         ResourceError: out of memory (the message says which sizes to lower).
     """
-    validate(cfg)
+    validate(cfg, data_parallel=comm is not None)
+    if comm is not None and comm.rank != 0:
+        return _train_follower(cfg, Path(out_dir), dataset, comm)
     run_dir = RunDirectory(Path(out_dir))
     created = run_dir.create()
     try:
         with run_dir.lock():
-            return _train_locked(cfg, run_dir, dataset, on_accept)
+            return _train_locked(cfg, run_dir, dataset, on_accept, comm)
     except MlptrainError:
         if created:
             run_dir.remove_if_empty()  # refused before it wrote anything: leave no trace
         raise
 
 
+def _train_follower(cfg: TrainConfig, out_dir: Path, dataset: Dataset | None, comm: Any) -> dict[str, Any]:
+    """A rank other than 0: the same run, into a private directory that goes at the end."""
+    import shutil
+    import tempfile
+
+    if cfg.resume in ("last", "best"):  # rank 0's checkpoint, not one in the private directory
+        cfg = dataclasses.replace(cfg, resume=str(RunDirectory(out_dir).checkpoint(cfg.resume)))
+    elif cfg.resume is not None and (out_dir / cfg.resume).is_dir():
+        cfg = dataclasses.replace(cfg, resume=str(out_dir / cfg.resume))
+    cfg = dataclasses.replace(cfg, progress=False)
+    private = Path(tempfile.mkdtemp(prefix=f"mlptrain-rank{comm.rank}-"))
+    try:
+        run_dir = RunDirectory(private / "run")
+        run_dir.create()
+        with run_dir.lock():
+            return _train_locked(cfg, run_dir, dataset, None, comm)
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
+
+
 def _train_locked(
-    cfg: TrainConfig, run_dir: RunDirectory, dataset: Dataset | None, on_accept: Callable[[Path], None] | None
+    cfg: TrainConfig,
+    run_dir: RunDirectory,
+    dataset: Dataset | None,
+    on_accept: Callable[[Path], None] | None,
+    comm: Any = None,
 ) -> dict[str, Any]:
+    precompile = None
+    if cfg.device.value != "cpu":  # GPU: the run's kernels compile on threads while get_backend imports nvmath
+        from mlptrain.gpu.precompile import early
+
+        precompile = early(cfg)
     backend = get_backend(cfg.device.value)
     tr: Trainer | None = None
     try:
-        with StopRequest() as stop:  # until stop.defer(), Ctrl-C and SIGTERM stop at once: nothing is written
-            tr = Trainer(cfg, dataset, backend)
+        with _stop_request(cfg, comm) as stop:  # until stop.defer(), Ctrl-C and SIGTERM stop at once
+            tr = Trainer(cfg, dataset, backend, comm=comm, precompile=precompile)
             start = _prepare(tr, run_dir)
             stop.defer()  # accepted: from here a stop request saves last first
             _accept(tr, run_dir, start, on_accept)
@@ -111,9 +157,28 @@ def _train_locked(
         line += _scores(summary, "best/test/")
     if "stopped_early" in summary:
         line += f" | stopped early after epoch {summary['stopped_early'] + 1}"
-    log.info(line)
-    print(line, flush=True)
+    if comm is None or comm.rank == 0:
+        log.info(line)
+        print(line, flush=True)
     return summary
+
+
+@contextlib.contextmanager
+def _stop_request(cfg: TrainConfig, comm: Any) -> Iterator[Any]:
+    """Ctrl-C and SIGTERM (:class:`StopRequest`); data parallel: agreed by every rank, with a watchdog
+    that ends this rank when the others stop making progress (:mod:`mlptrain.distributed.control`)."""
+    with StopRequest() as stop:
+        if comm is None:
+            yield stop
+            return
+        from mlptrain.distributed.control import AgreedStop, Watchdog
+
+        abort = getattr(comm, "abort", None)
+        dog = Watchdog(cfg.distributed.timeout_s, comm.rank, on_timeout=abort).start()
+        try:
+            yield AgreedStop(stop, comm, dog)
+        finally:
+            dog.stop()
 
 
 def _sinks(tr: Trainer, run_dir: RunDirectory, start: Start) -> list[Any]:

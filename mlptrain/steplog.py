@@ -68,7 +68,7 @@ class StepLog:
         self.epoch_loss[...] = loss_sum
         self.epoch_correct[...] = correct
 
-    def end_step(self, loss: Any, correct: Any, batch_size: int) -> None:
+    def end_step(self, loss: Any, correct: Any, batch_size: Any) -> None:
         """Record this step's metrics, update the loss scale, advance the step count and the rate.
 
         ``loss`` and ``correct`` are the step's 0-d device results; nothing is read back. On the
@@ -94,14 +94,18 @@ class StepLog:
         clock.advance_device()
         self.schedule.update()
 
-    def tail(self, loss: Any, correct: Any, batch_size: int, prefix: str = "log_") -> KernelTail:
+    def tail(self, loss: Any, correct: Any, batch_size: Any, prefix: str = "log_") -> KernelTail:
         """:meth:`end_step` as CUDA statements for one thread, with parameter names starting with ``prefix``."""
         if prefix not in self._tail_code:
             self._tail_code[prefix] = self._tail_source(prefix)
         code, params, preamble = self._tail_code[prefix]
-        b = int(batch_size)
-        if b not in self._batch_size:  # first seen in an uncaptured step (graph warm-up), never in a capture
-            self._batch_size[b] = self.xp.asarray(np.float64(b))
+        if isinstance(batch_size, int | np.integer):
+            b = int(batch_size)
+            if b not in self._batch_size:  # first seen in an uncaptured step (graph warm-up), never in a capture
+                self._batch_size[b] = self.xp.asarray(np.float64(b))
+            rows = self._batch_size[b]
+        else:  # a 0-d float64 device array: the global batch's rows of a data-parallel step
+            rows = batch_size
         sc, sched = self.scaler, self.schedule
         arrays = (
             loss,
@@ -119,7 +123,7 @@ class StepLog:
             self.scale,
             self.epoch_loss,
             self.epoch_correct,
-            self._batch_size[b],
+            rows,
         )
         return KernelTail(code, params, arrays, preamble)
 

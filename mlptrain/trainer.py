@@ -55,23 +55,33 @@ class Trainer:
         dataset: the data to train on (default: the one ``cfg.data`` names).
         backend: where to run (default: ``cfg.device``).
         comm: data parallelism (:mod:`mlptrain.distributed`): this trainer is one rank of
-            ``comm.world``; it takes its shard of every training batch and its gradients become the
-            global batch's before each update. No command-line option sets it yet (issue #18).
+            ``comm.world``; it takes its shard of every training batch, and its gradients, loss and
+            counts become the global batch's before each update (``distributed.gpus``, torchrun).
+        precompile: GPU: the run's kernels, compiling on threads (:mod:`mlptrain.gpu.precompile`) since
+            :func:`mlptrain.run.train` started them; by default the trainer starts them.
     """
 
     def __init__(
-        self, cfg: TrainConfig, dataset: Dataset | None = None, backend: Backend | None = None, *, comm: Any = None
-    ) -> None:
+        self, cfg: TrainConfig, dataset: Dataset | None = None, backend: Backend | None = None, *, comm: Any = None,
+        precompile: Any = None,
+    ) -> None:  # fmt: skip
         self.cfg = cfg
         self.backend = backend or get_backend(cfg.device.value)
         xp = self.xp = self.backend.xp
         self.precision = build.precision(cfg.precision, self.backend)
+        # GPU: the run's CuPy kernels compile on threads from here on, each waited for before its first launch
+        self._precompile = precompile if self.backend.is_gpu else None
+        if self.backend.is_gpu and precompile is None:
+            from mlptrain.gpu.precompile import start
+
+            self._precompile = start(self.precision, resume=cfg.resume is not None)
         self.dataset = dataset or load_dataset(cfg.data, seed=cfg.seed)
         self.widths = build.widths(cfg.model, self.dataset)
         # Independent host streams for init and data order, from one seed.
         init_seed, data_seed = np.random.SeedSequence(cfg.seed).spawn(2)
         self.gemm = build.gemm(cfg.execution, self.backend, self.precision)
         self.execution = build.execution(cfg.execution, self.gemm, xp)
+        self._await_kernels("setup")  # from here on: the parameters' cast, the optimizer's fill, xp.full
         self.model = build.model(
             cfg.model, cfg.execution, self.widths, self.execution, self.backend, self.precision,
             np.random.default_rng(init_seed),
@@ -86,7 +96,7 @@ class Trainer:
         if comm is not None:
             from mlptrain.distributed.dp import GradientSync
 
-            self.grad_sync = GradientSync(comm)
+            self.grad_sync = GradientSync(comm, cfg.data.batch_size, xp)
         self.optimizer = build.optimizer(cfg.optimizer, self.model.params)
         self.scaler = build.scaler(cfg.precision, xp, self.precision)
         self.steps_per_epoch = len(self.train_loader)
@@ -108,7 +118,10 @@ class Trainer:
             xp.cuda.Device().synchronize()  # set-up work on the default stream is done
             self.stream = xp.cuda.Stream(non_blocking=True)
             self.memory_peak = PeakTracker(lambda: self.graphed.pool_bytes() if self.graphed is not None else 0)
+        self._await_kernels()  # every thread idle: the bgrad probe captures CUDA graphs
         self._choose_bgrad()  # on the GPU it may time the step, so after everything the step uses
+        if self.grad_sync is not None and self.backend.is_gpu:  # after the probe: it times one rank's step alone
+            self.grad_sync.overlap(self.model)  # each layer's weight gradient all-reduced as soon as it is made
         if self.backend.is_gpu and cfg.graph is not False:
             from mlptrain.gpu.graph import GraphedStep
 
@@ -116,6 +129,10 @@ class Trainer:
             self.graphed = GraphedStep(
                 self._launch, keep=model.step_arrays, restore=model.restore_step_arrays, release=self.release_step
             )
+        if self._precompile is not None:  # the kernels of the step and of evaluation, planned from what was built
+            from mlptrain.gpu.precompile import step_jobs
+
+            self._precompile.submit(step_jobs(self), last=True)
 
     # --- the step ---------------------------------------------------------------------------
 
@@ -130,12 +147,16 @@ class Trainer:
         On the GPU (unless ``graph=false``) the step is replayed from a CUDA graph. The returned
         arrays belong to the step: a replay rewrites them.
         """
+        if self._precompile is not None and self.cfg.execution.autotune:
+            self.finish_precompile()  # autotune times GEMM candidates in CUDA graphs while it plans them
         if self.graphed is not None:
             out = self.graphed(x, y)
         else:
             self.release_step()  # the last step's arrays go before this step allocates its own
             out = self._launch(x, y)
         self.clock.tick()
+        if self._precompile is not None:  # that was the first step, never captured: every capture comes later
+            self.finish_precompile()
         return out
 
     def release_step(self) -> None:
@@ -147,26 +168,38 @@ class Trainer:
 
     def _launch(self, x: Any, y: Any) -> tuple[Any, Any]:
         """The step's device work, launched op by op (what a CUDA graph records once)."""
-        loss, correct = self.forward_backward(x, y)
-        if self.grad_sync is not None:  # data parallel: this rank's gradients -> the global batch's
-            self.grad_sync(self.model.params, len(y))
-        skip = self.scaler.check([p.grad for p in self.model.params])  # fp16: any inf/NaN gradient
+        sync, rows = self.grad_sync, len(y)
         lr, inv_scale = self.schedule.lr, self.scaler.inv_scale  # this step's
+        if sync is None:
+            loss, correct = self.forward_backward(x, y)
+        else:  # data parallel (mlptrain.distributed.dp): this rank's share, then the global batch's
+            loss, correct = self.forward_backward(x, y, sync.grad_scale(self.scaler.scale, rows))
+            loss, correct, rows, inv_scale = sync(self.model.params, loss, correct, rows, inv_scale)
+        self._await_kernels("update")
+        skip = self.scaler.check([p.grad for p in self.model.params])  # fp16: any inf/NaN gradient
         if self.backend.is_gpu:  # one kernel: the update, then (its last block) the bookkeeping
-            self.optimizer.step(lr, inv_scale, skip, tail=self.log.tail(loss, correct, len(y)))
+            self.optimizer.step(lr, inv_scale, skip, tail=self.log.tail(loss, correct, rows))
         else:
             self.optimizer.step(lr, inv_scale, skip)
-            self.log.end_step(loss, correct, len(y))  # scaler update, the step count and lr, the metrics
+            self.log.end_step(loss, correct, rows)  # scaler update, the step count and lr, the metrics
         return loss, correct
 
-    def forward_backward(self, x: Any, y: Any) -> tuple[Any, Any]:
-        """Forward, loss and backward: every ``param.grad`` set; returns device ``(loss, correct)``."""
+    def forward_backward(self, x: Any, y: Any, grad_scale: Any = None) -> tuple[Any, Any]:
+        """Forward, loss and backward: every ``param.grad`` set; returns device ``(loss, correct)``.
+
+        ``grad_scale``: what the loss gradient is multiplied by (default: the loss scale)."""
         logits = self.model.forward(x)  # (B, classes)
-        return self.head.backward(self.model, logits, y, self.scaler.scale)
+        self._await_kernels("loss")  # (the first time, the forward's GEMMs were planned meanwhile)
+        return self.head.backward(self.model, logits, y, self.scaler.scale if grad_scale is None else grad_scale)
+
+    def rows(self, y: Any) -> int:
+        """The rows of the global batch whose shard ``y`` is (data parallel), else ``len(y)``."""
+        return self.train_loader.global_rows if self.grad_sync is not None else len(y)
 
     def batch_buffers(self, rows: int) -> tuple[Any, Any] | None:
         """Where the loader should gather a training batch of ``rows``: the CUDA graph's input
         buffers for that shape (saves the step a copy), or None (fresh arrays) without a graph."""
+        self._await_kernels("batch")  # the loader gathers next
         if self.graphed is None:
             return None
         ld = self.train_loader
@@ -183,6 +216,7 @@ class Trainer:
         are then taken on the host (float64, in batch order), so evaluating compiles no kernel of its own.
         Data parallel: each rank evaluates its rows of the split and the sums are all-reduced.
         """
+        self.finish_precompile()
         loader = self.eval_loaders[split]
         per_batch = []
         for x, y in loader.epoch(0):
@@ -203,6 +237,20 @@ class Trainer:
         if classification:
             out[f"{split}/acc"] = int(sums[1]) / int(sums[2])
         return out
+
+    # --- kernels compiled ahead (mlptrain.gpu.precompile) --------------------------------------
+
+    def _await_kernels(self, stage: str | None = None) -> None:
+        """Wait for the kernels of ``stage`` (None: all) compiling ahead: before their first launch."""
+        if self._precompile is not None:
+            self._precompile.wait(stage)
+
+    def finish_precompile(self) -> None:
+        """Wait for every kernel compiling ahead and end the threads, before any capture: :meth:`step` calls
+        it after the first step (graphs are captured after uncaptured warm-up steps), :meth:`evaluate` first."""
+        pre, self._precompile = self._precompile, None
+        if pre is not None:
+            pre.close()
 
     # --- measured choices -------------------------------------------------------------------
 

@@ -70,8 +70,30 @@ def rel_err(a, b):
     return float(cp.abs(a - b).max() / max(float(cp.abs(b).max()), 1e-30))
 
 
-def bench_layer(m, k, n, dtype, reps, activation="relu"):
-    """Forward and backward of one ReLU (or GELU) layer: out=m, in=k, batch=n."""
+def graph_ms(fn, reps):
+    """GPU time of ``fn()`` in ms: run once (plans, workspaces, kernels), captured into a CUDA graph on a
+    side stream, then replayed 10 at a time (median of ``reps``); host launch work does not count."""
+    import cupy as cp
+
+    from mlptrain.gpu.timing import capture_graph, cuda_time_ms
+
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        fn()
+        graph, outputs = capture_graph(fn, stream)
+        t = median(cuda_time_ms(functools.partial(graph.launch, stream), warmup=2, reps=reps, chain=10))
+        stream.synchronize()
+    del graph, outputs
+    return t
+
+
+def bench_layer(m, k, n, dtype, reps, activation="relu", graphed=False):
+    """Forward and backward of one ReLU (or GELU) layer: out=m, in=k, batch=n.
+
+    The fused backward is always timed from a CUDA graph (:func:`time_layer_backward`); with
+    ``graphed`` every other variant is too (else op by op, host launch work included: the
+    small shapes then compare a replay with launches).
+    """
     import cupy as cp
 
     from mlptrain.execution import FusedExecution, NaiveExecution
@@ -92,10 +114,13 @@ def bench_layer(m, k, n, dtype, reps, activation="relu"):
     flop = 2.0 * m * k * n
     r = {"shape": [m, k, n], "dtype": str(np.dtype(dtype)) if dtype != "bfloat16" else "bfloat16"}
 
+    def timed(fn):
+        return graph_ms(fn, reps) if graphed else median(cuda_time_ms(fn, reps=reps))
+
     # forward
-    r["gemm_fwd"] = median(cuda_time_ms(lambda: gemm("gemm.fwd", W, x.T), reps=reps))
-    r["fused_fwd"] = median(cuda_time_ms(lambda: fused.forward("f", W, b, x, activation), reps=reps))
-    r["naive_fwd"] = median(cuda_time_ms(lambda: naive.forward("n", W, b, x, activation), reps=reps))
+    r["gemm_fwd"] = timed(lambda: gemm("gemm.fwd", W, x.T))
+    r["fused_fwd"] = timed(lambda: fused.forward("f", W, b, x, activation))
+    r["naive_fwd"] = timed(lambda: naive.forward("n", W, b, x, activation))
     yf, aux = fused.forward("f", W, b, x, activation)
     yn, mask_n = naive.forward("n", W, b, x, activation)
     r["fwd_err"] = rel_err(yf, yn)
@@ -103,15 +128,16 @@ def bench_layer(m, k, n, dtype, reps, activation="relu"):
 
     # backward: weight gradient + own bias gradient + input gradient through the ReLU below
     def gemms_bwd():
-        gemm("gemm.wgrad", x.T, dz)
-        gemm("gemm.dgrad", W.T, dz.T)
+        return gemm("gemm.wgrad", x.T, dz), gemm("gemm.dgrad", W.T, dz.T)
 
     def naive_bwd():
-        naive.weight_grad("n", x, dz, bias_grad=True)
-        naive.input_grad("n", W, dz, below, bias_grad_below=False, activation_below=activation)
+        return (
+            naive.weight_grad("n", x, dz, bias_grad=True),
+            naive.input_grad("n", W, dz, below, bias_grad_below=False, activation_below=activation),
+        )
 
-    r["gemm_bwd"] = median(cuda_time_ms(gemms_bwd, reps=reps))
-    r["naive_bwd"] = median(cuda_time_ms(naive_bwd, reps=reps))
+    r["gemm_bwd"] = timed(gemms_bwd)
+    r["naive_bwd"] = timed(naive_bwd)
     t = time_layer_backward(fused, k, m, n, dtype, reps=reps, activation=activation)
     r["fused_bwd_drelu_bgrad"], r["fused_bwd_bgradb"] = t["drelu_bgrad"], t["bgradb"]
     r["fused_bwd"] = min(t.values())
@@ -149,8 +175,10 @@ def step_trainer(
     head_kernel=True,
     workspace_mib="default",
     activation="relu",
+    comm=None,
 ):
-    """A GPU Trainer for ``widths`` on random data (one batch per epoch), as the step benchmarks use it."""
+    """A GPU Trainer for ``widths`` on random data (one batch per epoch), as the step benchmarks use it
+    (``comm``: one rank of a data-parallel group; ``batch`` is then the global batch)."""
     from mlptrain.config import TrainConfig
     from mlptrain.data import Dataset
     from mlptrain.trainer import Trainer
@@ -178,7 +206,7 @@ def step_trainer(
     cfg.graph = graph
     if workspace_mib != "default":  # else the configuration's default cap
         cfg.execution.workspace_mib = workspace_mib
-    return Trainer(cfg, dataset=ds)
+    return Trainer(cfg, dataset=ds, comm=comm)
 
 
 def bench_step_mlptrain(

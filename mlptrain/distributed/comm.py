@@ -19,8 +19,9 @@ class Communicator(Protocol):
     rank: int
     world: int
 
-    def all_reduce(self, arrays: list[Any]) -> None:
-        """Replace each array, in place, by its sum over the ranks; every rank gets the same bytes."""
+    def all_reduce(self, arrays: list[Any], stream: Any = None) -> None:
+        """Replace each array, in place, by its sum over the ranks; every rank gets the same bytes
+        (``stream``: a GPU stream to run on, joined back; the CPU ignores it)."""
         ...
 
 
@@ -54,7 +55,7 @@ class LocalComm:
         self.rank = rank
         self.world = group.world
 
-    def all_reduce(self, arrays: list[Any]) -> None:
+    def all_reduce(self, arrays: list[Any], stream: Any = None) -> None:
         g = self.group
         g._slots[self.rank] = [np.array(a, copy=True) for a in arrays]  # this rank's contribution
         g._barrier.wait()  # every rank has deposited

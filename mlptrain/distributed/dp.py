@@ -4,9 +4,21 @@ A run on ``world`` ranks with global batch ``B`` must take the steps a one-rank 
 takes. Every rank draws the same global order (the loader's seed), and rank ``r`` takes the
 contiguous rows :func:`shard_rows` gives it, ``n_r`` of the ``n`` rows of each global batch. Its loss
 is the mean over its ``n_r`` rows, so its gradient ``g_r`` is a mean too; the gradient of the global
-mean is ``sum_r (n_r / n) g_r``. :class:`GradientSync` computes it with one all-reduce of the
-gradients scaled by ``n_r`` and of ``n_r`` itself, then divides by the reduced ``n``. Every rank gets
-the same bytes, so every rank's optimizer makes the same update and the parameters stay identical.
+mean is ``sum_r (n_r / n) g_r``.
+
+:class:`GradientSync` gets there without a pass over the gradients of its own and without the host:
+
+1. the backward runs with the loss scale times ``n_r / B`` (:meth:`GradientSync.grad_scale`, one
+   scalar), so rank ``r``'s gradients come out as ``(n_r / B) g_r``: for a full batch
+   ``g_r / world``, the size one GPU's gradients have (the fp16 overflow check sees the same range);
+2. one all-reduce sums them, with the step's ``[loss x n_r, correct, n_r]``;
+3. the optimizer's gradient multiplier (the inverse loss scale) is multiplied by ``B / n``, ``n``
+   the reduced row count, still on the device: 1 for a full batch, and the weights ``n_r / n``
+   for a short last batch. ``n`` is never a host constant: a rank's shard size alone does not
+   say how large the global batch was, and a CUDA graph replays whatever constant it captured.
+
+Every rank then holds the same bytes (the all-reduce gives every rank the same sums), so the
+overflow check skips the same steps everywhere, and every optimizer makes the same update.
 """
 
 from __future__ import annotations
@@ -30,17 +42,56 @@ def shard_rows(n: int, rank: int, world: int) -> slice:
 
 
 class GradientSync:
-    """Make every parameter's gradient the gradient of the global batch (see the module docstring)."""
+    """Make this rank's gradients, loss and count those of the global batch (see the module docstring).
 
-    def __init__(self, comm: Communicator) -> None:
+    Args:
+        comm: this rank's communicator.
+        batch_size: the global batch size ``B`` of the run.
+        xp: the array module of the step (NumPy or CuPy).
+    """
+
+    def __init__(self, comm: Communicator, batch_size: int, xp: Any = np) -> None:
         self.comm = comm
+        self.batch_size = batch_size
+        self.xp = xp
+        self.stream: Any = None  # GPU: where the all-reduces run (the weight gradients' stream)
+        self._early: list[Any] = []  # the gradients this step reduced already (:meth:`weight_grad_ready`)
 
-    def __call__(self, params: list[Any], rows: int) -> None:
-        """``params``' gradients of this rank's mean loss over ``rows`` rows -> those of the global mean."""
-        grads = [p.grad for p in params]
-        for g in grads:
-            g *= rows  # the gradient of this rank's summed loss
-        count = np.array([float(rows)])
-        self.comm.all_reduce([*grads, count])
-        for g in grads:
-            g /= count[0]  # the global mean's gradient, the same bytes on every rank
+    def overlap(self, model: Any) -> None:
+        """Bucket by layer: all-reduce each layer's weight gradient as soon as the side stream made
+        it (:attr:`mlptrain.network.MLP.on_weight_grad`), while the backward goes on below; the rest
+        (the bottom layer's, the biases, the step's statistics) at the end. Every collective runs on
+        that one stream, in the same order on every rank (NCCL's rule for one communicator)."""
+        self.stream = model.side_stream
+        if self.stream is not None:
+            model.on_weight_grad = self.weight_grad_ready
+
+    def weight_grad_ready(self, param: Any) -> None:
+        self.comm.all_reduce([param.grad])  # on the current stream: the side stream, right after the GEMM
+        self._early.append(param)
+
+    def grad_scale(self, scale: Any, rows: int) -> Any:
+        """The loss scale of this rank's backward: ``scale x rows / B`` (a 0-d device array)."""
+        return scale * (rows / self.batch_size)
+
+    def __call__(self, params: list[Any], loss: Any, correct: Any, rows: int, inv_scale: Any) -> tuple:
+        """All-reduce after the backward; returns the global ``(loss, correct, rows, inv_scale)``.
+
+        ``rows`` of the result is a 0-d array (the global batch's rows), ``inv_scale`` the
+        optimizer's gradient multiplier for the reduced gradients.
+        """
+        xp = self.xp
+        wide = np.float64 if loss.dtype == np.float64 or xp is np else np.float32
+        # [loss x n_r, correct, n_r]: the sums give the global mean loss, the correct count and n
+        stats = xp.stack([loss.astype(wide) * rows, xp.asarray(correct).astype(wide), xp.full((), rows, wide)])
+        early = {id(p) for p in self._early}
+        rest = [p.grad for p in params if id(p) not in early]
+        self._early.clear()
+        if self.stream is None:
+            self.comm.all_reduce([*rest, stats])
+        else:  # after the main stream's work so far, on the stream of the early all-reduces; joined back
+            self.comm.all_reduce([*rest, stats], stream=self.stream)
+        total = stats[2]
+        mean_loss = (stats[0] / total).astype(loss.dtype)
+        factor = (self.batch_size / total).astype(inv_scale.dtype)  # 1 for a full batch, exactly
+        return mean_loss, stats[1].astype(xp.asarray(correct).dtype), total, inv_scale * factor

@@ -1,0 +1,211 @@
+"""``python -m mlptrain distributed.gpus=N``: one training process per GPU of this host.
+
+The launching process (the Hydra job) makes NCCL's unique id and starts ``N`` worker processes
+(``multiprocessing``'s spawn: a fresh interpreter each, as CUDA requires), handing each its rank and
+the id; each selects GPU ``rank``, joins the NCCL communicator and runs :func:`mlptrain.run.train`
+with it. Rank 0 writes the run directory; the others write nothing there. Then the launcher:
+
+* waits, and reports rank 0's result (its summary, or its error, as a run on one GPU would);
+* stops the others when a rank fails: SIGTERM, then SIGKILL after a grace period, and reports
+  which rank failed and how (a rank that hung is ended by its own watchdog,
+  :mod:`mlptrain.distributed.control`);
+* forwards Ctrl-C and SIGTERM once to every rank (the workers are in their own process groups, so
+  a terminal's Ctrl-C reaches them only through the launcher, once): they agree on a step, rank 0
+  saves ``last`` there, and the launcher exits as a run on one GPU does.
+
+Under ``torchrun`` or ``mpirun`` every process is a launched rank already: :func:`join` makes its
+communicator, with the id passed over :func:`mlptrain.distributed.launch.rendezvous`.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from mlptrain.distributed.launch import DistEnv, rendezvous
+from mlptrain.errors import ConfigError, Interrupted, MlptrainError
+
+log = logging.getLogger(__name__)
+
+GRACE_S = 10.0  # after a rank failed, how long the others get to stop before SIGKILL
+
+
+def device_count() -> int:
+    """GPUs on this host (0 without CuPy or a driver)."""
+    try:
+        from mlptrain.gpu.nccl import device_count as count
+
+        return count()
+    except Exception:
+        return 0
+
+
+def launch(cfg: Any, out_dir: Path, *, accept_files: dict[str, str] | None = None) -> dict[str, Any]:
+    """Train ``cfg`` on ``cfg.distributed.gpus`` GPUs of this host; returns rank 0's summary.
+
+    Args:
+        accept_files: files rank 0 writes into ``out_dir`` once its run is accepted (the CLI's
+            ``.hydra/`` configs, path -> text), with ``mlptrain.log`` opened then too.
+
+    Raises:
+        ConfigError: more GPUs asked for than this host has.
+        Interrupted: Ctrl-C or SIGTERM (rank 0 saved ``last``: the message says where).
+        MlptrainError: rank 0's error, or a rank that failed (named, with its exit status).
+    """
+    world = cfg.distributed.gpus
+    have = device_count()
+    if world > have:
+        raise ConfigError(f"distributed.gpus={world}, but this host has {have} GPU{'s' if have != 1 else ''}")
+    from mlptrain.gpu.nccl import NcclComm
+
+    uid = NcclComm.new_id()
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(target=_worker, args=(r, world, uid, cfg, str(out_dir), accept_files, results), name=f"rank{r}")
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    log.info("data parallel on %d GPUs: ranks started (pids %s)", world, [p.pid for p in procs])
+    failure = _supervise(procs)
+    got = _drain(results, world)
+    return _outcome(got, failure, procs)
+
+
+def _supervise(procs: list[Any]) -> str | None:
+    """Wait for every rank; forward Ctrl-C/SIGTERM; stop the rest when one fails. Returns the failure, if any."""
+    received: list[int] = []
+    previous = {
+        s: signal.signal(s, lambda signum, frame: received.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)
+    }
+    failure, failed_at = None, 0.0
+    try:
+        forwarded = 0
+        while any(p.is_alive() for p in procs):
+            for signum in received[forwarded:]:
+                for p in procs:
+                    if p.is_alive():
+                        os.kill(p.pid, signum)
+                forwarded += 1
+            dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if dead and failure is None and not received:
+                r, code = dead[0]
+                failure, failed_at = f"rank {r} exited with status {code}", time.monotonic()
+                log.error("%s; stopping the other ranks", failure)
+                _signal_all(procs, signal.SIGTERM)
+            if failure is not None and time.monotonic() - failed_at > GRACE_S:
+                _signal_all(procs, signal.SIGKILL)
+            time.sleep(0.05)
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+    for p in procs:
+        p.join()
+    return failure
+
+
+def _signal_all(procs: list[Any], signum: int) -> None:
+    for p in procs:
+        if p.is_alive():
+            try:
+                os.kill(p.pid, signum)
+            except ProcessLookupError:
+                pass
+
+
+def _drain(results: Any, world: int) -> dict[int, tuple]:
+    got: dict[int, tuple] = {}
+    while len(got) < world:
+        try:
+            rank, *rest = results.get(timeout=0.5)
+        except Exception:  # nothing more: a rank was killed before it could report
+            break
+        got[rank] = tuple(rest)
+    return got
+
+
+def _outcome(got: dict[int, tuple], failure: str | None, procs: list[Any]) -> dict[str, Any]:
+    first = got.get(0)
+    if first is not None and first[0] == "ok" and failure is None:
+        return first[1]
+    if first is not None and first[0] == "interrupted":
+        raise Interrupted(first[1], first[2])
+    if first is not None and first[0] == "error":
+        raise first[1]
+    others = [f"rank {r}: {v[1]}" for r, v in sorted(got.items()) if v[0] in ("error", "crash")]
+    codes = ", ".join(f"rank {r} status {p.exitcode}" for r, p in enumerate(procs))
+    raise MlptrainError(f"data-parallel run failed ({failure or 'rank 0 did not report'}; {codes})"
+                        + (f": {'; '.join(others)}" if others else ""))  # fmt: skip
+
+
+def _worker(
+    rank: int, world: int, uid: bytes, cfg: Any, out_dir: str, accept_files: dict[str, str] | None, results: Any
+) -> None:
+    """One rank: GPU ``rank``, the NCCL communicator, then the run (reports to the launcher)."""
+    os.setpgrp()  # a terminal's Ctrl-C reaches the launcher only; it forwards it once
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format=f"[%(asctime)s][rank {rank}][%(name)s][%(levelname)s] - %(message)s")  # fmt: skip
+    code = 0
+    try:
+        from mlptrain.gpu.nccl import NcclComm
+        from mlptrain.run import train
+
+        comm = NcclComm(rank, world, uid, device=rank)
+        on_accept = _writer(accept_files) if rank == 0 else None
+        results.put((rank, "ok", train(cfg, Path(out_dir), on_accept=on_accept, comm=comm)))
+    except Interrupted as exc:
+        results.put((rank, "interrupted", str(exc), exc.signum))
+        code = 128 + exc.signum
+    except MlptrainError as exc:
+        results.put((rank, "error", exc if _picklable(exc) else MlptrainError(str(exc))))
+        code = 2
+    except BaseException as exc:  # a bug: its traceback, and the launcher names the rank
+        traceback.print_exc()
+        results.put((rank, "crash", f"{type(exc).__name__}: {exc}"))
+        code = 1
+    results.close()
+    results.join_thread()
+    sys.exit(code)
+
+
+def _picklable(exc: BaseException) -> bool:
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return True
+    except Exception:
+        return False
+
+
+def _writer(files: dict[str, str] | None) -> Any:
+    def accept(out: Path) -> None:
+        from mlptrain.files import atomic_write
+
+        for name, text in (files or {}).items():
+            (out / name).parent.mkdir(parents=True, exist_ok=True)
+            atomic_write(out / name, text)
+        handler = logging.FileHandler(out / "mlptrain.log", encoding="utf-8")
+        handler.setFormatter(logging.getLogger().handlers[0].formatter)
+        logging.getLogger().addHandler(handler)
+
+    return accept
+
+
+def join(env: DistEnv) -> Any:
+    """This process's communicator, launched by torchrun or mpirun: GPU ``local_rank``, the id over TCP."""
+    from mlptrain.gpu.nccl import NcclComm
+
+    have = device_count()
+    if env.local_rank >= have:
+        raise ConfigError(f"{env.launcher} gave local rank {env.local_rank}, but this host has {have} GPUs")
+    uid = rendezvous(env, NcclComm.new_id() if env.rank == 0 else None)
+    return NcclComm(env.rank, env.world, uid, device=env.local_rank)

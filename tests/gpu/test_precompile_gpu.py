@@ -1,0 +1,147 @@
+"""Kernels compiled ahead on threads (mlptrain.gpu.precompile), on the GPU.
+
+A run from an empty kernel cache compiles every kernel on the precompile threads and none at its
+first launch on the main thread; the threads are joined before the first CUDA graph is captured;
+compiling ahead changes no number, and a job that fails leaves its kernel to its first launch.
+"""
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gpu_helpers import graph_run
+
+pytestmark = pytest.mark.gpu
+
+REPO = Path(__file__).resolve().parents[2]
+
+# A whole run in a fresh process (CuPy reads CUPY_CACHE_DIR when it is imported), with every NVRTC
+# compile recorded: the thread it ran on and the kernels of its source.
+COLD_RUN = r"""
+import json, re, sys, threading
+from pathlib import Path
+
+import cupy.cuda.compiler as compiler
+
+if not hasattr(compiler, "_compile_using_nvrtc_no_warning"):
+    print("NO-SPY")
+    sys.exit(0)
+compiles = []
+nvrtc = compiler._compile_using_nvrtc_no_warning
+
+
+def spy(source, *args, **kwargs):
+    kernels = re.findall(r"__global__\s+void\s+(\w+)", source)
+    compiles.append({"thread": threading.current_thread().name, "kernels": kernels})
+    return nvrtc(source, *args, **kwargs)
+
+
+compiler._compile_using_nvrtc_no_warning = spy
+from mlptrain.config import TrainConfig
+from mlptrain.run import train
+
+cfg = TrainConfig()
+cfg.device = type(cfg.device)("gpu")
+cfg.progress = False
+cfg.epochs = 2
+cfg.precision.name = type(cfg.precision.name)(sys.argv[1])
+train(cfg, Path(sys.argv[2]))
+print("COMPILES " + json.dumps(compiles))
+"""
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_a_cold_run_compiles_every_kernel_ahead_and_none_at_first_use(tmp_path, precision):
+    env = {**os.environ, "CUPY_CACHE_DIR": str(tmp_path / "cupy"), "MLPTRAIN_DATA": str(tmp_path / "mlptrain")}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env.pop("MLPTRAIN_PRECOMPILE", None)
+    cmd = [sys.executable, "-c", COLD_RUN, precision, str(tmp_path / "run")]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    if "NO-SPY" in proc.stdout:
+        pytest.skip("this CuPy compiles through another function than _compile_using_nvrtc_no_warning")
+    compiles = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("COMPILES "))[9:])
+    assert compiles, "a run from an empty CUPY_CACHE_DIR compiled nothing: the spy sees no compile"
+    late = [c for c in compiles if not c["thread"].startswith("mlptrain-precompile")]
+    assert not late, f"compiled at their first launch, on the main thread: {late}"
+    assert "ahead failed" not in proc.stderr, proc.stderr[-3000:]
+    kernels = {k for c in compiles for k in c["kernels"]}
+    want = {"mlptrain_xent_small", "mlptrain_head_dgrad", "mlptrain_sgd_step"}
+    want |= {"mlptrain_check_nonfinite"} if precision == "fp16" else set()
+    assert want <= kernels, f"not compiled: {sorted(want - kernels)} (compiled: {sorted(kernels)})"
+    for cupy_kernel in ("cupy_fill", "cupy_copy", "cupy_take"):
+        assert any(k.startswith(cupy_kernel) for k in kernels), f"no {cupy_kernel}: {sorted(kernels)}"
+
+
+def test_every_thread_is_joined_before_the_first_capture(monkeypatch):
+    import mlptrain.gpu.graph as graph
+
+    alive = []
+
+    def capture(fn, stream):
+        pre = trainer._precompile
+        alive.append(pre is not None or any(t.is_alive() for t in threads))
+        return original(fn, stream)
+
+    original = graph.capture_graph
+    monkeypatch.setattr(graph, "capture_graph", capture)
+    from gpu_helpers import gpu_trainer
+
+    trainer = gpu_trainer(**{"execution.bgrad": "bgradb"})
+    pre = trainer._precompile
+    assert pre is not None, "a GPU trainer compiles its kernels ahead"
+    threads = list(pre._pool._threads)
+    with trainer.stream:
+        for x, y in trainer.train_loader.epoch(0, out=trainer.batch_buffers):
+            trainer.step(x, y)
+        trainer.stream.synchronize()
+    assert alive and not any(alive), "a graph was captured while precompile threads were alive"
+    assert pre.closed and pre.failed == [] and len(pre.done) >= 8, (pre.done, pre.failed)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_compiling_ahead_changes_no_number(monkeypatch, precision):
+    tr, ahead = graph_run(True, 40, **{"precision.name": precision})
+    monkeypatch.setenv("MLPTRAIN_PRECOMPILE", "0")
+    lazy_tr, lazy = graph_run(True, 40, **{"precision.name": precision})
+    assert lazy_tr._precompile is None
+    np.testing.assert_array_equal(ahead, lazy)
+    for name, value in tr.model.state_dict().items():
+        np.testing.assert_array_equal(value, lazy_tr.model.state_dict()[name], err_msg=name)
+    assert float(tr.scaler.scale) == float(lazy_tr.scaler.scale) and tr.step_count == lazy_tr.step_count
+
+
+def test_a_failing_job_leaves_its_kernel_to_its_first_launch(monkeypatch, caplog):
+    from mlptrain.gpu import precompile as pc
+
+    def broken(tr):
+        raise RuntimeError("broken on purpose")
+
+    monkeypatch.setattr(pc, "_update", broken)
+    with caplog.at_level(logging.WARNING, logger="mlptrain.gpu.precompile"):
+        tr, losses = graph_run(True, 30)
+    assert "ahead failed (RuntimeError: broken on purpose)" in caplog.text
+    monkeypatch.setenv("MLPTRAIN_PRECOMPILE", "0")
+    np.testing.assert_array_equal(losses, graph_run(True, 30)[1])
+
+
+def test_train_hands_the_trainer_what_it_started_before_the_backend(monkeypatch, tmp_path):
+    from mlptrain.config import TrainConfig
+    from mlptrain.gpu import precompile as pc
+    from mlptrain.run import train
+
+    started = []
+    early = pc.early
+    monkeypatch.setattr(pc, "early", lambda cfg: started.append(early(cfg)) or started[-1])
+    cfg = TrainConfig()
+    cfg.device, cfg.progress, cfg.epochs = type(cfg.device)("gpu"), False, 1
+    train(cfg, tmp_path / "run")
+    assert len(started) == 1 and started[0] is not None
+    pre = started[0]
+    assert pre.closed and pre.failed == [], pre.failed
+    assert any(name.startswith("mlptrain_sgd_step") for name in pre.done), pre.done  # the trainer added its jobs
