@@ -91,7 +91,7 @@ class GradientSync:
             self.comm.all_reduce([*rest, stats])
         else:  # after the main stream's work so far, on the stream of the early all-reduces; joined back
             self.comm.all_reduce([*rest, stats], stream=self.stream)
-        total = stats[2]
-        mean_loss = (stats[0] / total).astype(loss.dtype)
+        total = stats[2].astype(np.float64)  # the step log takes the rows as a 0-d float64
+        mean_loss = (stats[0] / stats[2]).astype(loss.dtype)
         factor = (self.batch_size / total).astype(inv_scale.dtype)  # 1 for a full batch, exactly
         return mean_loss, stats[1].astype(xp.asarray(correct).dtype), total, inv_scale * factor

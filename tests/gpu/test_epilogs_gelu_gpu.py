@@ -46,7 +46,9 @@ def test_gelu_forward_epilogs_match_the_contract(m, k, n, dtype):
         want_z = z if "bias" in inputs else f64(W) @ f64(xT)
         ref = matmul(W, xT, epilog=epilog, epilog_inputs={k_: cp.asnumpy(v) for k_, v in inputs.items()})
         ref, ref_aux = ref if isinstance(ref, tuple) else (ref, {})  # a tuple only where the epilog has an aux
-        assert d.shape == (m, n) and d.flags.f_contiguous and d.dtype == W.dtype
+        assert d.shape == (m, n) and d.dtype == W.dtype
+        # with an aux output the result is column-major, as the aux; without one nvmath may choose row-major
+        assert d.flags.f_contiguous or "AUX" not in epilog.name, (epilog, d.strides)
         close(d, gelu(want_z), dtype, f"{epilog.name} result against the float64 formula")
         close(d, ref, dtype, f"{epilog.name} result against the contract")
         if epilog in (Epilog.GELU_AUX, Epilog.GELU_AUX_BIAS):
