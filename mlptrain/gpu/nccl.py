@@ -49,14 +49,17 @@ class NcclComm:
         if device is not None:
             cp.cuda.Device(device).use()
         self.rank, self.world = rank, world
-        uid = tuple(np.frombuffer(unique_id, dtype=np.int8).tolist())  # CuPy takes the C chars as ints
-        self._comm = nccl.NcclCommunicator(world, uid, rank)
+        try:  # CuPy 14 takes the id as bytes; older CuPy as a tuple of the C chars
+            self._comm = nccl.NcclCommunicator(world, unique_id, rank)
+        except TypeError:
+            self._comm = nccl.NcclCommunicator(world, tuple(np.frombuffer(unique_id, dtype=np.int8).tolist()), rank)
         log.info("NCCL %s: rank %d of %d on GPU %d", nccl.get_version(), rank, world, cp.cuda.Device().id)
 
     @staticmethod
     def new_id() -> bytes:
         """A fresh unique id (rank 0 makes it; every rank needs the same one)."""
-        return np.array(nccl.get_unique_id(), dtype=np.int8).tobytes()
+        uid = nccl.get_unique_id()  # bytes (CuPy 14), or a tuple of 128 C chars as ints (older CuPy)
+        return bytes(uid) if isinstance(uid, bytes | bytearray) else np.array(uid, dtype=np.int8).tobytes()
 
     def all_reduce(self, arrays: list[Any], stream: Any = None) -> None:
         """Sum each array over the ranks, in place, on the current stream (one NCCL group).
