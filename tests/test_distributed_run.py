@@ -218,7 +218,7 @@ def test_ctrl_c_on_the_launcher_reaches_every_rank_once(tmp_path):
         time.sleep(0.05)  # until both workers have installed their handlers
     threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
     failure = spawn._supervise(procs)
-    assert failure is None
+    assert failure == "stopped by SIGINT"
     assert [m.read_text() for m in markers] == ["1", "1"]
     assert [p.exitcode for p in procs] == [130, 130]
 
@@ -272,3 +272,23 @@ def test_replicas_that_differ_by_one_bit_are_caught():
 def test_verified_thread_ranks_hold_the_same_parameters_at_every_interval(tmp_path):
     res = _ranks(2, _cfg(distributed__verify=True, log_every=1, epochs=1), tmp_path / "run")
     assert all(isinstance(r, dict) for r in res), res
+
+
+def _ignore_sigint() -> None:
+    os.setpgrp()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a rank stuck where no handler runs
+    time.sleep(60)
+
+
+def test_ranks_that_do_not_stop_after_ctrl_c_are_killed_after_the_timeout(monkeypatch):
+    monkeypatch.setattr(spawn, "GRACE_S", 0.5)
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_ignore_sigint) for _ in range(2)]
+    for p in procs:
+        p.start()
+    time.sleep(2.0)
+    threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
+    t0 = time.monotonic()
+    assert spawn._supervise(procs, stop_timeout=2.0) == "stopped by SIGINT"
+    assert time.monotonic() - t0 < 10
+    assert [p.exitcode for p in procs] == [-signal.SIGKILL, -signal.SIGKILL]

@@ -16,6 +16,7 @@ then stops the other ranks (:mod:`mlptrain.distributed.spawn`); torchrun and mpi
 
 from __future__ import annotations
 
+import faulthandler
 import hashlib
 import logging
 import os
@@ -101,6 +102,7 @@ class Watchdog:
             )
             print(message, file=sys.stderr, flush=True)
             log.error(message)
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)  # where it waited
             try:
                 if self.on_timeout is not None:
                     self.on_timeout()

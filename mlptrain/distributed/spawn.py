@@ -75,13 +75,16 @@ def launch(cfg: Any, out_dir: Path, *, accept_files: dict[str, str] | None = Non
     for p in procs:
         p.start()
     log.info("data parallel on %d GPUs: ranks started (pids %s)", world, [p.pid for p in procs])
-    failure = _supervise(procs)
+    failure = _supervise(procs, cfg.distributed.timeout_s)
     got = _drain(results, world)
     return _outcome(got, failure, procs)
 
 
-def _supervise(procs: list[Any]) -> str | None:
-    """Wait for every rank; forward Ctrl-C/SIGTERM; stop the rest when one fails. Returns the failure, if any."""
+def _supervise(procs: list[Any], stop_timeout: float = 300.0) -> str | None:
+    """Wait for every rank; forward Ctrl-C/SIGTERM; stop the rest when one fails. Returns the failure, if any.
+
+    Ranks asked to stop get ``stop_timeout`` seconds (``distributed.timeout_s``) to agree on a step
+    and save; then they are killed."""
     received: list[int] = []
     previous = {
         s: signal.signal(s, lambda signum, frame: received.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)
@@ -95,8 +98,11 @@ def _supervise(procs: list[Any]) -> str | None:
                     if p.is_alive():
                         os.kill(p.pid, signum)
                 forwarded += 1
+                if failure is None:
+                    failed_at = time.monotonic() + stop_timeout - GRACE_S  # SIGKILL after stop_timeout
+                    failure = f"stopped by {signal.Signals(signum).name}"
             dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-            if dead and failure is None and not received:
+            if dead and failure is None:
                 r, code = dead[0]
                 failure, failed_at = f"rank {r} exited with status {code}", time.monotonic()
                 log.error("%s; stopping the other ranks", failure)
@@ -134,7 +140,7 @@ def _drain(results: Any, world: int) -> dict[int, tuple]:
 
 def _outcome(got: dict[int, tuple], failure: str | None, procs: list[Any]) -> dict[str, Any]:
     first = got.get(0)
-    if first is not None and first[0] == "ok" and failure is None:
+    if first is not None and first[0] == "ok" and (failure is None or failure.startswith("stopped by")):
         return first[1]
     if first is not None and first[0] == "interrupted":
         raise Interrupted(first[1], first[2])
