@@ -178,8 +178,14 @@ def _worker(
         results.put((rank, "crash", f"{type(exc).__name__}: {exc}"))
         code = 1
     results.close()
-    results.join_thread()
-    sys.exit(code)
+    results.join_thread()  # the report is in the pipe
+    # Leave without the interpreter's teardown: finalisers of NCCL communicators and captured CUDA
+    # graphs, run in whatever order, can wait on each other (seen on the H200: a finished rank that
+    # never exited). The process's exit releases the GPU's resources; the run's files are written.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)
 
 
 def _picklable(exc: BaseException) -> bool:
