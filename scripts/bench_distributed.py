@@ -56,6 +56,9 @@ def _rank(rank: int, world: int, uid: bytes, widths: list, rows: int, precision:
         cp.cuda.get_current_stream().synchronize()
     digest = float(sum(np.float64(cp.asnumpy(p.value).astype(np.float64).sum()) for p in tr.model.params))
     out.put((rank, statistics.median(t), loss, digest, tr.graphed.num_graphs if tr.graphed else 0))
+    out.close()
+    out.join_thread()
+    os._exit(0)  # as mlptrain's workers: no interpreter teardown (NCCL and graph finalisers can wait on each other)
 
 
 def mlptrain_run(world: int, widths: list, rows: int, precision: str, reps: int) -> dict:
@@ -133,12 +136,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--precisions", default="fp16,bf16")
+    ap.add_argument("--models", default="4096 x 4,784-1024-1024-10", help="comma-separated names of MODELS")
     args = ap.parse_args(argv)
     import cupy as cp
     import nvmath
 
     rows = []
     for name, widths, per_gpu in MODELS:
+        if name not in args.models.split(","):
+            continue
         for precision in args.precisions.split(","):
             r = {"model": name, "widths": widths, "rows": per_gpu, "precision": precision}
             r["mlptrain_1"] = mlptrain_run(1, widths, per_gpu, precision, args.reps)
