@@ -206,3 +206,58 @@ def test_evaluation_is_split_across_ranks_and_reduced():
         assert res["test/acc"] == one["test/acc"]
         np.testing.assert_allclose(res["test/loss"], one["test/loss"], rtol=1e-12)
     assert results[0] == results[1] == results[2]  # the same bytes on every rank
+
+
+class _Recorder:
+    """A communicator that records what each all-reduce call got (and on which stream), summing nothing."""
+
+    rank, world = 0, 1
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[list, object]] = []
+
+    def all_reduce(self, arrays, stream=None):
+        self.calls.append((list(arrays), stream))
+
+
+def test_weight_gradients_are_reduced_by_layer_as_the_side_stream_makes_them_and_the_rest_at_the_end():
+    """The bucketing: one all-reduce per layer whose weight gradient the side stream made (top layer
+    first, as the backward makes them), then one group with the bottom layer's weight gradient, every
+    bias gradient and the step's statistics, on the same stream."""
+    from types import SimpleNamespace
+
+    from mlptrain.distributed.dp import GradientSync
+
+    comm, side = _Recorder(), object()
+    params = [SimpleNamespace(name=n, grad=np.full(3, i, np.float64)) for i, n in
+              enumerate(["l0.w", "l0.b", "l1.w", "l1.b", "l2.w", "l2.b"])]  # fmt: skip
+    model = SimpleNamespace(side_stream=side, on_weight_grad=None)
+    sync = GradientSync(comm, batch_size=64)
+    sync.overlap(model)
+    assert model.on_weight_grad == sync.weight_grad_ready
+    model.on_weight_grad(params[4])  # layer 2's dW, then layer 1's: the order of the backward
+    model.on_weight_grad(params[2])
+    loss, correct, rows, inv = sync(params, np.float64(0.5), np.int64(30), 32, np.float64(1.0))
+
+    def which(a):
+        return next((i for i, p in enumerate(params) if a is p.grad), "stats")
+
+    got = [([which(a) for a in arrays], stream) for arrays, stream in comm.calls]
+    assert got == [([4], None), ([2], None), ([0, 1, 3, 5, "stats"], side)]
+    # one rank: the statistics come back as they went, and a full batch leaves the multiplier at 1
+    assert (loss, correct, rows, inv) == (0.5, 30, 32.0, 2.0)  # 32 of 64 rows: B / n = 2
+
+
+def test_without_a_side_stream_everything_goes_in_one_group():
+    from types import SimpleNamespace
+
+    from mlptrain.distributed.dp import GradientSync
+
+    comm = _Recorder()
+    params = [SimpleNamespace(grad=np.ones(2)) for _ in range(4)]
+    model = SimpleNamespace(side_stream=None, on_weight_grad=None)
+    sync = GradientSync(comm, batch_size=8)
+    sync.overlap(model)
+    assert model.on_weight_grad is None
+    sync(params, np.float64(1.0), np.int64(8), 8, np.float64(0.25))
+    assert len(comm.calls) == 1 and len(comm.calls[0][0]) == 5 and comm.calls[0][1] is None
