@@ -1,12 +1,14 @@
-"""Data parallelism: the logic of a step split across ranks, independent of the transport.
+"""Data parallelism over NCCL: one process per GPU, each with its shard of every global batch.
 
-Issue #18 asks for data-parallel training on NCCL. What is here is the part that does not depend on
-NCCL and that the CPU can check: how each rank takes its shard of every global batch
-(:func:`~mlptrain.distributed.dp.shard_rows`), how the ranks' gradients become the gradient of the
-global batch (:class:`~mlptrain.distributed.dp.GradientSync`), and a communicator of in-process ranks
-(:class:`~mlptrain.distributed.comm.LocalGroup`) that the tests run it with, and what launchers tell
-a process (``torchrun``'s and ``mpirun``'s environment) with the TCP rendezvous that will carry
-NCCL's unique id (:mod:`~mlptrain.distributed.launch`). The NCCL communicator, the launcher of
-``distributed.gpus=N`` and the bucketed all-reduce inside the CUDA graph are not built yet; no
-command-line option reaches this package.
+* :mod:`~mlptrain.distributed.dp`: each rank's rows of a batch, and :class:`~mlptrain.distributed.dp.GradientSync`,
+  which turns the ranks' gradients, losses and counts into the global batch's (per-layer all-reduces
+  overlapped with the backward, inside the CUDA graph);
+* :mod:`~mlptrain.distributed.comm`: the communicator interface, and ranks as threads for the CPU tests;
+  the NCCL communicator is :mod:`mlptrain.gpu.nccl`;
+* :mod:`~mlptrain.distributed.spawn`: ``distributed.gpus=N`` (the launcher and its workers) and the
+  ranks that torchrun or mpirun start;
+* :mod:`~mlptrain.distributed.launch`: the launchers' environments, the TCP rendezvous of NCCL's id;
+* :mod:`~mlptrain.distributed.control`: the stop every rank agrees on, the watchdog, the replica check.
+
+docs/distributed.md is the user's guide.
 """
