@@ -20,7 +20,7 @@ GPU_EXTRA ?= $(shell v=$$(nvidia-smi --query-gpu=driver_version --format=csv,noh
 LINT_PATHS := $(wildcard mlptrain scripts tests)
 
 .DEFAULT_GOAL := help
-.PHONY: help install run test test-gpu lint format typecheck bench compare clean distclean
+.PHONY: help install run test test-gpu lint format typecheck bench compare compare-gpu clean distclean
 
 help: ## List the targets
 	@echo "usage: make <target> [ARGS='key=value ...'] [PYTEST_ARGS=...] [PYTHON=python3] [VENV=.venv]"
@@ -72,6 +72,11 @@ compare: $(STAMP) ## Train fused and naive (same seed and data) and plot them; A
 	$(BIN)/python -m mlptrain --config-name compare "hydra.sweep.dir=$$dir" $(ARGS) && \
 	echo "$(BIN)/python scripts/compare.py $$dir" && \
 	$(BIN)/python scripts/compare.py "$$dir"
+
+# docs/compare-gpu/ (issue #17): MNIST-1D and a wide speed task, relu/gelu x fp16/bf16, fused vs naive, on a GPU.
+# Everything goes under COMPARE_DIR (default runs/compare-gpu/<date>_<time>); ARGS='--smoke' runs it small on the CPU.
+compare-gpu: $(STAMP) ## The GPU comparison of docs/compare-gpu/ (scripts/compare_gpu.sh); ARGS='--smoke' on a CPU
+	PYTHON=$(BIN)/python bash scripts/compare_gpu.sh "$(or $(COMPARE_DIR),runs/compare-gpu/$$(date +%Y-%m-%d_%H-%M-%S))" $(ARGS)
 
 clean: ## Remove run outputs, build files and caches (keeps the venv)
 	rm -rf outputs multirun runs build dist .pytest_cache .ruff_cache .mypy_cache

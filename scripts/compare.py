@@ -21,6 +21,15 @@ writes into the sweep directory (or ``--out``):
 A run that is missing or incomplete stops the script with one line ``error: <message>`` naming
 the run directory, and exit status 2. The math lives in importable functions
 (:func:`load_runs`, :func:`summarize`, :func:`plot`, :func:`write_markdown`) for the tests.
+
+Several comparisons (one folder each, as ``scripts/compare_gpu.sh`` makes them for docs/compare-gpu/:
+``<panel>/compare.json`` and, for the speed task, ``<panel>/speed/compare.json``) get one index::
+
+    python scripts/compare.py --index docs/compare-gpu [--made-by "scripts/compare_gpu.sh OUT_DIR"]
+
+``<DIR>/README.md``: the recipes, a table of accuracies and one of times per step with a row per
+panel, how fused and naive differ and why (:data:`DIFFERENCES`), and each panel's figure
+(:func:`write_index`).
 """
 
 from __future__ import annotations
@@ -49,6 +58,11 @@ MODES = ("fused", "naive")
 # half precision and TF32 round the fused and the plain GEMMs differently, and the difference
 # compounds over the steps, so those curves are compared by final accuracy and seed band instead.
 TOLERANCES = {"fp64": 1e-10, "fp32": 1e-5}
+# How fast the curves part: the first step where the relative difference passes each of these.
+DIVERGENCE_THRESHOLDS = (1e-3, 1e-2, 1e-1)
+# The largest relative rounding error of one rounding to each precision's GEMM format (TF32 rounds
+# the inputs to 11 significant bits, fp16 the outputs to 11, bf16 to 8).
+UNIT_ROUNDOFF = {"fp64": 2.0**-53, "fp32": 2.0**-24, "tf32": 2.0**-11, "fp16": 2.0**-11, "bf16": 2.0**-8}
 # Keys that may differ between the runs of one comparison: everything else must match.
 SWEPT_KEYS = ("execution.mode", "seed", "progress")
 COLORS = {"fused": "tab:blue", "naive": "tab:orange"}
@@ -270,6 +284,9 @@ def summarize(pairs: dict[int, dict[str, Run]]) -> dict[str, Any]:
     * ``speedup``: naive median step time / fused median step time.
     * ``tolerance`` and ``agree``: for fp64 and fp32, whether ``max_rel_diff`` is under it, and
       ``first_above_tolerance``: the earliest step (and its seed) where a seed's difference passed it.
+    * ``divergence``: for each of :data:`DIVERGENCE_THRESHOLDS`, the first step where each seed's
+      relative difference passed it (``per_seed``, None where it never did) and the earliest of them
+      (``step``, ``seed``): how many steps the two modes take to part, whatever the precision.
     """
     seeds = sorted(pairs)
     first = pairs[seeds[0]]["fused"]
@@ -277,9 +294,12 @@ def summarize(pairs: dict[int, dict[str, Run]]) -> dict[str, Any]:
     precision = first.precision
     tol = TOLERANCES.get(precision)
     max_rel, max_abs, where, above = 0.0, 0.0, None, None
+    firsts: dict[float, list[int | None]] = {t: [] for t in DIVERGENCE_THRESHOLDS}
     for seed in seeds:
         f, n = pairs[seed]["fused"].losses(), pairs[seed]["naive"].losses()
         rel = np.abs(relative_difference(f, n))
+        for t, steps in firsts.items():
+            steps.append(int(np.argmax(rel > t)) if (rel > t).any() else None)
         i = int(np.argmax(rel))
         if rel[i] > max_rel or where is None:
             max_rel, where = float(rel[i]), {"seed": seed, "step": i}
@@ -307,12 +327,21 @@ def summarize(pairs: dict[int, dict[str, Run]]) -> dict[str, Any]:
         out["step_time_ms_per_seed"] = [float(np.median(t[0])) if len(t[0]) else None for t in timed]
         out["wall_s"] = [float(r.summary["wall_s"]) for r in runs if r.summary and "wall_s" in r.summary]
         modes[mode] = out
+    divergence = []
+    for t, steps in firsts.items():
+        hit = [(step, seed) for step, seed in zip(steps, seeds, strict=True) if step is not None]
+        step, seed = min(hit) if hit else (None, None)
+        divergence.append({"above": t, "step": step, "seed": seed, "per_seed": steps})
     tf, tn = modes["fused"]["step_time_ms"], modes["naive"]["step_time_ms"]
+    opt = cfg.get("optimizer", {})
     return {
         "dataset": cfg["data"]["name"],
         "widths": first.record.get("widths"),
+        "activation": cfg.get("model", {}).get("activation", "relu"),
         "precision": precision,
         "batch_size": cfg["data"]["batch_size"],
+        "graph": cfg.get("graph"),
+        "optimizer": {k: opt[k] for k in ("name", "lr", "weight_decay", "warmup_steps", "schedule") if k in opt},
         "device": first.record.get("device"),
         "mlptrain": first.record.get("mlptrain"),
         "versions": {k: first.record[k] for k in ("python", "numpy", "cupy", "nvmath") if k in first.record},
@@ -326,6 +355,7 @@ def summarize(pairs: dict[int, dict[str, Run]]) -> dict[str, Any]:
         "tolerance": tol,
         "agree": None if tol is None else bool(max_rel <= tol),
         "first_above_tolerance": above,
+        "divergence": divergence,
         "modes": modes,
         "speedup": (tn / tf) if tf and tn else None,
     }
@@ -338,8 +368,8 @@ def title(s: dict[str, Any]) -> str:
     widths = "-".join(map(str, s["widths"] or []))
     n = len(s["seeds"])
     return (
-        f"fused vs naive: {s['dataset']} {widths}, {s['precision']}, batch {s['batch_size']}, "
-        f"{s['device']}, {n} seed{'s' if n > 1 else ''}"
+        f"fused vs naive: {s['dataset']} {widths} {s.get('activation', 'relu')}, {s['precision']}, "
+        f"batch {s['batch_size']}, {s['device']}, {n} seed{'s' if n > 1 else ''}"
     )
 
 
@@ -479,6 +509,64 @@ def plot(pairs: dict[int, dict[str, Run]], s: dict[str, Any], path: Path) -> Any
     return fig
 
 
+def divergence_header(s: dict[str, Any]) -> str:
+    """``0.1 % / 1 % / 10 %``: the thresholds of ``s["divergence"]``."""
+    return " / ".join(f"{d['above'] * 100:g} %" for d in s.get("divergence", []))
+
+
+def divergence_cells(s: dict[str, Any]) -> str:
+    """``3 / 25 / never``: the earliest step over the seeds where each threshold was passed."""
+    return " / ".join("never" if d["step"] is None else str(d["step"]) for d in s.get("divergence", []))
+
+
+def first_step_above(s: dict[str, Any], threshold: float) -> dict[str, Any] | None:
+    """The ``divergence`` entry of ``threshold``, or None if the summary has none (an older compare.json)."""
+    return next((d for d in s.get("divergence", []) if math.isclose(d["above"], threshold)), None)
+
+
+def half_precision_note(s: dict[str, Any]) -> str:
+    """What a GPU comparison in fp16, bf16 or TF32 shows, for the table (the index has the whole account)."""
+    p = s["precision"]
+    u = UNIT_ROUNDOFF.get(p)
+    where = first_step_above(s, 1e-2)
+    if where is None:  # a summary from before the divergence steps were recorded
+        parted = ""
+    elif where["step"] is None:
+        parted = " Here the per-step losses never differed by more than 1 %."
+    else:
+        parted = (
+            f" Here the per-step losses first differed by more than 1 % at step {where['step']} (seed {where['seed']})."
+        )
+    gelu = (
+        ", and GELU is evaluated by cuBLASLt's epilog in one and by a separate kernel in the other"
+        if s.get("activation") == "gelu"
+        else ""
+    )
+    bound = f" (unit roundoff {u:.2g}, against 6e-08 in fp32)" if u else ""
+    consequence = (
+        "GELU's value and slope follow every such unit"
+        if s.get("activation") == "gelu"
+        else "a ReLU mask bit differs wherever one path's Z is 0 and the other's just below"
+    )
+    rounded = (
+        f"The GEMMs' inputs are rounded to TF32's 11 significant bits{bound}"
+        if p == "tf32"
+        else f"Every GEMM result is rounded to {p}{bound}"
+    )
+    return (
+        f"On a GPU the fused and the naive path hand cuBLASLt different GEMMs (fused: `Z^T = W X^T` with the epilogs; "
+        f"naive: `Z = X W^T`, then separate kernels), for which it picks different kernels that add the same "
+        f"products in another order; the bias gradients are reduced in an epilog in one and by a separate sum "
+        f"in the other{gelu}. "
+        f"{rounded}, so "
+        f"elements near a rounding boundary come out one unit apart from the first step on, {consequence}, and "
+        "training amplifies these differences step by "
+        f"step until the two runs are as different as two seeds.{parted} So the curves are judged by whether fused "
+        "stays within the naive band over seeds and ends at the same accuracy, not step by step. "
+        "docs/compare-gpu/README.md says what each path does and why they differ."
+    )
+
+
 def _fmt_stat(stat: dict[str, Any] | None, fmt: str, scale: float = 1.0, unit: str = "") -> str:
     if stat is None:
         return "n/a"
@@ -553,6 +641,8 @@ def write_markdown(s: dict[str, Any], path: Path, made_by: dict[str, Any], figur
         f"| largest relative training-loss difference, max over steps and seeds of abs(f - n) / abs(n) "
         f"| {s['max_rel_diff']:.3g}{at} |",
         f"| largest absolute training-loss difference | {s['max_abs_diff']:.3g} |",
+        f"| first step where the relative difference passes {divergence_header(s)} (earliest seed) "
+        f"| {divergence_cells(s)} |",
         f"| tolerance ({s['precision']}) | {tol} |",
         f"| verdict | {verdict(s)} |",
         f"| speedup (naive / fused median time per step) | {speedup} |",
@@ -576,6 +666,8 @@ def write_markdown(s: dict[str, Any], path: Path, made_by: dict[str, Any], figur
             "to step, and late in training, when the batch loss is small, they weigh more relative to it. "
             "The per-step panel of the figure shows how the difference grows.",
         ]
+    else:
+        lines += ["", half_precision_note(s)]
     lines += [
         "",
         "Made by:",
@@ -594,6 +686,322 @@ def write_markdown(s: dict[str, Any], path: Path, made_by: dict[str, Any], figur
     return text
 
 
+# --------------------------------------------------------------------------- the index of several comparisons
+
+INDEX_NAME = "README.md"
+ACTIVATION_ORDER = ("relu", "gelu", "none")
+PRECISION_ORDER = ("fp64", "fp32", "tf32", "fp16", "bf16")
+
+# What the index says about the two paths. Kept beside the code that makes the page, so that a change
+# of either shows in one diff. Every statement is about mlptrain/execution.py and mlptrain/epilogs.py.
+DIFFERENCES_TEMPLATE = """\
+## How fused and naive differ, and why their curves part
+
+Both modes train the same model from the same initial weights on the same batches in the same
+order, with the same loss, the same optimizer kernel (fp32 master weights, a half-precision copy
+for the GEMMs) and the same loss-scaling rules. In fp16 and bf16 both run every GEMM with fp32
+accumulation and round its result to the half format. They differ only in how a layer's GEMMs and
+the work around them are done (`mlptrain/execution.py`):
+
+{table}
+
+Where the numbers part:
+
+1. **Different GEMM kernels.** The two modes give cuBLASLt different problems (other operand
+   orders, another output layout, with or without an epilog), so its heuristics choose different
+   kernels, with different tiles and a different split of the sum over K: the fp32 accumulators add
+   the same products in another order and can differ in their last bits. Rounded to fp16 (11
+   significant bits) or bf16 (8), most elements still agree; those near a rounding boundary come
+   out one unit in the last place apart: 0.05 % to 0.1 % of the value in fp16, 0.4 % to 0.8 % in
+   bf16, where two fp32 results would differ by about 1e-7.
+2. **Different reductions.** A bias gradient is a sum over the batch: inside an epilog (or the
+   loss kernel) in one mode, a separate reduction in the other, the same numbers added in another
+   order. At MNIST-1D's output layer (10 classes, ReLU below) the input gradient is a small kernel of
+   mlptrain's in fused mode and a GEMM and a mask multiply in naive.
+3. **GELU by two implementations.** The epilog and the naive kernel evaluate the same tanh formula
+   in fp32 with different code, so their fp32 values need not agree in the last bit; rounding to
+   the half format hides most of that, not all. ReLU has no such difference: `relu(round(z))` is
+   `round(relu(z))`.
+4. **Not a difference: the bias and relu'(0).** cuBLASLt's bias epilogs round the product before
+   they add the bias (measured on the H200; `mlptrain/epilogs.py` keeps both roundings), as the
+   naive path does, so the same product gives the same `Z` in both. Both keep the mask `Z >= 0`:
+   relu'(0) = 1 in both, and an exact `Z = 0` (a product that the bias cancels, common in half
+   precision) passes its gradient in either mode.
+5. **How one unit becomes more.** Where one mode's `Z` is exactly 0 and the other's one unit below,
+   the mask bit differs: that element's gradient passes in one mode and is dropped in the other. In
+   fp16 a step whose gradients overflow in one mode only is skipped in that mode only.
+
+Each step's update depends on all of these last-bit differences, and training amplifies a
+perturbation from step to step, as it amplifies a change of seed. The two runs start identical and
+part a little more each step (the column "first differ by more than 1 %" says when), until they are
+as different as two runs of one mode with different seeds. In half precision the question is
+therefore not whether the curves coincide but whether the fused runs stay within the spread of the
+naive ones over seeds and end at the same accuracy. In fp32 the same kernels differ by about 1e-7
+per result and the curves stay together far longer; on the CPU both modes make the very same BLAS
+calls and agree bit for bit (docs/compare-cpu/).
+
+Speed: each naive pass over an activation or a gradient (the bias add, the ReLU and its mask, the
+mask multiply, the bias-gradient sum) reads and writes the whole `batch x width` array in GPU
+memory, 64 MiB for 8192 x 4096 in half precision, and the naive mask is a byte per element where
+`relu_aux` is a bit. The epilogs do that work on the GEMM's output tile while it is in registers
+and write it once. At MNIST-1D's sizes the GEMMs take microseconds and the replayed graph is a
+chain of small kernels, so its time per step says little about the epilogs; the speed task, whose
+two 4096 x 4096 layers at a batch of 8192 make the GEMMs large, does.
+"""
+# (per layer, fused, naive): the rows of the table in DIFFERENCES.
+DIFFERENCE_ROWS = (
+    (
+        "forward GEMM",
+        "`Z^T = W X^T`: the result column-major, with the epilog `RELU_AUX_BIAS` or `GELU_AUX_BIAS`",
+        "`Z = X W^T`: the result row-major, no epilog",
+    ),
+    (
+        "bias",
+        "added by the epilog to the rounded product, rounded again",
+        "`Z += b`, a separate kernel, on the rounded product, rounded again",
+    ),
+    (
+        "activation",
+        "ReLU or GELU (tanh form, fp32) in the epilog",
+        "`maximum(Z, 0)`; GELU: a separate element-wise kernel, the same tanh form in fp32",
+    ),
+    (
+        "kept for the backward",
+        "ReLU: `relu_aux`, 1 bit per element (`Z >= 0`); GELU: `Z`",
+        "ReLU: 1 byte per element (`Z >= 0`); GELU: `Z`",
+    ),
+    (
+        "input gradient",
+        "`W^T dZ^T` with the `DRELU` / `DGELU` epilog (the output layer of a small head with ReLU below: "
+        "one kernel of mlptrain's)",
+        "`dZ W`, then a multiply by the mask or by gelu'(Z)",
+    ),
+    (
+        "bias gradient",
+        "summed over the batch inside an epilog (`DRELU_BGRAD` / `DGELU_BGRAD` or `BGRADB`, whichever was "
+        "timed faster for the shape; a small head's output bias: by the loss kernel)",
+        "a separate column sum of `dZ`",
+    ),
+    ("weight gradient", "`X^T dZ`, plain or with `BGRADB`", "`X^T dZ`, plain"),
+)
+DIFFERENCES = DIFFERENCES_TEMPLATE.format(
+    table="\n".join(
+        ["| per layer | fused (`execution=fused`) | naive (`execution=naive`) |", "|---|---|---|"]
+        + [f"| {what} | {fused} | {naive} |" for what, fused, naive in DIFFERENCE_ROWS]
+    )
+)
+
+
+@dataclass
+class Panel:
+    """One comparison of an index: its folder (relative to the index) and its compare.json numbers."""
+
+    name: str
+    summary: dict[str, Any]
+    speed: dict[str, Any] | None = None  # <panel>/speed/compare.json, the speed task of the same panel
+
+
+def _read_summary(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        _ = (data["precision"], data["modes"]["fused"], data["modes"]["naive"], data["seeds"])
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise CompareError(
+            f"{path} is not a compare.json of scripts/compare.py ({type(exc).__name__}: {exc})"
+        ) from None
+    return data
+
+
+def load_panels(root: Path) -> list[Panel]:
+    """Every ``<root>/<panel>/compare.json`` (with ``<panel>/speed/compare.json`` when there is one),
+    ordered by dataset, activation (relu, gelu, none) and precision (fp64 ... bf16).
+
+    Raises:
+        CompareError: ``root`` does not exist, holds no panel, or a compare.json cannot be read.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        raise CompareError(f"index directory {root} does not exist")
+    panels = []
+    for path in sorted(root.glob("*/compare.json")):
+        speed = path.parent / "speed" / "compare.json"
+        panels.append(Panel(path.parent.name, _read_summary(path), _read_summary(speed) if speed.is_file() else None))
+    if not panels:
+        raise CompareError(
+            f"no comparisons in {root}: expected <panel>/compare.json files "
+            f"(scripts/compare.py SWEEP --out {root}/<panel>)"
+        )
+
+    def order(p: Panel) -> tuple:
+        act, prec = p.summary.get("activation", "relu"), p.summary["precision"]
+        return (
+            str(p.summary.get("dataset")),
+            ACTIVATION_ORDER.index(act) if act in ACTIVATION_ORDER else len(ACTIVATION_ORDER),
+            PRECISION_ORDER.index(prec) if prec in PRECISION_ORDER else len(PRECISION_ORDER),
+            p.name,
+        )
+
+    return sorted(panels, key=order)
+
+
+def accuracy_gap(s: dict[str, Any]) -> tuple[float | None, bool | None]:
+    """``(fused - naive mean test accuracy, |gap| <= the larger of the two seed std devs)``; None
+    where the accuracies are missing, and None for the second with a single seed (no spread)."""
+    f, n = s["modes"]["fused"].get("test/acc"), s["modes"]["naive"].get("test/acc")
+    if not f or not n:
+        return None, None
+    gap = f["mean"] - n["mean"]
+    stds = [x["std"] for x in (f, n) if x.get("std") is not None]
+    return gap, (abs(gap) <= max(stds) if stds else None)
+
+
+def _ms(m: dict[str, Any]) -> str:
+    return "n/a" if m.get("step_time_ms") is None else f"{m['step_time_ms']:.4g}"
+
+
+def _speedup(s: dict[str, Any] | None) -> str:
+    return "n/a" if s is None or s.get("speedup") is None else f"{s['speedup']:.2f}x"
+
+
+def _recipe(s: dict[str, Any]) -> str:
+    """One line on what a panel trained: data, model, batch, optimizer, steps and seeds."""
+    widths = "-".join(map(str, s.get("widths") or []))
+    opt = s.get("optimizer") or {}
+    if opt:
+        warm = f", {opt['warmup_steps']} warm-up steps" if opt.get("warmup_steps") else ""
+        sched = f", then {opt['schedule']}" if opt.get("schedule") and opt.get("schedule") != "constant" else ""
+        wd = f", weight decay {opt['weight_decay']:g}" if opt.get("weight_decay") else ""
+        optimizer = f"{opt.get('name', '?')} at lr {opt.get('lr', float('nan')):g}{wd}{warm}{sched}"
+    else:
+        optimizer = "optimizer not recorded"
+    n, epochs = len(s["seeds"]), s["epochs"]
+    if str(s.get("device")).startswith("cpu"):
+        graph = "on the CPU (no CUDA graph)"
+    else:
+        graph = "no CUDA graph" if s.get("graph") is False else "each step replayed as one CUDA graph"
+    return (
+        f"{s['dataset']} {widths}, batch {s['batch_size']}, {optimizer}; {epochs} epoch{'s' if epochs != 1 else ''}, "
+        f"{s['steps']} steps; {n} seed{'s' if n > 1 else ''} ({', '.join(map(str, s['seeds']))}); {graph}"
+    )
+
+
+def _accuracy_table(panels: list[Panel]) -> list[str]:
+    """The index's accuracy table: one row per panel, linking its compare.md."""
+    lines = [
+        "| panel | activation | precision | final test accuracy, fused | final test accuracy, naive | fused - naive "
+        "| within the seed spread | losses first differ by more than 1 % at step | largest relative loss difference |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for p in panels:
+        s = p.summary
+        gap, within = accuracy_gap(s)
+        acc = [_fmt_stat(s["modes"][m].get("test/acc"), ".2f", 100, "%") for m in MODES]
+        first_1 = first_step_above(s, 1e-2)
+        parted = "n/a" if first_1 is None else ("never" if first_1["step"] is None else str(first_1["step"]))
+        lines.append(
+            f"| [{p.name}]({p.name}/compare.md) | {s.get('activation', 'relu')} | {s['precision']} "
+            f"| {acc[0]} | {acc[1]} "
+            f"| {'n/a' if gap is None else f'{gap * 100:+.2f} pp'} "
+            f"| {'n/a (1 seed)' if within is None else ('yes' if within else 'NO')} | {parted} "
+            f"| {s['max_rel_diff']:.3g} |"
+        )
+    return lines + [
+        "",
+        "Accuracy: mean ± standard deviation over the seeds of the last epoch's test accuracy. *Within the seed "
+        "spread*: the gap between the means is at most the larger of the two standard deviations. The step and the "
+        "difference are those of the per-step training loss, `abs(fused - naive) / abs(naive)`, over every seed.",
+    ]
+
+
+def _speed_table(panels: list[Panel]) -> list[str]:
+    """The index's speed table: the accuracy runs' and the speed task's time per step, per panel."""
+    lines = [
+        "| panel | accuracy runs: ms per step, fused | naive | speedup | speed task: ms per step, fused | naive "
+        "| speedup |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for p in panels:
+        s, sp = p.summary, p.speed
+        speed_cells = (
+            f"[{_ms(sp['modes']['fused'])}]({p.name}/speed/compare.md) | {_ms(sp['modes']['naive'])} | {_speedup(sp)}"
+            if sp
+            else "n/a | n/a | n/a"
+        )
+        lines.append(
+            f"| {p.name} | {_ms(s['modes']['fused'])} | {_ms(s['modes']['naive'])} | {_speedup(s)} | {speed_cells} |"
+        )
+    cpu = str(panels[0].summary.get("device")).startswith("cpu")
+    return lines + [
+        "",
+        "Median time per step over the timed log intervals (the first, warm-up, and those that cross an epoch "
+        "are left out); speedup: naive over fused."
+        + (
+            " On the CPU the fused engine is the NumPy epilog contract, which emulates in extra passes what "
+            "cuBLASLt does in registers: these times say nothing about the GPU."
+            if cpu
+            else ""
+        ),
+    ]
+
+
+def _panel_sections(panels: list[Panel]) -> list[str]:
+    """One section per panel: its links and its figure."""
+    lines = []
+    for p in panels:
+        s = p.summary
+        speed_link = f" · [speed task]({p.name}/speed/compare.md)" if p.speed else ""
+        lines += [
+            f"### {s.get('activation', 'relu')}, {s['precision']} ({p.name})",
+            "",
+            f"[table and commands]({p.name}/compare.md){speed_link}",
+            "",
+            f"![fused vs naive, {p.name}]({p.name}/compare.png)",
+            "",
+        ]
+    return lines
+
+
+def index_markdown(panels: list[Panel], made_by: str | None = None) -> str:
+    """The index page of several comparisons: the recipes, the accuracy and the speed table, how fused
+    and naive differ (:data:`DIFFERENCES`), each panel's figure, and what made them."""
+    first = panels[0].summary
+    acts = list(dict.fromkeys(p.summary.get("activation", "relu") for p in panels))
+    precs = list(dict.fromkeys(p.summary["precision"] for p in panels))
+    data = list(dict.fromkeys(str(p.summary["dataset"]) for p in panels))
+    lines = [
+        f"# Fused vs naive on {first.get('device')}: {', '.join(data)}; {' and '.join(acts)}; {' and '.join(precs)}",
+        "",
+        "Each panel trains the same model twice per seed, with the epilogs fused into the GEMMs (`execution=fused`) "
+        "and with plain GEMMs and separate kernels (`execution=naive`), from the same weights on the same batches.",
+        "",
+    ]
+    lines += [f"- Accuracy: {r}." for r in dict.fromkeys(_recipe(p.summary) for p in panels)]
+    speed_recipes = dict.fromkeys(_recipe(p.speed) for p in panels if p.speed)
+    lines += [f"- Speed task (for the time per step only): {r}." for r in speed_recipes]
+    lines += ["", "## Accuracy", "", *_accuracy_table(panels), "", "## Speed", "", *_speed_table(panels), ""]
+    lines += [DIFFERENCES, "## The panels", "", *_panel_sections(panels), "## Made by", ""]
+    if made_by:
+        lines += ["```", made_by, "```", ""]
+    versions = ", ".join(
+        f"{k} {v}" for k, v in {"mlptrain": first.get("mlptrain"), **first.get("versions", {})}.items() if v
+    )
+    lines += [
+        "Each panel's compare.md gives the commands of its two sweeps. "
+        f"Device: {first.get('device')}; {versions}. "
+        f"Index written {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def write_index(root: Path, made_by: str | None = None) -> Path:
+    """Write ``<root>/README.md``, the index of the comparisons under ``root``; returns its path."""
+    root = Path(root)
+    path = root / INDEX_NAME
+    path.write_text(index_markdown(load_panels(root), made_by), encoding="utf-8")
+    return path
+
+
 def _json_ready(v: Any) -> Any:
     if isinstance(v, float) and not math.isfinite(v):
         return None
@@ -607,11 +1015,31 @@ def _json_ready(v: Any) -> Any:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description="Compare the fused and naive runs of a `make compare` sweep.")
-    parser.add_argument("sweep_dir", type=Path, help="the Hydra sweep directory (runs/compare/<time>)")
+    parser.add_argument("sweep_dir", type=Path, nargs="?", help="the Hydra sweep directory (runs/compare/<time>)")
     parser.add_argument(
         "--out", type=Path, default=None, help="where to write compare.png/.md/.json (default: sweep_dir)"
     )
+    parser.add_argument(
+        "--index",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="instead of a sweep: write DIR/README.md, the index of the comparisons in DIR/<panel>/compare.json",
+    )
+    parser.add_argument("--made-by", default=None, help="with --index: the command that made the comparisons")
     args = parser.parse_args(argv)
+    if (args.index is None) == (args.sweep_dir is None):
+        parser.error("give a sweep directory or --index DIR, not both")
+    if args.index is not None:
+        if args.out is not None:
+            parser.error("--out applies to a sweep, not to --index")
+        try:
+            path = write_index(args.index, args.made_by)
+        except CompareError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        print(f"wrote {path}")
+        return 0
     out = args.out or args.sweep_dir
     try:
         pairs = load_runs(args.sweep_dir)

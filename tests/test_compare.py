@@ -42,6 +42,8 @@ def write_run(
     summary: bool = True,
     precision: str = "fp32",
     lr: float = 0.05,
+    activation: str = "relu",
+    device: str = "cpu (NumPy)",
 ) -> Path:
     """A job directory as train() writes it: run.json and metrics.jsonl with the given numbers.
 
@@ -50,7 +52,7 @@ def write_run(
     path = root / f"execution={mode},seed={seed}"
     path.mkdir(parents=True)
     config = {
-        "model": {"hidden": [16]},
+        "model": {"hidden": [16], "activation": activation},
         "data": {"name": "digits", "batch_size": BATCH},
         "optimizer": {"name": "sgd", "lr": lr},
         "execution": {"mode": mode, "bgrad": "auto"},
@@ -60,7 +62,7 @@ def write_run(
         "log_every": 1,
         "progress": None,
     }
-    record = {"mlptrain": "0.1.0", "device": "cpu (NumPy)", "widths": [64, 16, 10], "config": config}
+    record = {"mlptrain": "0.1.0", "device": device, "widths": [64, 16, 10], "config": config}
     (path / "run.json").write_text(json.dumps(record))
     lines = []
     for i, (loss, ms) in enumerate(zip(losses, step_ms, strict=True)):
@@ -251,3 +253,215 @@ def test_a_real_sweep_end_to_end(tmp_path: Path) -> None:
     assert data["steps"] == 2 * 21  # digits: 1294 training samples in batches of 64
     md = (sweep / "compare.md").read_text()
     assert "make compare ARGS='epochs=2 model.hidden=[16] progress=false'" in md
+
+
+# --------------------------------------------------------------------------- how fast the modes part, and the recipe
+
+H200 = "gpu NVIDIA H200 (CuPy 14.2.0)"
+
+
+def test_divergence_is_the_first_step_past_each_threshold(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = tmp_path / "sweep"
+    ms = [9.0, 1.0, 1.0, 1.0, 1.0]
+    # seed 0: relative differences 0, 5e-4, 2e-2, 0.5, 0; seed 1: 0, then 2e-3 from step 1 on
+    fused = {0: [1.0, 1.0005, 1.02, 1.5, 1.0], 1: [1.0, 1.002, 1.002, 1.002, 1.002]}
+    for seed in (0, 1):
+        kw = {"steps_per_epoch": 5, "precision": "bf16", "device": H200}
+        write_run(root, "fused", seed, fused[seed], ms, [0.5], **kw)
+        write_run(root, "naive", seed, [1.0] * 5, ms, [0.5], **kw)
+    s = compare.summarize(compare.load_runs(root))
+    assert s["divergence"] == [
+        {"above": 1e-3, "step": 1, "seed": 1, "per_seed": [2, 1]},
+        {"above": 1e-2, "step": 2, "seed": 0, "per_seed": [2, None]},
+        {"above": 1e-1, "step": 3, "seed": 0, "per_seed": [3, None]},
+    ]
+    out = tmp_path / "out"
+    assert compare.main([str(root), "--out", str(out)]) == 0
+    md = (out / "compare.md").read_text()
+    assert "| first step where the relative difference passes 0.1 % / 1 % / 10 % (earliest seed) | 1 / 2 / 3 |" in md
+    # on a GPU in half precision the table says why the curves part, and when they did
+    assert "first differed by more than 1 % at step 2 (seed 0)" in md
+    assert "rounded to bf16 (unit roundoff 0.0039" in md and "as different as two seeds" in md
+    assert "GELU" not in md  # a ReLU model: no word about the GELU kernels
+    assert json.loads((out / "compare.json").read_text())["divergence"][1]["per_seed"] == [2, None]
+
+
+def test_modes_that_never_part_say_never(sweep: Path) -> None:
+    s = compare.summarize(compare.load_runs(sweep))  # at most 2**-17 apart
+    assert [d["step"] for d in s["divergence"]] == [None, None, None]
+    assert compare.divergence_cells(s) == "never / never / never"
+
+
+def test_summary_keeps_the_activation_and_the_recipe(tmp_path: Path) -> None:
+    root = tmp_path / "sweep"
+    for mode in compare.MODES:
+        write_run(root, mode, 0, NAIVE[0], FUSED_MS[0], ACC[mode, 0], activation="gelu", precision="fp16", device=H200)
+    s = compare.summarize(compare.load_runs(root))
+    assert s["activation"] == "gelu" and s["optimizer"] == {"name": "sgd", "lr": 0.05}
+    assert "64-16-10 gelu, fp16" in compare.title(s)
+    note = compare.half_precision_note(s)
+    assert "GELU is evaluated by cuBLASLt's epilog in one and by a separate kernel" in note
+    assert "never differed by more than 1 %" in note
+
+
+# --------------------------------------------------------------------------- the index of several comparisons
+
+
+def _panel(root: Path, tmp: Path, name: str, precision: str, activation: str, naive_acc: list[float]) -> None:
+    """A comparison of two seeds written by compare.main into root/name (fused acc 90% and 80%)."""
+    sweep = tmp / f"sweep-{name}"
+    for seed in (0, 1):
+        kw = {"precision": precision, "activation": activation, "device": H200}
+        write_run(sweep, "fused", seed, FUSED[seed], FUSED_MS[seed], [0.5, [0.9, 0.8][seed]], **kw)
+        write_run(sweep, "naive", seed, NAIVE[seed], NAIVE_MS[seed], [0.5, naive_acc[seed]], **kw)
+    assert compare.main([str(sweep), "--out", str(root / name)]) == 0
+
+
+def test_index_links_the_panels_and_says_how_the_modes_differ(tmp_path: Path) -> None:
+    root = tmp_path / "docs" / "compare-gpu"
+    _panel(root, tmp_path, "relu-bf16", "bf16", "relu", [0.7, 0.6])  # naive 20 points below
+    _panel(root, tmp_path, "gelu-fp16", "fp16", "gelu", [0.9, 0.8])
+    _panel(root, tmp_path, "relu-fp16", "fp16", "relu", [0.9, 0.8])
+    speed = tmp_path / "sweep-speed"  # the speed task of relu-bf16: one seed, naive twice as slow
+    for mode, ms in (("fused", FUSED_MS[0]), ("naive", NAIVE_MS[0])):
+        write_run(speed, mode, 0, NAIVE[0], ms, ACC[mode, 0], precision="bf16", device=H200)
+    assert compare.main([str(speed), "--out", str(root / "relu-bf16" / "speed")]) == 0
+
+    assert compare.main(["--index", str(root), "--made-by", "scripts/compare_gpu.sh OUT_DIR"]) == 0
+    md = (root / "README.md").read_text()
+    rows = [line for line in md.splitlines() if line.startswith("| [")]
+    # relu before gelu, fp16 before bf16
+    assert [r.split("]")[0][3:] for r in rows] == ["relu-fp16", "relu-bf16", "gelu-fp16"]
+    assert rows[1] == (
+        "| [relu-bf16](relu-bf16/compare.md) | relu | bf16 | 85.00% ± 7.07% | 65.00% ± 7.07% | +20.00 pp | NO "
+        "| never | 7.63e-06 |"
+    )
+    assert "| +0.00 pp | yes |" in rows[0] and "| gelu | fp16 |" in rows[2]
+    speed_rows = [line for line in md.splitlines() if line.startswith("| relu-bf16 |") or line.startswith("| gelu")]
+    assert speed_rows == [
+        "| relu-bf16 | 4.5 | 9 | 2.00x | [4](relu-bf16/speed/compare.md) | 8 | 2.00x |",
+        "| gelu-fp16 | 4.5 | 9 | 2.00x | n/a | n/a | n/a |",
+    ]
+    assert "![fused vs naive, gelu-fp16](gelu-fp16/compare.png)" in md
+    assert "[speed task](relu-bf16/speed/compare.md)" in md
+    assert "Speed task (for the time per step only): digits 64-16-10, batch 64, sgd at lr 0.05" in md
+    assert "each step replayed as one CUDA graph" in md
+    # how the two paths differ: the kernels, the reductions, GELU, and what is the same
+    for fact in (
+        "Different GEMM kernels",
+        "round the product before",
+        "relu'(0) = 1 in both",
+        "GELU by two implementations",
+        "| bias gradient | summed over the batch inside an epilog",
+        "as different as two runs of one mode with different seeds",
+    ):
+        assert fact in md, fact
+    assert "```\nscripts/compare_gpu.sh OUT_DIR\n```" in md
+
+
+def test_index_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    def error(*argv: str) -> str:
+        assert compare.main(list(argv)) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: "), err
+        return err[0]
+
+    assert "does not exist" in error("--index", str(tmp_path / "nowhere"))
+    assert "no comparisons in" in error("--index", str(tmp_path))
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "compare.json").write_text("{")
+    assert str(tmp_path / "broken" / "compare.json") in error("--index", str(tmp_path))
+    with pytest.raises(SystemExit):  # a sweep and an index at once
+        compare.main([str(tmp_path), "--index", str(tmp_path)])
+
+
+# --------------------------------------------------------------------------- the GPU recipe: its configs and its script
+
+
+def test_gpu_comparison_configs_compose() -> None:
+    from mlptrain.cli import compose_config
+
+    cfg = compose_config(["model.activation=gelu", "precision=fp16"], config_name="compare_gpu")
+    assert (cfg.data.name.value, cfg.model.hidden, cfg.model.activation.value) == ("mnist1d", [256, 256], "gelu")
+    assert (cfg.optimizer.name.value, cfg.optimizer.lr, cfg.optimizer.warmup_steps) == ("adamw", 0.01, 100)
+    assert cfg.optimizer.schedule.value == "cosine" and cfg.data.batch_size == 128 and cfg.data.drop_last
+    assert (cfg.device.value, cfg.graph, cfg.epochs, cfg.precision.name.value) == ("gpu", True, 30, "fp16")
+    speed = compose_config(["precision=bf16"], config_name="compare_gpu_speed")
+    assert (speed.data.name.value, speed.model.hidden, speed.data.batch_size) == ("synthetic", [4096] * 3, 8192)
+    assert speed.optimizer.name.value == "adamw" and speed.graph is True and speed.epochs == 1
+
+
+def test_gpu_recipe_steps_are_as_documented() -> None:
+    """conf/compare_gpu.yaml says 28 steps an epoch (840 in all), compare_gpu_speed.yaml 95."""
+    pytest.importorskip("mnist1d")
+    from mlptrain.cli import compose_config
+    from mlptrain.data import load_dataset
+
+    cfg = compose_config(["device=cpu", "graph=null", "precision=fp32"], config_name="compare_gpu")
+    ds = load_dataset(cfg.data)
+    assert len(ds.y_train) // cfg.data.batch_size * cfg.epochs == 840
+    speed = compose_config(["device=cpu", "graph=null", "precision=fp32"], config_name="compare_gpu_speed")
+    n = speed.data.samples
+    test = round(n * speed.data.test_fraction)
+    val = round((n - test) * speed.data.val_fraction)
+    assert (n - test - val) // speed.data.batch_size == 95
+
+
+SCRIPT = REPO / "scripts" / "compare_gpu.sh"
+
+
+def _script(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", "HYDRA_MAIN_MODULE")}
+    env["PYTHON"] = sys.executable
+    return subprocess.run(["bash", str(SCRIPT), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_gpu_script_usage_errors(tmp_path: Path) -> None:
+    proc = _script(cwd=tmp_path)
+    assert proc.returncode == 2 and "usage: scripts/compare_gpu.sh OUT_DIR" in proc.stderr
+    proc = _script(str(tmp_path / "out"), "--nope", cwd=tmp_path)
+    assert proc.returncode == 2 and "unknown option --nope" in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_gpu_script_stops_at_once_without_a_gpu(tmp_path: Path) -> None:
+    from mlptrain.backend import probe_gpu
+
+    if probe_gpu()[0]:
+        pytest.skip("a GPU is present: the script would run the whole recipe")
+    proc = _script("out", cwd=tmp_path)
+    assert proc.returncode == 2 and "cannot start, missing: a GPU" in proc.stderr
+    assert not (tmp_path / "out" / "runs").exists()
+
+
+def test_gpu_script_runs_end_to_end_on_the_cpu(tmp_path: Path) -> None:
+    """The recipe in its --smoke form: the sweeps, the reports, the index and the archive, for one panel."""
+    pytest.importorskip("mnist1d")
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "out"
+    proc = _script(
+        "out", "--smoke", "--activations", "gelu", "--precisions", "fp32", "--tar", "pack/cg.tar.gz", "--", "seed=0",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    docs = out / "docs" / "compare-gpu"
+    data = json.loads((docs / "gelu-fp32" / "compare.json").read_text())
+    assert (data["dataset"], data["activation"], data["precision"], data["seeds"]) == ("mnist1d", "gelu", "fp32", [0])
+    assert data["agree"] is True and data["max_rel_diff"] == 0.0  # the CPU: both modes make the same BLAS calls
+    assert data["optimizer"]["name"] == "adamw" and data["steps"] == 2 * 28
+    speed = json.loads((docs / "gelu-fp32" / "speed" / "compare.json").read_text())
+    assert speed["dataset"] == "synthetic" and speed["widths"] == [32, 64, 64, 10] and speed["seeds"] == [0]
+    md = (docs / "gelu-fp32" / "compare.md").read_text()
+    # the recorded commands are the ones to type at the repository's root
+    assert "python scripts/compare.py runs/compare-gpu/gelu-fp32 --out docs/compare-gpu/gelu-fp32" in md
+    index = (docs / "README.md").read_text()
+    assert "| [gelu-fp32](gelu-fp32/compare.md) | gelu | fp32 |" in index
+    assert "scripts/compare_gpu.sh OUT_DIR --smoke --activations 'gelu' --precisions 'fp32' -- seed=0" in index
+    assert not list((out / "runs").rglob("checkpoints"))
+    assert "finished in" in (out / "compare_gpu.log").read_text()
+    import tarfile
+
+    with tarfile.open(tmp_path / "pack" / "cg.tar.gz") as tar:
+        names = tar.getnames()
+    assert "docs/compare-gpu/README.md" in names and "compare_gpu.log" in names
+    assert "docs/compare-gpu/gelu-fp32/speed/compare.png" in names
