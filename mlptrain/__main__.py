@@ -3,10 +3,16 @@
 import os
 import signal
 
-# Ctrl-C or SIGTERM while Python imports Hydra and mlptrain: nothing has been written, so stop at once
-# with the status a shell expects (mlptrain.cli.main then says so in a line of its own).
+
+def _stop(signum: int, frame: object) -> None:
+    """Ctrl-C or SIGTERM while Python imports Hydra and mlptrain: nothing has been written, so stop at
+    once, with one line and the status a shell expects (as :func:`mlptrain.cli._exit_now` later)."""
+    os.write(2, f"error: stopped by {signal.Signals(signum).name} before training; nothing was written\n".encode())
+    os._exit(128 + signum)
+
+
 for _sig in (signal.SIGINT, signal.SIGTERM):
-    signal.signal(_sig, lambda signum, frame: os._exit(128 + signum))
+    signal.signal(_sig, _stop)
 
 from mlptrain.cli import main  # noqa: E402
 
