@@ -2,7 +2,8 @@
 
 Each campaign trains one run through ``python -m mlptrain`` (CPU, digits) into a fresh directory and
 interrupts it again and again with SIGINT, SIGTERM or SIGKILL, at one of three moments: while
-Python, Hydra and the data are still loading ("start-up"), at a random moment of training, or the
+Python, Hydra and the data are still loading ("start-up", from the moment mlptrain's own code runs:
+a signal during the interpreter's own start is Python's KeyboardInterrupt), at a random moment of training, or the
 moment a checkpoint's temporary file appears (mid-write). Then it continues the run with
 ``resume=last`` (afresh, if it was stopped before its run started) until it finishes. Every
 attempt is checked: the exit status is the promised one (130 for SIGINT, 143 for SIGTERM, killed
@@ -70,6 +71,23 @@ def run_record_stamp(run: Path) -> int | None:
         return None
 
 
+def wait_for_handlers(proc: subprocess.Popen[str], timeout: float = 10) -> None:
+    """Wait until the process runs mlptrain's own code (its SIGTERM handler is installed, as Linux's
+    ``/proc/<pid>/status`` shows). Before that the interpreter itself is starting, and a Ctrl-C there
+    is Python's KeyboardInterrupt, which no program can catch: not a moment the campaign can hold
+    mlptrain to. Elsewhere than Linux, no wait."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            status = Path(f"/proc/{proc.pid}/status").read_text()
+        except OSError:
+            return
+        caught = next((line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), None)
+        if caught is None or (int(caught, 16) >> (signal.SIGTERM - 1)) & 1:
+            return
+        time.sleep(0.002)
+
+
 def wait_for_training(proc: subprocess.Popen[str], run: Path, before: int | None, timeout: float = 60) -> bool:
     """Until this attempt was accepted and trains (it rewrote run.json); False if it ended first."""
     deadline = time.monotonic() + timeout
@@ -106,6 +124,7 @@ def attempt(run: Path, resume: bool, rng: np.random.Generator, log: list[dict[st
     before = run_record_stamp(run)
     proc = start(run, resume)
     if moment == "start-up":  # Python, Hydra and the data still loading, or the run being checked
+        wait_for_handlers(proc)
         time.sleep(float(rng.uniform(0.0, 1.0)))
         hit = proc.poll() is None
     else:
