@@ -67,6 +67,10 @@ USES: dict[str, tuple[Callable[[TrainConfig], bool], str]] = {
     "execution.wgrad_stream": (_gpu, "the GPU"),
     "execution.workspace_mib": (_gpu, "the GPU"),
     "graph": (_gpu, "the GPU"),
+    "distributed.bucket_mib": (
+        lambda c: c.distributed.gpus > 1 or _launched(),
+        "data parallel runs (distributed.gpus > 1, torchrun, mpirun)",
+    ),
     "distributed.verify": (
         lambda c: c.distributed.gpus > 1 or _launched(),
         "data parallel runs (distributed.gpus > 1, torchrun, mpirun)",
@@ -217,6 +221,7 @@ def _ranges(cfg: TrainConfig) -> list[str]:
             "data parallelism runs on NCCL, which the CPU does not have",
         ),
         (cfg.distributed.timeout_s > 0, f"distributed.timeout_s={cfg.distributed.timeout_s} must be positive"),
+        (cfg.distributed.bucket_mib >= 0, f"distributed.bucket_mib={cfg.distributed.bucket_mib} must be >= 0"),
         (
             cfg.distributed.gpus == 1 or cfg.data.batch_size >= cfg.distributed.gpus,
             f"data.batch_size={cfg.data.batch_size} is the global batch and must be at least distributed.gpus="

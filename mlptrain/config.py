@@ -191,6 +191,7 @@ class DistributedConfig:
     gpus: int = _f(1, "data parallel: one process per GPU on this host (torchrun and mpirun: their ranks)")
     timeout_s: float = _f(300.0, "data parallel: a rank that makes no progress for this long stops the run")
     verify: bool = _f(False, "data parallel: check at every log interval that every rank holds the same parameters")
+    bucket_mib: float = _f(25.0, "data parallel: weight gradients go in all-reduces of at least this size, MiB")
 
 
 @dataclass

@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 # The number of GPUs is one of them: the global batch, and so every step, is the same on any number.
 COSMETIC_KEYS = (
     "resume", "progress", "log_every", "checkpoint_every", "checkpoint_steps",
-    "distributed.gpus", "distributed.timeout_s", "distributed.verify",
+    "distributed.gpus", "distributed.timeout_s", "distributed.verify", "distributed.bucket_mib",
 )  # fmt: skip
 
 

@@ -96,7 +96,7 @@ class Trainer:
         if comm is not None:
             from mlptrain.distributed.dp import GradientSync
 
-            self.grad_sync = GradientSync(comm, cfg.data.batch_size, xp)
+            self.grad_sync = GradientSync(comm, cfg.data.batch_size, xp, int(cfg.distributed.bucket_mib * 2**20))
         self.optimizer = build.optimizer(cfg.optimizer, self.model.params)
         self.scaler = build.scaler(cfg.precision, xp, self.precision)
         self.steps_per_epoch = len(self.train_loader)

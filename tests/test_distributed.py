@@ -232,7 +232,7 @@ def test_weight_gradients_are_reduced_by_layer_as_the_side_stream_makes_them_and
     params = [SimpleNamespace(name=n, grad=np.full(3, i, np.float64)) for i, n in
               enumerate(["l0.w", "l0.b", "l1.w", "l1.b", "l2.w", "l2.b"])]  # fmt: skip
     model = SimpleNamespace(side_stream=side, on_weight_grad=None)
-    sync = GradientSync(comm, batch_size=64)
+    sync = GradientSync(comm, batch_size=64, bucket_bytes=1)  # every layer's gradient fills a bucket
     sync.overlap(model)
     assert model.on_weight_grad == sync.weight_grad_ready
     model.on_weight_grad(params[4])  # layer 2's dW, then layer 1's: the order of the backward
@@ -261,3 +261,30 @@ def test_without_a_side_stream_everything_goes_in_one_group():
     assert model.on_weight_grad is None
     sync(params, np.float64(1.0), np.int64(8), 8, np.float64(0.25))
     assert len(comm.calls) == 1 and len(comm.calls[0][0]) == 5 and comm.calls[0][1] is None
+
+
+@pytest.mark.parametrize(
+    ("cap", "calls"), [(48, [[4, 2], [0, 1, 3, 5, "stats"]]), (10**6, [[0, 1, 2, 3, 4, 5, "stats"]])]
+)
+def test_small_weight_gradients_share_a_bucket(cap, calls):
+    """Buckets of at least ``bucket_bytes``: two 24-byte gradients fill a 48-byte bucket together; a
+    bucket never filled (a small model: DDP's 25 MiB) goes with the final group, one launch in all."""
+    from types import SimpleNamespace
+
+    from mlptrain.distributed.dp import GradientSync
+
+    comm, side = _Recorder(), object()
+    params = [SimpleNamespace(grad=np.full(3, i, np.float64)) for i in range(6)]  # 24 bytes each
+    model = SimpleNamespace(side_stream=side, on_weight_grad=None)
+    sync = GradientSync(comm, batch_size=8, bucket_bytes=cap)
+    sync.overlap(model)
+    model.on_weight_grad(params[4])
+    model.on_weight_grad(params[2])
+    sync(params, np.float64(1.0), np.int64(8), 8, np.float64(1.0))
+
+    def which(a):
+        return next((i for i, p in enumerate(params) if a is p.grad), "stats")
+
+    assert [[which(a) for a in arrays] for arrays, _ in comm.calls] == calls
+    model.on_weight_grad(params[4])  # the next step starts with an empty bucket
+    assert sync._bucket == [params[4]]

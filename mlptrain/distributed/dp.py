@@ -48,12 +48,18 @@ class GradientSync:
         comm: this rank's communicator.
         batch_size: the global batch size ``B`` of the run.
         xp: the array module of the step (NumPy or CuPy).
+        bucket_bytes: the weight gradients made so far are all-reduced together once they reach this
+            size (``distributed.bucket_mib``; PyTorch DDP's ``bucket_cap_mb`` is 25 too): every layer
+            of a large model goes alone, as soon as it is made; a small model's go in the final
+            group, one NCCL launch instead of one per layer (each costs its latency).
     """
 
-    def __init__(self, comm: Communicator, batch_size: int, xp: Any = np) -> None:
+    def __init__(self, comm: Communicator, batch_size: int, xp: Any = np, bucket_bytes: int = 25 * 2**20) -> None:
         self.comm = comm
         self.batch_size = batch_size
         self.xp = xp
+        self.bucket_bytes = bucket_bytes
+        self._bucket: list[Any] = []  # weight gradients made but not yet sent
         self.stream: Any = None  # GPU: where the all-reduces run (the weight gradients' stream)
         self._early: list[Any] = []  # the gradients this step reduced already (:meth:`weight_grad_ready`)
 
@@ -67,8 +73,12 @@ class GradientSync:
             model.on_weight_grad = self.weight_grad_ready
 
     def weight_grad_ready(self, param: Any) -> None:
-        self.comm.all_reduce([param.grad])  # on the current stream: the side stream, right after the GEMM
-        self._early.append(param)
+        """``param.grad`` was just enqueued on the current (side) stream: send the bucket once it is full."""
+        self._bucket.append(param)
+        if sum(int(p.grad.nbytes) for p in self._bucket) >= self.bucket_bytes:
+            self.comm.all_reduce([p.grad for p in self._bucket])  # on the side stream, right after the GEMM
+            self._early += self._bucket
+            self._bucket = []
 
     def grad_scale(self, scale: Any, rows: int) -> Any:
         """The loss scale of this rank's backward: ``scale x rows / B`` (a 0-d device array)."""
@@ -87,6 +97,7 @@ class GradientSync:
         early = {id(p) for p in self._early}
         rest = [p.grad for p in params if id(p) not in early]
         self._early.clear()
+        self._bucket = []  # (not full: its gradients go in the final group)
         if self.stream is None:
             self.comm.all_reduce([*rest, stats])
         else:  # after the main stream's work so far, on the stream of the early all-reduces; joined back
