@@ -166,7 +166,7 @@ class Loop:
     def best_scores(self) -> dict[str, float]:
         """The test scores of the parameters in ``best.npz`` (evaluated in place, then the last state put back)."""
         path = self.run_dir.checkpoint("best")
-        if "test" not in self.tr.eval_loaders or not path.is_file():
+        if "test" not in self.tr.eval_loaders or not self._everyone(path.is_file()):
             return {}
         model = self.tr.model
         now = model.state_dict()
@@ -176,6 +176,16 @@ class Loop:
             return self.tr.evaluate("test")
         finally:
             model.load_state_dict(now)
+
+    def _everyone(self, mine: bool) -> bool:
+        """``mine`` on every rank (data parallel: an all-reduce, so that a collective that follows is
+        entered by all ranks or by none); on one rank, ``mine``."""
+        sync = self.tr.grad_sync
+        if sync is None:
+            return mine
+        votes = np.array([1.0 if mine else 0.0])
+        sync.comm.all_reduce([votes])
+        return int(votes[0]) == sync.comm.world
 
     def finish(self) -> int:
         """End a run whose last checkpoint is its end: the last epoch's record (evaluated again where the
@@ -237,6 +247,8 @@ class Loop:
             rec["train/acc"] = pos.correct / n
         for split in tr.eval_loaders:
             rec.update(tr.evaluate(split))
+            if hasattr(self.stop, "beat"):
+                self.stop.beat()
         rec["time_s"] = time.perf_counter() - t_epoch
         self.record = rec
         # A checkpoint after a whole epoch resumes at the next one, its epoch record written; one
@@ -313,6 +325,8 @@ class Loop:
         )
         path = self.run_dir.checkpoint(name)
         checkpoint.save(path, arrays, meta)
+        if hasattr(self.stop, "beat"):  # a large checkpoint on slow storage: not a hang
+            self.stop.beat()
         if name == "last":
             self.last_saved = (path, pos.step)
 

@@ -101,10 +101,9 @@ def _train_follower(cfg: TrainConfig, out_dir: Path, dataset: Dataset | None, co
     import shutil
     import tempfile
 
-    if cfg.resume in ("last", "best"):  # rank 0's checkpoint, not one in the private directory
-        cfg = dataclasses.replace(cfg, resume=str(RunDirectory(out_dir).checkpoint(cfg.resume)))
-    elif cfg.resume is not None and (out_dir / cfg.resume).is_dir():
-        cfg = dataclasses.replace(cfg, resume=str(out_dir / cfg.resume))
+    if cfg.resume is not None:  # rank 0's checkpoint, found as rank 0 finds it (not one in the private directory)
+        path, _ = _resume_path(cfg.resume, RunDirectory(out_dir))
+        cfg = dataclasses.replace(cfg, resume=None if path is None else str(path))
     cfg = dataclasses.replace(cfg, progress=False)
     private = Path(tempfile.mkdtemp(prefix=f"mlptrain-rank{comm.rank}-"))
     try:
@@ -133,6 +132,8 @@ def _train_locked(
     try:
         with _stop_request(cfg, comm) as stop:  # until stop.defer(), Ctrl-C and SIGTERM stop at once
             tr = Trainer(cfg, dataset, backend, comm=comm, precompile=precompile)
+            if hasattr(stop, "beat"):  # data parallel: building (data, kernels, the bgrad probe) was progress
+                stop.beat()
             start = _prepare(tr, run_dir)
             stop.defer()  # accepted: from here a stop request saves last first
             _accept(tr, run_dir, start, on_accept)

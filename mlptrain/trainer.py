@@ -35,6 +35,7 @@ from mlptrain import build
 from mlptrain.backend import Backend, get_backend
 from mlptrain.config import TrainConfig
 from mlptrain.data import Dataset, load_dataset
+from mlptrain.distributed.dp import shard_rows
 from mlptrain.errors import CheckpointError
 from mlptrain.schedule import StepClock
 from mlptrain.steplog import StepLog
@@ -274,6 +275,8 @@ class Trainer:
         # backward is scheduled: time this model's step both ways, on random data.
         ex = self.cfg.execution
         cdt, B, xp = self.precision.compute_dtype, self.cfg.data.batch_size, self.xp
+        if self.grad_sync is not None:  # data parallel: this rank's step runs on its shard of the batch
+            B = len(range(B)[shard_rows(B, self.grad_sync.comm.rank, self.grad_sync.comm.world)])
         key = (
             f"step {'-'.join(map(str, self.widths))} batch {B} {np.dtype(cdt).name}"
             f"{'' if self.cfg.model.activation.value == 'relu' else ' ' + self.cfg.model.activation.value}"

@@ -288,3 +288,62 @@ def test_small_weight_gradients_share_a_bucket(cap, calls):
     assert [[which(a) for a in arrays] for arrays, _ in comm.calls] == calls
     model.on_weight_grad(params[4])  # the next step starts with an empty bucket
     assert sync._bucket == [params[4]]
+
+
+def test_under_torchrun_the_id_goes_through_torchruns_own_store(monkeypatch):
+    """torchrun's agent already listens at MASTER_ADDR:MASTER_PORT (its TCPStore): rank 0 puts the id
+    there as a client, the others read it; no server of mlptrain's own tries to take the port."""
+    import sys
+    import types
+
+    from mlptrain.distributed.launch import DistEnv, exchange_id
+
+    shared: dict = {}
+    made: list = []
+
+    class FakeStore:
+        def __init__(self, host, port, is_master, timeout):
+            made.append((host, port, is_master))
+
+        def set(self, key, value):
+            shared[key] = value
+
+        def get(self, key):
+            deadline = time.monotonic() + 5
+            while key not in shared and time.monotonic() < deadline:
+                time.sleep(0.01)
+            return shared[key]
+
+    dist = types.ModuleType("torch.distributed")
+    dist.TCPStore = FakeStore
+    monkeypatch.setitem(sys.modules, "torch", types.ModuleType("torch"))
+    monkeypatch.setitem(sys.modules, "torch.distributed", dist)
+    out: list = [None, None]
+
+    def run(r):
+        env = DistEnv(r, 2, r, "host0", 29500, "torchrun")
+        out[r] = exchange_id(env, b"id" * 64 if r == 0 else None, environ={"TORCHELASTIC_RESTART_COUNT": "1"})
+
+    ts = [threading.Thread(target=run, args=(r,)) for r in (1, 0)]
+    [t.start() for t in ts]
+    [t.join(10) for t in ts]
+    assert out == [b"id" * 64] * 2
+    assert made == [("host0", 29500, False)] * 2 and list(shared) == ["mlptrain/nccl_unique_id/1"]
+
+
+def test_mlptrain_rdzv_port_chooses_mlptrains_own_rendezvous_and_its_port():
+    from mlptrain.distributed.launch import DistEnv, exchange_id
+
+    port = _free_port()
+    out: list = [None, None]
+
+    def run(r):
+        env = DistEnv(r, 2, r, "127.0.0.1", 1, "torchrun")  # MASTER_PORT unused: MLPTRAIN_RDZV_PORT decides
+        out[r] = exchange_id(env, b"x" * 128 if r == 0 else None, timeout=10, environ={"MLPTRAIN_RDZV_PORT": str(port)})
+
+    ts = [threading.Thread(target=run, args=(r,)) for r in (1, 0)]
+    [t.start() for t in ts]
+    [t.join(20) for t in ts]
+    assert out == [b"x" * 128] * 2
+    with pytest.raises(ConfigError, match="MLPTRAIN_RDZV_PORT='http'; expected a TCP port number"):
+        exchange_id(DistEnv(1, 2, 1, "127.0.0.1", 1, "mpirun"), None, environ={"MLPTRAIN_RDZV_PORT": "http"})

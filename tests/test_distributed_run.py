@@ -182,16 +182,14 @@ def _exit_with(code: int, after: float) -> None:
     sys.exit(code)
 
 
-def _wait_for_sigint(marker: str) -> None:
-    os.setpgrp()  # as the real workers: only the launcher forwards signals to them
-    got = []
-    signal.signal(signal.SIGINT, lambda s, f: got.append(s))
+def _wait_for_stop(marker: str, stop) -> None:
+    os.setpgrp()  # as the real workers
     Path(marker + ".ready").touch()
     deadline = time.monotonic() + 20
-    while not got and time.monotonic() < deadline:
+    while not stop.value and time.monotonic() < deadline:
         time.sleep(0.01)
-    Path(marker).write_text(str(len(got)))
-    sys.exit(128 + signal.SIGINT if got else 1)
+    Path(marker).write_text(str(stop.value))
+    sys.exit(128 + stop.value if stop.value else 1)
 
 
 def test_a_rank_that_fails_stops_the_others_within_the_grace_period(monkeypatch):
@@ -207,20 +205,48 @@ def test_a_rank_that_fails_stops_the_others_within_the_grace_period(monkeypatch)
     assert procs[0].exitcode is not None and procs[0].exitcode != 0  # stopped, not left running
 
 
-def test_ctrl_c_on_the_launcher_reaches_every_rank_once(tmp_path):
+def test_ctrl_c_on_the_launcher_reaches_every_rank_once_as_a_shared_stop(tmp_path):
+    """The launcher's first signal goes to the ranks through the shared integer (not as a signal: a rank
+    that a scheduler also signals directly would take the second for "stop at once"); every rank sees it."""
     ctx = mp.get_context("spawn")
+    stop = ctx.Value("i", 0)
     markers = [tmp_path / f"r{r}" for r in range(2)]
-    procs = [ctx.Process(target=_wait_for_sigint, args=(str(m),)) for m in markers]
+    procs = [ctx.Process(target=_wait_for_stop, args=(str(m), stop)) for m in markers]
     for p in procs:
         p.start()
     deadline = time.monotonic() + 60
     while not all(Path(f"{m}.ready").exists() for m in markers) and time.monotonic() < deadline:
-        time.sleep(0.05)  # until both workers have installed their handlers
-    threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
-    failure = spawn._supervise(procs)
-    assert failure == "stopped by SIGINT"
-    assert [m.read_text() for m in markers] == ["1", "1"]
+        time.sleep(0.05)
+    received: list[int] = []
+    threading.Timer(0.2, received.append, (int(signal.SIGINT),)).start()
+    assert spawn._supervise(procs, stop_timeout=30, stop=stop, received=received) == "stopped by SIGINT"
+    assert [m.read_text() for m in markers] == [str(int(signal.SIGINT))] * 2
     assert [p.exitcode for p in procs] == [130, 130]
+
+
+def test_the_launcher_records_ctrl_c_instead_of_raising_it():
+    with spawn._Signals() as received:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.1)
+    assert received == [signal.SIGINT]
+
+
+def _sleep(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+@pytest.mark.parametrize(("received", "limit"), [([int(signal.SIGINT)], 10), ([int(signal.SIGINT)] * 2, 3)])
+def test_ranks_that_do_not_stop_are_killed_after_the_timeout_or_at_a_second_ctrl_c(monkeypatch, received, limit):
+    monkeypatch.setattr(spawn, "GRACE_S", 0.5)
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_sleep, args=(60,)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    t0 = time.monotonic()
+    assert spawn._supervise(procs, stop_timeout=4.0, stop=ctx.Value("i", 0), received=received) == "stopped by SIGINT"
+    took = time.monotonic() - t0
+    assert took < limit and (len(received) > 1 or took > 3)  # the timeout waited, the second signal did not
+    assert [p.exitcode for p in procs] == [-signal.SIGKILL, -signal.SIGKILL]
 
 
 def test_rank_0s_error_is_the_runs_error():
@@ -272,23 +298,3 @@ def test_replicas_that_differ_by_one_bit_are_caught():
 def test_verified_thread_ranks_hold_the_same_parameters_at_every_interval(tmp_path):
     res = _ranks(2, _cfg(distributed__verify=True, log_every=1, epochs=1), tmp_path / "run")
     assert all(isinstance(r, dict) for r in res), res
-
-
-def _ignore_sigint() -> None:
-    os.setpgrp()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a rank stuck where no handler runs
-    time.sleep(60)
-
-
-def test_ranks_that_do_not_stop_after_ctrl_c_are_killed_after_the_timeout(monkeypatch):
-    monkeypatch.setattr(spawn, "GRACE_S", 0.5)
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_ignore_sigint) for _ in range(2)]
-    for p in procs:
-        p.start()
-    time.sleep(2.0)
-    threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
-    t0 = time.monotonic()
-    assert spawn._supervise(procs, stop_timeout=2.0) == "stopped by SIGINT"
-    assert time.monotonic() - t0 < 10
-    assert [p.exitcode for p in procs] == [-signal.SIGKILL, -signal.SIGKILL]

@@ -20,6 +20,7 @@ import faulthandler
 import hashlib
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -42,6 +43,11 @@ class AgreedStop:
     def __init__(self, inner: Any, comm: Any, watchdog: Watchdog | None = None) -> None:
         self.inner, self.comm, self.watchdog = inner, comm, watchdog
         self._agreed = False
+        # the launcher of distributed.gpus passes its Ctrl-C on as a shared integer (the signal's number)
+        self.launcher = getattr(comm, "stop_signal", None)
+
+    def _asked(self) -> bool:
+        return bool(self.inner.requested or (self.launcher is not None and self.launcher.value))
 
     @property
     def requested(self) -> bool:
@@ -49,13 +55,21 @@ class AgreedStop:
 
     @property
     def signum(self) -> int:
-        return self.inner.signum
+        """The signal this rank (or its launcher) got; SIGTERM for a rank that stops because another was asked to."""
+        if self.inner.requested:
+            return self.inner.signum
+        return int(self.launcher.value) if self.launcher is not None and self.launcher.value else int(signal.SIGTERM)
 
     def defer(self) -> None:
         self.inner.defer()
 
+    def beat(self) -> None:
+        """Progress that is not a log interval (building the trainer, evaluating, saving)."""
+        if self.watchdog is not None:
+            self.watchdog.beat()
+
     def agree(self) -> bool:
-        flag = np.array([1.0 if self.inner.requested else 0.0])
+        flag = np.array([1.0 if self._asked() else 0.0])
         self.comm.all_reduce([flag])  # a host array: synchronises, at a point that already does
         self._agreed = self._agreed or bool(flag[0] > 0)
         if self.watchdog is not None:
@@ -115,7 +129,7 @@ class Watchdog:
 def check_replicas(comm: Any, arrays: dict[str, np.ndarray], step: int) -> None:
     """Raise if the ranks' ``arrays`` (the parameters, as host arrays by name) differ in any bit.
 
-    Each rank hashes its bytes; the 64-bit digest goes through the all-reduce as three exact float64
+    Each rank hashes its bytes; the 64-bit digest goes through the all-reduce as four 16-bit float64
     parts and their squares: every rank holds the same digest exactly when, for each part,
     ``world x sum(d^2) == sum(d)^2`` (the variance over the ranks is zero).
     """
@@ -123,10 +137,10 @@ def check_replicas(comm: Any, arrays: dict[str, np.ndarray], step: int) -> None:
     for name in sorted(arrays):
         h.update(np.ascontiguousarray(arrays[name]).tobytes())
     d = int.from_bytes(h.digest(), "little")
-    parts = np.array([d & 0xFFFFFF, (d >> 24) & 0xFFFFFF, d >> 48], dtype=np.float64)
-    sums = np.concatenate([parts, parts**2])
+    parts = np.array([(d >> s) & 0xFFFF for s in (0, 16, 32, 48)], dtype=np.float64)  # exact in float64,
+    sums = np.concatenate([parts, parts**2])  # and so are world x (2^16)^2 and (world x 2^16)^2 for any world < 2^10
     comm.all_reduce([sums])
-    if any(sums[3 + i] * comm.world != sums[i] ** 2 for i in range(3)):
+    if any(sums[4 + i] * comm.world != sums[i] ** 2 for i in range(4)):
         from mlptrain.errors import MlptrainError
 
         raise MlptrainError(f"rank {comm.rank}: after step {step} the parameters differ between the ranks")

@@ -15,6 +15,9 @@ A rank that never arrives makes the others fail with a clear error, never hang.
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
+import os
 import socket
 import struct
 import time
@@ -77,6 +80,46 @@ def _int(env: Mapping[str, str], name: str, launcher: str) -> int:
         raise ConfigError(f"{name}={value!r}; expected an integer") from None
 
 
+def exchange_id(
+    env: DistEnv, payload: bytes | None, timeout: float = 120.0, environ: Mapping[str, str] | None = None
+) -> bytes:
+    """NCCL's unique id from rank 0 to every rank, through the launcher's own channel.
+
+    * torchrun: its key-value store, the ``TCPStore`` its agent serves at ``MASTER_ADDR:MASTER_PORT``
+      (the port is taken: a server of our own could not listen there);
+    * mpirun, or ``MLPTRAIN_RDZV_PORT`` set: :func:`rendezvous` at ``MASTER_ADDR`` and that port
+      (default ``MASTER_PORT``).
+    """
+    environ = os.environ if environ is None else environ
+    port = environ.get("MLPTRAIN_RDZV_PORT")
+    if env.launcher == "torchrun" and port is None:
+        return _torch_store(env, payload, timeout, environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if port is not None:
+        try:
+            env = dataclasses.replace(env, master_port=int(port))
+        except ValueError:
+            raise ConfigError(f"MLPTRAIN_RDZV_PORT={port!r}; expected a TCP port number") from None
+    return rendezvous(env, payload, timeout)
+
+
+def _torch_store(env: DistEnv, payload: bytes | None, timeout: float, attempt: str) -> bytes:
+    try:
+        from torch.distributed import TCPStore
+    except ImportError:
+        raise ConfigError(
+            "started by torchrun, but torch.distributed is not importable here for its store; set "
+            "MLPTRAIN_RDZV_PORT to a free port for mlptrain's own rendezvous"
+        ) from None
+    store = TCPStore(env.master_addr, env.master_port, is_master=False, timeout=datetime.timedelta(seconds=timeout))
+    key = f"mlptrain/nccl_unique_id/{attempt}"  # an elastic restart makes a new communicator
+    if env.rank == 0:
+        if payload is None:
+            raise ValueError("rank 0 must give the payload to send")
+        store.set(key, payload)
+        return payload
+    return bytes(store.get(key))  # waits for rank 0 (the store's timeout bounds it)
+
+
 def rendezvous(env: DistEnv, payload: bytes | None, timeout: float = 120.0) -> bytes:
     """Rank 0 sends ``payload`` (the NCCL unique id) to every other rank; every rank returns it.
 
@@ -94,7 +137,8 @@ def rendezvous(env: DistEnv, payload: bytes | None, timeout: float = 120.0) -> b
 
 
 def _serve(env: DistEnv, payload: bytes, deadline: float) -> None:
-    with socket.create_server((env.master_addr, env.master_port), reuse_port=False) as server:
+    with socket.create_server(("", env.master_port), reuse_port=False) as server:  # every interface: MASTER_ADDR
+        # may name this host by an address it does not listen on (a host name resolving to 127.0.1.1)
         served = 0
         while served < env.world - 1:
             server.settimeout(max(0.01, deadline - time.monotonic()))

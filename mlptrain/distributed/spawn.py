@@ -14,7 +14,8 @@ with it. Rank 0 writes the run directory; the others write nothing there. Then t
   saves ``last`` there, and the launcher exits as a run on one GPU does.
 
 Under ``torchrun`` or ``mpirun`` every process is a launched rank already: :func:`join` makes its
-communicator, with the id passed over :func:`mlptrain.distributed.launch.rendezvous`.
+communicator, with the id passed through torchrun's store or over
+:func:`mlptrain.distributed.launch.rendezvous` (:func:`mlptrain.distributed.launch.exchange_id`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from mlptrain.distributed.launch import DistEnv, rendezvous
+from mlptrain.distributed.launch import DistEnv, exchange_id
 from mlptrain.errors import ConfigError, Interrupted, MlptrainError
 
 log = logging.getLogger(__name__)
@@ -67,52 +68,70 @@ def launch(cfg: Any, out_dir: Path, *, accept_files: dict[str, str] | None = Non
 
     uid = NcclComm.new_id()
     ctx = mp.get_context("spawn")
-    results = ctx.Queue()
+    results, stop = ctx.Queue(), ctx.Value("i", 0)  # stop: the signal the launcher got, 0 while none
     procs = [
-        ctx.Process(target=_worker, args=(r, world, uid, cfg, str(out_dir), accept_files, results), name=f"rank{r}")
+        ctx.Process(target=_worker, args=(r, world, uid, cfg, str(out_dir), accept_files, results, stop),
+                    name=f"rank{r}")
         for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    log.info("data parallel on %d GPUs: ranks started (pids %s)", world, [p.pid for p in procs])
-    failure = _supervise(procs, cfg.distributed.timeout_s)
-    got = _drain(results, world)
-    return _outcome(got, failure, procs)
+    ]  # fmt: skip
+    with _Signals() as received:  # from before the first rank starts: no Ctrl-C leaves ranks unsupervised
+        try:
+            for p in procs:
+                p.start()
+            log.info("data parallel on %d GPUs: ranks started (pids %s)", world, [p.pid for p in procs])
+            failure = _supervise(procs, cfg.distributed.timeout_s, stop, received)
+        finally:
+            _signal_all(procs, signal.SIGKILL)  # nothing outlives the launcher (a no-op after a clean end)
+    return _outcome(_drain(results, world), failure, procs)
 
 
-def _supervise(procs: list[Any], stop_timeout: float = 300.0) -> str | None:
-    """Wait for every rank; forward Ctrl-C/SIGTERM; stop the rest when one fails. Returns the failure, if any.
+class _Signals:
+    """Ctrl-C and SIGTERM recorded (a list of signal numbers), not raised, while the ranks run."""
 
-    Ranks asked to stop get ``stop_timeout`` seconds (``distributed.timeout_s``) to agree on a step
-    and save; then they are killed."""
-    received: list[int] = []
-    previous = {
-        s: signal.signal(s, lambda signum, frame: received.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)
-    }
-    failure, failed_at = None, 0.0
-    try:
-        forwarded = 0
-        while any(p.is_alive() for p in procs):
-            for signum in received[forwarded:]:
-                for p in procs:
-                    if p.is_alive():
-                        os.kill(p.pid, signum)
-                forwarded += 1
-                if failure is None:
-                    failed_at = time.monotonic() + stop_timeout - GRACE_S  # SIGKILL after stop_timeout
-                    failure = f"stopped by {signal.Signals(signum).name}"
-            dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-            if dead and failure is None:
-                r, code = dead[0]
-                failure, failed_at = f"rank {r} exited with status {code}", time.monotonic()
-                log.error("%s; stopping the other ranks", failure)
-                _signal_all(procs, signal.SIGTERM)
-            if failure is not None and time.monotonic() - failed_at > GRACE_S:
-                _signal_all(procs, signal.SIGKILL)
-            time.sleep(0.05)
-    finally:
-        for s, h in previous.items():
+    def __enter__(self) -> list[int]:
+        self.received: list[int] = []
+        self.previous = {
+            s: signal.signal(s, lambda n, f: self.received.append(n)) for s in (signal.SIGINT, signal.SIGTERM)
+        }
+        return self.received
+
+    def __exit__(self, *exc: object) -> None:
+        for s, h in self.previous.items():
             signal.signal(s, h)
+
+
+def _supervise(
+    procs: list[Any], stop_timeout: float = 300.0, stop: Any = None, received: list[int] | None = None
+) -> str | None:
+    """Wait for every rank; pass a stop request on; stop the rest when one fails. Returns the failure, if any.
+
+    A first Ctrl-C or SIGTERM (in ``received``) is passed to the ranks through ``stop`` (a shared
+    integer the ranks read at each log interval, not a signal: a rank that a scheduler also signals
+    directly would take a second signal for "stop at once" and not save). They get ``stop_timeout``
+    seconds (``distributed.timeout_s``) to agree on a step and save; then they are killed. A second
+    signal kills them at once, as a second Ctrl-C stops a one-GPU run at once.
+    """
+    received = [] if received is None else received
+    failure, failed_at, seen = None, 0.0, 0
+    while any(p.is_alive() for p in procs):
+        if len(received) > seen:
+            if failure is None:  # the first request: the ranks agree on a step and save
+                if stop is not None:
+                    stop.value = received[0]
+                failure = f"stopped by {signal.Signals(received[0]).name}"
+                failed_at = time.monotonic() + stop_timeout - GRACE_S  # killed after stop_timeout
+            if len(received) > 1:
+                failed_at = -float("inf")  # a second signal: at once
+            seen = len(received)
+        dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+        if dead and failure is None:
+            r, code = dead[0]
+            failure, failed_at = f"rank {r} exited with status {code}", time.monotonic()
+            log.error("%s; stopping the other ranks", failure)
+            _signal_all(procs, signal.SIGTERM)
+        if failure is not None and time.monotonic() - failed_at > GRACE_S:
+            _signal_all(procs, signal.SIGKILL)
+        time.sleep(0.05)
     for p in procs:
         p.join()
     return failure
@@ -153,10 +172,18 @@ def _outcome(got: dict[int, tuple], failure: str | None, procs: list[Any]) -> di
 
 
 def _worker(
-    rank: int, world: int, uid: bytes, cfg: Any, out_dir: str, accept_files: dict[str, str] | None, results: Any
+    rank: int,
+    world: int,
+    uid: bytes,
+    cfg: Any,
+    out_dir: str,
+    accept_files: dict[str, str] | None,
+    results: Any,
+    stop: Any = None,
 ) -> None:
     """One rank: GPU ``rank``, the NCCL communicator, then the run (reports to the launcher)."""
-    os.setpgrp()  # a terminal's Ctrl-C reaches the launcher only; it forwards it once
+    os.setpgrp()  # a terminal's Ctrl-C reaches the launcher only; it passes the request on, once
+    _die_with_parent()
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format=f"[%(asctime)s][rank {rank}][%(name)s][%(levelname)s] - %(message)s")  # fmt: skip
     code = 0
@@ -165,6 +192,7 @@ def _worker(
         from mlptrain.run import train
 
         comm = NcclComm(rank, world, uid, device=rank)
+        comm.stop_signal = stop  # read by the agreed stop (mlptrain.distributed.control.AgreedStop)
         on_accept = _writer(accept_files) if rank == 0 else None
         results.put((rank, "ok", train(cfg, Path(out_dir), on_accept=on_accept, comm=comm)))
     except Interrupted as exc:
@@ -186,6 +214,16 @@ def _worker(
     sys.stderr.flush()
     logging.shutdown()
     os._exit(code)
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGTERM this rank when the launcher dies (even by SIGKILL), so that no rank trains on alone."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def _picklable(exc: BaseException) -> bool:
@@ -217,7 +255,8 @@ def join(env: DistEnv) -> Any:
     from mlptrain.gpu.nccl import NcclComm
 
     have = device_count()
-    if env.local_rank >= have:
+    device = 0 if have == 1 else env.local_rank  # one GPU visible (CUDA_VISIBLE_DEVICES per rank): that one
+    if device >= have:
         raise ConfigError(f"{env.launcher} gave local rank {env.local_rank}, but this host has {have} GPUs")
-    uid = rendezvous(env, NcclComm.new_id() if env.rank == 0 else None)
-    return NcclComm(env.rank, env.world, uid, device=env.local_rank)
+    uid = exchange_id(env, NcclComm.new_id() if env.rank == 0 else None)
+    return NcclComm(env.rank, env.world, uid, device=device)
