@@ -131,7 +131,12 @@ def _train_locked(
     tr: Trainer | None = None
     try:
         with _stop_request(cfg, comm) as stop:  # until stop.defer(), Ctrl-C and SIGTERM stop at once
-            tr = Trainer(cfg, dataset, backend, comm=comm, precompile=precompile)
+            try:
+                tr = Trainer(cfg, dataset, backend, comm=comm, precompile=precompile)
+            except BaseException:
+                if precompile is not None:  # the trainer never took it over: its threads end here
+                    precompile.close()
+                raise
             if hasattr(stop, "beat"):  # data parallel: building (data, kernels, the bgrad probe) was progress
                 stop.beat()
             start = _prepare(tr, run_dir)
