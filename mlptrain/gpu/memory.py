@@ -63,7 +63,7 @@ class PeakTracker:
 
 def account(trainer: Any) -> dict[str, Any]:
     """Bytes live by category and the pools' state for ``trainer`` (a GPU :class:`~mlptrain.trainer.Trainer`)."""
-    model, seen = trainer.model, set()
+    model, seen = trainer.model, set[int]()
     params = model.params
     layers = model.layers
     graphed = trainer.graphed
