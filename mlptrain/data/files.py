@@ -20,6 +20,7 @@ import io
 import re
 import stat
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -90,7 +91,7 @@ def read_table(path: str | Path, target: str | list[str], *, reader: str = "auto
     if kind == "npz":
         return _read_npz(path, need_y=bool(targets))
     if kind == "parquet" or (kind == "csv" and (reader == "arrow" or (reader == "auto" and arrow_available()))):
-        return _read_arrow(path, kind, delimiter, targets), None
+        return _read_arrow(path, kind, delimiter or ",", targets), None
     return _read_csv_numpy(path, delimiter or ",", targets), None
 
 
@@ -144,10 +145,7 @@ def _header(path: Path, delimiter: str, targets: list[str]) -> tuple[list[str], 
 
 
 def columns(path: str | Path) -> list[str]:
-    """The column names of a data file.
-
-    An NPZ file: its ``feature_names`` (or ``x0 ...``), then ``y`` if it has targets.
-    """
+    """The column names of a data file; an NPZ file's ``feature_names`` (or ``x0 ...``), then ``y`` with targets."""
     path = Path(path).expanduser()
     _check_file(path)
     kind, delimiter = file_kind(path)
@@ -238,30 +236,53 @@ def _numbers_if_numeric(y: np.ndarray) -> np.ndarray:
 # --- Arrow: fast CSV and Parquet --------------------------------------------------------------
 
 
-def _read_arrow(path: Path, kind: str, delimiter: str | None, targets: list[str]) -> Table:
+def _read_arrow(path: Path, kind: str, delimiter: str, targets: list[str]) -> Table:
+    """A CSV's features parsed as float64 (no type guessing), its targets guessed; or a Parquet file.
+
+    Two choices, measured on 1,000,000 x 100 (docs/benchmarks.md). The system allocator: Arrow's own
+    (mimalloc) hands freed memory back to the kernel and takes it again as fresh pages, which the
+    kernel zeroes (half the CPU of a first read on the 2-core VM). No null spellings (``NA``, ``null``,
+    the empty cell...: a tenth of the parse): a feature reads the same without them or fails, and so
+    does a target unless it holds a spelling. A failure or such a target reads again with the defaults.
+    """
     try:
         import pyarrow as pa
+        import pyarrow.compute as pc
         import pyarrow.csv as pcsv
         import pyarrow.parquet as pq
     except ImportError as exc:
         raise DatasetError(
             f"data file {path}: reading {kind} files needs pyarrow (pip install 'mlptrain[arrow]')"
         ) from exc
-    text = kind == "csv"
-    if text:  # the header checked as the NumPy path checks it; the features parsed as float64 (no type guessing)
-        names, features, _ = _header(path, delimiter or ",", targets)
-        opts = pcsv.ConvertOptions(column_types={names[i]: pa.float64() for i in features})
-        try:
-            table = pcsv.read_csv(path, parse_options=pcsv.ParseOptions(delimiter=delimiter), convert_options=opts)
-        except (pa.ArrowInvalid, OSError) as exc:
-            _explain_arrow_error(path, delimiter or ",", names, str(exc))
-            raise DatasetError(f"data file {path} cannot be read: {exc}") from exc
-    else:
+    if kind == "parquet":
         try:
             table = pq.read_table(path)
         except (pa.ArrowInvalid, OSError) as exc:
             raise DatasetError(f"data file {path} cannot be read as Parquet: {exc}") from exc
-    return _arrow_table(path, table, targets, text)
+        return _arrow_table(path, table, targets, False)
+    names, features, _ = _header(path, delimiter, targets)  # checked as the NumPy path checks it
+    kw = {"parse_options": pcsv.ParseOptions(delimiter=delimiter), "memory_pool": pa.system_memory_pool()}
+    types = {names[i]: pa.float64() for i in features}
+    spellings = pa.array(pcsv.ConvertOptions().null_values)
+
+    def same(col: Any) -> bool:  # whether the defaults read this target the same: integers (no spelling is one),
+        if pa.types.is_floating(col.type):  # floats without NaN (nan is the one spelling that parses), text
+            return not pc.any(pc.is_nan(col)).as_py()  # without a spelling; not dates or booleans
+        text = pa.types.is_string(col.type) and not pc.any(pc.is_in(pc.utf8_trim_whitespace(col), spellings)).as_py()
+        return pa.types.is_integer(col.type) or text
+
+    try:
+        table = pcsv.read_csv(path, convert_options=pcsv.ConvertOptions(column_types=types, null_values=[]), **kw)
+        table = table if all(same(table.column(t)) for t in targets) else None
+    except (pa.ArrowInvalid, OSError):
+        table = None  # a cell that is not a number (or an unreadable file): the second read says which
+    try:
+        if table is None:  # the first table let go before the second read
+            table = pcsv.read_csv(path, convert_options=pcsv.ConvertOptions(column_types=types), **kw)
+    except (pa.ArrowInvalid, OSError) as exc:
+        _explain_arrow_error(path, delimiter, names, str(exc))
+        raise DatasetError(f"data file {path} cannot be read: {exc}") from exc
+    return _arrow_table(path, table, targets, True)
 
 
 def _explain_arrow_error(path: Path, delimiter: str, names: list[str], message: str) -> None:
@@ -295,11 +316,11 @@ def _arrow_table(path: Path, table: Any, targets: list[str], text: bool) -> Tabl
     features = [n for n in names if n not in targets]
     if table.num_rows == 0 or not features:
         raise DatasetError(f"data file {path} has {table.num_rows} rows and {len(features)} feature columns")
-    xt = np.empty((len(features), table.num_rows), dtype=np.float64)  # (F, N): each column written contiguously
-    for j, name in enumerate(features):
+    x = table.select(features)
+    for j, name in enumerate(features):  # a CSV's are float64 already; a Parquet file's integers are cast
         col = table.column(name)
         try:
-            xt[j] = pc.cast(col, pa.float64()).to_numpy(zero_copy_only=False)
+            x = x if col.type == pa.float64() else x.set_column(j, name, pc.cast(col, pa.float64()))
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
             row = next(i for i, v in enumerate(col.to_pylist()) if v is not None and not _is_number(str(v)))
             where = f"line {row + 2}" if text else f"row {row}"
@@ -307,6 +328,18 @@ def _arrow_table(path: Path, table: Any, targets: list[str], text: bool) -> Tabl
                 f"data file {path} {where}, column {name!r}: {col[row].as_py()!r} is not a number; features must be "
                 "numbers (fill or remove missing values)"
             ) from None
+    # A batch (a block of the file) at a time: Arrow lays it out column-major (nulls as NaN), NumPy copies it;
+    # under half the CPU of copying column by column. The threads share the kernel's first touch of xt's pages.
+    xt = np.empty((len(features), table.num_rows), dtype=np.float64)
+    batches = [b for b in x.to_batches() if b.num_rows]
+    starts = np.cumsum([0, *(b.num_rows for b in batches)])
+
+    def copy(i: int) -> None:
+        block = batches[i].to_tensor(null_to_nan=True, row_major=False, memory_pool=pa.system_memory_pool())
+        xt[:, starts[i] : starts[i + 1]] = np.asarray(block).T  # (rows, F) column-major -> rows of xt
+
+    with ThreadPoolExecutor(pa.cpu_count()) as threads:  # Arrow's own count (OMP_NUM_THREADS, set_cpu_count)
+        list(threads.map(copy, range(len(batches))))
     cells = [table.column(t).to_numpy(zero_copy_only=False) for t in targets]
     if not cells:
         return Table(path, xt.T, None, features, targets, text=text)
