@@ -258,6 +258,11 @@ def test_rank_0s_error_is_the_runs_error():
     with pytest.raises(Exception, match="rank 1 exited with status 3.*rank 1: RuntimeError: boom"):
         spawn._outcome({1: ("crash", "RuntimeError: boom")}, "rank 1 exited with status 3", [])
     assert spawn._outcome({0: ("ok", {"a": 1}), 1: ("ok", {})}, None, []) == {"a": 1}
+    # rank 1 failed first; rank 0, stopped by the launcher's SIGTERM, only says it was interrupted
+    with pytest.raises(DatasetError, match="no such file"):
+        spawn._outcome(
+            {0: ("interrupted", "stopped by SIGTERM", 15), 1: ("error", err)}, "rank 1 exited with status 2", []
+        )
 
 
 def test_adams_per_parameter_state_stays_identical_on_every_rank(tmp_path):

@@ -158,12 +158,18 @@ def _drain(results: Any, world: int) -> dict[int, tuple]:
 
 
 def _outcome(got: dict[int, tuple], failure: str | None, procs: list[Any]) -> dict[str, Any]:
+    """Rank 0's result; when a rank died, the first error a rank reported (rank 0 may only say that the
+    launcher's SIGTERM stopped it), else a message naming every rank's exit status."""
     first = got.get(0)
-    if first is not None and first[0] == "ok" and (failure is None or failure.startswith("stopped by")):
+    died = failure is not None and failure.startswith("rank ")
+    if first is not None and first[0] == "ok" and not died:
         return first[1]
-    if first is not None and first[0] == "interrupted":
+    errors = [v[1] for _, v in sorted(got.items()) if v[0] == "error"]
+    if died and errors:
+        raise errors[0]
+    if not died and first is not None and first[0] == "interrupted":
         raise Interrupted(first[1], first[2])
-    if first is not None and first[0] == "error":
+    if not died and first is not None and first[0] == "error":
         raise first[1]
     others = [f"rank {r}: {v[1]}" for r, v in sorted(got.items()) if v[0] in ("error", "crash")]
     codes = ", ".join(f"rank {r} status {p.exitcode}" for r, p in enumerate(procs))
