@@ -64,10 +64,11 @@ class GradientSync:
         self._early: list[Any] = []  # the gradients this step reduced already (:meth:`weight_grad_ready`)
 
     def overlap(self, model: Any) -> None:
-        """Bucket by layer: all-reduce each layer's weight gradient as soon as the side stream made
-        it (:attr:`mlptrain.network.MLP.on_weight_grad`), while the backward goes on below; the rest
-        (the bottom layer's, the biases, the step's statistics) at the end. Every collective runs on
-        that one stream, in the same order on every rank (NCCL's rule for one communicator)."""
+        """Buckets: the weight gradients the side stream made (:attr:`mlptrain.network.MLP.on_weight_grad`)
+        are all-reduced there as soon as they reach ``bucket_bytes``, while the backward goes on below;
+        the rest (a bucket not filled, the bottom layer's, the biases, the step's statistics) at the end.
+        Every collective runs on that one stream, in the same order on every rank (NCCL's rule for one
+        communicator)."""
         self.stream = model.side_stream
         if self.stream is not None:
             model.on_weight_grad = self.weight_grad_ready
