@@ -12,8 +12,9 @@ checks that the runs are complete and comparable, pairs the fused and naive run 
 writes into the sweep directory (or ``--out``):
 
 * ``compare.png``: training loss per step (mean over seeds, min-max band), test accuracy per
-  epoch, the per-step relative loss difference (fused - naive) / |naive| against the precision's
-  tolerance, and samples per second of each mode;
+  epoch, the per-step relative loss difference |fused - naive| / |naive| (a running median per
+  seed, beside the same measure between two seeds of naive, and the precision's tolerance), and
+  samples per second of each mode;
 * ``compare.md``: the table (final loss and accuracy per mode, largest loss difference, time per
   step, speedup) and the commands that made it;
 * ``compare.json``: the same numbers.
@@ -25,7 +26,7 @@ the run directory, and exit status 2. The math lives in importable functions
 Several comparisons (one folder each, as ``scripts/compare_gpu.sh`` makes them for docs/compare-gpu/:
 ``<panel>/compare.json`` and, for the speed task, ``<panel>/speed/compare.json``) get one index::
 
-    python scripts/compare.py --index docs/compare-gpu [--made-by "scripts/compare_gpu.sh OUT_DIR"]
+    python scripts/compare.py --index docs/compare-gpu [--made-by "scripts/compare_gpu.sh OUT_DIR"] [--note FILE]
 
 ``<DIR>/README.md``: the recipes, a table of accuracies and one of times per step with a row per
 panel, how fused and naive differ and why (:data:`DIFFERENCES`), and each panel's figure
@@ -263,6 +264,18 @@ def relative_difference(fused: np.ndarray, naive: np.ndarray) -> np.ndarray:
     return rel
 
 
+def running_median(x: np.ndarray, window: int) -> np.ndarray:
+    """The median of each ``window`` consecutive values ending at each step (fewer at the start); NaNs skipped."""
+    if window <= 1:
+        return x.astype(float)
+    out = np.empty(len(x), dtype=float)
+    for i in range(len(x)):
+        part = x[max(0, i - window + 1) : i + 1]
+        part = part[np.isfinite(part)]
+        out[i] = np.median(part) if len(part) else np.nan
+    return out
+
+
 def _mean_std(values: list[float]) -> dict[str, Any]:
     """Mean and sample standard deviation (None with one seed) of per-seed values."""
     a = np.array(values, dtype=float)
@@ -270,6 +283,40 @@ def _mean_std(values: list[float]) -> dict[str, Any]:
         "mean": float(a.mean()),
         "std": float(a.std(ddof=1)) if len(a) > 1 else None,
         "per_seed": [float(v) for v in a],
+    }
+
+
+# Student's t, two-sided 95 %, by degrees of freedom (n seeds - 1): the half-width of the interval of a
+# mean paired difference is t * sd / sqrt(n). Beyond the table, 1.96 (the normal limit) is close enough.
+T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23, 12: 2.18,
+       15: 2.13, 20: 2.09, 25: 2.06, 30: 2.04}  # fmt: skip
+
+
+def t95(df: int) -> float:
+    """Student's t for a two-sided 95 % interval with ``df`` degrees of freedom (the next tabled df below)."""
+    return T95[max(k for k in T95 if k <= df)] if df <= 30 else 1.96
+
+
+def paired_difference(fused: list[float], naive: list[float]) -> dict[str, Any]:
+    """Fused minus naive, seed by seed, with the 95 % interval of its mean.
+
+    The two runs of a seed start from the same weights and see the same batches, so the
+    per-seed difference removes what the seed alone does (one seed's lucky initialisation
+    lifts both modes); its spread over seeds is then what rounding differences do to the
+    result. ``half_width``: t(n-1) * sd / sqrt(n), None for one seed; ``contains_zero``: whether
+    the interval ``mean ± half_width`` holds 0, i.e. whether the seeds show no difference between
+    the modes at the 95 % level (about one panel in twenty says NO by chance alone).
+    """
+    d = np.asarray(fused, dtype=float) - np.asarray(naive, dtype=float)
+    n = len(d)
+    half = float(t95(n - 1) * d.std(ddof=1) / math.sqrt(n)) if n > 1 else None
+    mean = float(d.mean())
+    return {
+        "n": n,
+        "mean": mean,
+        "half_width": half,
+        "contains_zero": None if half is None else bool(abs(mean) <= half),
+        "per_seed": [float(v) for v in d],
     }
 
 
@@ -281,6 +328,8 @@ def summarize(pairs: dict[int, dict[str, Run]]) -> dict[str, Any]:
     * per mode: final train loss (mean over the last epoch), final test loss and accuracy, each as
       mean and sample std over seeds; median time per step and samples/s over the timed intervals
       of all seeds (see :meth:`Run.timed_intervals`).
+    * ``paired``: for the final test accuracy and loss, fused minus naive seed by seed and the
+      95 % interval of its mean (:func:`paired_difference`), or None where a run lacks them.
     * ``speedup``: naive median step time / fused median step time.
     * ``tolerance`` and ``agree``: for fp64 and fp32, whether ``max_rel_diff`` is under it, and
       ``first_above_tolerance``: the earliest step (and its seed) where a seed's difference passed it.
@@ -332,6 +381,10 @@ def summarize(pairs: dict[int, dict[str, Run]]) -> dict[str, Any]:
         hit = [(step, seed) for step, seed in zip(steps, seeds, strict=True) if step is not None]
         step, seed = min(hit) if hit else (None, None)
         divergence.append({"above": t, "step": step, "seed": seed, "per_seed": steps})
+    paired: dict[str, Any] = {}
+    for key in ("test/acc", "test/loss"):
+        f_stat, n_stat = modes["fused"][key], modes["naive"][key]
+        paired[key] = paired_difference(f_stat["per_seed"], n_stat["per_seed"]) if f_stat and n_stat else None
     tf, tn = modes["fused"]["step_time_ms"], modes["naive"]["step_time_ms"]
     opt = cfg.get("optimizer", {})
     return {
@@ -357,6 +410,7 @@ def summarize(pairs: dict[int, dict[str, Run]]) -> dict[str, Any]:
         "first_above_tolerance": above,
         "divergence": divergence,
         "modes": modes,
+        "paired": paired,
         "speedup": (tn / tf) if tf and tn else None,
     }
 
@@ -436,36 +490,55 @@ def plot(pairs: dict[int, dict[str, Run]], s: dict[str, Any], path: Path) -> Any
     ax_acc.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax_acc.legend(fontsize=9)
 
-    # (c) per-step relative difference, signed, on a symlog axis around the tolerance.
+    # (c) per-step relative difference |fused - naive| / |naive| on a log axis: each seed's running
+    # median (the raw values, faint, behind it), and for scale the same measure between two seeds of
+    # the naive mode: where the fused-naive curves reach that line, the modes are as far apart as a
+    # change of seed makes two runs.
     tol = s["tolerance"]
-    biggest = 0.0
-    for sd in seeds:
-        rel = relative_difference(pairs[sd]["fused"].losses(), pairs[sd]["naive"].losses())
-        rel[~np.isfinite(rel)] = np.nan
-        if np.isfinite(rel).any():
-            biggest = max(biggest, float(np.nanmax(np.abs(rel))))
-        ax_diff.plot(np.arange(len(rel)), rel, lw=0.9, label=f"seed {sd}")
-    linthresh = (tol or 1e-4) / 10
-    ax_diff.set_yscale("symlog", linthresh=linthresh)
-    lim = max(biggest, tol or 0.0, linthresh) * 3
-    ax_diff.set_ylim(-lim, lim)
-    ax_diff.axhline(0, color="grey", lw=0.6)
+    rels = {sd: np.abs(relative_difference(pairs[sd]["fused"].losses(), pairs[sd]["naive"].losses())) for sd in seeds}
+    positive = np.concatenate([r[np.isfinite(r) & (r > 0)] for r in rels.values()])
+    floor = min(float(positive.min()) / 3, 1e-9) if len(positive) else 1e-12  # where exact agreement is drawn
+    window = max(1, min(25, len(next(iter(rels.values()))) // 30))
+    for i, sd in enumerate(seeds):
+        rel = np.where(np.isfinite(rels[sd]), np.maximum(rels[sd], floor), np.nan)
+        x = np.arange(len(rel))
+        color = f"C{i % 10}"
+        ax_diff.plot(x, rel, lw=0.4, color=color, alpha=0.25)
+        ax_diff.plot(x, running_median(rel, window), lw=1.4, color=color, label=f"seed {sd}")
+    if len(seeds) > 1:
+        a, b = pairs[seeds[0]]["naive"].losses(), pairs[seeds[1]]["naive"].losses()
+        between = np.abs(relative_difference(a, b))
+        between = np.where(np.isfinite(between), np.maximum(between, floor), np.nan)
+        ax_diff.plot(np.arange(len(between)), running_median(between, window), color="black", ls="--", lw=1.2,
+                     label=f"naive seed {seeds[0]} vs seed {seeds[1]}")  # fmt: skip
+    ax_diff.set_yscale("log")
+    ax_diff.axhline(floor, color="grey", lw=0.6)
+    ax_diff.text(0.01, floor, " equal", transform=ax_diff.get_yaxis_transform(), ha="left", va="bottom",
+                 fontsize=8, color="grey")  # fmt: skip
+    top = max([float(np.nanmax(r[np.isfinite(r)])) for r in rels.values() if np.isfinite(r).any()] + [floor])
+    if len(seeds) > 1 and np.isfinite(between).any():
+        top = max(top, float(np.nanmax(between)))
+    ax_diff.set_ylim(floor / 3, max(top, tol or 0.0) * 100)  # room above the curves for the text
     if tol is not None:
-        for sign in (1, -1):
-            ax_diff.axhline(
-                sign * tol, color="tab:red", ls=":", lw=1.2, label=f"{s['precision']} tolerance" if sign > 0 else None
-            )
-    ax_diff.set(xlabel="step", ylabel="(fused - naive) / |naive|", title="per-step training-loss difference")
+        ax_diff.axhline(tol, color="tab:red", ls=":", lw=1.2, label=f"{s['precision']} tolerance")
+    ax_diff.set(
+        xlabel="step",
+        ylabel="|fused - naive| / |naive|",
+        title=f"training-loss difference per step (running median of {window})"
+        if window > 1
+        else "training-loss difference per step",
+    )
     ax_diff.text(
         0.02,
-        0.04,
+        0.96,
         f"max |diff| / |naive| = {s['max_rel_diff']:.3g}"
         + ("" if tol is None else f" ({'under' if s['agree'] else 'ABOVE'} {tol:g})"),
         transform=ax_diff.transAxes,
         fontsize=9,
+        va="top",
         bbox={"facecolor": "white", "alpha": 0.8, "lw": 0},
     )
-    ax_diff.legend(fontsize=8, ncol=2, loc="upper right")
+    ax_diff.legend(fontsize=8, ncol=2, loc="center right")
 
     # (d) throughput of the timed intervals, all seeds pooled.
     data, labels = [], []
@@ -633,6 +706,14 @@ def write_markdown(s: dict[str, Any], path: Path, made_by: dict[str, Any], figur
         row(f"final train loss (last-epoch mean; {over})", "train/loss", ".4g"),
         row(f"final test loss ({over})", "test/loss", ".4g"),
         row(f"final test accuracy ({over})", "test/acc", ".2f", 100, "%"),
+        *(
+            [
+                f"| final test accuracy, fused - naive paired by seed (95 % interval) | {_gap_cell(accuracy_gap(s))} "
+                f"(no difference at 95 %: {_verdict_cell(accuracy_gap(s))}) | |"
+            ]
+            if n > 1 and accuracy_gap(s) is not None
+            else []
+        ),
         f"| median time per step (ms) | {timing('step_time_ms', '.4g')} |",
         f"| median samples/s | {timing('samples_per_s', ',.0f')} |",
         "",
@@ -844,15 +925,17 @@ def load_panels(root: Path) -> list[Panel]:
     return sorted(panels, key=order)
 
 
-def accuracy_gap(s: dict[str, Any]) -> tuple[float | None, bool | None]:
-    """``(fused - naive mean test accuracy, |gap| <= the larger of the two seed std devs)``; None
-    where the accuracies are missing, and None for the second with a single seed (no spread)."""
+def accuracy_gap(s: dict[str, Any]) -> dict[str, Any] | None:
+    """The paired fused - naive difference of the final test accuracy (:func:`paired_difference`),
+    or None where the accuracies are missing (a compare.json of before the field: recomputed from
+    the per-seed accuracies, which pair by position as both modes list the same seeds)."""
+    paired = (s.get("paired") or {}).get("test/acc")
+    if paired is not None:
+        return paired
     f, n = s["modes"]["fused"].get("test/acc"), s["modes"]["naive"].get("test/acc")
     if not f or not n:
-        return None, None
-    gap = f["mean"] - n["mean"]
-    stds = [x["std"] for x in (f, n) if x.get("std") is not None]
-    return gap, (abs(gap) <= max(stds) if stds else None)
+        return None
+    return paired_difference(f["per_seed"], n["per_seed"])
 
 
 def _ms(m: dict[str, Any]) -> str:
@@ -888,29 +971,47 @@ def _recipe(s: dict[str, Any]) -> str:
 def _accuracy_table(panels: list[Panel]) -> list[str]:
     """The index's accuracy table: one row per panel, linking its compare.md."""
     lines = [
-        "| panel | activation | precision | final test accuracy, fused | final test accuracy, naive | fused - naive "
-        "| within the seed spread | losses first differ by more than 1 % at step | largest relative loss difference |",
+        "| panel | activation | precision | final test accuracy, fused | final test accuracy, naive "
+        "| fused - naive, paired by seed (95 % interval) | no difference at 95 % | losses first differ by more than "
+        "1 % at step | largest relative loss difference |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for p in panels:
         s = p.summary
-        gap, within = accuracy_gap(s)
+        gap = accuracy_gap(s)
         acc = [_fmt_stat(s["modes"][m].get("test/acc"), ".2f", 100, "%") for m in MODES]
         first_1 = first_step_above(s, 1e-2)
         parted = "n/a" if first_1 is None else ("never" if first_1["step"] is None else str(first_1["step"]))
         lines.append(
             f"| [{p.name}]({p.name}/compare.md) | {s.get('activation', 'relu')} | {s['precision']} "
             f"| {acc[0]} | {acc[1]} "
-            f"| {'n/a' if gap is None else f'{gap * 100:+.2f} pp'} "
-            f"| {'n/a (1 seed)' if within is None else ('yes' if within else 'NO')} | {parted} "
+            f"| {_gap_cell(gap)} | {_verdict_cell(gap)} | {parted} "
             f"| {s['max_rel_diff']:.3g} |"
         )
     return lines + [
         "",
-        "Accuracy: mean ± standard deviation over the seeds of the last epoch's test accuracy. *Within the seed "
-        "spread*: the gap between the means is at most the larger of the two standard deviations. The step and the "
-        "difference are those of the per-step training loss, `abs(fused - naive) / abs(naive)`, over every seed.",
+        "Accuracy: mean ± standard deviation over the seeds of the last epoch's test accuracy. *Paired by seed*: "
+        "the mean over seeds of fused minus naive, each seed's two runs having started from the same weights on "
+        "the same batches, ± the half-width of its 95 % interval (Student's t over the seeds). *No difference at "
+        "95 %*: the interval holds 0. At that level about one panel in twenty says NO by chance alone; a NO is "
+        "settled by more seeds, not by a reading of the curves. The step and the difference are those of the "
+        "per-step training loss, `abs(fused - naive) / abs(naive)`, over every seed.",
     ]
+
+
+def _gap_cell(gap: dict[str, Any] | None) -> str:
+    if gap is None:
+        return "n/a"
+    half = "" if gap["half_width"] is None else f" ± {gap['half_width'] * 100:.2f}"
+    return f"{gap['mean'] * 100:+.2f}{half} pp"
+
+
+def _verdict_cell(gap: dict[str, Any] | None) -> str:
+    if gap is None:
+        return "n/a"
+    if gap["contains_zero"] is None:
+        return "n/a (1 seed)"
+    return "yes" if gap["contains_zero"] else "NO"
 
 
 def _speed_table(panels: list[Panel]) -> list[str]:
@@ -961,7 +1062,7 @@ def _panel_sections(panels: list[Panel]) -> list[str]:
     return lines
 
 
-def index_markdown(panels: list[Panel], made_by: str | None = None) -> str:
+def index_markdown(panels: list[Panel], made_by: str | None = None, note: str | None = None) -> str:
     """The index page of several comparisons: the recipes, the accuracy and the speed table, how fused
     and naive differ (:data:`DIFFERENCES`), each panel's figure, and what made them."""
     first = panels[0].summary
@@ -978,7 +1079,10 @@ def index_markdown(panels: list[Panel], made_by: str | None = None) -> str:
     lines += [f"- Accuracy: {r}." for r in dict.fromkeys(_recipe(p.summary) for p in panels)]
     speed_recipes = dict.fromkeys(_recipe(p.speed) for p in panels if p.speed)
     lines += [f"- Speed task (for the time per step only): {r}." for r in speed_recipes]
-    lines += ["", "## Accuracy", "", *_accuracy_table(panels), "", "## Speed", "", *_speed_table(panels), ""]
+    lines += ["", "## Accuracy", "", *_accuracy_table(panels), ""]
+    if note:  # what the person who ran the comparisons read in these tables (--note FILE)
+        lines += [note.strip(), ""]
+    lines += ["## Speed", "", *_speed_table(panels), ""]
     lines += [DIFFERENCES, "## The panels", "", *_panel_sections(panels), "## Made by", ""]
     if made_by:
         lines += ["```", made_by, "```", ""]
@@ -994,11 +1098,11 @@ def index_markdown(panels: list[Panel], made_by: str | None = None) -> str:
     return "\n".join(lines)
 
 
-def write_index(root: Path, made_by: str | None = None) -> Path:
+def write_index(root: Path, made_by: str | None = None, note: str | None = None) -> Path:
     """Write ``<root>/README.md``, the index of the comparisons under ``root``; returns its path."""
     root = Path(root)
     path = root / INDEX_NAME
-    path.write_text(index_markdown(load_panels(root), made_by), encoding="utf-8")
+    path.write_text(index_markdown(load_panels(root), made_by, note), encoding="utf-8")
     return path
 
 
@@ -1027,6 +1131,9 @@ def main(argv: list[str] | None = None) -> int:
         help="instead of a sweep: write DIR/README.md, the index of the comparisons in DIR/<panel>/compare.json",
     )
     parser.add_argument("--made-by", default=None, help="with --index: the command that made the comparisons")
+    parser.add_argument(
+        "--note", type=Path, default=None, help="with --index: a markdown file whose text follows the accuracy table"
+    )
     args = parser.parse_args(argv)
     if (args.index is None) == (args.sweep_dir is None):
         parser.error("give a sweep directory or --index DIR, not both")
@@ -1034,7 +1141,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.out is not None:
             parser.error("--out applies to a sweep, not to --index")
         try:
-            path = write_index(args.index, args.made_by)
+            note = None
+            if args.note is not None:
+                try:
+                    note = args.note.read_text(encoding="utf-8")
+                except OSError as exc:
+                    raise CompareError(f"--note {args.note}: {exc.strerror or exc}") from None
+            path = write_index(args.index, args.made_by, note)
         except CompareError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2

@@ -6,7 +6,7 @@
 #                          [--tar FILE] [-- key=value ...]
 #
 # For each activation x precision (a "panel") it runs two Hydra multiruns, one process each:
-#   * MNIST-1D, three seeds, fused and naive (conf/compare_gpu.yaml: 40-256-256-10, AdamW, warm-up
+#   * MNIST-1D, five seeds, fused and naive (conf/compare_gpu.yaml: 40-256-256-10, AdamW, warm-up
 #     then cosine, 840 steps): the accuracy comparison;
 #   * the speed task, one seed, fused and naive (conf/compare_gpu_speed.yaml: 32-4096-4096-4096-10 at
 #     a batch of 8192 on synthetic data, 95 steps): the time per step where the GEMMs are large;
@@ -16,14 +16,14 @@
 # type at the repository's root):
 #
 #   OUT_DIR/docs/compare-gpu/README.md                      the index (copy docs/ into the repository)
-#   OUT_DIR/docs/compare-gpu/<act>-<prec>/compare.{png,md,json}         MNIST-1D, 3 seeds
+#   OUT_DIR/docs/compare-gpu/<act>-<prec>/compare.{png,md,json}         MNIST-1D, 5 seeds
 #   OUT_DIR/docs/compare-gpu/<act>-<prec>/speed/compare.{png,md,json}   the speed task, 1 seed
 #   OUT_DIR/runs/compare-gpu/<act>-<prec>[-speed]/          the sweeps (metrics; checkpoints removed)
 #   OUT_DIR/compare_gpu.log                                 what ran, and how long each part took
 #
-# Jobs: 4 panels x (6 MNIST-1D + 2 speed) = 32 training runs in 8 processes, then 8 reports. Planned
+# Jobs: 4 panels x (10 MNIST-1D + 2 speed) = 48 training runs in 8 processes, then 8 reports. Planned
 # for one H200 (where the default digits run takes about 2 s warm): each MNIST-1D sweep about 20 s
-# (start-up and drawing MNIST-1D about 5 s, then 6 jobs of 840 replayed steps and 30 evaluations,
+# (start-up and drawing MNIST-1D about 5 s, then 10 jobs of 840 replayed steps and 30 evaluations,
 # about 2 s each, plus CuPy's kernel compilation on a fresh machine), each speed sweep about 20 s
 # (per job: 26 M normal numbers drawn, 95 steps of about 5 ms, two 400 MB checkpoints written, and
 # removed once the sweep is done), each report about 2 s: about 3.5 minutes in all, and it must stay

@@ -333,10 +333,10 @@ def test_index_links_the_panels_and_says_how_the_modes_differ(tmp_path: Path) ->
     # relu before gelu, fp16 before bf16
     assert [r.split("]")[0][3:] for r in rows] == ["relu-fp16", "relu-bf16", "gelu-fp16"]
     assert rows[1] == (
-        "| [relu-bf16](relu-bf16/compare.md) | relu | bf16 | 85.00% ± 7.07% | 65.00% ± 7.07% | +20.00 pp | NO "
-        "| never | 7.63e-06 |"
+        "| [relu-bf16](relu-bf16/compare.md) | relu | bf16 | 85.00% ± 7.07% | 65.00% ± 7.07% | +20.00 ± 0.00 pp "
+        "| NO | never | 7.63e-06 |"
     )
-    assert "| +0.00 pp | yes |" in rows[0] and "| gelu | fp16 |" in rows[2]
+    assert "| +0.00 ± 0.00 pp | yes |" in rows[0] and "| gelu | fp16 |" in rows[2]
     speed_rows = [line for line in md.splitlines() if line.startswith("| relu-bf16 |") or line.startswith("| gelu")]
     assert speed_rows == [
         "| relu-bf16 | 4.5 | 9 | 2.00x | [4](relu-bf16/speed/compare.md) | 8 | 2.00x |",
@@ -357,6 +357,27 @@ def test_index_links_the_panels_and_says_how_the_modes_differ(tmp_path: Path) ->
     ):
         assert fact in md, fact
     assert "```\nscripts/compare_gpu.sh OUT_DIR\n```" in md
+
+
+def test_paired_difference_pairs_by_seed_and_uses_students_t() -> None:
+    # Seed by seed: +1, +2, -1 points. Mean 0.667, sample sd 1.528, t(2 df) = 4.30.
+    d = compare.paired_difference([0.70, 0.72, 0.71], [0.69, 0.70, 0.72])
+    assert d["n"] == 3 and d["per_seed"] == pytest.approx([0.01, 0.02, -0.01])
+    assert d["mean"] == pytest.approx(0.02 / 3)
+    assert d["half_width"] == pytest.approx(4.30 * np.std([0.01, 0.02, -0.01], ddof=1) / np.sqrt(3))
+    assert d["contains_zero"] is True
+    # The same accuracies unpaired would look alike; paired, a constant lead of 2 points is a difference.
+    lead = compare.paired_difference([0.72, 0.62, 0.82], [0.70, 0.60, 0.80])
+    assert lead["mean"] == pytest.approx(0.02) and lead["half_width"] == pytest.approx(0.0, abs=1e-12)
+    assert lead["contains_zero"] is False
+    assert compare.paired_difference([0.7], [0.6])["contains_zero"] is None  # one seed: no interval
+    assert compare.t95(4) == 2.78 and compare.t95(13) == 2.18 and compare.t95(100) == 1.96
+
+
+def test_running_median_skips_nans_and_keeps_the_length() -> None:
+    x = np.array([1.0, 100.0, 2.0, np.nan, 3.0])
+    assert compare.running_median(x, 3).tolist() == [1.0, 50.5, 2.0, 51.0, 2.5]
+    assert compare.running_median(x, 1)[1] == 100.0
 
 
 def test_index_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
