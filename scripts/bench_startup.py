@@ -2,9 +2,17 @@
 
 Runs ``python -m mlptrain [overrides]`` in subprocesses, each into a new run directory:
 
+0. a priming run, not timed, on caches of its own: the operating system's file cache then holds
+   the libraries (CUDA's are hundreds of megabytes) and Python's bytecode is written, as after any
+   earlier use of the machine (``--no-prime`` leaves it out: a first process after boot);
 1. cold: CuPy's kernel cache (``CUPY_CACHE_DIR``) and mlptrain's cache (``MLPTRAIN_DATA``: plans,
-   measured choices) empty, as on a fresh machine;
+   measured choices) empty, as on the first run after installing mlptrain;
 2. warm: the same caches again (what every later run sees), twice.
+
+Before each run the file systems are synced (``os.sync``), so that a run's own fsyncs (mlptrain
+writes its run record and metrics durably) do not pay for flushing what other programs wrote just
+before (a package installed a moment earlier: on the H200 host the first fsync after installing
+the wheels took a second).
 
 Per run: the wall time of the process, the training loop's time (``wall_s`` of the summary
 record) and the rest (start-up: imports, data, planning, kernel compilation). With ``--profile``
@@ -35,6 +43,7 @@ def run_once(overrides: list[str], caches: Path, run_dir: Path, profile: Path | 
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
     cmd = [sys.executable, *(["-m", "cProfile", "-o", str(profile)] if profile else []), "-m", "mlptrain",
            *overrides, f"hydra.run.dir={run_dir}"]  # fmt: skip
+    os.sync()  # flush other programs' writes now, not in this run's first fsync
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     wall = time.perf_counter() - t0
@@ -50,12 +59,15 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="bench-startup-out")
     ap.add_argument("--profile", action="store_true", help="also profile a cold run (cProfile)")
+    ap.add_argument("--no-prime", action="store_true", help="no untimed priming run first (see above)")
     ap.add_argument("overrides", nargs="*", help="overrides of the run (default: none, the default run)")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
+        if not args.no_prime:
+            run_once(args.overrides, Path(tmp) / "caches-prime", Path(tmp) / "run-prime")
         caches = Path(tmp) / "caches"
         for i, label in enumerate(["cold", "warm", "warm"]):
             rec = run_once(args.overrides, caches, Path(tmp) / f"run{i}")
@@ -70,7 +82,9 @@ def main(argv=None) -> int:
     cold, warm = rows[0], min(rows[1:], key=lambda r: r["wall_s"])
     md = [
         f"Measured {datetime.date.today().isoformat()}, command: `python scripts/bench_startup.py "
-        f"{' '.join(sys.argv[1:])}` (overrides: {' '.join(args.overrides) or 'none: the default run'}).",
+        f"{' '.join(sys.argv[1:])}` (overrides: {' '.join(args.overrides) or 'none: the default run'}; "
+        f"{'no priming run' if args.no_prime else 'after an untimed priming run on caches of its own'}; "
+        f"Python {sys.version.split()[0]}, bytecode writing {'off' if sys.flags.dont_write_bytecode else 'on'}).",
         "",
         "| run | wall s | training loop s | start-up s | kernels compiled into CuPy's cache |",
         "|---|---|---|---|---|",

@@ -1,0 +1,142 @@
+"""Where a training step's memory peaks: every allocation of one eager step, by phase and call site (#16).
+
+A CuPy ``MemoryHook`` follows the default pool's live bytes through one step (after two warm-up
+steps) of mlptrain's fused trainer, ``graph=false`` so that each allocation is a Python call,
+tagged by phase: ``forward``, ``head+backward`` (the loss), ``head+backward/model.backward`` (the
+layers' GEMMs), ``optimizer``, ``scaler.check``. At the peak it lists what the step had allocated
+and still held, grouped by phase and call site, beside the live bytes by category of
+:mod:`mlptrain.gpu.memory`. The arrays alive before the step (parameters, optimizer state, the
+dataset, the previous step's saved inputs and gradients) are the base; what the step frees of
+them counts down from it.
+
+Needs a GPU. Usage: python scripts/memory_trace.py [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import json
+import sys
+import traceback
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+MIB = 2**20
+CASES = [("8192 x 4", [8192] * 5, 16384, "fp16"), ("4096 x 4", [4096] * 5, 8192, "fp16"),
+         ("8192 x 4", [8192] * 5, 16384, "bf16")]  # fmt: skip
+PHASE = ["idle"]
+
+
+def tag(obj, name: str, label: str) -> None:
+    """Wrap ``obj.name`` so that allocations inside it are tagged ``label`` (nested: ``outer/label``)."""
+    f = getattr(obj, name)
+
+    @functools.wraps(f)
+    def tagged(*a, **k):
+        old = PHASE[0]
+        PHASE[0] = label if old == "idle" else f"{old}/{label}"
+        try:
+            return f(*a, **k)
+        finally:
+            PHASE[0] = old
+
+    setattr(obj, name, tagged)
+
+
+def make_trace():
+    from cupy.cuda import memory_hook
+
+    class Trace(memory_hook.MemoryHook):
+        """Net bytes allocated since the hook was entered, their high-water mark, and what was live then."""
+
+        name = "mlptrain-trace"
+
+        def __init__(self) -> None:
+            self.live: dict[int, tuple[int, str, str]] = {}
+            self.total = self.peak = 0
+            self.at_peak: tuple[str, dict] = ("none", {})
+
+        def malloc_postprocess(self, **kw) -> None:
+            frames = traceback.extract_stack(limit=9)[:-3]
+            where = " < ".join(reversed([f"{f.name}:{f.lineno}" for f in frames][-4:]))
+            self.live[kw["mem_ptr"]] = (kw["mem_size"], PHASE[0], where)
+            self.total += kw["mem_size"]
+            if self.total > self.peak:
+                self.peak, self.at_peak = self.total, (PHASE[0], dict(self.live))
+
+        def free_postprocess(self, **kw) -> None:
+            mine = self.live.pop(kw["mem_ptr"], None)
+            self.total -= mine[0] if mine is not None else kw["mem_size"]  # arrays of before the step too
+
+    return Trace()
+
+
+def trace_case(widths, batch, precision) -> dict:
+    import cupy as cp
+    from bench import step_trainer
+
+    from mlptrain.gpu.memory import account
+
+    pool = cp.get_default_memory_pool()
+    tr = step_trainer(widths, batch, precision, graph=False, bgrad="bgradb")
+    tag(tr.model, "forward", "forward")
+    tag(tr.head, "backward", "head+backward")
+    tag(tr.model, "backward", "model.backward")
+    tag(tr.optimizer, "step", "optimizer")
+    tag(tr.scaler, "check", "scaler.check")
+    with tr.stream:
+        xb, yb = next(iter(tr.train_loader.epoch(0, out=tr.batch_buffers)))
+        for _ in range(2):
+            tr.step(xb, yb)
+        tr.stream.synchronize()
+        base = pool.used_bytes()
+        trace = make_trace()
+        with trace:
+            tr.step(xb, yb)
+            tr.stream.synchronize()
+    phase, live = trace.at_peak
+    by_site: dict[tuple[str, str], int] = {}
+    for size, ph, where in live.values():
+        by_site[ph, where] = by_site.get((ph, where), 0) + size
+    acc = account(tr)
+    tr.gemm.free()
+    return {
+        "base_used_mib": base / MIB,
+        "peak_used_mib": (base + trace.peak) / MIB,
+        "peak_phase": phase,
+        "held_at_peak": [
+            (ph, where, round(n / MIB, 1)) for (ph, where), n in sorted(by_site.items(), key=lambda kv: -kv[1])
+        ],
+        "account": {k: v for k, v in acc.items() if k != "samples"},
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=None, help="folder for memory_trace.json")
+    args = ap.parse_args(argv)
+    import cupy as cp
+
+    results = {}
+    for name, widths, batch, precision in CASES:
+        gc.collect()
+        cp.get_default_memory_pool().free_all_blocks()
+        r = results[f"{name} {precision}"] = trace_case(widths, batch, precision)
+        print(f"===== {name}, batch {batch}, {precision}: used before the step {r['base_used_mib']:.0f} MiB, "
+              f"at the peak {r['peak_used_mib']:.0f} MiB, in {r['peak_phase']}")  # fmt: skip
+        for row in r["held_at_peak"]:
+            print("    allocated by the step and held at the peak:", row)
+        print("    live bytes by category:", json.dumps(r["account"].get("live_bytes")))
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "memory_trace.json").write_text(json.dumps(results, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
