@@ -35,7 +35,7 @@ from mlptrain.errors import CheckpointError, ConfigError, MlptrainError
 from mlptrain.faults import StopRequest
 from mlptrain.loop import Loop, selection
 from mlptrain.metrics import MetricsPrefix, MetricsWriter, kinds_after, plan_prefix
-from mlptrain.rundir import METRICS, RUN_RECORD, RunDirectory
+from mlptrain.rundir import METRICS, RUN_RECORD, RunDirectory, follower_dir
 from mlptrain.sinks import CSV_NAME, TENSORBOARD_DIR, CsvSink, TensorBoardSink, csv_columns
 from mlptrain.trainer import Trainer
 
@@ -99,13 +99,12 @@ def train(
 def _train_follower(cfg: TrainConfig, out_dir: Path, dataset: Dataset | None, comm: Any) -> dict[str, Any]:
     """A rank other than 0: the same run, into a private directory that goes at the end."""
     import shutil
-    import tempfile
 
     if cfg.resume is not None:  # rank 0's checkpoint, found as rank 0 finds it (not one in the private directory)
         path, _ = _resume_path(cfg.resume, RunDirectory(out_dir))
         cfg = dataclasses.replace(cfg, resume=None if path is None else str(path))
     cfg = dataclasses.replace(cfg, progress=False)
-    private = Path(tempfile.mkdtemp(prefix=f"mlptrain-rank{comm.rank}-"))
+    private = follower_dir(comm.rank)
     try:
         run_dir = RunDirectory(private / "run")
         run_dir.create()

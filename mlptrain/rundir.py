@@ -12,6 +12,9 @@ A run directory holds ``run.json``, ``metrics.jsonl``, ``checkpoints/last.npz`` 
   by the run after every check passed (:func:`mlptrain.run.train`).
 * **A stray temp file** left by a writer that was killed mid-write is removed, and reported, at
   the next start (:meth:`remove_temp_files`).
+* **The other ranks' runs** (data parallel: every rank trains, rank 0 writes the run) go into
+  private folders in the temp directory, removed when the rank ends; those of ranks that were
+  killed are removed by the next rank that starts on the host (:func:`follower_dir`).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ log = logging.getLogger(__name__)
 
 METRICS = "metrics.jsonl"
 RUN_RECORD = "run.json"
+FOLLOWER_PREFIX = "mlptrain-rank"  # <temp dir>/mlptrain-rank<rank>-pid<pid>-<random>/
 
 
 class RunDirectory:
@@ -188,3 +192,47 @@ def _lock_holder(path: Path) -> int | None:
     except (OSError, ValueError):
         pass
     return None
+
+
+def follower_dir(rank: int, tmp: Path | None = None) -> Path:
+    """A new private folder for rank ``rank``'s copy of the run (a rank other than 0), named by its process.
+
+    Checkpoints of a large model go there, gigabytes each. A rank removes its folder when it ends;
+    one that was killed (SIGKILL by the launcher, or by a scheduler) cannot, so first the folders
+    of processes that no longer exist are removed (this user's only; a live process's never).
+    """
+    import tempfile
+
+    tmp = Path(tmp or tempfile.gettempdir())
+    remove_stale_follower_dirs(tmp)
+    return Path(tempfile.mkdtemp(prefix=f"{FOLLOWER_PREFIX}{rank}-pid{os.getpid()}-", dir=tmp))
+
+
+def remove_stale_follower_dirs(tmp: Path) -> list[Path]:
+    """Remove the follower folders in ``tmp`` whose process is gone; returns them."""
+    import re
+    import shutil
+
+    removed = []
+    for path in tmp.glob(f"{FOLLOWER_PREFIX}*-pid*-*"):
+        m = re.fullmatch(rf"{FOLLOWER_PREFIX}\d+-pid(\d+)-\w+", path.name)
+        try:
+            if not m or not path.is_dir() or path.stat().st_uid != os.getuid() or _alive(int(m.group(1))):
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        if not path.exists():
+            log.info("removed %s, left by a rank that was killed", path)
+            removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True

@@ -273,3 +273,38 @@ def test_a_run_killed_after_its_last_checkpoint_is_finished_by_a_resume(tmp_path
     assert summary["steps"] == (42 if max_steps is None else 30)
     with pytest.raises(Exception, match="at or past the end of this run"):  # finished now: nothing left to do
         train(make_cfg(resume="last", **cfg), run)
+
+
+def _dead_pid() -> int:
+    """The pid of a process that has exited (and been reaped)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_follower_dirs_of_killed_ranks_are_removed_and_live_ones_kept(tmp_path):
+    import os
+
+    from mlptrain.rundir import follower_dir
+
+    dead, me = _dead_pid(), os.getpid()
+    stale = tmp_path / f"mlptrain-rank1-pid{dead}-abc123"
+    (stale / "run" / "checkpoints").mkdir(parents=True)
+    (stale / "run" / "checkpoints" / "last.npz").write_bytes(b"x" * 1000)
+    live = tmp_path / f"mlptrain-rank2-pid{me}-def456"  # a rank still running (this process)
+    live.mkdir()
+    other = tmp_path / f"mlptrain-rank1-pid{dead}.txt"  # not a follower folder: a file of the same stem
+    other.write_text("keep")
+    unrelated = tmp_path / "mlptrain-rank-notes"
+    unrelated.mkdir()
+
+    new = follower_dir(3, tmp_path)
+
+    assert not stale.exists()  # the killed rank's checkpoints are gone
+    assert live.is_dir() and other.read_text() == "keep" and unrelated.is_dir()
+    assert new.is_dir() and new.parent == tmp_path and new.name.startswith(f"mlptrain-rank3-pid{me}-")
+    assert follower_dir(3, tmp_path) != new  # each call a folder of its own; the live one stays
+    assert new.is_dir()
