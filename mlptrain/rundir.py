@@ -195,29 +195,39 @@ def _lock_holder(path: Path) -> int | None:
 
 
 def follower_dir(rank: int, tmp: Path | None = None) -> Path:
-    """A new private folder for rank ``rank``'s copy of the run (a rank other than 0), named by its process.
+    """A new private folder for rank ``rank``'s copy of the run (a rank other than 0), named by host and process.
 
     Checkpoints of a large model go there, gigabytes each. A rank removes its folder when it ends;
-    one that was killed (SIGKILL by the launcher, or by a scheduler) cannot, so first the folders
-    of processes that no longer exist are removed (this user's only; a live process's never).
+    one that was killed (SIGKILL by the launcher, or by a scheduler) cannot, so first the folders it
+    left are removed (:func:`remove_stale_follower_dirs`).
     """
     import tempfile
 
     tmp = Path(tmp or tempfile.gettempdir())
     remove_stale_follower_dirs(tmp)
-    return Path(tempfile.mkdtemp(prefix=f"{FOLLOWER_PREFIX}{rank}-pid{os.getpid()}-", dir=tmp))
+    return Path(tempfile.mkdtemp(prefix=f"{FOLLOWER_PREFIX}{rank}-{_host()}-pid{os.getpid()}-", dir=tmp))
 
 
 def remove_stale_follower_dirs(tmp: Path) -> list[Path]:
-    """Remove the follower folders in ``tmp`` whose process is gone; returns them."""
+    """Remove the follower folders in ``tmp`` that a killed rank left; returns them.
+
+    A folder goes only if all of these hold: its name is a follower folder's of this host (a temp
+    directory shared between hosts or containers holds others' too), it is a real folder (not a
+    link) of this user, the process named in it no longer exists, and no process holds the lock of
+    the run inside it (every rank holds its run's lock while it trains). A reused pid keeps a folder,
+    never loses one.
+    """
     import re
     import shutil
+    import stat
 
     removed = []
     for path in tmp.glob(f"{FOLLOWER_PREFIX}*-pid*-*"):
-        m = re.fullmatch(rf"{FOLLOWER_PREFIX}\d+-pid(\d+)-\w+", path.name)
+        m = re.fullmatch(rf"{FOLLOWER_PREFIX}\d+-([A-Za-z0-9._]+)-pid(\d+)-\w+", path.name)
         try:
-            if not m or not path.is_dir() or path.stat().st_uid != os.getuid() or _alive(int(m.group(1))):
+            st = path.lstat()
+            if (not m or m.group(1) != _host() or not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid()
+                    or _alive(int(m.group(2))) or _locked(path / "run")):  # fmt: skip
                 continue
         except OSError:
             continue
@@ -228,6 +238,14 @@ def remove_stale_follower_dirs(tmp: Path) -> list[Path]:
     return removed
 
 
+def _host() -> str:
+    """This host's name as it goes into a folder name (no dashes: they separate the fields)."""
+    import re
+    import socket
+
+    return re.sub(r"[^A-Za-z0-9._]", "_", socket.gethostname()) or "host"
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -236,3 +254,18 @@ def _alive(pid: int) -> bool:
     except PermissionError:  # another user's process: alive
         return True
     return True
+
+
+def _locked(run: Path) -> bool:
+    """Whether a process holds ``run``'s directory lock (:meth:`RunDirectory.lock`); False if there is no ``run``."""
+    try:
+        fd = os.open(run, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)  # (releases the lock if it was taken)
+    return False

@@ -288,23 +288,33 @@ def _dead_pid() -> int:
 def test_follower_dirs_of_killed_ranks_are_removed_and_live_ones_kept(tmp_path):
     import os
 
-    from mlptrain.rundir import follower_dir
+    from mlptrain.rundir import RunDirectory, _host, follower_dir
 
-    dead, me = _dead_pid(), os.getpid()
-    stale = tmp_path / f"mlptrain-rank1-pid{dead}-abc123"
+    dead, me, host = _dead_pid(), os.getpid(), _host()
+    stale = tmp_path / f"mlptrain-rank1-{host}-pid{dead}-abc123"
     (stale / "run" / "checkpoints").mkdir(parents=True)
     (stale / "run" / "checkpoints" / "last.npz").write_bytes(b"x" * 1000)
-    live = tmp_path / f"mlptrain-rank2-pid{me}-def456"  # a rank still running (this process)
+    live = tmp_path / f"mlptrain-rank2-{host}-pid{me}-def456"  # a rank still running (this process)
     live.mkdir()
-    other = tmp_path / f"mlptrain-rank1-pid{dead}.txt"  # not a follower folder: a file of the same stem
+    elsewhere = tmp_path / f"mlptrain-rank1-otherhost-pid{dead}-ghi789"  # a shared temp dir: another host's
+    elsewhere.mkdir()
+    locked = tmp_path / f"mlptrain-rank4-{host}-pid{dead}-jkl012"  # its pid reads as gone, but its run is locked
+    (locked / "run").mkdir(parents=True)
+    target = tmp_path / "not-a-follower"
+    target.mkdir()
+    (target / "keep.txt").write_text("keep")
+    link = tmp_path / f"mlptrain-rank5-{host}-pid{dead}-mno345"  # a link named like a follower folder
+    link.symlink_to(target, target_is_directory=True)
+    other = tmp_path / f"mlptrain-rank1-{host}-pid{dead}.txt"  # a file of a similar name
     other.write_text("keep")
-    unrelated = tmp_path / "mlptrain-rank-notes"
-    unrelated.mkdir()
 
-    new = follower_dir(3, tmp_path)
+    with RunDirectory(locked / "run").lock():
+        new = follower_dir(3, tmp_path)
 
     assert not stale.exists()  # the killed rank's checkpoints are gone
-    assert live.is_dir() and other.read_text() == "keep" and unrelated.is_dir()
-    assert new.is_dir() and new.parent == tmp_path and new.name.startswith(f"mlptrain-rank3-pid{me}-")
+    assert live.is_dir() and elsewhere.is_dir() and (locked / "run").is_dir()
+    assert link.is_symlink() and (target / "keep.txt").read_text() == "keep" and other.read_text() == "keep"
+    assert new.is_dir() and new.parent == tmp_path and new.name.startswith(f"mlptrain-rank3-{host}-pid{me}-")
     assert follower_dir(3, tmp_path) != new  # each call a folder of its own; the live one stays
     assert new.is_dir()
+    assert not locked.exists()  # once its lock is gone, the next start removes it
