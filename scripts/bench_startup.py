@@ -3,8 +3,9 @@
 Runs ``python -m mlptrain [overrides]`` in subprocesses, each into a new run directory:
 
 0. a priming run, not timed, on caches of its own: the operating system's file cache then holds
-   the libraries (CUDA's are hundreds of megabytes) and Python's bytecode is written, as after any
-   earlier use of the machine (``--no-prime`` leaves it out: a first process after boot);
+   the libraries (CUDA's are hundreds of megabytes), and Python writes its bytecode where it may
+   (not under ``PYTHONDONTWRITEBYTECODE``: compile it first, ``python -m compileall``, as pip's
+   install does), as after any earlier use of the machine (``--no-prime`` leaves it out);
 1. cold: CuPy's kernel cache (``CUPY_CACHE_DIR``) and mlptrain's cache (``MLPTRAIN_DATA``: plans,
    measured choices) empty, as on the first run after installing mlptrain;
 2. warm: the same caches again (what every later run sees), twice.

@@ -286,15 +286,18 @@ def _mean_std(values: list[float]) -> dict[str, Any]:
     }
 
 
-# Student's t, two-sided 95 %, by degrees of freedom (n seeds - 1): the half-width of the interval of a
-# mean paired difference is t * sd / sqrt(n). Beyond the table, 1.96 (the normal limit) is close enough.
-T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23, 12: 2.18,
-       15: 2.13, 20: 2.09, 25: 2.06, 30: 2.04}  # fmt: skip
+# Student's t, two-sided 95 % (the 0.975 quantile), by degrees of freedom (n seeds - 1): the
+# half-width of the interval of a mean paired difference is t * sd / sqrt(n). Between the tabled
+# values beyond 30 the next one below is taken (a slightly wider interval, never a narrower one).
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+       11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093,
+       20: 2.086, 21: 2.080, 22: 2.074, 23: 2.069, 24: 2.064, 25: 2.060, 26: 2.056, 27: 2.052, 28: 2.048,
+       29: 2.045, 30: 2.042, 40: 2.021, 60: 2.000, 120: 1.980}  # fmt: skip
 
 
 def t95(df: int) -> float:
-    """Student's t for a two-sided 95 % interval with ``df`` degrees of freedom (the next tabled df below)."""
-    return T95[max(k for k in T95 if k <= df)] if df <= 30 else 1.96
+    """Student's t for a two-sided 95 % interval with ``df`` >= 1 degrees of freedom (:data:`T95`)."""
+    return T95[max(k for k in T95 if k <= df)]
 
 
 def paired_difference(fused: list[float], naive: list[float]) -> dict[str, Any]:
@@ -303,21 +306,26 @@ def paired_difference(fused: list[float], naive: list[float]) -> dict[str, Any]:
     The two runs of a seed start from the same weights and see the same batches, so the
     per-seed difference removes what the seed alone does (one seed's lucky initialisation
     lifts both modes); its spread over seeds is then what rounding differences do to the
-    result. ``half_width``: t(n-1) * sd / sqrt(n), None for one seed; ``contains_zero``: whether
-    the interval ``mean ± half_width`` holds 0, i.e. whether the seeds show no difference between
-    the modes at the 95 % level (about one panel in twenty says NO by chance alone).
+    result. ``half_width``: t(n-1) * sd / sqrt(n). ``contains_zero``: whether the interval
+    ``mean ± half_width`` holds 0, i.e. whether the seeds show no difference between the modes at
+    the 95 % level (about one panel in twenty says NO by chance alone). Both are None where they
+    cannot be told: one seed; differences that do not vary over the seeds (no spread to scale them
+    by; all zero is the exception: the modes agree on every seed); a value that is not finite.
     """
     d = np.asarray(fused, dtype=float) - np.asarray(naive, dtype=float)
     n = len(d)
-    half = float(t95(n - 1) * d.std(ddof=1) / math.sqrt(n)) if n > 1 else None
-    mean = float(d.mean())
-    return {
-        "n": n,
-        "mean": mean,
-        "half_width": half,
-        "contains_zero": None if half is None else bool(abs(mean) <= half),
-        "per_seed": [float(v) for v in d],
-    }
+    out: dict[str, Any] = {"n": n, "mean": None, "half_width": None, "contains_zero": None,
+                           "per_seed": [float(v) for v in d]}  # fmt: skip
+    if not np.isfinite(d).all():
+        return out
+    out["mean"] = float(d.mean())
+    tiny = 1e-12  # accuracies are counts over a test set: equal differences may differ in the last bit
+    if n > 1 and (np.abs(d) <= tiny).all():
+        out.update(half_width=0.0, contains_zero=True)
+    elif n > 1 and d.std(ddof=1) > tiny:
+        half = float(t95(n - 1) * d.std(ddof=1) / math.sqrt(n))
+        out.update(half_width=half, contains_zero=bool(abs(out["mean"]) <= half))
+    return out
 
 
 def summarize(pairs: dict[int, dict[str, Run]]) -> dict[str, Any]:
@@ -495,7 +503,13 @@ def plot(pairs: dict[int, dict[str, Run]], s: dict[str, Any], path: Path) -> Any
     # the naive mode: where the fused-naive curves reach that line, the modes are as far apart as a
     # change of seed makes two runs.
     tol = s["tolerance"]
-    rels = {sd: np.abs(relative_difference(pairs[sd]["fused"].losses(), pairs[sd]["naive"].losses())) for sd in seeds}
+
+    def abs_rel(f: np.ndarray, n: np.ndarray) -> np.ndarray:  # NaN where either loss is not finite: no point
+        r = np.abs(relative_difference(f, n))
+        r[~(np.isfinite(f) & np.isfinite(n))] = np.nan
+        return r
+
+    rels = {sd: abs_rel(pairs[sd]["fused"].losses(), pairs[sd]["naive"].losses()) for sd in seeds}
     positive = np.concatenate([r[np.isfinite(r) & (r > 0)] for r in rels.values()])
     floor = min(float(positive.min()) / 3, 1e-9) if len(positive) else 1e-12  # where exact agreement is drawn
     window = max(1, min(25, len(next(iter(rels.values()))) // 30))
@@ -507,7 +521,7 @@ def plot(pairs: dict[int, dict[str, Run]], s: dict[str, Any], path: Path) -> Any
         ax_diff.plot(x, running_median(rel, window), lw=1.4, color=color, label=f"seed {sd}")
     if len(seeds) > 1:
         a, b = pairs[seeds[0]]["naive"].losses(), pairs[seeds[1]]["naive"].losses()
-        between = np.abs(relative_difference(a, b))
+        between = abs_rel(a, b)
         between = np.where(np.isfinite(between), np.maximum(between, floor), np.nan)
         ax_diff.plot(np.arange(len(between)), running_median(between, window), color="black", ls="--", lw=1.2,
                      label=f"naive seed {seeds[0]} vs seed {seeds[1]}")  # fmt: skip
@@ -758,8 +772,8 @@ def write_markdown(s: dict[str, Any], path: Path, made_by: dict[str, Any], figur
         "```",
         "",
         *([f"`{made_by['make']}` runs the same sweep and report.", ""] if made_by.get("make") else []),
-        f"Date: {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}; device: {s['device']}; {versions}; "
-        f"seeds {', '.join(map(str, s['seeds']))}.",
+        f"Report written {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}; the runs: device {s['device']}; "
+        f"{versions}; seeds {', '.join(map(str, s['seeds']))}.",
         "",
     ]
     text = "\n".join(lines)
@@ -1000,17 +1014,17 @@ def _accuracy_table(panels: list[Panel]) -> list[str]:
 
 
 def _gap_cell(gap: dict[str, Any] | None) -> str:
-    if gap is None:
+    if gap is None or gap.get("mean") is None:
         return "n/a"
-    half = "" if gap["half_width"] is None else f" ± {gap['half_width'] * 100:.2f}"
+    half = "" if gap.get("half_width") is None else f" ± {gap['half_width'] * 100:.2f}"
     return f"{gap['mean'] * 100:+.2f}{half} pp"
 
 
 def _verdict_cell(gap: dict[str, Any] | None) -> str:
-    if gap is None:
+    if gap is None or gap.get("mean") is None:
         return "n/a"
-    if gap["contains_zero"] is None:
-        return "n/a (1 seed)"
+    if gap.get("contains_zero") is None:
+        return "n/a (1 seed)" if gap.get("n", 0) < 2 else "n/a (no spread over the seeds)"
     return "yes" if gap["contains_zero"] else "NO"
 
 
@@ -1137,6 +1151,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if (args.index is None) == (args.sweep_dir is None):
         parser.error("give a sweep directory or --index DIR, not both")
+    if args.index is None and (args.note is not None or args.made_by is not None):
+        parser.error("--note and --made-by apply to --index, not to a sweep")
     if args.index is not None:
         if args.out is not None:
             parser.error("--out applies to a sweep, not to --index")
@@ -1147,6 +1163,8 @@ def main(argv: list[str] | None = None) -> int:
                     note = args.note.read_text(encoding="utf-8")
                 except OSError as exc:
                     raise CompareError(f"--note {args.note}: {exc.strerror or exc}") from None
+                except UnicodeDecodeError as exc:
+                    raise CompareError(f"--note {args.note}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
             path = write_index(args.index, args.made_by, note)
         except CompareError as exc:
             print(f"error: {exc}", file=sys.stderr)

@@ -22,12 +22,12 @@
 #   OUT_DIR/compare_gpu.log                                 what ran, and how long each part took
 #
 # Jobs: 4 panels x (10 MNIST-1D + 2 speed) = 48 training runs in 8 processes, then 8 reports. Planned
-# for one H200 (where the default digits run takes about 2 s warm): each MNIST-1D sweep about 20 s
+# for one H200 (where the default digits run takes about 2 s warm): each MNIST-1D sweep about 25 s
 # (start-up and drawing MNIST-1D about 5 s, then 10 jobs of 840 replayed steps and 30 evaluations,
 # about 2 s each, plus CuPy's kernel compilation on a fresh machine), each speed sweep about 20 s
 # (per job: 26 M normal numbers drawn, 95 steps of about 5 ms, two 400 MB checkpoints written, and
-# removed once the sweep is done), each report about 2 s: about 3.5 minutes in all, and it must stay
-# under 5. compare_gpu.log has each part's time. (--smoke, one panel, on a 2-core CPU: 28 s.)
+# removed once the sweep is done), each report about 2 s: about 3.5 minutes in all (164 s on the H200,
+# 2026-12-01), and it must stay under 5. compare_gpu.log has each part's time. (--smoke, one panel, on a 2-core CPU: 28 s.)
 #
 # Options:
 #   --smoke        the same recipe on the CPU, small: device=cpu, precisions fp32 and fp64 (the CPU has

@@ -26,7 +26,10 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
+import mlptrain  # noqa: E402
+
 MIB = 2**20
+PACKAGE = str(Path(mlptrain.__file__).resolve().parent)  # allocations are placed by the frames in here
 CASES = [("8192 x 4", [8192] * 5, 16384, "fp16"), ("4096 x 4", [4096] * 5, 8192, "fp16"),
          ("8192 x 4", [8192] * 5, 16384, "bf16")]  # fmt: skip
 PHASE = ["idle"]
@@ -62,8 +65,9 @@ def make_trace():
             self.at_peak: tuple[str, dict] = ("none", {})
 
         def malloc_postprocess(self, **kw) -> None:
-            frames = traceback.extract_stack(limit=9)[:-3]
-            where = " < ".join(reversed([f"{f.name}:{f.lineno}" for f in frames][-4:]))
+            # mlptrain's own frames (the call sites in the library), innermost first
+            ours = [f for f in traceback.extract_stack()[:-1] if f.filename.startswith(PACKAGE)]
+            where = " < ".join(f"{Path(f.filename).name}:{f.name}:{f.lineno}" for f in reversed(ours[-3:]))
             self.live[kw["mem_ptr"]] = (kw["mem_size"], PHASE[0], where)
             self.total += kw["mem_size"]
             if self.total > self.peak:
