@@ -403,6 +403,19 @@ def test_index_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture
     assert str(tmp_path / "broken" / "compare.json") in error("--index", str(tmp_path))
     with pytest.raises(SystemExit):  # a sweep and an index at once
         compare.main([str(tmp_path), "--index", str(tmp_path)])
+    with pytest.raises(SystemExit):  # --note belongs to an index, not to a sweep
+        compare.main([str(tmp_path), "--note", str(tmp_path / "note.md")])
+    capsys.readouterr()  # argparse's usage lines
+    _panel(tmp_path / "idx", tmp_path, "relu-fp16", "fp16", "relu", [0.9, 0.8])
+    assert "--note " + str(tmp_path / "missing.md") in error(
+        "--index", str(tmp_path / "idx"), "--note", str(tmp_path / "missing.md")
+    )
+    (tmp_path / "latin1.md").write_bytes("caf\xe9".encode("latin-1"))
+    assert "not UTF-8" in error("--index", str(tmp_path / "idx"), "--note", str(tmp_path / "latin1.md"))
+    (tmp_path / "note.md").write_text("**Read me** first.")
+    assert compare.main(["--index", str(tmp_path / "idx"), "--note", str(tmp_path / "note.md")]) == 0
+    md = (tmp_path / "idx" / "README.md").read_text()
+    assert md.index("**Read me** first.") < md.index("## Speed")  # after the accuracy table
 
 
 # --------------------------------------------------------------------------- the GPU recipe: its configs and its script
