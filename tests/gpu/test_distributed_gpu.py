@@ -7,6 +7,7 @@ Needs two GPUs (skipped otherwise). On hosts with NVLink multicast, keep NCCL_NV
 from __future__ import annotations
 
 import copy
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -40,13 +41,7 @@ def _cfg(precision: str, **kw) -> TrainConfig:
     cfg.epochs = 6
     cfg.max_steps = 100
     cfg.log_every = 1
-    for k, v in kw.items():
-        obj = cfg
-        *path, last = k.split(".")
-        for p in path:
-            obj = getattr(obj, p)
-        setattr(obj, last, v)
-    return cfg
+    return dataclasses.replace(cfg, **kw)  # top-level keys: max_steps, resume
 
 
 def _steps(run: Path) -> list[dict]:
