@@ -55,3 +55,21 @@ def test_mse_value():
     z = np.array([[0.5, 0.0], [0.0, 2.0]])
     loss, _, _ = mse(z, np.array([0, 1]))
     assert float(loss) == pytest.approx((0.25 + 0 + 0 + 1.0) / 4)
+
+
+@pytest.mark.parametrize("fn", [softmax_cross_entropy, mse])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.float16])
+@pytest.mark.parametrize("bias_grad", [False, True])
+def test_inplace_writes_the_same_gradient_over_the_logits(fn, dtype, bias_grad):
+    """The training step's loss writes dlogits over the logits: the same values, loss, count and sums."""
+    rng = np.random.default_rng(5)
+    z, y = (rng.standard_normal((9, 6)) * 3).astype(dtype), rng.integers(0, 6, 9)
+    ref = fn(z.copy(), y, 8.0, bias_grad=bias_grad)
+    logits = z.copy()
+    out = fn(logits, y, 8.0, bias_grad=bias_grad, inplace=True)
+    assert out[1] is logits, "the gradient is the logits' array"
+    np.testing.assert_array_equal(logits, ref[1])
+    assert not np.array_equal(logits, z)
+    assert float(out[0]) == float(ref[0]) and int(out[2]) == int(ref[2]) == int((z.argmax(1) == y).sum())
+    if bias_grad:
+        np.testing.assert_array_equal(out[3], ref[3])

@@ -24,8 +24,11 @@ def small_head(batch: int, classes: int) -> bool:
     return batch <= 1024 and classes <= 32 and batch * classes <= 10240
 
 
-def softmax_cross_entropy_gpu(logits: Any, y: Any, grad_scale: Any, bias_grad: bool) -> tuple:
+def softmax_cross_entropy_gpu(logits: Any, y: Any, grad_scale: Any, bias_grad: bool, inplace: bool = False) -> tuple:
     """The same as the NumPy path in two kernels (fp16/bf16/fp32 logits on the GPU).
+
+    ``inplace``: ``dlogits`` is written over ``logits`` (each row's kernel reads every value of its
+    row before it writes the row's gradient; the small-head kernel loads the whole tile first).
 
     A chain of array operations reads and writes the (B, C) logits a dozen times and launches a
     dozen kernels; in a replayed training step each launch costs as much as a small GEMM. Here:
@@ -50,10 +53,12 @@ def softmax_cross_entropy_gpu(logits: Any, y: Any, grad_scale: Any, bias_grad: b
     rows, mean = _cupy_xent_kernels()
     B, C = logits.shape
     if not logits.flags.c_contiguous:
+        if inplace:
+            raise ValueError("an in-place loss gradient needs C-contiguous logits")
         logits = cp.ascontiguousarray(logits)
     scale = grad_scale if isinstance(grad_scale, cp.ndarray) else cp.asarray(grad_scale, dtype=cp.float64)
     y = y.astype(cp.int64, copy=False)  # (B,) labels; the loader's are int64 already
-    d = cp.empty_like(logits)  # (B, C) C-order
+    d = logits if inplace else cp.empty_like(logits)  # (B, C) C-order
     loss = cp.empty((), dtype=cp.float32)
     correct = cp.empty((), dtype=cp.int64)
     db = cp.empty(C if bias_grad else 1, dtype=logits.dtype)  # (C,): the output layer's bias gradient
@@ -75,6 +80,8 @@ const long long row = i >> 5;  // one warp per row: lanes 0..31 stride over the 
 const int lane = i & 31;
 const long long base = row * C;
 const long long label = y[row];
+const bool valid = label >= 0 && label < C;  // a bad label gives a NaN loss, not a stray read
+const float x_label = valid ? (float)x[base + label] : 0.0f;  // read before d (which may be x) is written
 float m = __int_as_float(0xff800000);  // -inf, the running max; ties and NaN keep the first column, as numpy.argmax
 long long am = C;
 for (long long j = lane; j < C; j += 32) {
@@ -95,8 +102,7 @@ for (long long j = lane; j < C; j += 32) {
     d[base + j] = (T)((p - (j == label ? 1.0f : 0.0f)) * g);
 }
 if (lane == 0) {
-    const bool valid = label >= 0 && label < C;  // a bad label gives a NaN loss, not a stray read
-    row_loss[row] = valid ? logf(s) + m - (float)x[base + label] : __int_as_float(0x7fc00000);
+    row_loss[row] = valid ? logf(s) + m - x_label : __int_as_float(0x7fc00000);
     row_ok[row] = am == label;
 }
 """

@@ -28,6 +28,17 @@ def test_cross_entropy_kernels_match_numpy(dtype, B, C):
     *_, db = softmax_cross_entropy(cp.asarray(z), cp.asarray(y), cp.asarray(512.0), bias_grad=True)
     assert db.dtype == z.dtype and db.shape == (C,)
     close(db, f64(d).sum(axis=0), dtype, "output bias gradient")
+    # In place (the training step): the gradient written over the logits, bit for bit the same
+    logits = cp.asarray(z)
+    loss2, d2, correct2, db2 = softmax_cross_entropy(logits, cp.asarray(y), cp.asarray(512.0), bias_grad=True,
+                                                     inplace=True)  # fmt: skip
+    assert d2 is logits and float(loss2) == float(loss) and int(correct2) == int(correct)
+    assert bool((_bits(d2) == _bits(d)).all()) and bool((_bits(db2) == _bits(db)).all())
+
+
+def _bits(a):
+    """The array's bit patterns (compared exactly, whatever the dtype)."""
+    return a.view(cp.uint16 if a.itemsize == 2 else cp.uint32)
 
 
 def test_cross_entropy_kernel_ties_bad_labels_and_tiny_shapes():
