@@ -103,7 +103,7 @@ def model(
     prec: Precision,
     rng: np.random.Generator,
 ) -> MLP:
-    """The MLP of ``sizes``, initialised from ``rng``; on the GPU its weight gradients on a second stream."""
+    """The MLP of ``sizes``, initialised from ``rng`` (the trainer decides its streams: :func:`wgrad_stream`)."""
     net = MLP(
         sizes,
         execution=ex,
@@ -114,9 +114,30 @@ def model(
         activation=cfg.activation.value,
         init=cfg.init.value,
     )
-    if backend.is_gpu and ex_cfg.wgrad_stream:  # dW GEMMs concurrent with the dX chain
-        net.use_wgrad_stream()
     return net
+
+
+# Below this many GEMM FLOPs per step, execution.wgrad_stream=null runs the weight gradients on a second
+# stream. H200 (docs/benchmarks.md, "Memory"): 784-1024-1024-10 at batch 256 (2.9e9 FLOPs) took 0.057 ms
+# with two streams against 0.063 with one; 4096 x 4 at batch 8192 (3.3e12) was within 1.2% either way, and
+# one stream holds one layer input less at the step's peak.
+TWO_STREAMS_MAX_FLOPS = 1e11
+
+
+def wgrad_stream(ex_cfg: Any, sizes: list[int], batch: int, data_parallel: bool) -> bool:
+    """Whether the weight-gradient GEMMs run on a second stream, concurrent with the input-gradient chain.
+
+    ``execution.wgrad_stream`` when set; by default where the step is latency-bound (small GEMMs leave
+    the GPU room for a second one) or data parallel (each layer's all-reduce starts on that stream).
+    """
+    if ex_cfg.wgrad_stream is not None:
+        return bool(ex_cfg.wgrad_stream)
+    return data_parallel or step_flops(sizes, batch) < TWO_STREAMS_MAX_FLOPS
+
+
+def step_flops(sizes: list[int], batch: int) -> int:
+    """GEMM FLOPs of one training step: three GEMMs of ``2 x batch x in x out`` per layer."""
+    return 6 * batch * sum(a * b for a, b in zip(sizes, sizes[1:], strict=False))
 
 
 def head(cfg: TrainConfig, backend: Backend, sizes: list[int]) -> OutputHead:

@@ -161,7 +161,11 @@ class ExecutionConfig:
     bgrad: Bgrad = _f(Bgrad.auto, "fused: where a hidden layer's bias gradient is reduced; auto: measured (GPU)")
     autotune: bool = _f(False, "GPU: time cuBLASLt's candidate algorithms per GEMM and keep the fastest")
     plan_cache: bool = _f(True, "GPU: remember planned algorithms and measured choices on disk")
-    wgrad_stream: bool = _f(True, "GPU: weight gradients on a second stream, beside the input-gradient chain")
+    wgrad_stream: Optional[bool] = _f(
+        None,
+        "GPU: weight gradients on a second stream, beside the input-gradient chain; null: where the step is "
+        "small (below 1e11 GEMM FLOPs) or data parallel; one stream holds one layer input less at the peak",
+    )
     head_kernel: bool = _f(True, "GPU, fused, small heads: the output layer's input gradient as one kernel")
     workspace_mib: Optional[int] = _f(
         64, "GPU: cap on each GEMM's cuBLASLt workspace, MiB; null: nvmath's default (up to 80% of the memory)"

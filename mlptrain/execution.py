@@ -64,6 +64,9 @@ class Gemm(Protocol):
         self, key: str, a: Any, b: Any, epilog: Epilog | None = None, **epilog_inputs: Any
     ) -> tuple[Any, dict[str, Any]]: ...
 
+    def release_operands(self, prefix: str | None = None) -> None:
+        """Forget the operands of the last call at the call sites whose key starts with ``prefix`` (all: None)."""
+
 
 class NumpyGemm:
     """The CPU engine: :func:`mlptrain.epilogs.matmul`, the contract the GPU is tested against."""
@@ -75,12 +78,19 @@ class NumpyGemm:
         out = matmul(a, b, epilog=epilog, epilog_inputs=inputs)
         return out if isinstance(out, tuple) else (out, {})
 
+    def release_operands(self, prefix: str | None = None) -> None:
+        """Nothing to forget: no plan keeps operands."""
+
 
 class FusedExecution:
     """Every elementwise op and reduction of a layer fused into its GEMMs as epilogs."""
 
     def __init__(self, gemm: Gemm) -> None:
         self.gemm = gemm
+
+    def release(self, key: str) -> None:
+        """Let the GEMMs of layer ``key`` forget their last operands (their memory can go)."""
+        self.gemm.release_operands(f"{key}.")
 
     def forward(self, key: str, W: Any, b: Any, x: Any, activation: str, mask: bool = True) -> tuple[Any, Any]:
         """``y = act(x @ W^T + b)``; returns ``(y (B, out), aux or None)``, aux what the backward needs.
@@ -166,6 +176,10 @@ class NaiveExecution:
     def __init__(self, gemm: Gemm, xp: Any) -> None:
         self.gemm = gemm
         self.xp = xp
+
+    def release(self, key: str) -> None:
+        """Let the GEMMs of layer ``key`` forget their last operands (their memory can go)."""
+        self.gemm.release_operands(f"{key}.")
 
     def forward(self, key: str, W: Any, b: Any, x: Any, activation: str, mask: bool = True) -> tuple[Any, Any]:
         z, _ = self.gemm(f"{key}.fwd", x, W.T)  # (B, in) @ (in, out) -> (B, out)

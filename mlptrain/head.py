@@ -71,12 +71,16 @@ class OutputHead:
         kernel = head_kernel and loss == "cross_entropy" and relu and len(widths) > 2
         return cls(loss, "kernel" if kernel and head_kernel_applies(batch_size, classes) else "loss_bias")
 
-    def grads(self, model: MLP, logits: Any, y: Any, grad_scale: Any) -> tuple[Any, Any, Any, HeadGrads]:
-        """``(loss, correct, dlogits (B, C), head grads)``: the loss side of the backward, on the device."""
+    def grads(
+        self, model: MLP, logits: Any, y: Any, grad_scale: Any, *, inplace: bool = False
+    ) -> tuple[Any, Any, Any, HeadGrads]:
+        """``(loss, correct, dlogits (B, C), head grads)``: the loss side of the backward, on the device.
+
+        ``inplace``: ``dlogits`` is written over ``logits`` (the training step's logits are not needed after)."""
         if self.mode == "gemm":
-            loss, dlogits, correct = self.loss_fn(logits, y, grad_scale)
+            loss, dlogits, correct = self.loss_fn(logits, y, grad_scale, inplace=inplace)
             return loss, correct, dlogits, HeadGrads()
-        loss, dlogits, correct, db_out = self.loss_fn(logits, y, grad_scale, bias_grad=True)
+        loss, dlogits, correct, db_out = self.loss_fn(logits, y, grad_scale, bias_grad=True, inplace=inplace)
         if self.mode == "loss_bias":
             return loss, correct, dlogits, HeadGrads(bias_grad=db_out)
         from mlptrain.gpu.head_kernel import head_input_grad
@@ -89,9 +93,17 @@ class OutputHead:
         return loss, correct, dlogits, HeadGrads(bias_grad=db_out, input_grad=dz_below, input_bias_grad=db_below)
 
     def backward(self, model: MLP, logits: Any, y: Any, grad_scale: Any) -> tuple[Any, Any]:
-        """The loss, then every gradient of ``model``; returns the device ``(loss, correct)``."""
-        loss, correct, dlogits, head = self.grads(model, logits, y, grad_scale)
-        model.backward(dlogits, head)
+        """The loss, then every gradient of ``model``; returns the device ``(loss, correct)``.
+
+        The logits are consumed: their gradient is written over them. Handed over as a one-element
+        list (``[logits]``, emptied here), no reference stays behind, and the backward frees
+        ``dlogits`` as soon as the output layer's GEMMs have read it (:meth:`MLP.backward`).
+        """
+        z = logits.pop() if isinstance(logits, list) else logits
+        loss, correct, dlogits, head = self.grads(model, z, y, grad_scale, inplace=True)
+        handoff = [dlogits]  # the only reference, once z and dlogits are gone
+        del z, dlogits
+        model.backward(handoff, head)
         return loss, correct
 
     def evaluate(self, logits: Any, y: Any) -> tuple[Any, Any]:

@@ -103,16 +103,8 @@ class Linear:
     def params(self) -> list[Param]:
         return [self.weight, self.bias]
 
-    def saved(self) -> tuple[Any, Any]:
-        """``(x, mask)`` kept by the last forward for the backward."""
-        return self.x, self.mask
-
-    def restore_saved(self, saved: tuple[Any, Any]) -> None:
-        """Point the layer at ``saved`` (what a replayed CUDA graph's forward wrote)."""
-        self.x, self.mask = saved
-
     def release_saved(self) -> None:
-        """Forget the input and mask kept for the backward."""
+        """Forget the input and mask kept for the backward (the network's backward does, once they are read)."""
         self.x = self.mask = None
 
     def forward(self, ex: FusedExecution | NaiveExecution, x: Any, keep: bool = True) -> Any:

@@ -130,33 +130,71 @@ class MLP:
         """Fill every ``param.grad`` from ``dlogits (B, out)``, the loss gradient of the logits.
 
         ``head``: the parts of the output layer's backward the output head already computed;
-        the rest is computed here. On the GPU, with :meth:`use_wgrad_stream`, each layer's weight
+        the rest is computed here (``head.input_grad`` is taken: set to None, so that it can go
+        once read). On the GPU, with :meth:`use_wgrad_stream`, each layer's weight
         gradient (all but the bottom layer's) runs on the side stream, forked when its ``dZ`` is
         ready, and the side stream is joined before returning.
+
+        Memory: what a layer's backward reads (its saved input ``X_l``, ``dZ_l``, the mask of the
+        layer below) goes as soon as its readers are done (:meth:`_free_layer`). On one stream that is
+        exact: ``X_l`` goes after the weight gradient, before the input gradient allocates
+        ``dZ_{l-1}``, and ``dZ_l`` before the layer below allocates anything; two ``dZ`` are alive at
+        most. With the weight gradients on the side stream, layer ``l`` goes once the input gradient
+        of the layer below is enqueued: the main stream then waits for ``dW_l``, which ran beside
+        ``dX_l`` and is done by then, so the chain never stalls on it (for a small, latency-bound
+        step, where two streams pay, that matters more than the layer input and ``dZ`` held the
+        longer). ``dlogits`` handed over as a one-element list (``[dlogits]``, emptied here) goes the
+        same way; an array is kept by the caller's reference.
         """
         head = head or HeadGrads()
         ex, layers, top = self.execution, self.layers, len(self.layers) - 1
-        dz = dlogits
+        dz = dlogits.pop() if isinstance(dlogits, list) else dlogits
+        del dlogits
+        one_stream = self._side is None
         for i in reversed(range(len(layers))):
             layer = layers[i]
+            if one_stream and i < top:  # the layer above is done: its dZ goes before this layer allocates
+                self._free_layer(i + 1)
             bias_grad = head.bias_grad if i == top else None
-            if self._side is None or i == 0:  # the bottom layer's dW ends the chain: nothing to overlap
+            if one_stream or i == 0:  # the bottom layer's dW ends the chain: nothing to overlap
                 layer.param_grads(ex, dz, bias_grad)
+                if one_stream:  # X_i had its last reader: it goes before dZ_below is allocated
+                    self._free_layer(i)
             else:
                 self._side.run(i, lambda layer=layer, dz=dz, db=bias_grad: self._param_grads(layer, dz, db), reads=dz)
             if i == top and head.input_grad is not None:
                 if head.input_bias_grad is not None:
                     layers[i - 1].bias.grad = head.input_bias_grad
-                dz = head.input_grad
+                dz, head.input_grad = head.input_grad, None
             else:
                 dz = layer.grad_below(ex, dz, layers[i - 1] if i > 0 else None)
+            if not one_stream and i < top:  # the layer above's dW ran beside its dX and, by now, is done
+                self._free_layer(i + 1)
         if self._side is not None:
             self._side.join()
+        self._free_layer(0)  # the bottom layer's weight gradient, the last reader of X_0 and dZ_0, is enqueued
+
+    def _free_layer(self, i: int) -> None:
+        """Let the memory of layer ``i``'s backward inputs go: its saved input and mask, and every
+        reference the GEMM plans keep to their last operands (``X_i``, ``dZ_i``, the mask below).
+
+        With the weight gradients on the side stream, the current stream first waits for layer
+        ``i``'s (:meth:`SideStream.retire`): CuPy's pool hands freed blocks to the stream that
+        allocated them, here the main stream, which must not overwrite ``X_i`` or ``dZ_i`` while the
+        side stream's GEMM still reads them. By the time the main stream gets there the side stream
+        has usually finished that GEMM: it ran beside the main stream's input-gradient GEMM.
+        """
+        if self._side is not None:
+            self._side.retire(i)
+        layer = self.layers[i]
+        layer.release_saved()
+        self.execution.release(layer.name)
 
     def _param_grads(self, layer: Linear, dz: Any, bias_grad: Any) -> None:
         """On the side stream: layer's weight gradient, then ``on_weight_grad`` (data parallel: its
         all-reduce starts here, while the main stream goes on down the chain)."""
-        layer.param_grads(self.execution, dz, bias_grad)
+        with self._side.allocating_on_main():  # dW from the blocks the main stream freed (gpu/streams.py)
+            layer.param_grads(self.execution, dz, bias_grad)
         if self.on_weight_grad is not None:
             self.on_weight_grad(layer.weight)
 
@@ -180,17 +218,14 @@ class MLP:
 
     # --- what a step leaves behind, and the parameters' state -------------------------------
 
-    def step_arrays(self) -> tuple[list[Any], list[tuple[Any, Any]]]:
-        """The gradients and the layers' saved inputs and masks of the last step (for a CUDA graph to keep)."""
-        return [p.grad for p in self.params], [layer.saved() for layer in self.layers]
+    def step_arrays(self) -> list[Any]:
+        """The gradients of the last step (for a CUDA graph to keep; the backward freed everything else)."""
+        return [p.grad for p in self.params]
 
-    def restore_step_arrays(self, arrays: tuple[list[Any], list[tuple[Any, Any]]]) -> None:
-        """Point the parameters and layers at ``arrays`` again (after a replayed step rewrote them)."""
-        grads, saved = arrays
+    def restore_step_arrays(self, grads: list[Any]) -> None:
+        """Point the parameters at ``grads`` again (after a replayed step rewrote them)."""
         for p, g in zip(self.params, grads, strict=True):
             p.grad = g
-        for layer, s in zip(self.layers, saved, strict=True):
-            layer.restore_saved(s)
 
     def release_step_arrays(self) -> None:
         """Drop the gradients, saved inputs and masks of the last step (their memory can go)."""

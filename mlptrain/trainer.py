@@ -87,6 +87,9 @@ class Trainer:
             cfg.model, cfg.execution, self.widths, self.execution, self.backend, self.precision,
             np.random.default_rng(init_seed),
         )  # fmt: skip
+        two_streams = build.wgrad_stream(cfg.execution, self.widths, cfg.data.batch_size, comm is not None)
+        if self.backend.is_gpu and two_streams:
+            self.model.use_wgrad_stream()  # dW GEMMs concurrent with the dX chain
         self.head = build.head(cfg, self.backend, self.widths)
         cdt = self.precision.compute_dtype
         shard = (comm.rank, comm.world) if comm is not None else None
@@ -121,6 +124,8 @@ class Trainer:
             self.memory_peak = PeakTracker(lambda: self.graphed.pool_bytes() if self.graphed is not None else 0)
         self._await_kernels()  # every thread idle: the bgrad probe captures CUDA graphs
         self._choose_bgrad()  # on the GPU it may time the step, so after everything the step uses
+        if self.backend.is_gpu:  # blocks set-up freed (the probe's, temporaries of the weights' init) go back
+            xp.get_default_memory_pool().free_all_blocks()  # to the device: the step allocates from its own pool
         if self.grad_sync is not None and self.backend.is_gpu:  # after the probe: it times one rank's step alone
             self.grad_sync.overlap(self.model)  # each layer's weight gradient all-reduced as soon as it is made
         if self.backend.is_gpu and cfg.graph is not False:
@@ -189,7 +194,8 @@ class Trainer:
         """Forward, loss and backward: every ``param.grad`` set; returns device ``(loss, correct)``.
 
         ``grad_scale``: what the loss gradient is multiplied by (default: the loss scale)."""
-        logits = self.model.forward(x)  # (B, classes)
+        # (B, classes), handed over in a list: the loss writes dlogits over it and the backward frees it
+        logits = [self.model.forward(x)]
         self._await_kernels("loss")  # (the first time, the forward's GEMMs were planned meanwhile)
         return self.head.backward(self.model, logits, y, self.scaler.scale if grad_scale is None else grad_scale)
 
@@ -261,12 +267,10 @@ class Trainer:
         if choice != "auto":
             self.model.set_bgrad(choice)
             return
-        if not (self.backend.is_gpu and self.cfg.execution.mode.value == "fused" and len(self.widths) > 2):
-            self.model.set_bgrad("bgradb")  # on the CPU (and in naive mode) the two do the same work
-            return
-        flops = 6 * self.cfg.data.batch_size * sum(a * b for a, b in zip(self.widths, self.widths[1:], strict=False))
-        if flops < PROBE_MIN_FLOPS:  # a step of microseconds: the choice cannot matter, the probe would
-            self.model.set_bgrad("bgradb")  # cost more than the whole run (the default digits run)
+        small = build.step_flops(self.widths, self.cfg.data.batch_size) < PROBE_MIN_FLOPS  # a step of microseconds
+        if small or not (self.backend.is_gpu and self.cfg.execution.mode.value == "fused" and len(self.widths) > 2):
+            # on the CPU (and in naive mode) the two do the same work; in a small step the choice cannot
+            self.model.set_bgrad("bgradb")  # matter and the probe would cost more than the run (default digits)
             return
         from mlptrain.gpu.plan_cache import PlanCache
         from mlptrain.gpu.probe import choose_bgrad
@@ -280,7 +284,7 @@ class Trainer:
         key = (
             f"step {'-'.join(map(str, self.widths))} batch {B} {np.dtype(cdt).name}"
             f"{'' if self.cfg.model.activation.value == 'relu' else ' ' + self.cfg.model.activation.value}"
-            f"{' tf32' if self.precision.tf32 else ''}{' 2 streams' if ex.wgrad_stream else ''}"
+            f"{' tf32' if self.precision.tf32 else ''}{' 2 streams' if self.model.uses_wgrad_stream else ''}"
             f"{' head kernel' if self.head.mode == 'kernel' else ''}"
             f"{f' workspace {ex.workspace_mib} MiB' if ex.workspace_mib is not None else ''}"
         )
@@ -304,7 +308,6 @@ class Trainer:
         self.release_step()
         self.gemm.free()
         gc.collect()  # the probe's graphs and their outputs, if a reference cycle still holds them
-        xp.get_default_memory_pool().free_all_blocks()
 
     # --- state ------------------------------------------------------------------------------
 

@@ -27,6 +27,7 @@ Usage: python scripts/bench.py [--out DIR] [--sections abcml] [--reps N] [--quic
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import json
@@ -171,7 +172,7 @@ def step_trainer(
     autotune=False,
     optimizer="sgd",
     bgrad="auto",
-    wgrad_stream=True,
+    wgrad_stream=None,
     head_kernel=True,
     workspace_mib="default",
     activation="relu",
@@ -210,7 +211,7 @@ def step_trainer(
 
 
 def bench_step_mlptrain(
-    widths, batch, precision, mode, reps, graph=False, autotune=False, wgrad_stream=True, activation="relu"
+    widths, batch, precision, mode, reps, graph=False, autotune=False, wgrad_stream=None, activation="relu"
 ):
     import gc
 
@@ -263,7 +264,7 @@ def own_gemm_time(tr, xb, yb, reps):
 
     def gemms():
         tr.model.forward(xb)
-        tr.model.backward(dlogits, head)
+        tr.model.backward(dlogits, dataclasses.replace(head))  # the backward takes head.input_grad: a copy
         return [p.grad for p in tr.model.params]
 
     gemms()
@@ -415,6 +416,9 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="skip the largest shapes (seed layer, 8192 x 4 step)")
     ap.add_argument("--autotune", action="store_true", help="mlptrain steps with execution.autotune=true")
     ap.add_argument("--workspace-caps", default="64,none", help="section m: execution.workspace_mib values")
+    ap.add_argument(
+        "--largest-range", default="32768,81920", help="section l: LO,HI, a width that trains and one that does not"
+    )
     args = ap.parse_args(argv)
     available, reason = probe_gpu()
     if not available:
@@ -530,7 +534,8 @@ def main(argv=None):
             result["memory"], rows = bench_memory.memory_section(args.reps, caps)
             md += rows
         if "l" in args.sections:
-            result["largest"], rows = bench_memory.largest_section()
+            lo, hi = (int(v) for v in args.largest_range.split(","))
+            result["largest"], rows = bench_memory.largest_section(lo=lo, hi=hi)
             md += rows
 
     (out / "bench.json").write_text(json.dumps(result, indent=2) + "\n")

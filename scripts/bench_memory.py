@@ -42,7 +42,7 @@ def mlptrain_memory(widths, batch, precision, reps, workspace_mib):
     import cupy as cp
     from bench import CHAIN, median, step_trainer
 
-    from mlptrain.gpu.memory import account
+    from mlptrain.gpu.memory import account, expected_step_peak
     from mlptrain.gpu.timing import cuda_time_ms
 
     gc.collect()
@@ -53,8 +53,9 @@ def mlptrain_memory(widths, batch, precision, reps, workspace_mib):
         chained = cuda_time_ms(lambda: tr.step(xb, yb), warmup=5, reps=reps, chain=CHAIN)
         loss = float(tr.step(xb, yb)[0])
     acc = account(tr)
+    step_peak = expected_step_peak(tr.widths, batch, tr.precision.compute_dtype, tr.model.uses_wgrad_stream)
     out = {"ms": median(chained), "peak_gib": acc["peak_bytes"] / GIB, "peak_at": acc["peak_at"], "loss": loss,
-           "bgrad": tr.model.bgrad, "account": acc}  # fmt: skip
+           "bgrad": tr.model.bgrad, "account": acc, "step_peak_formula_gib": step_peak / GIB}  # fmt: skip
     tr.gemm.free()  # the caller's gc.collect() and free_all_blocks() release the rest
     return out
 
@@ -82,8 +83,8 @@ def memory_section(reps: int, caps: list[int | None]) -> tuple[list[dict], list[
             "",
             "| model | batch | dtype | workspace cap MiB | mlptrain GiB | PyTorch GiB | ratio | mlptrain ms "
             "| PyTorch ms | live GiB: weights, copies, grads, optim, batch, saved, relu_aux, data, workspaces "
-            "| bgrad |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
+            "| graph pool GiB | step arrays at their peak, formula GiB | bgrad |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ],
     )
     for name, widths, batch in MEMORY_MODELS:
@@ -100,7 +101,9 @@ def memory_section(reps: int, caps: list[int | None]) -> tuple[list[dict], list[
                 row = (
                     f"| {name} | {batch} | {precision} | {cap or 'none'} | {rec['peak_gib']:.2f} | {fmt(tp, 2)} "
                     f"| {ratio} | {rec['ms']:.3f} "
-                    f"| {fmt(torch_rec['ms'] if torch_rec else None)} | {live} | {','.join(rec['bgrad'])} |"
+                    f"| {fmt(torch_rec['ms'] if torch_rec else None)} | {live} "
+                    f"| {rec['account']['pools']['graph_total'] / GIB:.2f} | {rec['step_peak_formula_gib']:.2f} "
+                    f"| {','.join(rec['bgrad'])} |"
                 )
                 md.append(row)
                 print(row, flush=True)

@@ -9,7 +9,14 @@ and still held, grouped by phase and call site, beside the live bytes by categor
 dataset, the previous step's saved inputs and gradients) are the base; what the step frees of
 them counts down from it.
 
-Needs a GPU. Usage: python scripts/memory_trace.py [--out DIR]
+``--graph``: the step as a training run takes it (warm-up steps and the capture into a CUDA graph,
+whose private pool receives everything the step allocates): every block the pool reserves from
+the device (``cudaMalloc``), with its size, phase, call site and stream, beside the bytes the pool
+has in use then. Where the pool reserves more than the step's arrays need at their peak
+(:func:`mlptrain.gpu.memory.expected_step_peak`), these lines say which allocation found no free
+block to reuse.
+
+Needs a GPU. Usage: python scripts/memory_trace.py [--graph] [--out DIR]
 """
 
 from __future__ import annotations
@@ -80,6 +87,71 @@ def make_trace():
     return Trace()
 
 
+def make_reserve_trace():
+    from cupy.cuda import memory_hook
+
+    class Reserve(memory_hook.MemoryHook):
+        """Blocks reserved from the device (``alloc``) and the pool's bytes in use at that moment."""
+
+        name = "mlptrain-reserve"
+
+        def __init__(self) -> None:
+            self.used = 0
+            self.sizes: dict[int, int] = {}
+            self.events: list[tuple] = []
+
+        def alloc_postprocess(self, **kw) -> None:
+            import cupy as cp
+
+            ours = [f for f in traceback.extract_stack()[:-1] if f.filename.startswith(PACKAGE)]
+            where = " < ".join(f"{Path(f.filename).name}:{f.name}:{f.lineno}" for f in reversed(ours[-3:]))
+            stream = cp.cuda.get_current_stream().ptr
+            self.events.append((PHASE[0], kw["mem_size"], self.used, stream, where))
+
+        def malloc_postprocess(self, **kw) -> None:
+            self.sizes[kw["mem_ptr"]] = kw["mem_size"]
+            self.used += kw["mem_size"]
+
+        def free_postprocess(self, **kw) -> None:
+            self.used -= self.sizes.pop(kw["mem_ptr"], 0)
+
+    return Reserve()
+
+
+def trace_graph_case(widths, batch, precision) -> dict:
+    """Reservations of the step's graph pool through its warm-up steps and capture."""
+    from bench import step_trainer
+
+    from mlptrain.gpu.memory import account, expected_step_peak
+
+    tr = step_trainer(widths, batch, precision, graph=True, bgrad="bgradb")
+    tag(tr.model, "forward", "forward")
+    tag(tr.head, "backward", "head+backward")
+    tag(tr.optimizer, "step", "optimizer")
+    trace = make_reserve_trace()
+    with tr.stream:
+        xb, yb = next(iter(tr.train_loader.epoch(0, out=tr.batch_buffers)))
+        with trace:
+            for i in range(3):  # two warm-up steps and the capture
+                PHASE[0] = f"step {i}"
+                tr.step(xb, yb)
+                PHASE[0] = "idle"
+        tr.stream.synchronize()
+    acc = account(tr)
+    tr.gemm.free()
+    return {
+        "graph_pool_mib": acc["pools"]["graph_total"] / MIB,
+        "step_peak_formula_mib": expected_step_peak(
+            tr.widths, batch, tr.precision.compute_dtype, tr.model.uses_wgrad_stream
+        )
+        / MIB,
+        "reserved": [
+            (ph, round(size / MIB, 2), round(used / MIB, 2), stream, where)
+            for ph, size, used, stream, where in trace.events
+        ],  # fmt: skip
+    }
+
+
 def trace_case(widths, batch, precision) -> dict:
     import cupy as cp
     from bench import step_trainer
@@ -123,6 +195,7 @@ def trace_case(widths, batch, precision) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="folder for memory_trace.json")
+    ap.add_argument("--graph", action="store_true", help="the graph pool's reservations through warm-up and capture")
     args = ap.parse_args(argv)
     import cupy as cp
 
@@ -130,6 +203,13 @@ def main(argv=None) -> int:
     for name, widths, batch, precision in CASES:
         gc.collect()
         cp.get_default_memory_pool().free_all_blocks()
+        if args.graph:
+            r = results[f"{name} {precision}"] = trace_graph_case(widths, batch, precision)
+            print(f"===== {name}, batch {batch}, {precision}: graph pool {r['graph_pool_mib']:.0f} MiB, "
+                  f"the step's arrays at their peak {r['step_peak_formula_mib']:.0f} MiB (formula)")  # fmt: skip
+            for row in r["reserved"]:
+                print("    reserved (phase, MiB, MiB in use before, stream, call site):", row)
+            continue
         r = results[f"{name} {precision}"] = trace_case(widths, batch, precision)
         print(f"===== {name}, batch {batch}, {precision}: used before the step {r['base_used_mib']:.0f} MiB, "
               f"at the peak {r['peak_used_mib']:.0f} MiB, in {r['peak_phase']}")  # fmt: skip

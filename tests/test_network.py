@@ -120,12 +120,13 @@ def test_layout_chains_without_copies():
     net.backward(softmax_cross_entropy(logits, np.array([0, 1, 2, 0]))[1])
     for p in net.params:
         assert p.grad.shape == p.value.shape and p.grad.flags.c_contiguous, p.name
+    # the backward let go of what it read: saved inputs and masks (their memory can go mid-step)
+    assert all(layer.x is None and layer.mask is None for layer in net.layers)
     kept = net.step_arrays()  # what a CUDA graph keeps after capturing the step
     net.release_step_arrays()  # after the bgrad probe: nothing of its step is kept alive
     assert all(p.grad is None for p in net.params)
-    assert all(layer.x is None and layer.mask is None for layer in net.layers)
     net.restore_step_arrays(kept)  # what a replay re-attaches
-    assert [p.grad for p in net.params] == kept[0] and net.layers[0].x is x and net.layers[1].x is h
+    assert all(p.grad is g for p, g in zip(net.params, kept, strict=True))
 
 
 def test_state_dict_round_trip_copies_and_refreshes_compute_copies():
@@ -251,3 +252,46 @@ def test_gelu_fused_and_naive_agree_in_fp64(bgrad, widths):
     np.testing.assert_allclose(outs["fused"], outs["naive"], rtol=1e-10, atol=1e-10)
     for gf, gn in zip(grads["fused"], grads["naive"], strict=True):
         np.testing.assert_allclose(gf, gn, rtol=1e-10, atol=1e-10)
+
+
+def test_backward_frees_what_each_layer_read_before_the_next_input_gradient():
+    """The backward lets go of a layer's saved input and dZ (and the handed-over dlogits) once their
+    GEMMs have read them, before the layer below allocates anything: at most two dZ alive."""
+    import weakref
+
+    class Spy(FusedExecution):
+        """Weak references to every activation and input gradient; which are alive at each input-gradient GEMM."""
+
+        def __init__(self):
+            super().__init__(NumpyGemm())
+            self.refs, self.alive_at = {}, {}
+
+        def forward(self, key, W, b, x, activation, mask=True):
+            y, m = super().forward(key, W, b, x, activation, mask)
+            self.refs[f"{key} out"] = weakref.ref(y)
+            return y, m
+
+        def input_grad(self, key, W, dz, *args, **kwargs):
+            self.alive_at[key] = sorted(name for name, r in self.refs.items() if r() is not None)
+            dz_below, db = super().input_grad(key, W, dz, *args, **kwargs)
+            self.refs[f"{key} dZ below"] = weakref.ref(dz_below)
+            return dz_below, db
+
+    spy = Spy()
+    net = MLP([6, 8, 7, 5, 3], execution=spy, xp=np, rng=np.random.default_rng(0),
+              param_dtype=np.float64, compute_dtype=np.float64)  # fmt: skip
+    x, y = np.random.default_rng(1).standard_normal((4, 6)), np.array([0, 1, 2, 0])
+    dlogits = softmax_cross_entropy(net.forward(x), y, inplace=True)[1]  # the logits' array ("layer3 out")
+    handoff = [dlogits]
+    del dlogits
+    net.backward(handoff)
+    assert handoff == []
+    # One stream (the CPU): a layer's input goes once its weight gradient is computed, before its
+    # input gradient; the layer above's dZ once that input gradient is computed.
+    assert spy.alive_at == {
+        "layer3": ["layer0 out", "layer1 out", "layer3 out"],  # X_1, X_2, dlogits (X_3 read by dW_3: gone)
+        "layer2": ["layer0 out", "layer3 dZ below"],  # X_1, dZ_2
+        "layer1": ["layer2 dZ below"],  # dZ_1
+    }
+    assert all(r() is None for r in spy.refs.values()), "the step's activations outlive its backward"
+    assert all(p.grad is not None for p in net.params)

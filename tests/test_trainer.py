@@ -141,3 +141,19 @@ def test_plans_are_made_once_and_reused():
     assert tr.head.mode == "kernel" and n == 3 * len(tr.model.layers) - 2
     train_losses(tr, 20)
     assert tr.gemm.num_plans == n
+
+
+def test_the_weight_gradients_stream_is_chosen_by_the_steps_size_unless_set():
+    """execution.wgrad_stream: true/false as said; null: two streams for latency-bound steps (below
+    TWO_STREAMS_MAX_FLOPS) and data-parallel runs, one stream where the GEMMs fill the GPU."""
+    from types import SimpleNamespace
+
+    from mlptrain.build import TWO_STREAMS_MAX_FLOPS, step_flops, wgrad_stream
+
+    small, big = ([784, 1024, 1024, 10], 256), ([4096] * 5, 8192)
+    assert step_flops(*small) == 6 * 256 * (784 * 1024 + 1024 * 1024 + 1024 * 10)
+    assert step_flops(*small) < TWO_STREAMS_MAX_FLOPS < step_flops(*big)
+    auto, on, off = (SimpleNamespace(wgrad_stream=v) for v in (None, True, False))
+    assert wgrad_stream(auto, *small, False) and not wgrad_stream(auto, *big, False)
+    assert wgrad_stream(auto, *big, True), "data parallel: the all-reduces start on the side stream"
+    assert wgrad_stream(on, *big, False) and not wgrad_stream(off, *small, True)

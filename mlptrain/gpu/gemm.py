@@ -20,6 +20,7 @@ from typing import Any
 import cupy as cp
 import nvmath
 from nvmath.linalg.advanced import Algorithm, Matmul, MatmulEpilog
+from nvmath.memory import MemoryPointer
 
 from mlptrain.epilogs import Epilog
 from mlptrain.gpu.plan_cache import PlanCache
@@ -72,7 +73,7 @@ class NvmathGemm:
         self._logger.setLevel(logging.WARNING)
 
     def _options(self, dtype: Any) -> dict[str, Any]:
-        options: dict[str, Any] = {"logger": self._logger}
+        options: dict[str, Any] = {"logger": self._logger, "allocator": _WORKSPACES}
         if self.workspace_mib is not None:
             options["memory_limit"] = int(self.workspace_mib) * 2**20
         if self.tf32 and dtype == cp.float32:
@@ -141,16 +142,18 @@ class NvmathGemm:
         """Bytes of the cuBLASLt workspaces the planned GEMMs hold (one per plan, allocated at its first execute)."""
         return sum(int(mm.workspace.allocated_size or 0) for mm in self._plans.values())
 
-    def release_operands(self) -> None:
-        """Let every plan forget the arrays of its last call (nvmath keeps ``a``, ``b`` and the epilog inputs).
+    def release_operands(self, prefix: str | None = None) -> None:
+        """Let every plan (``prefix``: of the call sites whose key starts with it) forget the arrays of its
+        last call (nvmath keeps ``a``, ``b`` and the epilog inputs).
 
         A plan holds its last operands until its next call replaces them, so without this the
         previous step's activations and masks stay alive while the next step allocates its own:
         two copies at the peak. The next call passes every operand again (``reset_operands_unchecked``
         with ``a``, ``b`` and the epilog inputs), which is what nvmath asks after a release.
         """
-        for mm in self._plans.values():
-            mm.release_operands()
+        for sig, mm in self._plans.items():
+            if prefix is None or sig[0].startswith(prefix):
+                mm.release_operands()
 
     def free(self) -> None:
         """Release every plan's workspace and cuBLASLt descriptors (synchronises the device)."""
@@ -167,6 +170,36 @@ class NvmathGemm:
             self.free()
         except Exception:
             pass
+
+
+class DefaultPoolWorkspaces:
+    """nvmath's memory manager for cuBLASLt workspaces: CuPy's default pool, whichever allocator is current.
+
+    A plan allocates its workspace at its first execute, from nvmath's allocator (by default CuPy's
+    current one), and keeps it until the plan is freed. The first execute of the training step's
+    GEMMs is its first warm-up step, which allocates from the CUDA graph's private pool
+    (:mod:`mlptrain.gpu.graph`): a workspace of tens of MiB carved out of the blocks of the
+    step's activations splits them for good. Drawn from the default pool instead, the
+    workspaces sit with the rest of the long-lived state, and the graph's pool holds the step's
+    arrays only. (The result and the epilog outputs are the step's arrays: nvmath allocates them
+    from CuPy's current allocator, as before.)
+    """
+
+    def __init__(self, device_id: int = 0, logger: Any = None) -> None:
+        self.device_id = device_id
+
+    def memalloc_async(self, size: int, stream: Any) -> MemoryPointer:
+        # nvmath calls this inside the execution stream's context: the pool's free lists of that stream
+        mem = cp.get_default_memory_pool().malloc(size)
+
+        def finalizer() -> None:
+            nonlocal mem
+            del mem  # back to the pool
+
+        return MemoryPointer(mem.ptr, size, finalizer=finalizer)
+
+
+_WORKSPACES = DefaultPoolWorkspaces()
 
 
 def graph_autotune(mm: Matmul, algorithms: tuple, key: str, *, calls: int = 5, reps: int = 5) -> Algorithm:

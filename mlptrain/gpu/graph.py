@@ -24,10 +24,12 @@ What makes the step capturable (nvmath-notes §6):
   the graph is handed afterwards, so replays never write into memory someone else owns.
 * Python's cyclic garbage collector is paused during capture, so no finaliser can make a call
   (a device synchronisation) that is illegal while a stream is being captured.
-* The arrays the captured step produced (gradients, relu_aux masks, the loss) stay referenced
+* The arrays the captured step produced and left alive (the gradients, the loss) stay referenced
   here: the step's owner hands over a ``keep`` function that gathers them after the capture and a
   ``restore`` function that re-attaches them after each replay, so host code (checks,
-  checkpoints) sees what the graph wrote.
+  checkpoints) sees what the graph wrote. What the step freed on the way (activations, masks,
+  their gradients: the backward lets each go once read) is memory of the pool that the graph's
+  later kernels reuse, in the order the capture recorded.
 
 One graph per batch shape: the last, smaller batch of an epoch gets its own. Replay runs the
 same kernels on the same operands as the uncaptured step, so losses and parameters agree bit
@@ -102,7 +104,7 @@ class GraphedStep:
             arrays (the replays rewrite them in place, so the same objects come back every replay).
             It must allocate nothing that outlives it except what it returns or hands to ``keep``.
         keep: called after a capture; its result is what the captured step left behind for others
-            to read (gradients, masks), kept alive with the graph.
+            to read (the gradients), kept alive with the graph.
         restore: called with ``keep()``'s result after every replay of that graph.
         release: called before every uncaptured warm-up step and before the capture: drops what
             the previous step left behind (gradients, saved inputs), so that the step does not

@@ -1,6 +1,6 @@
-"""GPU memory of the training step (mlptrain.gpu.memory): the live-byte account holds to its formula,
-the graph's pool holds one step's temporaries and no second copy of anything, a replay allocates
-nothing, and the bgrad probe leaves nothing behind."""
+"""GPU memory of the training step (mlptrain.gpu.memory): the live-byte account and the step's peak hold
+to their formulas (no second copy of anything), a replay allocates nothing, and the bgrad probe leaves
+nothing behind."""
 
 import numpy as np
 import pytest
@@ -33,40 +33,68 @@ CASES = [  # (hidden widths, batch, precision, optimizer)
 ]
 
 
+def _peak_hook():
+    """A CuPy memory hook: the most bytes this thread's allocations held at once, inside its ``with`` block."""
+    from cupy.cuda import memory_hook
+
+    class PeakUse(memory_hook.MemoryHook):
+        name = "mlptrain-test-peak"
+
+        def __init__(self):
+            self.sizes, self.used, self.peak = {}, 0, 0
+
+        def malloc_postprocess(self, **kw):
+            self.sizes[kw["mem_ptr"]] = kw["mem_size"]
+            self.used += kw["mem_size"]
+            self.peak = max(self.peak, self.used)
+
+        def free_postprocess(self, **kw):  # arrays of before the block: not counted either way
+            self.used -= self.sizes.pop(kw["mem_ptr"], 0)
+
+    return PeakUse()
+
+
 @pytest.mark.parametrize(("hidden", "batch", "precision", "optimizer"), CASES)
-def test_live_bytes_follow_the_formula_and_the_graph_pool_holds_one_step(hidden, batch, precision, optimizer):
-    from mlptrain.gpu.memory import account, expected_bytes
+@pytest.mark.parametrize("wgrad_stream", [True, False])
+def test_live_bytes_and_the_steps_peak_follow_the_formulas(hidden, batch, precision, optimizer, wgrad_stream):
+    from mlptrain.gpu.memory import account, expected_bytes, expected_step_peak
 
     tr = gpu_trainer(**{
         "model.hidden": hidden, "data.batch_size": batch, "precision.name": precision, "optimizer.name": optimizer,
-        "execution.bgrad": "bgradb", "execution.plan_cache": False,
+        "execution.bgrad": "bgradb", "execution.plan_cache": False, "execution.wgrad_stream": wgrad_stream,
     })  # fmt: skip
-    _steps(tr, 4)  # two warm-up steps, the capture, a replay
+    assert tr.model.uses_wgrad_stream == wgrad_stream
+    peak = _peak_hook()
+    with tr.stream:
+        batches = tr.train_loader.epoch(0, out=tr.batch_buffers)
+        tr.step(*next(batches))  # the first warm-up step: plans, workspaces, kernels
+        x, y = next(batches)
+        with peak:  # the second, uncaptured, in the graph's pool: every array the step makes
+            tr.step(x, y)
+            tr.stream.synchronize()
+    # The step's arrays at their peak follow the backward's schedule (the saved inputs, at most two or
+    # three dZ, the weight gradients so far); the loss's and the biases' small arrays come on top.
+    # Holding what a layer's backward read for longer (a second copy of an activation) does not fit.
+    want_peak = expected_step_peak(tr.widths, batch, tr.precision.compute_dtype, two_streams=wgrad_stream)
+    activation = batch * min(tr.widths[1:-1]) * np.dtype(tr.precision.compute_dtype).itemsize  # the smallest
+    slack = min(MiB, activation // 2)  # the small arrays (tens of KiB) fit in it; one more activation does not
+    assert want_peak <= peak.peak <= want_peak + slack, (
+        f"the step's arrays peaked at {peak.peak} bytes, the schedule says {want_peak} (+ up to {slack})"
+    )
+    _steps(tr, 2)  # the capture and a replay
     acc = account(tr)
     live = acc["live_bytes"]
     want = expected_bytes(
         tr.widths, batch, tr.precision.param_dtype, tr.precision.compute_dtype, 1 if optimizer == "sgd" else 2
     )
-    for key, value in want.items():
+    for key, value in want.items():  # saved inputs and masks: 0, the backward freed them
         assert live[key] == value, f"{key}: the account has {live[key]} bytes, the formula {value}"
-    # The graph's pool: what the step keeps (gradients, saved inputs, masks) and the workspaces its
-    # GEMMs allocated, plus the temporaries of one backward (a layer's dZ and the dZ below it, the
-    # logits and their gradient). A second copy of the saved inputs or of the gradients does not fit.
-    sc = np.dtype(tr.precision.compute_dtype).itemsize
-    kept = want["gradients"] + want["saved_inputs"] + want["relu_aux"]
-    temporaries = 3 * batch * max(tr.widths[1:]) * sc + 2 * batch * tr.widths[-1] * 4 + MiB
+    # nothing of the step outside the graph's pool: the default pool holds the state, the data and the workspaces
     pools = acc["pools"]
-    bound = kept + live["gemm_workspaces"] + temporaries
-    assert pools["graph_total"] <= bound, (
-        f"graph pool {pools['graph_total']} bytes > kept {kept} + workspaces {live['gemm_workspaces']} + "
-        f"temporaries {temporaries}"
-    )
-    if len(hidden) == 3:  # large enough for the bound to tell: a second copy of the saved inputs would not fit
-        assert want["saved_inputs"] > bound - pools["graph_total"], "the bound is too loose"
-    # nothing of the step outside the graph's pool: the default pool holds the state and the data
     state = sum(want[k] for k in ("master_weights", "compute_copies", "optimizer_state"))
-    outside = pools["default_used"] - state - live["dataset"] - live["batch"]
-    assert 0 <= outside <= MiB, f"{outside} bytes of the default pool are neither state nor data"
+    outside = pools["default_used"] - state - live["dataset"] - live["batch"] - live["gemm_workspaces"]
+    assert 0 <= outside <= MiB, f"{outside} bytes of the default pool are neither state, data nor workspaces"
+    assert pools["graph_total"] >= want_peak  # the pool reserved at least the step's peak
     assert acc["peak_bytes"] >= pools["default_total"] + pools["graph_total"]
 
 
