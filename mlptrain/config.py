@@ -164,7 +164,7 @@ class ExecutionConfig:
     wgrad_stream: Optional[bool] = _f(
         None,
         "GPU: weight gradients on a second stream, beside the input-gradient chain; null: where the step is "
-        "small (below 1e11 GEMM FLOPs) or data parallel; one stream holds one layer input less at the peak",
+        "small (below 1e11 GEMM FLOPs) or data parallel; one stream needs less memory",
     )
     head_kernel: bool = _f(True, "GPU, fused, small heads: the output layer's input gradient as one kernel")
     workspace_mib: Optional[int] = _f(

@@ -12,6 +12,7 @@ top, and on the GPU runs the weight gradients on a second stream (:mod:`mlptrain
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -139,12 +140,14 @@ class MLP:
         layer below) goes as soon as its readers are done (:meth:`_free_layer`). On one stream that is
         exact: ``X_l`` goes after the weight gradient, before the input gradient allocates
         ``dZ_{l-1}``, and ``dZ_l`` before the layer below allocates anything; two ``dZ`` are alive at
-        most. With the weight gradients on the side stream, layer ``l`` goes once the input gradient
-        of the layer below is enqueued: the main stream then waits for ``dW_l``, which ran beside
-        ``dX_l`` and is done by then, so the chain never stalls on it (for a small, latency-bound
-        step, where two streams pay, that matters more than the layer input and ``dZ`` held the
-        longer). ``dlogits`` handed over as a one-element list (``[dlogits]``, emptied here) goes the
-        same way; an array is kept by the caller's reference.
+        most. (With the head kernel the output layer's ``dZ_below`` is made with the loss, before the
+        backward starts: there it is alive beside the top layer's input.) With the weight gradients
+        on the side stream, layer ``l`` goes once the input gradient of the layer below is enqueued:
+        the main stream then waits for ``dW_l``, which ran beside ``dX_l`` and is done by then, so the
+        chain never stalls on it (for a small, latency-bound step, where two streams pay, that
+        matters more than the layer input and ``dZ`` held the longer). ``dlogits`` handed over as a
+        one-element list (``[dlogits]``, emptied here) goes the same way; an array is kept by the
+        caller's reference.
         """
         head = head or HeadGrads()
         ex, layers, top = self.execution, self.layers, len(self.layers) - 1
@@ -161,7 +164,9 @@ class MLP:
                 if one_stream:  # X_i had its last reader: it goes before dZ_below is allocated
                     self._free_layer(i)
             else:
-                self._side.run(i, lambda layer=layer, dz=dz, db=bias_grad: self._param_grads(layer, dz, db), reads=dz)
+                hook = self.on_weight_grad  # data parallel: the all-reduce, after dW_i on the side stream
+                then = None if hook is None else functools.partial(hook, layer.weight)
+                self._side.run(i, functools.partial(self._param_grads, layer, dz, bias_grad), reads=dz, then=then)
             if i == top and head.input_grad is not None:
                 if head.input_bias_grad is not None:
                     layers[i - 1].bias.grad = head.input_bias_grad
@@ -191,12 +196,11 @@ class MLP:
         self.execution.release(layer.name)
 
     def _param_grads(self, layer: Linear, dz: Any, bias_grad: Any) -> None:
-        """On the side stream: layer's weight gradient, then ``on_weight_grad`` (data parallel: its
-        all-reduce starts here, while the main stream goes on down the chain)."""
+        """On the side stream: layer's weight gradient. ``on_weight_grad`` follows it there (data parallel:
+        its all-reduce starts while the main stream goes on down the chain), after the event that
+        :meth:`_free_layer` waits for, so the chain never waits for the all-reduce."""
         with self._side.allocating_on_main():  # dW from the blocks the main stream freed (gpu/streams.py)
             layer.param_grads(self.execution, dz, bias_grad)
-        if self.on_weight_grad is not None:
-            self.on_weight_grad(layer.weight)
 
     @property
     def side_stream(self) -> Any:

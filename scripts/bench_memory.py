@@ -53,7 +53,9 @@ def mlptrain_memory(widths, batch, precision, reps, workspace_mib):
         chained = cuda_time_ms(lambda: tr.step(xb, yb), warmup=5, reps=reps, chain=CHAIN)
         loss = float(tr.step(xb, yb)[0])
     acc = account(tr)
-    step_peak = expected_step_peak(tr.widths, batch, tr.precision.compute_dtype, tr.model.uses_wgrad_stream)
+    step_peak = expected_step_peak(
+        tr.widths, batch, tr.precision.compute_dtype, tr.model.uses_wgrad_stream, tr.head.mode == "kernel"
+    )
     out = {"ms": median(chained), "peak_gib": acc["peak_bytes"] / GIB, "peak_at": acc["peak_at"], "loss": loss,
            "bgrad": tr.model.bgrad, "account": acc, "step_peak_formula_gib": step_peak / GIB}  # fmt: skip
     tr.gemm.free()  # the caller's gc.collect() and free_all_blocks() release the rest

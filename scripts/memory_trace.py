@@ -142,7 +142,7 @@ def trace_graph_case(widths, batch, precision) -> dict:
     return {
         "graph_pool_mib": acc["pools"]["graph_total"] / MIB,
         "step_peak_formula_mib": expected_step_peak(
-            tr.widths, batch, tr.precision.compute_dtype, tr.model.uses_wgrad_stream
+            tr.widths, batch, tr.precision.compute_dtype, tr.model.uses_wgrad_stream, tr.head.mode == "kernel"
         )
         / MIB,
         "reserved": [

@@ -24,6 +24,7 @@ from nvmath.memory import MemoryPointer
 
 from mlptrain.epilogs import Epilog
 from mlptrain.gpu.plan_cache import PlanCache
+from mlptrain.gpu.streams import results_allocator
 from mlptrain.gpu.timing import capture_graph, cuda_time_ms
 
 log = logging.getLogger(__name__)
@@ -93,7 +94,12 @@ class NvmathGemm:
             # Same shapes, strides and dtype by construction of the cache key: only the
             # pointers change, so the unchecked reset is safe and costs no validation.
             mm.reset_operands_unchecked(a=a, b=b, epilog_inputs=inputs or None)
-        out = mm.execute()
+        results = results_allocator()  # the side stream's GEMMs: results from the main stream's free lists
+        if results is None:
+            out = mm.execute()
+        else:
+            with cp.cuda.using_allocator(results):
+                out = mm.execute()
         return out if isinstance(out, tuple) else (out, {})
 
     def _plan(self, key: str, a: Any, b: Any, epilog: Epilog | None, inputs: dict[str, Any]) -> Matmul:

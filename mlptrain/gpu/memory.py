@@ -17,8 +17,9 @@ between ``free_all_blocks`` calls, so sampling before each of those and at the e
 water mark of reserved memory, the figure PyTorch reports as ``max_memory_reserved``.
 
 For an MLP of widths ``w_0 .. w_L`` at batch ``B`` the categories follow a formula
-(:func:`expected_bytes`), and the step's own arrays peak at what :func:`expected_step_peak`
-computes from the backward's schedule; the GPU tests hold the account and the graph's pool to them.
+(:func:`mlptrain.step_memory.expected_bytes`), and the step's own arrays peak at what
+:func:`mlptrain.step_memory.expected_step_peak` computes from the backward's schedule; the GPU
+tests hold the account and a step's allocations to them.
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import cupy as cp
-import numpy as np
 
-from mlptrain.epilogs import relu_aux_shape
+from mlptrain.step_memory import expected_bytes, expected_step_peak
+
+__all__ = ["PeakTracker", "account", "describe", "expected_bytes", "expected_step_peak"]
 
 GIB = 2**30
 
@@ -103,65 +105,6 @@ def account(trainer: Any) -> dict[str, Any]:
         "peak_bytes": peak.peak,
         "peak_at": peak.where,
     }
-
-
-def expected_bytes(widths: list[int], batch: int, param_dtype: Any, compute_dtype: Any, state_per_param: int) -> dict:
-    """The live bytes of a fused MLP step by the formula (what :func:`account` must find after a step).
-
-    Parameters ``P = sum(w_i w_{i+1} + w_{i+1})``: master weights ``P`` in the parameter dtype,
-    compute copies ``P`` in the compute dtype (when it differs), gradients ``P`` in the compute
-    dtype, optimizer state ``state_per_param x P`` in the parameter dtype. The saved inputs and the
-    relu_aux masks are gone after a step: the backward frees each layer's once read.
-    """
-    sp, sc = np.dtype(param_dtype).itemsize, np.dtype(compute_dtype).itemsize
-    n = sum(a * b + b for a, b in zip(widths, widths[1:], strict=False))
-    return {
-        "master_weights": sp * n,
-        "compute_copies": sc * n if np.dtype(param_dtype) != np.dtype(compute_dtype) else 0,
-        "gradients": sc * n,
-        "optimizer_state": sp * n * state_per_param,
-        "saved_inputs": 0,
-        "relu_aux": 0,
-    }
-
-
-def expected_step_peak(widths: list[int], batch: int, compute_dtype: Any, two_streams: bool = True) -> int:
-    """The most bytes a fused ReLU step's own arrays hold at once, by the backward's schedule.
-
-    Layer ``i`` (of ``L``) keeps its input ``X_i (B, w_i)`` (``X_0`` is the batch, held outside the
-    step) and, below the top, its relu_aux mask. The logits ``(B, w_L)`` become their gradient in
-    place. Alive at layer ``i`` of the backward (:meth:`mlptrain.network.MLP.backward`), beside
-    ``dZ_i (B, w_{i+1})`` and the weight gradients of layers ``i..L-1``:
-
-    * one stream: what layers ``0..i`` keep, until the weight gradient has read ``X_i``; then what
-      layers ``0..i-1`` keep and the new ``dZ_{i-1} (B, w_i)``;
-    * two streams: what layers ``0..i+1`` keep, ``dZ_{i+1}``, and ``dZ_{i-1}`` (the layer above
-      goes once ``dZ_{i-1}`` is enqueued, so that the chain never waits for its weight gradient).
-
-    The peak is the largest of these sums (the forward's end, with the logits, is never larger).
-    Bias-gradient vectors and the loss's per-row scalars are left out.
-    """
-    sc = np.dtype(compute_dtype).itemsize
-    L = len(widths) - 1
-
-    def kept(i: int) -> int:  # X_1..X_i and the masks of layers 0..i
-        x = sum(batch * widths[l] * sc for l in range(1, i + 1))
-        masks = sum(int(np.prod(relu_aux_shape(widths[l + 1], batch))) for l in range(min(i + 1, L - 1)))
-        return x + masks
-
-    def grads(i: int) -> int:
-        return sum((widths[l] * widths[l + 1] + widths[l + 1]) * sc for l in range(i, L))
-
-    def dz(i: int) -> int:  # dZ_i (B, w_{i+1}); none below the bottom or above the top
-        return batch * widths[i + 1] * sc if 0 <= i < L else 0
-
-    sums = []
-    for i in range(L):
-        if two_streams:
-            sums.append(kept(min(i + 1, L - 1)) + dz(i + 1) + dz(i) + dz(i - 1) + grads(i))
-        else:
-            sums += [kept(i) + dz(i) + grads(i), (kept(i - 1) if i >= 1 else 0) + dz(i) + dz(i - 1) + grads(i)]
-    return max(sums)
 
 
 def describe(acc: dict[str, Any]) -> str:

@@ -44,7 +44,7 @@ def choose_bgrad(
     ``forward_backward()`` (forward, loss and backward of the training step, no update) captured
     into a CUDA graph with each choice, layer by layer from the top, keeping the faster (median
     of ``reps`` chained replays; one candidate's graph at a time, never two graphs' arrays at once.
-    It still peaks above the step it measures, by 0.2 to 0.7 GiB at 4096 x 4 and 8192 x 4:
+    It still peaks above the step it measures, by 0.17 to 0.64 GiB at 4096 x 4 and 8192 x 4:
     docs/benchmarks.md, "Memory").
 
     The two strategies round differently, so a choice that changed from run to run would make

@@ -17,29 +17,36 @@ parallel branches.
 Memory: CuPy's pool gives each stream its own free lists. ``dZ_l`` and the saved input ``X_l``
 are allocated on the main stream and read by the side stream, so they stay referenced until the
 main stream has waited for the side GEMM that reads them (:meth:`SideStream.retire`, an event
-recorded after that GEMM; the network retires layer ``l`` before the input gradient of layer
-``l - 1`` is allocated) or until the join; otherwise the main stream could reuse their memory while
-the side GEMM still reads it.
+recorded after that GEMM; with two streams the network retires layer ``l`` once the input
+gradient of the layer below is enqueued) or until the join; otherwise the main stream could reuse
+their memory while the side GEMM still reads it.
 
-The side stream's own results (the weight gradients) are allocated from the main stream's free
+The side stream's GEMM results (the weight gradients) are allocated from the main stream's free
 lists too (:meth:`SideStream.allocating_on_main`): a pool reserves memory per stream, so gradients
 drawn from the side stream's lists would sit beside the main stream's peak instead of in the
-blocks the main stream has freed by then (on the H200, 8192 x 4 at batch 16384 in fp16, the
-step's pool reserved 1.94 GiB with separate lists, against 1.42 GiB that its arrays hold at their
-peak). It is safe because every side-stream GEMM waits for the main stream's work enqueued before
-its fork, which includes every earlier user of a block the main stream freed; and the side
-stream's results are read only after the join, and freed later still. The gradients the side
-stream allocates are read by the optimizer after the join, and the side stream reuses their memory
-only after the next step's first fork, which comes after that optimizer launch on the main stream.
+blocks the main stream has freed by then (docs/benchmarks.md, "Memory"). It is safe because every
+side-stream GEMM waits for the main stream's work enqueued before its fork, which includes every
+earlier user of a block the main stream freed; and the side stream's results are read only after
+the join (by the optimizer, on the main stream), and freed at the next step's start, when their
+blocks go back to the main stream's lists behind that optimizer launch.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import cupy as cp
+
+_local = threading.local()  # the allocator of GEMM results inside SideStream.allocating_on_main
+
+
+def results_allocator() -> Callable[[int], Any] | None:
+    """Where GEMM results go: the main stream's free lists inside :meth:`SideStream.allocating_on_main`, else
+    None (CuPy's current allocator on the current stream)."""
+    return getattr(_local, "results", None)
 
 
 class SideStream:
@@ -53,8 +60,12 @@ class SideStream:
         self._reads: dict[int, Any] = {}  # what the side stream reads, by fork: alive until retired or joined
         self._main: Any = None
 
-    def run(self, fork: int, fn: Callable[[], None], reads: Any) -> None:
-        """Run ``fn`` on the side stream after the current stream's work so far (``reads``: its input)."""
+    def run(self, fork: int, fn: Callable[[], None], reads: Any, then: Callable[[], None] | None = None) -> None:
+        """Run ``fn`` on the side stream after the current stream's work so far (``reads``: its input).
+
+        ``then`` runs on the side stream after ``fn``, outside what :meth:`retire` waits for (data
+        parallel: the all-reduce of the gradient ``fn`` made, which must not hold up the main stream's
+        frees)."""
         main = cp.cuda.get_current_stream()
         if self._main is None:
             self._main = main
@@ -63,23 +74,31 @@ class SideStream:
         self.stream.wait_event(event)
         with self.stream:  # nvmath and CuPy enqueue (and allocate) on the current stream
             fn()
-        self._done[fork].record(self.stream)
+            self._done[fork].record(self.stream)
+            if then is not None:
+                then()
         self._reads[fork] = reads
 
     @contextlib.contextmanager
     def allocating_on_main(self) -> Iterator[None]:
-        """Within :meth:`run`: CuPy allocations come from the main stream's free lists (module docstring).
+        """Within :meth:`run`: the GEMMs' results come from the main stream's free lists (module docstring).
 
-        Only for arrays that outlive the side stream's work (results): an array freed while the
-        side stream may still read it would return to the main stream's lists, unordered."""
+        Only the results nvmath allocates (:func:`results_allocator`, consulted by
+        :class:`mlptrain.gpu.gemm.NvmathGemm` around ``execute``): they outlive the side stream's
+        work. A temporary freed while the side stream may still use it (a CuPy reduction's
+        scratch) would return to the main stream's lists unordered, so everything else keeps
+        the side stream's own."""
         malloc, main = cp.cuda.get_allocator(), self._main
 
         def from_main(size: int) -> Any:
             with main:  # the pool keys its free lists by the current stream
                 return malloc(size)
 
-        with cp.cuda.using_allocator(from_main):
+        _local.results = from_main
+        try:
             yield
+        finally:
+            _local.results = None
 
     def retire(self, fork: int) -> None:
         """Make the main stream wait for the work forked at ``fork`` (if it was): its reads may go."""

@@ -75,7 +75,9 @@ def test_live_bytes_and_the_steps_peak_follow_the_formulas(hidden, batch, precis
     # The step's arrays at their peak follow the backward's schedule (the saved inputs, at most two or
     # three dZ, the weight gradients so far); the loss's and the biases' small arrays come on top.
     # Holding what a layer's backward read for longer (a second copy of an activation) does not fit.
-    want_peak = expected_step_peak(tr.widths, batch, tr.precision.compute_dtype, two_streams=wgrad_stream)
+    want_peak = expected_step_peak(
+        tr.widths, batch, tr.precision.compute_dtype, two_streams=wgrad_stream, head_kernel=tr.head.mode == "kernel"
+    )
     activation = batch * min(tr.widths[1:-1]) * np.dtype(tr.precision.compute_dtype).itemsize  # the smallest
     slack = min(MiB, activation // 2)  # the small arrays (tens of KiB) fit in it; one more activation does not
     assert want_peak <= peak.peak <= want_peak + slack, (
