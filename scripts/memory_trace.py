@@ -13,7 +13,7 @@ them counts down from it.
 whose private pool receives everything the step allocates): every block the pool reserves from
 the device (``cudaMalloc``), with its size, phase, call site and stream, beside the bytes the pool
 has in use then. Where the pool reserves more than the step's arrays need at their peak
-(:func:`mlptrain.gpu.memory.expected_step_peak`), these lines say which allocation found no free
+(:func:`mlptrain.step_memory.expected_step_peak`), these lines say which allocation found no free
 block to reuse.
 
 Needs a GPU. Usage: python scripts/memory_trace.py [--graph] [--out DIR]
