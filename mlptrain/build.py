@@ -21,6 +21,7 @@ builder of its group.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -40,8 +41,8 @@ from mlptrain.schedule import LRSchedule, StepClock
 
 
 def precision(cfg: PrecisionConfig, backend: Backend) -> Precision:
-    """``precision.name`` on ``backend`` (half precision and TF32 need the GPU)."""
-    return get_precision(cfg.name.value, backend)
+    """``precision.name`` on ``backend`` (half precision and TF32 need the GPU), and its ``compute_copy``."""
+    return dataclasses.replace(get_precision(cfg.name.value, backend), compute_copy=cfg.compute_copy.value)
 
 
 def scaler(cfg: PrecisionConfig, xp: Any, prec: Precision) -> LossScaler:
@@ -113,6 +114,7 @@ def model(
         compute_dtype=prec.compute_dtype,
         activation=cfg.activation.value,
         init=cfg.init.value,
+        compute_copy=prec.compute_copy,
     )
     return net
 

@@ -83,6 +83,10 @@ USES: dict[str, tuple[Callable[[TrainConfig], bool], str]] = {
         f"precision.{k}": (lambda c: c.precision.name.value == "fp16", "precision=fp16 (dynamic loss scaling)")
         for k in ("init_scale", "growth_factor", "backoff_factor", "growth_interval", "max_consecutive_skips")
     },
+    "precision.compute_copy": (
+        lambda c: c.precision.name.value in ("fp16", "bf16"),
+        "precision=fp16 or bf16 (the other precisions compute in the parameters' dtype)",
+    ),
 }
 
 

@@ -99,6 +99,11 @@ class PrecisionName(str, Enum):
     bf16 = "bf16"
 
 
+class ComputeCopy(str, Enum):
+    kept = "kept"
+    cast = "cast"
+
+
 def _f(default: Any, help: str, factory: Any = None) -> Any:
     """A schema field with its help text (``python -m mlptrain --help`` lists them)."""
     if factory is not None:
@@ -180,6 +185,11 @@ class PrecisionConfig:
     backoff_factor: float = _f(0.5, "fp16: the scale shrinks by this after an overflow")
     growth_interval: int = _f(2000, "fp16: clean steps before the scale grows")
     max_consecutive_skips: int = _f(50, "fp16: stop after this many overflowing steps in a row")
+    compute_copy: ComputeCopy = _f(
+        ComputeCopy.kept,
+        "fp16, bf16: kept: a half-precision copy of every parameter, refreshed by the optimizer; cast: none, "
+        "each layer's cast just before its GEMMs (less memory for the largest models, a cast kernel per layer)",
+    )
 
 
 @dataclass

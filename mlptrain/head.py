@@ -88,7 +88,7 @@ class OutputHead:
         top, below = model.layers[-1], model.layers[-2]
         # one kernel: dZ_below = (dlogits @ W) * relu'(Z_below), and its sum over the batch
         dz_below, db_below = head_input_grad(
-            dlogits, top.weight.compute, below.mask, bias_grad_below=not below.bias_grad_in_wgrad
+            dlogits, top.weight.for_gemm(cast=False), below.mask, bias_grad_below=not below.bias_grad_in_wgrad
         )
         return loss, correct, dlogits, HeadGrads(bias_grad=db_out, input_grad=dz_below, input_bias_grad=db_below)
 

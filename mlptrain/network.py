@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from mlptrain.execution import FusedExecution, NaiveExecution
-from mlptrain.layers import Linear, Param
+from mlptrain.layers import CastBuffer, Linear, Param
 
 BGRAD_STRATEGIES = ("drelu_bgrad", "bgradb")
 
@@ -57,6 +57,9 @@ class MLP:
         bgrad: per hidden layer, where its bias gradient is reduced (``drelu_bgrad``, DGELU_BGRAD for GELU: by the
             input-gradient GEMM of the layer above; ``bgradb``: by its own weight-gradient GEMM);
             one string for all.
+        compute_copy: ``"kept"``: each parameter keeps a copy in the compute dtype (fp16/bf16), which
+            the optimizer refreshes; ``"cast"``: none is kept, each layer's parameters are cast into one
+            shared :class:`~mlptrain.layers.CastBuffer` just before its GEMMs read them.
     """
 
     def __init__(
@@ -71,6 +74,7 @@ class MLP:
         activation: str = "relu",
         init: str = "he",
         bgrad: str | Sequence[str] = "bgradb",
+        compute_copy: str = "kept",
     ) -> None:
         if len(widths) < 2:
             raise ValueError(f"an MLP needs at least input and output widths; got {list(widths)}")
@@ -78,6 +82,12 @@ class MLP:
         self.execution = execution
         self.xp = xp
         n = len(widths) - 1
+        if compute_copy not in ("kept", "cast"):
+            raise ValueError(f"compute_copy must be 'kept' or 'cast'; got {compute_copy!r}")
+        self.cast_buffer = None
+        if compute_copy == "cast" and np.dtype(param_dtype) != np.dtype(compute_dtype):
+            largest = {"weight": max(a * b for a, b in zip(widths, widths[1:], strict=False)), "bias": max(widths[1:])}
+            self.cast_buffer = CastBuffer(xp, compute_dtype, largest)
         self.layers = [
             Linear(
                 f"layer{i}",
@@ -89,6 +99,7 @@ class MLP:
                 param_dtype=param_dtype,
                 compute_dtype=compute_dtype,
                 init=init if (activation != "none" and i < n - 1) else "lecun",
+                cast_buffer=self.cast_buffer,
             )
             for i in range(n)
         ]
@@ -172,7 +183,8 @@ class MLP:
                     layers[i - 1].bias.grad = head.input_bias_grad
                 dz, head.input_grad = head.input_grad, None
             else:
-                dz = layer.grad_below(ex, dz, layers[i - 1] if i > 0 else None)
+                # (the output layer's weight is still in the cast buffer, if any: the forward cast it last)
+                dz = layer.grad_below(ex, dz, layers[i - 1] if i > 0 else None, cast=i != top)
             if not one_stream and i < top:  # the layer above's dW ran beside its dX and, by now, is done
                 self._free_layer(i + 1)
         if self._side is not None:

@@ -38,6 +38,7 @@ class Precision:
     compute_dtype: Any
     tf32: bool = False
     loss_scaling: bool = False
+    compute_copy: str = "kept"  # fp16, bf16: "kept" or "cast" (mlptrain.layers.CastBuffer)
 
 
 def get_precision(name: str, backend: Backend) -> Precision:

@@ -122,12 +122,6 @@ class Trainer:
             xp.cuda.Device().synchronize()  # set-up work on the default stream is done
             self.stream = xp.cuda.Stream(non_blocking=True)
             self.memory_peak = PeakTracker(lambda: self.graphed.pool_bytes() if self.graphed is not None else 0)
-        self._await_kernels()  # every thread idle: the bgrad probe captures CUDA graphs
-        self._choose_bgrad()  # on the GPU it may time the step, so after everything the step uses
-        if self.backend.is_gpu:  # blocks set-up freed (the probe's, temporaries of the weights' init) go back
-            xp.get_default_memory_pool().free_all_blocks()  # to the device: the step allocates from its own pool
-        if self.grad_sync is not None and self.backend.is_gpu:  # after the probe: it times one rank's step alone
-            self.grad_sync.overlap(self.model)  # each layer's weight gradient all-reduced as soon as it is made
         if self.backend.is_gpu and cfg.graph is not False:
             from mlptrain.gpu.graph import GraphedStep
 
@@ -135,6 +129,12 @@ class Trainer:
             self.graphed = GraphedStep(
                 self._launch, keep=model.step_arrays, restore=model.restore_step_arrays, release=self.release_step
             )
+        self._await_kernels()  # every thread idle: the bgrad probe captures CUDA graphs
+        self._choose_bgrad()  # on the GPU it may time the step, so after everything the step uses
+        if self.backend.is_gpu:  # blocks set-up freed (the probe's, temporaries of the weights' init) go back
+            xp.get_default_memory_pool().free_all_blocks()  # to the device: the step allocates from its own pool
+        if self.grad_sync is not None and self.backend.is_gpu:  # after the probe: it times one rank's step alone
+            self.grad_sync.overlap(self.model)  # each layer's weight gradient all-reduced as soon as it is made
         if self._precompile is not None:  # the kernels of the step and of evaluation, planned from what was built
             from mlptrain.gpu.precompile import step_jobs
 
@@ -273,12 +273,12 @@ class Trainer:
             self.model.set_bgrad("bgradb")  # matter and the probe would cost more than the run (default digits)
             return
         from mlptrain.gpu.plan_cache import PlanCache
-        from mlptrain.gpu.probe import choose_bgrad
+        from mlptrain.gpu.probe import choose_bgrad, random_batch
 
         # Both strategies are exact; which is faster depends on the shapes and on how the
         # backward is scheduled: time this model's step both ways, on random data.
         ex = self.cfg.execution
-        cdt, B, xp = self.precision.compute_dtype, self.cfg.data.batch_size, self.xp
+        cdt, B = self.precision.compute_dtype, self.cfg.data.batch_size
         if self.grad_sync is not None:  # data parallel: this rank's step runs on its shard of the batch
             B = len(range(B)[shard_rows(B, self.grad_sync.comm.rank, self.grad_sync.comm.world)])
         key = (
@@ -289,16 +289,12 @@ class Trainer:
             f"{f' workspace {ex.workspace_mib} MiB' if ex.workspace_mib is not None else ''}"
         )
         store = PlanCache.default_path().with_suffix(".bgrad.json") if ex.plan_cache else None
-        rng = xp.random.default_rng(0)
-        x = rng.standard_normal((B, self.widths[0]), dtype=xp.float32).astype(cdt)  # (B, in)
-        y = rng.integers(0, self.widths[-1], B)  # (B,) labels
         self.model.set_bgrad("drelu_bgrad")
-        with self.stream:
-            batch = [x, y]  # a list, so that the batch can go before the pool is emptied
-            del x, y
-            chosen = choose_bgrad(
-                self.model, lambda: self.forward_backward(*batch), key, store=store, release=self.release_step
-            )
+        with self.stream:  # the batch in a list, so that it can go before the pool is emptied
+            batch = random_batch(B, self.widths, cdt, self.train_loader.y.dtype, out=self.batch_buffers(B))
+            chosen = choose_bgrad(self.model, lambda: self.forward_backward(*batch), key, store=store,
+                                  release=self.release_step,
+                                  on_pool=lambda n: self.memory_peak.sample("bgrad probe", extra=n))  # fmt: skip
         self.model.set_bgrad(chosen)
         # Nothing of the probe stays: its plans (the strategy not chosen has its own GEMMs, and a
         # DRELU_BGRAD plan can hold a workspace of gigabytes) and the arrays they still reference

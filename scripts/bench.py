@@ -177,6 +177,7 @@ def step_trainer(
     workspace_mib="default",
     activation="relu",
     comm=None,
+    compute_copy="kept",
 ):
     """A GPU Trainer for ``widths`` on random data (one batch per epoch), as the step benchmarks use it
     (``comm``: one rank of a data-parallel group; ``batch`` is then the global batch)."""
@@ -192,6 +193,8 @@ def step_trainer(
     cfg = TrainConfig()
     cfg.device = type(cfg.device)("gpu")
     cfg.precision.name = type(cfg.precision.name)(precision)
+    if precision in ("fp16", "bf16"):
+        cfg.precision.compute_copy = type(cfg.precision.compute_copy)(compute_copy)
     cfg.execution.mode = type(cfg.execution.mode)(mode)
     cfg.execution.bgrad = type(cfg.execution.bgrad)(bgrad)
     cfg.execution.autotune = autotune
@@ -417,8 +420,12 @@ def main(argv=None):
     ap.add_argument("--autotune", action="store_true", help="mlptrain steps with execution.autotune=true")
     ap.add_argument("--workspace-caps", default="64,none", help="section m: execution.workspace_mib values")
     ap.add_argument(
+        "--compute-copies", default="kept,cast", help="section m: precision.compute_copy values (l: mlptrain's)"
+    )
+    ap.add_argument(
         "--largest-range", default="32768,81920", help="section l: LO,HI, a width that trains and one that does not"
     )
+    ap.add_argument("--largest-range-torch", default=None, help="section l: LO,HI for PyTorch (default: the same)")
     args = ap.parse_args(argv)
     available, reason = probe_gpu()
     if not available:
@@ -531,11 +538,14 @@ def main(argv=None):
 
         if "m" in args.sections:
             caps = [None if c == "none" else int(c) for c in args.workspace_caps.split(",")]
-            result["memory"], rows = bench_memory.memory_section(args.reps, caps)
+            copies = args.compute_copies.split(",")
+            result["memory"], rows = bench_memory.memory_section(args.reps, caps, copies)
             md += rows
         if "l" in args.sections:
-            lo, hi = (int(v) for v in args.largest_range.split(","))
-            result["largest"], rows = bench_memory.largest_section(lo=lo, hi=hi)
+            ranges = {"mlptrain": tuple(int(v) for v in args.largest_range.split(","))}
+            ranges["torch"] = tuple(int(v) for v in (args.largest_range_torch or args.largest_range).split(","))
+            copies = args.compute_copies.split(",")
+            result["largest"], rows = bench_memory.largest_section(ranges=ranges, copies=copies)
             md += rows
 
     (out / "bench.json").write_text(json.dumps(result, indent=2) + "\n")

@@ -14,7 +14,9 @@ l: the widest 4-layer MLP (widths ``[w] * 5``, ``w`` in steps of 1024) that trai
    of ten billion normals takes minutes; the values do not matter here). Both sides hold their
    batch on the GPU (PyTorch in fp32, as a user feeds autocast).
 
-Run a trial by hand: ``python scripts/bench_memory.py --trial mlptrain --width 40960``.
+mlptrain runs once per ``--compute-copies`` value (``kept``, ``cast``: precision.compute_copy).
+
+Run a trial by hand: ``python scripts/bench_memory.py --trial mlptrain --width 40960 --compute-copy cast``.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ GIB = 2**30
 MEMORY_MODELS = [("4096 x 4", [4096] * 5, 8192), ("8192 x 4", [8192] * 5, 16384)]
 
 
-def mlptrain_memory(widths, batch, precision, reps, workspace_mib):
+def mlptrain_memory(widths, batch, precision, reps, workspace_mib, compute_copy="kept"):
     import gc
 
     import cupy as cp
@@ -47,7 +49,7 @@ def mlptrain_memory(widths, batch, precision, reps, workspace_mib):
 
     gc.collect()
     cp.get_default_memory_pool().free_all_blocks()
-    tr = step_trainer(widths, batch, precision, workspace_mib=workspace_mib)
+    tr = step_trainer(widths, batch, precision, workspace_mib=workspace_mib, compute_copy=compute_copy)
     with tr.stream:
         xb, yb = next(iter(tr.train_loader.epoch(0, out=tr.batch_buffers)))
         chained = cuda_time_ms(lambda: tr.step(xb, yb), warmup=5, reps=reps, chain=CHAIN)
@@ -71,7 +73,7 @@ def _free_all() -> None:
     cp.get_default_memory_pool().free_all_blocks()
 
 
-def memory_section(reps: int, caps: list[int | None]) -> tuple[list[dict], list[str]]:
+def memory_section(reps: int, caps: list[int | None], copies: list[str] = ("kept",)) -> tuple[list[dict], list[str]]:
     from bench import bench_step_torch, fmt
 
     records, md = (
@@ -80,29 +82,31 @@ def memory_section(reps: int, caps: list[int | None]) -> tuple[list[dict], list[
             "## Peak GPU memory of a training step against PyTorch eager (GiB)",
             "",
             "mlptrain: the graph step in its default configuration (bgrad probe included), peak of CuPy's pools; "
-            "workspace cap: execution.workspace_mib (none: nvmath's default). PyTorch eager: autocast, "
-            "max_memory_reserved. Step times: steady state, ms.",
+            "workspace cap: execution.workspace_mib (none: nvmath's default); copy: precision.compute_copy "
+            "(kept: a half-precision copy of each parameter; cast: each layer's cast into one buffer before its "
+            "GEMMs). PyTorch eager: autocast, max_memory_reserved. Step times: steady state, ms.",
             "",
-            "| model | batch | dtype | workspace cap MiB | mlptrain GiB | PyTorch GiB | ratio | mlptrain ms "
+            "| model | batch | dtype | workspace cap MiB | copy | mlptrain GiB | PyTorch GiB | ratio | mlptrain ms "
             "| PyTorch ms | live GiB: weights, copies, grads, optim, batch, saved, relu_aux, data, workspaces "
             "| graph pool GiB | step arrays at their peak, formula GiB | bgrad |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ],
     )
     for name, widths, batch in MEMORY_MODELS:
         for precision in ("fp16", "bf16"):
             torch_rec = bench_step_torch(widths, batch, precision, reps)
-            for cap in caps:
-                rec = mlptrain_memory(widths, batch, precision, reps, cap)
+            for cap, copy in [(cap, copy) for cap in caps for copy in copies]:
+                rec = mlptrain_memory(widths, batch, precision, reps, cap, copy)
                 _free_all()
-                rec.update(model=name, batch=batch, precision=precision, workspace_mib=cap, torch=torch_rec)
+                rec.update(model=name, batch=batch, precision=precision, workspace_mib=cap, compute_copy=copy,
+                           torch=torch_rec)  # fmt: skip
                 records.append(rec)
                 live = ", ".join(f"{v / GIB:.2f}" for v in rec["account"]["live_bytes"].values())
                 tp = torch_rec["peak_gib"] if torch_rec else None
                 ratio = f"{rec['peak_gib'] / tp:.2f}x" if tp else "-"
                 row = (
-                    f"| {name} | {batch} | {precision} | {cap or 'none'} | {rec['peak_gib']:.2f} | {fmt(tp, 2)} "
-                    f"| {ratio} | {rec['ms']:.3f} "
+                    f"| {name} | {batch} | {precision} | {cap or 'none'} | {copy} | {rec['peak_gib']:.2f} "
+                    f"| {fmt(tp, 2)} | {ratio} | {rec['ms']:.3f} "
                     f"| {fmt(torch_rec['ms'] if torch_rec else None)} | {live} "
                     f"| {rec['account']['pools']['graph_total'] / GIB:.2f} | {rec['step_peak_formula_gib']:.2f} "
                     f"| {','.join(rec['bgrad'])} |"
@@ -125,7 +129,7 @@ class _DeviceNormal:
         return cp.random.standard_normal(shape, dtype=cp.float32)
 
 
-def trial_mlptrain(width: int, batch: int) -> dict:
+def trial_mlptrain(width: int, batch: int, compute_copy: str = "kept") -> dict:
     import cupy as cp
     from bench import step_trainer
 
@@ -134,7 +138,7 @@ def trial_mlptrain(width: int, batch: int) -> dict:
     real = build.model
     build.model = lambda *a: real(*a[:-1], _DeviceNormal())  # the model's initial weights only
     try:
-        tr = step_trainer([width] * 5, batch, "fp16", bgrad="bgradb")
+        tr = step_trainer([width] * 5, batch, "fp16", bgrad="bgradb", compute_copy=compute_copy)
     finally:
         build.model = real
     with tr.stream:
@@ -142,7 +146,12 @@ def trial_mlptrain(width: int, batch: int) -> dict:
         for _ in range(4):
             loss = tr.step(xb, yb)[0]
         tr.stream.synchronize()
-    return {"loss": float(cp.asnumpy(loss)), "peak_gib": tr.memory_peak.sample("end") / GIB}
+    from mlptrain.gpu.memory import account
+
+    free, total = cp.cuda.runtime.memGetInfo()
+    live = {k: round(v / GIB, 2) for k, v in account(tr)["live_bytes"].items()}
+    return {"loss": float(cp.asnumpy(loss)), "peak_gib": tr.memory_peak.sample("end") / GIB,
+            "device_used_gib": (total - free) / GIB, "live_gib": live}  # fmt: skip
 
 
 def trial_torch(width: int, batch: int) -> dict:
@@ -166,12 +175,18 @@ def trial_torch(width: int, batch: int) -> dict:
         scaler.step(opt)
         scaler.update()
     torch.cuda.synchronize()
-    return {"loss": float(loss), "peak_gib": torch.cuda.max_memory_reserved() / GIB}
+    free, total = torch.cuda.mem_get_info()
+    return {"loss": float(loss), "peak_gib": torch.cuda.max_memory_reserved() / GIB,
+            "device_used_gib": (total - free) / GIB}  # fmt: skip
 
 
 def run_trial(side: str, width: int, batch: int) -> dict | None:
-    """One trial in a fresh process: its record, or None when the model does not train (out of memory)."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--trial", side, "--width", str(width), "--batch", str(batch)]
+    """One trial in a fresh process: its record, or None when the model does not train (out of memory).
+
+    ``side``: ``torch``, ``mlptrain`` (precision.compute_copy=kept) or ``mlptrain-cast``."""
+    who, _, copy = side.partition("-")
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--trial", who, "--width", str(width), "--batch", str(batch)]
+    cmd += ["--compute-copy", copy] if copy else []
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["?"])[-1]
@@ -179,7 +194,9 @@ def run_trial(side: str, width: int, batch: int) -> dict | None:
         return None
     rec = json.loads(proc.stdout.strip().splitlines()[-1])
     ok = math.isfinite(rec["loss"])
-    print(f"  {side} width {width}: trains, peak {rec['peak_gib']:.1f} GiB, loss {rec['loss']:.3f}", flush=True)
+    print(f"  {side} width {width}: trains, peak {rec['peak_gib']:.1f} GiB (device: {rec['device_used_gib']:.1f} "
+          f"in use), loss {rec['loss']:.3f}{', live ' + str(rec['live_gib']) if 'live_gib' in rec else ''}",
+          flush=True)  # fmt: skip
     return rec if ok else None
 
 
@@ -196,16 +213,21 @@ def largest(side: str, batch: int, lo: int, hi: int, step: int = 1024) -> tuple[
     return lo, best
 
 
-def largest_section(batch: int = 16384, lo: int = 32768, hi: int = 81920) -> tuple[dict, list[str]]:
+def largest_section(
+    batch: int = 16384, ranges: dict | None = None, copies: list[str] = ("kept",)
+) -> tuple[dict, list[str]]:
+    """The widest model of mlptrain (each precision.compute_copy of ``copies``) and of PyTorch eager,
+    each searched in ``ranges[side]`` (``(lo, hi)``: ``lo`` must train, ``hi`` must not)."""
+    ranges = ranges or {}
     result, md = {}, ["## The largest model that trains (fp16, batch 16384, widths [w] * 5)", ""]
     md += ["| | widest w | parameters | peak GiB |", "|---|---|---|---|"]
-    for side in ("mlptrain", "torch"):
-        w, rec = largest(side, batch, lo, hi)
+    names = {"mlptrain": "mlptrain, compute_copy=kept", "mlptrain-cast": "mlptrain, compute_copy=cast",
+             "torch": "PyTorch eager"}  # fmt: skip
+    for side in [*(("mlptrain" if c == "kept" else f"mlptrain-{c}") for c in copies), "torch"]:
+        w, rec = largest(side, batch, *ranges.get(side.partition("-")[0], (32768, 81920)))
         params = 4 * (w * w + w)
         result[side] = {"width": w, "params": params, **(rec or {})}
-        row = f"| {'mlptrain' if side == 'mlptrain' else 'PyTorch eager'} | {w} | {params / 1e9:.2f} B | " + (
-            f"{rec['peak_gib']:.1f} |" if rec else "- |"
-        )
+        row = f"| {names[side]} | {w} | {params / 1e9:.2f} B | " + (f"{rec['peak_gib']:.1f} |" if rec else "- |")
         md.append(row)
         print(row, flush=True)
     md.append("")
@@ -217,9 +239,13 @@ def main(argv=None) -> int:
     ap.add_argument("--trial", choices=["mlptrain", "torch"], required=True)
     ap.add_argument("--width", type=int, required=True)
     ap.add_argument("--batch", type=int, default=16384)
+    ap.add_argument("--compute-copy", default="kept", choices=["kept", "cast"], help="mlptrain: precision.compute_copy")
     args = ap.parse_args(argv)
     np.seterr(all="ignore")
-    rec = trial_mlptrain(args.width, args.batch) if args.trial == "mlptrain" else trial_torch(args.width, args.batch)
+    if args.trial == "mlptrain":
+        rec = trial_mlptrain(args.width, args.batch, args.compute_copy)
+    else:
+        rec = trial_torch(args.width, args.batch)
     print(json.dumps(rec))
     return 0
 

@@ -189,6 +189,7 @@ def test_validate_accepts_defaults_and_returns_its_argument() -> None:
         (["device=cpu", "execution.autotune=true"], "execution.autotune=true is not used with device=cpu"),
         (["device=cpu", "graph=true"], "graph=true is not used with device=cpu: it applies to the GPU"),
         (["precision.init_scale=1024"], "precision.init_scale=1024.0 is not used with precision=fp32"),
+        (["precision.compute_copy=cast"], "precision.compute_copy=cast is not used with precision=fp32: it applies to"),
         (["optimizer.schedule=constant", "optimizer.min_lr_ratio=0.1"], "is not used with optimizer.schedule=constant"),
         (["data=mnist", "data.test_fraction=0.3"], "data.test_fraction=0.3 is not used with data=mnist, which has a"),
         (["data.path=x.csv"], "data.path=x.csv is not used with data=digits: it applies to data=file"),
@@ -205,6 +206,7 @@ def test_a_setting_that_would_be_ignored_is_an_error(overrides: list[str], messa
 def test_settings_that_apply_are_accepted() -> None:
     compose_config(["data=synthetic", "data.features=1024"])
     compose_config(["optimizer=adam", "optimizer.beta2=0.99", "precision=fp16", "precision.init_scale=1024"])
+    compose_config(["precision=bf16", "precision.compute_copy=cast"])
     compose_config(["data=file", "data.path=x.csv", "data.target=[a,b]", "data.test_fraction=0.3"])
     compose_config(["optimizer.momentum=0.9", "data.features=32"])  # the defaults: nothing was said
 

@@ -20,7 +20,10 @@ def make_cfg(mode: str, precision: str, **kw) -> TrainConfig:
 
 
 def step_losses(cfg: TrainConfig, epochs: int) -> np.ndarray:
-    tr = Trainer(cfg)
+    return step_losses_of(Trainer(cfg), epochs)
+
+
+def step_losses_of(tr: Trainer, epochs: int) -> np.ndarray:
     losses = []
     for epoch in range(epochs):
         for x, y in tr.train_loader.epoch(epoch):
@@ -70,6 +73,48 @@ def test_default_run_reaches_96_percent_and_is_deterministic(tmp_path):
     assert a["test/acc"] == b["test/acc"] and a["train/loss"] == b["train/loss"]
     c = train(make_cfg("fused", "fp32", seed=1), tmp_path / "c")
     assert c["train/loss"] != a["train/loss"]
+
+
+@pytest.mark.parametrize("hidden", [[32], [48, 24]])
+def test_compute_copy_cast_takes_the_steps_of_the_kept_copy(monkeypatch, hidden):
+    """precision.compute_copy=cast keeps no half-precision copy: each layer's parameters are cast into one
+    shared buffer just before its GEMMs (the output layer's weight read again by the backward from the
+    forward's cast). The cast rounds as the kept copy's refresh does, so every step's loss and the weights
+    agree bit for bit; a buffer holding another layer's weight, or a stale one, would not."""
+    from helpers import emulate_fp16
+
+    from mlptrain.config import ComputeCopy
+
+    emulate_fp16(monkeypatch)
+    runs = {}
+    for copy in ("kept", "cast"):
+        cfg = make_cfg("fused", "fp16")
+        cfg.model.hidden, cfg.precision.compute_copy = hidden, ComputeCopy(copy)
+        tr = Trainer(cfg)
+        runs[copy] = (tr, step_losses_of(tr, epochs=2))
+    (kept, kept_losses), (cast, cast_losses) = runs["kept"], runs["cast"]
+    assert all(p.has_compute_copy for p in kept.model.params) and kept.model.cast_buffer is None
+    assert not any(p.has_compute_copy or p.compute is not None for p in cast.model.params)
+    widths = [64, *hidden, 10]
+    largest_weight = max(a * b for a, b in zip(widths, widths[1:], strict=False))
+    assert cast.model.cast_buffer.nbytes == 2 * (largest_weight + max(widths[1:]))  # float16
+    assert len(kept_losses) == 42 and len(set(kept_losses.tolist())) > 30  # it trains
+    np.testing.assert_array_equal(cast_losses, kept_losses)
+    for p, q in zip(kept.model.params, cast.model.params, strict=True):
+        np.testing.assert_array_equal(q.value, p.value, err_msg=p.name)
+
+
+def test_cast_buffer_refuses_to_reuse_a_parameter_cast_over():
+    from mlptrain.layers import CastBuffer
+
+    buf = CastBuffer(np, np.float16, {"weight": 12})
+    a, b = np.full((3, 4), 1.0 / 3, np.float32), np.full((2, 5), 2.0, np.float32)
+    view = buf.cast("weight", a)
+    assert view.dtype == np.float16 and view.shape == (3, 4) and (view == np.float16(1.0 / 3)).all()
+    buf.cast("weight", b)
+    with pytest.raises(RuntimeError, match="cast over"):
+        buf.cast("weight", a, again=False)
+    assert (buf.cast("weight", b, again=False) == 2).all()
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning", "ignore:invalid value:RuntimeWarning")

@@ -57,8 +57,9 @@ class PeakTracker:
     def reserved(self) -> int:
         return int(cp.get_default_memory_pool().total_bytes()) + int(self.extra())
 
-    def sample(self, where: str) -> int:
-        now = self.reserved()
+    def sample(self, where: str, extra: int = 0) -> int:
+        """The bytes reserved now (plus ``extra``, a pool the tracker does not know of), kept if a new peak."""
+        now = self.reserved() + extra
         if now > self.peak:
             self.peak, self.where = now, where
         return now
@@ -76,7 +77,8 @@ def account(trainer: Any) -> dict[str, Any]:
             batch += [g.x_static, g.y_static]
     cats = {
         "master_weights": _unique_bytes((p.value for p in params), seen),
-        "compute_copies": _unique_bytes((p.compute for p in params if p.has_compute_copy), seen),
+        "compute_copies": _unique_bytes((p.compute for p in params if p.has_compute_copy), seen)
+        + (model.cast_buffer.nbytes if model.cast_buffer is not None else 0),  # compute_copy=cast: the shared buffer
         "gradients": _unique_bytes((p.grad for p in params), seen),
         "optimizer_state": _unique_bytes((v for st in trainer.optimizer.state.values() for v in st.values()), seen),
         "batch": _unique_bytes(batch, seen),

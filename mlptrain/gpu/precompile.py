@@ -262,7 +262,8 @@ def step_jobs(tr: Any) -> list[Job]:
         jobs.append(Job(f"mlptrain_head_dgrad ({outputs} classes, {cdt.name})", "loss", functools.partial(_head, tr)))
     opt = tr.optimizer
     state = sum(int(a.nbytes) for st in opt.state.values() for a in st.values())
-    scratch = sum(int(p.value.nbytes) + int(p.compute.nbytes) + p.value.size * cdt.itemsize for p in opt.params)
+    scratch = sum(int(p.value.nbytes) * (2 if p.has_compute_copy else 1) + p.value.size * cdt.itemsize
+                  for p in opt.params)  # fmt: skip
     if scratch + state > SCRATCH_LIMIT:
         log.debug("the optimizer's kernel compiles at the first step: %d MiB of scratch", (scratch + state) >> 20)
         return jobs
@@ -344,7 +345,7 @@ def _head(tr: Any) -> None:
     from mlptrain.gpu.head_kernel import head_input_grad
 
     top, below = tr.model.layers[-1], tr.model.layers[-2]
-    w = cp.zeros_like(top.weight.compute)  # (C, H)
+    w = cp.zeros(top.weight.value.shape, tr.precision.compute_dtype)  # (C, H)
     for r in batch_rows(tr.train_loader):
         aux = cp.zeros(relu_aux_shape(w.shape[1], r)[::-1], cp.uint8).T  # (Mb, B) column-major, as RELU_AUX_BIAS
         head_input_grad(cp.zeros((r, w.shape[0]), w.dtype), w, aux, bias_grad_below=not below.bias_grad_in_wgrad)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import cupy as cp
+import numpy as np
 
 from mlptrain.epilogs import pack_relu_mask
 from mlptrain.files import atomic_write
@@ -31,6 +32,7 @@ def choose_bgrad(
     reps: int = 9,
     store: Path | None = None,
     release: Any = lambda: None,
+    on_pool: Any = lambda nbytes: None,
 ) -> list[str]:
     """Per hidden layer, the bias-gradient strategy that makes the model's step faster.
 
@@ -43,9 +45,13 @@ def choose_bgrad(
     separate epilogue kernel at others. So the probe times the thing itself:
     ``forward_backward()`` (forward, loss and backward of the training step, no update) captured
     into a CUDA graph with each choice, layer by layer from the top, keeping the faster (median
-    of ``reps`` chained replays; one candidate's graph at a time, never two graphs' arrays at once.
-    It still peaks above the step it measures, by 0.17 to 0.64 GiB at 4096 x 4 and 8192 x 4:
-    docs/benchmarks.md, "Memory").
+    of ``reps`` chained replays; one candidate's graph at a time, never two graphs' arrays at once).
+
+    Memory: each candidate's passes allocate from a private pool of their own, as the training
+    step's graph does (:mod:`mlptrain.gpu.graph`), emptied once the candidate is timed: the
+    probe's arrays never sit in the default pool's cache beside the state, and the probe peaks
+    where the step does. ``on_pool(nbytes)`` is told that pool's size after each capture (the
+    trainer's :class:`~mlptrain.gpu.memory.PeakTracker` counts it).
 
     The two strategies round differently, so a choice that changed from run to run would make
     runs irreproducible: decisions are kept in ``store`` (a JSON file beside the plan cache, per
@@ -68,22 +74,10 @@ def choose_bgrad(
     stream = cp.cuda.Stream(non_blocking=True)
     for i in reversed(range(len(choices))):
         times: dict[str, list[float]] = {}
-        with stream:
-            # One graph alive at a time: two would hold two copies of the step's arrays, and the
-            # probe's peak would be the run's (the largest model that trains would shrink by it).
-            for option in ("drelu_bgrad", "bgradb"):
-                choices[i] = option
-                model.set_bgrad(choices)
-                release()
-                forward_backward()  # plans and workspaces, outside the capture
-                release()
-                graph, outputs = capture_graph(forward_backward, stream)
-                launch = functools.partial(graph.launch, stream)
-                times[option] = cuda_time_ms(launch, warmup=1, reps=reps, stream=stream, chain=10)
-                stream.synchronize()
-                del graph, outputs, launch  # the graph wrote into its results: freed only after the last replay
-                release()
-                gc.collect()  # a captured graph and its outputs may sit in a reference cycle: free them now
+        for option in ("drelu_bgrad", "bgradb"):
+            choices[i] = option
+            model.set_bgrad(choices)
+            times[option] = _time_candidate(forward_backward, stream, reps, release, on_pool)
         med = {option: sorted(t)[reps // 2] for option, t in times.items()}
         choices[i] = min(med, key=lambda option: med[option])
         log.info("bgrad probe, hidden layer %d: %s ms per step -> %s", i, med, choices[i])
@@ -98,6 +92,49 @@ def choose_bgrad(
         except OSError as exc:
             log.warning("could not write the bgrad choices %s (%s)", store, exc)
     return choices
+
+
+def _time_candidate(forward_backward: Any, stream: Any, reps: int, release: Any, on_pool: Any) -> list[float]:
+    """``reps`` chained replay times (ms) of ``forward_backward`` captured as the model is set now.
+
+    One graph alive at a time: two would hold two copies of the step's arrays, and the probe's
+    peak would be the run's (the largest model that trains would shrink by it)."""
+    pool = cp.cuda.MemoryPool()  # this candidate's arrays, apart from the long-lived state
+    with stream:
+        with cp.cuda.using_allocator(pool.malloc):
+            release()
+            forward_backward()  # plans and workspaces (default pool), outside the capture
+            release()
+            graph, outputs = capture_graph(forward_backward, stream)
+        on_pool(pool.total_bytes())
+        launch = functools.partial(graph.launch, stream)
+        times = cuda_time_ms(launch, warmup=1, reps=reps, stream=stream, chain=10)
+        stream.synchronize()
+        del graph, outputs, launch  # the graph wrote into its results: freed only after the last replay
+        release()
+        gc.collect()  # a captured graph and its outputs may sit in a reference cycle: free them now
+        pool.free_all_blocks()  # back to the device: the next candidate starts from nothing
+    return times
+
+
+def random_batch(rows: int, widths: list[int], dtype: Any, y_dtype: Any, out: Any = None) -> list[Any]:
+    """``[x (rows, widths[0]), y (rows,)]``: random inputs in ``dtype`` and labels, for the probe.
+
+    Written into ``out`` (the CUDA graph's input buffers, which the training step holds anyway)
+    where given and of these dtypes; the draw's temporaries then go back to the device, so that
+    the probe holds no batch of its own.
+    """
+    rng = cp.random.default_rng(0)
+    x = rng.standard_normal((rows, widths[0]), dtype=cp.float32).astype(dtype)  # (B, in)
+    y = rng.integers(0, widths[-1], rows)  # (B,) labels (a regression's loss takes them as one-hot targets)
+    if np.dtype(y_dtype).kind in "iu":
+        y = y.astype(y_dtype)
+    fits = out is not None and all(o.dtype == a.dtype and o.shape == a.shape for o, a in zip(out, (x, y), strict=True))
+    if fits:
+        out[0][...], out[1][...] = x, y
+        x, y = out
+        cp.get_default_memory_pool().free_all_blocks()
+    return [x, y]
 
 
 def time_layer_backward(

@@ -4,7 +4,7 @@ nothing behind."""
 
 import numpy as np
 import pytest
-from gpu_helpers import cp, gpu_trainer
+from gpu_helpers import cp, gpu_trainer, train_losses
 
 pytestmark = pytest.mark.gpu
 
@@ -117,11 +117,49 @@ def test_a_replayed_step_allocates_nothing():
     assert (pool.used_bytes(), pool.total_bytes(), tr.graphed.pool_bytes()) == before
 
 
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+@pytest.mark.parametrize(("wgrad_stream", "head_kernel"), [(True, True), (False, False)])
+def test_compute_copy_cast_takes_the_steps_of_the_kept_copy_in_less_memory(precision, wgrad_stream, head_kernel):
+    """precision.compute_copy=cast: no half-precision copy kept, one shared buffer the size of the largest
+    weight (and bias); the same steps, bit for bit: the cast kernel rounds as the optimizer's refresh does."""
+    from mlptrain.gpu.memory import account
+
+    runs = {}
+    for copy in ("kept", "cast"):
+        tr = gpu_trainer(**{
+            "model.hidden": [1024, 512], "data.batch_size": 256, "precision.name": precision,
+            "precision.compute_copy": copy, "execution.bgrad": "bgradb", "execution.plan_cache": False,
+            "execution.wgrad_stream": wgrad_stream, "execution.head_kernel": head_kernel,
+        })  # fmt: skip
+        with tr.stream:
+            losses = train_losses(tr, 12)  # two warm-up steps, the capture, replays
+        assert tr.graphed.num_graphs >= 1
+        assert (tr.head.mode == "kernel") == head_kernel
+        runs[copy] = (tr, losses)
+    (kept, kept_losses), (cast, cast_losses) = runs["kept"], runs["cast"]
+    assert len(set(kept_losses.tolist())) > 6  # it trains
+    np.testing.assert_array_equal(cast_losses, kept_losses)
+    for p, q in zip(kept.model.params, cast.model.params, strict=True):
+        np.testing.assert_array_equal(cp.asnumpy(q.value), cp.asnumpy(p.value), err_msg=p.name)
+    kept_copies = account(kept)["live_bytes"]["compute_copies"]
+    assert kept_copies == sum(2 * p.value.size for p in kept.model.params)
+    assert account(cast)["live_bytes"]["compute_copies"] == 2 * (1024 * 512 + 1024)  # the largest weight and bias
+
+
 def test_the_bgrad_probe_leaves_no_plan_workspace_or_cached_block(monkeypatch):
     from mlptrain import trainer as trainer_module
-    from mlptrain.gpu.memory import expected_bytes
+    from mlptrain.gpu.memory import PeakTracker, expected_bytes, expected_step_peak
 
     monkeypatch.setattr(trainer_module, "PROBE_MIN_FLOPS", 1.0)  # probe this small model
+    probe_pools = []
+    sample = PeakTracker.sample
+
+    def record(self, where, extra=0):
+        if where == "bgrad probe" and extra:
+            probe_pools.append(extra)
+        return sample(self, where, extra)
+
+    monkeypatch.setattr(PeakTracker, "sample", record)
     pool = cp.get_default_memory_pool()
     pool.free_all_blocks()
     base = pool.used_bytes()
@@ -139,3 +177,14 @@ def test_the_bgrad_probe_leaves_no_plan_workspace_or_cached_block(monkeypatch):
     # what is used is the state and the data (and what earlier tests left, base, which may have gone since)
     assert abs(pool.used_bytes() - state - data) <= base + MiB
     assert tr.memory_peak.where == "bgrad probe" and tr.memory_peak.peak > state + data
+    # Each candidate's arrays came from a pool of their own, the size of the training step's graph pool
+    # (the probe runs the step's forward and backward): a second copy of an activation would not fit.
+    step = expected_step_peak(tr.widths, 1024, tr.precision.compute_dtype, tr.model.uses_wgrad_stream,
+                              tr.head.mode == "kernel")  # fmt: skip
+    assert len(probe_pools) == 2 * 3  # two candidates per hidden layer
+    _steps(tr, 3)  # two warm-up steps and the capture, in the graph's pool
+    graph_pool = tr.graphed.pool_bytes()
+    assert step <= graph_pool
+    # (measured 2026-12-01: 16.5 MiB above the graph's pool, the size of one float32 activation, cause not
+    # found; a second copy of the step's arrays is five times that)
+    assert all(step <= n <= graph_pool + step // 4 for n in probe_pools), (probe_pools, graph_pool, step)
