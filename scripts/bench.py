@@ -536,17 +536,19 @@ def main(argv=None):
     if "m" in args.sections or "l" in args.sections:
         import bench_memory
 
+        copies = args.compute_copies.split(",")
+        if "l" in args.sections:  # first: its trials are processes of their own, and this one's pools would
+            # hold GPU memory they need (after section m, about 10 GiB of cached blocks and workspaces)
+            ranges = {"mlptrain": tuple(int(v) for v in args.largest_range.split(","))}
+            ranges["torch"] = tuple(int(v) for v in (args.largest_range_torch or args.largest_range).split(","))
+            result["largest"], rows = bench_memory.largest_section(ranges=ranges, copies=copies)
+            largest_md = rows
         if "m" in args.sections:
             caps = [None if c == "none" else int(c) for c in args.workspace_caps.split(",")]
-            copies = args.compute_copies.split(",")
             result["memory"], rows = bench_memory.memory_section(args.reps, caps, copies)
             md += rows
         if "l" in args.sections:
-            ranges = {"mlptrain": tuple(int(v) for v in args.largest_range.split(","))}
-            ranges["torch"] = tuple(int(v) for v in (args.largest_range_torch or args.largest_range).split(","))
-            copies = args.compute_copies.split(",")
-            result["largest"], rows = bench_memory.largest_section(ranges=ranges, copies=copies)
-            md += rows
+            md += largest_md
 
     (out / "bench.json").write_text(json.dumps(result, indent=2) + "\n")
     (out / "bench.md").write_text("\n".join(md) + "\n")
