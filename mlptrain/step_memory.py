@@ -14,19 +14,30 @@ import numpy as np
 from mlptrain.epilogs import relu_aux_shape
 
 
-def expected_bytes(widths: list[int], batch: int, param_dtype: Any, compute_dtype: Any, state_per_param: int) -> dict:
+def expected_bytes(
+    widths: list[int],
+    batch: int,
+    param_dtype: Any,
+    compute_dtype: Any,
+    state_per_param: int,
+    compute_copy: str = "kept",
+) -> dict:
     """The live bytes of a fused MLP step by the formula (what :func:`account` must find after a step).
 
     Parameters ``P = sum(w_i w_{i+1} + w_{i+1})``: master weights ``P`` in the parameter dtype,
-    compute copies ``P`` in the compute dtype (when it differs), gradients ``P`` in the compute
+    compute copies ``P`` in the compute dtype (when it differs; ``compute_copy="cast"``: the shared
+    buffer instead, the largest weight and the largest bias), gradients ``P`` in the compute
     dtype, optimizer state ``state_per_param x P`` in the parameter dtype. The saved inputs and the
     relu_aux masks are gone after a step: the backward frees each layer's once read.
     """
     sp, sc = np.dtype(param_dtype).itemsize, np.dtype(compute_dtype).itemsize
     n = sum(a * b + b for a, b in zip(widths, widths[1:], strict=False))
+    copies = sc * n
+    if compute_copy == "cast":
+        copies = sc * (max(a * b for a, b in zip(widths, widths[1:], strict=False)) + max(widths[1:]))
     return {
         "master_weights": sp * n,
-        "compute_copies": sc * n if np.dtype(param_dtype) != np.dtype(compute_dtype) else 0,
+        "compute_copies": copies if np.dtype(param_dtype) != np.dtype(compute_dtype) else 0,
         "gradients": sc * n,
         "optimizer_state": sp * n * state_per_param,
         "saved_inputs": 0,

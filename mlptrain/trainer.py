@@ -278,7 +278,7 @@ class Trainer:
         # Both strategies are exact; which is faster depends on the shapes and on how the
         # backward is scheduled: time this model's step both ways, on random data.
         ex = self.cfg.execution
-        cdt, B = self.precision.compute_dtype, self.cfg.data.batch_size
+        cdt, B = self.precision.compute_dtype, min(self.cfg.data.batch_size, len(self.train_loader.x))  # a full batch
         if self.grad_sync is not None:  # data parallel: this rank's step runs on its shard of the batch
             B = len(range(B)[shard_rows(B, self.grad_sync.comm.rank, self.grad_sync.comm.world)])
         key = (
@@ -291,7 +291,8 @@ class Trainer:
         store = PlanCache.default_path().with_suffix(".bgrad.json") if ex.plan_cache else None
         self.model.set_bgrad("drelu_bgrad")
         with self.stream:  # the batch in a list, so that it can go before the pool is emptied
-            batch = random_batch(B, self.widths, cdt, self.train_loader.y.dtype, out=self.batch_buffers(B))
+            y = self.train_loader.y
+            batch = random_batch(B, self.widths, cdt, y.dtype, y.shape[1:], out=self.batch_buffers(B))
             chosen = choose_bgrad(self.model, lambda: self.forward_backward(*batch), key, store=store,
                                   release=self.release_step,
                                   on_pool=lambda n: self.memory_peak.sample("bgrad probe", extra=n))  # fmt: skip

@@ -537,8 +537,12 @@ def main(argv=None):
         import bench_memory
 
         copies = args.compute_copies.split(",")
-        if "l" in args.sections:  # first: its trials are processes of their own, and this one's pools would
-            # hold GPU memory they need (after section m, about 10 GiB of cached blocks and workspaces)
+        if not set(copies) <= {"kept", "cast"}:
+            ap.error(f"--compute-copies {args.compute_copies}: expected kept, cast or both, comma-separated")
+        if "l" in args.sections:
+            # Before section m: the trials are processes of their own, and this one's pools would hold GPU
+            # memory they need (after section m, about 10 GiB); what sections a to c cached goes back first.
+            bench_memory.free_device_caches()
             ranges = {"mlptrain": tuple(int(v) for v in args.largest_range.split(","))}
             ranges["torch"] = tuple(int(v) for v in (args.largest_range_torch or args.largest_range).split(","))
             result["largest"], rows = bench_memory.largest_section(ranges=ranges, copies=copies)

@@ -64,6 +64,17 @@ def mlptrain_memory(widths, batch, precision, reps, workspace_mib, compute_copy=
     return out
 
 
+def free_device_caches() -> None:
+    """Return what this process's CuPy and PyTorch pools cache to the device (before the trials of section l)."""
+    _free_all()
+    try:
+        import torch
+    except ImportError:
+        return
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
 def _free_all() -> None:
     import gc
 

@@ -62,9 +62,10 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     samples = out / "clocks.csv"
+    sink = samples.open("w")
     smi = subprocess.Popen(
         ["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw", "--format=csv,noheader", "-lms", "25"],
-        stdout=samples.open("w"),
+        stdout=sink,
     )
     phases: list[tuple[str, float, float, float]] = []  # (name, start, end, ms per batch)
 
@@ -114,14 +115,18 @@ def main(argv=None) -> int:
         time.sleep(0.2)
         smi.terminate()
         smi.wait()
+        sink.close()
     clocks = clock_samples(samples)
     lines = [f"{datetime.date.today()} {cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}, 4096 x 4, "
              f"{args.precision}, batch {batch}, {rows} rows; SM clock and power sampled every 25 ms", "",
              "| phase | ms per batch | SM MHz min-max (mean) | max W |", "|---|---|---|---|"]  # fmt: skip
     for name, t0, t1, ms in phases:
         seg = [c for c in clocks if t0 <= c[0] <= t1]
+        if not seg:  # a phase shorter than the sampling interval
+            lines.append(f"| {name} | {ms:.4f} | - | - |")
+            continue
         mhz = f"{min(c[1] for c in seg):.0f}-{max(c[1] for c in seg):.0f} ({statistics.mean(c[1] for c in seg):.0f})"
-        lines.append(f"| {name} | {ms:.4f} | {mhz if seg else '-'} | {max(c[2] for c in seg) if seg else '-'} |")
+        lines.append(f"| {name} | {ms:.4f} | {mhz} | {max(c[2] for c in seg)} |")
     (out / "predict-clocks.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -98,6 +98,10 @@ def test_compute_copy_cast_takes_the_steps_of_the_kept_copy(monkeypatch, hidden)
     widths = [64, *hidden, 10]
     largest_weight = max(a * b for a, b in zip(widths, widths[1:], strict=False))
     assert cast.model.cast_buffer.nbytes == 2 * (largest_weight + max(widths[1:]))  # float16
+    from mlptrain.step_memory import expected_bytes
+
+    formula = expected_bytes(widths, 64, np.float32, np.float16, 1, compute_copy="cast")["compute_copies"]
+    assert formula == cast.model.cast_buffer.nbytes
     assert len(kept_losses) == 42 and len(set(kept_losses.tolist())) > 30  # it trains
     np.testing.assert_array_equal(cast_losses, kept_losses)
     for p, q in zip(kept.model.params, cast.model.params, strict=True):

@@ -262,8 +262,9 @@ def step_jobs(tr: Any) -> list[Job]:
         jobs.append(Job(f"mlptrain_head_dgrad ({outputs} classes, {cdt.name})", "loss", functools.partial(_head, tr)))
     opt = tr.optimizer
     state = sum(int(a.nbytes) for st in opt.state.values() for a in st.values())
-    scratch = sum(int(p.value.nbytes) * (2 if p.has_compute_copy else 1) + p.value.size * cdt.itemsize
-                  for p in opt.params)  # fmt: skip
+    # the scratch copies _scratch_params makes: master, compute copy (if kept), gradient
+    scratch = sum(int(p.value.nbytes) + (p.value.size * cdt.itemsize if p.has_compute_copy else 0)
+                  + p.value.size * cdt.itemsize for p in opt.params)  # fmt: skip
     if scratch + state > SCRATCH_LIMIT:
         log.debug("the optimizer's kernel compiles at the first step: %d MiB of scratch", (scratch + state) >> 20)
         return jobs

@@ -117,23 +117,28 @@ def _time_candidate(forward_backward: Any, stream: Any, reps: int, release: Any,
     return times
 
 
-def random_batch(rows: int, widths: list[int], dtype: Any, y_dtype: Any, out: Any = None) -> list[Any]:
-    """``[x (rows, widths[0]), y (rows,)]``: random inputs in ``dtype`` and labels, for the probe.
+def random_batch(
+    rows: int, widths: list[int], dtype: Any, y_dtype: Any, y_tail: tuple = (), out: Any = None
+) -> list[Any]:
+    """``[x (rows, widths[0]), y]``: random inputs in ``dtype`` and targets as the loader gives them
+    (labels ``(rows,)`` for integer ``y_dtype``, else normals ``(rows, *y_tail)``), for the probe.
 
     Written into ``out`` (the CUDA graph's input buffers, which the training step holds anyway)
-    where given and of these dtypes; the draw's temporaries then go back to the device, so that
-    the probe holds no batch of its own.
+    where given and of these dtypes and shapes; the draw's temporaries then go back to the device,
+    so that the probe holds no batch of its own. Synchronises: the probe runs on a stream of its own.
     """
     rng = cp.random.default_rng(0)
     x = rng.standard_normal((rows, widths[0]), dtype=cp.float32).astype(dtype)  # (B, in)
-    y = rng.integers(0, widths[-1], rows)  # (B,) labels (a regression's loss takes them as one-hot targets)
     if np.dtype(y_dtype).kind in "iu":
-        y = y.astype(y_dtype)
+        y = rng.integers(0, widths[-1], rows).astype(y_dtype)  # (B,) labels
+    else:  # a regression's targets, (B, T)
+        y = rng.standard_normal((rows, *y_tail), dtype=cp.float32).astype(y_dtype)
     fits = out is not None and all(o.dtype == a.dtype and o.shape == a.shape for o, a in zip(out, (x, y), strict=True))
     if fits:
         out[0][...], out[1][...] = x, y
         x, y = out
         cp.get_default_memory_pool().free_all_blocks()
+    cp.cuda.get_current_stream().synchronize()
     return [x, y]
 
 

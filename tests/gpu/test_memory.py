@@ -122,7 +122,7 @@ def test_a_replayed_step_allocates_nothing():
 def test_compute_copy_cast_takes_the_steps_of_the_kept_copy_in_less_memory(precision, wgrad_stream, head_kernel):
     """precision.compute_copy=cast: no half-precision copy kept, one shared buffer the size of the largest
     weight (and bias); the same steps, bit for bit: the cast kernel rounds as the optimizer's refresh does."""
-    from mlptrain.gpu.memory import account
+    from mlptrain.gpu.memory import account, expected_bytes
 
     runs = {}
     for copy in ("kept", "cast"):
@@ -144,6 +144,8 @@ def test_compute_copy_cast_takes_the_steps_of_the_kept_copy_in_less_memory(preci
     kept_copies = account(kept)["live_bytes"]["compute_copies"]
     assert kept_copies == sum(2 * p.value.size for p in kept.model.params)
     assert account(cast)["live_bytes"]["compute_copies"] == 2 * (1024 * 512 + 1024)  # the largest weight and bias
+    want = expected_bytes(cast.widths, 256, np.float32, cast.precision.compute_dtype, 1, compute_copy="cast")
+    assert want["compute_copies"] == 2 * (1024 * 512 + 1024)
 
 
 def test_the_bgrad_probe_leaves_no_plan_workspace_or_cached_block(monkeypatch):
