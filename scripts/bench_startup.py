@@ -3,9 +3,14 @@
 Runs ``python -m mlptrain [overrides]`` in subprocesses, each into a new run directory:
 
 0. a priming run, not timed, on caches of its own: the operating system's file cache then holds
-   the libraries (CUDA's are hundreds of megabytes), and Python writes its bytecode where it may
-   (not under ``PYTHONDONTWRITEBYTECODE``: compile it first, ``python -m compileall``, as pip's
-   install does), as after any earlier use of the machine (``--no-prime`` leaves it out);
+   the libraries (CUDA's are hundreds of megabytes), and Python has the bytecode of every module
+   the run imports, as after ``pip install`` (which compiles it) or any earlier run. With
+   ``--bytecode prime`` (the default) the priming run writes that bytecode into a cache of the
+   benchmark's own (``PYTHONPYCACHEPREFIX``, bytecode writing on), which the timed runs read:
+   an environment with ``PYTHONDONTWRITEBYTECODE=1`` and packages installed without bytecode (the
+   H200 host's image: its NumPy and CuPy have none) would otherwise compile some 800 modules from
+   source in every run, 0.3 to 0.4 s that no installed mlptrain pays. ``--bytecode as-is`` leaves
+   the environment as it is (``--no-prime`` leaves the priming run out);
 1. cold: CuPy's kernel cache (``CUPY_CACHE_DIR``) and mlptrain's cache (``MLPTRAIN_DATA``: plans,
    measured choices) empty, as on the first run after installing mlptrain;
 2. warm: the same caches again (what every later run sees), twice.
@@ -39,8 +44,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
-def run_once(overrides: list[str], caches: Path, run_dir: Path, profile: Path | None = None) -> dict:
-    env = {**os.environ, "CUPY_CACHE_DIR": str(caches / "cupy"), "MLPTRAIN_DATA": str(caches / "mlptrain")}
+def run_once(
+    overrides: list[str], caches: Path, run_dir: Path, profile: Path | None = None, python_env: dict | None = None
+) -> dict:
+    env = {**os.environ, **(python_env or {})}
+    env.update(CUPY_CACHE_DIR=str(caches / "cupy"), MLPTRAIN_DATA=str(caches / "mlptrain"))
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
     cmd = [sys.executable, *(["-m", "cProfile", "-o", str(profile)] if profile else []), "-m", "mlptrain",
            *overrides, f"hydra.run.dir={run_dir}"]  # fmt: skip
@@ -61,23 +69,32 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="bench-startup-out")
     ap.add_argument("--profile", action="store_true", help="also profile a cold run (cProfile)")
     ap.add_argument("--no-prime", action="store_true", help="no untimed priming run first (see above)")
+    ap.add_argument("--bytecode", choices=("prime", "as-is"), default="prime",
+                    help="prime: the priming run writes the bytecode the timed runs read (see above)")  # fmt: skip
     ap.add_argument("overrides", nargs="*", help="overrides of the run (default: none, the default run)")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
+        timed_env, bytecode = None, "as the environment has it"
+        if args.bytecode == "prime" and not args.no_prime:
+            prefix = os.environ.get("PYTHONPYCACHEPREFIX") or str(Path(tmp) / "pycache")
+            timed_env = {"PYTHONPYCACHEPREFIX": prefix}
+            bytecode = "written by the priming run"
         if not args.no_prime:
-            run_once(args.overrides, Path(tmp) / "caches-prime", Path(tmp) / "run-prime")
+            prime_env = None if timed_env is None else {**timed_env, "PYTHONDONTWRITEBYTECODE": ""}
+            run_once(args.overrides, Path(tmp) / "caches-prime", Path(tmp) / "run-prime", python_env=prime_env)
         caches = Path(tmp) / "caches"
         for i, label in enumerate(["cold", "warm", "warm"]):
-            rec = run_once(args.overrides, caches, Path(tmp) / f"run{i}")
+            rec = run_once(args.overrides, caches, Path(tmp) / f"run{i}", python_env=timed_env)
             rows.append({"run": label, **rec})
             print(json.dumps(rows[-1]), flush=True)
         if args.profile:  # a cold run and then a warm one, on caches of their own
             for label in ("cold", "warm"):
                 prof = Path(tmp) / f"{label}.prof"
-                run_once(args.overrides, Path(tmp) / "caches-profiled", Path(tmp) / f"run-{label}-profiled", prof)
+                run_once(args.overrides, Path(tmp) / "caches-profiled", Path(tmp) / f"run-{label}-profiled", prof,
+                         python_env=timed_env)  # fmt: skip
                 with open(out / f"{label}-profile.txt", "w") as f:
                     pstats.Stats(str(prof), stream=f).sort_stats("cumulative").print_stats(80)
     cold, warm = rows[0], min(rows[1:], key=lambda r: r["wall_s"])
@@ -85,7 +102,8 @@ def main(argv=None) -> int:
         f"Measured {datetime.date.today().isoformat()}, command: `python scripts/bench_startup.py "
         f"{' '.join(sys.argv[1:])}` (overrides: {' '.join(args.overrides) or 'none: the default run'}; "
         f"{'no priming run' if args.no_prime else 'after an untimed priming run on caches of its own'}; "
-        f"Python {sys.version.split()[0]}, bytecode writing {'off' if sys.flags.dont_write_bytecode else 'on'}).",
+        f"Python {sys.version.split()[0]}, bytecode writing {'off' if sys.flags.dont_write_bytecode else 'on'} "
+        f"in this environment; the timed runs' bytecode: {bytecode}).",
         "",
         "| run | wall s | training loop s | start-up s | kernels compiled into CuPy's cache |",
         "|---|---|---|---|---|",
