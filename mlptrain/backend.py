@@ -135,3 +135,14 @@ def get_array_module(a: Any) -> ModuleType:
 
         return cupy
     return np
+
+
+def scalar(xp: ModuleType, value: Any, dtype: Any) -> Any:
+    """A 0-d array of ``dtype`` holding ``value`` in ``xp``'s memory (a step count, a rate, a loss scale).
+
+    Made on the host and copied over: ``cupy.full`` and ``cupy.ones`` launch CuPy's fill or copy
+    kernel, which a fresh machine must first compile (NVRTC, about 0.1 s each, issue #14); a
+    host-to-device copy needs no kernel. One element, then a view without the axis: CuPy copies a
+    0-d host array with its fill kernel too.
+    """
+    return xp.asarray(np.array([value], dtype=dtype)).reshape(())

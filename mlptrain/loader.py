@@ -142,7 +142,7 @@ class DataLoader:
         return self._batches(perm, start_batch, out)
 
     def _batches(self, perm: Any, start_batch: int, out: Any) -> Iterator[tuple[Any, Any]]:
-        b, xp = self.batch_size, self.xp
+        b = self.batch_size
         for i in range(start_batch, len(self)):
             idx = perm[i * b : (i + 1) * b]  # (B,) device indices
             self.global_rows = len(idx)  # the batch's rows on every rank together (Trainer.rows)
@@ -150,7 +150,7 @@ class DataLoader:
                 idx = idx[shard_rows(len(idx), *self.shard)]
             bufs = out(len(idx)) if out is not None else None
             if bufs is None:
-                yield xp.take(self.x, idx, axis=0), xp.take(self.y, idx, axis=0)  # (B, F), (B,) or (B, T)
+                yield self._take(self.x, idx), self._take(self.y, idx)  # (B, F), (B,) or (B, T)
                 continue
             xb, yb = bufs
             want = ((len(idx), self.x.shape[1]), self.x.dtype, (len(idx), *self.y.shape[1:]), self.y.dtype)
@@ -159,9 +159,18 @@ class DataLoader:
                     f"batch buffers {xb.shape} {xb.dtype} / {yb.shape} {yb.dtype} do not fit a batch of "
                     f"{want[0]} {want[1]} / {want[2]} {want[3]}"
                 )
-            xp.take(self.x, idx, axis=0, out=xb)
-            xp.take(self.y, idx, axis=0, out=yb)
+            self._take(self.x, idx, xb)
+            self._take(self.y, idx, yb)
             yield xb, yb
+
+    def _take(self, src: Any, idx: Any, out: Any = None) -> Any:
+        """``src[idx]`` (whole rows) into ``out`` or a new array; on the GPU one header-free kernel for
+        every dtype (:func:`mlptrain.gpu.gather.take_rows`), where ``xp.take`` compiles one per dtype."""
+        if self.xp is np:
+            return np.take(src, idx, axis=0, out=out)
+        from mlptrain.gpu.gather import take_rows
+
+        return take_rows(src, idx, out)
 
     def __iter__(self) -> Iterator[tuple[Any, Any]]:
         """The batches of epoch 0."""

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from mlptrain.backend import get_array_module
+from mlptrain.backend import get_array_module, scalar
 from mlptrain.cuda_source import KernelTail, c_literal
 from mlptrain.errors import ConfigError
 from mlptrain.layers import Param
@@ -53,7 +53,7 @@ class Optimizer:
         # Updates applied (skipped fp16 steps excluded), on the device: Adam's t, per-optimizer state as
         # torch.optim keeps it. Not a step counter of the run: that is mlptrain.schedule.StepClock.
         self.t = self.xp.zeros((), dtype=self.xp.float64)
-        self._one = self.xp.ones((), dtype=self.xp.float64)
+        self._one = scalar(self.xp, 1.0, np.float64)
         self._no_skip = self.xp.zeros((), dtype=self.xp.int32)
         self._kernels: dict[Any, Any] = {}  # GPU multi-tensor kernels by tail, built at the first step
 

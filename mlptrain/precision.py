@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from mlptrain.backend import Backend
+from mlptrain.backend import Backend, scalar
 from mlptrain.cuda_source import c_literal
 from mlptrain.errors import ConfigError, DeviceError
 
@@ -91,8 +91,8 @@ class LossScaler:
         self.growth_factor = growth_factor
         self.backoff_factor = backoff_factor
         self.growth_interval = growth_interval
-        self.scale = xp.full((), init_scale if enabled else 1.0, dtype=xp.float64)
-        self.inv_scale = xp.full((), 1.0 / float(init_scale) if enabled else 1.0, dtype=xp.float64)
+        self.scale = scalar(xp, init_scale if enabled else 1.0, np.float64)
+        self.inv_scale = scalar(xp, 1.0 / float(init_scale) if enabled else 1.0, np.float64)
         self.found_inf = xp.zeros((), dtype=xp.int32)
         self.growth_tracker = xp.zeros((), dtype=xp.int32)
         self.consecutive_skips = xp.zeros((), dtype=xp.int32)

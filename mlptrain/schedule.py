@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from mlptrain.backend import scalar
 from mlptrain.cuda_source import c_literal
 from mlptrain.errors import ConfigError
 
@@ -29,7 +30,7 @@ class StepClock:
     def __init__(self, xp: Any, n: int = 0) -> None:
         self.xp = xp
         self.n = int(n)
-        self.device = xp.full((), n, dtype=xp.int64)
+        self.device = scalar(xp, n, np.int64)
 
     def tick(self) -> None:
         """The host half: one more step has been launched."""
@@ -93,7 +94,7 @@ class LRSchedule:
         self.kw = dict(
             base_lr=base_lr, total_steps=total_steps, schedule=schedule, warmup_steps=warmup_steps, min_ratio=min_ratio
         )
-        self.lr = xp.full((), self.host(clock.n), dtype=xp.float64)
+        self.lr = scalar(xp, self.host(clock.n), np.float64)
 
     def host(self, step: int) -> float:
         """The rate of ``step``, computed on the host (for logs)."""

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from mlptrain.backend import scalar
 from mlptrain.cuda_source import KernelTail
 from mlptrain.precision import SCALER_UPDATE_CUDA, LossScaler
 from mlptrain.schedule import LR_AT_CUDA, LRSchedule
@@ -102,7 +103,7 @@ class StepLog:
         if isinstance(batch_size, int | np.integer):
             b = int(batch_size)
             if b not in self._batch_size:  # first seen in an uncaptured step (graph warm-up), never in a capture
-                self._batch_size[b] = self.xp.asarray(np.float64(b))
+                self._batch_size[b] = scalar(self.xp, b, np.float64)  # a host copy: no kernel to compile
             rows = self._batch_size[b]
         else:  # a 0-d float64 device array: the global batch's rows of a data-parallel step
             rows = batch_size

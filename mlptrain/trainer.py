@@ -82,7 +82,7 @@ class Trainer:
         init_seed, data_seed = np.random.SeedSequence(cfg.seed).spawn(2)
         self.gemm = build.gemm(cfg.execution, self.backend, self.precision)
         self.execution = build.execution(cfg.execution, self.gemm, xp)
-        self._await_kernels("setup")  # from here on: the parameters' cast, the optimizer's fill, xp.full
+        self._await_kernels("setup")  # from here on: the parameters' cast (resuming: CuPy's fill)
         self.model = build.model(
             cfg.model, cfg.execution, self.widths, self.execution, self.backend, self.precision,
             np.random.default_rng(init_seed),
@@ -129,7 +129,6 @@ class Trainer:
             self.graphed = GraphedStep(
                 self._launch, keep=model.step_arrays, restore=model.restore_step_arrays, release=self.release_step
             )
-        self._await_kernels()  # every thread idle: the bgrad probe captures CUDA graphs
         self._choose_bgrad()  # on the GPU it may time the step, so after everything the step uses
         if self.backend.is_gpu:  # blocks set-up freed (the probe's, temporaries of the weights' init) go back
             xp.get_default_memory_pool().free_all_blocks()  # to the device: the step allocates from its own pool
@@ -274,6 +273,8 @@ class Trainer:
             return
         from mlptrain.gpu.plan_cache import PlanCache
         from mlptrain.gpu.probe import choose_bgrad, random_batch
+
+        self._await_kernels()  # every thread idle: the probe captures CUDA graphs (a run without it goes on)
 
         # Both strategies are exact; which is faster depends on the shapes and on how the
         # backward is scheduled: time this model's step both ways, on random data.

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from mlptrain.backend import get_array_module, get_backend, probe_gpu
+from mlptrain.backend import get_array_module, get_backend, probe_gpu, scalar
 from mlptrain.errors import ConfigError, DeviceError
 
 
@@ -23,3 +23,11 @@ def test_gpu_without_gpu_says_how_to_get_one():
     msg = str(info.value)
     assert "no usable CUDA GPU" in msg and "device=cpu" in msg and "cu12" in msg
     assert get_backend("auto").device == "cpu"
+
+
+@pytest.mark.parametrize(("value", "dtype"), [(3, np.int64), (0.1, np.float64), (65536.0, np.float64)])
+def test_scalar_is_a_writable_0d_array_of_the_dtype(value, dtype):
+    a = scalar(np, value, dtype)
+    assert a.shape == () and a.dtype == dtype and a == np.asarray(value, dtype)
+    a[...] = 2  # the step's bookkeeping is updated in place
+    assert a == 2

@@ -4,10 +4,12 @@ From an empty kernel cache (a fresh machine, a new CuPy) the default GPU run com
 with NVRTC, about 1.2 s on the H200, each at its first launch and so one after another: CuPy's
 fill and two scalar copies while the trainer is built, then the data loader's two gathers, the
 loss, the head kernel, the optimizer and the inf/NaN check of the log interval in the first steps.
-CuPy runs NVRTC without the GIL, so compiles on several threads overlap (on the H200, 16 kernels
-took 1.7 s one after another and 0.9 s from 8 threads), and most of them can start long before
-their first launch, under work that start-up does anyway: importing nvmath, loading the data,
-planning the first step's GEMMs.
+The fill and the copies are gone (the step's bookkeeping is copied from the host,
+:func:`mlptrain.backend.scalar`). The rest start long before their first launch, under work that
+start-up does anyway (importing nvmath, loading the data, planning the first step's GEMMs), on
+several threads. Threads overlap less than one would hope: on the H200 (NVRTC 13.0) 8 header-free
+programs took 0.27 s one after another and 0.17 s from 8 threads, and 8 CuPy element-wise kernels
+0.76 s and 0.65 s, so what the run waits for is mostly how many kernels there are to compile.
 
 A *job* compiles a kernel by making the very call the run will make, on zero-filled scratch
 arrays of the same dtypes, shapes and layouts. CuPy compiles one kernel per source and argument
@@ -24,10 +26,11 @@ stage just before it (:meth:`Precompiler.wait`):
 ========== ============================================ ============================ =====================
 stage      kernels                                      planned from                 the trainer waits
 ========== ============================================ ============================ =====================
-``setup``  CuPy's fill (``xp.ones``), the copies of a   the precision (dtypes)       before building the
-           Python scalar (``xp.full``), the cast of the                              model
-           parameters to the compute dtype
-``batch``  the data loader's gathers (``xp.take``)      the loaders                  before the first batch
+``setup``  the cast of the parameters to the compute    the precision (dtypes)       before building the
+           dtype; resuming: CuPy's fill (a checkpoint's                              model
+           counters)
+``batch``  the data loader's gather (one module for     nothing                      before the first batch
+           every dtype, :mod:`mlptrain.gpu.gather`)
 ``loss``   the loss kernels, the head kernel            the loaders and the head     before the first loss
 ``update`` the optimizer's kernel, the fp16 check       the optimizer, the step log  before the first update
 ``later``  the inf/NaN check of the log interval        nothing                      after the first step
@@ -215,15 +218,13 @@ def start(precision: Any, *, resume: bool = False) -> Precompiler | None:
 def dtype_jobs(precision: Any, *, resume: bool = False) -> list[Job]:
     """The kernels that only the run's dtypes decide: :class:`~mlptrain.precision.Precision` ``precision``.
 
-    The step's bookkeeping (step count, learning rate, loss scale) is float64 and int64 at every
-    precision; the parameters' cast depends on it. ``resume``: a checkpoint's counters are set
-    with ``a[...] = value``, which CuPy does with its fill kernel.
+    The step's bookkeeping (step count, learning rate, loss scale) needs no kernel: it is copied
+    from the host. The parameters' cast depends on the precision. ``resume``: a checkpoint's
+    counters are set with ``a[...] = value``, which CuPy does with its fill kernel.
     """
     cdt, pdt = np.dtype(precision.compute_dtype), np.dtype(precision.param_dtype)
     jobs = [
-        Job("cupy_fill float64 (Optimizer: xp.ones)", "setup", functools.partial(_fill, np.float64)),
-        Job("cupy_copy int -> int64 (StepClock: xp.full)", "setup", functools.partial(_full, 0, np.int64)),
-        Job("cupy_copy float -> float64 (LRSchedule: xp.full)", "setup", functools.partial(_full, 0.0, np.float64)),
+        Job("mlptrain_gather (the loader's batches: every dtype, one module)", "batch", _gather),
         Job("mlptrain_nonfinite (every dtype, one module)", "later", _nonfinite),
     ]
     if cdt != pdt:
@@ -249,12 +250,8 @@ def step_jobs(tr: Any) -> list[Job]:
     """The kernels of the training step and of evaluation, planned from the built trainer ``tr``."""
     loaders = [tr.train_loader, *tr.eval_loaders.values()]
     cdt, outputs = np.dtype(tr.precision.compute_dtype), tr.widths[-1]
-    x_dtype, y_dtype = np.dtype(tr.train_loader.x.dtype).name, np.dtype(tr.train_loader.y.dtype).name
     rows = sorted({r for ld in loaders for r in batch_rows(ld)}, reverse=True)
-    jobs = [
-        Job(f"cupy_take {x_dtype} (the batch)", "batch", functools.partial(_gather, loaders, "x")),
-        Job(f"cupy_take {y_dtype} (the targets)", "batch", functools.partial(_gather, loaders, "y")),
-    ]
+    jobs = []
     if rows and rows[0] * outputs * 16 <= SCRATCH_LIMIT:  # logits, their gradient (and float32 copies)
         jobs.append(Job(f"{tr.head.loss_name} of {cdt.name} logits, {outputs} outputs, batches of "
                         f"{', '.join(map(str, rows))} rows", "loss", functools.partial(_losses, tr)))  # fmt: skip
@@ -284,12 +281,6 @@ def _fill(dtype: Any) -> None:
     cp.zeros((), dtype).fill(1)  # a[...] = value and xp.ones() call fill; 0 is a memset, any other value the kernel
 
 
-def _full(value: Any, dtype: Any) -> None:
-    import cupy as cp
-
-    cp.full((), value, dtype=dtype)  # a Python scalar copied into a 0-d array
-
-
 def _cast(src: Any, dst: Any) -> None:
     import cupy as cp
 
@@ -312,15 +303,10 @@ def _nonfinite() -> None:
     nonfinite_flags([cp.zeros(2, cp.float32)])  # one NVRTC call compiles the variants of all four dtypes
 
 
-def _gather(loaders: list[Any], name: str) -> None:
-    """``xp.take(loader.<name>, idx, axis=0)`` as DataLoader gathers a batch, for each batch size of each split."""
-    import cupy as cp
+def _gather() -> None:
+    from mlptrain.gpu.gather import compile_module
 
-    for ld in loaders:
-        source = getattr(ld, name)
-        for r in batch_rows(ld):  # one row has a dimension fewer once merged: a kernel of its own
-            perm = cp.asarray(np.arange(r, dtype=np.int64))  # as the epoch's permutation: int64, from the host
-            cp.take(source, perm[0:r], axis=0)  # reads the split, writes a new array
+    compile_module()
 
 
 def _losses(tr: Any) -> None:

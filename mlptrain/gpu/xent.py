@@ -10,6 +10,9 @@ import functools
 from typing import Any
 
 import cupy as cp
+import numpy as np
+
+from mlptrain.backend import scalar
 
 
 def small_head(batch: int, classes: int) -> bool:
@@ -22,6 +25,13 @@ def small_head(batch: int, classes: int) -> bool:
     too, but one block summing many rows is slower than the epilog.
     """
     return batch <= 1024 and classes <= 32 and batch * classes <= 10240
+
+
+@functools.cache
+def _host_scale(value: float, device: int) -> Any:
+    """A gradient scale given as a number (evaluation's 1.0), on ``device``, made once: copied from the
+    host, where ``cp.asarray(value)`` would launch CuPy's fill kernel, one more to compile (issue #14)."""
+    return scalar(cp, value, np.float64)
 
 
 def softmax_cross_entropy_gpu(logits: Any, y: Any, grad_scale: Any, bias_grad: bool, inplace: bool = False) -> tuple:
@@ -56,7 +66,7 @@ def softmax_cross_entropy_gpu(logits: Any, y: Any, grad_scale: Any, bias_grad: b
         if inplace:
             raise ValueError("an in-place loss gradient needs C-contiguous logits")
         logits = cp.ascontiguousarray(logits)
-    scale = grad_scale if isinstance(grad_scale, cp.ndarray) else cp.asarray(grad_scale, dtype=cp.float64)
+    scale = grad_scale if isinstance(grad_scale, cp.ndarray) else _host_scale(float(grad_scale), cp.cuda.Device().id)
     y = y.astype(cp.int64, copy=False)  # (B,) labels; the loader's are int64 already
     d = logits if inplace else cp.empty_like(logits)  # (B, C) C-order
     loss = cp.empty((), dtype=cp.float32)

@@ -37,6 +37,7 @@ nvrtc = compiler._compile_using_nvrtc_no_warning
 
 def spy(source, *args, **kwargs):
     kernels = re.findall(r"__global__\s+void\s+(\w+)", source)
+    kernels += re.findall(r"^MLPTRAIN_\w+\((\w+),", source, re.M)  # a module's kernels made by a macro
     compiles.append({"thread": threading.current_thread().name, "kernels": kernels})
     return nvrtc(source, *args, **kwargs)
 
@@ -74,8 +75,12 @@ def test_a_cold_run_compiles_every_kernel_ahead_and_none_at_first_use(tmp_path, 
     want = {"mlptrain_xent_small", "mlptrain_head_dgrad", "mlptrain_sgd_step"}
     want |= {"mlptrain_check_nonfinite"} if precision == "fp16" else set()
     assert want <= kernels, f"not compiled: {sorted(want - kernels)} (compiled: {sorted(kernels)})"
-    for cupy_kernel in ("cupy_fill", "cupy_copy", "cupy_take"):
-        assert any(k.startswith(cupy_kernel) for k in kernels), f"no {cupy_kernel}: {sorted(kernels)}"
+    # the batch gather: one header-free module for every dtype (mlptrain.gpu.gather), not cupy.take's kernels
+    assert "mlptrain_gather_4" in kernels and not any(k.startswith("cupy_take") for k in kernels), sorted(kernels)
+    # the step count, rate and loss scale are copied from the host (mlptrain.backend.scalar): no fill
+    assert not any(k.startswith("cupy_fill") for k in kernels), sorted(kernels)
+    casts = [k for k in kernels if k.startswith("cupy_copy")]  # the parameters' cast to the compute dtype
+    assert bool(casts) == (precision != "fp32"), sorted(kernels)
 
 
 def test_every_thread_is_joined_before_the_first_capture(monkeypatch):
@@ -101,7 +106,7 @@ def test_every_thread_is_joined_before_the_first_capture(monkeypatch):
             trainer.step(x, y)
         trainer.stream.synchronize()
     assert alive and not any(alive), "a graph was captured while precompile threads were alive"
-    assert pre.closed and pre.failed == [] and len(pre.done) >= 8, (pre.done, pre.failed)
+    assert pre.closed and pre.failed == [] and len(pre.done) == len(pre._jobs) >= 5, (pre.done, pre.failed)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
