@@ -39,10 +39,10 @@ def names(jobs: list[pc.Job], stage: str | None = None) -> list[str]:
 
 def test_the_dtype_jobs_follow_the_precision():
     # the step's bookkeeping (step count, rate, loss scale) is copied from the host: no kernel to compile
-    gather = "mlptrain_gather (the loader's batches: every dtype, one module)"
-    assert names(pc.dtype_jobs(FP32), "batch") == names(pc.dtype_jobs(BF16), "batch") == [gather]
+    plain = "mlptrain's header-free kernels: the batch gather, the inf/NaN flags (one module)"
+    assert names(pc.dtype_jobs(FP32), "batch") == names(pc.dtype_jobs(BF16), "batch") == [plain]
     assert names(pc.dtype_jobs(FP32), "setup") == []  # no cast either: the GEMMs read the master weights
-    assert names(pc.dtype_jobs(FP32), "later") == ["mlptrain_nonfinite (every dtype, one module)"]
+    assert names(pc.dtype_jobs(FP32), "later") == []
     assert names(pc.dtype_jobs(BF16), "setup") == ["cupy_copy float32 -> bfloat16 (Param: the compute copy)"]
     assert names(pc.dtype_jobs(HALF), "setup") == ["cupy_copy float32 -> float16 (Param: the compute copy)"]
     resumed = names(pc.dtype_jobs(HALF, resume=True), "setup")  # a checkpoint's counters, its loss scale

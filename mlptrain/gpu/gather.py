@@ -1,12 +1,12 @@
-"""The data loader's batch gather, ``out[r] = src[idx[r]]`` for whole rows: one header-free program.
+"""The data loader's batch gather, ``out[r] = src[idx[r]]`` for whole rows: one header-free kernel, any dtype.
 
 ``cupy.take(src, idx, axis=0)`` compiles a kernel per dtype and number of dimensions, and a fresh
 machine compiles CuPy's element-wise kernels at about 0.1 s each (NVRTC with CuPy's headers): the
 default run gathered its features (float32) and its labels (int64) with two of them, compiled while
 the first step waited (issue #14). A row is only bytes, so this kernel copies rows of any dtype and
 width in units of the widest word that divides the row (16, 8, 4, 2 or 1 bytes), and needs no
-headers: the whole module compiles in one NVRTC call of a few tens of milliseconds, before the data
-is even loaded, and CuPy caches it on disk like any other.
+headers: it compiles with mlptrain's other header-free kernels in one NVRTC call
+(:mod:`mlptrain.gpu.plain_kernels`), before the data is even loaded, and CuPy caches it on disk.
 
 Layout: ``src`` is ``(N, ...)`` and ``out`` ``(B, ...)``, both C-contiguous; ``idx`` is ``(B,)`` int64
 on the device. One thread per unit: ``i = r * units + c`` reads unit ``c`` of row ``idx[r]``.
@@ -14,41 +14,14 @@ on the device. One thread per unit: ``i = r * units + c`` reads unit ``c`` of ro
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import cupy as cp
 
-_SOURCE = r"""
-struct __align__(16) mlptrain_u16 { unsigned long long lo, hi; };
-#define MLPTRAIN_GATHER(NAME, U)                                                                 \
-extern "C" __global__ void NAME(const U* src, const long long* idx, U* out, long long units,     \
-                                long long n) {                                                  \
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;                 \
-         i += (long long)gridDim.x * blockDim.x) {                                              \
-        const long long r = i / units, c = i - r * units;                                       \
-        out[i] = src[idx[r] * units + c];                                                       \
-    }                                                                                           \
-}
-MLPTRAIN_GATHER(mlptrain_gather_16, mlptrain_u16)
-MLPTRAIN_GATHER(mlptrain_gather_8, unsigned long long)
-MLPTRAIN_GATHER(mlptrain_gather_4, unsigned int)
-MLPTRAIN_GATHER(mlptrain_gather_2, unsigned short)
-MLPTRAIN_GATHER(mlptrain_gather_1, unsigned char)
-"""
+from mlptrain.gpu.plain_kernels import function
 
 _THREADS = 256
 _MAX_BLOCKS = 4096
-
-
-@functools.cache
-def _module() -> Any:
-    return cp.RawModule(code=_SOURCE)
-
-
-def compile_module() -> None:
-    """Compile (or load from CuPy's disk cache) the program now: what :mod:`mlptrain.gpu.precompile` runs."""
-    _module().get_function("mlptrain_gather_1")
 
 
 def take_rows(src: Any, idx: Any, out: Any = None) -> Any:
@@ -78,6 +51,6 @@ def take_rows(src: Any, idx: Any, out: Any = None) -> Any:
     units = row_bytes // unit
     n = rows * units
     blocks = max(1, min(-(-n // _THREADS), _MAX_BLOCKS))
-    kernel = _module().get_function(f"mlptrain_gather_{unit}")
+    kernel = function(f"mlptrain_gather_{unit}")
     kernel((blocks,), (_THREADS,), (src, idx, out, cp.int64(units), cp.int64(n)))
     return out

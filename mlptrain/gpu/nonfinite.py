@@ -7,7 +7,8 @@ dtype, shape and block size the first time it runs: on the H200 the default digi
 sizes instead, so one program serves every model, and it needs no headers: a value is inf or NaN
 exactly when its exponent bits are all ones, which it tests on the raw bits of each dtype
 (float16 ``0x7C00``, bfloat16 ``0x7F80``, float32 ``0x7F800000``, float64 ``0x7FF0...``). The four
-variants are one module, compiled in one NVRTC call and cached on disk by CuPy.
+variants are compiled in one NVRTC call with mlptrain's other header-free kernels
+(:mod:`mlptrain.gpu.plain_kernels`) and cached on disk by CuPy.
 
 Launch: ``grid = (blocks, tensors)``; block ``y`` scans tensor ``y`` with a grid-stride loop and
 sets ``flags[y]`` if any element is non-finite.
@@ -15,37 +16,15 @@ sets ``flags[y]`` if any element is non-finite.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import Any
 
 import cupy as cp
 import numpy as np
 
-_SOURCE = r"""
-#define MLPTRAIN_NONFINITE(NAME, U, EXP)                                                       \
-extern "C" __global__ void NAME(const unsigned long long* ptrs, const long long* sizes,       \
-                                int* flags) {                                                 \
-    const U* a = reinterpret_cast<const U*>(ptrs[blockIdx.y]);                                \
-    const long long n = sizes[blockIdx.y];                                                    \
-    bool bad = false;                                                                         \
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;               \
-         i += (long long)gridDim.x * blockDim.x)                                              \
-        bad |= (a[i] & (U)(EXP)) == (U)(EXP);                                                 \
-    if (__syncthreads_or(bad) && threadIdx.x == 0) atomicOr(&flags[blockIdx.y], 1);           \
-}
-MLPTRAIN_NONFINITE(mlptrain_nonfinite_float16, unsigned short, 0x7C00u)
-MLPTRAIN_NONFINITE(mlptrain_nonfinite_bfloat16, unsigned short, 0x7F80u)
-MLPTRAIN_NONFINITE(mlptrain_nonfinite_float32, unsigned int, 0x7F800000u)
-MLPTRAIN_NONFINITE(mlptrain_nonfinite_float64, unsigned long long, 0x7FF0000000000000ull)
-"""
+from mlptrain.gpu.plain_kernels import function
 
 _THREADS = 256
-
-
-@functools.cache
-def _module() -> Any:
-    return cp.RawModule(code=_SOURCE)
 
 
 def nonfinite_flags(arrays: Sequence[Any]) -> list[bool]:
@@ -59,7 +38,7 @@ def nonfinite_flags(arrays: Sequence[Any]) -> list[bool]:
     for i, a in enumerate(arrays):
         groups.setdefault(np.dtype(a.dtype).name, []).append(i)
     for dtype, index in groups.items():
-        kernel = _module().get_function(f"mlptrain_nonfinite_{dtype}")
+        kernel = function(f"mlptrain_nonfinite_{dtype}")
         # the scan reads a.size elements from the first: any one-piece layout (C or F order) will do
         tensors = [a if a.flags.c_contiguous or a.flags.f_contiguous else cp.ascontiguousarray(a)
                    for a in (arrays[i] for i in index)]  # fmt: skip

@@ -29,11 +29,13 @@ stage      kernels                                      planned from            
 ``setup``  the cast of the parameters to the compute    the precision (dtypes)       before building the
            dtype; resuming: CuPy's fill (a checkpoint's                              model
            counters)
-``batch``  the data loader's gather (one module for     nothing                      before the first batch
-           every dtype, :mod:`mlptrain.gpu.gather`)
+``batch``  mlptrain's header-free module: the loader's  nothing                      before the first batch
+           gather and the inf/NaN check of the log
+           interval (:mod:`mlptrain.gpu.plain_kernels`)
 ``loss``   the loss kernels, the head kernel            the loaders and the head     before the first loss
 ``update`` the optimizer's kernel, the fp16 check       the optimizer, the step log  before the first update
-``later``  the inf/NaN check of the log interval        nothing                      after the first step
+``later``  none now (a kernel first launched after the                               after the first step
+           first step would go here)
 ========== ============================================ ============================ =====================
 
 :func:`early` starts the dtype jobs (:func:`dtype_jobs`) before the backend imports nvmath (the run
@@ -223,10 +225,7 @@ def dtype_jobs(precision: Any, *, resume: bool = False) -> list[Job]:
     counters are set with ``a[...] = value``, which CuPy does with its fill kernel.
     """
     cdt, pdt = np.dtype(precision.compute_dtype), np.dtype(precision.param_dtype)
-    jobs = [
-        Job("mlptrain_gather (the loader's batches: every dtype, one module)", "batch", _gather),
-        Job("mlptrain_nonfinite (every dtype, one module)", "later", _nonfinite),
-    ]
+    jobs = [Job("mlptrain's header-free kernels: the batch gather, the inf/NaN flags (one module)", "batch", _plain)]
     if cdt != pdt:
         jobs.append(Job(f"cupy_copy {pdt.name} -> {cdt.name} (Param: the compute copy)", "setup",
                         functools.partial(_cast, pdt, cdt)))  # fmt: skip
@@ -295,18 +294,11 @@ def _scaler_state() -> None:
     cp.divide(1.0, cp.ones((), cp.float64), out=cp.zeros((), cp.float64))
 
 
-def _nonfinite() -> None:
-    import cupy as cp
+def _plain() -> None:
+    """The header-free module (:mod:`mlptrain.gpu.plain_kernels`): no shapes or dtypes in its source."""
+    from mlptrain.gpu.plain_kernels import function
 
-    from mlptrain.gpu.nonfinite import nonfinite_flags
-
-    nonfinite_flags([cp.zeros(2, cp.float32)])  # one NVRTC call compiles the variants of all four dtypes
-
-
-def _gather() -> None:
-    from mlptrain.gpu.gather import compile_module
-
-    compile_module()
+    function("mlptrain_gather_1")  # the first function compiles the whole module
 
 
 def _losses(tr: Any) -> None:

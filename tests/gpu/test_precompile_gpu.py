@@ -77,6 +77,8 @@ def test_a_cold_run_compiles_every_kernel_ahead_and_none_at_first_use(tmp_path, 
     assert want <= kernels, f"not compiled: {sorted(want - kernels)} (compiled: {sorted(kernels)})"
     # the batch gather: one header-free module for every dtype (mlptrain.gpu.gather), not cupy.take's kernels
     assert "mlptrain_gather_4" in kernels and not any(k.startswith("cupy_take") for k in kernels), sorted(kernels)
+    plain = [c for c in compiles if "mlptrain_nonfinite_float32" in c["kernels"]]  # one NVRTC call for the set
+    assert len(plain) == 1 and "mlptrain_gather_16" in plain[0]["kernels"], compiles
     # the step count, rate and loss scale are copied from the host (mlptrain.backend.scalar): no fill
     assert not any(k.startswith("cupy_fill") for k in kernels), sorted(kernels)
     casts = [k for k in kernels if k.startswith("cupy_copy")]  # the parameters' cast to the compute dtype
@@ -106,7 +108,7 @@ def test_every_thread_is_joined_before_the_first_capture(monkeypatch):
             trainer.step(x, y)
         trainer.stream.synchronize()
     assert alive and not any(alive), "a graph was captured while precompile threads were alive"
-    assert pre.closed and pre.failed == [] and len(pre.done) == len(pre._jobs) >= 5, (pre.done, pre.failed)
+    assert pre.closed and pre.failed == [] and len(pre.done) == len(pre._jobs) >= 3, (pre.done, pre.failed)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
