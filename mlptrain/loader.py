@@ -2,7 +2,8 @@
 
 :class:`DataLoader` copies a split's host arrays to the device once. Each epoch it draws a
 permutation on the host from ``(seed, epoch)`` alone, copies it to the device (the only
-host-to-device copy of an epoch) and gathers each batch's rows with ``xp.take``. Because the order
+host-to-device copy of an epoch) and gathers each batch's rows there (``numpy.take``; on the GPU one
+kernel for every dtype, :mod:`mlptrain.gpu.gather`). Because the order
 depends on nothing but ``(seed, epoch)``, a resumed run replays the same batches from any
 ``(epoch, start_batch)``. One code path serves NumPy and CuPy through ``xp``.
 """
