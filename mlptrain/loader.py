@@ -101,8 +101,9 @@ class DataLoader:
         # The dtype is set on the host, then one host-to-device copy: a device-side cast would
         # compile a CuPy kernel per dtype pair on a fresh machine (the first run's start-up).
         self.x = xp.asarray(np.array(x, dtype=dtype, order="C"))  # (N, F)
-        # (N,) int64 class labels, or (N, T) float32 regression targets
-        self.y = xp.asarray(np.array(y, dtype=np.int64 if y.ndim == 1 else np.float32))
+        # (N,) int64 class labels, or (N, T) float32 regression targets; C order like x (the GPU's
+        # gather copies whole rows: a Fortran-ordered (N, T) from pandas' to_numpy() would have none)
+        self.y = xp.asarray(np.array(y, dtype=np.int64 if y.ndim == 1 else np.float32, order="C"))
 
     @property
     def num_samples(self) -> int:

@@ -7,10 +7,11 @@ Runs ``python -m mlptrain [overrides]`` in subprocesses, each into a new run dir
    the run imports, as after ``pip install`` (which compiles it) or any earlier run. With
    ``--bytecode prime`` (the default) the priming run writes that bytecode into a cache of the
    benchmark's own (``PYTHONPYCACHEPREFIX``, bytecode writing on), which the timed runs read:
-   an environment with ``PYTHONDONTWRITEBYTECODE=1`` and packages installed without bytecode (the
-   H200 host's image: its NumPy and CuPy have none) would otherwise compile some 800 modules from
-   source in every run, 0.3 to 0.4 s that no installed mlptrain pays. ``--bytecode as-is`` leaves
-   the environment as it is (``--no-prime`` leaves the priming run out);
+   an environment with ``PYTHONDONTWRITEBYTECODE=1`` and packages installed without bytecode would
+   otherwise compile them from source in every run (the H200 host's image: 433 of the 828 modules
+   a default run imports had no bytecode, its NumPy among them; a sampled warm run spent 0.24 s
+   compiling), which no installed mlptrain pays. ``--bytecode as-is`` leaves the environment as it
+   is (``--no-prime`` leaves the priming run out);
 1. cold: CuPy's kernel cache (``CUPY_CACHE_DIR``) and mlptrain's cache (``MLPTRAIN_DATA``: plans,
    measured choices) empty, as on the first run after installing mlptrain;
 2. warm: the same caches again (what every later run sees), twice.

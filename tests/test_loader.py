@@ -99,6 +99,20 @@ def test_batches_are_c_contiguous_with_the_right_dtype(dtype: type) -> None:
         assert not np.shares_memory(xb, loader.x)
 
 
+@pytest.mark.parametrize("xp_name", ["numpy", pytest.param("cupy", marks=pytest.mark.gpu)])
+def test_fortran_ordered_regression_targets_are_stored_in_c_order(xp_name: str) -> None:
+    xp = pytest.importorskip(xp_name)
+    x, y = _data()
+    targets = np.asfortranarray(np.stack([y, 2 * y, 3 * y], axis=1).astype(np.float32))  # (N, 3) as pandas gives
+    loader = DataLoader(x, targets, 8, xp=xp, dtype=np.float32, shuffle=True, drop_last=False, seed=0)
+    assert loader.y.flags.c_contiguous  # the GPU gathers whole rows of y
+    for xb, yb in loader.epoch(2):
+        yb = yb if xp is np else xp.asnumpy(yb)
+        xb = xb if xp is np else xp.asnumpy(xb)
+        _check_rows(xb, yb[:, 0].astype(np.int64))
+        assert_array_equal(yb[:, 1:], np.stack([2 * yb[:, 0], 3 * yb[:, 0]], axis=1))
+
+
 def test_host_arrays_are_copied_once() -> None:
     x, y = _data()
     loader = DataLoader(x, y, 10, xp=np, dtype=np.float64, shuffle=False, drop_last=False, seed=0)

@@ -28,10 +28,10 @@ def small_head(batch: int, classes: int) -> bool:
 
 
 @functools.cache
-def _host_scale(value: float, device: int) -> Any:
-    """A gradient scale given as a number (evaluation's 1.0), on ``device``, made once: copied from the
-    host, where ``cp.asarray(value)`` would launch CuPy's fill kernel, one more to compile (issue #14)."""
-    return scalar(cp, value, np.float64)
+def _unit_scale(device: int) -> Any:
+    """Evaluation's gradient scale, 1.0, on ``device``, made once and only read: copied from the host,
+    where ``cp.asarray(1.0)`` would launch CuPy's fill kernel, one more to compile (issue #14)."""
+    return scalar(cp, 1.0, np.float64)
 
 
 def softmax_cross_entropy_gpu(logits: Any, y: Any, grad_scale: Any, bias_grad: bool, inplace: bool = False) -> tuple:
@@ -66,7 +66,12 @@ def softmax_cross_entropy_gpu(logits: Any, y: Any, grad_scale: Any, bias_grad: b
         if inplace:
             raise ValueError("an in-place loss gradient needs C-contiguous logits")
         logits = cp.ascontiguousarray(logits)
-    scale = grad_scale if isinstance(grad_scale, cp.ndarray) else _host_scale(float(grad_scale), cp.cuda.Device().id)
+    if isinstance(grad_scale, cp.ndarray):
+        scale = grad_scale  # the training step's: the loss scaler's device array
+    elif float(grad_scale) == 1.0:
+        scale = _unit_scale(cp.cuda.Device().id)  # evaluation's
+    else:
+        scale = scalar(cp, float(grad_scale), np.float64)
     y = y.astype(cp.int64, copy=False)  # (B,) labels; the loader's are int64 already
     d = logits if inplace else cp.empty_like(logits)  # (B, C) C-order
     loss = cp.empty((), dtype=cp.float32)

@@ -42,6 +42,11 @@ def test_rows_at_odd_addresses_use_narrower_units():
     idx = cp.asarray(np.arange(63, -1, -1, dtype=np.int64))
     np.testing.assert_array_equal(cp.asnumpy(take_rows(src, idx)), cp.asnumpy(src)[::-1])
     np.testing.assert_array_equal(cp.asnumpy(take_rows(odd, idx)), cp.asnumpy(odd)[::-1])
+    eight = cp.arange(2 + 64 * 4, dtype=cp.float32)[2:].reshape(64, 4)  # 16-byte rows, 8-byte aligned only
+    np.testing.assert_array_equal(cp.asnumpy(take_rows(eight, idx)), cp.asnumpy(eight)[::-1])
+    out = cp.zeros(1 + 64 * 16, dtype=cp.uint8)[1:].reshape(64, 16)  # an output at an odd address
+    take_rows(raw[:256].view(cp.uint8).reshape(64, 16), idx, out)
+    np.testing.assert_array_equal(cp.asnumpy(out), cp.asnumpy(raw[:256].view(cp.uint8).reshape(64, 16))[::-1])
 
 
 def test_bad_buffers_are_refused():
@@ -54,4 +59,6 @@ def test_bad_buffers_are_refused():
         take_rows(src, idx, cp.zeros((4, 4), cp.float32))
     with pytest.raises(ValueError, match="contiguous int64"):
         take_rows(src, idx.astype(cp.int32))
+    with pytest.raises(ValueError, match="C-contiguous"):
+        take_rows(cp.asfortranarray(src), idx)  # the loader stores its arrays in C order
     assert take_rows(src, cp.zeros(0, cp.int64)).shape == (0, 4)  # a rank with no rows of a short batch

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gpu_helpers import graph_run
+from gpu_helpers import gpu_trainer, graph_run
 
 pytestmark = pytest.mark.gpu
 
@@ -85,6 +85,39 @@ def test_a_cold_run_compiles_every_kernel_ahead_and_none_at_first_use(tmp_path, 
     assert bool(casts) == (precision != "fp32"), sorted(kernels)
 
 
+def test_the_bgrad_probe_starts_only_once_every_job_is_done(monkeypatch):
+    """The probe captures CUDA graphs, so the trainer waits for every job first; a run without the
+    probe does not wait (its step's jobs are queued at once). A job that sleeps stands in for a slow
+    compile: had the trainer not waited, it would still be running when the probe starts."""
+    import time
+
+    from mlptrain import trainer as trainer_module
+    from mlptrain.gpu import precompile, probe
+
+    made = []
+    init = precompile.Precompiler.__init__
+
+    def record(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(precompile.Precompiler, "__init__", record)
+    dtype_jobs = precompile.dtype_jobs
+    slow = precompile.Job("a slow compile", "later", lambda: time.sleep(1.0))
+    monkeypatch.setattr(precompile, "dtype_jobs", lambda *a, **k: [*dtype_jobs(*a, **k), slow])
+    seen = []
+    real = probe.choose_bgrad
+
+    def spy(*args, **kwargs):
+        seen.append([(job.name, future.done()) for pre in made for job, future in pre._jobs])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(probe, "choose_bgrad", spy)
+    monkeypatch.setattr(trainer_module, "PROBE_MIN_FLOPS", 1.0)  # probe this small model
+    gpu_trainer(**{"execution.bgrad": "auto", "execution.plan_cache": False})
+    assert len(seen) == 1 and ("a slow compile", True) in seen[0] and all(done for _, done in seen[0]), seen
+
+
 def test_every_thread_is_joined_before_the_first_capture(monkeypatch):
     import mlptrain.gpu.graph as graph
 
@@ -97,7 +130,6 @@ def test_every_thread_is_joined_before_the_first_capture(monkeypatch):
 
     original = graph.capture_graph
     monkeypatch.setattr(graph, "capture_graph", capture)
-    from gpu_helpers import gpu_trainer
 
     trainer = gpu_trainer(**{"execution.bgrad": "bgradb"})
     pre = trainer._precompile
