@@ -6,8 +6,8 @@ shell where it holds a character the shell would expand or split (``[`` is a glo
 
     >>> override("model.hidden", [512, 512])
     "'model.hidden=[512,512]'"
-    >>> command(["python -m mlptrain"], {"epochs": 5, "data.path": "my data.csv"})
-    "python -m mlptrain epochs=5 'data.path='\\''my data.csv'\\'''"
+    >>> command(["python -m mlptrain"], {"epochs": 5, "model.hidden": [64, 64]})
+    "python -m mlptrain epochs=5 'model.hidden=[64,64]'"
 """
 
 from __future__ import annotations
