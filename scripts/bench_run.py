@@ -1,0 +1,276 @@
+"""A whole run against its peers: wall clock from a fresh process to a trained model (issue #31).
+
+The task of issue #31: a synthetic table of ``--rows`` x ``--features`` float32 rows (10 classes, a
+mixture of Gaussian blobs; a test file of its own), saved as NPZ; 256-1024-1024-10, bf16, Adam
+(lr 1e-3), batch 1024, ``--epochs`` epochs, no validation split. Each variant is a fresh process
+reading the same file:
+
+* ``mlptrain-first``: ``python -m mlptrain data=file ...`` with empty caches (mlptrain's data cache,
+  plans and measured choices in ``MLPTRAIN_DATA``, CuPy's kernels in ``CUPY_CACHE_DIR``), as the first
+  run on a machine;
+* ``mlptrain-again``: the same command on the caches the first run left;
+* ``torch-loop``: a plain PyTorch loop on GPU-resident tensors (eager, bf16 autocast, fused Adam),
+  the features standardised with the train split's mean and standard deviation as mlptrain does;
+* ``lightning-resident``: PyTorch Lightning with the batches already on the GPU;
+* ``lightning-loader``: Lightning with a ``TensorDataset`` and a ``DataLoader`` (pinned memory).
+
+Reported per variant: the process's wall time and the test accuracy; for mlptrain also the loop's
+time (``wall_s`` of the summary), the sum of its step times (the median ``step_time_ms`` of the step
+records times the steps) and the time outside the loop (imports, data, planning). Writes
+``bench-run.md`` and ``bench-run.json`` into ``--out``.
+
+Usage: python scripts/bench_run.py --out DIR [--rows 600000] [--features 256] [--epochs 5]
+       [--variants mlptrain-first,mlptrain-again,torch-loop,lightning-resident,lightning-loader]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+VARIANTS = ("mlptrain-first", "mlptrain-again", "torch-loop", "lightning-resident", "lightning-loader")
+HIDDEN, BATCH, LR, CLASSES = (1024, 1024), 1024, 1e-3, 10
+
+
+def make_table(path: Path, rows: int, features: int, test_rows: int, seed: int = 0) -> None:
+    """``x (rows, F)``, ``y``, ``x_test``, ``y_test``: two Gaussian blobs per class, unit noise (float32)."""
+    rng = np.random.default_rng(seed)
+    centres = rng.normal(size=(CLASSES, 2, features)).astype(np.float32) * np.float32(3.0 / np.sqrt(features))
+    out = {}
+    for xk, yk, n in (("x", "y", rows), ("x_test", "y_test", test_rows)):
+        y = rng.integers(0, CLASSES, size=n)
+        blob = rng.integers(0, 2, size=n)
+        x = centres[y, blob] + rng.standard_normal((n, features), dtype=np.float32)
+        out[xk], out[yk] = x.astype(np.float32), y.astype(np.int64)
+    np.savez(path, **out)
+
+
+def python_env(work: Path) -> dict[str, str]:
+    """Every process reads the bytecode a priming run wrote (as after ``pip install``, which compiles it): an
+    image with ``PYTHONDONTWRITEBYTECODE=1`` would otherwise compile every module from source in every run."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    env["PYTHONPYCACHEPREFIX"] = str(work / "pycache")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
+    return env
+
+
+def prime(work: Path) -> None:
+    """Write the bytecode of everything the variants import, and warm the file cache (not timed)."""
+    env = {**python_env(work), "MLPTRAIN_DATA": str(work / "prime-cache"), "CUPY_CACHE_DIR": str(work / "prime-cupy")}
+    run = [sys.executable, "-m", "mlptrain", "epochs=1", "progress=false", f"hydra.run.dir={work / 'prime-run'}"]
+    subprocess.run(run, env=env, capture_output=True, check=True)
+    peers = "import torch, numpy; torch.ones(1, device='cuda')\ntry:\n import lightning\nexcept ImportError:\n pass"
+    subprocess.run([sys.executable, "-c", peers], env=env, capture_output=True)
+
+
+def mlptrain_run(table: Path, epochs: int, caches: Path, run_dir: Path) -> dict:
+    env = {
+        **python_env(caches.parent),
+        "CUPY_CACHE_DIR": str(caches / "cupy"),
+        "MLPTRAIN_DATA": str(caches / "mlptrain"),
+    }
+    overrides = [
+        "data=file",
+        f"data.path={table}",
+        "data.val_fraction=0",
+        f"model.hidden=[{HIDDEN[0]},{HIDDEN[1]}]",
+        "precision=bf16",
+        "optimizer=adam",
+        f"optimizer.lr={LR}",
+        f"data.batch_size={BATCH}",
+        f"epochs={epochs}",
+        "progress=false",
+        f"hydra.run.dir={run_dir}",
+    ]
+    os.sync()
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "mlptrain", *overrides], env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"mlptrain exited {proc.returncode}: {proc.stderr[-2000:]}")
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    summary = next(r for r in records if r["kind"] == "summary")
+    step_ms = [r["step_time_ms"] for r in records if r["kind"] == "step" and "step_time_ms" in r]
+    evaluation = sum(r.get("time_s", 0.0) for r in records if r["kind"] == "epoch")
+    steps_s = statistics.median(step_ms) * summary["steps"] / 1e3
+    return {
+        "wall_s": wall,
+        "test_acc": summary.get("test/acc"),
+        "loop_s": summary["wall_s"],
+        "steps_s": steps_s,
+        "step_ms_median": statistics.median(step_ms),
+        "epochs_time_s": evaluation,
+        "outside_loop_s": wall - summary["wall_s"],
+    }
+
+
+def worker(kind: str, table: Path, epochs: int) -> dict:
+    """One PyTorch variant, in this (fresh) process: returns its test accuracy."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    d = np.load(table)
+    x, y, xt, yt = (torch.from_numpy(d[k]) for k in ("x", "y", "x_test", "y_test"))
+    mean, std = x.mean(0), x.std(0)
+    x, xt = (x - mean) / std, (xt - mean) / std
+    widths = [x.shape[1], *HIDDEN, CLASSES]
+    layers: list[nn.Module] = []
+    for a, b in zip(widths, widths[1:], strict=False):
+        layers += [nn.Linear(a, b), nn.ReLU()]
+    model = nn.Sequential(*layers[:-1]).cuda()
+    if kind == "torch-loop":
+        return {"test_acc": _torch_loop(model, x, y, xt, yt, epochs)}
+    return {"test_acc": _lightning(kind, model, x, y, xt, yt, epochs)}
+
+
+def _torch_loop(model, x, y, xt, yt, epochs: int) -> float:  # noqa: ANN001 (torch objects)
+    import torch
+
+    x, y, xt, yt = x.cuda(), y.cuda(), xt.cuda(), yt.cuda()
+    opt = torch.optim.Adam(model.parameters(), lr=LR, fused=True)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    for _ in range(epochs):
+        perm = torch.randperm(len(x), device="cuda")
+        for i in range(0, len(x), BATCH):
+            idx = perm[i : i + BATCH]
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = loss_fn(model(x[idx]), y[idx])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        return float((model(xt).argmax(1) == yt).float().mean())
+
+
+def _lightning(kind: str, model, x, y, xt, yt, epochs: int) -> float:  # noqa: ANN001 (torch objects)
+    import torch
+
+    try:
+        import lightning as L
+    except ImportError:
+        import pytorch_lightning as L
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = model
+
+        def training_step(self, batch, _):  # noqa: ANN001
+            xb, yb = batch
+            return torch.nn.functional.cross_entropy(self.net(xb), yb)
+
+        def configure_optimizers(self):  # noqa: ANN202
+            return torch.optim.Adam(self.parameters(), lr=LR, fused=True)
+
+    if kind == "lightning-resident":
+        xg, yg = x.cuda(), y.cuda()
+
+        class Resident(torch.utils.data.IterableDataset):
+            def __iter__(self):  # noqa: ANN204
+                perm = torch.randperm(len(xg), device="cuda")
+                for i in range(0, len(xg), BATCH):
+                    yield xg[perm[i : i + BATCH]], yg[perm[i : i + BATCH]]
+
+        loader = torch.utils.data.DataLoader(Resident(), batch_size=None)
+    else:
+        data = torch.utils.data.TensorDataset(x, y)
+        loader = torch.utils.data.DataLoader(data, batch_size=BATCH, shuffle=True, pin_memory=True)
+    trainer = L.Trainer(
+        max_epochs=epochs,
+        accelerator="gpu",
+        devices=1,
+        precision="bf16-mixed",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    module = Module()
+    trainer.fit(module, loader)
+    net = module.net.cuda().eval()
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        return float((net(xt.cuda()).argmax(1) == yt.cuda()).float().mean())
+
+
+def peer_run(kind: str, table: Path, epochs: int) -> dict:
+    os.sync()
+    t0 = time.perf_counter()
+    cmd = [sys.executable, __file__, "--worker", kind, "--table", str(table), "--epochs", str(epochs)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=python_env(table.parent))
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        return {"error": proc.stderr[-1500:]}
+    return {"wall_s": wall, **json.loads(proc.stdout.strip().splitlines()[-1])}
+
+
+def table_md(results: dict, args: argparse.Namespace) -> str:
+    lines = [
+        f"# A whole run against its peers ({datetime.date.today().isoformat()})",
+        "",
+        f"Command: `python scripts/bench_run.py --out DIR --rows {args.rows} --features {args.features} "
+        f"--epochs {args.epochs}`; {args.rows:,} x {args.features} float32 rows as NPZ, "
+        f"{args.features}-{HIDDEN[0]}-{HIDDEN[1]}-{CLASSES}, bf16, Adam, batch {BATCH}.",
+        "",
+        "| variant | wall s | test acc | loop s | steps s (median step x steps) | outside the loop s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, r in results.items():
+        if "error" in r:
+            lines.append(f"| {name} | failed: {r['error'].splitlines()[-1][:120]} | | | | |")
+            continue
+        cells = [f"{r['wall_s']:.1f}", f"{r['test_acc']:.4f}"]
+        cells += [f"{r[k]:.2f}" if k in r else "" for k in ("loop_s", "steps_s", "outside_loop_s")]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path)
+    p.add_argument("--rows", type=int, default=600_000)
+    p.add_argument("--features", type=int, default=256)
+    p.add_argument("--test-rows", type=int, default=100_000)
+    p.add_argument("--epochs", type=int, default=5)
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--worker", choices=VARIANTS[2:], help=argparse.SUPPRESS)
+    p.add_argument("--table", type=Path, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args.worker, args.table, args.epochs)))
+        return
+    if args.out is None:
+        p.error("--out DIR is required")
+    args.out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="mlptrain-bench-run-"))
+    table = work / "table.npz"
+    make_table(table, args.rows, args.features, args.test_rows)
+    prime(work)
+    results: dict[str, dict] = {}
+    for name in args.variants.split(","):
+        if name not in VARIANTS:
+            p.error(f"--variants: {name!r} is not one of {', '.join(VARIANTS)}")
+        if name.startswith("mlptrain"):
+            results[name] = mlptrain_run(table, args.epochs, work / "caches", work / f"run-{name}")
+        else:
+            results[name] = peer_run(name, table, args.epochs)
+        print(name, json.dumps(results[name]), flush=True)
+    record = {"args": {**vars(args), "out": str(args.out)}, **results}
+    (args.out / "bench-run.json").write_text(json.dumps(record, indent=1, default=str))
+    (args.out / "bench-run.md").write_text(table_md(results, args))
+    print(table_md(results, args))
+
+
+if __name__ == "__main__":
+    main()
