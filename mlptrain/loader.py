@@ -104,6 +104,10 @@ class DataLoader:
         # (N,) int64 class labels, or (N, T) float32 regression targets; C order like x (the GPU's
         # gather copies whole rows: a Fortran-ordered (N, T) from pandas' to_numpy() would have none)
         self.y = xp.asarray(np.array(y, dtype=np.int64 if y.ndim == 1 else np.float32, order="C"))
+        # Gathering inside the step (place_order, gather_in_step): the epoch's order and the step count at
+        # its batch 0, in device buffers whose addresses never change (a captured step reads them).
+        self._order: Any = None  # (N,) int64
+        self._base: Any = None  # (1,) int64
 
     @property
     def num_samples(self) -> int:
@@ -164,6 +168,59 @@ class DataLoader:
             self._take(self.x, idx, xb)
             self._take(self.y, idx, yb)
             yield xb, yb
+
+    # --- the batch gathered by the step itself (a CUDA graph replays it with the step) -------------
+
+    def place_order(self, epoch: int, start_batch: int, step: int) -> None:
+        """Put the order of ``epoch`` on the device, for :meth:`gather_in_step`: its batch ``start_batch``
+        is the one of optimizer step ``step`` (the step count there), the next batch the next step's.
+
+        Both go into buffers made once, by copies on the current stream: in order after the steps
+        already queued, which may still read the last epoch's order.
+        """
+        if not 0 <= start_batch <= len(self):
+            raise ConfigError(f"DataLoader start_batch={start_batch} must be in [0, {len(self)}] (batches per epoch)")
+        perm = self.permutation(epoch)  # (N,) int64, host
+        base = np.array([step - start_batch], dtype=np.int64)
+        if self.xp is np:
+            self._order, self._base = perm, base
+            return
+        if self._order is None:
+            self._order = self.xp.empty(self.num_samples, dtype=np.int64)
+            self._base = self.xp.empty(1, dtype=np.int64)
+        stream = self.xp.cuda.get_current_stream()
+        self._order.set(perm, stream=stream)
+        self._base.set(base, stream=stream)
+
+    def batch_rows(self, start_batch: int) -> Iterator[int]:
+        """The rows each batch from ``start_batch`` on has (this rank's share, data parallel)."""
+        n, b = self.num_samples, self.batch_size
+        for i in range(start_batch, len(self)):
+            self.global_rows = min(b, n - i * b)
+            yield self._shard(self.global_rows).stop - self._shard(self.global_rows).start
+
+    def gather_in_step(self, xb: Any, yb: Any, step: Any) -> None:
+        """Gather the batch of the step whose count is ``step`` (a 0-d int64 device array: steps done)
+        into ``xb (B, F)`` and ``yb``, reading the count on the device (:func:`mlptrain.gpu.gather.take_rows_at`).
+
+        The first kernels of a training step that gathers its own batch: captured with it, every replay
+        takes the next batch of the order :meth:`place_order` placed, with no launch from the host.
+        """
+        offset = self._shard(self.global_rows).start
+        if self.xp is np:
+            first = (int(step) - int(self._base[0])) * self.batch_size + offset
+            idx = self._order[first : first + len(xb)]
+            np.take(self.x, idx, axis=0, out=xb)
+            np.take(self.y, idx, axis=0, out=yb)
+            return
+        from mlptrain.gpu.gather import take_rows_at
+
+        for src, out in ((self.x, xb), (self.y, yb)):
+            take_rows_at(src, self._order, out, step, self._base, self.batch_size, offset)
+
+    def _shard(self, rows: int) -> slice:
+        """This rank's rows of a global batch of ``rows`` (all of them on one process)."""
+        return slice(0, rows) if self.shard is None else shard_rows(rows, *self.shard)
 
     def _take(self, src: Any, idx: Any, out: Any = None) -> Any:
         """``src[idx]`` (whole rows) into ``out`` or a new array; on the GPU one header-free kernel for

@@ -205,7 +205,7 @@ class Loop:
         tr.log.start_epoch(pos.loss_sum, pos.correct)  # the epoch's running sums, on the device
         samples, batch, done = pos.samples, pos.batch, False
         bar = tqdm(
-            tr.train_loader.epoch(epoch, batch, out=tr.batch_buffers), initial=batch, total=tr.steps_per_epoch,
+            tr.train_batches(epoch, batch), initial=batch, total=tr.steps_per_epoch,
             desc=f"train {epoch + 1}/{cfg.epochs}", unit="batch", leave=False, position=1,
             disable=self.progress_disable,
         )  # fmt: skip

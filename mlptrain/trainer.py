@@ -25,27 +25,21 @@ of :class:`~mlptrain.steplog.StepLog`.
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
-from mlptrain import build
+from mlptrain import bgrad, build
 from mlptrain.backend import Backend, get_backend
 from mlptrain.config import TrainConfig
 from mlptrain.data import Dataset, load_dataset
-from mlptrain.distributed.dp import shard_rows
 from mlptrain.errors import CheckpointError
 from mlptrain.schedule import StepClock
 from mlptrain.steplog import StepLog
 
 log = logging.getLogger(__name__)
-
-
-# Below this many GEMM FLOPs per training step (6 x batch x sum of in x out), execution.bgrad=auto
-# takes bgradb without timing both strategies: the step is launch-bound, so they time the same.
-PROBE_MIN_FLOPS = 1e9
 
 
 class Trainer:
@@ -82,7 +76,7 @@ class Trainer:
         init_seed, data_seed = np.random.SeedSequence(cfg.seed).spawn(2)
         self.gemm = build.gemm(cfg.execution, self.backend, self.precision)
         self.execution = build.execution(cfg.execution, self.gemm, xp)
-        self._await_kernels("setup")  # from here on: the parameters' cast (resuming: CuPy's fill)
+        self.await_kernels("setup")  # from here on: the parameters' cast (resuming: CuPy's fill)
         self.model = build.model(
             cfg.model, cfg.execution, self.widths, self.execution, self.backend, self.precision,
             np.random.default_rng(init_seed),
@@ -122,6 +116,10 @@ class Trainer:
             xp.cuda.Device().synchronize()  # set-up work on the default stream is done
             self.stream = xp.cuda.Stream(non_blocking=True)
             self.memory_peak = PeakTracker(lambda: self.graphed.pool_bytes() if self.graphed is not None else 0)
+        # Each training batch gathered by the step itself (train_batches): where the step is one replayed graph
+        # and one process trains (data parallel ranks gather theirs as they did); tests turn it on, on the CPU.
+        self.gathers_in_step = self.backend.is_gpu and cfg.graph is not False and comm is None
+        self._own_batches: dict[int, tuple[Any, Any]] = {}  # rows -> the buffers such a step gathers into
         if self.backend.is_gpu and cfg.graph is not False:
             from mlptrain.gpu.graph import GraphedStep
 
@@ -129,7 +127,7 @@ class Trainer:
             self.graphed = GraphedStep(
                 self._launch, keep=model.step_arrays, restore=model.restore_step_arrays, release=self.release_step
             )
-        self._choose_bgrad()  # on the GPU it may time the step, so after everything the step uses
+        bgrad.choose(self)  # on the GPU it may time the step, so after everything the step uses
         if self.backend.is_gpu:  # blocks set-up freed (the probe's, temporaries of the weights' init) go back
             xp.get_default_memory_pool().free_all_blocks()  # to the device: the step allocates from its own pool
         if self.grad_sync is not None and self.backend.is_gpu:  # after the probe: it times one rank's step alone
@@ -154,8 +152,9 @@ class Trainer:
         """
         if self._precompile is not None and self.cfg.execution.autotune:
             self.finish_precompile()  # autotune times GEMM candidates in CUDA graphs while it plans them
+        gathers = self._gathers(x)
         if self.graphed is not None:
-            out = self.graphed(x, y)
+            out = self.graphed(x, y, tag="gather" if gathers else None)
         else:
             self.release_step()  # the last step's arrays go before this step allocates its own
             out = self._launch(x, y)
@@ -174,13 +173,15 @@ class Trainer:
     def _launch(self, x: Any, y: Any) -> tuple[Any, Any]:
         """The step's device work, launched op by op (what a CUDA graph records once)."""
         sync, rows = self.grad_sync, len(y)
+        if self._gathers(x):  # the batch of this step, read on the device from the step count (train_batches)
+            self.train_loader.gather_in_step(x, y, self.clock.device)
         lr, inv_scale = self.schedule.lr, self.scaler.inv_scale  # this step's
         if sync is None:
             loss, correct = self.forward_backward(x, y)
         else:  # data parallel (mlptrain.distributed.dp): this rank's share, then the global batch's
             loss, correct = self.forward_backward(x, y, sync.grad_scale(self.scaler.scale, rows))
             loss, correct, rows, inv_scale = sync(self.model.params, loss, correct, rows, inv_scale)
-        self._await_kernels("update")
+        self.await_kernels("update")
         skip = self.scaler.check([p.grad for p in self.model.params])  # fp16: any inf/NaN gradient
         if self.backend.is_gpu:  # one kernel: the update, then (its last block) the bookkeeping
             self.optimizer.step(lr, inv_scale, skip, tail=self.log.tail(loss, correct, rows))
@@ -195,21 +196,52 @@ class Trainer:
         ``grad_scale``: what the loss gradient is multiplied by (default: the loss scale)."""
         # (B, classes), handed over in a list: the loss writes dlogits over it and the backward frees it
         logits = [self.model.forward(x)]
-        self._await_kernels("loss")  # (the first time, the forward's GEMMs were planned meanwhile)
+        self.await_kernels("loss")  # (the first time, the forward's GEMMs were planned meanwhile)
         return self.head.backward(self.model, logits, y, self.scaler.scale if grad_scale is None else grad_scale)
 
     def rows(self, y: Any) -> int:
         """The rows of the global batch whose shard ``y`` is (data parallel), else ``len(y)``."""
         return self.train_loader.global_rows if self.grad_sync is not None else len(y)
 
-    def batch_buffers(self, rows: int) -> tuple[Any, Any] | None:
+    def train_batches(self, epoch: int, start_batch: int = 0) -> Iterator[tuple[Any, Any]]:
+        """The training batches of ``epoch`` from ``start_batch``, as the loop steps through them.
+
+        Where the step is a replayed CUDA graph (:attr:`gathers_in_step`), the loader gathers nothing: it puts
+        the epoch's order on the device once, and each step's first kernels gather its batch into the graph's
+        input buffers, reading the step count on the device (:meth:`DataLoader.gather_in_step`). Replaying a
+        step is then one graph launch, the batch included. Otherwise the loader gathers each batch into the
+        graph's buffers (or fresh arrays) before the step.
+        """
+        ld = self.train_loader
+        if not self.gathers_in_step:
+            yield from ld.epoch(epoch, start_batch, out=self.batch_buffers)
+            return
+        ld.place_order(epoch, start_batch, self.step_count)
+        for rows in ld.batch_rows(start_batch):
+            if rows not in self._own_batches:
+                self._own_batches[rows] = self.batch_buffers(rows, tag="gather") or self._host_buffers(rows)
+            yield self._own_batches[rows]
+
+    def _gathers(self, x: Any) -> bool:
+        """Whether the step on ``x`` gathers its own batch: ``x`` is a buffer :meth:`train_batches` yields."""
+        own = self._own_batches.get(len(x))
+        return own is not None and own[0] is x
+
+    def batch_buffers(self, rows: int, tag: str | None = None) -> tuple[Any, Any] | None:
         """Where the loader should gather a training batch of ``rows``: the CUDA graph's input
-        buffers for that shape (saves the step a copy), or None (fresh arrays) without a graph."""
-        self._await_kernels("batch")  # the loader gathers next
+        buffers for that shape (saves the step a copy), or None (fresh arrays) without a graph.
+        ``tag``: the graphs of steps that gather their own batch (:meth:`train_batches`) are others."""
+        self.await_kernels("batch")  # the loader gathers next
         if self.graphed is None:
             return None
         ld = self.train_loader
-        return self.graphed.input_buffers((rows, ld.x.shape[1]), ld.x.dtype, (rows, *ld.y.shape[1:]), ld.y.dtype)
+        shapes = ((rows, ld.x.shape[1]), ld.x.dtype, (rows, *ld.y.shape[1:]), ld.y.dtype)
+        return self.graphed.input_buffers(*shapes, tag=tag)
+
+    def _host_buffers(self, rows: int) -> tuple[Any, Any]:
+        """Batch arrays for steps that gather their own batch without a graph (the CPU, in tests)."""
+        ld, xp = self.train_loader, self.xp
+        return xp.empty((rows, ld.x.shape[1]), ld.x.dtype), xp.empty((rows, *ld.y.shape[1:]), ld.y.dtype)
 
     def lr_at(self, step: int) -> float:
         """The learning rate of optimizer step ``step`` (host value, for logs)."""
@@ -246,7 +278,7 @@ class Trainer:
 
     # --- kernels compiled ahead (mlptrain.gpu.precompile) --------------------------------------
 
-    def _await_kernels(self, stage: str | None = None) -> None:
+    def await_kernels(self, stage: str | None = None) -> None:
         """Wait for the kernels of ``stage`` (None: all) compiling ahead: before their first launch."""
         if self._precompile is not None:
             self._precompile.wait(stage)
@@ -257,55 +289,6 @@ class Trainer:
         pre, self._precompile = self._precompile, None
         if pre is not None:
             pre.close()
-
-    # --- measured choices -------------------------------------------------------------------
-
-    def _choose_bgrad(self) -> None:
-        """Set where each hidden layer's bias gradient is reduced (``execution.bgrad``)."""
-        choice = self.cfg.execution.bgrad.value
-        if choice != "auto":
-            self.model.set_bgrad(choice)
-            return
-        small = build.step_flops(self.widths, self.cfg.data.batch_size) < PROBE_MIN_FLOPS  # a step of microseconds
-        if small or not (self.backend.is_gpu and self.cfg.execution.mode.value == "fused" and len(self.widths) > 2):
-            # on the CPU (and in naive mode) the two do the same work; in a small step the choice cannot
-            self.model.set_bgrad("bgradb")  # matter and the probe would cost more than the run (default digits)
-            return
-        from mlptrain.gpu.plan_cache import PlanCache
-        from mlptrain.gpu.probe import choose_bgrad, random_batch
-
-        self._await_kernels()  # every thread idle: the probe captures CUDA graphs (a run without it goes on)
-
-        # Both strategies are exact; which is faster depends on the shapes and on how the
-        # backward is scheduled: time this model's step both ways, on random data.
-        ex = self.cfg.execution
-        cdt, B = self.precision.compute_dtype, min(self.cfg.data.batch_size, len(self.train_loader.x))  # a full batch
-        if self.grad_sync is not None:  # data parallel: this rank's step runs on its shard of the batch
-            B = len(range(B)[shard_rows(B, self.grad_sync.comm.rank, self.grad_sync.comm.world)])
-        key = (
-            f"step {'-'.join(map(str, self.widths))} batch {B} {np.dtype(cdt).name}"
-            f"{'' if self.cfg.model.activation.value == 'relu' else ' ' + self.cfg.model.activation.value}"
-            f"{' tf32' if self.precision.tf32 else ''}{' 2 streams' if self.model.uses_wgrad_stream else ''}"
-            f"{' head kernel' if self.head.mode == 'kernel' else ''}"
-            f"{f' workspace {ex.workspace_mib} MiB' if ex.workspace_mib is not None else ''}"
-        )
-        store = PlanCache.default_path().with_suffix(".bgrad.json") if ex.plan_cache else None
-        self.model.set_bgrad("drelu_bgrad")
-        with self.stream:  # the batch in a list, so that it can go before the pool is emptied
-            y = self.train_loader.y
-            batch = random_batch(B, self.widths, cdt, y.dtype, y.shape[1:], out=self.batch_buffers(B))
-            chosen = choose_bgrad(self.model, lambda: self.forward_backward(*batch), key, store=store,
-                                  release=self.release_step,
-                                  on_pool=lambda n: self.memory_peak.sample("bgrad probe", extra=n))  # fmt: skip
-        self.model.set_bgrad(chosen)
-        # Nothing of the probe stays: its plans (the strategy not chosen has its own GEMMs, and a
-        # DRELU_BGRAD plan can hold a workspace of gigabytes) and the arrays they still reference
-        # go, and so do the blocks its graphs allocated. The step plans again (from the plan cache).
-        self.memory_peak.sample("bgrad probe")
-        batch.clear()
-        self.release_step()
-        self.gemm.free()
-        gc.collect()  # the probe's graphs and their outputs, if a reference cycle still holds them
 
     # --- state ------------------------------------------------------------------------------
 

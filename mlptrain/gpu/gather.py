@@ -43,14 +43,44 @@ def take_rows(src: Any, idx: Any, out: Any = None) -> Any:
     if out.dtype != src.dtype or idx.dtype != cp.int64 or not idx.flags.c_contiguous:
         raise ValueError(f"take_rows: out {out.dtype} must be src's {src.dtype}, idx contiguous int64 "
                          f"(got {idx.dtype}, strides {idx.strides})")  # fmt: skip
+    launch = _plan(src, out, rows)
+    if launch is not None:
+        unit, units, n, blocks = launch
+        function(f"mlptrain_gather_{unit}")((blocks,), (_THREADS,), (src, idx, out, cp.int64(units), cp.int64(n)))
+    return out
+
+
+def take_rows_at(src: Any, order: Any, out: Any, step: Any, base: Any, batch: int, offset: int = 0) -> Any:
+    """``out[r] = src[order[(step - base) * batch + offset + r]]``, the step and base read on the device.
+
+    The batch of the current step, gathered by a kernel whose arguments never change: captured into the
+    training step's CUDA graph, each replay gathers the next batch, as the step count (``step``, a 0-d int64
+    device array the step's last kernel advances) moves on. ``base`` (1-element int64) is the step count at
+    batch 0 of the epoch, ``order`` ``(N,)`` int64 the epoch's permutation, ``offset`` this rank's first row
+    of the batch (data parallel). Same layout rules as :func:`take_rows`; no allocation, no synchronisation.
+    """
+    rows = int(out.shape[0])
+    if not (src.flags.c_contiguous and out.flags.c_contiguous) or out.shape[1:] != src.shape[1:]:
+        raise ValueError(
+            f"take_rows_at needs C-contiguous rows of {src.shape[1:]}; got src {src.shape}, out {out.shape}"
+        )
+    if out.dtype != src.dtype or order.dtype != cp.int64 or step.dtype != cp.int64 or base.dtype != cp.int64:
+        raise ValueError(f"take_rows_at: out {out.dtype} must be src's {src.dtype}; order, step, base int64")
+    launch = _plan(src, out, rows)
+    if launch is not None:
+        unit, units, n, blocks = launch
+        args = (src, order, out, cp.int64(units), cp.int64(n), step, base, cp.int64(batch), cp.int64(offset))
+        function(f"mlptrain_gather_at_{unit}")((blocks,), (_THREADS,), args)
+    return out
+
+
+def _plan(src: Any, out: Any, rows: int) -> tuple[int, int, int, int] | None:
+    """``(unit, units per row, threads' work, blocks)`` of a gather of ``rows`` rows, or None for no work."""
     row_bytes = src.itemsize * (src.size // src.shape[0] if src.shape[0] else 0)
     if rows == 0 or row_bytes == 0:
-        return out
+        return None
     # the widest unit that divides a row and both starts (so every row start is aligned to it too)
     unit = next(u for u in (16, 8, 4, 2, 1) if row_bytes % u == 0 and src.data.ptr % u == 0 == out.data.ptr % u)
     units = row_bytes // unit
     n = rows * units
-    blocks = max(1, min(-(-n // _THREADS), _MAX_BLOCKS))
-    kernel = function(f"mlptrain_gather_{unit}")
-    kernel((blocks,), (_THREADS,), (src, idx, out, cp.int64(units), cp.int64(n)))
-    return out
+    return unit, units, n, max(1, min(-(-n // _THREADS), _MAX_BLOCKS))

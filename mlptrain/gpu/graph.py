@@ -132,14 +132,17 @@ class GraphedStep:
         self._shapes: dict[tuple, _ShapeGraph] = {}
         self._warned = False
 
-    def __call__(self, x: Any, y: Any) -> Any:
-        """One step on batch ``x (B, in)``, ``y (B,)``; returns what ``step`` returns."""
+    def __call__(self, x: Any, y: Any, tag: str | None = None) -> Any:
+        """One step on batch ``x (B, in)``, ``y (B,)``; returns what ``step`` returns.
+
+        ``tag``: steps that differ in more than their batch shape (a step that gathers its own batch into
+        ``x`` and ``y``: ``"gather"``) get graphs of their own."""
         if cp.cuda.get_current_stream().ptr == 0:
             if not self._warned:
                 log.warning("the legacy default stream cannot be captured: running the step without a CUDA graph")
                 self._warned = True
             return self.step(x, y)
-        g = self._shapes.setdefault(_key(x.shape, x.dtype, y.shape, y.dtype), _ShapeGraph())
+        g = self._shapes.setdefault(_key(x.shape, x.dtype, y.shape, y.dtype, tag), _ShapeGraph())
         if g.graph is None:
             self.release()
             if g.warm < self.warmup:
@@ -152,13 +155,15 @@ class GraphedStep:
         self.restore(g.kept)
         return g.result
 
-    def input_buffers(self, x_shape: tuple, x_dtype: Any, y_shape: tuple, y_dtype: Any) -> tuple[Any, Any]:
+    def input_buffers(
+        self, x_shape: tuple, x_dtype: Any, y_shape: tuple, y_dtype: Any, tag: str | None = None
+    ) -> tuple[Any, Any]:
         """The arrays the graph of this batch shape reads its batch from (created on first request).
 
         A loader that gathers each batch into them (``DataLoader.epoch(out=...)``) spares the step
         its copy: steps given these very arrays skip it. Their contents change with every batch.
         """
-        key = _key(x_shape, x_dtype, y_shape, y_dtype)
+        key = _key(x_shape, x_dtype, y_shape, y_dtype, tag)
         return self._shapes.setdefault(key, _ShapeGraph()).buffers(x_shape, x_dtype, y_shape, y_dtype)
 
     @property
@@ -182,8 +187,8 @@ class GraphedStep:
         return kernel_names(graph)
 
 
-def _key(x_shape: tuple, x_dtype: Any, y_shape: tuple, y_dtype: Any) -> tuple:
-    return (tuple(x_shape), np.dtype(x_dtype).str, tuple(y_shape), np.dtype(y_dtype).str)
+def _key(x_shape: tuple, x_dtype: Any, y_shape: tuple, y_dtype: Any, tag: str | None = None) -> tuple:
+    return (tuple(x_shape), np.dtype(x_dtype).str, tuple(y_shape), np.dtype(y_dtype).str, tag)
 
 
 # A node of cudaGraphDebugDotPrint's output: kernels are octagons labelled "<id>\n<function name>",

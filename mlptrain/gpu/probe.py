@@ -81,7 +81,7 @@ def choose_bgrad(
         med = {option: sorted(t)[reps // 2] for option, t in times.items()}
         choices[i] = min(med, key=lambda option: med[option])
         log.info("bgrad probe, hidden layer %d: %s ms per step -> %s", i, med, choices[i])
-    # The caller frees what the probe allocated (mlptrain.trainer.Trainer._choose_bgrad: the
+    # The caller frees what the probe allocated (mlptrain.bgrad.choose: the
     # step's arrays, the plans and their workspaces, the pool's cached blocks).
     model.set_bgrad(choices)
     if store is not None:

@@ -62,3 +62,21 @@ def test_bad_buffers_are_refused():
     with pytest.raises(ValueError, match="C-contiguous"):
         take_rows(cp.asfortranarray(src), idx)  # the loader stores its arrays in C order
     assert take_rows(src, cp.zeros(0, cp.int64)).shape == (0, 4)  # a rank with no rows of a short batch
+
+
+@pytest.mark.parametrize(("shape", "dtype"), [((1294, 64), np.float32), ((1294,), np.int64), ((500, 7), np.float16)])
+def test_take_rows_at_reads_the_batch_of_the_device_step_count(shape, dtype):
+    """The gather of a step that gathers its own batch: rows order[(step - base) * batch + offset + r]."""
+    from mlptrain.gpu.gather import take_rows_at
+
+    rng = np.random.default_rng(2)
+    host = (rng.standard_normal(shape) * 100).astype(dtype)
+    order = rng.permutation(shape[0]).astype(np.int64)
+    src, d_order = cp.asarray(host), cp.asarray(order)
+    step, base = cp.asarray(np.array(7, np.int64)), cp.asarray(np.array([4], np.int64))  # batch 3 of the epoch
+    out = cp.zeros((50, *shape[1:]), dtype)
+    assert take_rows_at(src, d_order, out, step, base, batch=64, offset=5) is out
+    np.testing.assert_array_equal(cp.asnumpy(out), host[order[3 * 64 + 5 : 3 * 64 + 55]])
+    step += 1  # the next step: the next batch, with the same kernel arguments
+    take_rows_at(src, d_order, out, step, base, batch=64, offset=5)
+    np.testing.assert_array_equal(cp.asnumpy(out), host[order[4 * 64 + 5 : 4 * 64 + 55]])

@@ -96,3 +96,25 @@ def test_graph_replay_equals_uncaptured_steps(precision):
         cp.testing.assert_array_equal(pg.value, pe.value)
         cp.testing.assert_array_equal(pc.value, pe.value)
     assert float(tg.schedule.lr) == float(te.schedule.lr) != float(tg.schedule.host(0))
+
+
+def test_a_step_that_gathers_its_own_batch_replays_the_losses_of_uncaptured_steps():
+    """Trainer.train_batches: the graph gathers its batch from the device step count (one launch a step);
+    the losses equal those of graph=false (the loader gathering each batch first), short last batches included."""
+    runs = {}
+    for graph in (True, False):
+        settings = {"data.batch_size": 100, "optimizer.name": "adam", "optimizer.lr": 1e-3, "epochs": 3}
+        tr = gpu_trainer(**settings, **{"execution.bgrad": "bgradb", "graph": graph})
+        assert tr.gathers_in_step is graph
+        losses = []
+        with tr.stream:
+            for epoch in range(3):
+                for x, y in tr.train_batches(epoch, 1 if epoch == 0 else 0):  # from batch 1, as a resume
+                    losses.append(tr.step(x, y)[0].copy())
+            tr.stream.synchronize()
+        runs[graph] = np.array([float(v) for v in losses])
+        if graph:
+            names = tr.graphed.kernel_names()
+            assert tr.graphed.num_graphs == 2 and any(n.startswith("mlptrain_gather_at_") for n in names), names
+    assert len(runs[True]) == 3 * 13 - 1
+    np.testing.assert_array_equal(runs[True], runs[False])

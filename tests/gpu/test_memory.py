@@ -149,10 +149,10 @@ def test_compute_copy_cast_takes_the_steps_of_the_kept_copy_in_less_memory(preci
 
 
 def test_the_bgrad_probe_leaves_no_plan_workspace_or_cached_block(monkeypatch):
-    from mlptrain import trainer as trainer_module
+    from mlptrain import bgrad as bgrad_module
     from mlptrain.gpu.memory import PeakTracker, expected_bytes, expected_step_peak
 
-    monkeypatch.setattr(trainer_module, "PROBE_MIN_FLOPS", 1.0)  # probe this small model
+    monkeypatch.setattr(bgrad_module, "PROBE_MIN_FLOPS", 1.0)  # probe this small model
     probe_pools = []
     sample = PeakTracker.sample
 

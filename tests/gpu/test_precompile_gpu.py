@@ -91,7 +91,7 @@ def test_the_bgrad_probe_starts_only_once_every_job_is_done(monkeypatch):
     compile: had the trainer not waited, it would still be running when the probe starts."""
     import time
 
-    from mlptrain import trainer as trainer_module
+    from mlptrain import bgrad as bgrad_module
     from mlptrain.gpu import precompile, probe
 
     made = []
@@ -113,7 +113,7 @@ def test_the_bgrad_probe_starts_only_once_every_job_is_done(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(probe, "choose_bgrad", spy)
-    monkeypatch.setattr(trainer_module, "PROBE_MIN_FLOPS", 1.0)  # probe this small model
+    monkeypatch.setattr(bgrad_module, "PROBE_MIN_FLOPS", 1.0)  # probe this small model
     gpu_trainer(**{"execution.bgrad": "auto", "execution.plan_cache": False})
     assert len(seen) == 1 and ("a slow compile", True) in seen[0] and all(done for _, done in seen[0]), seen
 

@@ -40,7 +40,7 @@ def test_bgrad_probe_times_the_step_and_remembers_its_choice(tmp_path):
 def test_bgrad_auto_probes_only_models_whose_step_is_worth_timing(monkeypatch):
     """PROBE_MIN_FLOPS: the default digits model (10 MFLOP per step) takes bgradb untimed; 784-wide layers
     at batch 256 (GFLOPs per step) are timed."""
-    from mlptrain import trainer as trainer_module
+    from mlptrain import bgrad as bgrad_module
     from mlptrain.gpu import probe
 
     timed = []
@@ -48,6 +48,6 @@ def test_bgrad_auto_probes_only_models_whose_step_is_worth_timing(monkeypatch):
     monkeypatch.setattr(probe, "choose_bgrad", lambda *a, **k: timed.append(a[2]) or real(*a, **k))
     small = gpu_trainer(**{"execution.bgrad": "auto", "execution.plan_cache": False})
     assert small.model.bgrad == ["bgradb"] * (len(small.widths) - 2) and timed == []
-    monkeypatch.setattr(trainer_module, "PROBE_MIN_FLOPS", 1.0)  # everything is worth timing now
+    monkeypatch.setattr(bgrad_module, "PROBE_MIN_FLOPS", 1.0)  # everything is worth timing now
     gpu_trainer(**{"execution.bgrad": "auto", "execution.plan_cache": False})
     assert len(timed) == 1
