@@ -57,7 +57,9 @@ def take_rows_at(src: Any, order: Any, out: Any, step: Any, base: Any, batch: in
     training step's CUDA graph, each replay gathers the next batch, as the step count (``step``, a 0-d int64
     device array the step's last kernel advances) moves on. ``base`` (1-element int64) is the step count at
     batch 0 of the epoch, ``order`` ``(N,)`` int64 the epoch's permutation, ``offset`` this rank's first row
-    of the batch (data parallel). Same layout rules as :func:`take_rows`; no allocation, no synchronisation.
+    of the batch (data parallel); positions past the end of ``order`` wrap around (a replay past the epoch's
+    last batch reads rows, never past the buffer). Same layout rules as :func:`take_rows`; no allocation, no
+    synchronisation.
     """
     rows = int(out.shape[0])
     if not (src.flags.c_contiguous and out.flags.c_contiguous) or out.shape[1:] != src.shape[1:]:
@@ -69,7 +71,8 @@ def take_rows_at(src: Any, order: Any, out: Any, step: Any, base: Any, batch: in
     launch = _plan(src, out, rows)
     if launch is not None:
         unit, units, n, blocks = launch
-        args = (src, order, out, cp.int64(units), cp.int64(n), step, base, cp.int64(batch), cp.int64(offset))
+        length = cp.int64(order.shape[0])
+        args = (src, order, length, out, cp.int64(units), cp.int64(n), step, base, cp.int64(batch), cp.int64(offset))
         function(f"mlptrain_gather_at_{unit}")((blocks,), (_THREADS,), args)
     return out
 

@@ -36,15 +36,19 @@ MLPTRAIN_GATHER(mlptrain_gather_1, unsigned char)
 // The same, for the batch of the current step, read on the device: rows order[first + r], first =
 // (step - base) * batch + offset. A step captured into a CUDA graph gathers its own batch with it
 // (mlptrain.loader.DataLoader.gather_in_step): the step count advances on the device every replay.
+// Positions past the order's `len` entries wrap around (a replay past the epoch's end reads rows, never
+// past the buffer).
 #define MLPTRAIN_GATHER_AT(NAME, U)                                                              \
-extern "C" __global__ void NAME(const U* src, const long long* order, U* out, long long units,   \
-                                long long n, const long long* step, const long long* base,      \
-                                long long batch, long long offset) {                            \
+extern "C" __global__ void NAME(const U* src, const long long* order, long long len, U* out,     \
+                                long long units, long long n, const long long* step,            \
+                                const long long* base, long long batch, long long offset) {     \
     const long long first = (step[0] - base[0]) * batch + offset;                              \
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;                 \
          i += (long long)gridDim.x * blockDim.x) {                                              \
         const long long r = i / units, c = i - r * units;                                       \
-        out[i] = src[order[first + r] * units + c];                                             \
+        long long k = (first + r) % len;                                                        \
+        if (k < 0) k += len;                                                                    \
+        out[i] = src[order[k] * units + c];                                                     \
     }                                                                                           \
 }
 MLPTRAIN_GATHER_AT(mlptrain_gather_at_16, mlptrain_u16)

@@ -80,3 +80,14 @@ def test_take_rows_at_reads_the_batch_of_the_device_step_count(shape, dtype):
     step += 1  # the next step: the next batch, with the same kernel arguments
     take_rows_at(src, d_order, out, step, base, batch=64, offset=5)
     np.testing.assert_array_equal(cp.asnumpy(out), host[order[4 * 64 + 5 : 4 * 64 + 55]])
+
+
+def test_take_rows_at_wraps_past_the_end_of_the_order():
+    from mlptrain.gpu.gather import take_rows_at
+
+    host = np.arange(10 * 3, dtype=np.float32).reshape(10, 3)
+    order = np.arange(10)[::-1].astype(np.int64)
+    out = cp.zeros((4, 3), cp.float32)
+    step, base = cp.asarray(np.array(2, np.int64)), cp.asarray(np.array([0], np.int64))  # rows 8..11: 8, 9, 0, 1
+    take_rows_at(cp.asarray(host), cp.asarray(order), out, step, base, batch=4)
+    np.testing.assert_array_equal(cp.asnumpy(out), host[order[[8, 9, 0, 1]]])
