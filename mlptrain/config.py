@@ -45,8 +45,9 @@ class Activation(str, Enum):
 
 
 class Init(str, Enum):
-    he = "he"
-    lecun = "lecun"
+    he = "he"  # N(0, 2/in) for ReLU/GELU layers, LeCun N(0, 1/in) for the output layer; zero biases
+    lecun = "lecun"  # N(0, 1/in); zero biases
+    torch = "torch"  # PyTorch's nn.Linear default: weights and biases U(-1/sqrt(in), 1/sqrt(in)), every layer
 
 
 class LossName(str, Enum):
@@ -119,7 +120,7 @@ class ModelConfig:
     in_features: Optional[int] = _f(None, "input width; null: the dataset's (if given, it must match)")
     out_features: Optional[int] = _f(None, "output width; null: the dataset's classes or targets")
     activation: Activation = _f(Activation.relu, "hidden layers: relu, gelu (the tanh form) or none")
-    init: Init = _f(Init.he, "initialisation of the hidden layers' weights")
+    init: Init = _f(Init.he, "initial weights: he, lecun, or torch (nn.Linear's default, biases too)")
     loss: LossName = _f(LossName.cross_entropy, "cross_entropy (classification) or mse (regression, or one-hot)")
 
 

@@ -97,6 +97,20 @@ class Param:
             self.compute[...] = self.value
 
 
+def initial(init: str, in_features: int, out_features: int, rng: np.random.Generator) -> tuple[Any, Any]:
+    """A layer's initial ``W (out, in)`` and ``b (out,)`` as host float64 arrays.
+
+    ``he``: ``N(0, 2/in)``, ``lecun``: ``N(0, 1/in)``, zero biases; ``torch``: PyTorch's ``nn.Linear``
+    default (``kaiming_uniform_(a=sqrt(5))``), ``U(-1/sqrt(in), 1/sqrt(in))`` for the weights and the biases.
+    """
+    if init == "torch":
+        bound = 1.0 / math.sqrt(in_features)
+        w = rng.uniform(-bound, bound, size=(out_features, in_features))
+        return w, rng.uniform(-bound, bound, size=out_features)
+    gain = 2.0 if init == "he" else 1.0
+    return rng.standard_normal((out_features, in_features)) * math.sqrt(gain / in_features), np.zeros(out_features)
+
+
 class Linear:
     """``y = act(x @ W^T + b)`` for a batch ``x (B, in)``; ``act`` is ReLU, GELU or nothing.
 
@@ -129,10 +143,9 @@ class Linear:
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation {activation!r} is not one of {ACTIVATIONS}")
         self.activation = activation
-        gain = 2.0 if init == "he" else 1.0
-        w = rng.standard_normal((out_features, in_features)) * math.sqrt(gain / in_features)
+        w, b = initial(init, in_features, out_features, rng)
         self.weight = Param(f"{name}.weight", xp.asarray(w, dtype=param_dtype), compute_dtype, cast_buffer, "weight")
-        self.bias = Param(f"{name}.bias", xp.zeros(out_features, dtype=param_dtype), compute_dtype, cast_buffer, "bias")
+        self.bias = Param(f"{name}.bias", xp.asarray(b, dtype=param_dtype), compute_dtype, cast_buffer, "bias")
         # Where this layer's bias gradient is computed (see mlptrain.execution): in its own
         # weight-gradient GEMM (BGRADB), or by the layer above (DRELU_BGRAD). A layer without
         # ReLU has no relu_aux for the layer above to use, so it always reduces its own.

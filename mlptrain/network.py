@@ -53,7 +53,8 @@ class MLP:
         rng: host Generator for the initial weights.
         param_dtype, compute_dtype: master and GEMM dtypes (equal except for fp16/bf16).
         activation: of the hidden layers: ``"relu"``, ``"gelu"`` or ``"none"`` (a deep linear model).
-        init: ``"he"`` or ``"lecun"``.
+        init: ``"he"``, ``"lecun"`` (the output layer: LeCun either way), or ``"torch"`` (every layer as
+            PyTorch's ``nn.Linear`` starts, biases included).
         bgrad: per hidden layer, where its bias gradient is reduced (``drelu_bgrad``, DGELU_BGRAD for GELU: by the
             input-gradient GEMM of the layer above; ``bgradb``: by its own weight-gradient GEMM);
             one string for all.
@@ -98,7 +99,7 @@ class MLP:
                 xp=xp,
                 param_dtype=param_dtype,
                 compute_dtype=compute_dtype,
-                init=init if (activation != "none" and i < n - 1) else "lecun",
+                init=init if init == "torch" or (activation != "none" and i < n - 1) else "lecun",
                 cast_buffer=self.cast_buffer,
             )
             for i in range(n)

@@ -426,3 +426,29 @@ def test_on_weight_grad_follows_each_side_stream_weight_gradient():
         ("dW", 1), ("all-reduce", "layer1.weight"),
     ]  # fmt: skip
     assert [e[1] for e in order if e[0] == "retire"] == [3, 2, 1, 0]
+
+
+def test_torch_init_draws_as_nn_linear_does_every_layer_and_its_bias():
+    """model.init=torch: U(-1/sqrt(in), 1/sqrt(in)) for the weights and biases of every layer, output included."""
+    from mlptrain.layers import initial
+
+    rng = np.random.default_rng(0)
+    w, b = initial("torch", 400, 300, rng)
+    bound = 1 / np.sqrt(400)
+    assert w.shape == (300, 400) and b.shape == (300,)
+    assert np.abs(w).max() <= bound and np.abs(b).max() <= bound and np.abs(b).max() > 0.9 * bound
+    np.testing.assert_allclose(w.var(), bound**2 / 3, rtol=0.02)  # a uniform's variance, not He's 2/in
+    net = MLP(
+        [6, 5, 3],
+        execution=FusedExecution(NumpyGemm()),
+        xp=np,
+        rng=np.random.default_rng(1),
+        init="torch",
+        param_dtype=np.float64,
+        compute_dtype=np.float64,
+    )
+    out = net.layers[-1]
+    assert np.abs(out.weight.value).max() <= 1 / np.sqrt(5) and np.any(out.bias.value != 0)
+    w_he, b_he = initial("he", 400, 300, np.random.default_rng(0))
+    np.testing.assert_allclose(w_he.var(), 2 / 400, rtol=0.02)
+    assert not b_he.any()
