@@ -12,7 +12,8 @@ reading the same file:
 * ``torch-loop``: a plain PyTorch loop on GPU-resident tensors (eager, bf16 autocast, fused Adam),
   the features standardised with the train split's mean and standard deviation as mlptrain does;
 * ``lightning-resident``: PyTorch Lightning with the batches already on the GPU;
-* ``lightning-loader``: Lightning with a ``TensorDataset`` and a ``DataLoader`` (pinned memory).
+* ``lightning-loader``: Lightning with a ``TensorDataset`` and a ``DataLoader`` (pinned memory);
+* ``mlptrain-init-torch``: ``mlptrain-again`` with PyTorch's initialisation (``model.init=torch``).
 
 Reported per variant: the process's wall time and the test accuracy; for mlptrain also the loop's
 time (``wall_s`` of the summary), the sum of its step times (the median ``step_time_ms`` of the step
@@ -39,7 +40,15 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
-VARIANTS = ("mlptrain-first", "mlptrain-again", "torch-loop", "lightning-resident", "lightning-loader")
+VARIANTS = (
+    "mlptrain-first",
+    "mlptrain-again",
+    "torch-loop",
+    "lightning-resident",
+    "lightning-loader",
+    "mlptrain-init-torch",
+)
+PEERS = ("torch-loop", "lightning-resident", "lightning-loader")
 HIDDEN, BATCH, LR, CLASSES = (1024, 1024), 1024, 1e-3, 10
 
 
@@ -74,7 +83,7 @@ def prime(work: Path) -> None:
     subprocess.run([sys.executable, "-c", peers], env=env, capture_output=True)
 
 
-def mlptrain_run(table: Path, epochs: int, caches: Path, run_dir: Path) -> dict:
+def mlptrain_run(table: Path, epochs: int, caches: Path, run_dir: Path, extra: tuple[str, ...] = ()) -> dict:
     env = {
         **python_env(caches.parent),
         "CUPY_CACHE_DIR": str(caches / "cupy"),
@@ -244,7 +253,7 @@ def main() -> None:
     p.add_argument("--test-rows", type=int, default=100_000)
     p.add_argument("--epochs", type=int, default=5)
     p.add_argument("--variants", default=",".join(VARIANTS))
-    p.add_argument("--worker", choices=VARIANTS[2:], help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=PEERS, help=argparse.SUPPRESS)
     p.add_argument("--table", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
@@ -261,8 +270,9 @@ def main() -> None:
     for name in args.variants.split(","):
         if name not in VARIANTS:
             p.error(f"--variants: {name!r} is not one of {', '.join(VARIANTS)}")
-        if name.startswith("mlptrain"):
-            results[name] = mlptrain_run(table, args.epochs, work / "caches", work / f"run-{name}")
+        if name.startswith("mlptrain"):  # -init-torch: PyTorch's initialisation (model.init=torch)
+            extra = ("model.init=torch",) if name == "mlptrain-init-torch" else ()
+            results[name] = mlptrain_run(table, args.epochs, work / "caches", work / f"run-{name}", extra)
         else:
             results[name] = peer_run(name, table, args.epochs)
         print(name, json.dumps(results[name]), flush=True)
