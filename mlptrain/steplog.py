@@ -56,6 +56,7 @@ class StepLog:
         self.correct = xp.zeros(capacity, dtype=xp.int64)
         self.skip = xp.zeros(capacity, dtype=xp.int32)
         self.scale = xp.zeros(capacity, dtype=xp.float64)
+        self._host: dict[str, np.ndarray] | None = None  # GPU: pinned host copies of the rings (read)
         self.epoch_loss = xp.zeros((), dtype=xp.float64)
         self.epoch_correct = xp.zeros((), dtype=xp.int64)
         self._tail_code: dict[str, tuple[str, str, str]] = {}
@@ -148,8 +149,17 @@ class StepLog:
         if not 0 <= n <= self.capacity:
             raise ValueError(f"cannot read {n} steps from a StepLog of capacity {self.capacity}")
         slots = (np.arange(first_step, first_step + n) % self.capacity).astype(np.int64)
-        to_host = (lambda a: a.get()) if self.xp is not np else np.asarray
-        return {name: to_host(getattr(self, name))[slots] for name in ("loss", "correct", "skip", "scale")}
+        names = ("loss", "correct", "skip", "scale")
+        if self.xp is np:
+            return {name: np.asarray(getattr(self, name))[slots] for name in names}
+        # The four rings into pinned host buffers made once, queued on the stream, then one wait (not four).
+        if self._host is None:
+            self._host = {name: _pinned(self.xp, getattr(self, name)) for name in names}
+        stream = self.xp.cuda.get_current_stream()
+        for name in names:
+            getattr(self, name).get(stream=stream, out=self._host[name], blocking=False)
+        stream.synchronize()  # syncs the device: the interval's one wait
+        return {name: self._host[name][slots] for name in names}  # copies: the buffers are read again next time
 
 
 # The tail's arrays, in argument order, with their CUDA types (L, K: the loss's and count's dtypes).
@@ -186,3 +196,9 @@ _END_STEP = """
     {schedule_advance}
 }}
 """
+
+
+def _pinned(xp: Any, like: Any) -> np.ndarray:
+    """A host array of ``like``'s shape and dtype in page-locked memory (copies to it can be asynchronous)."""
+    mem = xp.cuda.alloc_pinned_memory(like.nbytes)
+    return np.frombuffer(mem, like.dtype, like.size).reshape(like.shape)

@@ -80,8 +80,7 @@ class _ShapeGraph:
         self.graph.upload(stream)
         self.kept = keep()
 
-    def replay(self, x: Any, y: Any) -> None:
-        stream = cp.cuda.get_current_stream()
+    def replay(self, x: Any, y: Any, stream: Any) -> None:
         # The batch, into the buffers the graph reads: two cudaMemcpyAsync (no kernel to launch),
         # unless the loader gathered it there already (GraphedStep.input_buffers).
         for dst, src in ((self.x_static, x), (self.y_static, y)):
@@ -137,12 +136,16 @@ class GraphedStep:
 
         ``tag``: steps that differ in more than their batch shape (a step that gathers its own batch into
         ``x`` and ``y``: ``"gather"``) get graphs of their own."""
-        if cp.cuda.get_current_stream().ptr == 0:
+        stream = cp.cuda.get_current_stream()
+        if stream.ptr == 0:
             if not self._warned:
                 log.warning("the legacy default stream cannot be captured: running the step without a CUDA graph")
                 self._warned = True
             return self.step(x, y)
-        g = self._shapes.setdefault(_key(x.shape, x.dtype, y.shape, y.dtype, tag), _ShapeGraph())
+        key = (x.shape, x.dtype, y.shape, y.dtype, tag)  # (a replay's host work is a few dict look-ups)
+        g = self._shapes.get(key)
+        if g is None:
+            g = self._shapes[key] = _ShapeGraph()
         if g.graph is None:
             self.release()
             if g.warm < self.warmup:
@@ -151,7 +154,7 @@ class GraphedStep:
                     return self.step(x, y)
             log.info("capturing the training step for batch shape %s into a CUDA graph", x.shape)
             g.capture(self.step, self.keep, x, y)
-        g.replay(x, y)
+        g.replay(x, y, stream)
         self.restore(g.kept)
         return g.result
 
@@ -163,8 +166,10 @@ class GraphedStep:
         A loader that gathers each batch into them (``DataLoader.epoch(out=...)``) spares the step
         its copy: steps given these very arrays skip it. Their contents change with every batch.
         """
-        key = _key(x_shape, x_dtype, y_shape, y_dtype, tag)
-        return self._shapes.setdefault(key, _ShapeGraph()).buffers(x_shape, x_dtype, y_shape, y_dtype)
+        key = (tuple(x_shape), np.dtype(x_dtype), tuple(y_shape), np.dtype(y_dtype), tag)
+        if key not in self._shapes:
+            self._shapes[key] = _ShapeGraph()
+        return self._shapes[key].buffers(x_shape, x_dtype, y_shape, y_dtype)
 
     @property
     def num_graphs(self) -> int:
@@ -185,10 +190,6 @@ class GraphedStep:
             raise RuntimeError("no graph has been captured yet: run at least warmup + 1 steps")
         graph = graphs[shape] if shape is not None else next(iter(graphs.values()))
         return kernel_names(graph)
-
-
-def _key(x_shape: tuple, x_dtype: Any, y_shape: tuple, y_dtype: Any, tag: str | None = None) -> tuple:
-    return (tuple(x_shape), np.dtype(x_dtype).str, tuple(y_shape), np.dtype(y_dtype).str, tag)
 
 
 # A node of cudaGraphDebugDotPrint's output: kernels are octagons labelled "<id>\n<function name>",
