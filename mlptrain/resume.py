@@ -1,5 +1,7 @@
 """Where a run starts: a fresh start, or a resume planned from its checkpoint, reading and changing nothing.
 
+:func:`mlptrain.restore.restore` comes before: the settings of the run a resume continues.
+
 :func:`prepare` is step 1 of :func:`mlptrain.run.train` for the starting point: a fresh run refuses
 a directory that holds a run; a resume finds its checkpoint (:func:`resume_path`), checks that it
 fits the trainer, and plans what the directory needs before the run continues (:class:`Start`):
@@ -16,14 +18,14 @@ from typing import Any
 
 from mlptrain import checkpoint
 from mlptrain.checkpoint import CHECKPOINT_DIR, Best, Checkpoint, Position
-from mlptrain.config import flatten, to_plain
+from mlptrain.config import TrainConfig, flatten, to_plain
 from mlptrain.errors import CheckpointError, ConfigError
-from mlptrain.loop import selection
 from mlptrain.metrics import MetricsPrefix, kinds_after, plan_prefix
 from mlptrain.rundir import METRICS, RUN_RECORD, RunDirectory
 from mlptrain.trainer import Trainer
 
 log = logging.getLogger(__name__)
+
 
 # Config keys that may differ on resume without changing the numbers of the run.
 # The number of GPUs is one of them: the global batch, and so every step, is the same on any number.
@@ -50,6 +52,7 @@ class Start:
     resumed_from: Path | None = None
     best_file: Checkpoint | None = None  # to write as checkpoints/best.npz (a copy or a repair)
     notes: list[str] = field(default_factory=list)
+    stopped_early: int | None = None  # the run stopped early after this epoch: the resume writes its summary
 
 
 def prepare(tr: Trainer, run_dir: RunDirectory) -> Start:
@@ -57,21 +60,50 @@ def prepare(tr: Trainer, run_dir: RunDirectory) -> Start:
 
     Raises:
         OutputError: a fresh run into a directory that holds a run.
-        CheckpointError: the checkpoint is missing, corrupt, does not fit, or is behind a newer ``last``.
+        CheckpointError: the checkpoint is missing, corrupt, does not fit (the model, the data's classes,
+            task or columns, the best metric), or is behind a newer ``last``.
         ConfigError: the checkpoint is at or past the end of this run.
     """
     cfg = tr.cfg
     # the metric that selects best.npz (and stops early); the test split never selects a model
     best = selection(cfg, tr.dataset.task == "classification", "val" in tr.eval_loaders)
     if cfg.resume is None:
-        run_dir.refuse_overwrite(hint="continue it with resume=last")
+        run_dir.refuse_overwrite()
         return Start(Position(), best, plan_prefix(None, 0))
     path, notes = resume_path(cfg.resume, run_dir)
     if path is None:  # a run killed before it saved any checkpoint: its start is its config's
         return Start(Position(), best, plan_prefix(run_dir.metrics, 0), notes=notes)
     ckpt = checkpoint.load(path)
     pos, where = ckpt.position, f"checkpoint {path}"
+    check_data(ckpt.meta.get("data"), tr.dataset.preprocessing()[0], where)
     tr.load_state_dict(ckpt.arrays, ckpt.meta, step=pos.step, where=where)
+    stopped_early = check_continues(tr, ckpt, best)
+    warn_differences(ckpt.meta["config"], to_plain(cfg), where)
+    records = ckpt.meta["metrics_records"]
+    if path.resolve().parent == run_dir.checkpoints.resolve():
+        run_dir.newer_last(path, pos)
+        start = Start(pos, ckpt.best or best, plan_prefix(run_dir.metrics, records), path, notes=notes)
+        plan_best(start, ckpt, run_dir.checkpoint("best"), copy=False)
+    else:
+        run_dir.refuse_overwrite(resume=str(path))
+        source = path.parent.parent if path.parent.name == CHECKPOINT_DIR else None
+        start = Start(pos, ckpt.best or best, plan_prefix(source / METRICS if source else None, records), path)
+        if source is not None:
+            plan_best(start, ckpt, source / CHECKPOINT_DIR / "best.npz", copy=True)
+    start.stopped_early = stopped_early
+    return start
+
+
+def check_continues(tr: Trainer, ckpt: Checkpoint, best: Best) -> int | None:
+    """Check that this run continues the checkpoint's: its batches per epoch, its best metric, an end
+    still ahead. Returns the epoch after which the checkpoint's run stopped early, if it did and has
+    yet to write its summary (the resume only finishes it).
+
+    Raises:
+        CheckpointError: another number of batches per epoch, or another metric selecting ``best``.
+        ConfigError: the run is at or past its end (its steps, or early stopping), its summary written.
+    """
+    cfg, path, pos, where = tr.cfg, ckpt.path, ckpt.position, f"checkpoint {ckpt.path}"
     spe = tr.steps_per_epoch
     if ckpt.meta["steps_per_epoch"] != spe or pos.batch > spe:
         raise CheckpointError(
@@ -80,24 +112,64 @@ def prepare(tr: Trainer, run_dir: RunDirectory) -> Start:
             f"{cfg.data.batch_size}, the checkpoint's {flatten(ckpt.meta['config']).get('data.batch_size')}); resume "
             "with the checkpoint's data settings"
         )
-    if pos.step >= tr.total_steps and not unfinished(path, pos.step == tr.total_steps, ckpt.meta["metrics_records"]):
+    saved = ckpt.best
+    if saved is not None and (saved.metric, saved.mode) != (best.metric, best.mode):
+        raise CheckpointError(
+            f"{where} chose its best epoch by {saved.metric} ({saved.mode}), but this run would choose by "
+            f"{best.metric} ({best.mode}); resume with the run's data and early_stopping settings, or start a new run"
+        )
+    records = ckpt.meta["metrics_records"]
+    if pos.step >= tr.total_steps and not unfinished(path, pos.step == tr.total_steps, records):
         raise ConfigError(
             f"checkpoint {path} is at step {pos.step}, at or past the end of this run ({tr.total_steps} steps: "
             f"epochs={cfg.epochs}, max_steps={cfg.max_steps}); raise epochs or max_steps to train further"
         )
-    warn_differences(ckpt.meta["config"], to_plain(cfg), where)
-    records = ckpt.meta["metrics_records"]
-    if path.resolve().parent == run_dir.checkpoints.resolve():
-        run_dir.newer_last(path, pos)
-        start = Start(pos, ckpt.best or best, plan_prefix(run_dir.metrics, records), path, notes=notes)
-        plan_best(start, ckpt, run_dir.checkpoint("best"), copy=False)
-    else:
-        run_dir.refuse_overwrite(hint=f"resume into a new hydra.run.dir with resume={path}")
-        source = path.parent.parent if path.parent.name == CHECKPOINT_DIR else None
-        start = Start(pos, ckpt.best or best, plan_prefix(source / METRICS if source else None, records), path)
-        if source is not None:
-            plan_best(start, ckpt, source / CHECKPOINT_DIR / "best.npz", copy=True)
-    return start
+    stopped = stopped_early_at(ckpt, cfg.early_stopping.patience)
+    if stopped is None or pos.step >= tr.total_steps:
+        return None
+    if not unfinished(path, True, records):
+        raise ConfigError(
+            f"checkpoint {path} ends its run: it stopped early after epoch {stopped + 1} "
+            f"({saved.metric if saved else ''} had not improved for {cfg.early_stopping.patience} epochs); raise "
+            "early_stopping.patience to train further"
+        )
+    return stopped
+
+
+def stopped_early_at(ckpt: Checkpoint, patience: int) -> int | None:
+    """The epoch after which the checkpoint's run stopped early (with ``patience``), or None.
+
+    The loop stops after epoch ``e`` when ``e - best.epoch >= patience`` and saves ``last`` at the
+    start of epoch ``e + 1``; nothing else saves there with that condition true (:meth:`mlptrain.loop.Loop.end_epoch`).
+    """
+    pos, best = ckpt.position, ckpt.best
+    if patience <= 0 or pos.batch != 0 or pos.epoch < 1 or best is None:
+        return None
+    epoch = pos.epoch - 1
+    return epoch if epoch - (best.epoch or 0) >= patience else None
+
+
+def check_data(saved: dict[str, Any] | None, now: dict[str, Any], where: str) -> None:
+    """Refuse data whose meaning changed since the checkpoint: another task, other classes or columns.
+
+    Class ids are positions in the sorted class names: a renamed class (``cat`` -> ``kitty``) would
+    silently move every label to another output.
+    """
+    if not saved:  # a checkpoint of format version 1: no record of its data
+        return
+    names = {"task": "task", "class_names": "classes", "feature_names": "feature columns"}
+    for key, what in {**names, "target_names": "target columns"}.items():
+        a, b = saved.get(key), now.get(key)
+        if a is None or b is None or a == b:
+            continue
+
+        def show(v: Any) -> str:
+            return v if isinstance(v, str) else ", ".join(map(str, v))
+
+        raise CheckpointError(
+            f"{where} was trained on data with {what} {show(a)}, but this run's data has {what} {show(b)}; resume "
+            "with the data of the run, or start a new run"
+        )
 
 
 def resume_path(resume: str, run_dir: RunDirectory) -> tuple[Path | None, list[str]]:
@@ -175,3 +247,22 @@ def warn_differences(saved: dict[str, Any], now: dict[str, Any], where: str) -> 
             where,
             "; ".join(diff),
         )
+
+
+def selection(cfg: TrainConfig, classification: bool, has_val: bool) -> Best:
+    """The epoch metric that selects ``best.npz`` (and stops early): ``early_stopping.metric`` and ``mode``.
+
+    ``auto``: the validation accuracy (the validation loss for a regression; the training split's
+    when there is no validation split); the mode ``max`` for an accuracy, ``min`` for a loss.
+    """
+    es = cfg.early_stopping
+    metric = es.metric
+    if metric == "auto":
+        metric = f"{'val' if has_val else 'train'}/{'acc' if classification else 'loss'}"
+    if (metric.startswith("val/") and not has_val) or (metric.endswith("/acc") and not classification):
+        raise ConfigError(
+            f"early_stopping.metric={metric} is not measured in this run"
+            f"{' (no validation split: data.val_fraction=0)' if not has_val else ' (a regression has no accuracy)'}"
+        )
+    mode = es.mode if es.mode != "auto" else ("min" if metric.endswith("/loss") else "max")
+    return Best(metric, mode=mode)

@@ -20,7 +20,7 @@ import contextlib
 import dataclasses
 import logging
 import platform
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +29,11 @@ from mlptrain.backend import get_backend
 from mlptrain.checks import validate
 from mlptrain.config import TrainConfig, to_plain
 from mlptrain.data import Dataset
-from mlptrain.errors import MlptrainError
+from mlptrain.errors import ConfigError, MlptrainError
 from mlptrain.faults import StopRequest
 from mlptrain.loop import Loop
 from mlptrain.metrics import MetricsWriter
+from mlptrain.restore import front_end, restore
 from mlptrain.resume import Start, prepare, resume_path
 from mlptrain.rundir import RUN_RECORD, RunDirectory, follower_dir
 from mlptrain.sinks import CSV_NAME, TENSORBOARD_DIR, CsvSink, TensorBoardSink, csv_columns
@@ -48,11 +49,14 @@ def train(
     *,
     on_accept: Callable[[Path], None] | None = None,
     comm: Any = None,
+    overrides: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """Train as ``cfg`` says, writing ``run.json``, ``metrics.jsonl`` and ``checkpoints/`` into ``out_dir``.
 
     Args:
-        cfg: the configuration; with ``cfg.resume`` set, continue the run of that checkpoint.
+        cfg: the configuration; with ``cfg.resume`` set, continue the run of that checkpoint, with
+            that run's settings (:func:`mlptrain.restore.restore`: a setting that was set and
+            contradicts them is refused, except those that may change on resume, such as ``epochs``).
         out_dir: the run directory (created if missing; removed again if the run is refused).
         dataset: train on this dataset instead of the one ``cfg.data`` names.
         on_accept: called with ``out_dir`` once every check passed, before anything is written
@@ -61,6 +65,10 @@ def train(
             ``comm.world``. Rank 0 writes the run into ``out_dir``; the other ranks take the same
             steps and write nothing there (their checkpoints and metrics go to a private temporary
             directory, removed at the end); a resume reads rank 0's checkpoint on every rank.
+        overrides: the command line's overrides, as Hydra received them (the CLI passes them): what the
+            user set, and messages then name Hydra's settings (``hydra.run.dir``) and print commands to
+            paste. None (a call from Python): a setting counts as set when it differs from
+            ``TrainConfig()``'s, and messages name this function's arguments (``out_dir``).
 
     Returns:
         The summary record (also the last line of ``metrics.jsonl``).
@@ -68,16 +76,21 @@ def train(
     Raises:
         TrainingInterrupted: Ctrl-C or SIGTERM; ``last`` was saved first (a second one raises
             :class:`~mlptrain.errors.Interrupted` at once).
-        ConfigError: a config value is out of range.
+        ConfigError: a config value is out of range, or contradicts the settings of the run it resumes.
         CheckpointError: the checkpoint to resume from is missing, corrupt or does not fit.
         OutputError: ``out_dir`` cannot be written, is in use, or holds a run this one would overwrite.
         NonFiniteError: a loss, gradient or parameter became inf/NaN (the message names it).
         ResourceError: out of memory (the message says which sizes to lower).
     """
-    validate(cfg, data_parallel=comm is not None)
+    try:
+        restored = restore(cfg, Path(out_dir), overrides)  # a resume: the run's own settings
+    except ConfigError:
+        validate(cfg, data_parallel=comm is not None)  # a bad value given is named as such first
+        raise
+    cfg = validate(restored, data_parallel=comm is not None)
     if comm is not None and comm.rank != 0:
         return _train_follower(cfg, Path(out_dir), dataset, comm)
-    run_dir = RunDirectory(Path(out_dir))
+    run_dir = RunDirectory(Path(out_dir), front_end(overrides))
     created = run_dir.create()
     try:
         with run_dir.lock():
@@ -134,7 +147,7 @@ def _train_locked(
             stop.defer()  # accepted: from here a stop request saves last first
             _accept(tr, run_dir, start, on_accept)
             with MetricsWriter(run_dir.metrics, start.metrics.records, _sinks(tr, run_dir, start)) as metrics:
-                summary = Loop(tr, run_dir, metrics, stop, start.position, start.best, start.resumed_from).run()
+                summary = Loop(tr, run_dir, metrics, stop, start).run()
             if backend.is_gpu:
                 _record_memory(tr, run_dir, start)
     except MemoryError as exc:
