@@ -215,3 +215,34 @@ def test_a_checkpoint_that_does_not_fit_its_own_settings_suggests_a_pasteable_fi
     msg = str(err.value)
     assert "is for model 64-32-32-10 but this run builds 64-16-10" in msg
     assert msg.endswith("resume with 'model.hidden=[32,32]' or start a new run"), msg
+
+
+def test_an_early_stopped_run_killed_before_its_summary_only_writes_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Killed after its final last.npz, before its summary: the resume trains no further epoch (#28.2)."""
+    from mlptrain.loop import Loop
+
+    cfg = dict(early_stopping__patience=1, epochs=12)
+    straight = tmp_path / "straight"
+    summary = train(make_cfg(**cfg), straight)
+    assert summary["stopped_early"] == 3 and summary["steps"] == 84, "the reference must stop early"
+
+    def killed(self: Loop, epochs: int, t_start: float) -> Any:
+        raise SystemExit("killed")
+
+    run = tmp_path / "run"
+    monkeypatch.setattr(Loop, "summary", killed)
+    with pytest.raises(SystemExit):
+        train(make_cfg(**cfg), run)
+    monkeypatch.undo()
+    assert read_metrics(run / "metrics.jsonl")[-1]["kind"] == "epoch"
+    again = train(make_cfg(resume="last", **cfg), run)
+    assert again["steps"] == 84 and again["stopped_early"] == 3 and again["epochs"] == summary["epochs"]
+    assert records(run) == records(straight)
+    a, b = checkpoint.load(run / "checkpoints/last.npz"), checkpoint.load(straight / "checkpoints/last.npz")
+    assert a.position == b.position and all(np.array_equal(a.arrays[k], b.arrays[k]) for k in b.arrays)
+    with pytest.raises(ConfigError, match="stopped early after epoch 4 .* raise early_stopping.patience"):
+        train(make_cfg(resume="last", **cfg), run)  # finished: nothing left to do
+    longer = train(make_cfg(resume="last", **{**cfg, "early_stopping__patience": 3}), run)  # honoured
+    assert longer["steps"] > 84
