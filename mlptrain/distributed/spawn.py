@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from mlptrain.distributed.launch import DistEnv, exchange_id
-from mlptrain.errors import ConfigError, Interrupted, MlptrainError
+from mlptrain.errors import ConfigError, DeviceError, Interrupted, MlptrainError
 
 log = logging.getLogger(__name__)
 
@@ -262,7 +262,22 @@ def _writer(files: dict[str, str] | None) -> Any:
 
 
 def join(env: DistEnv) -> Any:
-    """This process's communicator, launched by torchrun or mpirun: GPU ``local_rank``, the id over TCP."""
+    """This process's communicator, launched by torchrun or mpirun: GPU ``local_rank``, the id over TCP.
+
+    Raises:
+        DeviceError: this machine has no GPU (data parallelism runs on NCCL); checked before anything
+            imports CuPy.
+        ConfigError: the local rank names a GPU this host does not have.
+    """
+    from mlptrain.backend import probe_gpu
+
+    available, reason = probe_gpu()
+    if not available:
+        raise DeviceError(
+            f"{env.launcher} started rank {env.rank} of {env.world}, but this machine has no GPU ({reason}); data "
+            f"parallelism runs on NCCL between GPUs: run it on GPU hosts, or run without {env.launcher} (a single "
+            "process on the CPU)"
+        )
     from mlptrain.gpu.nccl import NcclComm
 
     have = device_count()
