@@ -202,6 +202,7 @@ def _train_job(cfg: DictConfig, config: TrainConfig, out_dir: Path, handlers: li
     from mlptrain.run import train  # imported here: the training stack is not needed for --help or errors
 
     env = DistEnv.from_environ(os.environ)
+    overrides = list(HydraConfig.get().overrides.task)  # what the user set: a resume restores the rest
     if config.distributed.gpus > 1:
         if env is not None:
             raise ConfigError(
@@ -211,14 +212,14 @@ def _train_job(cfg: DictConfig, config: TrainConfig, out_dir: Path, handlers: li
         from mlptrain.distributed.spawn import launch
 
         validate(config)
-        return launch(config, out_dir, accept_files=_hydra_files(cfg))
+        return launch(config, out_dir, accept_files=_hydra_files(cfg), overrides=overrides)
     if env is None:
-        return train(config, out_dir, on_accept=lambda path: handlers.append(_accepted(cfg, path)))
+        return train(config, out_dir, on_accept=lambda path: handlers.append(_accepted(cfg, path)), overrides=overrides)
     from mlptrain.distributed.spawn import join
 
     comm = join(env)
     accept = (lambda path: handlers.append(_accepted(cfg, path))) if env.rank == 0 else None
-    summary = train(config, out_dir, on_accept=accept, comm=comm)
+    summary = train(config, out_dir, on_accept=accept, comm=comm, overrides=overrides)
     if env.rank != 0 and out_dir.absolute() in _created:  # Hydra's directory of this rank: unused
         from mlptrain.rundir import RunDirectory
 

@@ -26,11 +26,12 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from mlptrain import checkpoint, faults
-from mlptrain.checkpoint import Best, Position
-from mlptrain.config import TrainConfig, to_plain
-from mlptrain.errors import ConfigError, TrainingInterrupted
+from mlptrain.checkpoint import Position
+from mlptrain.config import to_plain
+from mlptrain.errors import TrainingInterrupted
 from mlptrain.faults import StopRequest
 from mlptrain.metrics import MetricsWriter, read_metrics
+from mlptrain.resume import Start
 from mlptrain.rundir import RunDirectory
 from mlptrain.trainer import Trainer
 
@@ -99,19 +100,18 @@ class Loop:
         run_dir: RunDirectory,
         metrics: MetricsWriter,
         stop: StopRequest,
-        start: Position,
-        best: Best,
-        resumed_from: Path | None,
+        start: Start,
     ) -> None:
         self.tr, self.cfg, self.run_dir, self.metrics = tr, tr.cfg, run_dir, metrics
-        self.start, self.best = start, best
+        self.start, self.best = start.position, start.best
+        resumed_from = start.resumed_from
         self.interval = Interval(tr, tr.cfg.log_every)
         self.each_step = not tr.backend.is_gpu
-        self.last_saved: tuple[Path, int] | None = (resumed_from, start.step) if resumed_from is not None else None
+        self.last_saved: tuple[Path, int] | None = (resumed_from, self.start.step) if resumed_from is not None else None
         self.stop = stop
         self.progress_disable = None if self.cfg.progress is None else not self.cfg.progress
         self.record: dict[str, Any] = {}
-        self.stopped_early: int | None = None
+        self.stopped_early: int | None = start.stopped_early  # set: the run stopped early, its summary unwritten
 
     def run(self) -> dict[str, Any]:
         """Train to the end (or a stop request); returns the summary record."""
@@ -119,8 +119,8 @@ class Loop:
         t_start = time.perf_counter()
         if self.stop.requested:  # asked to stop while the run was being set up
             self.interrupt(self.start)
-        if self.start.step >= tr.total_steps:  # a run stopped after its last checkpoint, before its summary
-            return self.summary(self.finish(), t_start)
+        if self.start.step >= tr.total_steps or self.stopped_early is not None:
+            return self.summary(self.finish(), t_start)  # a run stopped after its last checkpoint, before its summary
         # inf/NaN are reported by the checks, which name the step and the tensor: no NumPy warnings
         with tr.stream, np.errstate(over="ignore", invalid="ignore", divide="ignore"):
             epochs = tqdm(
@@ -338,31 +338,12 @@ class Loop:
         signum = self.stop.signum
         name = signal.Signals(signum).name
         self.metrics.write(kind="interrupted", step=pos.step, epoch=pos.epoch, checkpoint=str(last), signal=name)
-        message = (
+        message = (  # the run's settings are in its checkpoint: the directory alone continues it
             f"interrupted at step {pos.step} (epoch {pos.epoch}, {name}); checkpoint saved to {last}; "
-            f"continue with: python -m mlptrain <the same overrides> hydra.run.dir={self.run_dir.path} resume=last"
+            f"continue with: {self.run_dir.front.resume_command(self.run_dir.path)}"
         )
         log.warning(message)
         raise TrainingInterrupted(message, last, pos.step, signum)
-
-
-def selection(cfg: TrainConfig, classification: bool, has_val: bool) -> Best:
-    """The epoch metric that selects ``best.npz`` (and stops early): ``early_stopping.metric`` and ``mode``.
-
-    ``auto``: the validation accuracy (the validation loss for a regression; the training split's
-    when there is no validation split); the mode ``max`` for an accuracy, ``min`` for a loss.
-    """
-    es = cfg.early_stopping
-    metric = es.metric
-    if metric == "auto":
-        metric = f"{'val' if has_val else 'train'}/{'acc' if classification else 'loss'}"
-    if (metric.startswith("val/") and not has_val) or (metric.endswith("/acc") and not classification):
-        raise ConfigError(
-            f"early_stopping.metric={metric} is not measured in this run"
-            f"{' (no validation split: data.val_fraction=0)' if not has_val else ' (a regression has no accuracy)'}"
-        )
-    mode = es.mode if es.mode != "auto" else ("min" if metric.endswith("/loss") else "max")
-    return Best(metric, mode=mode)
 
 
 def epoch_line(rec: dict[str, Any], epochs: int, tr: Trainer, samples_per_s: float) -> str:

@@ -4,9 +4,9 @@ The run is orchestration; the step is :class:`~mlptrain.trainer.Trainer`. In ord
 
 1. **Check**, writing nothing: the config (:func:`~mlptrain.config.validate`), the directory's
    lock (:class:`~mlptrain.rundir.RunDirectory`: one writer at a time), the data and the model
-   (building the trainer), and where to start (:func:`_prepare`): a fresh run refuses a directory
-   that holds a run; a resume reads its checkpoint, checks that it fits, and plans the repairs of
-   ``metrics.jsonl`` and ``best.npz``.
+   (building the trainer), and where to start (:func:`mlptrain.resume.prepare`): a fresh run
+   refuses a directory that holds a run; a resume reads its checkpoint, checks that it fits, and
+   plans the repairs of ``metrics.jsonl`` and ``best.npz``.
 2. **Accept** (:func:`_accept`): only now does anything in the directory change.
 3. **Train** (:class:`_Loop`): epochs of steps, one host sync per log interval, evaluation and
    checkpoints at the end of each epoch, Ctrl-C and SIGTERM saving ``last`` before they stop.
@@ -20,33 +20,26 @@ import contextlib
 import dataclasses
 import logging
 import platform
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from mlptrain import __version__, checkpoint, faults
 from mlptrain.backend import get_backend
-from mlptrain.checkpoint import CHECKPOINT_DIR, Best, Checkpoint, Position
 from mlptrain.checks import validate
-from mlptrain.config import TrainConfig, flatten, to_plain
+from mlptrain.config import TrainConfig, to_plain
 from mlptrain.data import Dataset
-from mlptrain.errors import CheckpointError, ConfigError, MlptrainError
+from mlptrain.errors import ConfigError, MlptrainError
 from mlptrain.faults import StopRequest
-from mlptrain.loop import Loop, selection
-from mlptrain.metrics import MetricsPrefix, MetricsWriter, kinds_after, plan_prefix
-from mlptrain.rundir import METRICS, RUN_RECORD, RunDirectory, follower_dir
+from mlptrain.loop import Loop
+from mlptrain.metrics import MetricsWriter
+from mlptrain.restore import front_end, restore
+from mlptrain.resume import Start, prepare, resume_path
+from mlptrain.rundir import RUN_RECORD, RunDirectory, follower_dir
 from mlptrain.sinks import CSV_NAME, TENSORBOARD_DIR, CsvSink, TensorBoardSink, csv_columns
 from mlptrain.trainer import Trainer
 
 log = logging.getLogger(__name__)
-
-# Config keys that may differ on resume without changing the numbers of the run.
-# The number of GPUs is one of them: the global batch, and so every step, is the same on any number.
-COSMETIC_KEYS = (
-    "resume", "progress", "log_every", "checkpoint_every", "checkpoint_steps",
-    "distributed.gpus", "distributed.timeout_s", "distributed.verify", "distributed.bucket_mib",
-)  # fmt: skip
 
 
 def train(
@@ -56,11 +49,14 @@ def train(
     *,
     on_accept: Callable[[Path], None] | None = None,
     comm: Any = None,
+    overrides: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """Train as ``cfg`` says, writing ``run.json``, ``metrics.jsonl`` and ``checkpoints/`` into ``out_dir``.
 
     Args:
-        cfg: the configuration; with ``cfg.resume`` set, continue the run of that checkpoint.
+        cfg: the configuration; with ``cfg.resume`` set, continue the run of that checkpoint, with
+            that run's settings (:func:`mlptrain.restore.restore`: a setting that was set and
+            contradicts them is refused, except those that may change on resume, such as ``epochs``).
         out_dir: the run directory (created if missing; removed again if the run is refused).
         dataset: train on this dataset instead of the one ``cfg.data`` names.
         on_accept: called with ``out_dir`` once every check passed, before anything is written
@@ -69,6 +65,10 @@ def train(
             ``comm.world``. Rank 0 writes the run into ``out_dir``; the other ranks take the same
             steps and write nothing there (their checkpoints and metrics go to a private temporary
             directory, removed at the end); a resume reads rank 0's checkpoint on every rank.
+        overrides: the command line's overrides, as Hydra received them (the CLI passes them): what the
+            user set, and messages then name Hydra's settings (``hydra.run.dir``) and print commands to
+            paste. None (a call from Python): a setting counts as set when it differs from
+            ``TrainConfig()``'s, and messages name this function's arguments (``out_dir``).
 
     Returns:
         The summary record (also the last line of ``metrics.jsonl``).
@@ -76,16 +76,21 @@ def train(
     Raises:
         TrainingInterrupted: Ctrl-C or SIGTERM; ``last`` was saved first (a second one raises
             :class:`~mlptrain.errors.Interrupted` at once).
-        ConfigError: a config value is out of range.
+        ConfigError: a config value is out of range, or contradicts the settings of the run it resumes.
         CheckpointError: the checkpoint to resume from is missing, corrupt or does not fit.
         OutputError: ``out_dir`` cannot be written, is in use, or holds a run this one would overwrite.
         NonFiniteError: a loss, gradient or parameter became inf/NaN (the message names it).
         ResourceError: out of memory (the message says which sizes to lower).
     """
-    validate(cfg, data_parallel=comm is not None)
+    try:
+        restored = restore(cfg, Path(out_dir), overrides)  # a resume: the run's own settings
+    except ConfigError:
+        validate(cfg, data_parallel=comm is not None)  # a bad value given is named as such first
+        raise
+    cfg = validate(restored, data_parallel=comm is not None)
     if comm is not None and comm.rank != 0:
         return _train_follower(cfg, Path(out_dir), dataset, comm)
-    run_dir = RunDirectory(Path(out_dir))
+    run_dir = RunDirectory(Path(out_dir), front_end(overrides))
     created = run_dir.create()
     try:
         with run_dir.lock():
@@ -101,7 +106,7 @@ def _train_follower(cfg: TrainConfig, out_dir: Path, dataset: Dataset | None, co
     import shutil
 
     if cfg.resume is not None:  # rank 0's checkpoint, found as rank 0 finds it (not one in the private directory)
-        path, _ = _resume_path(cfg.resume, RunDirectory(out_dir))
+        path, _ = resume_path(cfg.resume, RunDirectory(out_dir))
         cfg = dataclasses.replace(cfg, resume=None if path is None else str(path))
     cfg = dataclasses.replace(cfg, progress=False)
     private = follower_dir(comm.rank)
@@ -138,11 +143,11 @@ def _train_locked(
                 raise
             if hasattr(stop, "beat"):  # data parallel: building (data, kernels, the bgrad probe) was progress
                 stop.beat()
-            start = _prepare(tr, run_dir)
+            start = prepare(tr, run_dir)
             stop.defer()  # accepted: from here a stop request saves last first
             _accept(tr, run_dir, start, on_accept)
             with MetricsWriter(run_dir.metrics, start.metrics.records, _sinks(tr, run_dir, start)) as metrics:
-                summary = Loop(tr, run_dir, metrics, stop, start.position, start.best, start.resumed_from).run()
+                summary = Loop(tr, run_dir, metrics, stop, start).run()
             if backend.is_gpu:
                 _record_memory(tr, run_dir, start)
     except MemoryError as exc:
@@ -201,143 +206,6 @@ def _scores(summary: dict[str, Any], prefix: str) -> str:
     if f"{prefix}acc" in summary:
         return f"test acc {summary[f'{prefix}acc']:.4f} loss {summary[f'{prefix}loss']:.4f}"
     return f"test loss {summary[f'{prefix}loss']:.4g}" if f"{prefix}loss" in summary else ""
-
-
-# --- 1. where to start (reads, writes nothing) ------------------------------------------------
-
-
-@dataclass
-class Start:
-    """Where a run starts, and what its directory needs before it does (applied by :func:`_accept`)."""
-
-    position: Position
-    best: Best
-    metrics: MetricsPrefix
-    resumed_from: Path | None = None
-    best_file: Checkpoint | None = None  # to write as checkpoints/best.npz (a copy or a repair)
-    notes: list[str] = field(default_factory=list)
-
-
-def _prepare(tr: Trainer, run_dir: RunDirectory) -> Start:
-    """Check that the run may start here, and from where; change nothing.
-
-    Raises:
-        OutputError: a fresh run into a directory that holds a run.
-        CheckpointError: the checkpoint is missing, corrupt, does not fit, or is behind a newer ``last``.
-        ConfigError: the checkpoint is at or past the end of this run.
-    """
-    cfg = tr.cfg
-    # the metric that selects best.npz (and stops early); the test split never selects a model
-    best = selection(cfg, tr.dataset.task == "classification", "val" in tr.eval_loaders)
-    if cfg.resume is None:
-        run_dir.refuse_overwrite(hint="continue it with resume=last")
-        return Start(Position(), best, plan_prefix(None, 0))
-    path, notes = _resume_path(cfg.resume, run_dir)
-    if path is None:  # a run killed before it saved any checkpoint: its start is its config's
-        return Start(Position(), best, plan_prefix(run_dir.metrics, 0), notes=notes)
-    ckpt = checkpoint.load(path)
-    pos, where = ckpt.position, f"checkpoint {path}"
-    tr.load_state_dict(ckpt.arrays, ckpt.meta, step=pos.step, where=where)
-    spe = tr.steps_per_epoch
-    if ckpt.meta["steps_per_epoch"] != spe or pos.batch > spe:
-        raise CheckpointError(
-            f"{where} stands at epoch {pos.epoch}, batch {pos.batch}, step {pos.step} of "
-            f"{ckpt.meta['steps_per_epoch']} batches per epoch, but this run has {spe} (data.batch_size="
-            f"{cfg.data.batch_size}, the checkpoint's {flatten(ckpt.meta['config']).get('data.batch_size')}); resume "
-            "with the checkpoint's data settings"
-        )
-    if pos.step >= tr.total_steps and not _unfinished(path, pos.step == tr.total_steps, ckpt.meta["metrics_records"]):
-        raise ConfigError(
-            f"checkpoint {path} is at step {pos.step}, at or past the end of this run ({tr.total_steps} steps: "
-            f"epochs={cfg.epochs}, max_steps={cfg.max_steps}); raise epochs or max_steps to train further"
-        )
-    _warn_differences(ckpt.meta["config"], to_plain(cfg), where)
-    records = ckpt.meta["metrics_records"]
-    if path.resolve().parent == run_dir.checkpoints.resolve():
-        run_dir.newer_last(path, pos)
-        start = Start(pos, ckpt.best or best, plan_prefix(run_dir.metrics, records), path, notes=notes)
-        _plan_best(start, ckpt, run_dir.checkpoint("best"), copy=False)
-    else:
-        run_dir.refuse_overwrite(hint=f"resume into a new hydra.run.dir with resume={path}")
-        source = path.parent.parent if path.parent.name == CHECKPOINT_DIR else None
-        start = Start(pos, ckpt.best or best, plan_prefix(source / METRICS if source else None, records), path)
-        if source is not None:
-            _plan_best(start, ckpt, source / CHECKPOINT_DIR / "best.npz", copy=True)
-    return start
-
-
-def _resume_path(resume: str, run_dir: RunDirectory) -> tuple[Path | None, list[str]]:
-    """The checkpoint ``resume=`` names, or None for a run of this directory that saved none.
-
-    ``resume=last`` in a directory whose run was killed before its first ``last.npz`` (``run.json``
-    says a run started there) continues from ``best.npz`` if there is one (the latest state on
-    disk), else from the start, which the config determines; a note says so.
-    """
-    last = run_dir.checkpoint("last")
-    if resume != "last" or last.exists() or not (run_dir.path / RUN_RECORD).is_file():
-        return checkpoint.resolve(resume, run_dir.path), []
-    best = run_dir.checkpoint("best")
-    if best.exists():
-        return best, [f"{run_dir.path} has no {last.name} (its run stopped before saving one): resuming from {best}"]
-    return None, [f"{run_dir.path} holds a run that stopped before its first checkpoint: resuming it from its start "
-                  "(step 0), which its config determines"]  # fmt: skip
-
-
-def _unfinished(path: Path, at_end: bool, records: int) -> bool:
-    """A checkpoint at the very end of its run, killed before it wrote its summary: resuming finishes it."""
-    if not at_end or path.parent.name != CHECKPOINT_DIR:
-        return False
-    return "summary" not in kinds_after(path.parent.parent / METRICS, records)
-
-
-def _plan_best(start: Start, ckpt: Checkpoint, best_path: Path, *, copy: bool) -> None:
-    """Make ``best.npz`` agree with the checkpoint's record of the best epoch.
-
-    ``best_path``: the ``best.npz`` of the run the checkpoint belongs to; ``copy``: it is another
-    run's (a resume into a new directory brings it along).
-    """
-    recorded = ckpt.best
-    if recorded is None or recorded.step is None:
-        return
-    try:
-        found: Checkpoint | None = checkpoint.load(best_path)
-    except CheckpointError as exc:
-        found, problem = None, str(exc)
-    pos = ckpt.position
-    if found is not None and found.position.step == recorded.step:
-        if copy:
-            start.best_file = found
-        return
-    if found is not None and found.position.step > pos.step:
-        start.notes.append(
-            f"{best_path} (step {found.position.step}) is ahead of {ckpt.path} (step {pos.step}): the run stopped "
-            "between writing the two; it is written again when the run gets there"
-        )
-        return
-    if pos.step == recorded.step:  # the best epoch is the checkpoint's own: the same state
-        start.best_file = ckpt
-        start.notes.append(f"{best_path} repaired from {ckpt.path}, which holds the same state (step {pos.step})")
-        return
-    start.best = Best(recorded.metric, mode=recorded.mode)
-    what = problem if found is None else f"it holds step {found.position.step}"
-    start.notes.append(
-        f"the best checkpoint of this run (step {recorded.step}, {recorded.metric} {recorded.value}) is lost ({what}); "
-        "the best is chosen again from the next epoch on"
-    )
-
-
-def _warn_differences(saved: dict[str, Any], now: dict[str, Any], where: str) -> None:
-    """Log every setting that differs from the checkpoint's: the run will not match an uninterrupted one."""
-    a, b = flatten(saved), flatten(now)
-    keys = sorted((set(a) | set(b)) - set(COSMETIC_KEYS))
-    diff = [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in keys if a.get(k) != b.get(k)]
-    if diff:
-        log.warning(
-            "resuming from %s with settings that differ from its run (%s); the result may differ from an "
-            "uninterrupted run's",
-            where,
-            "; ".join(diff),
-        )
 
 
 # --- 2. accepted: the directory changes from here on ------------------------------------------

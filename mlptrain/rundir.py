@@ -12,6 +12,8 @@ A run directory holds ``run.json``, ``metrics.jsonl``, ``checkpoints/last.npz`` 
   by the run after every check passed (:func:`mlptrain.run.train`).
 * **A stray temp file** left by a writer that was killed mid-write is removed, and reported, at
   the next start (:meth:`remove_temp_files`).
+* **Messages name the settings of whoever started the run** (:class:`FrontEnd`): ``hydra.run.dir``
+  and a command to paste from the CLI, ``out_dir`` and ``cfg.resume`` from Python.
 * **The other ranks' runs** (data parallel: every rank trains, rank 0 writes the run) go into
   private folders in the temp directory, removed when the rank ends; those of ranks that were
   killed are removed by the next rank that starts on the host (:func:`follower_dir`).
@@ -26,10 +28,11 @@ import json
 import logging
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mlptrain import checkpoint
+from mlptrain import checkpoint, shell
 from mlptrain.checkpoint import CHECKPOINT_DIR, Position
 from mlptrain.errors import CheckpointError, OutputError
 from mlptrain.files import TEMP_GLOB, atomic_write
@@ -41,11 +44,37 @@ RUN_RECORD = "run.json"
 FOLLOWER_PREFIX = "mlptrain-rank"  # <temp dir>/mlptrain-rank<rank>-pid<pid>-<random>/
 
 
-class RunDirectory:
-    """The folder of one run (``hydra.run.dir``)."""
+@dataclass(frozen=True)
+class FrontEnd:
+    """Who started the run, so that a message names the settings the user has: the CLI's or Python's.
 
-    def __init__(self, path: Path) -> None:
+    ``launch``: from the CLI, the overrides that say how this process runs (``device=cpu``), which a
+    command to continue the run repeats (the run's own settings come from its checkpoint).
+    """
+
+    cli: bool = False
+    launch: tuple[str, ...] = ()
+
+    @property
+    def dir_arg(self) -> str:
+        """The setting that chooses the run directory."""
+        return "hydra.run.dir" if self.cli else "out_dir"
+
+    def resume_command(self, out_dir: Path | None, resume: str = "last") -> str:
+        """How to continue from ``resume`` into ``out_dir`` (None: a new directory, for the user to name):
+        a command to paste (CLI), or the call (Python)."""
+        if self.cli:
+            where = shell.override("hydra.run.dir", str(out_dir)) if out_dir else "hydra.run.dir=<new directory>"
+            return shell.command(["python -m mlptrain", where, shell.override("resume", resume)], self.launch)
+        return f"train(cfg, out_dir={str(out_dir) if out_dir else '<new directory>'!r}) with cfg.resume={resume!r}"
+
+
+class RunDirectory:
+    """The folder of one run (``hydra.run.dir``; ``out_dir`` of :func:`mlptrain.run.train`)."""
+
+    def __init__(self, path: Path, front: FrontEnd | None = None) -> None:
         self.path = Path(path)
+        self.front = front or FrontEnd()
         self.checkpoints = self.path / CHECKPOINT_DIR
         self.metrics = self.path / METRICS
         self._lock_fd: int | None = None
@@ -68,7 +97,7 @@ class RunDirectory:
         except OSError as exc:
             raise OutputError(
                 f"cannot create the output directory {self.path} ({type(exc).__name__}: {exc}); choose a "
-                "writable hydra.run.dir"
+                f"writable {self.front.dir_arg}"
             ) from exc
         return True
 
@@ -83,7 +112,7 @@ class RunDirectory:
             fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
         except OSError as exc:
             raise OutputError(
-                f"cannot open the output directory {self.path} ({exc}); choose another hydra.run.dir"
+                f"cannot open the output directory {self.path} ({exc}); choose another {self.front.dir_arg}"
             ) from exc
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -95,7 +124,7 @@ class RunDirectory:
             raise OutputError(
                 f"output directory {self.path} is in use by another mlptrain process"
                 f"{f' (pid {holder})' if holder else ''}; wait for it to finish or stop it, or choose another "
-                "hydra.run.dir (nothing was changed)"
+                f"{self.front.dir_arg} (nothing was changed)"
             ) from None
         self._lock_fd = fd
         try:
@@ -122,13 +151,15 @@ class RunDirectory:
         found = [METRICS] if self.metrics.is_file() and self.metrics.stat().st_size > 0 else []
         return found + [f"{CHECKPOINT_DIR}/{p.name}" for p in sorted(self.checkpoints.glob("*.npz"))]
 
-    def refuse_overwrite(self, hint: str) -> None:
-        """Raise OutputError if the directory holds a run's metrics or checkpoints."""
+    def refuse_overwrite(self, resume: str = "last") -> None:
+        """Raise OutputError if the directory holds a run's metrics or checkpoints; the message says how to
+        continue from ``resume`` (here, or into a new directory from another run's checkpoint)."""
         found = self.holds_run()
         if found:
+            where = "continue it" if resume == "last" else f"continue {resume} in a new {self.front.dir_arg}"
             raise OutputError(
-                f"output directory {self.path} already holds a run ({', '.join(found)}); {hint}, or choose a new "
-                "hydra.run.dir (nothing was changed)"
+                f"output directory {self.path} already holds a run ({', '.join(found)}) and nothing was changed; "
+                f"choose a new {self.front.dir_arg}, or {where} with: {self.front.resume_command(self.path, resume)}"
             )
 
     def newer_last(self, path: Path, pos: Position) -> None:
@@ -144,7 +175,7 @@ class RunDirectory:
             raise CheckpointError(
                 f"resuming from {path} (step {pos.step}) in its own run directory would overwrite {last} (step "
                 f"{newer}) and the metrics after step {pos.step}; resume into a new directory instead: "
-                f"hydra.run.dir=<new directory> resume={path}"
+                f"{self.front.resume_command(None, str(path))}"
             )
 
     def temp_files(self) -> list[Path]:
@@ -167,7 +198,8 @@ class RunDirectory:
             self.checkpoints.mkdir(exist_ok=True)
         except OSError as exc:
             raise OutputError(
-                f"cannot create {self.checkpoints} ({type(exc).__name__}: {exc}); choose a writable hydra.run.dir"
+                f"cannot create {self.checkpoints} ({type(exc).__name__}: {exc}); choose a writable "
+                f"{self.front.dir_arg}"
             ) from exc
 
     def write_json(self, name: str, record: dict[str, Any]) -> None:
@@ -177,7 +209,7 @@ class RunDirectory:
             atomic_write(path, json.dumps(record, indent=2) + "\n")
         except OSError as exc:
             raise OutputError(
-                f"cannot write {path} ({type(exc).__name__}: {exc}); choose a writable hydra.run.dir"
+                f"cannot write {path} ({type(exc).__name__}: {exc}); choose a writable {self.front.dir_arg}"
             ) from exc
 
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from mlptrain import bgrad, build
+from mlptrain import bgrad, build, shell
 from mlptrain.backend import Backend, get_backend
 from mlptrain.config import TrainConfig
 from mlptrain.data import Dataset, load_dataset
@@ -347,7 +347,7 @@ class Trainer:
         if m["widths"] != self.widths:
             raise CheckpointError(
                 f"{where} is for model {_w(m['widths'])} but this run builds {_w(self.widths)}; "
-                f"resume with model.hidden={m['widths'][1:-1]} or start a new run"
+                f"resume with {shell.override('model.hidden', m['widths'][1:-1])} or start a new run"
             )
         want_dtype = np.dtype(self.precision.param_dtype).name
         if m["param_dtype"] != want_dtype:

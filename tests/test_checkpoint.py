@@ -229,7 +229,7 @@ def test_interrupted_then_resumed_equals_uninterrupted(
         train(make_cfg(**REFERENCE[opt]), tmp_path)
     monkeypatch.undo()
     assert err.value.step == at + 1 and err.value.checkpoint == tmp_path / "checkpoints" / "last.npz"
-    assert "resume=last" in str(err.value)
+    assert "with cfg.resume='last'" in str(err.value)
     interrupted = read_metrics(tmp_path / "metrics.jsonl")
     assert interrupted[-1]["kind"] == "interrupted" and interrupted[-1]["step"] == at + 1
     assert [r["step"] for r in interrupted if r["kind"] == "step"] == list(range(at + 1))
@@ -367,14 +367,11 @@ def _unchanged(run: Path, before: dict[str, bytes]) -> None:
 @pytest.mark.parametrize(
     ("overrides", "phrases"),
     [
-        ({"model__hidden": [16]}, ["is for model 64-32-10", "this run builds 64-16-10", "model.hidden=[32]"]),
-        (
-            {"precision__name": PrecisionName.fp64},
-            ["holds float32 parameters (precision=fp32)", "precision=fp64 with float64", "resume with precision=fp32"],
-        ),
-        ({"optimizer__name": OptimizerName.adam}, ["holds sgd optimizer state", "optimizer=adam", "optimizer=sgd"]),
-        ({"optimizer__momentum": 0.0}, ["has state this run does not use", "momentum"]),
-        ({"data__batch_size": 32}, ["batch 9, step 30 of 21 batches per epoch", "this run has 41", "batch_size=32"]),
+        ({"model__hidden": [16]}, ["holds a run with model.hidden=[32], but this resume sets model.hidden=[16]"]),
+        ({"precision__name": PrecisionName.fp64}, ["precision.name=fp32, but this resume sets precision.name=fp64"]),
+        ({"optimizer__name": OptimizerName.adam}, ["optimizer.name=sgd, but this resume sets optimizer.name=adam"]),
+        ({"optimizer__momentum": 0.0}, ["with optimizer.momentum=0.9, but this resume sets optimizer.momentum=0.0"]),
+        ({"data__batch_size": 32}, ["with data.batch_size=64, but this resume sets data.batch_size=32"]),
         ({"epochs": 1}, ["is at step 30, at or past the end of this run (21 steps", "raise epochs or max_steps"]),
     ],
     ids=["architecture", "dtype", "optimizer", "optimizer-state", "batch-size", "nothing-left"],
@@ -421,7 +418,7 @@ def test_fresh_run_refuses_a_directory_holding_a_run(tmp_path: Path, finished: P
         train(make_cfg(), run)
     msg = str(err.value)
     assert "already holds a run (metrics.jsonl, checkpoints/best.npz, checkpoints/last.npz)" in msg
-    assert "resume=last" in msg
+    assert "with cfg.resume='last'" in msg and "choose a new out_dir" in msg
     _unchanged(run, before)
 
 

@@ -347,3 +347,34 @@ def test_mlptrain_rdzv_port_chooses_mlptrains_own_rendezvous_and_its_port():
     assert out == [b"x" * 128] * 2
     with pytest.raises(ConfigError, match="MLPTRAIN_RDZV_PORT='http'; expected a TCP port number"):
         exchange_id(DistEnv(1, 2, 1, "127.0.0.1", 1, "mpirun"), None, environ={"MLPTRAIN_RDZV_PORT": "http"})
+
+
+def test_launcher_variables_on_a_machine_without_a_gpu_are_one_line_and_leave_nothing(tmp_path):
+    """torchrun's RANK, WORLD_SIZE ... where there is no GPU: exit 2, one line, no run folder (#28.10)."""
+    import os
+    import subprocess
+    import sys
+
+    from test_cli import REPO
+
+    from mlptrain.backend import probe_gpu
+
+    if probe_gpu()[0]:
+        pytest.skip("this machine has a GPU")
+    env = {k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR",)}
+    launcher = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511"}
+    env.update(PYTHONPATH=str(REPO), **launcher)
+    run = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "mlptrain", "epochs=1", f"hydra.run.dir={run}"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    (line,) = [x for x in proc.stderr.splitlines() if x.startswith("error: ")]
+    assert "torchrun started rank 0 of 2" in line and "no GPU" in line, line
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert not run.exists(), "nothing is left behind"

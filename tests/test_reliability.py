@@ -351,7 +351,7 @@ def test_output_directory_that_cannot_be_created(tmp_path: Path) -> None:
         train(make_cfg(), out)
     msg = str(err.value)
     assert f"cannot create the output directory {out}" in msg and "NotADirectoryError" in msg
-    assert "hydra.run.dir" in msg
+    assert "choose a writable out_dir" in msg, "from Python the message names train()'s argument"
     assert blocker.read_text() == "a file, not a folder\n"
 
 

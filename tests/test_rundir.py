@@ -109,9 +109,9 @@ def cli_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     [
         ([], "already holds a run"),  # a fresh run into a finished run's directory
         (["resume=last"], "at or past the end of this run"),
-        (["resume=last", "model.hidden=[16]", "epochs=5"], "is for model 64-32-10"),
+        (["resume=last", "model.hidden=[16]", "epochs=5"], "model.hidden=[32], but this resume sets model.hidden=[16]"),
         (["resume=last", "epochs=5", "optimizer.lr=-1"], "optimizer.lr=-1.0 must be positive"),
-        (["resume=last", "epochs=5", "optimizer=adam"], "holds sgd optimizer state"),
+        (["resume=last", "epochs=5", "optimizer=adam"], "optimizer.name=sgd, but this resume sets optimizer.name=adam"),
     ],
     ids=["fresh", "finished", "architecture", "bad-value", "optimizer"],
 )
@@ -180,7 +180,7 @@ def test_a_run_killed_before_its_first_checkpoint_resumes_from_its_start(
         train(make_cfg(checkpoint_every=0), tmp_path / "run")
     monkeypatch.undo()
     assert not list((tmp_path / "run" / "checkpoints").glob("*.npz")) and step_lines(tmp_path / "run") == 10
-    with pytest.raises(OutputError, match="continue it with resume=last"):
+    with pytest.raises(OutputError, match=r"continue it with: train\(cfg, out_dir=.*\) with cfg.resume='last'"):
         train(make_cfg(checkpoint_every=0), tmp_path / "run")
     train(make_cfg(checkpoint_every=0, resume="last"), tmp_path / "run")
     assert records(tmp_path / "run") == records(straight)

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from mlptrain.distributed.launch import DistEnv, exchange_id
-from mlptrain.errors import ConfigError, Interrupted, MlptrainError
+from mlptrain.errors import ConfigError, DeviceError, Interrupted, MlptrainError
 
 log = logging.getLogger(__name__)
 
@@ -48,12 +48,15 @@ def device_count() -> int:
         return 0
 
 
-def launch(cfg: Any, out_dir: Path, *, accept_files: dict[str, str] | None = None) -> dict[str, Any]:
+def launch(
+    cfg: Any, out_dir: Path, *, accept_files: dict[str, str] | None = None, overrides: list[str] | None = None
+) -> dict[str, Any]:
     """Train ``cfg`` on ``cfg.distributed.gpus`` GPUs of this host; returns rank 0's summary.
 
     Args:
         accept_files: files rank 0 writes into ``out_dir`` once its run is accepted (the CLI's
             ``.hydra/`` configs, path -> text), with ``mlptrain.log`` opened then too.
+        overrides: the CLI's overrides, for every rank's :func:`mlptrain.run.train` (what the user set).
 
     Raises:
         ConfigError: more GPUs asked for than this host has.
@@ -70,7 +73,7 @@ def launch(cfg: Any, out_dir: Path, *, accept_files: dict[str, str] | None = Non
     ctx = mp.get_context("spawn")
     results, stop = ctx.Queue(), ctx.Value("i", 0)  # stop: the signal the launcher got, 0 while none
     procs = [
-        ctx.Process(target=_worker, args=(r, world, uid, cfg, str(out_dir), accept_files, results, stop),
+        ctx.Process(target=_worker, args=(r, world, uid, cfg, str(out_dir), accept_files, results, stop, overrides),
                     name=f"rank{r}")
         for r in range(world)
     ]  # fmt: skip
@@ -186,6 +189,7 @@ def _worker(
     accept_files: dict[str, str] | None,
     results: Any,
     stop: Any = None,
+    overrides: list[str] | None = None,
 ) -> None:
     """One rank: GPU ``rank``, the NCCL communicator, then the run (reports to the launcher)."""
     os.setpgrp()  # a terminal's Ctrl-C reaches the launcher only; it passes the request on, once
@@ -200,7 +204,8 @@ def _worker(
         comm = NcclComm(rank, world, uid, device=rank)
         comm.stop_signal = stop  # read by the agreed stop (mlptrain.distributed.control.AgreedStop)
         on_accept = _writer(accept_files) if rank == 0 else None
-        results.put((rank, "ok", train(cfg, Path(out_dir), on_accept=on_accept, comm=comm)))
+        summary = train(cfg, Path(out_dir), on_accept=on_accept, comm=comm, overrides=overrides)
+        results.put((rank, "ok", summary))
     except Interrupted as exc:
         results.put((rank, "interrupted", str(exc), exc.signum))
         code = 128 + exc.signum
@@ -257,7 +262,22 @@ def _writer(files: dict[str, str] | None) -> Any:
 
 
 def join(env: DistEnv) -> Any:
-    """This process's communicator, launched by torchrun or mpirun: GPU ``local_rank``, the id over TCP."""
+    """This process's communicator, launched by torchrun or mpirun: GPU ``local_rank``, the id over TCP.
+
+    Raises:
+        DeviceError: this machine has no GPU (data parallelism runs on NCCL); checked before anything
+            imports CuPy.
+        ConfigError: the local rank names a GPU this host does not have.
+    """
+    from mlptrain.backend import probe_gpu
+
+    available, reason = probe_gpu()
+    if not available:
+        raise DeviceError(
+            f"{env.launcher} started rank {env.rank} of {env.world}, but this machine has no GPU ({reason}); data "
+            f"parallelism runs on NCCL between GPUs: run it on GPU hosts, or run without {env.launcher} (a single "
+            "process on the CPU)"
+        )
     from mlptrain.gpu.nccl import NcclComm
 
     have = device_count()
