@@ -29,6 +29,10 @@ def run_cli(*args: str, cwd: Path, pythonpath: Path = REPO, timeout: float = 300
     )
 
 
+# A run of a second or less on the CPU.
+QUICK = ("epochs=1", "model.hidden=[4]", "device=cpu", "progress=false")
+
+
 def output(proc: subprocess.CompletedProcess[str]) -> str:
     return proc.stdout + proc.stderr
 
@@ -36,7 +40,7 @@ def output(proc: subprocess.CompletedProcess[str]) -> str:
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("foo=1", "Key 'foo' not in 'TrainConfig'"),
+        ("foo=1", "foo is not a setting; python -m mlptrain --help lists the settings"),
         ("optimizer.lr=abc", "could not be converted to Float"),
         ("model.activation=tanh", "expected one of [relu, gelu, none]"),
         ("execution=bogus", "Could not find 'execution/bogus'"),
@@ -196,8 +200,11 @@ def test_installed_wheel_finds_its_configs(wheel: Path, tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("+optimizer.lrr=0.1", "optimizer.lrr is not a setting; did you mean optimizer.lr?"),
-        ("optimizer.lrr=0.1", "Key 'lrr' not in 'OptimizerConfig'; did you mean optimizer.lr?"),
+        ("+optimizer.lrr=0.1", "optimizer.lrr is not a setting; did you mean optimizer.lr=0.1?"),
+        ("optimizer.lrr=0.1", "error: optimizer.lrr is not a setting; did you mean optimizer.lr=0.1?"),
+        ("optimizer.learning_rate=0.1", "error: optimizer.learning_rate is not a setting; use optimizer.lr=0.1"),
+        ("model.hidden_layers=[512, 512]", "error: model.hidden_layers is not a setting; use 'model.hidden=[512,512]'"),
+        ("n_epochs=3", "error: n_epochs is not a setting; use epochs=3"),
         ("data.features=1024", "data.features=1024 is not used with data=digits: it applies to data=synthetic"),
     ],
 )
@@ -206,7 +213,54 @@ def test_an_ignored_or_unknown_setting_is_one_line_and_exit_2(tmp_path: Path, ov
     assert proc.returncode == 2, output(proc)
     (line,) = [x for x in proc.stderr.splitlines() if x.strip()]
     assert line.startswith("error: ") and message in line
+    assert "+" not in line.split(" is not a setting")[0] + line.split("; ")[-1], "no advice to add the key with +"
     assert not (tmp_path / "run").exists()
+
+
+def test_a_suggested_override_runs_when_pasted_into_a_shell(tmp_path: Path) -> None:
+    """#27.6: a suggestion printed ``model.hidden=[512, 512]``, which Hydra's parser cannot read."""
+    proc = run_cli("model.hidden_layers=[16, 8]", "epochs=1", "device=cpu", cwd=tmp_path)
+    fix = proc.stderr.split("; use ", 1)[1].strip()
+    assert fix == "'model.hidden=[16,8]'"
+    import shlex
+
+    pasted = run_cli(
+        *shlex.split(fix), "epochs=1", "device=cpu", "progress=false", f"hydra.run.dir={tmp_path}/run", cwd=tmp_path
+    )
+    assert pasted.returncode == 0, output(pasted)
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["config"]["model"]["hidden"] == [16, 8]
+
+
+def test_a_sweeper_that_is_not_installed_names_the_extra(tmp_path: Path) -> None:
+    """#27.6: ``hydra/sweeper=optuna`` without the extra said Hydra's "Could not find" alone. The plugin is
+    taken out of Hydra's config store here, as on a machine without ``mlptrain[optuna]``."""
+    code = (
+        "import sys; from hydra.core.plugins import Plugins; from hydra.core.config_store import ConfigStore; "
+        "Plugins.instance(); ConfigStore.instance().repo['hydra']['sweeper'].pop('optuna.yaml', None); "
+        "sys.argv = ['mlptrain', '-m', 'hydra/sweeper=optuna', 'epochs=1']; from mlptrain.cli import main; main()"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    env["PYTHONPATH"] = str(REPO)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert proc.returncode == 2, output(proc)
+    (line,) = proc.stderr.splitlines()
+    assert "Could not find 'hydra/sweeper/optuna'" in line and line.endswith("pip install 'mlptrain[optuna]'")
+
+
+def test_an_optuna_sweep_prints_no_alembic_plugin_lines(tmp_path: Path) -> None:
+    """#27.6: a sweep printed seven ``[HYDRA] setup plugin alembic...`` lines; Hydra's own lines stay."""
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    proc = run_cli(
+        "-m",
+        "hydra/sweeper=optuna",
+        "hydra.sweeper.n_trials=1",
+        *QUICK,
+        f"hydra.sweep.dir={tmp_path}/sweep",
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, output(proc)
+    assert "alembic" not in output(proc)
+    assert "[HYDRA] Launching 1 jobs locally" in proc.stdout and "[HYDRA] Best value" in proc.stdout
 
 
 def test_version_is_mlptrains_own(tmp_path: Path) -> None:
