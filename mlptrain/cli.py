@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import sys
 from collections.abc import Sequence
@@ -39,7 +40,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from mlptrain.checks import validate
 from mlptrain.config import TrainConfig, register_configs
-from mlptrain.errors import ConfigError, Interrupted, MlptrainError
+from mlptrain.errors import ConfigError, Interrupted, MlptrainError, OutputError
 from mlptrain.files import atomic_write
 from mlptrain.hydra_errors import hydra_errors_raised, one_line
 from mlptrain.sweep import register_resolvers
@@ -151,11 +152,26 @@ def _hydra_files(cfg: DictConfig) -> dict[str, str]:
 
 
 def _accepted(cfg: DictConfig, out_dir: Path) -> logging.Handler:
-    """The run is accepted: write Hydra's ``.hydra/`` files, and log into ``mlptrain.log`` from now on."""
-    (out_dir / ".hydra").mkdir(exist_ok=True)
-    for name, text in _hydra_files(cfg).items():
-        atomic_write(out_dir / name, text)
-    handler = logging.FileHandler(out_dir / LOG_FILE, encoding="utf-8")
+    """The run is accepted: write Hydra's ``.hydra/`` files, and log into ``mlptrain.log`` from now on.
+
+    Raises:
+        OutputError: the folder is read-only or full; a ``.hydra/`` made here is removed again (each
+            file is written whole or not at all), so a failed start leaves the folder as it was.
+    """
+    hydra_dir = out_dir / ".hydra"
+    made = not hydra_dir.is_dir()
+    try:
+        hydra_dir.mkdir(exist_ok=True)
+        for name, text in _hydra_files(cfg).items():
+            atomic_write(out_dir / name, text)
+        handler = logging.FileHandler(out_dir / LOG_FILE, encoding="utf-8")
+    except OSError as exc:
+        if made:
+            shutil.rmtree(hydra_dir, ignore_errors=True)
+        raise OutputError(
+            f"cannot write the run's files in {out_dir} ({type(exc).__name__}: {exc}); free disk space or choose a "
+            "writable hydra.run.dir"
+        ) from exc
     handler.setFormatter(logging.Formatter(LOG_FORMAT))
     logging.getLogger().addHandler(handler)
     return handler

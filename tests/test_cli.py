@@ -292,3 +292,49 @@ def test_make_run_installs_the_cuda_extra_that_the_driver_supports(
     assert proc.returncode == 0, proc.stderr
     assert f"pip install -e '.{extra}'" in proc.stdout, proc.stdout
     assert "pip install -e '.[dev]'" not in proc.stdout, "running needs no developer tools"
+
+
+FULL_DISK = """
+import errno, pathlib, sys
+import mlptrain.cli as cli
+real_write, real_mkdir, calls = cli.atomic_write, pathlib.Path.mkdir, []
+def write(path, text):  # the disk fills up under the second of Hydra's files
+    calls.append(path)
+    if len(calls) == 2:
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+    real_write(path, text)
+def mkdir(self, *args, **kwargs):  # a folder that root may write too would not stop this test's root
+    if self.name == ".hydra":
+        raise PermissionError(errno.EACCES, "Permission denied", str(self))
+    real_mkdir(self, *args, **kwargs)
+if sys.argv[1] == "full":
+    cli.atomic_write = write
+else:
+    pathlib.Path.mkdir = mkdir
+sys.argv = ["mlptrain", *sys.argv[2:]]
+cli.main()
+"""
+
+
+@pytest.mark.parametrize("problem", ["full", "read-only"])
+def test_a_full_or_read_only_run_folder_after_acceptance_is_one_line(tmp_path: Path, problem: str) -> None:
+    """#28.11: an OSError traceback in cli._accepted, and an empty .hydra/ left on a full disk."""
+    run = tmp_path / "run"
+    if problem == "read-only":
+        run.mkdir()  # the user's folder: it stays, as it was
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    env["PYTHONPATH"] = str(REPO)
+    proc = subprocess.run(
+        [sys.executable, "-c", FULL_DISK, problem, *QUICK, f"hydra.run.dir={run}"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2, output(proc)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    reason = "No space left on device" if problem == "full" else "Permission denied"
+    assert len(errors) == 1 and f"cannot write the run's files in {run}" in errors[0] and reason in errors[0]
+    assert "Traceback" not in output(proc)
+    assert (run.is_dir() and not any(run.iterdir())) if problem == "read-only" else not run.exists()
