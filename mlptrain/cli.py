@@ -70,6 +70,15 @@ _created: set[Path] = set()
 _sweep_dirs: list[Path] = []
 
 
+class NotPrinted(logging.Filter):
+    """The console handler's filter (``conf/hydra/job_logging``): a record marked ``printed`` (the run's
+    summary line, which :func:`mlptrain.run.train` also prints on stdout) is left out when stdout is a
+    terminal, so that a terminal shows it once; ``mlptrain.log`` and a redirected stderr keep it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (getattr(record, "printed", False) and sys.stdout.isatty())
+
+
 def to_train_config(cfg: DictConfig) -> TrainConfig:
     """Turn a composed config into a :class:`TrainConfig` (not yet validated: :func:`train` does that)."""
     obj = OmegaConf.to_object(cfg)

@@ -338,3 +338,71 @@ def test_a_full_or_read_only_run_folder_after_acceptance_is_one_line(tmp_path: P
     assert len(errors) == 1 and f"cannot write the run's files in {run}" in errors[0] and reason in errors[0]
     assert "Traceback" not in output(proc)
     assert (run.is_dir() and not any(run.iterdir())) if problem == "read-only" else not run.exists()
+
+
+def _on_a_terminal(*args: str, cwd: Path) -> str:
+    """What a terminal shows of ``python -m mlptrain *args``: stdout and stderr on one pseudo-terminal."""
+    import pty
+
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    env["PYTHONPATH"] = str(REPO)
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlptrain", *args],
+        cwd=cwd,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=follower,
+        stderr=follower,
+    )
+    os.close(follower)
+    shown = b""
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # EIO: the process closed the terminal
+            break
+        if not chunk:
+            break
+        shown += chunk
+    os.close(leader)
+    assert proc.wait(timeout=300) == 0, shown.decode()
+    return shown.decode()
+
+
+def test_the_summary_line_shows_once_on_a_terminal(tmp_path: Path) -> None:
+    """#27.7: the log handler and the print both showed it."""
+    shown = _on_a_terminal(*QUICK, f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)
+    assert shown.count("mlptrain: digits 64-4-10") == 1, shown
+    assert "mlptrain: digits 64-4-10" in (tmp_path / "run" / "mlptrain.log").read_text(), "the log file keeps it"
+    piped = run_cli(*QUICK, f"hydra.run.dir={tmp_path}/run2", cwd=tmp_path)  # off a terminal: both streams hold it
+    assert piped.stdout.count("mlptrain: digits") == 1 and piped.stderr.count("mlptrain: digits") == 1
+
+
+def test_run_json_holds_the_class_names(tmp_path: Path) -> None:
+    """#27.7: docs/data.md says that run.json carries the class names; it did not."""
+    rows = ["x1,x2,species"] + [f"{i % 5},{i % 3},{['dog', 'bird', 'cat'][i % 3]}" for i in range(60)]
+    (tmp_path / "pets.csv").write_text("\n".join(rows) + "\n")
+    proc = run_cli("data=file", "data.path=pets.csv", "data.target=species", *QUICK, "hydra.run.dir=run", cwd=tmp_path)
+    assert proc.returncode == 0, output(proc)
+    dataset = json.loads((tmp_path / "run" / "run.json").read_text())["dataset"]
+    assert dataset["class_names"] == ["bird", "cat", "dog"] and dataset["feature_names"] == ["x1", "x2"]
+    assert dataset["task"] == "classification"
+
+
+def test_a_python_without_hydra_gets_one_line_with_the_fix(tmp_path: Path) -> None:
+    """#27.7: the README's bare ``python -m mlptrain`` outside the .venv gave a traceback about hydra. ``-S``
+    leaves out site-packages: a Python with mlptrain on its path and none of its dependencies."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(
+        [sys.executable, "-S", "-m", "mlptrain", "epochs=1"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2, output(proc)
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith("error: mlptrain needs hydra-core, which ") and "source .venv/bin/activate" in line
+    assert "Traceback" not in output(proc)
