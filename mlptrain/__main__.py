@@ -2,6 +2,7 @@
 
 import os
 import signal
+import sys
 
 
 def _stop(signum: int, frame: object) -> None:
@@ -14,6 +15,21 @@ def _stop(signum: int, frame: object) -> None:
 for _sig in (signal.SIGINT, signal.SIGTERM):
     signal.signal(_sig, _stop)
 
-from mlptrain.cli import main  # noqa: E402
+# What each dependency of the command line is installed as.
+_DISTRIBUTIONS = {"hydra": "hydra-core", "yaml": "pyyaml", "omegaconf": "omegaconf", "numpy": "numpy", "tqdm": "tqdm"}
+
+try:
+    from mlptrain.cli import main
+except ModuleNotFoundError as exc:  # a Python without mlptrain's dependencies: the .venv was not activated
+    missing = (exc.name or "").split(".")[0]
+    if missing == "mlptrain" or not missing:
+        raise
+    print(
+        f"error: mlptrain needs {_DISTRIBUTIONS.get(missing, missing)}, which {sys.executable} does not have "
+        f"(No module named {missing!r}); activate the environment that make run created (source .venv/bin/activate) "
+        "or install mlptrain into this one (pip install -e .)",
+        file=sys.stderr,
+    )
+    sys.exit(2)
 
 main()

@@ -2,7 +2,7 @@
 
 :func:`validate` raises one :class:`~mlptrain.errors.ConfigError` listing every problem, each with
 its key: a value out of range or not finite; a key that is no setting at all (``+optimizer.lrr``,
-with the nearest real key suggested); and a setting that the chosen options do not use
+with the real key to use: :func:`mlptrain.keys.suggest`); and a setting that the chosen options do not use
 (``data.features`` with ``data=digits``, ``optimizer.momentum`` with ``optimizer=adam``), so that
 a configuration never ignores what was said. A setting counts as said when it differs from the
 schema's default; :data:`USES` says where each option-specific setting applies.
@@ -10,7 +10,6 @@ schema's default; :data:`USES` says where each option-specific setting applies.
 
 from __future__ import annotations
 
-import difflib
 import math
 import os
 from collections.abc import Callable
@@ -19,6 +18,7 @@ from typing import Any
 
 from mlptrain.config import TrainConfig, flatten, to_plain
 from mlptrain.errors import ConfigError
+from mlptrain.keys import suggest
 
 
 def _data(*names: str) -> Callable[[TrainConfig], bool]:
@@ -100,29 +100,13 @@ def validate(cfg: TrainConfig, *, data_parallel: bool = False) -> TrainConfig:
     return cfg
 
 
-def all_keys(node: Any = None, prefix: str = "") -> list[str]:
-    """Every setting of the schema, as dotted keys (``optimizer.lr``)."""
-    node = TrainConfig if node is None else node
-    out = []
-    for f in fields(node):
-        sub = f.default_factory() if callable(f.default_factory) else None  # type: ignore[misc]
-        out += all_keys(sub, f"{prefix}{f.name}.") if is_dataclass(sub) else [f"{prefix}{f.name}"]
-    return out
-
-
-def suggest(key: str) -> str:
-    """``; did you mean optimizer.lr?`` for a key close to a real one, else ``""``."""
-    close = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.6)
-    return f"; did you mean {close[0]}?" if close else ""
-
-
 def unknown_keys(node: Any, prefix: str = "") -> list[str]:
     """Attributes of the config that are no setting (``+optimizer.lrr=0.1`` adds one), each with a suggestion."""
     known = {f.name for f in fields(node)}
     problems = []
     for name, value in vars(node).items():
         if name not in known:
-            problems.append(f"{prefix}{name} is not a setting{suggest(prefix + name)}")
+            problems.append(f"{prefix}{name} is not a setting{suggest(prefix + name, value)}")
         elif is_dataclass(value):
             problems += unknown_keys(value, f"{prefix}{name}.")
     return problems

@@ -21,12 +21,12 @@ installed wheel (the top-level ``conf/`` is copied there at build time), else th
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
+import shutil
 import signal
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,10 +38,12 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from mlptrain.checks import suggest, validate
+from mlptrain.checks import validate
 from mlptrain.config import TrainConfig, register_configs
-from mlptrain.errors import ConfigError, Interrupted, MlptrainError
+from mlptrain.errors import ConfigError, Interrupted, MlptrainError, OutputError
 from mlptrain.files import atomic_write
+from mlptrain.hydra_errors import hydra_errors_raised, one_line
+from mlptrain.sweep import register_resolvers
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +66,17 @@ CONF_DIR = find_conf_dir()
 _failures: list[str] = []
 # Run directories that this process created (RunDirectoryCheck): removed again if the run is refused.
 _created: set[Path] = set()
+# The folder of this process's multirun (RunDirectoryCheck): its summary is written if the sweep is stopped.
+_sweep_dirs: list[Path] = []
+
+
+class NotPrinted(logging.Filter):
+    """The console handler's filter (``conf/hydra/job_logging``): a record marked ``printed`` (the run's
+    summary line, which :func:`mlptrain.run.train` also prints on stdout) is left out when stdout is a
+    terminal, so that a terminal shows it once; ``mlptrain.log`` and a redirected stderr keep it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (getattr(record, "printed", False) and sys.stdout.isatty())
 
 
 def to_train_config(cfg: DictConfig) -> TrainConfig:
@@ -103,6 +116,7 @@ class RunDirectoryCheck(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         _create(Path(str(config.hydra.sweep.dir)), remember=False)
+        _sweep_dirs.append(Path(str(config.hydra.sweep.dir)))
 
 
 def _create(path: Path, *, remember: bool) -> None:
@@ -147,11 +161,26 @@ def _hydra_files(cfg: DictConfig) -> dict[str, str]:
 
 
 def _accepted(cfg: DictConfig, out_dir: Path) -> logging.Handler:
-    """The run is accepted: write Hydra's ``.hydra/`` files, and log into ``mlptrain.log`` from now on."""
-    (out_dir / ".hydra").mkdir(exist_ok=True)
-    for name, text in _hydra_files(cfg).items():
-        atomic_write(out_dir / name, text)
-    handler = logging.FileHandler(out_dir / LOG_FILE, encoding="utf-8")
+    """The run is accepted: write Hydra's ``.hydra/`` files, and log into ``mlptrain.log`` from now on.
+
+    Raises:
+        OutputError: the folder is read-only or full; a ``.hydra/`` made here is removed again (each
+            file is written whole or not at all), so a failed start leaves the folder as it was.
+    """
+    hydra_dir = out_dir / ".hydra"
+    made = not hydra_dir.is_dir()
+    try:
+        hydra_dir.mkdir(exist_ok=True)
+        for name, text in _hydra_files(cfg).items():
+            atomic_write(out_dir / name, text)
+        handler = logging.FileHandler(out_dir / LOG_FILE, encoding="utf-8")
+    except OSError as exc:
+        if made:
+            shutil.rmtree(hydra_dir, ignore_errors=True)
+        raise OutputError(
+            f"cannot write the run's files in {out_dir} ({type(exc).__name__}: {exc}); free disk space or choose a "
+            "writable hydra.run.dir"
+        ) from exc
     handler.setFormatter(logging.Formatter(LOG_FORMAT))
     logging.getLogger().addHandler(handler)
     return handler
@@ -201,6 +230,10 @@ def _train_job(cfg: DictConfig, config: TrainConfig, out_dir: Path, handlers: li
     from mlptrain.distributed.launch import DistEnv
     from mlptrain.run import train  # imported here: the training stack is not needed for --help or errors
 
+    if HydraConfig.get().mode == RunMode.MULTIRUN and config.resume == "last":
+        summary = _resumed_job(config, out_dir)
+        if summary is not None:
+            return summary
     env = DistEnv.from_environ(os.environ)
     overrides = list(HydraConfig.get().overrides.task)  # what the user set: a resume restores the rest
     if config.distributed.gpus > 1:
@@ -227,43 +260,20 @@ def _train_job(cfg: DictConfig, config: TrainConfig, out_dir: Path, handlers: li
     return summary
 
 
-@contextlib.contextmanager
-def _hydra_errors_raised() -> Iterator[None]:
-    """Let Hydra raise its own errors (instead of printing a stack and exiting 1) so that they become one line."""
-    previous = os.environ.get("HYDRA_FULL_ERROR")
-    os.environ["HYDRA_FULL_ERROR"] = "1"
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop("HYDRA_FULL_ERROR", None)
-        else:
-            os.environ["HYDRA_FULL_ERROR"] = previous
+def _resumed_job(config: TrainConfig, out_dir: Path) -> dict[str, Any] | None:
+    """A job of a sweep run again with ``resume=last`` (:func:`mlptrain.sweep.job_state`): a finished job is
+    kept (its summary returned), one that never saved a checkpoint starts afresh, the others continue."""
+    from mlptrain.metrics import read_metrics
+    from mlptrain.sweep import job_state
 
-
-def one_line(exc: BaseException) -> str:
-    """A Hydra or OmegaConf error (and its cause) as one line.
-
-    The key-path details and Hydra's search path are dropped; a list under a line ending in ``:``
-    (the available options of a group) is joined with commas.
-    """
-    lines: list[str] = []
-    while exc is not None and len(lines) < 40:
-        lines += [line.strip() for line in str(exc).splitlines()]
-        exc = exc.__cause__  # type: ignore[assignment]
-    skip = ("full_key:", "object_type=", "reference_type=", "Set the environment", "Config search path", "provider=")
-    parts: list[str] = []
-    listing = False
-    for line in (x for x in lines if x and not x.startswith(skip)):
-        if listing and " " not in line:  # an item of the list the line above announced
-            parts[-1] += (" " if parts[-1].endswith(":") else ", ") + line
-            continue
-        listing = line.endswith(":")
-        parts.append(line if listing else line.rstrip("."))
-    key = next((x.split(":", 1)[1].strip() for x in lines if x.startswith("full_key:")), "")
-    hint = suggest(key).lstrip("; ") if key and any(" not in " in p for p in parts) else ""
-    parts += [hint] if hint else []
-    return "; ".join(dict.fromkeys(parts))
+    state = job_state(out_dir)
+    if state == "finished":
+        log.info("%s finished already: kept as it is (resume=last)", out_dir)
+        return read_metrics(out_dir / "metrics.jsonl")[-1]
+    if state == "new":
+        log.info("%s has no checkpoint to resume: the job starts from the beginning", out_dir)
+        config.resume = None
+    return None
 
 
 def _exit_now(signum: int, frame: Any) -> None:
@@ -273,6 +283,18 @@ def _exit_now(signum: int, frame: Any) -> None:
     A run installs its own handlers (:class:`mlptrain.faults.StopRequest`)."""
     os.write(2, f"error: stopped by {signal.Signals(signum).name} before training; nothing was written\n".encode())
     os._exit(128 + signum)
+
+
+def _stopped_sweep(sweep_dir: Path) -> None:
+    """Write the summary of a sweep that a stop request ended, and say how to continue it."""
+    from mlptrain.sweep import continue_command, write_summary
+
+    again = continue_command(sys.argv[1:], sweep_dir.absolute())
+    try:
+        write_summary(sweep_dir, continue_with=again)
+    except OSError as exc:
+        log.warning("could not write the sweep's summary in %s (%s)", sweep_dir, exc)
+    print(f"mlptrain: the sweep was stopped; continue every job with: {again}", file=sys.stderr, flush=True)
 
 
 def version() -> str:
@@ -310,9 +332,11 @@ def main() -> None:
         print(version())
         return
     register_configs()
+    register_resolvers()
     _failures.clear()
+    _sweep_dirs.clear()
     try:
-        with _hydra_errors_raised():
+        with hydra_errors_raised():
             _run()
     except (HydraException, OmegaConfBaseException) as exc:  # composition: unknown key, option, type
         print(f"error: {one_line(exc)}", file=sys.stderr, flush=True)
@@ -321,6 +345,8 @@ def main() -> None:
         # A first Ctrl-C (or SIGTERM) while training saves a checkpoint, and the message
         # (TrainingInterrupted) says how to resume. Exit status 128 + signal, as a shell reports it.
         print(f"mlptrain: {exc}" if str(exc) else "error: interrupted", file=sys.stderr, flush=True)
+        for sweep_dir in _sweep_dirs:  # a stopped sweep gets its summary too, with the command that continues it
+            _stopped_sweep(sweep_dir)
         sys.exit(128 + exc.signum)
     finally:  # the work is done (or reported): a late Ctrl-C or SIGTERM has nothing left to stop
         signal.signal(signal.SIGINT, signal.SIG_IGN)

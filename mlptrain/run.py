@@ -168,7 +168,7 @@ def _train_locked(
     if "stopped_early" in summary:
         line += f" | stopped early after epoch {summary['stopped_early'] + 1}"
     if comm is None or comm.rank == 0:
-        log.info(line)
+        log.info(line, extra={"printed": True})  # the console shows it once (mlptrain.cli.NotPrinted)
         print(line, flush=True)
     return summary
 
@@ -254,6 +254,7 @@ def _run_record(tr: Trainer, start: Start) -> dict[str, Any]:
         "bgrad": tr.model.bgrad,
         "head": tr.head.mode,
         "params": tr.model.num_params,
+        "dataset": tr.dataset.preprocessing()[0],  # its name, task, feature and class names (docs/data.md)
         "config": to_plain(tr.cfg),
     }
     if start.resumed_from is not None:

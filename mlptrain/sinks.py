@@ -20,6 +20,7 @@ from typing import Any
 
 from mlptrain.errors import ConfigError, OutputError
 from mlptrain.metrics import read_metrics
+from mlptrain.rundir import METRICS
 
 log = logging.getLogger(__name__)
 
@@ -79,10 +80,13 @@ class TensorBoardSink:
 
     ``purge_step``: a resumed run's first step. The killed run may have logged steps past its
     checkpoint, which the resumed run logs again; TensorBoard drops the earlier events from that
-    step on (tensorboardX's ``purge_step``, as PyTorch's SummaryWriter and Lightning do).
+    step on (tensorboardX's ``purge_step``, as PyTorch's SummaryWriter and Lightning do). An epoch
+    record sits at the step count after its epoch, which is the resumed run's first step: the records
+    of ``jsonl`` (the run's ``metrics.jsonl``, already cut back to the checkpoint) from the purge step
+    on are written again, so that the epoch the checkpoint ends keeps its point.
     """
 
-    def __init__(self, folder: Path, purge_step: int | None = None) -> None:
+    def __init__(self, folder: Path, purge_step: int | None = None, jsonl: Path | None = None) -> None:
         try:
             from tensorboardX import SummaryWriter
         except ImportError as exc:
@@ -92,6 +96,11 @@ class TensorBoardSink:
         # a suffix of this writer's own: two writers in one second would otherwise share a file name
         suffix = f".{os.getpid()}.{secrets.token_hex(4)}"
         self.writer = SummaryWriter(str(folder), purge_step=purge_step, filename_suffix=suffix)
+        jsonl = Path(folder).parent / METRICS if jsonl is None else Path(jsonl)
+        if purge_step is not None and jsonl.is_file():
+            for record in read_metrics(jsonl):
+                if (record.get("step") or 0) >= purge_step:
+                    self.write(record)
 
     def write(self, record: dict[str, Any]) -> None:
         kind, step = record.get("kind"), record.get("step")

@@ -29,6 +29,10 @@ def run_cli(*args: str, cwd: Path, pythonpath: Path = REPO, timeout: float = 300
     )
 
 
+# A run of a second or less on the CPU.
+QUICK = ("epochs=1", "model.hidden=[4]", "device=cpu", "progress=false")
+
+
 def output(proc: subprocess.CompletedProcess[str]) -> str:
     return proc.stdout + proc.stderr
 
@@ -36,7 +40,7 @@ def output(proc: subprocess.CompletedProcess[str]) -> str:
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("foo=1", "Key 'foo' not in 'TrainConfig'"),
+        ("foo=1", "foo is not a setting; python -m mlptrain --help lists the settings"),
         ("optimizer.lr=abc", "could not be converted to Float"),
         ("model.activation=tanh", "expected one of [relu, gelu, none]"),
         ("execution=bogus", "Could not find 'execution/bogus'"),
@@ -196,8 +200,11 @@ def test_installed_wheel_finds_its_configs(wheel: Path, tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("+optimizer.lrr=0.1", "optimizer.lrr is not a setting; did you mean optimizer.lr?"),
-        ("optimizer.lrr=0.1", "Key 'lrr' not in 'OptimizerConfig'; did you mean optimizer.lr?"),
+        ("+optimizer.lrr=0.1", "optimizer.lrr is not a setting; did you mean optimizer.lr=0.1?"),
+        ("optimizer.lrr=0.1", "error: optimizer.lrr is not a setting; did you mean optimizer.lr=0.1?"),
+        ("optimizer.learning_rate=0.1", "error: optimizer.learning_rate is not a setting; use optimizer.lr=0.1"),
+        ("model.hidden_layers=[512, 512]", "error: model.hidden_layers is not a setting; use 'model.hidden=[512,512]'"),
+        ("n_epochs=3", "error: n_epochs is not a setting; use epochs=3"),
         ("data.features=1024", "data.features=1024 is not used with data=digits: it applies to data=synthetic"),
     ],
 )
@@ -206,7 +213,54 @@ def test_an_ignored_or_unknown_setting_is_one_line_and_exit_2(tmp_path: Path, ov
     assert proc.returncode == 2, output(proc)
     (line,) = [x for x in proc.stderr.splitlines() if x.strip()]
     assert line.startswith("error: ") and message in line
+    assert "+" not in line.split(" is not a setting")[0] + line.split("; ")[-1], "no advice to add the key with +"
     assert not (tmp_path / "run").exists()
+
+
+def test_a_suggested_override_runs_when_pasted_into_a_shell(tmp_path: Path) -> None:
+    """#27.6: a suggestion printed ``model.hidden=[512, 512]``, which Hydra's parser cannot read."""
+    proc = run_cli("model.hidden_layers=[16, 8]", "epochs=1", "device=cpu", cwd=tmp_path)
+    fix = proc.stderr.split("; use ", 1)[1].strip()
+    assert fix == "'model.hidden=[16,8]'"
+    import shlex
+
+    pasted = run_cli(
+        *shlex.split(fix), "epochs=1", "device=cpu", "progress=false", f"hydra.run.dir={tmp_path}/run", cwd=tmp_path
+    )
+    assert pasted.returncode == 0, output(pasted)
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["config"]["model"]["hidden"] == [16, 8]
+
+
+def test_a_sweeper_that_is_not_installed_names_the_extra(tmp_path: Path) -> None:
+    """#27.6: ``hydra/sweeper=optuna`` without the extra said Hydra's "Could not find" alone. The plugin is
+    taken out of Hydra's config store here, as on a machine without ``mlptrain[optuna]``."""
+    code = (
+        "import sys; from hydra.core.plugins import Plugins; from hydra.core.config_store import ConfigStore; "
+        "Plugins.instance(); ConfigStore.instance().repo['hydra']['sweeper'].pop('optuna.yaml', None); "
+        "sys.argv = ['mlptrain', '-m', 'hydra/sweeper=optuna', 'epochs=1']; from mlptrain.cli import main; main()"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    env["PYTHONPATH"] = str(REPO)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert proc.returncode == 2, output(proc)
+    (line,) = proc.stderr.splitlines()
+    assert "Could not find 'hydra/sweeper/optuna'" in line and line.endswith("pip install 'mlptrain[optuna]'")
+
+
+def test_an_optuna_sweep_prints_no_alembic_plugin_lines(tmp_path: Path) -> None:
+    """#27.6: a sweep printed seven ``[HYDRA] setup plugin alembic...`` lines; Hydra's own lines stay."""
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    proc = run_cli(
+        "-m",
+        "hydra/sweeper=optuna",
+        "hydra.sweeper.n_trials=1",
+        *QUICK,
+        f"hydra.sweep.dir={tmp_path}/sweep",
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, output(proc)
+    assert "alembic" not in output(proc)
+    assert "[HYDRA] Launching 1 jobs locally" in proc.stdout and "[HYDRA] Best value" in proc.stdout
 
 
 def test_version_is_mlptrains_own(tmp_path: Path) -> None:
@@ -238,3 +292,117 @@ def test_make_run_installs_the_cuda_extra_that_the_driver_supports(
     assert proc.returncode == 0, proc.stderr
     assert f"pip install -e '.{extra}'" in proc.stdout, proc.stdout
     assert "pip install -e '.[dev]'" not in proc.stdout, "running needs no developer tools"
+
+
+FULL_DISK = """
+import errno, pathlib, sys
+import mlptrain.cli as cli
+real_write, real_mkdir, calls = cli.atomic_write, pathlib.Path.mkdir, []
+def write(path, text):  # the disk fills up under the second of Hydra's files
+    calls.append(path)
+    if len(calls) == 2:
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+    real_write(path, text)
+def mkdir(self, *args, **kwargs):  # a folder that root may write too would not stop this test's root
+    if self.name == ".hydra":
+        raise PermissionError(errno.EACCES, "Permission denied", str(self))
+    real_mkdir(self, *args, **kwargs)
+if sys.argv[1] == "full":
+    cli.atomic_write = write
+else:
+    pathlib.Path.mkdir = mkdir
+sys.argv = ["mlptrain", *sys.argv[2:]]
+cli.main()
+"""
+
+
+@pytest.mark.parametrize("problem", ["full", "read-only"])
+def test_a_full_or_read_only_run_folder_after_acceptance_is_one_line(tmp_path: Path, problem: str) -> None:
+    """#28.11: an OSError traceback in cli._accepted, and an empty .hydra/ left on a full disk."""
+    run = tmp_path / "run"
+    if problem == "read-only":
+        run.mkdir()  # the user's folder: it stays, as it was
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    env["PYTHONPATH"] = str(REPO)
+    proc = subprocess.run(
+        [sys.executable, "-c", FULL_DISK, problem, *QUICK, f"hydra.run.dir={run}"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2, output(proc)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    reason = "No space left on device" if problem == "full" else "Permission denied"
+    assert len(errors) == 1 and f"cannot write the run's files in {run}" in errors[0] and reason in errors[0]
+    assert "Traceback" not in output(proc)
+    assert (run.is_dir() and not any(run.iterdir())) if problem == "read-only" else not run.exists()
+
+
+def _on_a_terminal(*args: str, cwd: Path) -> str:
+    """What a terminal shows of ``python -m mlptrain *args``: stdout and stderr on one pseudo-terminal."""
+    import pty
+
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    env["PYTHONPATH"] = str(REPO)
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlptrain", *args],
+        cwd=cwd,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=follower,
+        stderr=follower,
+    )
+    os.close(follower)
+    shown = b""
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # EIO: the process closed the terminal
+            break
+        if not chunk:
+            break
+        shown += chunk
+    os.close(leader)
+    assert proc.wait(timeout=300) == 0, shown.decode()
+    return shown.decode()
+
+
+def test_the_summary_line_shows_once_on_a_terminal(tmp_path: Path) -> None:
+    """#27.7: the log handler and the print both showed it."""
+    shown = _on_a_terminal(*QUICK, f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)
+    assert shown.count("mlptrain: digits 64-4-10") == 1, shown
+    assert "mlptrain: digits 64-4-10" in (tmp_path / "run" / "mlptrain.log").read_text(), "the log file keeps it"
+    piped = run_cli(*QUICK, f"hydra.run.dir={tmp_path}/run2", cwd=tmp_path)  # off a terminal: both streams hold it
+    assert piped.stdout.count("mlptrain: digits") == 1 and piped.stderr.count("mlptrain: digits") == 1
+
+
+def test_run_json_holds_the_class_names(tmp_path: Path) -> None:
+    """#27.7: docs/data.md says that run.json carries the class names; it did not."""
+    rows = ["x1,x2,species"] + [f"{i % 5},{i % 3},{['dog', 'bird', 'cat'][i % 3]}" for i in range(60)]
+    (tmp_path / "pets.csv").write_text("\n".join(rows) + "\n")
+    proc = run_cli("data=file", "data.path=pets.csv", "data.target=species", *QUICK, "hydra.run.dir=run", cwd=tmp_path)
+    assert proc.returncode == 0, output(proc)
+    dataset = json.loads((tmp_path / "run" / "run.json").read_text())["dataset"]
+    assert dataset["class_names"] == ["bird", "cat", "dog"] and dataset["feature_names"] == ["x1", "x2"]
+    assert dataset["task"] == "classification"
+
+
+def test_a_python_without_hydra_gets_one_line_with_the_fix(tmp_path: Path) -> None:
+    """#27.7: the README's bare ``python -m mlptrain`` outside the .venv gave a traceback about hydra. ``-S``
+    leaves out site-packages: a Python with mlptrain on its path and none of its dependencies."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(
+        [sys.executable, "-S", "-m", "mlptrain", "epochs=1"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2, output(proc)
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith("error: mlptrain needs hydra-core, which ") and "source .venv/bin/activate" in line
+    assert "Traceback" not in output(proc)

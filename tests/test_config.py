@@ -180,8 +180,8 @@ def test_validate_accepts_defaults_and_returns_its_argument() -> None:
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["+optimizer.lrr=0.1"], "optimizer.lrr is not a setting; did you mean optimizer.lr?"),
-        (["+model.hiden=[8]"], "model.hiden is not a setting; did you mean model.hidden?"),
+        (["+optimizer.lrr=0.1"], "optimizer.lrr is not a setting; did you mean optimizer.lr=0.1?"),
+        (["+model.hiden=[8]"], "model.hiden is not a setting; did you mean 'model.hidden=[8]'?"),
         (["data.features=1024"], "data.features=1024 is not used with data=digits: it applies to data=synthetic"),
         (["optimizer=adam", "optimizer.momentum=0.5"], "optimizer.momentum=0.5 is not used with optimizer=adam"),
         (["optimizer.beta2=0.99"], "optimizer.beta2=0.99 is not used with optimizer=sgd: it applies to optimizer=adam"),
@@ -214,5 +214,32 @@ def test_settings_that_apply_are_accepted() -> None:
 def test_an_attribute_set_from_python_is_checked_too() -> None:
     cfg = TrainConfig()
     cfg.optimizer.lrr = 0.1  # type: ignore[attr-defined]
-    with pytest.raises(ConfigError, match="optimizer.lrr is not a setting; did you mean optimizer.lr"):
+    with pytest.raises(ConfigError, match="optimizer.lrr is not a setting; did you mean optimizer.lr=0.1"):
         validate(cfg)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "fix"),
+    [
+        ("optimizer.learning_rate", 0.1, "; use optimizer.lr=0.1"),  # not optimizer.min_lr_ratio (#27.6)
+        ("learning_rate", 0.1, "; use optimizer.lr=0.1"),
+        ("optimizer.lr_rate", 0.1, "; use optimizer.lr=0.1"),
+        ("n_epochs", 5, "; use epochs=5"),
+        ("num_epochs", 5, "; use epochs=5"),
+        ("trainer.max_epochs", 5, "; use epochs=5"),
+        ("model.hidden_layers", [512, 512], "; use 'model.hidden=[512,512]'"),
+        ("hidden_sizes", [64], "; use 'model.hidden=[64]'"),
+        ("batch", 32, "; use data.batch_size=32"),
+        ("batch_size", 32, "; use data.batch_size=32"),
+        ("model.weight_decay", 0.01, "; use optimizer.weight_decay=0.01"),
+        ("lr", 0.1, "; use optimizer.lr=0.1"),
+        ("validation_split", 0.2, "; use data.val_fraction=0.2"),
+        ("random_state", 3, "; use seed=3"),
+        ("optimizer.lrr", 0.1, "; did you mean optimizer.lr=0.1?"),  # a guess from the spelling: asked
+        ("bogus", 1, "; python -m mlptrain --help lists the settings"),
+    ],
+)
+def test_an_unknown_key_is_answered_with_the_real_key_to_paste(key: str, value: object, fix: str) -> None:
+    from mlptrain.keys import suggest
+
+    assert suggest(key, value) == fix

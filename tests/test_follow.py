@@ -12,9 +12,9 @@ from helpers import make_cfg, records
 from test_cli import output, run_cli
 
 from mlptrain import checkpoint
-from mlptrain.checks import all_keys
 from mlptrain.cli import sweep_value
 from mlptrain.config import Logger
+from mlptrain.keys import all_keys
 from mlptrain.metrics import read_metrics
 from mlptrain.run import train
 
@@ -203,6 +203,43 @@ def test_an_optuna_sweep_gets_each_jobs_value(tmp_path: Path) -> None:
     result = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
     assert result["best_value"] == max(values)  # Optuna saw each job's val/acc
     assert (sweep / "summary.csv").read_text().count("\n") == 1 + 3
+
+
+def _shown(folder: Path) -> dict[str, list[int]]:
+    """The steps TensorBoard shows per tag: the events of every file in the order written, where a
+    SessionLog START at step ``p`` (a writer's ``purge_step``) drops the earlier events from ``p`` on."""
+    from tensorboardX.proto import event_pb2
+
+    events = []
+    for path in folder.glob("events.out.tfevents.*"):
+        data, pos = path.read_bytes(), 0
+        while pos < len(data):
+            (n,) = struct.unpack("<Q", data[pos : pos + 8])
+            events.append(event_pb2.Event.FromString(data[pos + 12 : pos + 12 + n]))
+            pos += 12 + n + 4
+    points: list[tuple[str, int]] = []
+    for event in sorted(events, key=lambda e: e.wall_time):
+        if event.HasField("session_log") and event.session_log.status == event_pb2.SessionLog.START:
+            points = [(tag, step) for tag, step in points if step < event.step]
+        points += [(v.tag, event.step) for v in event.summary.value]
+    shown: dict[str, list[int]] = {}
+    for tag, step in points:
+        shown.setdefault(tag, []).append(step)
+    return {tag: sorted(steps) for tag, steps in shown.items()}
+
+
+def test_a_resumed_run_keeps_the_epoch_point_at_its_checkpoint_in_tensorboard(tmp_path: Path) -> None:
+    """#28.7: resuming 3 -> 5 epochs left the epoch points at 21, 42, 84, 105 (the purge dropped 63)."""
+    pytest.importorskip("tensorboardX")
+    run_dir = tmp_path / "run"
+    train(make_cfg(epochs=3, log_every=7, logger=Logger.tensorboard), run_dir)
+    train(make_cfg(epochs=5, log_every=7, logger=Logger.tensorboard, resume="last"), run_dir)
+    jsonl = read_metrics(run_dir / "metrics.jsonl")
+    epoch_steps = [r["step"] for r in jsonl if r["kind"] == "epoch"]
+    assert len(epoch_steps) == 5
+    shown = _shown(run_dir / "tensorboard")
+    assert shown["epoch/val/acc"] == epoch_steps and shown["epoch/train/loss"] == epoch_steps
+    assert shown["train/loss"] == [r["step"] for r in jsonl if r["kind"] == "step"], "each step once"
 
 
 def test_a_resumed_run_tells_tensorboard_to_drop_what_it_logs_again(tmp_path: Path) -> None:
