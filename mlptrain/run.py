@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mlptrain import __version__, checkpoint, faults
+from mlptrain import __version__, build, checkpoint, faults
 from mlptrain.backend import get_backend
 from mlptrain.checkpoint import CHECKPOINT_DIR, Best, Checkpoint, Position
 from mlptrain.checks import validate
@@ -141,7 +141,8 @@ def _train_locked(
             start = _prepare(tr, run_dir)
             stop.defer()  # accepted: from here a stop request saves last first
             _accept(tr, run_dir, start, on_accept)
-            with MetricsWriter(run_dir.metrics, start.metrics.records, _sinks(tr, run_dir, start)) as metrics:
+            writer = MetricsWriter(run_dir.metrics, start.metrics.records, _sinks(tr, run_dir, start))
+            with writer as metrics, backend.blas_threads(build.step_flops(tr.widths, cfg.data.batch_size)):
                 summary = Loop(tr, run_dir, metrics, stop, start.position, start.best, start.resumed_from).run()
             if backend.is_gpu:
                 _record_memory(tr, run_dir, start)
