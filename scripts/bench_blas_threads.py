@@ -21,14 +21,21 @@ from mlptrain.config import DatasetName, Device, TrainConfig
 from mlptrain.trainer import Trainer
 
 # (features, hidden, batch): the default digits run, then larger steps
-SIZES = [(64, [128, 128], 64), (64, [128, 128], 256), (784, [256, 256], 128), (784, [512, 512], 256),
-         (784, [1024, 1024], 256), (784, [1024, 1024], 1024)]  # fmt: skip
+SIZES = [
+    (64, [128, 128], 64),
+    (64, [128, 128], 256),
+    (784, [256, 256], 128),
+    (784, [512, 512], 256),
+    (784, [1024, 1024], 256),
+    (784, [1024, 1024], 1024),
+]
 
 
 def trainer(features: int, hidden: list[int], batch: int) -> Trainer:
     cfg = TrainConfig()
     cfg.device, cfg.progress, cfg.model.hidden = Device.cpu, False, hidden
-    cfg.data.name, cfg.data.features, cfg.data.samples, cfg.data.batch_size = DatasetName.synthetic, features, 4 * batch, batch
+    cfg.data.name, cfg.data.features, cfg.data.batch_size = DatasetName.synthetic, features, batch
+    cfg.data.samples = 4 * batch
     return Trainer(cfg)
 
 
@@ -66,7 +73,8 @@ def main() -> None:
                     times[n].append(step_ms(tr, args.steps))
         one, many = (statistics.median(times[n]) for n in (1, default))
         gflop = build.step_flops(tr.widths, batch) / 1e9
-        print(f"| {'-'.join(map(str, tr.widths))} | {batch} | {gflop:.3f} | {one:.2f} | {many:.2f} | {many / one:.2f} |")
+        widths = "-".join(map(str, tr.widths))
+        print(f"| {widths} | {batch} | {gflop:.3f} | {one:.2f} | {many:.2f} | {many / one:.2f} |")
 
 
 if __name__ == "__main__":
