@@ -348,7 +348,7 @@ class Trainer:
                 extra or misshapen arrays (``where`` names the checkpoint in the message).
         """
         self._check_fits(arrays, meta, where)
-        if self.dataset.preprocessing_differs(arrays):
+        if self.dataset.preprocessing_differs(arrays, where):
             log.warning("%s: the data is normalised differently than when the checkpoint was saved", where)
         self.model.load_state_dict({k[len("param/") :]: v for k, v in arrays.items() if k.startswith("param/")})
         self.optimizer.load_state_dict({k[len("optim/") :]: v for k, v in arrays.items() if k.startswith("optim/")})

@@ -18,7 +18,7 @@ from mlptrain.config import DatasetName, LossName, TargetScaling
 from mlptrain.data import Dataset, load_dataset
 from mlptrain.data.dataset import Normalization
 from mlptrain.data.files import write_csv
-from mlptrain.errors import CheckpointError, ConfigError
+from mlptrain.errors import CheckpointError, ConfigError, DatasetError
 from mlptrain.evaluate import EvaluateArgs, evaluate
 from mlptrain.export import ExportArgs, export, load_safetensors
 from mlptrain.inference import Predictor
@@ -248,6 +248,14 @@ def test_an_old_regression_checkpoint_without_target_scaling_scores_as_before(tm
     np.testing.assert_array_equal(p.run(data["x_test"]).values, p.model.forward(x, keep=False))
     report, _ = evaluate(EvaluateArgs(ckpt=str(tmp_path / "old.npz"), device="cpu"))
     np.testing.assert_allclose(report["loss"], summary["test/loss"], rtol=1e-5)
+    # resuming it with standardised targets would read its outputs in the wrong units: refused, with the fix
+    cfg.data.target_scaling, cfg.epochs, cfg.resume = TargetScaling.standard, 3, str(tmp_path / "old.npz")
+    with pytest.raises(
+        DatasetError,
+        match=r"old.npz was trained on the targets as they are .* resume with "
+        r"data.target_scaling=none",
+    ):
+        train(cfg, tmp_path / "resumed")
 
 
 def test_target_scaling_is_a_regression_setting(tmp_path: Path) -> None:
@@ -262,3 +270,32 @@ def test_target_scaling_is_a_regression_setting(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"data.target_scaling=none: dataset 'digits' is a classification; .*"):
         train(cfg, tmp_path / "run")
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_the_gpus_regression_losses_are_in_the_targets_units_as_the_cpus(tmp_path: Path, precision: str) -> None:
+    """The step's weighted mse (mlptrain.losses.mse_in_units) inside the GPU's CUDA graph, and its evaluation."""
+    from mlptrain.config import Device, PrecisionName
+    from mlptrain.metrics import read_metrics
+
+    data = _write(tmp_path, _houses, "price")
+    runs = {}
+    for device in ("cpu", "gpu"):
+        cfg = _file_cfg(tmp_path, model__loss=LossName.mse, epochs=5)
+        cfg.data.target = "price"
+        if device == "gpu":
+            cfg.device, cfg.precision.name = Device.gpu, PrecisionName(precision)
+        summary = train(cfg, tmp_path / device)
+        steps = [r["train/loss"] for r in read_metrics(tmp_path / device / "metrics.jsonl") if r["kind"] == "step"]
+        runs[device] = summary, steps
+    (cpu, cpu_steps), (gpu, gpu_steps) = runs["cpu"], runs["gpu"]
+    rtol = 1e-3 if precision == "fp32" else 5e-2
+    np.testing.assert_allclose(gpu_steps[:3], cpu_steps[:3], rtol=rtol)  # in price units (thousands at first)
+    assert cpu_steps[0] > 1000.0
+    np.testing.assert_allclose(gpu["test/loss"], cpu["test/loss"], rtol=10 * rtol)
+    mean_mse = float(np.mean((data["y_test"] - data["y"].mean()) ** 2))
+    assert gpu["test/loss"] < 0.2 * mean_mse
+    values = Predictor(tmp_path / "gpu" / "checkpoints" / "last.npz", device="gpu").run(data["x_test"]).values
+    mse = float(np.mean((values[:, 0].astype(np.float64) - data["y_test"]) ** 2))
+    np.testing.assert_allclose(mse, gpu["test/loss"], rtol=rtol)

@@ -155,9 +155,21 @@ class Dataset:
             arrays.update({"data/target_shift": ts.shift, "data/target_scale": ts.scale})
         return meta, arrays
 
-    def preprocessing_differs(self, arrays: dict[str, np.ndarray]) -> bool:
-        """Whether a checkpoint's ``data/`` arrays hold another preprocessing than this dataset's."""
+    def preprocessing_differs(self, arrays: dict[str, np.ndarray], where: str) -> bool:
+        """Whether a checkpoint's ``data/`` arrays (``where`` names it) hold another preprocessing than this
+        dataset's (a resume then warns).
+
+        Raises:
+            DatasetError: the checkpoint is a regression's trained on unscaled targets (saved before
+                ``data.target_scaling``) and this dataset's targets are standardised: its outputs would be
+                read in the wrong units.
+        """
         _, now = self.preprocessing()
+        if self.target_units() is not None and "data/target_scale" not in arrays:
+            raise DatasetError(
+                f"{where} was trained on the targets as they are (it holds no data/target_scale), but this run "
+                "standardises them (data.target_scaling=standard); resume with data.target_scaling=none"
+            )
         return any(k in arrays and not np.array_equal(arrays[k], v) for k, v in now.items())
 
     def target_units(self) -> np.ndarray | None:
