@@ -216,6 +216,15 @@ def test_exports_and_predict_give_outputs_in_the_targets_units(tmp_path: Path) -
     ckpt = tmp_path / "run" / "checkpoints" / "last.npz"
     values = mlptrain.predict(ckpt, data["x_test"], device="cpu")
     onnx_path = export(ExportArgs(ckpt=str(ckpt), format="onnx", output=str(tmp_path / "m.onnx")))
+    import onnx
+
+    nodes = onnx.load(str(onnx_path)).graph.node
+    tail = [(n.op_type, list(n.input), list(n.output)) for n in nodes[-3:]]
+    assert tail == [
+        ("Gemm", ["h1", "layer1.weight", "layer1.bias"], ["z_out"]),
+        ("Mul", ["z_out", "target_scale"], ["z_scaled"]),
+        ("Add", ["z_scaled", "target_shift"], ["logits"]),
+    ]
     sess = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
     (onnx_out,) = sess.run(["logits"], {"x": data["x_test"].astype(np.float32)})
     np.testing.assert_allclose(onnx_out, values, rtol=1e-5, atol=1e-3)
