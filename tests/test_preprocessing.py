@@ -114,13 +114,17 @@ def test_a_python_dataset_of_raw_features_trains_and_scores_as_data_file(tmp_pat
     assert np.mean(scored == data["y_test"]) == by_python["test/acc"]
 
 
-def test_a_dataset_with_its_own_normalization_keeps_it(tmp_path: Path) -> None:
+def test_a_dataset_with_its_own_normalization_keeps_it(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     x, y = _blobs(400, 0)
     shift, scale = np.full(4, 500.0), np.array([0.1, 10.0, 1000.0, 1.0])  # the user's own, stated
     norm = Normalization("by hand", shift, scale)
     xn = norm.apply(x)
     ds = Dataset("mine", xn[:300], y[:300], xn[300:340], y[300:340], xn[340:], y[340:], 3, normalization=norm)
-    summary = train(make_cfg(epochs=10), tmp_path / "run", dataset=ds)
+    with caplog.at_level("INFO", logger="mlptrain.data.prepare"):
+        summary = train(make_cfg(epochs=10), tmp_path / "run", dataset=ds)
+    assert (
+        "dataset mine: its own normalisation (by hand) is kept; data.normalize=standard is not applied" in caplog.text
+    )
     ckpt = checkpoint.load(tmp_path / "run" / "checkpoints" / "last.npz")
     np.testing.assert_array_equal(ckpt.arrays["data/shift"], shift)
     np.testing.assert_array_equal(ckpt.arrays["data/scale"], scale)

@@ -115,7 +115,7 @@ def preprocess(ds: Dataset, cfg: DataConfig) -> Dataset:
     if ds.normalization is None:
         norm = normalization(method, ds.x_train)
         new.update({f"x_{s}": norm.apply(getattr(ds, f"x_{s}")) for s in ("train", "val", "test")}, normalization=norm)
-    else:
+    elif ds.normalization.origin == "dataset":  # the caller's own (a load_dataset result is preprocessed already)
         kept = ds.normalization.method
         log.info(
             "dataset %s: its own normalisation (%s) is kept; data.normalize=%s is not applied", ds.name, kept, method
