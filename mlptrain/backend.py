@@ -7,12 +7,17 @@ and it is the only module outside :mod:`mlptrain.gpu` that imports them at all.
 
 ``device=auto`` takes the GPU when CuPy can see one, else NumPy on the CPU. ``device=gpu`` on a
 machine without a usable GPU raises :class:`~mlptrain.errors.DeviceError` saying how to get one.
+
+On the CPU a run's BLAS threads are sized to its step (:meth:`Backend.blas_threads`, threadpoolctl):
+one thread for small GEMMs, whose threads cost more than they share, the library's default for large.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -24,6 +29,12 @@ from mlptrain.errors import ConfigError, DeviceError
 log = logging.getLogger(__name__)
 
 DEVICES = ("auto", "cpu", "gpu")
+
+# A CPU training step of fewer GEMM FLOPs than this runs on one BLAS thread. On a busy 2-core machine
+# (docs/benchmarks.md, "BLAS threads") OpenBLAS's second thread made the default digits step (1e7
+# FLOPs) 44x slower and a 1e9-FLOP step 6.8x; above 1e10 the library's default is kept: GEMMs of
+# gigaflops are what threads are for on free cores (a user's OPENBLAS_NUM_THREADS still applies).
+BLAS_ONE_THREAD_BELOW = 1e10
 
 GPU_INSTALL_HINT = (
     "install the GPU extra on a machine with an NVIDIA GPU "
@@ -76,6 +87,19 @@ class Backend:
         if self.is_gpu:
             return self.xp.asnumpy(a)
         return np.asarray(a)
+
+    @contextlib.contextmanager
+    def blas_threads(self, step_flops: float) -> Iterator[int | None]:
+        """While training: the host BLAS on one thread for a step of fewer than :data:`BLAS_ONE_THREAD_BELOW`
+        GEMM FLOPs (yields 1), else as it is (yields None; the GPU's steps use no host BLAS)."""
+        if self.is_gpu or step_flops >= BLAS_ONE_THREAD_BELOW:
+            yield None
+            return
+        from threadpoolctl import threadpool_limits
+
+        log.info("cpu: one BLAS thread (a step of %.2g GEMM FLOPs, below %.0e)", step_flops, BLAS_ONE_THREAD_BELOW)
+        with threadpool_limits(limits=1, user_api="blas"):  # restored when the run ends, or fails
+            yield 1
 
     def free_cached_memory(self) -> None:
         """GPU: return the memory CuPy's pools cache to the device (after running out of memory)."""

@@ -54,6 +54,7 @@ USES: dict[str, tuple[Callable[[TrainConfig], bool], str]] = {
         lambda c: c.data.name.value in ("digits", "synthetic", "file") and not c.data.test_path,
         "datasets without a test split of their own (digits, synthetic, data=file without data.test_path)",
     ),
+    "data.target_scaling": (lambda c: c.model.loss.value == "mse", "regressions (model.loss=mse)"),
     "optimizer.momentum": (_optimizer("sgd"), "optimizer=sgd"),
     "optimizer.nesterov": (_optimizer("sgd"), "optimizer=sgd"),
     "optimizer.beta1": (_optimizer("adam", "adamw"), "optimizer=adam and optimizer=adamw"),
@@ -130,6 +131,8 @@ def _chosen(cfg: TrainConfig, key: str) -> str:
     if key == "data.test_fraction":
         name = cfg.data.name.value
         return "data=file with data.test_path" if name == "file" else f"data={name}, which has a test split of its own"
+    if key == "data.target_scaling":
+        return f"model.loss={cfg.model.loss.value}"
     if group == "data":
         return f"data={cfg.data.name.value}"
     if group == "optimizer":

@@ -76,6 +76,11 @@ class Normalize(str, Enum):
     none = "none"
 
 
+class TargetScaling(str, Enum):
+    standard = "standard"
+    none = "none"
+
+
 class OptimizerName(str, Enum):
     sgd = "sgd"
     adam = "adam"
@@ -131,6 +136,11 @@ class DataConfig:
     eval_batch_size: int = _f(1024, "batch size of evaluation")
     drop_last: bool = _f(False, "drop the last, short training batch of an epoch")
     normalize: Normalize = _f(Normalize.standard, "feature scaling, from the train split's statistics")
+    target_scaling: TargetScaling = _f(
+        TargetScaling.standard,
+        "regression: targets standardised with the train split's mean and std for training (outputs and losses "
+        "stay in the target's units); none: trained as given",
+    )
     val_fraction: float = _f(0.1, "share of the training data held out for validation (stratified)")
     test_fraction: float = _f(0.2, "share held out for testing, where the dataset has no test split of its own")
     split_seed: int = _f(0, "seed of the validation and test splits (and of synthetic data); seed does not change them")

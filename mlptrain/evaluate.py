@@ -91,7 +91,8 @@ def regression_report(outputs: np.ndarray, y: np.ndarray, names: list[str]) -> d
 
 
 def _own_split(p: Predictor, split: str) -> tuple[np.ndarray, np.ndarray, str]:
-    """The rows of ``split`` of the checkpoint's dataset, normalised by the dataset (the check compares)."""
+    """The rows of ``split`` of the checkpoint's dataset, normalised by the dataset (the check compares),
+    and their labels or targets (a regression's in the targets' units)."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -112,7 +113,10 @@ def _own_split(p: Predictor, split: str) -> tuple[np.ndarray, np.ndarray, str]:
     source = ds.name
     if ds.name == "file":  # the file the split came from
         source = Path(cfg.test_path if split == "test" and cfg.test_path else cfg.path).name  # type: ignore[union-attr]
-    return getattr(ds, f"x_{split}"), getattr(ds, f"y_{split}"), f"{split} split of {source}"
+    y = getattr(ds, f"y_{split}")
+    if ds.target_scaling is not None:  # a regression: the targets in their own units, as the model's outputs are
+        y = ds.target_scaling.undo(y)
+    return getattr(ds, f"x_{split}"), y, f"{split} split of {source}"
 
 
 def evaluate(args: EvaluateArgs) -> tuple[dict[str, Any], Path]:

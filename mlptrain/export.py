@@ -6,13 +6,15 @@ under the names and layout of PyTorch's ``nn.Sequential(Linear, ReLU, ..., Linea
 (``0.weight`` ``(out, in)``, ``0.bias``, ``2.weight`` ...; without ReLU the indices run 0, 1, 2),
 so that ``model.load_state_dict(safetensors.torch.load_file(path))`` works. The header's
 ``__metadata__`` holds what scoring raw inputs needs besides (:func:`preprocessing`, as JSON
-under ``mlptrain``): the widths, the normalisation ``(x - shift) / scale``, and the feature, class
-and target names.
+under ``mlptrain``): the widths, the normalisation ``(x - shift) / scale``, the feature, class
+and target names, and for a regression its ``target_scaling`` (the network's output ``z`` is in
+standardised units: ``y = z * scale + shift``).
 
 **ONNX** (the ``onnx`` extra): the whole inference path as one graph, normalisation included::
 
     x (N, F) float32 -> Sub(shift) -> Mul(1/scale) -> [Gemm(W^T, b) -> Relu] ... -> Gemm -> logits (N, C)
     classification: probabilities = Softmax(logits), class_id = ArgMax(logits) (int64)
+    regression: ... -> Gemm -> Mul(target_scale) -> Add(target_shift) -> logits (N, T), in the targets' units
 
 with the same float32 arithmetic as :class:`mlptrain.inference.Predictor` on the CPU, so
 ONNX Runtime gives the same predictions (tests/test_export.py).
@@ -96,8 +98,35 @@ def preprocessing(p: Predictor) -> dict[str, Any]:
         "feature_names": p.feature_names,
         "class_names": p.class_names,
         "target_names": p.target_names,
+        **_target_scaling(p),
         "checkpoint": str(p.path),
     }
+
+
+def _target_scaling(p: Predictor) -> dict[str, Any]:
+    """A regression's ``target_scaling``: how the network's outputs become the targets' units."""
+    if p.classification:
+        return {}
+    t = p.targets
+    formula = "y = output * scale + shift"
+    return {
+        "target_scaling": {"method": t.method, "shift": t.shift.tolist(), "scale": t.scale.tolist(), "formula": formula}
+    }
+
+
+def _onnx_target_units(p: Predictor, z: str) -> tuple[list[Any], list[Any]]:
+    """``(nodes, initializers)``: a regression's ``logits = z * target_scale + target_shift`` (N, T), float32
+    as :class:`~mlptrain.inference.Predictor` computes it."""
+    from onnx import helper, numpy_helper
+
+    t = p.targets
+    inits = [
+        numpy_helper.from_array(a.astype(np.float32), name)
+        for name, a in (("target_scale", t.scale), ("target_shift", t.shift))
+    ]
+    nodes = [helper.make_node("Mul", [z, "target_scale"], ["z_scaled"])]
+    nodes.append(helper.make_node("Add", ["z_scaled", "target_shift"], ["logits"]))
+    return nodes, inits
 
 
 def safetensors_bytes(tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> bytes:
@@ -149,15 +178,19 @@ def onnx_model(p: Predictor) -> Any:
     for i, layer in enumerate(p.model.layers):
         w, b = (np.ascontiguousarray(p.backend.to_host(t.value), dtype=f32) for t in (layer.weight, layer.bias))
         inits += [numpy_helper.from_array(w, f"layer{i}.weight"), numpy_helper.from_array(b, f"layer{i}.bias")]
-        out = "logits" if i == len(p.model.layers) - 1 else f"z{i + 1}"
+        last = "logits" if p.classification else "z_out"  # a regression's units come after the last Gemm
+        out = last if i == len(p.model.layers) - 1 else f"z{i + 1}"
         # Gemm: h @ W^T + b, W (out, in) as mlptrain and PyTorch store it
         nodes.append(helper.make_node("Gemm", [f"h{i}", f"layer{i}.weight", f"layer{i}.bias"], [out], transB=1))
         if layer.relu:
             nodes.append(helper.make_node("Relu", [out], [f"h{i + 1}"]))
         elif layer.activation == "gelu":
             nodes += _onnx_gelu(out, f"h{i + 1}", i)
-        elif out != "logits":
+        elif out != last:
             nodes.append(helper.make_node("Identity", [out], [f"h{i + 1}"]))
+    if not p.classification:
+        units, unit_inits = _onnx_target_units(p, last)
+        nodes, inits = nodes + units, inits + unit_inits
     n, c = "N", p.num_outputs
     outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [n, c])]
     if p.classification:

@@ -11,7 +11,8 @@ runs, per batch::
       -> hidden layers: relu(x @ W^T + b)                         RELU_BIAS (no relu_aux: no backward)
       -> output layer:  logits = h @ W^T + b                      BIAS
       -> classification: class id = argmax(logits), probabilities = softmax(logits)
-         regression: the outputs themselves
+         regression: outputs * target_scale + target_shift          the targets' units (standardised
+                                                                   in training, data.target_scaling)
 
 Training uses RELU_AUX_BIAS, whose bit-packed ReLU mask (``relu_aux``) exists for the backward
 pass; inference needs no mask, so it uses the epilog that writes none (:meth:`MLP.forward` with
@@ -31,6 +32,7 @@ import numpy as np
 
 from mlptrain import checkpoint
 from mlptrain.backend import Backend, get_backend
+from mlptrain.data.dataset import raw_rows_problem, saved_target_scaling
 from mlptrain.errors import CheckpointError, ConfigError, DatasetError
 from mlptrain.execution import FusedExecution, NumpyGemm
 from mlptrain.network import MLP
@@ -98,6 +100,8 @@ class Predictor:
         self.target_names: list[str] | None = data.get("target_names")
         self.shift = ckpt.arrays["data/shift"].astype(np.float64)  # (F,)
         self.scale = ckpt.arrays["data/scale"].astype(np.float64)  # (F,), > 0
+        self.targets = saved_target_scaling(ckpt.meta, ckpt.arrays)  # a regression's outputs -> the targets' units
+        self.raw_rows_problem = raw_rows_problem(ckpt.meta, f"checkpoint {ckpt.path}")
         self.batch_size = batch_size
         self.backend: Backend = get_backend(device)
         self.precision = _precision(precision, ckpt.meta["precision"], self.backend)
@@ -146,7 +150,7 @@ class Predictor:
 
         ``progress`` is called with the number of rows of each batch as it is queued.
         """
-        x = self._check(x)
+        x = self._check(x, raw=True)
         if self.backend.is_gpu and len(x):
             if self._gpu is None:
                 from mlptrain.gpu.infer import GraphedInference
@@ -155,23 +159,27 @@ class Predictor:
             host = self._gpu.run(x, self.batch_size, classification=self.classification,
                                  probabilities=probabilities, progress=progress)  # fmt: skip
             if not self.classification:
-                return Outputs(values=host[0])
+                return Outputs(values=self.targets.undo(host[0]))
             return Outputs(class_id=host[0], probabilities=host[1] if probabilities else None)
-        return self._run_cpu(x, probabilities, progress)
+        out = self._run_cpu(x, probabilities, progress)
+        if out.values is not None:
+            out.values = self.targets.undo(out.values)
+        return out
 
     def logits(self, x: Any, *, normalised: bool = False) -> np.ndarray:
-        """The model's raw outputs ``(N, out)`` float32 (CPU or GPU; a regression's are its values).
+        """The model's outputs ``(N, out)`` float32 (CPU or GPU): a classification's logits, a regression's
+        values in the targets' units.
 
         ``normalised``: ``x`` is normalised already (a :class:`~mlptrain.data.Dataset`'s split).
         """
-        x = self._check(x)
+        x = self._check(x, raw=not normalised)
         out = np.empty((len(x), self.num_outputs), dtype=np.float32)
         for s in range(0, len(x), self.batch_size):
             rows = x[s : s + self.batch_size]
             xb = self._cast(rows) if normalised else self._normalise(rows)
             z = self.model.forward(xb, keep=False)  # RELU_BIAS ... BIAS
             out[s : s + len(z)] = z.get() if self.backend.is_gpu else z
-        return out
+        return out if self.classification else self.targets.undo(out)
 
     def _run_cpu(self, x: np.ndarray, probabilities: bool, progress: Callable[[int], None] | None) -> Outputs:
         n = len(x)
@@ -206,7 +214,9 @@ class Predictor:
         xp = self.backend.xp
         return xp.ascontiguousarray(xp.asarray(x).astype(self.precision.compute_dtype, copy=False))
 
-    def _check(self, x: Any) -> Any:
+    def _check(self, x: Any, raw: bool = False) -> Any:
+        if raw and self.raw_rows_problem:
+            raise CheckpointError(self.raw_rows_problem)
         if getattr(x, "ndim", None) != 2 or x.shape[1] != self.num_features:
             shape = getattr(x, "shape", type(x).__name__)
             raise DatasetError(

@@ -10,6 +10,8 @@ for the loss; the gradient is cast back to the logits' dtype after multiplying b
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -75,13 +77,20 @@ def _with_gradient(loss: Any, g: Any, correct: Any, logits: Any, bias_grad: bool
     return loss, d, correct
 
 
-def mse(logits: Any, y: Any, grad_scale: Any = 1.0, *, bias_grad: bool = False, inplace: bool = False) -> tuple:
+def mse(
+    logits: Any, y: Any, grad_scale: Any = 1.0, *, bias_grad: bool = False, inplace: bool = False, weight: Any = None
+) -> tuple:
     """Mean squared error of ``logits (B, C)`` against regression targets ``y (B, C)``, or against
     the one-hot encoding of class labels ``y (B,)``. ``bias_grad`` and ``inplace`` as for
     :func:`softmax_cross_entropy`.
 
     ``loss = mean over B and C of (z - t)^2``; ``dlogits = 2 (z - t) / (B C)``. ``correct`` counts
     the rows whose argmax is the label (classification); it is 0 for a regression.
+
+    ``weight``: ``(C,)`` float32, the reported loss is ``mean of weight * (z - t)^2`` while the
+    gradient stays that of the unweighted loss. With standardised targets (``t = (y - shift) /
+    scale``) and ``weight = scale^2`` the loss is the MSE in the targets' own units,
+    ``mean((z * scale + shift - y)^2)``, and the model still trains on the standardised problem.
     """
     xp = get_array_module(logits)
     B, C = logits.shape
@@ -92,9 +101,15 @@ def mse(logits: Any, y: Any, grad_scale: Any = 1.0, *, bias_grad: bool = False, 
     else:
         z -= xp.arange(C)[None, :] == y[:, None]  # residual (B, C)
         correct = (logits.argmax(axis=1) == y).sum()
-    loss = (z * z).mean()
+    loss = (z * z).mean() if weight is None else (z * z * weight).mean()  # (B, C) * (C,): in the targets' units
     z *= 2.0 * grad_scale / (B * C) if isinstance(grad_scale, float) else grad_scale * (2.0 / (B * C))
     return _with_gradient(loss, z, correct, logits, bias_grad, inplace)
+
+
+def mse_in_units(scale: Any) -> Callable[..., tuple]:
+    """:func:`mse` of standardised targets reported in their units: ``scale (C,)`` the targets' standard
+    deviations on the device (``weight = scale^2``), the gradient that of the standardised loss."""
+    return functools.partial(mse, weight=scale * scale)
 
 
 LOSSES = {"cross_entropy": softmax_cross_entropy, "mse": mse}

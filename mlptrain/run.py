@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from mlptrain import __version__, checkpoint, faults
+from mlptrain import __version__, build, checkpoint, faults
 from mlptrain.backend import get_backend
 from mlptrain.checks import validate
 from mlptrain.config import TrainConfig, to_plain
@@ -146,7 +146,8 @@ def _train_locked(
             start = prepare(tr, run_dir)
             stop.defer()  # accepted: from here a stop request saves last first
             _accept(tr, run_dir, start, on_accept)
-            with MetricsWriter(run_dir.metrics, start.metrics.records, _sinks(tr, run_dir, start)) as metrics:
+            writer = MetricsWriter(run_dir.metrics, start.metrics.records, _sinks(tr, run_dir, start))
+            with writer as metrics, backend.blas_threads(build.step_flops(tr.widths, cfg.data.batch_size)):
                 summary = Loop(tr, run_dir, metrics, stop, start).run()
             if backend.is_gpu:
                 _record_memory(tr, run_dir, start)

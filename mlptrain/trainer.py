@@ -34,8 +34,9 @@ import numpy as np
 from mlptrain import bgrad, build, shell
 from mlptrain.backend import Backend, get_backend
 from mlptrain.config import TrainConfig
-from mlptrain.data import Dataset, load_dataset
+from mlptrain.data import Dataset, load_dataset, preprocess
 from mlptrain.errors import CheckpointError
+from mlptrain.losses import mse_in_units
 from mlptrain.schedule import StepClock
 from mlptrain.steplog import StepLog
 
@@ -70,7 +71,7 @@ class Trainer:
             from mlptrain.gpu.precompile import start
 
             self._precompile = start(self.precision, resume=cfg.resume is not None)
-        self.dataset = dataset or load_dataset(cfg.data, seed=cfg.seed)
+        self.dataset = load_dataset(cfg.data) if dataset is None else preprocess(dataset, cfg.data)  # one path
         self.widths = build.widths(cfg.model, self.dataset)
         # Independent host streams for init and data order, from one seed.
         init_seed, data_seed = np.random.SeedSequence(cfg.seed).spawn(2)
@@ -85,6 +86,8 @@ class Trainer:
         if self.backend.is_gpu and two_streams:
             self.model.use_wgrad_stream()  # dW GEMMs concurrent with the dX chain
         self.head = build.head(cfg, self.backend, self.widths)
+        if (units := self.dataset.target_units()) is not None:  # standardised targets (mse): losses in their units
+            self.head.loss_fn = mse_in_units(xp.asarray(units))
         cdt = self.precision.compute_dtype
         shard = (comm.rank, comm.world) if comm is not None else None
         self.train_loader, self.eval_loaders = build.loaders(
@@ -328,10 +331,8 @@ class Trainer:
                 extra or misshapen arrays (``where`` names the checkpoint in the message).
         """
         self._check_fits(arrays, meta, where)
-        _, now = self.dataset.preprocessing()
-        if any(k in arrays and not np.array_equal(arrays[k], v) for k, v in now.items()):
-            log.warning("%s: the data is normalised differently than when the checkpoint was saved (the data changed)",
-                        where)  # fmt: skip
+        if self.dataset.preprocessing_differs(arrays, where):
+            log.warning("%s: the data is normalised differently than when the checkpoint was saved", where)
         self.model.load_state_dict({k[len("param/") :]: v for k, v in arrays.items() if k.startswith("param/")})
         self.optimizer.load_state_dict({k[len("optim/") :]: v for k, v in arrays.items() if k.startswith("optim/")})
         if self.scaler.enabled and meta["scaler"] is not None:

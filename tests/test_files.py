@@ -137,7 +137,7 @@ def test_regression_on_one_target_column_trains_fused_as_naive(tmp_path: Path, b
     write(tmp_path / "r.csv", x, y, target="y")
     losses = {}
     for mode in (Mode.fused, Mode.naive):
-        cfg = file_cfg(tmp_path / "r.csv", epochs=4, model__loss=LossName.mse, optimizer__lr=0.01,
+        cfg = file_cfg(tmp_path / "r.csv", epochs=4, model__loss=LossName.mse,
                        model__hidden=[16, 8], execution__mode=mode)  # fmt: skip
         cfg.data.target = "y"
         if mode is Mode.fused:

@@ -7,15 +7,16 @@ module          what it owns
 ``sources``     the built-in datasets: ``digits`` (bundled, SHA-256 checked), ``mnist1d``
                 (generated offline), ``mnist`` and ``fashion_mnist`` (downloaded), ``synthetic``
 ``idx``         the IDX format and the verifying downloader of MNIST and Fashion-MNIST
-``prepare``     :func:`load_dataset`: a name to a :class:`Dataset`, split and normalised
+``prepare``     :func:`load_dataset`: a name to a :class:`Dataset`, split and :func:`preprocess`-ed
+                (normalised; a regression's targets standardised): the one path of every dataset
 =============== ==================================================================
 
 Nothing here imports CuPy: :mod:`mlptrain.loader` moves the arrays to the device.
 """
 
-from mlptrain.data.dataset import Dataset
+from mlptrain.data.dataset import Dataset, Normalization
 from mlptrain.data.idx import CHECKSUMS, IDX_FILES, MIRRORS, FileSpec, read_idx, write_idx
-from mlptrain.data.prepare import DATASETS, load_dataset, stratified_split
+from mlptrain.data.prepare import DATASETS, load_dataset, preprocess, stratified_split
 
 __all__ = [
     "CHECKSUMS",
@@ -24,7 +25,9 @@ __all__ = [
     "MIRRORS",
     "Dataset",
     "FileSpec",
+    "Normalization",
     "load_dataset",
+    "preprocess",
     "read_idx",
     "stratified_split",
     "write_idx",

@@ -1,9 +1,14 @@
 """The :class:`Dataset`: one dataset's splits as host arrays, and what a trained model needs of it.
 
 Besides the splits, a dataset carries what scoring raw inputs later needs (it goes into every
-checkpoint, :meth:`Dataset.preprocessing`): the names of the features, classes and targets, and
-the normalisation (:class:`Normalization`: ``x_normalised = (x_raw - shift) / scale``, from the
-train split's statistics).
+checkpoint, :meth:`Dataset.preprocessing`): the names of the features, classes and targets, the
+normalisation (:class:`Normalization`: ``x_normalised = (x_raw - shift) / scale``, from the
+train split's statistics) and, for a regression, the scaling of the targets (the same form:
+``y_scaled = (y - shift) / scale``; the model's outputs are ``y = output * scale + shift``).
+
+A dataset whose ``normalization`` (``target_scaling``) is None holds raw features (targets):
+:func:`mlptrain.data.prepare.preprocess` computes them from its train split, the one path that
+``data=<name>`` and a dataset built in Python both take.
 """
 
 from __future__ import annotations
@@ -20,31 +25,41 @@ TASKS = ("classification", "regression")
 
 @dataclass
 class Normalization:
-    """``(x - shift) / scale`` per feature; ``method`` says how the train split's statistics were taken."""
+    """``(x - shift) / scale`` per feature (or target); ``method`` says how the statistics were taken.
+
+    ``origin``: ``train split`` (mlptrain took the statistics, :mod:`mlptrain.data.prepare`) or
+    ``dataset`` (given with the :class:`Dataset`, kept as it is).
+    """
 
     method: str
     shift: np.ndarray  # (F,) float64
     scale: np.ndarray  # (F,) float64, > 0
+    origin: str = "dataset"
 
     @classmethod
     def identity(cls, features: int) -> Normalization:
-        return cls("none", np.zeros(features), np.ones(features))
+        return cls("none", np.zeros(features), np.ones(features), "train split")
 
     def apply(self, x: np.ndarray) -> np.ndarray:
         """``x (N, F)`` raw -> float32 C-contiguous, normalised as the training data was."""
         shift32, inv32 = self.shift.astype(np.float32), (1.0 / self.scale).astype(np.float32)
         return np.ascontiguousarray((np.asarray(x, dtype=np.float32) - shift32) * inv32)
 
+    def undo(self, z: np.ndarray) -> np.ndarray:
+        """``z (N, T)`` scaled -> ``z * scale + shift`` float32: a regression's outputs in the target's units."""
+        return np.asarray(z, dtype=np.float32) * self.scale.astype(np.float32) + self.shift.astype(np.float32)
+
 
 @dataclass
 class Dataset:
-    """One dataset's splits as host arrays, normalised with statistics of the train split.
+    """One dataset's splits as host arrays: raw, or normalised with statistics of the train split.
 
     Attributes:
         name: Dataset name (``digits``, ``file``, anything for a dataset built in Python).
-        x_train: ``(N, F)`` float32, C-contiguous.
+        x_train: ``(N, F)`` features: raw (any real dtype) while ``normalization`` is None, else
+            float32, C-contiguous, normalised by it.
         y_train: classification: ``(N,)`` int64 labels in ``[0, num_classes)``; regression:
-            ``(N, T)`` float32 targets.
+            ``(N, T)`` float32 targets, scaled by ``target_scaling`` unless it is None (raw).
         x_val, y_val: the validation split (``V == 0`` rows when ``val_fraction == 0``).
         x_test, y_test: the test split.
         num_classes: classification: the number of classes ``C``; regression: the number of targets ``T``.
@@ -52,7 +67,11 @@ class Dataset:
         task: ``classification`` or ``regression``.
         feature_names: ``F`` column names, or None.
         target_names: regression: ``T`` column names, or None.
-        normalization: how the raw features were normalised (None: not known, e.g. built by hand).
+        normalization: how the features were normalised; None: they are raw, and training normalises
+            them from ``x_train`` (``data.normalize``). Give your own to keep it: the arrays are then
+            taken as normalised by it, and every checkpoint scores raw rows with it.
+        target_scaling: regression: how the targets were scaled; None: they are raw, and training
+            standardises them from ``y_train`` (``data.target_scaling``).
     """
 
     name: str
@@ -68,6 +87,7 @@ class Dataset:
     feature_names: list[str] | None = None
     target_names: list[str] | None = None
     normalization: Normalization | None = field(default=None, repr=False)
+    target_scaling: Normalization | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
@@ -111,7 +131,12 @@ class Dataset:
         return int(self.num_classes)
 
     def preprocessing(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-        """``(meta, arrays)`` that scoring raw inputs needs: names, task, and the normalisation's arrays."""
+        """``(meta, arrays)`` that scoring raw inputs needs: names, task, the normalisation's arrays and
+        (a regression) the target scaling's, ``data/target_shift`` and ``data/target_scale`` ``(T,)``.
+
+        ``normalization_from`` says where the normalisation came from: ``train split``, ``dataset``
+        (its own), or ``unknown`` (raw features never normalised: a checkpoint then cannot score raw rows).
+        """
         norm = self.normalization or Normalization.identity(self.num_features)
         meta = {
             "name": self.name,
@@ -120,8 +145,38 @@ class Dataset:
             "class_names": self.class_names,
             "target_names": self.target_names,
             "normalize": norm.method,
+            "normalization_from": norm.origin if self.normalization is not None else "unknown",
+            "target_scaling": None,
         }
-        return meta, {"data/shift": norm.shift, "data/scale": norm.scale}
+        arrays = {"data/shift": norm.shift, "data/scale": norm.scale}
+        if self.task == "regression":
+            ts = self.target_scaling or Normalization.identity(self.num_outputs)
+            meta["target_scaling"] = ts.method
+            arrays.update({"data/target_shift": ts.shift, "data/target_scale": ts.scale})
+        return meta, arrays
+
+    def preprocessing_differs(self, arrays: dict[str, np.ndarray], where: str) -> bool:
+        """Whether a checkpoint's ``data/`` arrays (``where`` names it) hold another preprocessing than this
+        dataset's (a resume then warns).
+
+        Raises:
+            DatasetError: the checkpoint is a regression's trained on unscaled targets (saved before
+                ``data.target_scaling``) and this dataset's targets are standardised: its outputs would be
+                read in the wrong units.
+        """
+        _, now = self.preprocessing()
+        if self.target_units() is not None and "data/target_scale" not in arrays:
+            raise DatasetError(
+                f"{where} was trained on the targets as they are (it holds no data/target_scale), but this run "
+                "standardises them (data.target_scaling=standard); resume with data.target_scaling=none"
+            )
+        return any(k in arrays and not np.array_equal(arrays[k], v) for k, v in now.items())
+
+    def target_units(self) -> np.ndarray | None:
+        """``(T,)`` float32: what a standardised regression's residual is multiplied by to be in the targets'
+        units (losses are reported in them); None: the targets are as given (or it is a classification)."""
+        ts = self.target_scaling
+        return None if ts is None or ts.method == "none" else ts.scale.astype(np.float32)
 
 
 @dataclass
@@ -137,6 +192,37 @@ class Raw:
     task: str = "classification"
     feature_names: list[str] | None = None
     target_names: list[str] | None = None
+
+
+def saved_target_scaling(meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> Normalization:
+    """How a checkpoint's regression outputs become the targets' units (``data/target_shift``,
+    ``data/target_scale`` ``(T,)`` of :meth:`Dataset.preprocessing`); without them (a classification,
+    or a checkpoint saved before targets were scaled) the outputs are the targets as they are."""
+    if "data/target_scale" not in arrays:
+        return Normalization.identity(int(meta["widths"][-1]))
+    shift, scale = (arrays[f"data/target_{k}"].astype(np.float64) for k in ("shift", "scale"))
+    return Normalization(str((meta.get("data") or {}).get("target_scaling")), shift, scale, "train split")
+
+
+def raw_rows_problem(meta: dict[str, Any], where: str) -> str | None:
+    """Why a checkpoint (``meta``, named ``where``) cannot score raw rows, or None.
+
+    Its normalisation is unknown where :meth:`Dataset.preprocessing` said so, and in checkpoints of
+    a Dataset built in Python by mlptrain before the one preprocessing path, which saved identity
+    preprocessing (``normalize: none``) while the config said ``data.normalize=standard``: their
+    features may have been normalised by hand, in a way the checkpoint does not hold.
+    """
+    data = meta.get("data") or {}
+    origin = data.get("normalization_from")
+    config_says = ((meta.get("config") or {}).get("data") or {}).get("normalize", "standard")
+    if origin == "unknown" or (origin is None and data.get("normalize") == "none" and config_says != "none"):
+        return (
+            f"{where} was trained on a Dataset built in Python whose normalisation it does not hold "
+            f"(data.normalize={config_says}, its preprocessing 'none'), so it cannot score raw rows; pass rows "
+            "normalised as its training data with Predictor.logits(x, normalised=True), or train it again with "
+            "this mlptrain, which normalises a Dataset's raw features and keeps the normalisation"
+        )
+    return None
 
 
 def first_nonfinite(x: np.ndarray) -> tuple[int, int] | None:

@@ -1,4 +1,9 @@
-"""From a dataset name to a :class:`Dataset`: splits and normalisation, in NumPy only.
+"""From a dataset name to a :class:`Dataset`: splits, normalisation and target scaling, in NumPy only.
+
+:func:`preprocess` is the one preprocessing path: :func:`load_dataset` (``data=<name>``) and a
+:class:`Dataset` built in Python (``mlptrain.train(cfg, out_dir, dataset=...)``) both go through it,
+so both are normalised from their train split as ``data.normalize`` says, and a regression's
+targets are standardised as ``data.target_scaling`` says, unless the dataset brings its own.
 
 All randomness comes from a ``numpy.random.Generator`` seeded by ``data.split_seed``, so the
 splits (and synthetic data) depend on nothing else: the run's ``seed`` changes the initial weights
@@ -8,6 +13,7 @@ moves the arrays to the device.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -72,16 +78,66 @@ def normalization(method: str, x_train: np.ndarray) -> Normalization:
     else:
         raise ConfigError(f"data.normalize={method!r} is not a normalisation; expected standard, minmax or none")
     floor = max(STD_FLOOR, REL_FLOOR * float(np.median(scale)))
-    return Normalization(method, shift, np.where(scale < floor, 1.0, scale))  # centre only below the floor
+    return Normalization(method, shift, np.where(scale < floor, 1.0, scale), "train split")  # centre below the floor
+
+
+def target_scaling(method: str, y_train: np.ndarray) -> Normalization:
+    """A regression's targets standardised from the train split: ``(y - mean) / std`` per target, ``y_train (N, T)``.
+
+    Each target on its own (no floor relative to the others: a price and a rate are both scaled);
+    a constant target is only centred.
+    """
+    if method == "none":
+        return Normalization.identity(y_train.shape[1])
+    if method != "standard":
+        raise ConfigError(f"data.target_scaling={method!r} is not a target scaling; expected standard or none")
+    shift = y_train.mean(axis=0, dtype=np.float64)  # (T,)
+    scale = y_train.std(axis=0, dtype=np.float64)  # (T,)
+    floor = STD_FLOOR * np.maximum(1.0, np.abs(shift))  # (T,)
+    return Normalization(method, shift, np.where(scale > floor, scale, 1.0), "train split")
+
+
+def preprocess(ds: Dataset, cfg: DataConfig) -> Dataset:
+    """``ds`` normalised from its train split (``cfg.normalize``), and a regression's targets scaled
+    (``cfg.target_scaling``), where it does not bring its own (:attr:`Dataset.normalization`,
+    :attr:`Dataset.target_scaling`: then kept, and the log says so).
+
+    Raises:
+        ConfigError: ``data.target_scaling`` set for a classification, or an unknown method.
+    """
+    method, scaling = (str(getattr(v, "value", v)) for v in (cfg.normalize, cfg.target_scaling))
+    if ds.task != "regression" and scaling != "standard":
+        raise ConfigError(
+            f"data.target_scaling={scaling}: dataset {ds.name!r} is a classification; target scaling applies to "
+            "regressions only (leave it at its default)"
+        )
+    new: dict = {}
+    if ds.normalization is None:
+        norm = normalization(method, ds.x_train)
+        new.update({f"x_{s}": norm.apply(getattr(ds, f"x_{s}")) for s in ("train", "val", "test")}, normalization=norm)
+    elif ds.normalization.origin == "dataset":  # the caller's own (a load_dataset result is preprocessed already)
+        kept = ds.normalization.method
+        log.info(
+            "dataset %s: its own normalisation (%s) is kept; data.normalize=%s is not applied", ds.name, kept, method
+        )
+    if ds.task == "regression" and ds.target_scaling is None:
+        ts = target_scaling(scaling, ds.y_train)
+        new.update({f"y_{s}": ts.apply(getattr(ds, f"y_{s}")) for s in ("train", "val", "test")}, target_scaling=ts)
+        how = "standardised" if ts.method == "standard" else "as given"
+        shift, scale = (np.round(a, 4).tolist() for a in (ts.shift, ts.scale))
+        log.info(
+            "dataset %s: targets %s (shift %s, scale %s); outputs and losses in their units", ds.name, how, shift, scale
+        )
+    return dataclasses.replace(ds, **new) if new else ds
 
 
 def load_dataset(cfg: DataConfig, seed: int | None = None) -> Dataset:
-    """Load ``cfg.name``, split it with a generator seeded by ``cfg.split_seed`` and normalise it.
+    """Load ``cfg.name``, split it with a generator seeded by ``cfg.split_seed`` and :func:`preprocess` it.
 
     Datasets without a test split of their own (digits, synthetic, a file without a test file)
     first lose a stratified ``test_fraction`` to the test split; then a stratified ``val_fraction`` of
-    what remains becomes the validation split. Normalisation statistics come from the train split
-    only, and stay with the dataset (:attr:`Dataset.normalization`).
+    what remains becomes the validation split. Normalisation (and target scaling) statistics come
+    from the train split only, and stay with the dataset (:attr:`Dataset.normalization`).
 
     Args:
         cfg: The data config; ``name`` and ``normalize`` may be enum members or plain strings.
@@ -102,11 +158,21 @@ def load_dataset(cfg: DataConfig, seed: int | None = None) -> Dataset:
     rng = np.random.default_rng([cfg.split_seed, 0xDA7A])  # a stream of its own, apart from init and data order
     raw = SOURCES[name](cfg, rng)
     (x_tr, y_tr), (x_val, y_val), (x_te, y_te) = _split(name, cfg, raw, rng)
-    norm = normalization(str(getattr(cfg.normalize, "value", cfg.normalize)), x_tr)
-    ds = Dataset(
-        name, norm.apply(x_tr), y_tr, norm.apply(x_val), y_val, norm.apply(x_te), y_te, raw.num_classes,
-        raw.class_names, raw.task, raw.feature_names, raw.target_names, norm,
-    )  # fmt: skip
+    split = Dataset(
+        name,
+        x_tr,
+        y_tr,
+        x_val,
+        y_val,
+        x_te,
+        y_te,
+        raw.num_classes,
+        raw.class_names,
+        raw.task,
+        raw.feature_names,
+        raw.target_names,
+    )  # raw features and targets
+    ds = preprocess(split, cfg)
     log.info(
         "dataset %s: %d train, %d val, %d test, %d features, %d %s",
         name, len(ds.x_train), len(ds.x_val), len(ds.x_test), ds.num_features, raw.num_classes,
