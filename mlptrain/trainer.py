@@ -108,8 +108,23 @@ class Trainer:
         self.schedule = build.schedule(cfg.optimizer, xp, self.clock, self.total_steps)
         # Per-step metrics and the end-of-step bookkeeping, on the device (read every log_every steps).
         self.log = StepLog(xp, cfg.log_every, self.scaler, self.schedule)
-        # The stream the training loop runs on: a non-default CUDA stream on the GPU (graph
-        # capture needs one); on the CPU a context that does nothing.
+        self._device_runtime(comm is None)
+        bgrad.choose(self)  # on the GPU it may time the step, so after everything the step uses
+        if self.backend.is_gpu:  # blocks set-up freed (the probe's, temporaries of the weights' init) go back
+            xp.get_default_memory_pool().free_all_blocks()  # to the device: the step allocates from its own pool
+        if self.grad_sync is not None and self.backend.is_gpu:  # after the probe: it times one rank's step alone
+            self.grad_sync.overlap(self.model)  # each layer's weight gradient all-reduced as soon as it is made
+        if self._precompile is not None:  # the kernels of the step and of evaluation, planned from what was built
+            from mlptrain.gpu.precompile import step_jobs
+
+            self._precompile.submit(step_jobs(self), last=True)
+
+    def _device_runtime(self, one_process: bool) -> None:
+        """The stream the training loop runs on, the step's CUDA graph and the pools' high-water mark.
+
+        On the GPU a non-default CUDA stream (graph capture needs one); on the CPU a context that does nothing.
+        """
+        cfg, xp = self.cfg, self.xp
         self.stream: Any = contextlib.nullcontext()
         self.graphed: Any = None
         self.memory_peak: Any = None  # GPU: high-water mark of the pools (mlptrain.gpu.memory)
@@ -121,7 +136,7 @@ class Trainer:
             self.memory_peak = PeakTracker(lambda: self.graphed.pool_bytes() if self.graphed is not None else 0)
         # Each training batch gathered by the step itself (train_batches): where the step is one replayed graph
         # and one process trains (data parallel ranks gather theirs as they did); tests turn it on, on the CPU.
-        self.gathers_in_step = self.backend.is_gpu and cfg.graph is not False and comm is None
+        self.gathers_in_step = self.backend.is_gpu and cfg.graph is not False and one_process
         self._own_batches: dict[int, tuple[Any, Any]] = {}  # rows -> the buffers such a step gathers into
         if self.backend.is_gpu and cfg.graph is not False:
             from mlptrain.gpu.graph import GraphedStep
@@ -130,15 +145,6 @@ class Trainer:
             self.graphed = GraphedStep(
                 self._launch, keep=model.step_arrays, restore=model.restore_step_arrays, release=self.release_step
             )
-        bgrad.choose(self)  # on the GPU it may time the step, so after everything the step uses
-        if self.backend.is_gpu:  # blocks set-up freed (the probe's, temporaries of the weights' init) go back
-            xp.get_default_memory_pool().free_all_blocks()  # to the device: the step allocates from its own pool
-        if self.grad_sync is not None and self.backend.is_gpu:  # after the probe: it times one rank's step alone
-            self.grad_sync.overlap(self.model)  # each layer's weight gradient all-reduced as soon as it is made
-        if self._precompile is not None:  # the kernels of the step and of evaluation, planned from what was built
-            from mlptrain.gpu.precompile import step_jobs
-
-            self._precompile.submit(step_jobs(self), last=True)
 
     # --- the step ---------------------------------------------------------------------------
 
