@@ -98,7 +98,7 @@ def check_exact(values: np.ndarray, name: str, where: Callable[[int], str], path
     if len(bad):
         row = int(bad[0])
         raise DatasetError(
-            f"data file {path} {where(row)}, column {name!r}: label {values[row]!r} is not a whole number that "
+            f"data file {path} {where(row)}, column {name!r}: label {float(values[row])!r} is not a whole number that "
             f"float64 holds exactly (up to 2**53 = {EXACT}); write class labels as integers or as text"
         )
 
