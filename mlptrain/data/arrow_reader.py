@@ -116,17 +116,32 @@ def arrow_table(path: Path, table: Any, targets: list[str], text: bool, setting:
     return out
 
 
-def target_cells(col: Any) -> tuple[np.ndarray, np.ndarray | None]:
-    """A target column for :func:`labels.read_targets`: text cells (a CSV's), or typed values and their nulls."""
+def target_cells(col: Any) -> labels.Column:
+    """A target column normalised as :mod:`mlptrain.data.labels` does it, in Arrow where that is faster.
+
+    Text (a CSV's cells, a Parquet string column) is trimmed; all numbers are cast by Arrow (int64
+    exact, else float64: what :func:`labels.as_numbers` makes of them); anything else is dictionary-encoded
+    and worked out on its distinct cells (:func:`labels.coded_column`). Typed columns keep their nulls.
+    """
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    numeric = pa.types.is_integer(col.type) or pa.types.is_floating(col.type) or pa.types.is_boolean(col.type)
-    if not numeric and not pa.types.is_string(col.type):
-        col = pc.cast(col, pa.string())  # dates, categories (dictionaries), large strings: as their text
-    nulls = pc.is_null(col).to_numpy(zero_copy_only=False) if numeric or col.null_count else None
-    filler = pa.scalar(False if pa.types.is_boolean(col.type) else 0 if numeric else "", col.type)
-    return pc.fill_null(col, filler).to_numpy(zero_copy_only=False), nulls
+    if pa.types.is_integer(col.type) or pa.types.is_floating(col.type) or pa.types.is_boolean(col.type):
+        nulls = pc.is_null(col).to_numpy(zero_copy_only=False)
+        filler = pa.scalar(False if pa.types.is_boolean(col.type) else 0, col.type)
+        return labels.typed_column(pc.fill_null(col, filler).to_numpy(zero_copy_only=False), nulls)
+    text = col if pa.types.is_string(col.type) else pc.cast(col, pa.string())  # dates, categories: their text
+    text = pc.utf8_trim_whitespace(pc.fill_null(text, ""))  # a null reads as an empty cell: missing
+    for to in (pa.int64(), pa.float64()):
+        try:  # the first cells first: a failed cast of a whole text column takes as long as a parse
+            pc.cast(text.slice(0, 1024), to)
+            values = pc.cast(text, to).to_numpy(zero_copy_only=False)
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+            continue
+        return labels.typed_column(values, np.zeros(len(values), bool))
+    coded = pc.dictionary_encode(text).combine_chunks()  # (N,) codes into the distinct cells
+    uniques = np.asarray(coded.dictionary.to_numpy(zero_copy_only=False), dtype=str)
+    return labels.coded_column(uniques, coded.indices.to_numpy(zero_copy_only=False))
 
 
 def feature_matrix(path: Path, table: Any, features: list[str], text: bool) -> np.ndarray:

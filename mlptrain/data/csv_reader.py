@@ -112,6 +112,6 @@ def read_csv_numpy(path: Path, delimiter: str, targets: list[str], setting: str 
     table = Table(path, x, None, [names[i] for i in features], targets)
     if target_cols:
         cells = np.loadtxt(path, usecols=target_cols, dtype=str, ndmin=2, encoding="utf-8", **opts)  # (N, T) text
-        columns = [(cells[:, j], None) for j in range(cells.shape[1])]
+        columns = [labels.text_column(cells[:, j]) for j in range(cells.shape[1])]
         table.y, table.missing, table.problem = labels.read_targets(columns, targets, table.where, path)
     return table

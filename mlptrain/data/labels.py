@@ -32,50 +32,71 @@ def is_number(text: str) -> bool:
     return True
 
 
-def text_column(cells: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+Column = tuple[np.ndarray, np.ndarray, "np.ndarray | None"]  # values, missing (N,) bool, mixed rows or None
+
+
+def text_column(cells: np.ndarray) -> Column:
     """``cells (N,)`` text -> ``(values, missing, mixed)``.
 
     ``values`` is int64, float64 or str (a missing cell holds 0 or ``""``); ``missing (N,)`` bool;
     ``mixed`` the rows of the minority kind (numbers or text) when the column holds both, else None.
     """
     cells = np.char.strip(np.asarray(cells, dtype=str))
-    missing = np.isin(cells, MISSING)
-    present = cells[~missing]
-    for dtype in (np.int64, np.float64):  # whole numbers exactly (int64), then any number
+    numbers = as_numbers(cells)  # every cell a number: the usual target, at once
+    if numbers is not None:
+        return numbers
+    uniques, codes = np.unique(cells, return_inverse=True)  # a label column has few distinct cells
+    return coded_column(uniques, codes.reshape(-1))
+
+
+def coded_column(uniques: np.ndarray, codes: np.ndarray) -> Column:
+    """:func:`text_column` of ``uniques[codes]`` (stripped, distinct cells), worked out on the distinct cells."""
+    uniques = np.asarray(uniques, dtype=str)
+    missing_u = np.isin(uniques, MISSING)
+    numbers = as_numbers(uniques[~missing_u])
+    if numbers is not None:  # numbers and missing cells
+        values_u = np.zeros(len(uniques), numbers[0].dtype)
+        values_u[~missing_u] = numbers[0]
+        missing_u[~missing_u] = numbers[1]
+        return values_u[codes], missing_u[codes], None
+    numeric_u = np.array([is_number(str(u)) for u in uniques], dtype=bool) & ~missing_u
+    missing, numeric = missing_u[codes], numeric_u[codes]  # (N,)
+    text = ~missing & ~numeric
+    mixed = None
+    if numeric.any() and text.any():
+        mixed = np.flatnonzero(numeric if numeric.sum() <= text.sum() else text)  # the fewer: the odd ones
+    return np.where(missing_u, "", uniques)[codes], missing, mixed
+
+
+def as_numbers(cells: np.ndarray) -> Column | None:
+    """``(values, missing, None)`` of text cells that are all numbers: int64 (exact) if whole, else float64."""
+    for dtype in (np.int64, np.float64):
         try:
-            numbers = present.astype(dtype)
+            values = cells.astype(dtype)
         except (ValueError, OverflowError):
             continue
-        values = np.zeros(len(cells), dtype)
-        values[~missing] = numbers
-        return values, missing, None
-    kinds, inverse = np.unique(present, return_inverse=True)  # a label column has few distinct values
-    numeric = np.array([is_number(str(k)) for k in kinds], dtype=bool)[inverse]  # (present,)
-    mixed = None
-    if numeric.any() and not numeric.all():
-        minority = numeric if 2 * numeric.sum() <= len(numeric) else ~numeric
-        mixed = np.flatnonzero(~missing)[minority]
-    return np.where(missing, "", cells), missing, mixed
+        return typed_column(values, np.zeros(len(values), bool))  # NaN (nan, NaN) is missing
+    return None
 
 
-def typed_column(values: np.ndarray, missing: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """A typed (Parquet) column -> ``(values, missing)``: integers as int64, floats as float64, NaN missing."""
+def typed_column(values: np.ndarray, missing: np.ndarray) -> Column:
+    """A typed (Parquet) column -> ``(values, missing, None)``: integers int64, floats float64, NaN missing."""
     if values.dtype.kind in "iub":
-        return values.astype(np.int64), missing
+        return values.astype(np.int64), missing, None
     values = values.astype(np.float64)
     missing = missing | np.isnan(values)
-    return np.where(missing, 0.0, values), missing
+    return np.where(missing, 0.0, values), missing, None
 
 
-def stack(columns: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray | None]:
+def stack(columns: list[Column]) -> tuple[np.ndarray, np.ndarray | None]:
     """The target columns as ``y (N,)`` (one) or ``(N, T)``, and the rows with a missing cell (None: none)."""
-    missing = np.logical_or.reduce([m for _, m in columns])
+    missing = np.logical_or.reduce([m for _, m, _ in columns])
     if len(columns) == 1:
         y = columns[0][0]
-    elif all(v.dtype.kind in "if" for v, _ in columns):
-        y = np.stack([v.astype(np.float64) for v, _ in columns], axis=1)
+    elif all(v.dtype.kind in "if" for v, _, _ in columns):
+        y = np.stack([v.astype(np.float64) for v, _, _ in columns], axis=1)
     else:
-        y = np.stack([v.astype(str) for v, _ in columns], axis=1)
+        y = np.stack([v.astype(str) for v, _, _ in columns], axis=1)
     return y, (missing if missing.any() else None)
 
 
@@ -104,23 +125,16 @@ def check_exact(values: np.ndarray, name: str, where: Callable[[int], str], path
 
 
 def read_targets(
-    columns: list[tuple[np.ndarray, np.ndarray | None]], names: list[str], where: Callable[[int], str], path: object
+    columns: list[Column], names: list[str], where: Callable[[int], str], path: object
 ) -> tuple[np.ndarray, np.ndarray | None, str | None]:
-    """The target columns (each text cells with None, or typed values with their null mask) as ``y``.
+    """The normalised target columns (:func:`text_column`, :func:`coded_column`, :func:`typed_column`) as ``y``.
 
     Returns ``y (N,)`` or ``(N, T)``, the rows with a missing cell (None: none) and the message of the
     first column that mixes numbers and text (None: none).
     """
-    out, problem = [], None
-    for (cells, nulls), name in zip(columns, names, strict=True):
-        if nulls is not None and cells.dtype.kind in "iufb":
-            out.append(typed_column(cells, nulls))
-            continue
-        if nulls is not None:  # a Parquet text column: its nulls read as empty cells
-            cells = np.where(nulls, "", cells.astype(str))
-        values, missing, mixed = text_column(cells)
+    problem = None
+    for (values, _, mixed), name in zip(columns, names, strict=True):
         if mixed is not None and problem is None:
             problem = mixed_message(values, mixed, name, where, path)
-        out.append((values, missing))
-    y, missing = stack(out)
+    y, missing = stack(columns)
     return y, missing, problem

@@ -92,7 +92,10 @@ def _table(path: Path, arrays: dict[str, np.ndarray], x: np.ndarray, y: np.ndarr
         table.target_names = _names(path, arrays, "target_names", cols.shape[1]) or [
             f"y{i}" for i in range(cols.shape[1])
         ]
-        columns = [(c, None if c.dtype.kind in "US" else np.zeros(len(c), bool)) for c in cols.T]
+        columns = [
+            labels.text_column(c) if c.dtype.kind in "US" else labels.typed_column(c, np.zeros(len(c), bool))
+            for c in cols.T
+        ]
         y_all, table.missing, table.problem = labels.read_targets(columns, table.target_names, table.where, path)
         table.y = y_all.reshape(len(y), -1) if y.ndim == 2 else y_all  # (N, T) stays (N, T), for T = 1 too
     return table
