@@ -50,6 +50,7 @@ USES: dict[str, tuple[Callable[[TrainConfig], bool], str]] = {
     "data.target": (_data("file"), "data=file"),
     "data.task": (_data("file"), "data=file"),
     "data.cache": (_data("file"), "data=file"),
+    "data.missing": (_data("file"), "data=file"),
     "data.test_fraction": (
         lambda c: c.data.name.value in ("digits", "synthetic", "file") and not c.data.test_path,
         "datasets without a test split of their own (digits, synthetic, data=file without data.test_path)",
@@ -178,6 +179,7 @@ def _ranges(cfg: TrainConfig) -> list[str]:
         (0.0 <= d.val_fraction < 1.0, f"data.val_fraction={d.val_fraction} must be in [0, 1)"),
         (0.0 < d.test_fraction < 1.0, f"data.test_fraction={d.test_fraction} must be in (0, 1)"),
         (d.val_fraction + d.test_fraction < 1.0, "data.val_fraction + data.test_fraction must be below 1"),
+        (d.missing in ("error", "drop"), f"data.missing={d.missing!r} must be error or drop"),
         (d.split_seed >= 0, f"data.split_seed={d.split_seed} must be a non-negative integer"),
         (d.samples >= 2, f"data.samples={d.samples} must be at least 2"),
         (d.features >= 1, f"data.features={d.features} must be positive"),

@@ -154,6 +154,7 @@ class DataConfig:
     target: Any = _f("label", "file: the target column, or a list of columns (regression)")
     task: Task = _f(Task.auto, "file: classification or regression; auto: from the target columns")
     cache: bool = _f(True, "file: keep a binary copy of a parsed file, memory-mapped by the next run")
+    missing: str = _f("error", "file: rows whose target is empty, NA, null or NaN: error (names them) or drop")
 
 
 @dataclass

@@ -83,14 +83,14 @@ def read_inputs(
     keep = list(keep or [])
     where = f"input file {path}"
     kind, _ = file_kind(path)
-    names = columns(path)
+    names = columns(path, setting="input")
     present = [t for t in p.target_columns if t in names and t not in keep]
     if kind == "npz":  # x, and y if the file has it; keep names other arrays of the file
-        table, _ = read_table(path, [])
+        table, _ = read_table(path, [], setting="input")
         cells = None if table.y is None else np.asarray(table.y).reshape(len(table.x), -1)
         present = list(p.target_columns) if cells is not None else []
     else:
-        table, _ = read_table(path, present + keep)
+        table, _ = read_table(path, present + keep, setting="input", target_setting="keep")
         cells = np.asarray(table.y).reshape(len(table.x), -1) if present else None
     x = p.arrange(table.feature_names, table.x, where, named=table.named)
     y = None

@@ -9,31 +9,69 @@ is split off the training rows. Then, naming the file, the line and the column o
 * classification: the classes are the training labels, sorted (their names are kept: ``cat``,
   ``dog``, or ``3``, ``7``); one class only is refused, and so is a test label never seen in training;
 * regression: the targets must be numbers;
-* features and targets must be finite; a test file must have the training file's columns.
+* features and targets must be finite (features within float32's range, where they are
+  normalised); a test file must have the training file's columns;
+* a missing target (an empty cell, ``NA``, ``null``, ``NaN``: :mod:`mlptrain.data.labels`) is an
+  error naming the rows, or with ``data.missing=drop`` the row is dropped (counted in the log);
+  a target column that mixes numbers and text is an error; whole-number labels must be exact.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+
 import numpy as np
 
 from mlptrain.config import DataConfig
-from mlptrain.data import cache
+from mlptrain.data import cache, labels
 from mlptrain.data.dataset import Raw, first_nonfinite
 from mlptrain.data.files import Table, read_table
 from mlptrain.errors import DatasetError
+
+log = logging.getLogger(__name__)
+FLOAT32_MAX = float(np.finfo(np.float32).max)  # features are normalised and trained in float32
 
 
 def load_file(cfg: DataConfig, rng: np.random.Generator) -> Raw:
     """The :class:`Raw` data of ``cfg.path`` (and ``cfg.test_path``); parsed files are cached once they pass."""
     target = cfg.target if isinstance(cfg.target, str) else list(cfg.target)
     files = [str(cfg.path), *([str(cfg.test_path)] if cfg.test_path else [])]
-    cached = [cache.load(f, target) if cfg.cache else None for f in files]
+    sources = [cache.source_of(f) if cfg.cache else None for f in files]  # before parsing: see cache.store
+    cached = [cache.load(f, target, s) if s else None for f, s in zip(files, sources, strict=True)]
     parsed = [c if c is not None else read_table(f, target) for f, c in zip(files, cached, strict=True)]
-    raw = _raw(cfg, parsed[0][0], parsed[1][0] if cfg.test_path else parsed[0][1])
-    for f, c, p in zip(files, cached, parsed, strict=True):
-        if cfg.cache and c is None:
-            cache.store(f, target, p)
+    train, test = parsed[0][0], parsed[1][0] if cfg.test_path else parsed[0][1]
+    raw = _raw(cfg, *(t if t is None else _complete(t, str(cfg.missing)) for t in (train, test)))
+    for f, s, c, p in zip(files, sources, cached, parsed, strict=True):
+        if s and c is None:
+            cache.store(f, target, p, s)
     return raw
+
+
+def _complete(table: Table, missing: str) -> Table:
+    """``table`` with no missing target: refused (naming the rows), or those rows dropped (``missing=drop``)."""
+    if table.problem:
+        raise DatasetError(table.problem)
+    if table.missing is None or not table.missing.any():
+        return table
+    rows = np.flatnonzero(table.missing)
+    if missing != "drop":
+        raise DatasetError(
+            f"data file {table.path} {table.where_rows(rows)}: {len(rows)} of {len(table.missing)} rows have no "
+            f"target (an empty cell, NA, null or NaN in {', '.join(table.target_names)}); fill them, or drop those "
+            "rows with data.missing=drop"
+        )
+    keep = np.flatnonzero(~table.missing)
+    where = table.where_rows(rows)
+    log.warning(
+        "data file %s: %d of %d rows dropped, %s: no target (data.missing=drop)",
+        table.path,
+        len(rows),
+        len(table.missing),
+        where,
+    )
+    y = np.asarray(table.y)[keep]
+    return dataclasses.replace(table, x=np.asarray(table.x)[keep], y=y, missing=None, rows=keep)
 
 
 def _raw(cfg: DataConfig, train: Table, test: Table | None) -> Raw:
@@ -72,12 +110,19 @@ def _task(task: str, train: Table) -> str:
 
 
 def _check_finite(table: Table, values: np.ndarray, names: list[str], what: str) -> None:
-    bad = first_nonfinite(values.reshape(len(values), -1))
+    flat = values.reshape(len(values), -1)  # (N, columns)
+    bad = first_nonfinite(flat)
     if bad is not None:
         row, col = bad
         raise DatasetError(
-            f"data file {table.path} {table.where(row)}, column {names[col]!r}: {values.reshape(len(values), -1)[bad]} "
-            f"is not a finite number; {what} must be finite (fill or remove missing values)"
+            f"data file {table.path} {table.where(row)}, column {names[col]!r}: {flat[bad]} is not a finite number; "
+            f"{what} must be finite (fill or remove missing values)"
+        )
+    if what == "features" and len(flat) and float(np.max(np.abs(flat))) > FLOAT32_MAX:
+        row, col = np.unravel_index(int(np.argmax(np.abs(flat))), flat.shape)
+        raise DatasetError(
+            f"data file {table.path} {table.where(int(row))}, column {names[col]!r}: {flat[row, col]:g} is beyond "
+            f"float32's range (+-{FLOAT32_MAX:.3g}), in which features are normalised and trained; rescale the column"
         )
 
 
@@ -105,7 +150,8 @@ def _all_numbers(values: np.ndarray) -> bool:
 def _classes(train: Table) -> tuple[np.ndarray, list[str]]:
     y = train.y
     if y.dtype.kind in "fc":
-        y = y.astype(np.int64)  # integral by _task
+        labels.check_exact(y, train.target_names[0], train.where, train.path)
+        y = y.astype(np.int64)  # whole and exact: checked
     classes = np.unique(y)
     if len(classes) < 2:
         raise DatasetError(
@@ -126,6 +172,7 @@ def _labels(table: Table, classes: np.ndarray) -> np.ndarray:
         if not np.all(np.mod(y, 1) == 0):
             row = int(np.flatnonzero(np.mod(y, 1) != 0)[0])
             raise DatasetError(f"data file {table.path} {table.where(row)}: label {y[row]} is not a whole number")
+        labels.check_exact(y, table.target_names[0], table.where, table.path)
         y = y.astype(np.int64)
     if classes.dtype.kind != y.dtype.kind and not (classes.dtype.kind in "iu" and y.dtype.kind in "iu"):
         y, classes = y.astype(str), classes.astype(str)
