@@ -16,6 +16,10 @@ and target names.
 
 with the same float32 arithmetic as :class:`mlptrain.inference.Predictor` on the CPU, so
 ONNX Runtime gives the same predictions (tests/test_export.py).
+
+The output ends in ``.<format>`` (default: ``<run dir>/<checkpoint name>.<format>``); it never
+replaces the checkpoint, another checkpoint or anything in ``checkpoints/``, and an existing file
+only when it is an export of mlptrain (or with ``overwrite=true``): :mod:`mlptrain.outputs`.
 """
 
 from __future__ import annotations

@@ -217,7 +217,7 @@ def is_predictions(p: Predictor, path: Path) -> bool:
             header = next(csv.reader([f.readline()], delimiter="\t" if kind.startswith(".tsv") else ","), [])
     except (OSError, ValueError, EOFError, zipfile.BadZipFile):  # not a file of its suffix's format
         return False
-    predicted = ["class_id", "class_name"] if p.classification else p.target_names or []
+    predicted = ["class_id", "class_name"] if p.classification else p.target_names or ["y0"]
     return set(predicted) <= set(header) and not set(header) & set(p.feature_names or [])
 
 
