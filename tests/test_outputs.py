@@ -267,31 +267,43 @@ def test_temp_files_of_a_killed_predict_are_removed_at_the_next_start(model: dic
     assert f"removed {dead}" in caplog.text
 
 
-def test_sigterm_while_writing_removes_the_temp_file_and_keeps_the_old_output(model: dict, tmp_path: Path) -> None:
-    out = tmp_path / "out.csv"
-    out.write_text("class_id,class_name\n0,old\n")
+def _predict_killed_mid_write(model: dict, out: Path, kill: str) -> subprocess.CompletedProcess:
+    """``python -m mlptrain.predict`` into ``out``, stopped by the Python statement ``kill`` with the
+    output's temp file half written."""
     script = (
-        "import signal, sys\n"
+        "import os, signal, sys\n"
         "import mlptrain.predict as m\n"
         "write = m._write_csv\n"
         "def killed(*a):\n"
-        "    a[3].write(b'class_id,class_name\\n0,')\n"  # part of the file, then a scheduler's SIGTERM
-        "    signal.raise_signal(signal.SIGTERM)\n"
+        "    a[3].write(b'class_id,class_name\\n0,')\n"
+        "    a[3].flush()\n"
+        f"    {kill}\n"
         "    write(*a)\n"
         "m._write_csv = killed\n"
         "sys.exit(m.main(sys.argv[1:]))\n"
     )
     args = [f"ckpt={model['run']}", f"input={model['input']}", f"output={out}", "device=cpu"]
-    proc = subprocess.run(
-        [sys.executable, "-c", script, *args],
-        capture_output=True,
-        text=True,
-        env={"PYTHONPATH": str(REPO)},
-        timeout=120,
-    )
+    command = [sys.executable, "-c", script, *args]
+    return subprocess.run(command, capture_output=True, text=True, env={"PYTHONPATH": str(REPO)}, timeout=120)
+
+
+def test_sigterm_while_writing_removes_the_temp_file_and_keeps_the_old_output(model: dict, tmp_path: Path) -> None:
+    out = tmp_path / "out.csv"
+    out.write_text("class_id,class_name\n0,old\n")
+    proc = _predict_killed_mid_write(model, out, "signal.raise_signal(signal.SIGTERM)")  # a scheduler's stop
     assert proc.returncode == 128 + signal.SIGTERM, proc.stderr
     assert "error: interrupted by SIGTERM; no output was written" in proc.stderr
     assert out.read_text() == "class_id,class_name\n0,old\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.csv"]
+
+
+def test_the_temp_file_of_a_sigkilled_predict_is_removed_by_the_next_one(model: dict, tmp_path: Path) -> None:
+    out = tmp_path / "out.csv"
+    proc = _predict_killed_mid_write(model, out, "os.kill(os.getpid(), signal.SIGKILL)")
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    (left,) = tmp_path.iterdir()  # what nothing could remove: the killed process's temp file
+    assert left.name.startswith("out.csv.") and left.name.endswith(".tmp")
+    assert predict_main([f"ckpt={model['run']}", f"input={model['input']}", f"output={out}", "device=cpu"]) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.csv"]
 
 
