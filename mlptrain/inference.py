@@ -273,6 +273,8 @@ class Predictor:
             if extra:
                 parts.append(f"has column(s) the model was not trained on: {_list(extra)}")
             hint = " (renamed?)" if missing and extra and len(missing) == len(extra) else ""
+            if len(missing) == len(expected) and extra:  # not one of the model's columns
+                hint = " (a file of another model?)"
             raise DatasetError(
                 f"{where} {' and '.join(parts)}{hint}; the model takes the {len(expected)} columns "
                 f"{_list(expected)}, and optionally the target {_list(self.target_columns)}"

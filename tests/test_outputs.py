@@ -211,6 +211,7 @@ def test_evaluate_on_a_file_of_another_model_names_the_columns(model: dict, tmp_
         evaluate(EvaluateArgs(ckpt=str(model["best"]), data=str(other), device="cpu"))
     message = str(err.value)
     assert "lacks the feature column(s) 'a', 'b', 'c', 'd'" in message and "'species'" in message
+    assert "(a file of another model?)" in message
     assert "not a number" not in message
 
 
