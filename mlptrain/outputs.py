@@ -62,7 +62,10 @@ def check_output(
     Raises:
         OutputError: one sentence naming ``path``, what it is, and what to do instead.
     """
-    real = path.resolve()  # symlinks and .. resolved: x.csv, ./d/../x.csv and a link to it are one file
+    try:
+        real = path.resolve()  # symlinks and .. resolved: x.csv, ./d/../x.csv and a link to it are one file
+    except (OSError, RuntimeError) as exc:  # a loop of symlinks
+        raise OutputError(f"{key}={path} cannot be resolved ({exc}); choose another {key}") from exc
     for what, source in inputs.items():
         if _same_file(real, Path(source)):
             raise OutputError(f"{key}={path} is {what} {source}; writing there would replace it: choose another {key}")

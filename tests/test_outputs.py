@@ -20,7 +20,7 @@ from test_cli import REPO
 from mlptrain import checkpoint, outputs
 from mlptrain.config import DatasetName, LossName
 from mlptrain.data.files import write_csv
-from mlptrain.errors import CheckpointError, ConfigError, DatasetError
+from mlptrain.errors import CheckpointError, ConfigError, DatasetError, OutputError
 from mlptrain.evaluate import EvaluateArgs, evaluate
 from mlptrain.evaluate import main as evaluate_main
 from mlptrain.export import main as export_main
@@ -151,6 +151,13 @@ def test_an_existing_file_is_replaced_only_when_it_is_an_earlier_output(model: d
     assert onnx_out.read_bytes() == b"not a model"
     assert export_main([f"ckpt={model['run']}", "format=onnx", f"output={onnx_out}", "overwrite=true"]) == 0
     assert export_main([f"ckpt={model['run']}", "format=onnx", f"output={onnx_out}"]) == 0  # an export: replaced
+
+
+def test_an_output_in_a_loop_of_symlinks_is_one_error(tmp_path: Path) -> None:
+    (tmp_path / "a.csv").symlink_to(tmp_path / "b.csv")
+    (tmp_path / "b.csv").symlink_to(tmp_path / "a.csv")
+    with pytest.raises(OutputError, match=r"output=.*a.csv cannot be resolved"):
+        outputs.check_output(tmp_path / "a.csv", inputs={}, kind="a file", same_kind=lambda f: True, overwrite=True)
 
 
 def test_evaluate_writes_no_report_into_checkpoints(model: dict) -> None:
