@@ -4,20 +4,25 @@ They take ``key=value`` arguments like the main command (no Hydra: they compose 
 no run directory). Each declares its arguments as a dataclass whose fields carry a help text;
 :func:`main` parses the command line into it, prints ``--help`` from it, and reports every mistake
 as one line ``error: <message>`` on stderr with exit status 2, as ``python -m mlptrain`` does.
-Ctrl-C exits with 130 and leaves every output file as it was (outputs are written atomically).
+Ctrl-C or SIGTERM exits with ``128 + signal`` (130, 143), removing the temp file being written; an
+interrupt before the outputs are renamed into place leaves every output file as it was, and the
+message says which outputs, if any, were written (:mod:`mlptrain.outputs`).
 """
 
 from __future__ import annotations
 
 import difflib
 import logging
+import signal
 import sys
+import threading
 import typing
 from collections.abc import Callable, Sequence
 from dataclasses import MISSING, field, fields
 from typing import Any, TypeVar
 
-from mlptrain.errors import ConfigError, MlptrainError
+from mlptrain import outputs
+from mlptrain.errors import ConfigError, Interrupted, MlptrainError
 
 T = TypeVar("T")
 
@@ -79,17 +84,31 @@ def usage(cls: type, command: str, about: str) -> str:
 def main(
     cls: type[T], command: str, about: str, run: Callable[[T], int | None], argv: Sequence[str] | None = None
 ) -> int:
-    """Parse the arguments, run, and turn errors into one line and an exit status (0, 2, 130)."""
+    """Parse the arguments, run, and turn errors into one line and an exit status (0, 2, 130, 143)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in argv):
         print(usage(cls, command, about))
         return 0
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
+    outputs.written.clear()
+    main_thread = threading.current_thread() is threading.main_thread()
+    # SIGTERM as Ctrl-C: an exception, so that the temp file being written is removed on the way out
+    previous = signal.signal(signal.SIGTERM, _stop) if main_thread else None
     try:
         return run(parse(cls, argv)) or 0
     except MlptrainError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
-    except KeyboardInterrupt:
-        print("error: interrupted; no output was written", file=sys.stderr, flush=True)
-        return 130
+    except KeyboardInterrupt as exc:
+        signum = getattr(exc, "signum", signal.SIGINT)
+        done = ", ".join(map(str, outputs.written))
+        said = f"it had written {done}" if done else "no output was written"
+        print(f"error: interrupted by {signal.Signals(signum).name}; {said}", file=sys.stderr, flush=True)
+        return 128 + signum
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
+def _stop(signum: int, frame: Any) -> None:
+    raise Interrupted(f"stopped by {signal.Signals(signum).name}", signum)

@@ -9,7 +9,11 @@ Writes ``evaluation.json`` into ``output`` (default ``<run dir>/evaluation/<chec
 file>``): the loss and accuracy, per class the precision, recall, F1 and support, the confusion
 matrix (rows: the true class, columns: the predicted one), and their macro averages; a
 regression gets the mean squared error overall and per target. ``confusion.png`` shows the
-matrix (with the ``plot`` extra, matplotlib). Every file is written atomically.
+matrix (with the ``plot`` extra, matplotlib). The two are written as one unit once the work is
+done (:func:`mlptrain.outputs.write_together`): the figure is drawn first, then the figure and the
+report are renamed into place together, the report last, recording the figure's SHA-256 (``figure``).
+An interrupt or a failure leaves both earlier files as they were. Neither replaces an input, a
+checkpoint or a file of another kind (``overwrite=true`` replaces the latter).
 """
 
 from __future__ import annotations
@@ -24,16 +28,17 @@ from typing import Any
 
 import numpy as np
 
-from mlptrain import commands
+from mlptrain import commands, outputs
+from mlptrain.checkpoint import CHECKPOINT_DIR
 from mlptrain.commands import REQUIRED, arg
 from mlptrain.errors import CheckpointError, DatasetError, OutputError
-from mlptrain.files import atomic_write
 from mlptrain.inference import DEFAULT_BATCH, Predictor
 from mlptrain.predict import read_inputs
 
 log = logging.getLogger(__name__)
 
 SPLITS = ("train", "val", "test")
+REPORT, FIGURE = "evaluation.json", "confusion.png"
 
 
 @dataclass
@@ -45,6 +50,7 @@ class EvaluateArgs:
     batch_size: int = arg(DEFAULT_BATCH, "rows per batch")
     device: str = arg("auto", "auto (the GPU when there is one), cpu or gpu")
     precision: str | None = arg(None, "GEMM precision; null: the checkpoint's (fp32 on the CPU)")
+    overwrite: bool = arg(False, "replace an evaluation.json or confusion.png that is not one (never an input)")
 
 
 def classification_report(logits: np.ndarray, y: np.ndarray, names: list[str]) -> dict[str, Any]:
@@ -119,14 +125,13 @@ def _own_split(p: Predictor, split: str) -> tuple[np.ndarray, np.ndarray, str]:
     return getattr(ds, f"x_{split}"), y, f"{split} split of {source}"
 
 
-def evaluate(args: EvaluateArgs) -> tuple[dict[str, Any], Path]:
-    """Score the checkpoint; returns the report and the folder it belongs in."""
-    p = Predictor(args.ckpt, device=args.device, precision=args.precision, batch_size=args.batch_size)
+def evaluate(args: EvaluateArgs, p: Predictor | None = None) -> tuple[dict[str, Any], Path]:
+    """Score the checkpoint (``p``, loaded from ``args.ckpt`` if not given); returns the report and its folder."""
+    p = p or Predictor(args.ckpt, device=args.device, precision=args.precision, batch_size=args.batch_size)
     log.info("%s", p.describe())
     if args.data is None:
         x, y, what = _own_split(p, args.split)
         logits = p.logits(x, normalised=True)
-        stem = args.split
     else:
         path = Path(args.data).expanduser()
         x, y_read, _ = read_inputs(p, path)
@@ -135,40 +140,83 @@ def evaluate(args: EvaluateArgs) -> tuple[dict[str, Any], Path]:
                 f"data={path} has no target column {', '.join(map(repr, p.target_columns))}; evaluation needs the "
                 "true labels (python -m mlptrain.predict scores a file without them)"
             )
-        # the file's whole name and a digest of where it is: other files never share a folder
-        digest = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:8]
-        y, what, stem = y_read, f"file {path}", f"{path.name}-{digest}"
+        y, what = y_read, f"file {path}"
         logits = p.logits(x)
     if p.classification:
         report = classification_report(logits, np.asarray(y), p.class_name(np.arange(p.num_outputs)))
     else:
         report = regression_report(logits, np.asarray(y), p.target_names or [f"y{i}" for i in range(p.num_outputs)])
     report = {"checkpoint": str(p.path), "data": what, "task": p.task, **report}
-    run_dir = p.path.parent.parent if p.path.parent.name == "checkpoints" else p.path.parent
-    folder = Path(args.output).expanduser() if args.output else run_dir / "evaluation" / f"{p.path.stem}-{stem}"
-    return report, folder
+    return report, output_folder(p, args)
+
+
+def output_folder(p: Predictor, args: EvaluateArgs) -> Path:
+    """``output``, or ``<run dir>/evaluation/<checkpoint>-<split>`` (``-<file name>-<digest of its path>``)."""
+    if args.output:
+        return Path(args.output).expanduser()
+    stem = args.split
+    if args.data is not None:  # the file's whole name and a digest of where it is: other files never share a folder
+        path = Path(args.data).expanduser()
+        stem = f"{path.name}-{hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:8]}"
+    run_dir = p.path.parent.parent if p.path.parent.name == CHECKPOINT_DIR else p.path.parent
+    return run_dir / "evaluation" / f"{p.path.stem}-{stem}"
+
+
+def check_outputs(p: Predictor, args: EvaluateArgs, folder: Path) -> None:
+    """Refuse the report's folder before any work: the rules of :func:`mlptrain.outputs.check_output`."""
+    if folder.exists() and not folder.is_dir():
+        raise OutputError(f"output={folder} is a file; expected a folder for {REPORT} and {FIGURE}")
+    inputs = {"the checkpoint": p.path, **({"the data file": Path(args.data).expanduser()} if args.data else {})}
+    for name, kind, same_kind in ((REPORT, "an evaluation report", _is_report), (FIGURE, "a PNG image", _is_png)):
+        outputs.check_output(folder / name, inputs=inputs, kind=kind, same_kind=same_kind, overwrite=args.overwrite)
+
+
+def _is_report(path: Path) -> bool:
+    try:
+        report = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(report, dict) and {"checkpoint", "data", "task"} <= set(report)
+
+
+def _is_png(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(8) == b"\x89PNG\r\n\x1a\n"
+    except OSError:
+        return False
 
 
 def write_report(report: dict[str, Any], folder: Path) -> list[Path]:
-    """``evaluation.json`` (and ``confusion.png`` where matplotlib is installed) in ``folder``."""
+    """``evaluation.json`` (and ``confusion.png`` where matplotlib is installed) in ``folder``, as one unit.
+
+    The figure is drawn before anything is written; the report names the figure's SHA-256 (``figure``),
+    so that a reader can tell the two belong together.
+    """
+    png = None
+    if "confusion" in report:
+        from mlptrain.plot import confusion_png
+
+        title = f"{Path(report['checkpoint']).name} on the {report['data']}: acc {report['acc']:.4f}"
+        png = confusion_png(np.array(report["confusion"]), report["class_names"], title)
+    figure = {"file": FIGURE, "sha256": hashlib.sha256(png).hexdigest()} if png else None
+    items: list[tuple[Path, outputs.Content]] = [(folder / FIGURE, png)] if png else []
+    items.append((folder / REPORT, json.dumps({**report, "figure": figure}, indent=1) + "\n"))  # the report last
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        written = [folder / "evaluation.json"]
-        atomic_write(written[0], json.dumps(report, indent=1) + "\n")
+        outputs.write_together(items)
     except OSError as exc:
         hint = "choose output=<a writable folder>"
         raise OutputError(f"cannot write the evaluation into {folder} ({exc}); {hint}") from exc
-    if "confusion" in report:
-        from mlptrain.plot import confusion_figure
-
-        title = f"{Path(report['checkpoint']).name} on the {report['data']}: acc {report['acc']:.4f}"
-        png = confusion_figure(np.array(report["confusion"]), report["class_names"], folder / "confusion.png", title)
-        written += [png] if png else []
-    return written
+    return [path for path, _ in reversed(items)]
 
 
 def run(args: EvaluateArgs) -> int:
-    report, folder = evaluate(args)
+    p = Predictor(args.ckpt, device=args.device, precision=args.precision, batch_size=args.batch_size)
+    folder = output_folder(p, args)
+    check_outputs(p, args, folder)
+    outputs.prepare([folder / REPORT, folder / FIGURE])
+    report, _ = evaluate(args, p)
     written = write_report(report, folder)
     scores = f"loss {report['loss']:.4f}" + (f" acc {report['acc']:.4f}" if "acc" in report else "")
     print(f"{Path(report['checkpoint']).name} on the {report['data']} ({report['samples']:,} rows): {scores} -> "

@@ -18,6 +18,10 @@ standardised units: ``y = z * scale + shift``).
 
 with the same float32 arithmetic as :class:`mlptrain.inference.Predictor` on the CPU, so
 ONNX Runtime gives the same predictions (tests/test_export.py).
+
+The output ends in ``.<format>`` (default: ``<run dir>/<checkpoint name>.<format>``); it never
+replaces the checkpoint, another checkpoint or anything in ``checkpoints/``, and an existing file
+only when it is an export of mlptrain (or with ``overwrite=true``): :mod:`mlptrain.outputs`.
 """
 
 from __future__ import annotations
@@ -31,10 +35,10 @@ from typing import Any
 
 import numpy as np
 
-from mlptrain import commands
+from mlptrain import commands, outputs
+from mlptrain.checkpoint import CHECKPOINT_DIR
 from mlptrain.commands import REQUIRED, arg
 from mlptrain.errors import ConfigError, OutputError
-from mlptrain.files import atomic_write
 from mlptrain.inference import Predictor
 
 FORMATS = ("safetensors", "onnx")
@@ -47,8 +51,9 @@ ONNX_OPSET = 17
 class ExportArgs:
     ckpt: str = arg(REQUIRED, "a checkpoint (.npz), or a run directory (its checkpoints/best.npz)")
     format: str = arg(REQUIRED, "safetensors (PyTorch nn.Sequential names) or onnx (normalisation included)")
-    output: str | None = arg(None, "the file to write; null: beside the checkpoint, <name>.<format>")
+    output: str | None = arg(None, "the file to write (.<format>); null: <run dir>/<checkpoint name>.<format>")
     dtype: str = arg("fp32", "safetensors: the parameters' dtype, fp32 or fp16 (ONNX: fp32)")
+    overwrite: bool = arg(False, "replace an existing output that is not an mlptrain export (never a checkpoint)")
 
 
 def sequential_state_dict(p: Predictor, dtype: Any = np.float32) -> dict[str, np.ndarray]:
@@ -214,19 +219,55 @@ def export(args: ExportArgs) -> Path:
     if args.dtype not in DTYPES or (args.format == "onnx" and args.dtype != "fp32"):
         raise ConfigError(f"dtype={args.dtype!r}; expected {'fp32' if args.format == 'onnx' else 'fp32 or fp16'}")
     p = Predictor(args.ckpt, device="cpu", precision="fp32")  # host arrays, master weights
-    out = Path(args.output).expanduser() if args.output else p.path.with_suffix(f".{args.format}")
-    if not out.parent.is_dir():
-        raise OutputError(f"output={out}: the folder {out.parent} does not exist")
+    out = output_path(p, args)
+    outputs.check_output(
+        out,
+        inputs={"the checkpoint": p.path},
+        kind=f"an mlptrain {args.format} export",
+        same_kind=lambda f: is_export(f, args.format),
+        overwrite=args.overwrite,
+    )
+    outputs.prepare([out])
     if args.format == "safetensors":
         meta = {"format": "pt", "mlptrain": json.dumps(preprocessing(p))}
         content: bytes = safetensors_bytes(sequential_state_dict(p, DTYPES[args.dtype]), meta)
     else:
         content = onnx_model(p).SerializeToString()
     try:
-        atomic_write(out, content)
+        outputs.write_together([(out, content)])
     except OSError as exc:
         raise OutputError(f"cannot write {out} ({exc})") from exc
     return out
+
+
+def output_path(p: Predictor, args: ExportArgs) -> Path:
+    """``output``, which must end in ``.<format>``; by default ``<name>.<format>`` in the checkpoint's run
+    directory (never in its ``checkpoints/``, which holds checkpoints only), else beside the checkpoint."""
+    suffix = f".{args.format}"
+    if args.output is None:
+        beside = p.path.parent.parent if p.path.parent.name == CHECKPOINT_DIR else p.path.parent
+        return beside / (p.path.stem + suffix)
+    out = Path(args.output).expanduser()
+    if out.suffix.lower() != suffix:
+        raise ConfigError(f"output={out}: format={args.format} writes a {suffix} file; name it {out.stem}{suffix}")
+    if not out.parent.is_dir():
+        raise OutputError(f"output={out}: the folder {out.parent} does not exist")
+    return out
+
+
+def is_export(path: Path, fmt: str) -> bool:
+    """Whether ``path`` is an export of mlptrain in ``fmt`` (so that exporting again may replace it)."""
+    try:
+        if fmt == "onnx":
+            import onnx
+
+            return onnx.load(str(path), load_external_data=False).producer_name == "mlptrain"
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(min(n, 1 << 26)))  # safetensors: the JSON header after its length
+        return "mlptrain" in header.get("__metadata__", {})
+    except Exception:  # whatever the bytes (onnx raises protobuf's own errors): not an export
+        return False
 
 
 def run(args: ExportArgs) -> int:

@@ -6,26 +6,68 @@ the bytes go to a temporary file of this writer's own in the same folder, which 
 fsynced, renamed over the destination with :func:`os.replace` and the folder fsynced. A crash,
 a full disk or a second Ctrl-C at any moment leaves the old file or the new one, never a mix;
 two writers never share a temporary file. A temporary file left by a killed writer matches
-:data:`TEMP_GLOB`; the run directory removes (and reports) them at the next start.
+:data:`TEMP_GLOB`; the run directory removes (and reports) them at the next start, and the
+commands (``predict``, ``evaluate``, ``export``) remove those of their output whose writer is dead
+(:func:`remove_stale_temps`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
+import logging
 import os
+import re
 import secrets
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO
+
+log = logging.getLogger(__name__)
 
 TEMP_SUFFIX = ".tmp"
 TEMP_GLOB = "*" + TEMP_SUFFIX
 
 
 def temp_name(path: Path) -> Path:
-    """A temporary file beside ``path`` that no other writer (process or call) uses."""
+    """A temporary file beside ``path`` that no other writer (process or call) uses: ``<name>.<pid>.<hex>.tmp``."""
     return path.with_name(f"{path.name}.{os.getpid()}.{secrets.token_hex(4)}{TEMP_SUFFIX}")
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (another user's counts: it cannot be signalled, but it is there)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_temps(path: Path) -> list[Path]:
+    """Remove the temp files of ``path`` (:func:`temp_name`) whose writer is dead, saying so; returns them.
+
+    A command killed mid-write (SIGKILL, or a crash) cannot remove its temp file. Unlike a run, a
+    command holds no lock, so a temp file of a live process (another command writing the same
+    output now) is kept, as is anything that is not a regular file of this user.
+    """
+    pattern = re.compile(re.escape(path.name) + r"\.(\d+)\.[0-9a-f]{8}" + re.escape(TEMP_SUFFIX))
+    removed = []
+    for tmp in sorted(path.parent.glob(f"{glob.escape(path.name)}.*{TEMP_SUFFIX}")):
+        m = pattern.fullmatch(tmp.name)
+        try:
+            if not m or tmp.is_symlink() or not tmp.is_file() or tmp.stat().st_uid != os.getuid():
+                continue
+            if pid_alive(int(m.group(1))):
+                continue
+            tmp.unlink()
+        except (OSError, OverflowError):  # gone meanwhile, not ours to remove, or a pid no process can have
+            continue
+        log.warning("removed %s, the temporary file of a write that was interrupted", tmp)
+        removed.append(tmp)
+    return removed
 
 
 def atomic_write(path: Path, content: bytes | str | Callable[[IO[bytes]], None]) -> None:
@@ -40,18 +82,23 @@ def atomic_write(path: Path, content: bytes | str | Callable[[IO[bytes]], None])
     path = Path(path)
     tmp = temp_name(path)
     try:
-        with open(tmp, "wb") as f:
-            if callable(content):
-                content(f)
-            else:
-                f.write(content.encode("utf-8") if isinstance(content, str) else content)
-            f.flush()
-            os.fsync(f.fileno())
+        write_temp(tmp, content)
         os.replace(tmp, path)
         fsync_dir(path.parent)
     finally:
         with contextlib.suppress(OSError):  # a read-only folder refuses even this: the original error wins
             tmp.unlink(missing_ok=True)
+
+
+def write_temp(tmp: Path, content: bytes | str | Callable[[IO[bytes]], None]) -> None:
+    """Write ``content`` to the new file ``tmp``, flushed and fsynced (the first half of :func:`atomic_write`)."""
+    with open(tmp, "wb") as f:
+        if callable(content):
+            content(f)
+        else:
+            f.write(content.encode("utf-8") if isinstance(content, str) else content)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def fsync_dir(folder: Path) -> None:

@@ -32,6 +32,7 @@ import numpy as np
 
 from mlptrain import checkpoint
 from mlptrain.backend import Backend, get_backend
+from mlptrain.consistency import check_for_scoring
 from mlptrain.data.dataset import raw_rows_problem, saved_target_scaling
 from mlptrain.errors import CheckpointError, ConfigError, DatasetError
 from mlptrain.execution import FusedExecution, NumpyGemm
@@ -71,8 +72,9 @@ class Predictor:
         autotune: GPU: time cuBLASLt's candidate algorithms for each GEMM once and keep the fastest.
 
     Raises:
-        CheckpointError: the file is not a readable checkpoint, or one without the preprocessing
-            (format version 1).
+        CheckpointError: the file is not a readable checkpoint, one without the preprocessing
+            (format version 1), or one whose model and preprocessing do not fit together
+            (:func:`mlptrain.consistency.check_for_scoring`).
     """
 
     def __init__(
@@ -88,6 +90,7 @@ class Predictor:
                 "names), which scoring raw inputs needs; train it again with this mlptrain (format version "
                 f"{checkpoint.FORMAT_VERSION})"
             )
+        check_for_scoring(ckpt)  # the SHA-256 says the file is intact, not that its arrays fit together
         if batch_size < 1:
             raise ConfigError(f"batch_size={batch_size}; expected a positive number of rows")
         self.path = ckpt.path
@@ -136,6 +139,14 @@ class Predictor:
         names = self.class_names or [str(i) for i in range(self.num_outputs)]
         return [names[i] for i in ids]
 
+    def check_probabilities(self, probabilities: bool) -> None:
+        """Refuse ``probabilities=true`` for a regression, which has none (rather than ignore it)."""
+        if probabilities and not self.classification:
+            raise ConfigError(
+                f"probabilities=true: the model {self.path.name} is a regression (targets "
+                f"{', '.join(self.target_names or [])}), which has no class probabilities; leave probabilities out"
+            )
+
     def describe(self) -> str:
         what = f"{self.num_outputs} classes" if self.classification else f"targets {', '.join(self.target_names or [])}"
         return (
@@ -150,6 +161,7 @@ class Predictor:
 
         ``progress`` is called with the number of rows of each batch as it is queued.
         """
+        self.check_probabilities(probabilities)
         x = self._check(x, raw=True)
         if self.backend.is_gpu and len(x):
             if self._gpu is None:
@@ -250,6 +262,18 @@ class Predictor:
                     f"{_names_hint(expected)}"
                 )
             return x
+        self.check_columns(names, where)
+        return x[:, [names.index(c) for c in expected]]
+
+    def check_columns(self, names: list[str], where: str) -> None:
+        """Raise DatasetError if the feature columns ``names`` are not the model's (missing, or unknown ones).
+
+        Called on a file's header before its cells are read, so that a file of another model is
+        named as such rather than by its first cell that is not a number.
+        """
+        expected = self.feature_names
+        if expected is None:
+            return
         missing = [c for c in expected if c not in names]
         extra = [c for c in names if c not in expected]
         if missing or extra:
@@ -259,11 +283,12 @@ class Predictor:
             if extra:
                 parts.append(f"has column(s) the model was not trained on: {_list(extra)}")
             hint = " (renamed?)" if missing and extra and len(missing) == len(extra) else ""
+            if len(missing) == len(expected) and extra:  # not one of the model's columns
+                hint = " (a file of another model?)"
             raise DatasetError(
                 f"{where} {' and '.join(parts)}{hint}; the model takes the {len(expected)} columns "
                 f"{_list(expected)}, and optionally the target {_list(self.target_columns)}"
             )
-        return x[:, [names.index(c) for c in expected]]
 
     def labels(self, y: np.ndarray, where: str) -> np.ndarray:
         """Class indices of a target column: by class name, or an integer class index."""

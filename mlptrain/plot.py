@@ -37,24 +37,36 @@ def _pyplot() -> Any:
     return plt
 
 
-def _save(fig: Any, path: Path) -> None:
+def _png(fig: Any) -> bytes:
     import io
 
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=120, bbox_inches="tight")
+    return buf.getvalue()
+
+
+def _save(fig: Any, path: Path) -> None:
     try:
-        atomic_write(path, buf.getvalue())
+        atomic_write(path, _png(fig))
     except OSError as exc:
         raise OutputError(f"cannot write {path} ({exc})") from exc
 
 
-def confusion_figure(confusion: np.ndarray, names: list[str], path: Path, title: str) -> Path | None:
-    """Draw the confusion matrix ``(C, C)`` (rows: true, columns: predicted) as a PNG; None without matplotlib."""
+def plain(text: str) -> str:
+    """``text`` as matplotlib draws it literally: a ``$`` would start its math mode (``$x^$`` fails to parse)."""
+    return text.replace("$", r"\$")
+
+
+def confusion_png(confusion: np.ndarray, names: list[str], title: str) -> bytes | None:
+    """The confusion matrix ``(C, C)`` (rows: true, columns: predicted) drawn as PNG bytes; None without matplotlib.
+
+    Names and title are drawn as they are written (:func:`plain`), whatever characters they hold.
+    """
     plt = _pyplot()
     if plt is None:
         log.warning("confusion.png needs matplotlib: pip install 'mlptrain[plot]' (evaluation.json has the matrix)")
         return None
-    c = len(names)
+    c, names, title = len(names), [plain(n) for n in names], plain(title)
     rates = confusion / np.maximum(confusion.sum(axis=1, keepdims=True), 1)  # each true class's row sums to 1
     size = min(4 + 0.45 * c, 16)
     fig, ax = plt.subplots(figsize=(size + 1, size))
@@ -72,9 +84,9 @@ def confusion_figure(confusion: np.ndarray, names: list[str], path: Path, title:
     ax.set_xlabel("predicted class")
     ax.set_ylabel("true class")
     ax.set_title(title, fontsize=10)
-    _save(fig, path)
+    png = _png(fig)
     plt.close(fig)
-    return path
+    return png
 
 
 def runs_of(path: Path) -> list[Path]:
@@ -108,7 +120,7 @@ def curves_figure(target: Path, out: Path | None = None) -> Path:
     if plt is None:
         raise OutputError("plotting needs matplotlib: pip install 'mlptrain[plot]'")
     runs = runs_of(target)
-    labels = labels_of(runs)
+    labels = [plain(label) for label in labels_of(runs)]
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
     for run, label in zip(runs, labels, strict=True):
         records = read_metrics(run / METRICS)
@@ -129,7 +141,7 @@ def curves_figure(target: Path, out: Path | None = None) -> Path:
     axes[0].legend(fontsize=7)
     if not any(ax.lines for ax in axes[2:]):
         axes[2].set_visible(False)  # a regression has no accuracy
-    fig.suptitle(f"{target} ({len(runs)} run{'s' if len(runs) > 1 else ''})", fontsize=10)
+    fig.suptitle(f"{plain(str(target))} ({len(runs)} run{'s' if len(runs) > 1 else ''})", fontsize=10)
     path = Path(out) if out else Path(target) / "curves.png"
     _save(fig, path)
     plt.close(fig)

@@ -15,8 +15,12 @@ its labels are compared with the predictions and the accuracy is reported. The o
 predictions (CSV and NPZ).
 
 It is written atomically once every row is scored: a failed or interrupted run leaves any
-previous output as it was. In Python, ``mlptrain.predict(ckpt, x)`` scores an array (this
-module is callable: :func:`mlptrain.inference.predict`).
+previous output as it was. The output never replaces the input or a checkpoint, and an existing
+file only when it is a predictions file (of this model: ``overwrite=true`` replaces any other
+file); a killed run's temp file is removed at the next run (:mod:`mlptrain.outputs`).
+
+In Python, ``mlptrain.predict(ckpt, x)`` scores an array (this module is callable:
+:func:`mlptrain.inference.predict`).
 """
 
 from __future__ import annotations
@@ -28,17 +32,17 @@ import logging
 import sys
 import time
 import types
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
 import numpy as np
 
-from mlptrain import commands
+from mlptrain import commands, outputs
 from mlptrain.commands import REQUIRED, arg
 from mlptrain.data.files import _lines, columns, file_kind, read_table
 from mlptrain.errors import ConfigError, DatasetError, OutputError
-from mlptrain.files import atomic_write
 from mlptrain.inference import DEFAULT_BATCH, Outputs, Predictor, predict
 
 log = logging.getLogger(__name__)
@@ -60,6 +64,7 @@ class PredictArgs:
     progress: bool | None = arg(None, "progress bar; null: on a terminal only")
     autotune: bool = arg(False, "GPU: time cuBLASLt's candidate algorithms per GEMM once, keep the fastest")
     keep: str | None = arg(None, "input columns to copy into the output (not features), comma-separated: keep=id")
+    overwrite: bool = arg(False, "replace an existing output that is not a predictions file (never an input)")
 
 
 def output_kind(path: Path) -> str:
@@ -89,7 +94,8 @@ def read_inputs(
         table, _ = read_table(path, [], setting="input")
         cells = None if table.y is None else np.asarray(table.y).reshape(len(table.x), -1)
         present = list(p.target_columns) if cells is not None else []
-    else:
+    else:  # the header first: a file of another model is named so, not by a cell that is not a number
+        p.check_columns([n for n in names if n not in present and n not in keep], where)
         table, _ = read_table(path, present + keep, setting="input", target_setting="keep")
         cells = np.asarray(table.y).reshape(len(table.x), -1) if present else None
     x = p.arrange(table.feature_names, table.x, where, named=table.named)
@@ -150,7 +156,7 @@ def _write(p: Predictor, out: Outputs, path: Path, kept: dict[str, np.ndarray]) 
     kind = output_kind(path)
     if kind == ".npy":
         array = next(a for a in (out.values, out.probabilities, out.class_id) if a is not None)
-        atomic_write(path, lambda f: np.save(f, array))
+        outputs.write_together([(path, lambda f: np.save(f, array))])
     elif kind == ".npz":
         arrays: dict[str, Any] = dict(kept)
         arrays.update({"values": out.values} if out.values is not None else {"class_id": out.class_id})
@@ -158,15 +164,17 @@ def _write(p: Predictor, out: Outputs, path: Path, kept: dict[str, np.ndarray]) 
             arrays["class_name"] = np.array(p.class_name(out.class_id))
         if out.probabilities is not None:
             arrays["probabilities"] = out.probabilities
-        atomic_write(path, lambda f: np.savez(f, **arrays))
+        outputs.write_together([(path, lambda f: np.savez(f, **arrays))])
     else:
-        atomic_write(path, lambda f: _write_csv(p, out, kept, f, "\t" if kind.startswith(".tsv") else ",", kind))
+        delimiter = "\t" if kind.startswith(".tsv") else ","
+        outputs.write_together([(path, lambda f: _write_csv(p, out, kept, f, delimiter, kind))])
 
 
 def _write_csv(
     p: Predictor, out: Outputs, kept: dict[str, np.ndarray], f: IO[bytes], delimiter: str, kind: str
 ) -> None:
-    raw: Any = gzip.GzipFile(fileobj=f, mode="wb", mtime=0) if kind.endswith(".gz") else f
+    # filename="": the header names no file (it would name the temp file, whose name is the writer's own)
+    raw: Any = gzip.GzipFile(filename="", fileobj=f, mode="wb", mtime=0) if kind.endswith(".gz") else f
     text = io.TextIOWrapper(raw, encoding="utf-8", newline="")
     w = csv.writer(text, delimiter=delimiter, lineterminator="\n")
     first = [list(kept)]  # the kept input columns come first, row by row
@@ -193,6 +201,26 @@ def _write_csv(
         raw.close()
 
 
+def is_predictions(p: Predictor, path: Path) -> bool:
+    """Whether ``path`` holds what this command writes for ``p``'s model (so it may be replaced)."""
+    kind = output_kind(path)
+    try:
+        if kind == ".npy":  # class ids (N,) int64, or (N, outputs) float32 probabilities or values
+            a = np.load(path, mmap_mode="r", allow_pickle=False)
+            return (a.dtype == np.int64 and a.ndim == 1) or (a.dtype == np.float32 and a.shape[1:] == (p.num_outputs,))
+        if kind == ".npz":
+            with np.load(path, allow_pickle=False) as npz:  # the zip's names only
+                names = set(npz.files)
+            return bool(names & {"class_id", "values"}) and not names & {"x", "meta"}
+        opened: Any = gzip.open(path, "rt", encoding="utf-8") if kind.endswith(".gz") else open(path, encoding="utf-8")
+        with opened as f:
+            header = next(csv.reader([f.readline()], delimiter="\t" if kind.startswith(".tsv") else ","), [])
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile):  # not a file of its suffix's format
+        return False
+    predicted = ["class_id", "class_name"] if p.classification else p.target_names or ["y0"]
+    return set(predicted) <= set(header) and not set(header) & set(p.feature_names or [])
+
+
 def run(args: PredictArgs) -> int:
     from tqdm import tqdm
 
@@ -205,6 +233,15 @@ def run(args: PredictArgs) -> int:
     p = Predictor(args.ckpt, device=args.device, precision=args.precision, batch_size=args.batch_size,
                   autotune=args.autotune)  # fmt: skip
     log.info("%s", p.describe())
+    p.check_probabilities(args.probabilities)
+    outputs.check_output(
+        out_path,
+        inputs={"the input file": in_path, "the checkpoint": p.path},
+        kind="a predictions file",
+        same_kind=lambda f: is_predictions(p, f),
+        overwrite=args.overwrite,
+    )
+    outputs.prepare([out_path])
     x, y, kept = read_inputs(p, in_path, keep)
     t0 = time.perf_counter()
     with tqdm(total=len(x), unit="rows", desc="predict", disable=None if args.progress is None else not args.progress,

@@ -145,7 +145,7 @@ def test_predict_command_writes_ids_names_and_probabilities(trained: dict, tmp_p
 
 def test_predict_command_errors_are_one_line_and_leave_the_output_alone(trained: dict, tmp_path: Path) -> None:
     out = tmp_path / "pred.csv"
-    out.write_text("precious\n")
+    out.write_text("class_id,class_name\n0,precious\n")  # an earlier output: the command may replace it
     bad = tmp_path / "bad.csv"
     write_csv(bad, np.ones((2, 5)), np.array(["cat", "dog"]), FEATURES[:5], "animal")
     env_path = {"PYTHONPATH": str(REPO)}
@@ -160,7 +160,7 @@ def test_predict_command_errors_are_one_line_and_leave_the_output_alone(trained:
         assert proc.returncode == 2, proc.stderr
         errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
         assert len(errors) == 1 and phrase in errors[0] and "Traceback" not in proc.stderr, proc.stderr
-    assert out.read_text() == "precious\n"
+    assert out.read_text() == "class_id,class_name\n0,precious\n"
 
 
 def test_inputs_of_the_wrong_shape_or_with_nan_are_refused(trained: dict) -> None:
