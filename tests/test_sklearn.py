@@ -109,6 +109,10 @@ def test_the_classifier_takes_the_clis_steps_on_the_same_file(tmp_path: Path) ->
     for k, v in best.items():
         np.testing.assert_array_equal(clf.state_.arrays[k], v, err_msg=k)
     assert list(clf.classes_) == ["a", "b", "c"] and clf.best_validation_score_ == max(clf.validation_scores_)
+    loaded = MLPClassifier.load(run / "checkpoints" / "best.npz")  # a CLI run's checkpoint, as an estimator
+    names_x = pytest.importorskip("pyarrow").table({n: x[:, i] for i, n in enumerate(names)})
+    np.testing.assert_array_equal(loaded.predict_proba(names_x), clf.predict_proba(x))
+    assert loaded.get_params()["hidden_layer_sizes"] == (16, 8) and list(loaded.classes_) == ["a", "b", "c"]
 
 
 def test_the_regressor_takes_train_s_steps_with_two_targets_and_nesterov(tmp_path: Path) -> None:

@@ -16,6 +16,15 @@ from sklearn.utils.estimator_checks import parametrize_with_checks  # noqa: E402
 from mlptrain.sklearn import MLPClassifier, MLPRegressor  # noqa: E402
 
 
+@pytest.mark.filterwarnings("ignore::sklearn.exceptions.ConvergenceWarning")
 @parametrize_with_checks([MLPClassifier(), MLPRegressor()])
 def test_sklearn_estimator_check(estimator, check) -> None:
+    check(estimator)
+
+
+@pytest.mark.gpu
+@pytest.mark.filterwarnings("ignore::sklearn.exceptions.ConvergenceWarning")
+@parametrize_with_checks([MLPClassifier(device="gpu"), MLPRegressor(device="gpu")])
+def test_sklearn_estimator_check_on_the_gpu(estimator, check) -> None:
+    """The same checks on the GPU (fused cuBLASLt epilogs, CUDA graphs): the lead runs them on the H200."""
     check(estimator)

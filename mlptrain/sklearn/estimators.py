@@ -23,8 +23,9 @@ from sklearn.utils import check_random_state
 from sklearn.utils.multiclass import check_classification_targets
 from sklearn.utils.validation import check_is_fitted, validate_data
 
+from mlptrain.checkpoint import Checkpoint
 from mlptrain.errors import DatasetError
-from mlptrain.inference import softmax
+from mlptrain.inference import Predictor, softmax
 from mlptrain.sklearn import persist
 from mlptrain.sklearn.fitting import Stopping, make_dataset, outputs, run_epoch
 from mlptrain.sklearn.params import batch_rows, check, train_config
@@ -39,6 +40,14 @@ class _BaseMLP(BaseEstimator):
     """What both estimators share: the parameters, ``fit`` / ``partial_fit``, the fitted state, ``save``."""
 
     _task = ""
+    # fitted attributes (set by fit: an unfitted estimator has none of them)
+    state_: Checkpoint
+    predictor_: Predictor
+    seed_: int
+    n_iter_: int
+    t_: int
+    loss_curve_: list[float]
+    step_losses_: list[float]
 
     def __init__(
         self,
@@ -253,6 +262,7 @@ class MLPClassifier(ClassifierMixin, _BaseMLP):
     """scikit-learn's ``MLPClassifier`` on mlptrain: softmax cross-entropy over ``classes_`` (multi-class)."""
 
     _task = "classification"
+    classes_: np.ndarray
 
     def _targets(self, y: Any, fresh: bool, classes: Any) -> tuple[np.ndarray, int]:
         """``y`` as class indices ``(N,)`` int64 into :attr:`classes_`, and the number of classes."""
@@ -300,6 +310,7 @@ class MLPRegressor(RegressorMixin, _BaseMLP):
     """scikit-learn's ``MLPRegressor`` on mlptrain: mean squared error over one or more targets."""
 
     _task = "regression"
+    n_outputs_: int
 
     def _targets(self, y: Any, fresh: bool, classes: Any) -> tuple[np.ndarray, int]:
         """``y`` as ``(N, T)`` float32."""

@@ -74,7 +74,7 @@ def batch_rows(owner: str, value: Any, rows: int) -> int:
         return min(AUTO_BATCH, rows)
     if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
         raise ConfigError(f"{owner} batch_size={value!r}; expected 'auto' or a positive integer")
-    return int(min(value, rows))
+    return min(int(value), rows)
 
 
 def _choice(owner: str, name: str, value: Any, allowed: Any, why: str = "") -> str:
@@ -85,7 +85,7 @@ def _choice(owner: str, name: str, value: Any, allowed: Any, why: str = "") -> s
 
 def _number(owner: str, name: str, value: Any, low: float, high: float = np.inf, *, closed: bool = True) -> float:
     """A real ``value`` in ``[low, high)`` (``closed``) or ``(low, high)``."""
-    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and np.isfinite(value)
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and np.isfinite(float(value))
     ok = ok and (low <= value if closed else low < value) and value < high
     if not ok:
         where = f"{'[' if closed else '('}{low}, {high})"
