@@ -294,6 +294,9 @@ def test_bad_input_gets_scikit_learns_errors() -> None:
         clf.fit(x, y)
     with pytest.raises(ValueError, match="X has 4 features, but MLPClassifier is expecting 5 features as input"):
         clf.predict(x[:, :4])
+    scipy_sparse = pytest.importorskip("scipy.sparse")
+    with pytest.raises(TypeError, match="dense data is required"):
+        MLPClassifier().fit(scipy_sparse.csr_matrix(x), y)
     with pytest.raises(ValueError, match="needs at least 2 classes in y; got 1 class"):
         MLPClassifier().fit(x, np.zeros(40))
     with pytest.raises(ValueError, match="Unknown label type"):
@@ -302,6 +305,17 @@ def test_bad_input_gets_scikit_learns_errors() -> None:
         MLPClassifier().partial_fit(x, y)
     with pytest.raises(ValueError, match=r"y contains classes not in classes_: \['d'\]"):
         clf.partial_fit(x, np.where(y == "a", "d", y))
+
+
+def test_verbose_prints_scikit_learns_lines(capsys: pytest.CaptureFixture[str]) -> None:
+    x, y = _blobs(60)
+    clf = MLPClassifier(max_iter=50, early_stopping=True, n_iter_no_change=2, tol=0.5, verbose=True, random_state=0)
+    clf.fit(x, y)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"Iteration 1, loss = {clf.loss_curve_[0]:.8f}"
+    assert lines[1] == f"Validation score: {clf.validation_scores_[0]:f}"
+    assert lines[-1] == "Validation score did not improve more than tol=0.5 for 2 consecutive epochs. Stopping."
+    assert clf.n_iter_ == 4 and len(lines) == 2 * 4 + 1  # more than 2 epochs without a gain of 0.5: the 4th ends it
 
 
 @pytest.mark.gpu

@@ -183,7 +183,8 @@ class _BaseMLP(BaseEstimator):
                     converged = True
                     if self.verbose:
                         print(
-                            f"Training loss did not improve more than tol={self.tol} for {self.n_iter_no_change} "
+                            f"{'Validation score' if stop.early_stopping else 'Training loss'} did not improve more "
+                            f"than tol={self.tol} for {self.n_iter_no_change} "
                             "consecutive epochs. Stopping.",
                             flush=True,
                         )
