@@ -151,6 +151,7 @@ class _BaseMLP(BaseEstimator):
             norm=None if fresh else persist.normalization(self.state_),
             names=self._names(),
         )
+        cfg.log_every = -(-len(ds.y_train) // cfg.data.batch_size)  # the epoch's steps: one host sync an epoch
         tr = Trainer(cfg, ds)
         if not fresh:
             arrays, meta = self.state_.arrays, self.state_.meta
