@@ -162,7 +162,9 @@ def test_the_regressor_takes_train_s_steps_with_two_targets_and_nesterov(tmp_pat
     assert reg.step_losses_ == _step_losses(tmp_path / "run") and len(reg.step_losses_) == 4 * 6
     for k, v in _params(tmp_path / "run", "last.npz").items():
         np.testing.assert_array_equal(reg.state_.arrays[k], v, err_msg=k)
-    assert reg.predict(x).shape == (90, 2) and reg.n_outputs_ == 2
+    assert reg.predict(x).shape == (90, 2) and reg.n_outputs_ == 2 and reg.n_layers_ == 3
+    assert reg.out_activation_ == "identity" and [c.shape for c in reg.coefs_] == [(4, 12), (12, 2)]
+    assert [b.shape for b in reg.intercepts_] == [(12,), (2,)]
 
 
 def test_partial_fit_and_warm_start_continue_a_fit_step_for_step() -> None:

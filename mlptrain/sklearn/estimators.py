@@ -226,6 +226,18 @@ class _BaseMLP(BaseEstimator):
         return self.predictor_.logits(X)
 
     @property
+    def n_layers_(self) -> int:
+        """Layers counted as scikit-learn does: the input, the hidden layers and the output."""
+        check_is_fitted(self)
+        return len(self.state_.meta["widths"])
+
+    @property
+    def out_activation_(self) -> str:
+        """``softmax`` (a classifier, two classes included) or ``identity`` (a regressor)."""
+        check_is_fitted(self)
+        return "softmax" if self._task == "classification" else "identity"
+
+    @property
     def coefs_(self) -> list[np.ndarray]:
         """Each layer's weight matrix ``(in, out)`` as scikit-learn lays them out (views of the ``(out, in)``
         arrays of the checkpoint); the first acts on the normalised features."""
