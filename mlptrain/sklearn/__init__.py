@@ -1,0 +1,23 @@
+"""scikit-learn estimators on mlptrain: ``MLPClassifier`` and ``MLPRegressor`` (``pip install 'mlptrain[sklearn]'``).
+
+::
+
+    from mlptrain.sklearn import MLPClassifier
+    clf = MLPClassifier(hidden_layer_sizes=(128, 128)).fit(X, y)   # raw rows: normalised as the CLI does
+    clf.predict(X)
+
+=============== ==================================================================
+module          what it owns
+=============== ==================================================================
+``estimators``  the two estimators: checks of ``X`` and ``y``, ``fit``, ``predict``
+``params``      scikit-learn's parameter names, checked and turned into a ``TrainConfig``
+``fitting``     the CLI's split and normalisation, epochs of the CLI's ``Trainer``, the stopping rule
+``persist``     the fitted state as an mlptrain checkpoint: ``save``, ``load``, the ``Predictor``
+=============== ==================================================================
+
+docs/sklearn.md says what matches scikit-learn's own MLP and what does not.
+"""
+
+from mlptrain.sklearn.estimators import MLPClassifier, MLPRegressor
+
+__all__ = ["MLPClassifier", "MLPRegressor"]

@@ -1,0 +1,148 @@
+"""What ``fit`` does with arrays: the CLI's split and normalisation, then epochs of the CLI's :class:`Trainer`.
+
+The estimators train on exactly what ``python -m mlptrain data=file data.path=train.csv
+data.test_path=test.csv`` would train on for the same rows, seed and settings (tests/test_sklearn.py
+compares every step's loss):
+
+* :func:`make_dataset` splits as :func:`mlptrain.data.prepare.load_dataset` does for a file with a
+  test file of its own: one stratified ``val_fraction`` of the rows, drawn by a generator seeded
+  ``[split_seed, 0xDA7A]``, and the normalisation from the train split alone (kept with the model);
+* :func:`run_epoch` takes the steps :class:`mlptrain.loop.Loop` takes (the same data order, from
+  ``(seed, epoch)``), with no run directory: the per-step losses come back in memory, read from the
+  device once per epoch (:class:`~mlptrain.steplog.StepLog`, one host sync).
+
+What ends the fit is scikit-learn's rule (:class:`Stopping`), not the CLI's ``early_stopping``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from mlptrain import faults
+from mlptrain.data.dataset import Dataset, Normalization
+from mlptrain.data.prepare import normalization, stratified_split
+from mlptrain.trainer import Trainer
+
+# The seed stream of load_dataset's splits ([split_seed, SPLIT_STREAM]): the same rows held out as the CLI's
+SPLIT_STREAM = 0xDA7A
+
+
+def make_dataset(
+    x: np.ndarray,
+    y: np.ndarray,
+    *,
+    task: str,
+    outputs: int,
+    val_fraction: float,
+    split_seed: int,
+    method: str,
+    norm: Normalization | None = None,
+    names: dict[str, Any] | None = None,
+) -> Dataset:
+    """The :class:`Dataset` of raw rows ``x (N, F)`` float64 and targets ``y`` (class indices ``(N,)``
+    int64, or ``(N, T)`` float32), split and normalised as ``data=file`` with a test file does.
+
+    ``norm``: keep this normalisation (a fit that continues one) instead of taking the train split's;
+    ``names``: ``feature_names``, ``class_names``, ``target_names`` for the checkpoint.
+    """
+    strata = y if task == "classification" else np.zeros(len(y), np.int64)
+    rng = np.random.default_rng([split_seed, SPLIT_STREAM])
+    train, val = stratified_split(strata, val_fraction, rng)
+    norm = norm or normalization(method, x[train])
+    none = np.zeros((0, x.shape[1]), np.float32)  # no test split: the caller scores what it holds out
+    return Dataset(
+        "sklearn",
+        norm.apply(x[train]),
+        y[train],
+        norm.apply(x[val]),
+        y[val],
+        none,
+        y[:0],
+        outputs,
+        task=task,
+        normalization=norm,
+        **(names or {}),
+    )
+
+
+def run_epoch(tr: Trainer, epoch: int) -> tuple[np.ndarray, float]:
+    """The steps of ``epoch`` on ``tr``; returns each step's loss ``(S,)`` and the epoch's mean loss.
+
+    The CPU checks every step for inf/NaN (as the CLI: the error names the step); the GPU once per
+    log interval, when the interval's metrics are read back.
+    """
+    each_step = not tr.backend.is_gpu
+    tr.log.start_epoch()  # the epoch's running sums, on the device
+    losses: list[np.ndarray] = []
+    lrs: list[float] = []
+    rows = 0
+    for x, y in tr.train_loader.epoch(epoch, out=tr.batch_buffers):
+        lrs.append(tr.lr_at(tr.step_count))
+        loss, _ = tr.step(x, y)
+        rows += len(y)
+        if each_step:
+            _check(tr, np.array([float(loss)]), np.array(lrs[-1:]), epoch, each_step=True)
+        if len(lrs) - sum(map(len, losses)) == tr.log.capacity:
+            losses.append(_read(tr, lrs, losses, epoch))
+    if len(lrs) > sum(map(len, losses)):
+        losses.append(_read(tr, lrs, losses, epoch))
+    return np.concatenate(losses), float(tr.log.epoch_loss) / max(rows, 1)  # float() syncs the device
+
+
+def _read(tr: Trainer, lrs: list[float], done: list[np.ndarray], epoch: int) -> np.ndarray:
+    """The losses of the steps not read yet (one host sync); the GPU checks them here."""
+    n = len(lrs) - sum(map(len, done))
+    got = tr.log.read(tr.step_count - n, n)["loss"]
+    if tr.backend.is_gpu:
+        _check(tr, got, np.array(lrs[-n:]), epoch, each_step=False)
+    faults.check_scaler(tr)  # fp16: too many overflowing steps in a row
+    return np.asarray(got, dtype=np.float64)
+
+
+def _check(tr: Trainer, losses: np.ndarray, lrs: np.ndarray, epoch: int, *, each_step: bool) -> None:
+    error = faults.nonfinite_error(tr, losses, lrs, epoch, each_step=each_step, saved="")
+    if error is not None:
+        raise error
+
+
+def outputs(tr: Trainer, split: str) -> np.ndarray:
+    """The model's outputs ``(N, C)`` float64 on an evaluation split (the logits of a classification)."""
+    tr.finish_precompile()
+    out = [tr.backend.to_host(tr.model.forward(x, keep=False)) for x, _ in tr.eval_loaders[split].epoch(0)]
+    if tr.backend.is_gpu:
+        tr.gemm.release_operands()  # the plans forget the last batch
+    return np.concatenate(out).astype(np.float64)
+
+
+@dataclass
+class Stopping:
+    """scikit-learn's MLP convergence rule, epoch by epoch.
+
+    Without early stopping, an epoch counts as no improvement when its training loss is not below
+    the best by more than ``tol``; with it, when the validation score (accuracy, or R^2) is not above
+    the best by ``tol``, and the parameters of the best score are kept for the end. The fit has
+    converged after more than ``n_iter_no_change`` such epochs in a row.
+    """
+
+    tol: float
+    n_iter_no_change: int
+    early_stopping: bool
+    best_loss: float = np.inf
+    best_score: float = -np.inf
+    no_improvement: int = 0
+    best_params: dict[str, np.ndarray] | None = field(default=None, repr=False)
+
+    def update(self, tr: Trainer, loss: float, score: float | None) -> bool:
+        """Record the epoch's training loss (and validation score); returns whether the fit has converged."""
+        if self.early_stopping:
+            assert score is not None
+            self.no_improvement = self.no_improvement + 1 if score < self.best_score + self.tol else 0
+            if score > self.best_score:
+                self.best_score, self.best_params = score, tr.model.state_dict()
+        else:
+            self.no_improvement = self.no_improvement + 1 if loss > self.best_loss - self.tol else 0
+        self.best_loss = min(self.best_loss, loss)
+        return self.no_improvement > self.n_iter_no_change

@@ -1,0 +1,117 @@
+"""A fitted estimator's state: an mlptrain checkpoint, in memory until ``save`` writes it.
+
+The state is what :meth:`mlptrain.loop.Loop.save` would write at the end of the same run (the
+trainer's :meth:`~mlptrain.trainer.Trainer.state_dict`: parameters, optimizer state, the train
+split's normalisation, names), plus, in ``meta["config"]["sklearn"]``, the estimator's parameters
+and fitted attributes, so that :func:`load` gives back the estimator and the CLI's tools read the file
+as any run's checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mlptrain import checkpoint
+from mlptrain.checkpoint import Checkpoint, Position
+from mlptrain.config import to_plain
+from mlptrain.data.dataset import Normalization
+from mlptrain.errors import CheckpointError
+from mlptrain.inference import Predictor
+from mlptrain.trainer import Trainer
+
+IN_MEMORY = Path("<in memory>")
+
+
+def state(tr: Trainer, epochs: int, fitted: dict[str, Any]) -> Checkpoint:
+    """The checkpoint of ``tr`` after ``epochs`` epochs (syncs the device), with the estimator's ``fitted``."""
+    arrays, meta = tr.state_dict()
+    step, spe = tr.step_count, tr.steps_per_epoch
+    # a continued fit may have changed the batches per epoch: the position is the one these say
+    meta.update(position=Position(step // spe, step % spe, step).__dict__, metrics_records=0, best=None)
+    meta["config"] = {**to_plain(tr.cfg), "sklearn": json.loads(json.dumps(fitted, default=_plain))}
+    return Checkpoint(IN_MEMORY, arrays, meta)
+
+
+def _plain(v: Any) -> Any:
+    """JSON for what ``get_params`` and fitted attributes hold: NumPy scalars and arrays, tuples;
+    anything else (a ``RandomState`` as ``random_state``) as None."""
+    if isinstance(v, (np.generic, np.ndarray)):
+        return v.tolist()
+    return None
+
+
+def predictor(ckpt: Checkpoint, device: str) -> Predictor:
+    return Predictor(ckpt, device=device)
+
+
+def normalization(ckpt: Checkpoint) -> Normalization:
+    """The train split's normalisation the checkpoint holds (a continued fit keeps it)."""
+    a = ckpt.arrays
+    return Normalization(ckpt.meta["data"]["normalize"], a["data/shift"], a["data/scale"])
+
+
+def layers(ckpt: Checkpoint, kind: str) -> list[np.ndarray]:
+    """``layer<i>.<kind>`` of every layer, in order (host arrays of the checkpoint)."""
+    n = len(ckpt.meta["widths"]) - 1
+    return [ckpt.arrays[f"param/layer{i}.{kind}"] for i in range(n)]
+
+
+def save(ckpt: Checkpoint, path: Any) -> Path:
+    path = Path(path).expanduser()
+    if path.is_dir():
+        raise CheckpointError(f"{path} is a folder; save to a checkpoint file such as {path / 'model.npz'}")
+    checkpoint.save(path, ckpt.arrays, ckpt.meta)
+    return path
+
+
+def load(cls: Any, path: Any) -> Any:
+    """An estimator of class ``cls`` (fitted) from the checkpoint at ``path``.
+
+    Raises:
+        CheckpointError: not a checkpoint, or one of the other task (a regression's for a classifier).
+    """
+    ckpt = checkpoint.load(Path(path).expanduser())
+    data, config = ckpt.meta.get("data") or {}, ckpt.meta.get("config") or {}
+    if data.get("task") != cls._task:
+        raise CheckpointError(
+            f"checkpoint {ckpt.path} holds a {data.get('task')} model; {cls.__name__} needs a {cls._task}"
+        )
+    saved = config.get("sklearn") or _from_cli(config, ckpt.meta)
+    est = cls(**{k: tuple(v) if k == "hidden_layer_sizes" else v for k, v in saved["params"].items()})
+    for k, v in saved.items():
+        if k != "params":
+            setattr(est, k, np.asarray(v) if k == "classes_" else v)
+    est.n_features_in_ = int(ckpt.meta["widths"][0])
+    if data.get("feature_names"):
+        est.feature_names_in_ = np.asarray(data["feature_names"], dtype=object)
+    est.seed_ = int(ckpt.meta["rng"]["seed"])
+    est.state_ = Checkpoint(ckpt.path, ckpt.arrays, {k: v for k, v in ckpt.meta.items() if k != "sha256"})
+    est.predictor_ = predictor(est.state_, est.device)
+    return est
+
+
+def _from_cli(config: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
+    """The estimator's parameters for a CLI run's checkpoint: those with a CLI setting, the rest default."""
+    m, o = config.get("model", {}), config.get("optimizer", {})
+    activation = {"none": "identity"}.get(m.get("activation", "relu"), m.get("activation", "relu"))
+    params = {
+        "hidden_layer_sizes": meta["widths"][1:-1],
+        "activation": activation,
+        "learning_rate_init": o.get("lr"),
+        "solver": o.get("name") if o.get("name") in ("sgd", "adam") else "adam",
+        "precision": meta["precision"],
+        "execution": meta["execution"],
+        "random_state": meta["rng"]["seed"],
+    }
+    out: dict[str, Any] = {"params": {k: v for k, v in params.items() if v is not None}}
+    n = meta["position"]["epoch"]
+    out.update(n_iter_=n, loss_curve_=[])
+    if meta["data"]["task"] == "classification":
+        out["classes_"] = meta["data"].get("class_names") or list(range(meta["widths"][-1]))
+    else:
+        out["n_outputs_"] = meta["widths"][-1]
+    return out
