@@ -6,8 +6,8 @@ are (no copy, no DLPack round trip): the result and the aux outputs come from to
 allocator, on the stream passed to ``execute``, so a ``torch.cuda.graph`` capture puts them in its
 private pool as it does any other op's outputs.
 
-One stateful ``Matmul`` is planned per call site (``"2.dgrad"``) and signature (shapes, strides,
-dtype, epilog, pointer alignment, compute type), and reused: a later call with new tensors of the
+One stateful ``Matmul`` is planned per call site (``"2.dgrad"``), thread and signature (shapes,
+strides, dtype, epilog, pointer alignment, compute type), and reused: a later call with new tensors of the
 same signature only rebinds the pointers (``reset_operands_unchecked``, a few microseconds). Each
 plan forgets its operands right after it ran (``release_operands``), so that no activation of the
 last step stays alive through a plan; the next call passes all of them again.
@@ -54,7 +54,8 @@ class TorchNvmathGemm:
     def __init__(self, device_index: int) -> None:
         self.device_index = device_index
         self._plans: dict[tuple, Matmul] = {}
-        self._bgrad: dict[tuple, list[str]] = {}
+        # (widths, batch, dtype, activation, fp32 matmul precision) -> one strategy per hidden layer
+        self.bgrad_choices: dict[tuple, list[str]] = {}
         self._lock = threading.Lock()
         # nvmath logs every call at INFO; keep it quiet unless asked for.
         self._logger = logging.getLogger("mlptrain.nvmath")
@@ -71,10 +72,13 @@ class TorchNvmathGemm:
     ) -> tuple[Any, dict[str, Any]]:
         inputs = {name: v for name, v in epilog_inputs.items() if v is not None}
         tf32 = a.dtype == torch.float32 and torch.get_float32_matmul_precision() != "highest"
-        sig = (key, tuple(a.shape), a.stride(), tuple(b.shape), b.stride(), a.dtype, epilog, tf32)
+        # nvmath's rule, one thread per Matmul, by construction: the forward runs on the caller's thread,
+        # the backward on autograd's thread for the device, and each gets plans of its own.
+        sig = (key, threading.get_ident(), tuple(a.shape), a.stride(), tuple(b.shape), b.stride(), a.dtype, epilog)
+        sig += (tf32,)
         sig += tuple(_alignment(t) for t in (a, b, *inputs.values()))
         stream = torch.cuda.current_stream(a.device)
-        with self._lock:  # forward and backward run on two threads (autograd's device thread)
+        with self._lock:  # the dict is shared by those threads
             mm = self._plans.get(sig)
             fresh = mm is None
             if fresh:
@@ -108,8 +112,8 @@ class TorchNvmathGemm:
         """
         key = (tuple(widths), batch, dtype, activation, torch.get_float32_matmul_precision())
         hidden = len(widths) - 2
-        if key in self._bgrad:
-            return self._bgrad[key]
+        if key in self.bgrad_choices:
+            return self.bgrad_choices[key]
         flops = 6 * batch * sum(a * b for a, b in zip(widths, widths[1:], strict=False))
         if flops < PROBE_MIN_FLOPS:
             return ["bgradb"] * hidden
@@ -118,7 +122,7 @@ class TorchNvmathGemm:
             return ["bgradb"] * hidden
         choices = [_faster_strategy(eng, widths[i : i + 3], batch, dtype, activation) for i in range(hidden)]
         log.info("bgrad=auto for %s batch %d %s: %s", widths, batch, dtype, choices)
-        self._bgrad[key] = choices
+        self.bgrad_choices[key] = choices
         return choices
 
 

@@ -120,10 +120,11 @@ def engine_for(x: torch.Tensor) -> NumpyEngine | TorchEngine:
 
 
 def to_arrays(eng: Any, tensors: list[torch.Tensor]) -> list[Any]:
-    """What ``eng`` computes on: NumPy views of CPU tensors (no copy), the tensors themselves on a GPU."""
-    if isinstance(eng, NumpyEngine):
-        return [t.detach().numpy() for t in tensors]
-    return list(tensors)
+    """What ``eng`` computes on: NumPy views of CPU tensors (no copy), the tensors themselves on a GPU;
+    C-contiguous, the layout the chain's free transposes assume (already so, unless a compiler chose other
+    strides: then one copy)."""
+    tensors = [t.detach().contiguous() for t in tensors]
+    return [t.numpy() for t in tensors] if isinstance(eng, NumpyEngine) else tensors
 
 
 def to_tensors(eng: Any, arrays: list[Any]) -> list[torch.Tensor]:
