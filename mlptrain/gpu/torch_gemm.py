@@ -46,13 +46,17 @@ class TorchNvmathGemm:
 
     Args:
         device_index: the CUDA device whose tensors this engine takes.
+        workspace_mib: cap on each plan's cuBLASLt workspace (nvmath's ``memory_limit``), mlptrain's default
+            (``execution.workspace_mib``): every plan holds a workspace of its own, and uncapped the heuristics
+            pick algorithms that want gigabytes at large shapes. None: nvmath's default, 80% of the memory.
 
     float32 follows ``torch.get_float32_matmul_precision()``: ``"highest"`` (PyTorch's default) is
     ``COMPUTE_32F``; ``"high"`` or ``"medium"`` is TF32 (``COMPUTE_32F_FAST_TF32``), as for ``nn.Linear``.
     """
 
-    def __init__(self, device_index: int) -> None:
+    def __init__(self, device_index: int, workspace_mib: int | None = 64) -> None:
         self.device_index = device_index
+        self.workspace_mib = workspace_mib
         self._plans: dict[tuple, Matmul] = {}
         # (widths, batch, dtype, activation, fp32 matmul precision) -> one strategy per hidden layer
         self.bgrad_choices: dict[tuple, list[str]] = {}
@@ -63,6 +67,8 @@ class TorchNvmathGemm:
 
     def _options(self, dtype: torch.dtype, tf32: bool) -> dict[str, Any]:
         options: dict[str, Any] = {"logger": self._logger, "device_id": self.device_index}
+        if self.workspace_mib is not None:
+            options["memory_limit"] = int(self.workspace_mib) * 2**20
         if tf32 and dtype == torch.float32:
             options["compute_type"] = nvmath.linalg.advanced.MatmulComputeType.COMPUTE_32F_FAST_TF32
         return options
@@ -101,6 +107,19 @@ class TorchNvmathGemm:
     def release_operands(self, prefix: str | None = None) -> None:
         """Nothing to forget: every plan released its operands when it ran."""
 
+    def free(self, prefix: str | None = None) -> None:
+        """Free the plans (``prefix``: of the call sites whose key starts with it) and their workspaces.
+
+        Synchronises the device first: ``free()`` would wait on each plan's last event, and an execute
+        recorded into a CUDA graph left one that cannot be waited on.
+        """
+        torch.cuda.synchronize(self.device_index)
+        with self._lock:
+            for sig in [sig for sig in self._plans if prefix is None or sig[0].startswith(prefix)]:
+                mm = self._plans.pop(sig)
+                mm.last_compute_event = None
+                mm.free()
+
     def choose_bgrad(self, eng: Any, widths: list[int], batch: int, dtype: torch.dtype, activation: str) -> list[str]:
         """Per hidden layer, the bias-gradient strategy that makes this shape's backward faster (``bgrad=auto``).
 
@@ -131,6 +150,8 @@ def _faster_strategy(eng: Any, widths: list[int], batch: int, dtype: torch.dtype
     from mlptrain.execution import FusedExecution
 
     k, m, above = widths
+    if above == 1:  # K = 1 above: the chain's element-wise fallback, no DRELU_BGRAD to time against
+        return "bgradb"
     device = torch.device("cuda", eng.gemm.device_index)
     g = torch.Generator(device=device).manual_seed(0)
     rand = lambda *shape: torch.randn(shape, generator=g, device=device, dtype=torch.float32).to(dtype)
@@ -161,4 +182,5 @@ def _faster_strategy(eng: Any, widths: list[int], batch: int, dtype: torch.dtype
             end.synchronize()  # syncs the host: the probe runs once per shape, before training
             runs.append(start.elapsed_time(end) / 10)
         times[name] = sorted(runs)[2]
+    eng.gemm.free("probe.")  # the strategy not chosen has plans (and workspaces) of its own
     return min(times, key=times.__getitem__)
