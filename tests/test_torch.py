@@ -20,12 +20,16 @@ TOL = {torch.float64: 1e-12, torch.float32: 2e-6}
 WIDTHS = [[7, 13, 5, 3], [9, 1, 4], [5, 6, 1], [3, 2]]
 
 
+def act_module(activation: str | None) -> nn.Module:
+    return {"relu": nn.ReLU(), "gelu": nn.GELU(approximate="tanh"), None: nn.Identity()}[activation]
+
+
 def sequential(widths: list[int], activation: str, bias: bool, dtype: torch.dtype) -> nn.Sequential:
     layers: list[nn.Module] = []
     for i, (a, b) in enumerate(zip(widths, widths[1:], strict=False)):
         layers.append(nn.Linear(a, b, bias=bias, dtype=dtype))
         if i < len(widths) - 2:
-            layers.append(nn.ReLU() if activation == "relu" else nn.GELU(approximate="tanh"))
+            layers.append(act_module(activation))
     return nn.Sequential(*layers)
 
 
@@ -151,8 +155,7 @@ def test_fused_linear_matches_nn_linear_with_its_activation(activation: str | No
     torch.manual_seed(2)
     fused = FusedLinear(6, 9, bias=bias, activation=activation, dtype=torch.float64)
     torch.manual_seed(2)
-    act = {"relu": nn.ReLU(), "gelu": nn.GELU(approximate="tanh"), None: nn.Identity()}[activation]
-    ref = nn.Sequential(nn.Linear(6, 9, bias=bias, dtype=torch.float64), act)
+    ref = nn.Sequential(nn.Linear(6, 9, bias=bias, dtype=torch.float64), act_module(activation))
     assert torch.equal(fused.weight, ref[0].weight)
     x = torch.randn(2, 5, 6, dtype=torch.float64) * 2  # leading dimensions, as nn.Linear takes them
     dy = torch.randn(2, 5, 9, dtype=torch.float64)
@@ -241,6 +244,10 @@ def test_torch_compile_fullgraph_gives_the_eager_outputs_and_gradients() -> None
         assert_close(a, p.grad, 1e-6, "gradient")
     with torch.no_grad():
         assert torch.equal(compiled(x), model(x))
+    with torch.autocast("cpu", dtype=torch.float16):  # autocast's dtype read inside the traced forward
+        y_half, y_half_eager = compiled(x[:5]), model(x[:5])  # and another batch size
+    assert y_half.dtype == torch.float16  # (the compiled log-softmax rounds its own way: half's error apart)
+    assert_close(y_half, y_half_eager, 2e-3, "compiled output under autocast")
 
 
 def test_the_torch_fallbacks_compute_what_the_contract_computes() -> None:
@@ -261,6 +268,48 @@ def test_the_torch_fallbacks_compute_what_the_contract_computes() -> None:
     np.testing.assert_array_equal(got, dy * (z >= 0))
     half = torch.full((4096, 1), 1.0, dtype=torch.float16)
     assert eng.col_sum(half).item() == 4096  # a float16 running sum would stop at 2048
+
+
+class ContractOnTensors:
+    """The epilog contract with torch tensors in and out, in the layouts nvmath returns for torch operands
+    (results column-major, relu_aux ``(Mb, N)`` with strides ``(1, Mb)``): the GPU engine's code path,
+    :class:`~mlptrain.torch.engines.TorchEngine` and its torch fallbacks, run on the CPU."""
+
+    def __init__(self) -> None:
+        self.numpy = engines.NumpyEngine().gemm
+
+    def __call__(self, key: str, a: object, b: object, epilog: object = None, **inputs: object) -> tuple:
+        arrays = {name: v.numpy() for name, v in inputs.items() if v is not None}  # type: ignore[attr-defined]
+        out, aux = self.numpy(key, a.numpy(), b.numpy(), epilog, **arrays)  # type: ignore[attr-defined]
+        return torch.from_numpy(out), {name: torch.from_numpy(v) for name, v in aux.items()}
+
+    def release_operands(self, prefix: object = None) -> None:
+        pass
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("widths", WIDTHS, ids=lambda w: "-".join(map(str, w)))
+def test_the_torch_engine_path_matches_nn_sequential(
+    monkeypatch: pytest.MonkeyPatch, widths: list[int], activation: str, bias: bool
+) -> None:
+    from mlptrain.torch import ops
+
+    eng = engines.TorchEngine(ContractOnTensors())
+    monkeypatch.setattr(ops, "engine_for", lambda x: eng)
+    torch.manual_seed(7)
+    fused = FusedMLP(widths, activation=activation, bias=bias, dtype=torch.float64)
+    torch.manual_seed(7)
+    ref = sequential(widths, activation, bias, torch.float64)
+    x, dy = torch.randn(11, widths[0], dtype=torch.float64) * 2, torch.randn(11, widths[-1], dtype=torch.float64)
+    for a, b in zip(grads(fused, x, dy)[1], grads(ref, x, dy)[1], strict=True):
+        assert_close(a, b, 1e-12, "parameter gradient")
+    single = FusedLinear(widths[0], widths[1], bias=bias, activation=activation, dtype=torch.float64)
+    ref1 = nn.Sequential(nn.Linear(widths[0], widths[1], bias=bias, dtype=torch.float64), act_module(activation))
+    ref1[0].load_state_dict(single.state_dict())
+    dy1 = torch.randn(11, widths[1], dtype=torch.float64)
+    for a, b in zip(grads(single, x, dy1)[1], grads(ref1, x, dy1)[1], strict=True):
+        assert_close(a, b, 1e-12, "FusedLinear's parameter gradient")
 
 
 @pytest.mark.parametrize(
