@@ -80,25 +80,28 @@ class TorchNvmathGemm:
         tf32 = a.dtype == torch.float32 and torch.get_float32_matmul_precision() != "highest"
         # nvmath's rule, one thread per Matmul, by construction: the forward runs on the caller's thread,
         # the backward on autograd's thread for the device, and each gets plans of its own.
-        sig = (key, threading.get_ident(), tuple(a.shape), a.stride(), tuple(b.shape), b.stride(), a.dtype, epilog)
-        sig += (tf32,)
-        sig += tuple(_alignment(t) for t in (a, b, *inputs.values()))
+        sig: tuple = (key, threading.get_ident(), tuple(a.shape), a.stride(), tuple(b.shape), b.stride(), a.dtype)
+        sig += (epilog, tf32, *(_alignment(t) for t in (a, b, *inputs.values())))
         stream = torch.cuda.current_stream(a.device)
         with self._lock:  # the dict is shared by those threads
             mm = self._plans.get(sig)
-            fresh = mm is None
-            if fresh:
-                mm = Matmul(a, b, options=self._options(a.dtype, tf32), stream=stream)
-                nv_epilog = _NV_EPILOG[epilog] if epilog is not None else None
-                mm.plan(epilog=nv_epilog, epilog_inputs=inputs or None, stream=stream)
-                self._plans[sig] = mm
-                log.info("planned %s: %s @ %s %s epilog=%s", key, tuple(a.shape), tuple(b.shape), a.dtype, epilog)
-        if not fresh:
-            # Same shapes, strides, dtype and alignment by construction of the key: only the pointers change.
-            mm.reset_operands_unchecked(a=a, b=b, epilog_inputs=inputs or None)
+            if mm is None:
+                mm = self._plans[sig] = self._plan(key, a, b, epilog, inputs, tf32, stream)
+            else:
+                # Same shapes, strides, dtype and alignment by construction of the key: only the pointers change.
+                mm.reset_operands_unchecked(a=a, b=b, epilog_inputs=inputs or None)
         out = mm.execute(stream=stream)
         mm.release_operands()  # the tensors stay alive as long as their callers hold them, not the plan
         return out if isinstance(out, tuple) else (out, {})
+
+    def _plan(
+        self, key: str, a: torch.Tensor, b: torch.Tensor, epilog: Epilog | None, inputs: dict, tf32: bool, stream: Any
+    ) -> Matmul:
+        mm = Matmul(a, b, options=self._options(a.dtype, tf32), stream=stream)
+        nv_epilog = _NV_EPILOG[epilog] if epilog is not None else None
+        mm.plan(epilog=nv_epilog, epilog_inputs=inputs or None, stream=stream)
+        log.info("planned %s: %s @ %s %s epilog=%s", key, tuple(a.shape), tuple(b.shape), a.dtype, epilog)
+        return mm
 
     @property
     def num_plans(self) -> int:

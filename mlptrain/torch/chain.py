@@ -58,7 +58,9 @@ AUX = {"relu": "relu_aux", "gelu": "gelu_aux"}
 class Engine(Protocol):
     """What the chain needs beside the GEMMs: a zero bias, and the element-wise fallbacks."""
 
-    gemm: Gemm
+    @property
+    def gemm(self) -> Gemm:
+        """The GEMMs, with their epilogs (:class:`~mlptrain.execution.Gemm`)."""
 
     def zero_bias(self, m: int, like: Any) -> Any:
         """A bias of ``m`` zeros in ``like``'s dtype and memory (RELU_AUX_BIAS standing in for RELU_AUX)."""

@@ -56,10 +56,10 @@ class FusedLinear(nn.Module):
         _check_widths("FusedLinear", [in_features, out_features])
         _check_activation("FusedLinear", activation, ACTIVATIONS)
         self.in_features, self.out_features, self.activation = int(in_features), int(out_features), activation
-        factory = {"device": device, "dtype": dtype}
-        self.weight = nn.Parameter(torch.empty((self.out_features, self.in_features), **factory))  # (out, in)
+        shape = (self.out_features, self.in_features)  # (out, in), nn.Linear's layout
+        self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
         if bias:
-            self.bias = nn.Parameter(torch.empty(self.out_features, **factory))  # (out,)
+            self.bias = nn.Parameter(torch.empty(self.out_features, device=device, dtype=dtype))  # (out,)
         else:
             self.register_parameter("bias", None)
         self.reset_parameters()
