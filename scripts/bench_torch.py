@@ -18,7 +18,8 @@ Checked before timing: one step of each variant from the same parameters and bat
 and parameter gradients of eager nn.Sequential within half precision's error (norm-wise relative
 error in the table; over 5e-2 marks the row FAILED).
 
-Usage: python scripts/bench_torch.py --out DIR [--reps N] [--chain N] [--warmup N] [--no-compile]
+Usage: python scripts/bench_torch.py --out DIR [--reps N] [--chain N] [--warmup N] [--modes eager,compile]
+(``--modes eager,compile,reduce-overhead`` adds ``torch.compile(mode="reduce-overhead")``: CUDA graphs.)
 Writes DIR/bench_torch.md (the table) and DIR/bench_torch.json (every figure and the stack).
 """
 
@@ -37,7 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 MODELS = [("784-1024-1024-10", [784, 1024, 1024, 10], 256), ("4096 x 4", [4096] * 5, 8192)]
 DTYPES = ("bf16", "fp16")
-VARIANTS = [("sequential", "eager"), ("fused", "eager"), ("sequential", "compile"), ("fused", "compile")]
+KINDS = {"sequential": "nn.Sequential", "fused": "FusedMLP"}
+# torch.compile's options per mode; "reduce-overhead" replays CUDA graphs (cudagraph trees)
+MODES = {"eager": None, "compile": {}, "reduce-overhead": {"mode": "reduce-overhead"}}
 CHECK_TOL = 5e-2
 
 
@@ -75,7 +78,8 @@ class Loop:
         self.x = torch.randn(batch, widths[0], device="cuda", generator=g)
         self.y = torch.randint(0, widths[-1], (batch,), device="cuda", generator=g)
         loss = lambda x, y: torch.nn.functional.cross_entropy(self.model(x), y)
-        self.loss = torch.compile(loss, fullgraph=kind == "fused") if mode == "compile" else loss
+        options = MODES[mode]
+        self.loss = loss if options is None else torch.compile(loss, fullgraph=kind == "fused", **options)
 
     def backward(self) -> Any:
         """Forward and backward of the loss, no update: the loss and the gradients it leaves."""
@@ -133,43 +137,41 @@ def bench_case(widths: list[int], batch: int, precision: str, args: argparse.Nam
     reference_model = build("sequential", widths, None)
     row: dict[str, Any] = {"widths": widths, "batch": batch, "precision": precision}
     eager_ref = Loop("sequential", "eager", widths, batch, precision, reference_model)
-    for kind, mode in VARIANTS:
-        if mode == "compile" and args.no_compile:
-            continue
-        loop = Loop(kind, mode, widths, batch, precision, reference_model)
-        name = f"{kind} {mode}"
-        row[f"{name} check"] = check(loop, eager_ref)
-        torch.cuda.reset_peak_memory_stats()
-        row[name] = time_steps(loop, args.warmup, args.reps, args.chain)
-        row[f"{name} peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        print(f"{widths} batch {batch} {precision} {name}: {row[name]} check {row[f'{name} check']:.2g}", flush=True)
-        del loop
-        torch.cuda.empty_cache()
+    for mode in args.modes:
+        for kind in KINDS:
+            name = f"{kind} {mode}"
+            loop = Loop(kind, mode, widths, batch, precision, reference_model)
+            row[f"{name} check"] = check(loop, eager_ref)
+            torch.cuda.reset_peak_memory_stats()
+            row[name] = time_steps(loop, args.warmup, args.reps, args.chain)
+            row[f"{name} peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            print(
+                f"{widths} batch {batch} {precision} {name}: {row[name]} check {row[name + ' check']:.2g}", flush=True
+            )
+            del loop
+            torch.cuda.empty_cache()
     return row
-
-
-NAMES = [f"{kind} {mode}" for kind, mode in VARIANTS]
 
 
 def _ratio(ms: dict[str, float], slow: str, fast: str) -> str:
     return f"{ms[slow] / ms[fast]:.2f}x" if slow in ms and fast in ms else "-"
 
 
-def table(rows: list[dict[str, Any]], timing: str) -> list[str]:
-    """Markdown rows of one timing (steady or isolated): ms per step and the ratios the issue asks for."""
-    lines = [
-        "| model | batch | dtype | timing | nn.Sequential eager | FusedMLP eager | nn.Sequential compile | "
-        "FusedMLP compile | eager: Sequential / Fused | compile: Sequential / Fused | worst check |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+def table(rows: list[dict[str, Any]], timing: str, modes: list[str]) -> list[str]:
+    """Markdown rows of one timing (steady or isolated): ms per step, per mode nn.Sequential and FusedMLP, and
+    the speed-up of FusedMLP over nn.Sequential per mode."""
+    names = [f"{kind} {mode}" for mode in modes for kind in KINDS]
+    head = [f"{KINDS[name.split()[0]]} {name.split()[1]}" for name in names]
+    head += [f"{mode}: Sequential / Fused" for mode in modes] + ["worst check"]
+    lines = ["| model | batch | dtype | timing | " + " | ".join(head) + " |", "|---" * (len(head) + 4) + "|"]
     for r in rows:
-        ms = {v: r[v][timing] for v in NAMES if v in r}
+        ms = {v: r[v][timing] for v in names if v in r}
         worst = max(v for k, v in r.items() if k.endswith(" check"))
         model = next(name for name, w, _ in MODELS if w == r["widths"])
-        cells = " | ".join(f"{ms[v]:.3f}" if v in ms else "-" for v in NAMES)
-        ratios = " | ".join(_ratio(ms, f"sequential {mode}", f"fused {mode}") for mode in ("eager", "compile"))
-        check = f"{worst:.1e}" + (" FAILED" if worst > CHECK_TOL else "")
-        lines.append(f"| {model} | {r['batch']} | {r['precision']} | {timing} | {cells} | {ratios} | {check} |")
+        cells = [f"{ms[v]:.3f}" if v in ms else "-" for v in names]
+        cells += [_ratio(ms, f"sequential {mode}", f"fused {mode}") for mode in modes]
+        cells.append(f"{worst:.1e}" + (" FAILED" if worst > CHECK_TOL else ""))
+        lines.append(f"| {model} | {r['batch']} | {r['precision']} | {timing} | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -193,15 +195,20 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--chain", type=int, default=20, help="steps per event pair in the steady timing")
     ap.add_argument("--warmup", type=int, default=10)
-    ap.add_argument("--no-compile", action="store_true", help="eager only")
+    ap.add_argument(
+        "--modes", default="eager,compile", help=f"comma-separated, of {list(MODES)} (reduce-overhead: CUDA graphs)"
+    )
     args = ap.parse_args()
+    args.modes = args.modes.split(",")
+    if not set(args.modes) <= set(MODES):
+        ap.error(f"--modes {','.join(args.modes)}: expected a comma-separated list of {list(MODES)}")
     rows = [bench_case(widths, batch, p, args) for _, widths, batch in MODELS for p in DTYPES]
     info = stack()
     args.out.mkdir(parents=True, exist_ok=True)
     command = "python scripts/bench_torch.py " + " ".join(sys.argv[1:])
     where = f"{info['gpu']}, PyTorch {info['torch']} (CUDA {info['cuda']}), nvmath {info['nvmath']}, {info['date']}"
     text = [f"`{command}`, {where}; ms per training step (median)", ""]
-    text += table(rows, "steady") + table(rows, "isolated")[2:]
+    text += table(rows, "steady", args.modes) + table(rows, "isolated", args.modes)[2:]
     (args.out / "bench_torch.md").write_text("\n".join(text) + "\n")
     (args.out / "bench_torch.json").write_text(json.dumps({"stack": info, "rows": rows}, indent=1) + "\n")
     print("\n".join(text))
