@@ -30,9 +30,6 @@ from mlptrain.epilogs import Epilog, gelu_aux_shape, relu_aux_shape
 log = logging.getLogger(__name__)
 
 _NV_EPILOG = {e: getattr(MatmulEpilog, e.value) for e in Epilog}
-# Below this many GEMM FLOPs per step (6 x batch x sum of in x out) bgrad=auto takes BGRADB without
-# timing, as the trainer does (mlptrain.trainer.PROBE_MIN_FLOPS): a step of microseconds is launch-bound.
-PROBE_MIN_FLOPS = 1e9
 
 
 def _alignment(t: torch.Tensor) -> int:
@@ -126,18 +123,21 @@ class TorchNvmathGemm:
     def choose_bgrad(self, eng: Any, widths: list[int], batch: int, dtype: torch.dtype, activation: str) -> list[str]:
         """Per hidden layer, the bias-gradient strategy that makes this shape's backward faster (``bgrad=auto``).
 
-        Below :data:`PROBE_MIN_FLOPS` BGRADB, untimed (the trainer's rule). Otherwise each hidden layer
-        ``i``'s two GEMMs are timed both ways on random tensors, once per shape (kept for the life of
-        the engine): the layer above's input gradient with DRELU_BGRAD (DGELU_BGRAD) and a plain weight
-        gradient, against DRELU (DGELU) and BGRADB, the median of 5 runs of 10 calls back to back on
-        CUDA events. While a CUDA graph is being captured nothing can be timed: BGRADB, with a warning.
+        Below :data:`mlptrain.trainer.PROBE_MIN_FLOPS` GEMM FLOPs per step BGRADB, untimed (the trainer's
+        rule). Otherwise each hidden layer ``i``'s two GEMMs are timed both ways on random tensors, once
+        per shape (kept for the life of the engine): the layer above's input gradient with DRELU_BGRAD
+        (DGELU_BGRAD) and a plain weight gradient, against DRELU (DGELU) and BGRADB, the median of 5
+        runs of 10 calls back to back on CUDA events. While a CUDA graph is being captured nothing can
+        be timed: BGRADB, with a warning.
         """
         key = (tuple(widths), batch, dtype, activation, torch.get_float32_matmul_precision())
         hidden = len(widths) - 2
         if key in self.bgrad_choices:
             return self.bgrad_choices[key]
-        flops = 6 * batch * sum(a * b for a, b in zip(widths, widths[1:], strict=False))
-        if flops < PROBE_MIN_FLOPS:
+        from mlptrain.build import step_flops
+        from mlptrain.trainer import PROBE_MIN_FLOPS  # the trainer's rule: a step of microseconds is launch-bound
+
+        if step_flops(widths, batch) < PROBE_MIN_FLOPS:
             return ["bgradb"] * hidden
         if torch.cuda.is_current_stream_capturing():
             log.warning("bgrad=auto for %s batch %d: no timing during a capture; using bgradb", widths, batch)
