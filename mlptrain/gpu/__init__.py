@@ -17,5 +17,6 @@ module              what it owns
 ``kernels``         compiled element-wise kernels built from CUDA source the CPU modules write
 ``xent``            the softmax cross-entropy kernels
 ``head_kernel``     the output layer's input gradient as one small kernel
+``torch_gemm``      nvmath GEMMs on torch tensors, for :mod:`mlptrain.torch` (imports nvmath, not CuPy)
 =================== ================================================================
 """

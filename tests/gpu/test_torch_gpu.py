@@ -1,0 +1,201 @@
+"""mlptrain.torch on a GPU: nvmath's fused GEMMs on torch tensors against nn.Sequential and a float64 reference."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+nn = torch.nn
+
+from mlptrain.torch import FusedLinear, FusedMLP  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+CUDA = "cuda"
+WIDTHS = [[784, 1024, 1024, 10], [37, 129, 65, 3], [9, 1, 4], [33, 17, 1]]
+
+
+def sequential(widths: list[int], activation: str, bias: bool, **factory: object) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for i, (a, b) in enumerate(zip(widths, widths[1:], strict=False)):
+        layers.append(nn.Linear(a, b, bias=bias, **factory))
+        if i < len(widths) - 2:
+            layers.append(nn.ReLU() if activation == "relu" else nn.GELU(approximate="tanh"))
+    return nn.Sequential(*layers)
+
+
+def grads(model: nn.Module, x: torch.Tensor, dy: torch.Tensor, dtype: torch.dtype | None = None) -> list:
+    """``[y, x grad, *param grads]`` of ``(model(x) * dy).sum()``, under autocast to ``dtype`` when given."""
+    x = x.detach().clone().requires_grad_(True)
+    model.zero_grad(set_to_none=True)
+    with torch.autocast(CUDA, dtype=dtype or torch.float16, enabled=dtype is not None):
+        y = model(x)
+    (y.float() * dy.float()).sum().backward()
+    return [y.detach(), x.grad, *(p.grad for p in model.parameters())]
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Norm-wise relative error (a ReLU mask flipped by rounding moves one element, not the norm)."""
+    return ((a.double() - b.double()).norm() / max(b.double().norm().item(), 1e-30)).item()
+
+
+def models(widths: list[int], activation: str, bias: bool, dtype: torch.dtype) -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(0)
+    fused = FusedMLP(widths, activation=activation, bias=bias, device=CUDA, dtype=dtype)
+    ref = sequential(widths, activation, bias, device=CUDA, dtype=dtype)
+    ref.load_state_dict(fused.state_dict())
+    return fused, ref
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("widths", WIDTHS, ids=lambda w: "-".join(map(str, w)))
+def test_fused_mlp_on_the_gpu_matches_nn_sequential(widths: list, activation: str, bias: bool, dtype: object) -> None:
+    fused, ref = models(widths, activation, bias, dtype)
+    x = torch.randn(67, widths[0], device=CUDA, dtype=dtype)
+    dy = torch.randn(67, widths[-1], device=CUDA, dtype=dtype)
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    for i, (a, b) in enumerate(zip(grads(fused, x, dy), grads(ref, x, dy), strict=True)):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert rel(a, b) < tol, f"tensor {i} (y, dx, params...): {rel(a, b):.3g}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("widths", WIDTHS, ids=lambda w: "-".join(map(str, w)))
+def test_autocast_half_precision_is_at_torchs_own_error(
+    widths: list, activation: str, bias: bool, dtype: object
+) -> None:
+    """fp32 parameters under autocast, both models against the same model in float64."""
+    fused, ref = models(widths, activation, bias, torch.float32)
+    exact = sequential(widths, activation, bias, device=CUDA, dtype=torch.float64)
+    exact.load_state_dict(fused.state_dict())
+    x = torch.randn(67, widths[0], device=CUDA)
+    dy = torch.randn(67, widths[-1], device=CUDA)
+    g64 = grads(exact, x.double(), dy.double())
+    got, theirs = grads(fused, x, dy, dtype), grads(ref, x, dy, dtype)
+    assert got[0].dtype == dtype and all(g.dtype == torch.float32 for g in got[2:])
+    for i, (a, b, e) in enumerate(zip(got, theirs, g64, strict=True)):
+        assert rel(a, e) <= 2 * rel(b, e) + 1e-3, f"tensor {i}: fused {rel(a, e):.3g}, torch {rel(b, e):.3g}"
+
+
+def test_no_grad_gives_the_training_forward() -> None:
+    fused = FusedMLP([100, 200, 50], device=CUDA)
+    x = torch.randn(33, 100, device=CUDA)
+    y = fused(x)
+    with torch.no_grad():
+        y_inf = fused(x)
+    assert torch.equal(y.detach(), y_inf)
+
+
+def test_fused_linear_with_its_activation_on_the_gpu() -> None:
+    torch.manual_seed(1)
+    fused = FusedLinear(40, 24, activation="gelu", device=CUDA, dtype=torch.float64)
+    ref = nn.Sequential(nn.Linear(40, 24, device=CUDA, dtype=torch.float64), nn.GELU(approximate="tanh"))
+    ref.load_state_dict({"0.weight": fused.weight, "0.bias": fused.bias})
+    x, dy = torch.randn(3, 5, 40, device=CUDA, dtype=torch.float64), torch.randn(3, 5, 24, device=CUDA).double()
+    for a, b in zip(grads(fused, x, dy), grads(ref, x, dy), strict=True):
+        assert rel(a, b) < 1e-12
+
+
+def test_torch_compile_fullgraph_on_the_gpu_gives_the_eager_outputs() -> None:
+    fused, _ = models([784, 1024, 1024, 10], "relu", True, torch.float32)
+    compiled = torch.compile(fused, fullgraph=True)
+    x, dy = torch.randn(256, 784, device=CUDA), torch.randn(256, 10, device=CUDA)
+    with torch.autocast(CUDA, dtype=torch.bfloat16):
+        y_c, y_e = compiled(x), fused(x)
+    assert torch.equal(y_c, y_e)  # the same op on the same tensors
+    for a, b in zip(grads(compiled, x, dy, torch.bfloat16), grads(fused, x, dy, torch.bfloat16), strict=True):
+        assert rel(a, b) < 1e-6
+
+
+def test_a_captured_cuda_graph_replays_the_fused_step() -> None:
+    fused, ref = models([64, 96, 96, 8], "relu", True, torch.float32)
+    static_x = torch.randn(32, 64, device=CUDA)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: plans and workspaces, outside the capture
+        for _ in range(3):
+            fused.zero_grad(set_to_none=False)
+            fused(static_x).square().sum().backward()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    fused.zero_grad(set_to_none=False)
+    with torch.cuda.graph(graph):
+        static_y = fused(static_x)
+        static_y.square().sum().backward()
+    new_x = torch.randn(32, 64, device=CUDA)
+    static_x.copy_(new_x)
+    fused.zero_grad(set_to_none=False)  # in place: the graph writes the same .grad tensors
+    graph.replay()
+    torch.cuda.synchronize()
+    expected = grads(ref, new_x, 2 * ref(new_x).detach())  # d sum(y^2) / dy = 2y
+    assert rel(static_y, expected[0]) < 1e-5
+    for i, (p, e) in enumerate(zip(fused.parameters(), expected[2:], strict=True)):
+        assert rel(p.grad, e) < 1e-5, f"parameter {i}"
+
+
+def test_a_training_loop_with_grad_scaler_in_fp16_follows_nn_sequential() -> None:
+    fused, ref = models([128, 256, 256, 10], "relu", True, torch.float32)
+    x, labels = torch.randn(512, 128, device=CUDA), torch.randint(0, 10, (512,), device=CUDA)
+    losses = {}
+    for name, model in (("fused", fused), ("torch", ref)):
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        scaler = torch.amp.GradScaler(CUDA)
+        losses[name] = []
+        for _ in range(10):
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast(CUDA, dtype=torch.float16):
+                loss = nn.functional.cross_entropy(model(x), labels)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            losses[name].append(loss.item())
+    first, last = losses["fused"][0], losses["fused"][-1]
+    assert last < first and abs(last - losses["torch"][-1]) < 0.02 * losses["torch"][-1], losses
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_bgrad_auto_measures_a_large_shape_and_stays_exact(activation: str) -> None:
+    from mlptrain.torch.engines import engine_for
+
+    fused, ref = models([1024, 2048, 2048, 10], activation, True, torch.float32)
+    x, dy = torch.randn(4096, 1024, device=CUDA), torch.randn(4096, 10, device=CUDA)
+    for i, (a, b) in enumerate(zip(grads(fused, x, dy), grads(ref, x, dy), strict=True)):
+        assert rel(a, b) < 1e-5, f"tensor {i}"
+    gemm = engine_for(x).gemm
+    choices = [v for k, v in gemm.bgrad_choices.items() if k[0] == (1024, 2048, 2048, 10) and k[3] == activation]
+    assert len(choices) == 1 and len(choices[0]) == 2 and set(choices[0]) <= {"bgradb", "drelu_bgrad"}
+
+
+def _ddp_rank(rank: int, world: int, out: str) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
+    dist.init_process_group("nccl", rank=rank, world_size=world)
+    torch.cuda.set_device(rank)
+    torch.manual_seed(0)  # the same initial parameters on every rank (drawn on the CPU), and the same global batch
+    fused = FusedMLP([64, 128, 128, 8]).cuda()
+    x, dy = torch.randn(8 * world, 64).cuda(), torch.randn(8 * world, 8).cuda()
+    ddp = nn.parallel.DistributedDataParallel(fused, device_ids=[rank])
+    rows = slice(8 * rank, 8 * (rank + 1))
+    (ddp(x[rows]) * dy[rows]).sum().backward()  # DDP averages: the gradient of the mean over ranks
+    torch.save({"grads": [p.grad.cpu() for p in fused.parameters()], "x": x.cpu(), "dy": dy.cpu()}, f"{out}/{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_ddp_on_two_gpus_averages_the_fused_gradients(tmp_path: Path) -> None:
+    torch.multiprocessing.spawn(_ddp_rank, args=(2, str(tmp_path)), nprocs=2, join=True)
+    torch.manual_seed(0)
+    seq = sequential([64, 128, 128, 8], "relu", True).double()  # the ranks' draws: FusedMLP initialises as nn.Linear
+    saved = [torch.load(tmp_path / f"{r}.pt") for r in range(2)]
+    x, dy = saved[0]["x"].double(), saved[0]["dy"].double()
+    (seq(x) * dy).sum().div(2).backward()  # the mean over the two ranks of each shard's sum
+    for r in range(2):
+        for a, p in zip(saved[r]["grads"], seq.parameters(), strict=True):
+            assert rel(a, p.grad) < 1e-5, f"rank {r}"
