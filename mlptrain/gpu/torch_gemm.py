@@ -134,8 +134,8 @@ class TorchNvmathGemm:
         hidden = len(widths) - 2
         if key in self.bgrad_choices:
             return self.bgrad_choices[key]
-        from mlptrain.build import step_flops
         from mlptrain.bgrad import PROBE_MIN_FLOPS  # the trainer's rule: a step of microseconds is launch-bound
+        from mlptrain.build import step_flops
 
         if step_flops(widths, batch) < PROBE_MIN_FLOPS:
             return ["bgradb"] * hidden
