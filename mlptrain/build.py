@@ -30,7 +30,7 @@ from mlptrain.backend import Backend
 from mlptrain.config import DataConfig, ExecutionConfig, ModelConfig, OptimizerConfig, PrecisionConfig, TrainConfig
 from mlptrain.data import Dataset
 from mlptrain.distributed.dp import shard_rows
-from mlptrain.errors import ConfigError, ResourceError
+from mlptrain.errors import ConfigError, DeviceError, ResourceError
 from mlptrain.execution import FusedExecution, NaiveExecution, NumpyGemm
 from mlptrain.head import OutputHead
 from mlptrain.loader import DataLoader
@@ -42,11 +42,19 @@ from mlptrain.schedule import LRSchedule, StepClock
 
 def precision(cfg: PrecisionConfig, backend: Backend) -> Precision:
     """``precision.name`` on ``backend`` (half precision and TF32 need the GPU), and its ``compute_copy``."""
-    return dataclasses.replace(get_precision(cfg.name.value, backend), compute_copy=cfg.compute_copy.value)
+    return dataclasses.replace(
+        get_precision(cfg.name.value, backend),
+        compute_copy=cfg.compute_copy.value,
+        amax_history=cfg.amax_history,
+        margin=cfg.margin,
+    )
 
 
 def scaler(cfg: PrecisionConfig, xp: Any, prec: Precision) -> LossScaler:
-    """Dynamic loss scaling for fp16; a scale of 1 that never changes otherwise."""
+    """Dynamic loss scaling for fp16; fp8: a scale of 1 that never changes, checked every step (an inf/NaN
+    gradient skips the step); a scale of 1 that is never checked otherwise."""
+    if prec.fp8:
+        return LossScaler(xp, enabled=True, init_scale=1.0, growth_factor=1.0, backoff_factor=1.0)
     return LossScaler(
         xp,
         enabled=prec.loss_scaling,
@@ -58,7 +66,10 @@ def scaler(cfg: PrecisionConfig, xp: Any, prec: Precision) -> LossScaler:
 
 
 def gemm(cfg: ExecutionConfig, backend: Backend, prec: Precision) -> Any:
-    """The GEMM engine: planned nvmath Matmuls on the GPU, the NumPy epilog contract on the CPU."""
+    """The GEMM engine: planned nvmath Matmuls on the GPU, the NumPy epilog contract on the CPU; fp8: FP8
+    casts and GEMMs around it (:class:`mlptrain.fp8.Fp8Gemm`)."""
+    if prec.fp8:
+        return fp8_gemm(cfg, backend, prec)
     if not backend.is_gpu:
         return NumpyGemm()
     from mlptrain.gpu.gemm import NvmathGemm
@@ -66,6 +77,19 @@ def gemm(cfg: ExecutionConfig, backend: Backend, prec: Precision) -> Any:
 
     cache = PlanCache(PlanCache.default_path()) if cfg.plan_cache else None
     return NvmathGemm(tf32=prec.tf32, autotune=cfg.autotune, plan_cache=cache, workspace_mib=cfg.workspace_mib)
+
+
+def fp8_gemm(cfg: ExecutionConfig, backend: Backend, prec: Precision) -> Any:
+    """``precision=fp8``: the FP8 contract emulated on the CPU (the GPU's FP8 engine is not built yet)."""
+    from mlptrain.fp8 import Fp8Gemm, Fp8Scaling
+
+    if backend.is_gpu:
+        raise DeviceError(
+            "precision=fp8 has no GPU engine yet (issue #30: the FP8 contract and scaling run on the CPU); "
+            "use precision=bf16 on the GPU, or device=cpu to emulate fp8"
+        )
+    scaling = Fp8Scaling(backend.xp, amax_history=prec.amax_history, margin=prec.margin)
+    return Fp8Gemm(NumpyGemm(), scaling, mode=cfg.mode.value)
 
 
 def execution(cfg: ExecutionConfig, engine: Any, xp: Any) -> FusedExecution | NaiveExecution:
