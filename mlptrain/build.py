@@ -30,7 +30,7 @@ from mlptrain.backend import Backend
 from mlptrain.config import DataConfig, ExecutionConfig, ModelConfig, OptimizerConfig, PrecisionConfig, TrainConfig
 from mlptrain.data import Dataset
 from mlptrain.distributed.dp import shard_rows
-from mlptrain.errors import ConfigError, DeviceError, ResourceError
+from mlptrain.errors import ConfigError, ResourceError
 from mlptrain.execution import FusedExecution, NaiveExecution, NumpyGemm
 from mlptrain.head import OutputHead
 from mlptrain.loader import DataLoader
@@ -67,29 +67,31 @@ def scaler(cfg: PrecisionConfig, xp: Any, prec: Precision) -> LossScaler:
 
 def gemm(cfg: ExecutionConfig, backend: Backend, prec: Precision) -> Any:
     """The GEMM engine: planned nvmath Matmuls on the GPU, the NumPy epilog contract on the CPU; fp8: FP8
-    casts and GEMMs around it (:class:`mlptrain.fp8.Fp8Gemm`)."""
-    if prec.fp8:
-        return fp8_gemm(cfg, backend, prec)
+    casts and GEMMs around it (:class:`mlptrain.fp8.Fp8Gemm`), which stays for what FP8 cannot run."""
     if not backend.is_gpu:
-        return NumpyGemm()
-    from mlptrain.gpu.gemm import NvmathGemm
-    from mlptrain.gpu.plan_cache import PlanCache
+        engine: Any = NumpyGemm()
+    else:
+        from mlptrain.gpu.gemm import NvmathGemm
+        from mlptrain.gpu.plan_cache import PlanCache
 
-    cache = PlanCache(PlanCache.default_path()) if cfg.plan_cache else None
-    return NvmathGemm(tf32=prec.tf32, autotune=cfg.autotune, plan_cache=cache, workspace_mib=cfg.workspace_mib)
+        cache = PlanCache(PlanCache.default_path()) if cfg.plan_cache else None
+        engine = NvmathGemm(tf32=prec.tf32, autotune=cfg.autotune, plan_cache=cache, workspace_mib=cfg.workspace_mib)
+    return fp8_gemm(cfg, backend, prec, engine) if prec.fp8 else engine
 
 
-def fp8_gemm(cfg: ExecutionConfig, backend: Backend, prec: Precision) -> Any:
-    """``precision=fp8``: the FP8 contract emulated on the CPU (the GPU's FP8 engine is not built yet)."""
+def fp8_gemm(cfg: ExecutionConfig, backend: Backend, prec: Precision, engine: Any) -> Any:
+    """``precision=fp8``: cuBLASLt's FP8 GEMMs on the GPU (:mod:`mlptrain.gpu.fp8_gemm`), the FP8 contract
+    emulated on the CPU; either casts each operand with its delayed scale."""
     from mlptrain.fp8 import Fp8Gemm, Fp8Scaling
 
     if backend.is_gpu:
-        raise DeviceError(
-            "precision=fp8 has no GPU engine yet (issue #30: the FP8 contract and scaling run on the CPU); "
-            "use precision=bf16 on the GPU, or device=cpu to emulate fp8"
-        )
+        from mlptrain.gpu.fp8_gemm import GpuFp8Gemm
+        from mlptrain.gpu.fp8_kernels import GpuFp8Scaling
+
+        on_gpu = GpuFp8Scaling(amax_history=prec.amax_history, margin=prec.margin)
+        return GpuFp8Gemm(engine, on_gpu, mode=cfg.mode.value, workspace_mib=cfg.workspace_mib)
     scaling = Fp8Scaling(backend.xp, amax_history=prec.amax_history, margin=prec.margin)
-    return Fp8Gemm(NumpyGemm(), scaling, mode=cfg.mode.value)
+    return Fp8Gemm(engine, scaling, mode=cfg.mode.value)
 
 
 def execution(cfg: ExecutionConfig, engine: Any, xp: Any) -> FusedExecution | NaiveExecution:

@@ -28,6 +28,7 @@ the 16-bit dZ (what a cast + transpose + bias-gradient kernel computes on the GP
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -48,8 +49,9 @@ class TensorScale:
     """One FP8 tensor's delayed-scaling state: ``amax_history (H,)`` and ``scale ()``, float32 device arrays."""
 
     def __init__(self, xp: Any, history_len: int) -> None:
-        self.amax_history = xp.zeros(history_len, dtype=xp.float32)
-        self.scale = xp.ones((), dtype=xp.float32)
+        # made on the host and copied: on the GPU no fill kernel has to be compiled for them
+        self.amax_history = xp.asarray(np.zeros(history_len, dtype=np.float32))
+        self.scale = xp.asarray(np.ones(1, dtype=np.float32)).reshape(())
 
 
 class Fp8Scaling:
@@ -75,9 +77,13 @@ class Fp8Scaling:
             self.tensors[name] = TensorScale(self.xp, self.history_len)
         return self.tensors[name]
 
-    def quantize(self, name: str, x: Any, fmt: str, record: bool = True) -> tuple[Any, Any]:
+    def quantize(self, name: str, x: Any, fmt: str, record: bool = True, order: str = "K") -> tuple[Any, Any]:
         """``(fp8(scale * x), 1 / scale)`` with tensor ``name``'s current scale; then, with ``record``, its amax
-        enters the history and the scale for the next step is computed (``record=False``: inference)."""
+        enters the history and the scale for the next step is computed (``record=False``: inference).
+
+        ``order``: the memory order the FP8 copy must have (``"C"``: a GEMM's A, row-major; ``"F"``: its B,
+        column-major; the GPU casts with a transpose where x has the other). The CPU keeps x's order: the
+        contract reads values, not layouts."""
         st = self.get(name)
         scale_inv = (1.0 / st.scale).astype(self.xp.float32)  # the dequantisation scale of this cast
         q = quantize(x, st.scale, fmt)
@@ -122,6 +128,19 @@ class Fp8Scaling:
             getattr(self.get(name), field)[...] = self.xp.asarray(value)
 
 
+@dataclass
+class Fp8Call:
+    """One FP8 GEMM as :meth:`Fp8Gemm.matmul` runs it."""
+
+    key: str  # the call site (``layer1.dgrad``)
+    a: tuple[Any, Any, str]  # A's FP8 copy (M, K), its dequantisation scale (0-d float32), its format
+    b: tuple[Any, Any, str]  # the same of B (K, N)
+    epilog: Epilog | None
+    inputs: dict[str, Any]  # the epilog's inputs (bias, relu_aux, gelu_aux)
+    out_dtype: Any  # D's dtype (bfloat16)
+    c_order: bool  # D in C order (a plain GEMM whose 16-bit A was C-order), else column-major
+
+
 class Fp8Gemm:
     """The :class:`~mlptrain.execution.Gemm` of ``precision=fp8``: FP8 operands, 16-bit results.
 
@@ -149,21 +168,31 @@ class Fp8Gemm:
         record = role != "infer"
         names = f"{site}.fwd" if role == "infer" else key
         fa, fb = self.formats["fwd" if role == "infer" else role]
-        a8, a_inv = self.scaling.quantize(f"{names}.a", a, fa, record)
-        b8, b_inv = self.scaling.quantize(f"{names}.b", b, fb, record)
+        a8, a_inv = self.scaling.quantize(f"{names}.a", a, fa, record, order="C")  # TN: K contiguous in A
+        b8, b_inv = self.scaling.quantize(f"{names}.b", b, fb, record, order="F")  # ... and in B
         aux: dict[str, Any] = {}
         if epilog is Epilog.BGRADB:  # NOT_SUPPORTED in FP8: the bias gradient from the 16-bit operand
             aux["bgradb"] = reduce_sum(b, axis=0, dtype=a.dtype)  # (N,): B summed over K
             epilog = None
         inputs = {name: v for name, v in epilog_inputs.items() if v is not None}
-        out = matmul_fp8(
-            a8, b8, scale_a_inv=a_inv, scale_b_inv=b_inv, epilog=epilog, epilog_inputs=inputs, out_dtype=a.dtype
-        )
-        d, more = out if isinstance(out, tuple) else (out, {})
+        c_order = epilog is None and a.flags.c_contiguous  # D follows A's order, as the 16-bit contract's
+        d, more = self.matmul(Fp8Call(key, (a8, a_inv, fa), (b8, b_inv, fb), epilog, inputs, a.dtype, c_order))
         return d, {**aux, **more}
+
+    def matmul(self, call: Fp8Call) -> tuple[Any, dict[str, Any]]:
+        """The FP8 GEMM of ``call``: here the contract, which keeps A's order in its FP8 copy (the GPU: cuBLASLt)."""
+        (a8, a_inv, _), (b8, b_inv, _) = call.a, call.b
+        scales = {"scale_a_inv": a_inv, "scale_b_inv": b_inv}
+        out = matmul_fp8(a8, b8, **scales, epilog=call.epilog, epilog_inputs=call.inputs, out_dtype=call.out_dtype)
+        return out if isinstance(out, tuple) else (out, {})
 
     def release_operands(self, prefix: str | None = None) -> None:
         self.base.release_operands(prefix)
+
+    def free(self) -> None:
+        """Drop the plans of the 16-bit engine (the GPU engine drops its FP8 plans too)."""
+        if hasattr(self.base, "free"):
+            self.base.free()
 
 
 # The FP8 state of a run's GEMM engine, for the checkpoint (empty unless precision=fp8).

@@ -208,3 +208,22 @@ def test_an_fp8_checkpoint_predicts_in_bf16_on_a_gpu_and_fp32_on_the_cpu():
     # a GPU backend over NumPy: enough for the choice, which must not ask the device for FP8
     assert _precision(None, "fp8", Backend("gpu", np)).name == "bf16"
     assert _precision(None, "fp8", Backend("cpu", np)).name == "fp32"
+
+
+@pytest.mark.parametrize(("capability", "ok"), [("86", False), ("89", True), ("90", True)])
+def test_fp8_on_a_gpu_without_fp8_tensor_cores_is_a_device_error(capability, ok):
+    from types import SimpleNamespace
+
+    from mlptrain.backend import Backend
+    from mlptrain.errors import DeviceError
+    from mlptrain.precision import get_precision
+
+    # a GPU backend whose device reports ``capability`` (NumPy stands in for CuPy: only the check runs)
+    device = SimpleNamespace(compute_capability=capability)
+    xp = SimpleNamespace(float32=np.float32, cuda=SimpleNamespace(Device=lambda: device))
+    backend = Backend("gpu", xp)  # type: ignore[arg-type]
+    if ok:
+        assert get_precision("fp8", backend).fp8
+    else:
+        with pytest.raises(DeviceError, match=r"compute capability 8.9 or higher .* is 8.6; use precision=bf16"):
+            get_precision("fp8", backend)
