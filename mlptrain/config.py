@@ -189,7 +189,7 @@ class PrecisionConfig:
     growth_factor: float = _f(2.0, "fp16: the scale grows by this after growth_interval clean steps")
     backoff_factor: float = _f(0.5, "fp16: the scale shrinks by this after an overflow")
     growth_interval: int = _f(2000, "fp16: clean steps before the scale grows")
-    max_consecutive_skips: int = _f(50, "fp16: stop after this many overflowing steps in a row")
+    max_consecutive_skips: int = _f(50, "fp16, fp8: stop after this many skipped (inf/NaN) steps in a row")
     amax_history: int = _f(16, "fp8: steps of amax history each FP8 tensor's scale is taken from (delayed scaling)")
     margin: int = _f(0, "fp8: each scale leaves 2^margin of headroom below the FP8 format's max")
     compute_copy: ComputeCopy = _f(

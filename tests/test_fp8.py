@@ -227,3 +227,18 @@ def test_fp8_on_a_gpu_without_fp8_tensor_cores_is_a_device_error(capability, ok)
     else:
         with pytest.raises(DeviceError, match=r"compute capability 8.9 or higher .* is 8.6; use precision=bf16"):
             get_precision("fp8", backend)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")
+def test_consecutive_non_finite_fp8_steps_stop_the_run_naming_fp8():
+    from mlptrain import faults
+    from mlptrain.errors import NonFiniteError
+
+    tr = Trainer(make_cfg(**FP8, precision__max_consecutive_skips=2))
+    x, y = next(iter(tr.train_loader.epoch(0)))
+    bad = x.copy()
+    bad[0, 0] = np.nan
+    for _ in range(2):
+        tr.step(bad, y)
+    with pytest.raises(NonFiniteError, match="fp8 gradients overflowed on 2 consecutive steps"):
+        faults.check_scaler(tr)

@@ -17,5 +17,7 @@ module              what it owns
 ``kernels``         compiled element-wise kernels built from CUDA source the CPU modules write
 ``xent``            the softmax cross-entropy kernels
 ``head_kernel``     the output layer's input gradient as one small kernel
+``fp8_gemm``        precision=fp8: FP8 GEMMs with epilogs through the raw cuBLASLt bindings
+``fp8_kernels``     precision=fp8: the FP8 casts (straight, transposed), amaxes and scale updates
 =================== ================================================================
 """

@@ -135,14 +135,16 @@ class Fp8Matmul:
         self.algo = self._results[0]["algo"]
         size = int(np.max(self._results["workspace_size"]))
         self.workspace_size = size + 16 if size and self.epilog is not None else size  # nvmath's workaround
-        self.workspace = cp.empty(max(self.workspace_size, 1), dtype=cp.uint8)
+        # from the default pool whichever allocator is current, as NvmathGemm's (gpu/gemm.py, DefaultPoolWorkspaces):
+        # long-lived, it must not split the CUDA graph's pool of step arrays
+        self.workspace = cp.get_default_memory_pool().malloc(max(self.workspace_size, 1))
         log.info("planned FP8 %s, workspace %d bytes", self._what(key), self.workspace_size)
 
     def run(self, a8: Any, b8: Any, d: Any) -> None:
         """Enqueue the GEMM on the current stream (the pointers as :meth:`set_pointers` left them)."""
         a, b, dl = self.layouts
         stream = cp.cuda.get_current_stream().ptr
-        alpha, beta, ws = self.alpha.ctypes.data, self.beta.ctypes.data, self.workspace.data.ptr
+        alpha, beta, ws = self.alpha.ctypes.data, self.beta.ctypes.data, self.workspace.ptr
         # C = null with beta = 0, as nvmath passes it without a C
         lt.matmul(
             self.handle,

@@ -17,7 +17,8 @@ even, saturating; a non-finite input becomes NaN first (:func:`mlptrain.epilogs_
 
 ``mlptrain_fp8_scale_update`` (one thread) then writes the dequantisation scale the GEMM reads
 (``1 / scale``: the scale this cast used), takes the amax into the history (unless it is not finite)
-and computes the scale of the next cast, with the float64 arithmetic of :meth:`Fp8Scaling.record`.
+and computes the scale of the next cast, with the float64 arithmetic of :meth:`Fp8Scaling.record`
+(``2^margin`` passed in as a double, as the CPU computes it).
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ from mlptrain.epilogs_fp8 import FP8_MAX
 from mlptrain.fp8 import Fp8Scaling, TensorScale
 
 SOURCE = r"""
+// header-free: intrinsics only (no math headers, whose max/fmax NVRTC may not declare)
 __device__ __forceinline__ float mlptrain_bf16(unsigned short u) { return __uint_as_float(((unsigned int)u) << 16); }
+__device__ __forceinline__ unsigned int mlptrain_umax(unsigned int a, unsigned int b) { return a > b ? a : b; }
 
 // fp8(v * scale), the hardware's rounding and saturation; inf and NaN become NaN (the step will be skipped)
 #define MLPTRAIN_FP8_CVT(NAME, PTX)                                                                  \
@@ -49,12 +52,12 @@ MLPTRAIN_FP8_CVT(mlptrain_to_e5m2, "e5m2")
 // The block's largest |x| bits into *amax_bits (tid, nthreads: the block's flat thread index and size)
 __device__ __forceinline__ void mlptrain_block_amax(unsigned int m, int tid, int nthreads, unsigned int* amax_bits) {
     __shared__ unsigned int warp_max[32];
-    for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+    for (int o = 16; o > 0; o >>= 1) m = mlptrain_umax(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
     if ((tid & 31) == 0) warp_max[tid >> 5] = m;
     __syncthreads();
     if (tid < 32) {
         m = tid < (nthreads + 31) / 32 ? warp_max[tid] : 0u;
-        for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+        for (int o = 16; o > 0; o >>= 1) m = mlptrain_umax(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
         if (tid == 0 && m) atomicMax(amax_bits, m);
     }
 }
@@ -68,7 +71,7 @@ extern "C" __global__ void NAME(const unsigned short* x, long long n, const floa
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;                     \
          i += (long long)gridDim.x * blockDim.x) {                                                   \
         const float v = mlptrain_bf16(x[i]);                                                         \
-        m = max(m, __float_as_uint(v) & 0x7FFFFFFFu);                                                \
+        m = mlptrain_umax(m, __float_as_uint(v) & 0x7FFFFFFFu);                                                \
         out[i] = CVT(v, s);                                                                          \
     }                                                                                                \
     mlptrain_block_amax(m, threadIdx.x, blockDim.x, amax_bits);                                      \
@@ -89,7 +92,7 @@ extern "C" __global__ void NAME(const unsigned short* x, long long rows, long lo
         float v = 0.0f;                                                                              \
         if (r < rows && c < cols) {                                                                  \
             v = mlptrain_bf16(x[r * cols + c]);                                                      \
-            m = max(m, __float_as_uint(v) & 0x7FFFFFFFu);                                            \
+            m = mlptrain_umax(m, __float_as_uint(v) & 0x7FFFFFFFu);                                            \
         }                                                                                            \
         tile[j][threadIdx.x] = v;                                                                    \
     }                                                                                                \
@@ -106,7 +109,7 @@ MLPTRAIN_FP8_CAST_T(mlptrain_fp8_cast_t_e5m2, mlptrain_to_e5m2)
 // After a cast: scale_inv = 1 / scale (what the GEMM dequantises with); then, with record, the amax
 // enters the history (newest first; not when inf or NaN) and the next scale is fp8_max / (2^margin * max)
 extern "C" __global__ void mlptrain_fp8_scale_update(unsigned int* amax_bits, float* history, int len, float* scale,
-                                                     float* scale_inv, double fp8_max, int margin, int record) {
+                                                     float* scale_inv, double fp8_max, double headroom, int record) {
     const unsigned int bits = *amax_bits;
     *amax_bits = 0u;  // ready for the next cast
     const float s = *scale;
@@ -115,8 +118,8 @@ extern "C" __global__ void mlptrain_fp8_scale_update(unsigned int* amax_bits, fl
     for (int i = len - 1; i > 0; --i) history[i] = history[i - 1];
     history[0] = __uint_as_float(bits);
     double top = 0.0;
-    for (int i = 0; i < len; ++i) top = fmax(top, (double)history[i]);
-    if (top > 0.0) *scale = (float)(fp8_max / (ldexp(1.0, margin) * fmax(top, 1e-30)));
+    for (int i = 0; i < len; ++i) top = (double)history[i] > top ? (double)history[i] : top;
+    if (top > 0.0) *scale = (float)(fp8_max / (headroom * (top > 1e-30 ? top : 1e-30)));  // headroom = 2^margin
 }
 """
 
@@ -134,7 +137,7 @@ def _grid(n: int, threads: int = 256) -> int:
 def cast(x: Any, scale: Any, fmt: str, amax_bits: Any, transpose: bool) -> Any:
     """The FP8 bytes of the C-contiguous bfloat16 ``x (R, C)``: ``(R, C)``, or ``(C, R)`` with ``transpose``;
     ``max |x|`` folded into ``amax_bits`` (uint32 (1,), float bits)."""
-    if x.dtype.itemsize != 2 or not x.flags.c_contiguous or x.ndim != 2:
+    if x.dtype.name != "bfloat16" or not x.flags.c_contiguous or x.ndim != 2:
         raise ValueError(f"the FP8 cast needs a C-contiguous 2-d bfloat16 array; got {x.dtype} {x.shape}")
     rows, cols = x.shape
     if not transpose:
@@ -183,7 +186,7 @@ class GpuFp8Scaling(Fp8Scaling):
         else:
             q = cast(cp.ascontiguousarray(src.T), st.scale, fmt, st.amax_bits, transpose=True)
         history = (st.amax_history, np.int32(self.history_len))
-        limits = (np.float64(FP8_MAX[fmt]), np.int32(self.margin), np.int32(record))
+        limits = (np.float64(FP8_MAX[fmt]), np.float64(2.0**self.margin), np.int32(record))
         update = module().get_function("mlptrain_fp8_scale_update")
         update((1,), (1,), (st.amax_bits, *history, st.scale, st.scale_inv, *limits))  # one thread, after the cast
         return (q if order == "C" else q.T), st.scale_inv
