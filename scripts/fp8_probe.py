@@ -12,7 +12,8 @@ What it checks (each one independent: a failure is printed with its exception an
   backward epilog, BGRADB's separate bias gradient, fast accumulation) against :class:`mlptrain.fp8.Fp8Gemm`;
 * that BGRADB itself is refused in FP8 (as measured on the H200 with nvmath);
 * one GEMM captured in a CUDA graph and replayed, bit for bit against the same GEMM run eagerly;
-* a few fp8 training steps on digits, with and without a graph.
+* a few fp8 training steps on digits, with and without a graph;
+* GPU times at 4096 and 8192: bf16 GEMM, FP8 GEMM with and without its casts, the casts alone.
 
 Exit status 1 if any check fails. Made to be the first thing run on a new GPU: its output says what breaks.
 """
@@ -38,7 +39,7 @@ except ImportError:  # run from a source checkout without an install
 from mlptrain.epilogs import Epilog, gelu_aux_shape, pack_relu_mask, unpack_relu_mask
 from mlptrain.epilogs_fp8 import FORMATS
 from mlptrain.execution import NumpyGemm
-from mlptrain.fp8 import Fp8Gemm, Fp8Scaling
+from mlptrain.fp8 import Fp8Call, Fp8Gemm, Fp8Scaling
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 TOL = 2 * 2.0**-8  # two bfloat16 roundings, relative to the largest value of the contract
@@ -218,6 +219,34 @@ def training(graph: bool) -> str:
     return f"84 steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}, {len(tr.gemm.scaling.tensors)} FP8 tensors"
 
 
+def timing(size: int) -> str:
+    """GPU times at M = N = K = ``size``: the bf16 RELU_AUX_BIAS GEMM, the FP8 one with its two casts, the
+    casts alone (straight, transposed), and the bare FP8 GEMM: where the FP8 step's time goes."""
+    import cupy as cp
+
+    from mlptrain.gpu.fp8_gemm import GpuFp8Gemm
+    from mlptrain.gpu.fp8_kernels import GpuFp8Scaling
+    from mlptrain.gpu.gemm import NvmathGemm
+    from mlptrain.gpu.timing import cuda_time_ms
+
+    W, x, bias = (cp.asarray(bf16(shape, i, 0.05)) for i, shape in enumerate([(size, size), (size, size), (size,)]))
+    bf, f8, cast = NvmathGemm(), GpuFp8Gemm(NvmathGemm(), GpuFp8Scaling()), GpuFp8Scaling()
+    relu = Epilog.RELU_AUX_BIAS
+    a8, a_inv = cast.quantize("w", W, "e4m3", order="C")
+    b8, b_inv = cast.quantize("x", x.T, "e4m3", order="F")
+    bare = GpuFp8Gemm(NvmathGemm(), GpuFp8Scaling())
+    call = Fp8Call("t.fwd", (a8, a_inv, "e4m3"), (b8, b_inv, "e4m3"), relu, {"bias": bias}, BF16, False)
+    runs = {
+        "bf16 GEMM": lambda: bf("t.fwd", W, x.T, relu, bias=bias),
+        "FP8 GEMM + 2 casts": lambda: f8("t.fwd", W, x.T, relu, bias=bias),
+        "FP8 GEMM alone": lambda: bare.matmul(call),
+        "cast straight": lambda: cast.quantize("w", W, "e4m3", order="C"),
+        "cast transposed": lambda: cast.quantize("w", W.T, "e4m3", order="C"),
+    }
+    ms = {name: float(np.median(cuda_time_ms(fn, warmup=3, reps=10))) for name, fn in runs.items()}
+    return ", ".join(f"{name} {t:.3f} ms" for name, t in ms.items())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="also write the results here")
@@ -238,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     check("graph capture and replay of an FP8 GEMM", graph_replay)
     check("fp8 training, uncaptured", lambda: training(False))
     check("fp8 training, CUDA graph", lambda: training(True))
+    for size in (4096, 8192):
+        check(f"times at M = N = K = {size} (RELU_AUX_BIAS)", lambda n=size: timing(n))
     failed = [r["check"] for r in RESULTS if not r["ok"]]
     print(f"\n{len(RESULTS) - len(failed)} of {len(RESULTS)} checks passed" + (f"; failed: {failed}" if failed else ""))
     if args.json:
