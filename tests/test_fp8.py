@@ -242,3 +242,16 @@ def test_consecutive_non_finite_fp8_steps_stop_the_run_naming_fp8():
         tr.step(bad, y)
     with pytest.raises(NonFiniteError, match="fp8 gradients overflowed on 2 consecutive steps"):
         faults.check_scaler(tr)
+
+
+def test_the_naive_fp8_twin_takes_the_fused_steps_on_the_cpu():
+    """Naive runs the same FP8 GEMMs (its own operand order: dZ @ W casts dZ as A) with bias, ReLU and the
+    reductions apart; on the CPU both issue the same products, so they agree bit for bit, as in 16-bit."""
+    from mlptrain.config import Mode
+
+    losses = {}
+    for mode in ("fused", "naive"):
+        tr = Trainer(make_cfg(**FP8, execution__mode=Mode(mode), model__hidden=[64, 32]))
+        losses[mode] = [float(tr.step(x, y)[0]) for e in range(2) for x, y in tr.train_loader.epoch(e)]
+        assert {k.split("/")[1] for k in tr.gemm.scaling.state_dict()} >= {"layer1.dgrad.a", "layer1.dgrad.b"}
+    assert losses["fused"] == losses["naive"] and losses["fused"][-1] < 0.5 * losses["fused"][0]
