@@ -42,11 +42,19 @@ from mlptrain.schedule import LRSchedule, StepClock
 
 def precision(cfg: PrecisionConfig, backend: Backend) -> Precision:
     """``precision.name`` on ``backend`` (half precision and TF32 need the GPU), and its ``compute_copy``."""
-    return dataclasses.replace(get_precision(cfg.name.value, backend), compute_copy=cfg.compute_copy.value)
+    return dataclasses.replace(
+        get_precision(cfg.name.value, backend),
+        compute_copy=cfg.compute_copy.value,
+        amax_history=cfg.amax_history,
+        margin=cfg.margin,
+    )
 
 
 def scaler(cfg: PrecisionConfig, xp: Any, prec: Precision) -> LossScaler:
-    """Dynamic loss scaling for fp16; a scale of 1 that never changes otherwise."""
+    """Dynamic loss scaling for fp16; fp8: a scale of 1 that never changes, checked every step (an inf/NaN
+    gradient skips the step); a scale of 1 that is never checked otherwise."""
+    if prec.fp8:
+        return LossScaler(xp, enabled=True, init_scale=1.0, growth_factor=1.0, backoff_factor=1.0)
     return LossScaler(
         xp,
         enabled=prec.loss_scaling,
@@ -58,14 +66,32 @@ def scaler(cfg: PrecisionConfig, xp: Any, prec: Precision) -> LossScaler:
 
 
 def gemm(cfg: ExecutionConfig, backend: Backend, prec: Precision) -> Any:
-    """The GEMM engine: planned nvmath Matmuls on the GPU, the NumPy epilog contract on the CPU."""
+    """The GEMM engine: planned nvmath Matmuls on the GPU, the NumPy epilog contract on the CPU; fp8: FP8
+    casts and GEMMs around it (:class:`mlptrain.fp8.Fp8Gemm`), which stays for what FP8 cannot run."""
     if not backend.is_gpu:
-        return NumpyGemm()
-    from mlptrain.gpu.gemm import NvmathGemm
-    from mlptrain.gpu.plan_cache import PlanCache
+        engine: Any = NumpyGemm()
+    else:
+        from mlptrain.gpu.gemm import NvmathGemm
+        from mlptrain.gpu.plan_cache import PlanCache
 
-    cache = PlanCache(PlanCache.default_path()) if cfg.plan_cache else None
-    return NvmathGemm(tf32=prec.tf32, autotune=cfg.autotune, plan_cache=cache, workspace_mib=cfg.workspace_mib)
+        cache = PlanCache(PlanCache.default_path()) if cfg.plan_cache else None
+        engine = NvmathGemm(tf32=prec.tf32, autotune=cfg.autotune, plan_cache=cache, workspace_mib=cfg.workspace_mib)
+    return fp8_gemm(cfg, backend, prec, engine) if prec.fp8 else engine
+
+
+def fp8_gemm(cfg: ExecutionConfig, backend: Backend, prec: Precision, engine: Any) -> Any:
+    """``precision=fp8``: cuBLASLt's FP8 GEMMs on the GPU (:mod:`mlptrain.gpu.fp8_gemm`), the FP8 contract
+    emulated on the CPU; either casts each operand with its delayed scale."""
+    from mlptrain.fp8 import Fp8Gemm, Fp8Scaling
+
+    if backend.is_gpu:
+        from mlptrain.gpu.fp8_gemm import GpuFp8Gemm
+        from mlptrain.gpu.fp8_kernels import GpuFp8Scaling
+
+        on_gpu = GpuFp8Scaling(amax_history=prec.amax_history, margin=prec.margin)
+        return GpuFp8Gemm(engine, on_gpu, mode=cfg.mode.value, workspace_mib=cfg.workspace_mib)
+    scaling = Fp8Scaling(backend.xp, amax_history=prec.amax_history, margin=prec.margin)
+    return Fp8Gemm(engine, scaling, mode=cfg.mode.value)
 
 
 def execution(cfg: ExecutionConfig, engine: Any, xp: Any) -> FusedExecution | NaiveExecution:

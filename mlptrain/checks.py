@@ -83,11 +83,19 @@ USES: dict[str, tuple[Callable[[TrainConfig], bool], str]] = {
     ),
     **{
         f"precision.{k}": (lambda c: c.precision.name.value == "fp16", "precision=fp16 (dynamic loss scaling)")
-        for k in ("init_scale", "growth_factor", "backoff_factor", "growth_interval", "max_consecutive_skips")
+        for k in ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
+    },
+    "precision.max_consecutive_skips": (
+        lambda c: c.precision.name.value in ("fp16", "fp8"),
+        "precision=fp16 and fp8 (the precisions that skip a step with an inf/NaN gradient)",
+    ),
+    **{
+        f"precision.{k}": (lambda c: c.precision.name.value == "fp8", "precision=fp8 (delayed scaling)")
+        for k in ("amax_history", "margin")
     },
     "precision.compute_copy": (
-        lambda c: c.precision.name.value in ("fp16", "bf16"),
-        "precision=fp16 or bf16 (the other precisions compute in the parameters' dtype)",
+        lambda c: c.precision.name.value in ("fp16", "bf16", "fp8"),
+        "precision=fp16, bf16 or fp8 (the other precisions compute in the parameters' dtype)",
     ),
 }
 
@@ -200,6 +208,8 @@ def _ranges(cfg: TrainConfig) -> list[str]:
         (0 < p.backoff_factor < 1, f"precision.backoff_factor={p.backoff_factor} must be in (0, 1)"),
         (p.growth_interval >= 1, f"precision.growth_interval={p.growth_interval} must be >= 1"),
         (p.max_consecutive_skips >= 1, f"precision.max_consecutive_skips={p.max_consecutive_skips} must be >= 1"),
+        (p.amax_history >= 1, f"precision.amax_history={p.amax_history} must be a positive number of steps"),
+        (p.margin >= 0, f"precision.margin={p.margin} must be >= 0 (a power of two of headroom)"),
         (cfg.seed >= 0, f"seed={cfg.seed} must be a non-negative integer"),
         (cfg.epochs >= 1, f"epochs={cfg.epochs} must be a positive integer"),
         (cfg.log_every >= 1, f"log_every={cfg.log_every} must be a positive integer"),

@@ -103,6 +103,7 @@ class PrecisionName(str, Enum):
     tf32 = "tf32"
     fp16 = "fp16"
     bf16 = "bf16"
+    fp8 = "fp8"
 
 
 class ComputeCopy(str, Enum):
@@ -191,15 +192,21 @@ class ExecutionConfig:
 
 @dataclass
 class PrecisionConfig:
-    name: PrecisionName = _f(PrecisionName.fp32, "fp64, fp32, tf32, fp16 or bf16 (precision=<name>)")
+    name: PrecisionName = _f(
+        PrecisionName.fp32,
+        "fp64, fp32, tf32, fp16, bf16 or fp8 (precision=<name>); fp8: FP8 GEMMs on Hopper, worth it where the "
+        "step is GEMM-bound (hidden widths of thousands), emulated and slow on the CPU",
+    )
     init_scale: float = _f(65536.0, "fp16: initial loss scale")
     growth_factor: float = _f(2.0, "fp16: the scale grows by this after growth_interval clean steps")
     backoff_factor: float = _f(0.5, "fp16: the scale shrinks by this after an overflow")
     growth_interval: int = _f(2000, "fp16: clean steps before the scale grows")
-    max_consecutive_skips: int = _f(50, "fp16: stop after this many overflowing steps in a row")
+    max_consecutive_skips: int = _f(50, "fp16, fp8: stop after this many skipped (inf/NaN) steps in a row")
+    amax_history: int = _f(16, "fp8: steps of amax history each FP8 tensor's scale is taken from (delayed scaling)")
+    margin: int = _f(0, "fp8: each scale leaves 2^margin of headroom below the FP8 format's max")
     compute_copy: ComputeCopy = _f(
         ComputeCopy.kept,
-        "fp16, bf16: kept: a half-precision copy of every parameter, refreshed by the optimizer; cast: none, "
+        "fp16, bf16, fp8: kept: a half-precision copy of every parameter, refreshed by the optimizer; cast: none, "
         "each layer's cast just before its GEMMs (less memory for the largest models, a cast kernel per layer)",
     )
 

@@ -176,11 +176,8 @@ def matmul(
         raise ValueError(f"matmul needs A (M, K) and B (K, N); got A {a.shape} and B {b.shape}")
     if a.dtype != b.dtype:
         raise ValueError(f"matmul needs A and B of one dtype; got {a.dtype} and {b.dtype}")
-    m, k = a.shape
-    n = b.shape[1]
-    required = EPILOG_INPUTS[epilog] if epilog is not None else ()
-    if set(epilog_inputs) != set(required):
-        raise ValueError(f"epilog {epilog} needs epilog_inputs {list(required)}; got {sorted(epilog_inputs)}")
+    k = a.shape[1]
+    check_epilog_inputs(epilog, epilog_inputs)
 
     col_major = epilog is not None or (a.flags.f_contiguous and not a.flags.c_contiguous)
     # (B^T @ A^T)^T is the same product, computed so that D comes out column-major without a
@@ -190,7 +187,17 @@ def matmul(
     a_c, b_c = (a, b) if a.dtype in (np.float32, np.float64) else (a.astype(np.float32), b.astype(np.float32))
     d = (b_c.T @ a_c.T).T if col_major else a_c @ b_c  # (M, K) @ (K, N) -> (M, N)
     d = _compute_copy(d, a.dtype)
+    if epilog is Epilog.BGRADA:
+        return d, {"bgrada": reduce_sum(a, axis=1, dtype=d.dtype)}  # (M,): A summed over K
+    if epilog is Epilog.BGRADB:
+        return d, {"bgradb": reduce_sum(b, axis=0, dtype=d.dtype)}  # (N,): B summed over K
+    return apply_epilog(d, epilog, epilog_inputs, k)
 
+
+def apply_epilog(d: np.ndarray, epilog: Epilog | None, epilog_inputs: dict[str, Any], k: int) -> Any:
+    """The epilog on the rounded product ``d (M, N)`` (D's dtype; ``k``: the GEMM's K), as :func:`matmul`
+    returns it. The FP8 contract (:mod:`mlptrain.epilogs_fp8`) shares it: only the product differs."""
+    m, n = d.shape
     aux: dict[str, Any] = {}
     if epilog in _GELU_FORWARD or epilog in (Epilog.DGELU, Epilog.DGELU_BGRAD):
         return _gelu_epilog(epilog, d, epilog_inputs, k)
@@ -217,11 +224,14 @@ def matmul(
         d *= unpack_relu_mask(relu_aux, m)  # dReLU: keep the gradient where the forward Z >= 0 (relu'(0) = 1)
         if epilog is Epilog.DRELU_BGRAD:
             aux["drelu_bgrad"] = reduce_sum(d, axis=1)  # (M,): row sums over N, in a wide accumulator
-    elif epilog is Epilog.BGRADA:
-        aux["bgrada"] = reduce_sum(a, axis=1, dtype=d.dtype)  # (M,): A summed over K
-    elif epilog is Epilog.BGRADB:
-        aux["bgradb"] = reduce_sum(b, axis=0, dtype=d.dtype)  # (N,): B summed over K
     return (d, aux) if aux else d
+
+
+def check_epilog_inputs(epilog: Epilog | None, epilog_inputs: dict[str, Any]) -> None:
+    """Raise ValueError unless ``epilog_inputs`` are exactly the inputs ``epilog`` takes (nvmath's rule)."""
+    required = EPILOG_INPUTS[epilog] if epilog is not None else ()
+    if set(epilog_inputs) != set(required):
+        raise ValueError(f"epilog {epilog} needs epilog_inputs {list(required)}; got {sorted(epilog_inputs)}")
 
 
 def _add_bias(epilog: Epilog, d: np.ndarray, bias: Any) -> None:

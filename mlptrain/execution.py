@@ -52,6 +52,12 @@ _BACKWARD = {"relu": (Epilog.DRELU, Epilog.DRELU_BGRAD), "gelu": (Epilog.DGELU, 
 _AUX = {"relu": "relu_aux", "gelu": "gelu_aux"}
 
 
+def forward_site(key: str, mask: bool) -> str:
+    """The forward GEMM's call site: ``<layer>.fwd`` in training, ``<layer>.infer`` when no backward follows
+    (an FP8 engine casts there with the training forward's scales, and records no amax)."""
+    return f"{key}.fwd" if mask else f"{key}.infer"
+
+
 class Gemm(Protocol):
     """A GEMM engine: ``(D, aux) = A @ B`` with an optional cuBLASLt epilog.
 
@@ -103,7 +109,7 @@ class FusedExecution:
         """
         epilog = _FORWARD[activation][0 if mask else 1] if activation != "none" else Epilog.BIAS
         # (out, in) @ (in, B) -> (out, B) column-major == (B, out) C-order
-        zt, aux = self.gemm(f"{key}.fwd", W, x.T, epilog, bias=b)
+        zt, aux = self.gemm(forward_site(key, mask), W, x.T, epilog, bias=b)
         return zt.T, (aux.get(_AUX[activation]) if activation != "none" else None)
 
     def input_grad(
@@ -182,7 +188,7 @@ class NaiveExecution:
         self.gemm.release_operands(f"{key}.")
 
     def forward(self, key: str, W: Any, b: Any, x: Any, activation: str, mask: bool = True) -> tuple[Any, Any]:
-        z, _ = self.gemm(f"{key}.fwd", x, W.T)  # (B, in) @ (in, out) -> (B, out)
+        z, _ = self.gemm(forward_site(key, mask), x, W.T)  # (B, in) @ (in, out) -> (B, out)
         z += b  # bias per feature, broadcast over the batch
         if activation == "none":
             return z, None

@@ -125,7 +125,7 @@ def check_scaler(tr: Trainer) -> None:
         return
     grads = [n for n in nonfinite_tensors(tr, grads=True) if n.endswith(" gradient")]
     raise NonFiniteError(
-        f"fp16 gradients overflowed on {int(tr.scaler.consecutive_skips)} consecutive steps up to step "
+        f"{tr.precision.name} gradients overflowed on {int(tr.scaler.consecutive_skips)} consecutive steps up to step "
         f"{tr.step_count - 1} (loss scale now {float(tr.scaler.scale):.3g}; last step's inf/NaN: "
         f"{', '.join(grads) or 'none'}); the model diverged: lower optimizer.lr or use precision=bf16"
     )

@@ -347,8 +347,8 @@ def _checkpoint_path(path: Path) -> Path:
 
 
 def _precision(name: str | None, saved: str, backend: Backend) -> Precision:
-    if name is None:
-        name = saved if backend.is_gpu else ("fp64" if saved == "fp64" else "fp32")
+    if name is None:  # an FP8-trained model predicts in bf16 (its compute dtype) on any GPU
+        name = ("bf16" if saved == "fp8" else saved) if backend.is_gpu else ("fp64" if saved == "fp64" else "fp32")
     return get_precision(name, backend)
 
 

@@ -8,7 +8,15 @@ fp32        float32        float32        CPU and GPU; GPU GEMMs in true FP32
 tf32        float32        float32        GPU only: GEMMs on TF32 tensor cores
 fp16        float32        float16        GPU only: dynamic loss scaling
 bf16        float32        bfloat16       GPU only: bfloat16 has fp32's range, no scaling
+fp8         float32        e4m3 / e5m2    FP8 operands (per-tensor delayed scaling,
+                           -> bfloat16    :mod:`mlptrain.fp8`), bfloat16 results and
+                                          activations; GPU: compute capability >= 8.9
+                                          (Hopper); CPU: emulated by the FP8 contract
 =========== ============== ============== ==================================================
+
+fp8 keeps bfloat16 compute copies and activations, as bf16 does: each GEMM casts its operands
+to FP8 (:class:`mlptrain.fp8.Fp8Gemm`). Its loss scaler never scales (bfloat16 gradients need no
+scale) but checks every step, so that a step with an inf/NaN gradient is skipped.
 
 :class:`LossScaler` follows ``torch.amp.GradScaler``: the loss gradient is multiplied by
 ``scale``; if any gradient is inf/NaN the step is skipped and ``scale *= backoff_factor``;
@@ -27,8 +35,9 @@ from mlptrain.backend import Backend, scalar
 from mlptrain.cuda_source import c_literal
 from mlptrain.errors import ConfigError, DeviceError
 
-PRECISIONS = ("fp64", "fp32", "tf32", "fp16", "bf16")
-CPU_PRECISIONS = ("fp64", "fp32")
+PRECISIONS = ("fp64", "fp32", "tf32", "fp16", "bf16", "fp8")
+CPU_PRECISIONS = ("fp64", "fp32", "fp8")  # fp8 on the CPU: the FP8 contract, emulated (slow)
+FP8_MIN_CAPABILITY = (8, 9)  # Ada and Hopper: FP8 tensor cores
 
 
 @dataclass(frozen=True)
@@ -38,7 +47,10 @@ class Precision:
     compute_dtype: Any
     tf32: bool = False
     loss_scaling: bool = False
-    compute_copy: str = "kept"  # fp16, bf16: "kept" or "cast" (mlptrain.layers.CastBuffer)
+    compute_copy: str = "kept"  # fp16, bf16, fp8: "kept" or "cast" (mlptrain.layers.CastBuffer)
+    fp8: bool = False  # GEMM operands cast to FP8 (mlptrain.fp8); compute_dtype is then the results'
+    amax_history: int = 16  # fp8: delayed scaling's history length and margin (mlptrain.fp8.Fp8Scaling)
+    margin: int = 0
 
 
 def get_precision(name: str, backend: Backend) -> Precision:
@@ -57,7 +69,22 @@ def get_precision(name: str, backend: Backend) -> Precision:
         return Precision(name, xp.float32, xp.float32, tf32=name == "tf32")
     if name == "fp16":
         return Precision(name, xp.float32, xp.float16, loss_scaling=True)
+    if name == "fp8":
+        if backend.is_gpu:
+            check_fp8_device(backend)
+        return Precision(name, xp.float32, _bfloat16(xp), fp8=True)
     return Precision(name, xp.float32, _bfloat16(xp))
+
+
+def check_fp8_device(backend: Backend) -> None:
+    """DeviceError unless the GPU has FP8 tensor cores (compute capability 8.9 or higher)."""
+    cc = backend.xp.cuda.Device().compute_capability  # "90" on the H200
+    major, minor = int(cc[:-1]), int(cc[-1])
+    if (major, minor) < FP8_MIN_CAPABILITY:
+        raise DeviceError(
+            f"precision=fp8 needs a GPU of compute capability 8.9 or higher (Ada, Hopper) but this one is "
+            f"{major}.{minor}; use precision=bf16 on this GPU"
+        )
 
 
 def _bfloat16(xp: Any) -> Any:

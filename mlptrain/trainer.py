@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from mlptrain import bgrad, build, shell
+from mlptrain import bgrad, build, fp8, shell
 from mlptrain.backend import Backend, get_backend
 from mlptrain.config import TrainConfig
 from mlptrain.data import Dataset, load_dataset, preprocess
@@ -312,7 +312,7 @@ class Trainer:
         arrays = {f"param/{k}": v for k, v in self.model.state_dict().items()}
         arrays.update({f"optim/{k}": np.asarray(v) for k, v in self.optimizer.state_dict().items()})
         data_meta, data_arrays = self.dataset.preprocessing()
-        arrays.update(data_arrays)
+        arrays.update({**data_arrays, **fp8.state_dict(self.gemm)})  # precision=fp8: amax histories, scales
         cfg = self.cfg
         meta = {
             "steps_per_epoch": self.steps_per_epoch,
@@ -343,6 +343,7 @@ class Trainer:
         self.optimizer.load_state_dict({k[len("optim/") :]: v for k, v in arrays.items() if k.startswith("optim/")})
         if self.scaler.enabled and meta["scaler"] is not None:
             self.scaler.load_state_dict(meta["scaler"])
+        fp8.load_state_dict(self.gemm, arrays)
         self.clock.set(step)
         self.schedule.sync()
         if meta.get("bgrad") and meta["bgrad"] != self.model.bgrad:
@@ -369,6 +370,7 @@ class Trainer:
             )
         expected = {f"param/{p.name}": (tuple(p.value.shape), want_dtype) for p in self.model.params}
         expected.update({f"optim/{k}": (tuple(v.shape), None) for k, v in self.optimizer.state_dict().items()})
+        expected.update(fp8.expected_arrays(self.gemm, arrays))
         for key, (shape, dtype) in expected.items():
             a = arrays.get(key)
             if a is None:

@@ -18,5 +18,7 @@ module              what it owns
 ``xent``            the softmax cross-entropy kernels
 ``head_kernel``     the output layer's input gradient as one small kernel
 ``torch_gemm``      nvmath GEMMs on torch tensors, for :mod:`mlptrain.torch` (imports nvmath, not CuPy)
+``fp8_gemm``        precision=fp8: FP8 GEMMs with epilogs through the raw cuBLASLt bindings
+``fp8_kernels``     precision=fp8: the FP8 casts (straight, transposed), amaxes and scale updates
 =================== ================================================================
 """

@@ -1,0 +1,187 @@
+"""precision=fp8 on the GPU (mlptrain.gpu.fp8_kernels, fp8_gemm) against the NumPy FP8 contract (mlptrain.fp8).
+
+Needs compute capability 8.9+ (Hopper): every test here is skipped on an older GPU.
+"""
+
+import ml_dtypes
+import numpy as np
+import pytest
+from gpu_helpers import HAS_GPU, cp, f64, graph_run
+
+from mlptrain.epilogs import Epilog, pack_relu_mask, unpack_relu_mask
+from mlptrain.epilogs_fp8 import FORMATS, quantize
+from mlptrain.execution import NumpyGemm
+from mlptrain.fp8 import Fp8Gemm, Fp8Scaling
+
+pytestmark = pytest.mark.gpu
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+FP8_GPU = HAS_GPU and int(cp.cuda.Device().compute_capability) >= 89
+needs_fp8 = pytest.mark.skipif(not FP8_GPU, reason="FP8 needs compute capability 8.9 or higher")
+
+if HAS_GPU:
+    from mlptrain.gpu.fp8_gemm import GpuFp8Gemm
+    from mlptrain.gpu.fp8_kernels import GpuFp8Scaling
+    from mlptrain.gpu.gemm import NvmathGemm
+
+
+def _bf16(shape, seed, scale=1.0, order="C"):
+    a = np.random.default_rng(seed).standard_normal(shape) * scale
+    return np.asarray(a.astype(BF16), order=order)
+
+
+def _fp8_values(q_uint8, fmt):
+    """The float64 values of FP8 bytes (a CuPy uint8 array) in format ``fmt``."""
+    return cp.asnumpy(q_uint8).view(FORMATS[fmt]).astype(np.float64)
+
+
+@needs_fp8
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("order", ["C", "F"])
+def test_the_cast_kernels_round_and_saturate_as_the_contract(fmt, order):
+    x = _bf16((48, 80), 1, 30.0)
+    x[3, 4], x[5, 6], x[7, 8] = np.inf, -np.inf, np.nan
+    x[9, 10] = 1e6  # saturates
+    gpu, cpu = GpuFp8Scaling(), Fp8Scaling(np)
+    for step in range(3):  # the second and third casts use the scales the first ones recorded
+        xs = np.where(np.isfinite(x.astype(np.float32)), x.astype(np.float32) * (step + 1), x).astype(BF16)
+        q_gpu, inv_gpu = gpu.quantize("t", cp.asarray(xs), fmt, order=order)
+        q_cpu, inv_cpu = cpu.quantize("t", xs, fmt)
+        want = "c_contiguous" if order == "C" else "f_contiguous"
+        assert q_gpu.dtype == cp.uint8 and q_gpu.shape == xs.shape and getattr(q_gpu.flags, want)
+        a, b = _fp8_values(q_gpu, fmt), q_cpu.astype(np.float64)
+        np.testing.assert_array_equal(np.isnan(a), np.isnan(b))
+        np.testing.assert_array_equal(a[~np.isnan(a)], b[~np.isnan(b)])
+        assert float(inv_gpu) == float(inv_cpu)
+    # the inf/NaN amaxes entered no history: both states equal bit for bit
+    for key, value in cpu.state_dict().items():
+        np.testing.assert_array_equal(gpu.state_dict()[key], value, err_msg=key)
+
+
+@needs_fp8
+def test_the_scale_update_follows_the_amax_history_as_on_the_cpu():
+    gpu, cpu = GpuFp8Scaling(amax_history=3, margin=1), Fp8Scaling(np, amax_history=3, margin=1)
+    for step, scale in enumerate([1.0, 4.0, 0.5, 0.25, 0.25, 8.0]):
+        x = _bf16((32, 32), step, scale)
+        gpu.quantize("w", cp.asarray(x), "e4m3", order="C")
+        cpu.quantize("w", x, "e4m3")
+        for key, value in cpu.state_dict().items():
+            np.testing.assert_array_equal(gpu.state_dict()[key], value, err_msg=f"{key} after step {step}")
+
+
+def _engines(mode="fused"):
+    return GpuFp8Gemm(NvmathGemm(), GpuFp8Scaling(), mode), Fp8Gemm(NumpyGemm(), Fp8Scaling(np), mode)
+
+
+def _compare(d_gpu, d_cpu, what):
+    """Within two bfloat16 roundings of the contract (cuBLASLt's float32 accumulation runs in another order)."""
+    a, b = f64(d_gpu), f64(d_cpu)
+    err = np.abs(a - b).max() / max(np.abs(b).max(), 1e-30)
+    assert err < 2 * 2.0**-8, f"{what}: max error {err:.3g} relative to max |contract|"
+
+
+@needs_fp8
+@pytest.mark.parametrize("epilog", [Epilog.BIAS, Epilog.RELU_BIAS, Epilog.RELU_AUX_BIAS, Epilog.GELU_AUX_BIAS])
+def test_each_forward_epilog_matches_the_contract(epilog):
+    m, k, n = 256, 128, 64  # Z^T (out, B) = W (out, in) @ X^T (in, B)
+    W, x, b = _bf16((m, k), 2, 0.1), _bf16((n, k), 3), _bf16(m, 4, 0.1)
+    gpu, cpu = _engines()
+    for step in range(2):  # step 0 casts with scale 1, step 1 with the recorded scales
+        d_gpu, aux_gpu = gpu("l.fwd", cp.asarray(W), cp.asarray(x).T, epilog, bias=cp.asarray(b))
+        d_cpu, aux_cpu = cpu("l.fwd", W, x.T, epilog, bias=b)
+        assert d_gpu.flags.f_contiguous and d_gpu.dtype == BF16
+        _compare(d_gpu, d_cpu, f"{epilog.name} step {step}")
+        if epilog is Epilog.RELU_AUX_BIAS:
+            z = f64(d_cpu)
+            got, want = unpack_relu_mask(cp.asnumpy(aux_gpu["relu_aux"]), m), unpack_relu_mask(aux_cpu["relu_aux"], m)
+            clear = z > 0.05 * np.abs(z).max()  # where the rounding cannot flip the sign
+            assert (got[clear] == want[clear]).all()
+        if epilog is Epilog.GELU_AUX_BIAS:
+            _compare(aux_gpu["gelu_aux"][:m], aux_cpu["gelu_aux"][:m], "gelu_aux")
+
+
+@needs_fp8
+@pytest.mark.parametrize("epilog", [Epilog.DRELU, Epilog.DRELU_BGRAD, Epilog.DGELU, Epilog.DGELU_BGRAD])
+def test_each_backward_epilog_matches_the_contract_with_an_e5m2_gradient(epilog):
+    m, k, n = 128, 256, 64  # dX^T (in, B) = W^T (in, out) @ dZ^T (out, B): W^T an F-order view, as layers pass it
+    W, dz = _bf16((k, m), 5, 0.1), _bf16((n, k), 6, 1e-3)
+    if epilog in (Epilog.DRELU, Epilog.DRELU_BGRAD):
+        inputs = {"relu_aux": pack_relu_mask(np.random.default_rng(7).random((m, n)) > 0.5)}
+    else:
+        z = np.zeros((m, n), BF16, order="F")
+        z[:] = _bf16((m, n), 8)
+        inputs = {"gelu_aux": z}
+    gpu, cpu = _engines()
+    on_gpu = {name: cp.asarray(v) for name, v in inputs.items()}
+    d_gpu, aux_gpu = gpu("l.dgrad", cp.asarray(W).T, cp.asarray(dz).T, epilog, **on_gpu)
+    d_cpu, aux_cpu = cpu("l.dgrad", W.T, dz.T, epilog, **inputs)
+    _compare(d_gpu, d_cpu, epilog.name)
+    for name in aux_cpu:
+        _compare(aux_gpu[name], aux_cpu[name], name)
+
+
+@needs_fp8
+@pytest.mark.parametrize("mode", ["fused", "naive"])
+def test_plain_fp8_gemms_and_the_bias_gradient_of_the_weight_gradient(mode):
+    gpu, cpu = _engines(mode)
+    x, dz = _bf16((64, 128), 9), _bf16((64, 32), 10, 1e-2)  # X (B, in), dZ (B, out)
+    d_gpu, aux_gpu = gpu("l.wgrad", cp.asarray(x).T, cp.asarray(dz), Epilog.BGRADB)  # dW^T (in, out)
+    d_cpu, aux_cpu = cpu("l.wgrad", x.T, dz, Epilog.BGRADB)
+    _compare(d_gpu, d_cpu, "dW")
+    _compare(aux_gpu["bgradb"], aux_cpu["bgradb"], "bgradb")
+    if mode == "naive":  # (B, out) @ (out, in): a C-order result, from the operands swapped
+        W = _bf16((32, 128), 11, 0.1)
+        d_gpu, _ = gpu("l.dgrad", cp.asarray(dz), cp.asarray(W))
+        d_cpu, _ = cpu("l.dgrad", dz, W)
+        assert d_gpu.flags.c_contiguous and d_cpu.flags.c_contiguous
+        _compare(d_gpu, d_cpu, "naive dX")
+
+
+@needs_fp8
+def test_dims_that_are_not_multiples_of_16_run_the_16_bit_gemm():
+    gpu, _ = _engines()
+    W, x, b = _bf16((10, 128), 12), _bf16((64, 128), 13), _bf16(10, 14)
+    d, _ = gpu("head.fwd", cp.asarray(W), cp.asarray(x).T, Epilog.BIAS, bias=cp.asarray(b))
+    ref, _ = NvmathGemm()("head.fwd", cp.asarray(W), cp.asarray(x).T, Epilog.BIAS, bias=cp.asarray(b))
+    cp.testing.assert_array_equal(d, ref)
+    assert gpu.scaling.tensors == {}
+
+
+@needs_fp8
+def test_fp8_graph_replay_equals_uncaptured_steps():
+    steps = 84  # captured at step 62, replayed after (as test_graph.py)
+    tg, lg = graph_run(True, steps, **{"precision.name": "fp8"})
+    te, le = graph_run(False, steps, **{"precision.name": "fp8"})
+    assert tg.graphed is not None and tg.graphed.num_graphs == 2
+    np.testing.assert_array_equal(lg, le)
+    for pg, pe in zip(tg.model.params, te.model.params, strict=True):
+        cp.testing.assert_array_equal(pg.value, pe.value)
+    for key, value in te.gemm.scaling.state_dict().items():
+        np.testing.assert_array_equal(tg.gemm.scaling.state_dict()[key], value, err_msg=key)
+    assert lg[-1] < 0.5 * lg[0]  # it trained
+
+
+@needs_fp8
+def test_a_non_finite_gradient_skips_the_fp8_step_on_the_gpu():
+    from gpu_helpers import gpu_trainer
+
+    tr = gpu_trainer(**{"precision.name": "fp8", "graph": False})
+    x, y = next(iter(tr.train_loader.epoch(0)))
+    with tr.stream:
+        tr.step(x, y)
+        before = [p.value.copy() for p in tr.model.params]
+        bad = x.copy()
+        bad[3, 5] = np.inf
+        tr.step(bad, y)
+        cp.cuda.get_current_stream().synchronize()
+    assert int(tr.scaler.found_inf) == 1
+    for p, b in zip(tr.model.params, before, strict=True):
+        cp.testing.assert_array_equal(p.value, b)
+
+
+@needs_fp8
+def test_the_contract_of_the_first_cast_is_plain_quantisation():
+    """Sanity of the oracle itself on the GPU's input: scale 1 casts equal ml_dtypes' saturating casts."""
+    x = _bf16((16, 32), 15, 100.0)
+    q, _ = GpuFp8Scaling().quantize("t", cp.asarray(x), "e4m3", order="C")
+    np.testing.assert_array_equal(_fp8_values(q, "e4m3"), quantize(x, 1.0, "e4m3").astype(np.float64))
