@@ -46,8 +46,11 @@ class Normalization:
         return np.ascontiguousarray((np.asarray(x, dtype=np.float32) - shift32) * inv32)
 
     def undo(self, z: np.ndarray) -> np.ndarray:
-        """``z (N, T)`` scaled -> ``z * scale + shift`` float32: a regression's outputs in the target's units."""
-        return np.asarray(z, dtype=np.float32) * self.scale.astype(np.float32) + self.shift.astype(np.float32)
+        """``z (N, T)`` scaled -> ``z * scale + shift`` float32: a regression's outputs in the target's units.
+
+        In float64, rounded once: a row's value then depends on its own output alone (float32 arithmetic with a
+        large shift rounds at the shift's precision, so rows scored in other batches could differ by an ulp)."""
+        return (np.asarray(z, dtype=np.float64) * self.scale + self.shift).astype(np.float32)
 
 
 @dataclass
