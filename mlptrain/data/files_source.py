@@ -56,8 +56,9 @@ def _complete(table: Table, missing: str) -> Table:
         return table
     rows = np.flatnonzero(table.missing)
     if missing != "drop":
+        verb = "has" if len(rows) == 1 else "have"
         raise DatasetError(
-            f"data file {table.path} {table.where_rows(rows)}: {len(rows)} of {len(table.missing)} rows have no "
+            f"data file {table.path} {table.where_rows(rows)}: {len(rows)} of {len(table.missing)} rows {verb} no "
             f"target (an empty cell, NA, null or NaN in {', '.join(table.target_names)}); fill them, or drop those "
             "rows with data.missing=drop"
         )
