@@ -40,6 +40,7 @@ def load(path: Path) -> Any:
         (["a", "a", "b"], "feature_names holds 'a' more than once for 3 columns; expected one unique name per column"),
         (["a", "b"], "feature_names holds 2 names for 3 columns; expected one unique name per column"),
     ],
+    ids=["repeated", "too few"],
 )
 def test_feature_names_must_name_each_column_once_when_training(tmp_path: Path, names: list[str], phrase: str) -> None:
     x, y = blobs()
@@ -86,6 +87,7 @@ def test_names_saved_as_an_object_array_say_how_to_save_them(tmp_path: Path) -> 
         ({"x": np.zeros((0, 3)), "y": np.zeros(0)}, "x has the shape (0, 3); expected at least one row and column"),
         ({"x": np.zeros((120, 0))}, "x has the shape (120, 0); expected at least one row and column"),
     ],
+    ids=["x_test width", "x_test no rows", "x no rows", "x no features"],
 )
 def test_a_test_split_of_another_width_or_an_empty_array_is_one_error(
     tmp_path: Path, arrays: dict[str, np.ndarray], phrase: str

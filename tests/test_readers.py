@@ -62,7 +62,7 @@ def test_integer_labels_with_an_empty_cell_are_an_error_and_dropped_when_asked(
     cells = [str(i % 2) for i in range(40)]
     cells[6] = ""
     path = csv_file(tmp_path / "d.csv", cells)
-    with pytest.raises(DatasetError, match="line 8: 1 of 40 rows have no target"):
+    with pytest.raises(DatasetError, match="line 8: 1 of 40 rows has no target"):
         dataset(path)
     with caplog.at_level(logging.WARNING, logger="mlptrain.data.files_source"):
         ds = dataset(path, missing="drop")
@@ -147,8 +147,8 @@ def test_a_parquet_null_or_nan_label_is_an_error_not_a_class(tmp_path: Path, kin
     pq.write_table(pa.table({"f0": np.arange(40.0), "label": values}), tmp_path / "d.parquet")
     with pytest.raises(DatasetError) as err:
         dataset(tmp_path / "d.parquet")
-    rows = "rows 4 and 9: 2" if kind == "float" else "row 4: 1"
-    assert f"d.parquet {rows} of 40 rows have no target" in str(err.value), str(err.value)
+    rows = "rows 4 and 9: 2 of 40 rows have" if kind == "float" else "row 4: 1 of 40 rows has"
+    assert f"d.parquet {rows} no target" in str(err.value), str(err.value)
     ds = dataset(tmp_path / "d.parquet", missing="drop", task=Task.classification)
     assert len(ds.class_names or []) == 2
 

@@ -41,7 +41,7 @@ def load_file(cfg: DataConfig, rng: np.random.Generator) -> Raw:
     cached = [cache.load(f, target, s) if s else None for f, s in zip(files, sources, strict=True)]
     parsed = [c if c is not None else read_table(f, target) for f, c in zip(files, cached, strict=True)]
     train, test = parsed[0][0], parsed[1][0] if cfg.test_path else parsed[0][1]
-    raw = _raw(cfg, *(t if t is None else _complete(t, str(cfg.missing)) for t in (train, test)))
+    raw = _raw(cfg, _complete(train, str(cfg.missing)), None if test is None else _complete(test, str(cfg.missing)))
     for f, s, c, p in zip(files, sources, cached, parsed, strict=True):
         if s and c is None:
             cache.store(f, target, p, s)
@@ -56,8 +56,9 @@ def _complete(table: Table, missing: str) -> Table:
         return table
     rows = np.flatnonzero(table.missing)
     if missing != "drop":
+        verb = "has" if len(rows) == 1 else "have"
         raise DatasetError(
-            f"data file {table.path} {table.where_rows(rows)}: {len(rows)} of {len(table.missing)} rows have no "
+            f"data file {table.path} {table.where_rows(rows)}: {len(rows)} of {len(table.missing)} rows {verb} no "
             f"target (an empty cell, NA, null or NaN in {', '.join(table.target_names)}); fill them, or drop those "
             "rows with data.missing=drop"
         )
@@ -119,9 +120,9 @@ def _check_finite(table: Table, values: np.ndarray, names: list[str], what: str)
             f"{what} must be finite (fill or remove missing values)"
         )
     if what == "features" and len(flat) and float(np.max(np.abs(flat))) > FLOAT32_MAX:
-        row, col = np.unravel_index(int(np.argmax(np.abs(flat))), flat.shape)
+        at = np.unravel_index(int(np.argmax(np.abs(flat))), flat.shape)
         raise DatasetError(
-            f"data file {table.path} {table.where(int(row))}, column {names[col]!r}: {flat[row, col]:g} is beyond "
+            f"data file {table.path} {table.where(int(at[0]))}, column {names[int(at[1])]!r}: {flat[at]:g} is beyond "
             f"float32's range (+-{FLOAT32_MAX:.3g}), in which features are normalised and trained; rescale the column"
         )
 

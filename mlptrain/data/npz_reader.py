@@ -60,7 +60,7 @@ def read_npz(path: Path, need_y: bool = True) -> tuple[Table, Table | None]:
     missing = [k for k in ("x", "y") if k not in arrays and (k == "x" or need_y)]
     if missing:
         raise DatasetError(f"data file {path} holds the arrays {', '.join(sorted(arrays)) or 'none'}; {SHAPES}")
-    tables = []
+    tables: list[Table] = []
     for xk, yk in (("x", "y"), ("x_test", "y_test")):
         if xk not in arrays and yk not in arrays:
             continue
