@@ -76,19 +76,33 @@ class Position:
 
 @dataclass
 class Best:
-    """The best value of ``metric`` seen at the end of an epoch; ``mode`` ``max`` (accuracy) or ``min`` (loss)."""
+    """The best value of ``metric`` seen at the end of an epoch; ``mode`` ``max`` (accuracy) or ``min`` (loss).
+
+    ``epoch`` and ``step``: where ``best.npz`` was saved, the last epoch that reached ``value`` (a tie
+    goes to the later epoch, trained longer: on a small validation split the accuracy moves in steps
+    of one row and ties often, and the first of a tie is often an early, worse model, see
+    docs/best_selection.md). ``improved``: the last epoch that beat the best by more than
+    ``early_stopping.min_delta``; patience counts from it.
+    """
 
     metric: str
     value: float | None = None
     epoch: int | None = None
     step: int | None = None
     mode: str = "max"
+    improved: int | None = None
 
     def improves(self, value: float, min_delta: float = 0.0) -> bool:
         """Whether ``value`` beats the best so far by more than ``min_delta``."""
         if self.value is None:
             return True
         return value > self.value + min_delta if self.mode == "max" else value < self.value - min_delta
+
+    def matches(self, value: float) -> bool:
+        """Whether ``value`` is at least as good as the best so far (a tie: ``best.npz`` moves to it)."""
+        if self.value is None:
+            return True
+        return value >= self.value if self.mode == "max" else value <= self.value
 
 
 @dataclass
@@ -113,7 +127,14 @@ class Checkpoint:
 _INT, _NUM, _STR = "int", "number", "str"
 _POSITION = {"epoch": _INT, "batch": _INT, "step": _INT, "loss_sum": _NUM, "correct": _INT, "samples": _INT}
 _SCALER = {"scale": _NUM, "growth_tracker": _INT, "consecutive_skips": _INT}
-_BEST = {"metric": _STR, "value": (_NUM, None), "epoch": (_INT, None), "step": (_INT, None), "mode": _STR}
+_BEST = {
+    "metric": _STR,
+    "value": (_NUM, None),
+    "epoch": (_INT, None),
+    "step": (_INT, None),
+    "mode": _STR,
+    "improved": (_INT, None),
+}
 # Every key a checkpoint's meta holds, with its type: a dict is a nested object of those keys,
 # [t] a list of t, a tuple the types allowed (None: null). Counts and positions must be >= 0.
 META_SCHEMA: dict[str, Any] = {
@@ -262,6 +283,8 @@ def load(path: Path) -> Checkpoint:
         meta.setdefault("data", None)
         if isinstance(meta.get("best"), dict):
             meta["best"].setdefault("mode", "max")
+    if isinstance(meta.get("best"), dict):  # before best.improved: the best epoch was the last improvement
+        meta["best"].setdefault("improved", meta["best"].get("epoch"))
     check_meta(meta, path)
     return Checkpoint(path, arrays, meta)
 

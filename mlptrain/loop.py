@@ -257,11 +257,12 @@ class Loop:
         here = Position(epoch + 1, 0, tr.step_count) if whole else pos
         if whole:
             self.metrics.write(**rec)
-        es = cfg.early_stopping
-        if self.best.improves(rec[self.best.metric], es.min_delta):
-            self.best = dataclasses.replace(self.best, value=rec[self.best.metric], epoch=epoch, step=tr.step_count)
+        es, value = cfg.early_stopping, rec[self.best.metric]
+        if self.best.matches(value):  # a tie too: the later epoch, trained longer, holds best
+            improved = epoch if self.best.improves(value, es.min_delta) else self.best.improved
+            self.best = dataclasses.replace(self.best, value=value, epoch=epoch, step=tr.step_count, improved=improved)
             self.save("best", here)  # before anything that refers to it: last's meta names this best
-        stop_early = es.patience > 0 and not done and epoch - (self.best.epoch or 0) >= es.patience
+        stop_early = es.patience > 0 and not done and epoch - (self.best.improved or 0) >= es.patience
         end = done or stop_early or self.stop.requested
         if end or (cfg.checkpoint_every > 0 and (epoch + 1) % cfg.checkpoint_every == 0):
             self.save("last", here)
@@ -270,11 +271,12 @@ class Loop:
         log.info(epoch_line(rec, cfg.epochs, tr, self.interval.samples_per_s))
         if stop_early:
             self.stopped_early = epoch
-            best = self.best.epoch or 0
+            b = self.best
             log.info(
                 "early stopping after epoch %d: %s has not improved for %d epochs (best %.4g at epoch %d, in %s)",
-                epoch + 1, self.best.metric, epoch - best, self.best.value, best + 1, self.run_dir.checkpoint("best"),
-            )  # fmt: skip
+                *(epoch + 1, b.metric, epoch - (b.improved or 0), b.value, (b.epoch or 0) + 1),
+                self.run_dir.checkpoint("best"),
+            )
         return here, stop_early
 
     def position(self, epoch: int, batch: int, samples: int) -> Position:

@@ -80,7 +80,7 @@ def restore(cfg: TrainConfig, out_dir: Path, overrides: Sequence[str] | None = N
     if cfg.resume is None:
         return cfg
     source, saved = saved_settings(cfg.resume, RunDirectory(out_dir))
-    if saved is None:
+    if source is None or saved is None:
         return cfg
     now = flatten(to_plain(cfg))
     given = set_keys(overrides, now)

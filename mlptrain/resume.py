@@ -139,14 +139,14 @@ def check_continues(tr: Trainer, ckpt: Checkpoint, best: Best) -> int | None:
 def stopped_early_at(ckpt: Checkpoint, patience: int) -> int | None:
     """The epoch after which the checkpoint's run stopped early (with ``patience``), or None.
 
-    The loop stops after epoch ``e`` when ``e - best.epoch >= patience`` and saves ``last`` at the
+    The loop stops after epoch ``e`` when ``e - best.improved >= patience`` and saves ``last`` at the
     start of epoch ``e + 1``; nothing else saves there with that condition true (:meth:`mlptrain.loop.Loop.end_epoch`).
     """
     pos, best = ckpt.position, ckpt.best
     if patience <= 0 or pos.batch != 0 or pos.epoch < 1 or best is None:
         return None
     epoch = pos.epoch - 1
-    return epoch if epoch - (best.epoch or 0) >= patience else None
+    return epoch if epoch - (best.improved or 0) >= patience else None
 
 
 def check_data(saved: dict[str, Any] | None, now: dict[str, Any], where: str) -> None:

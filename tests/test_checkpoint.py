@@ -425,7 +425,7 @@ def test_fresh_run_refuses_a_directory_holding_a_run(tmp_path: Path, finished: P
 def test_best_follows_validation_accuracy(finished: Path) -> None:
     meta = checkpoint.load(finished / "checkpoints" / "last.npz").meta
     epoch0 = next(r for r in read_metrics(finished / "metrics.jsonl") if r["kind"] == "epoch")
-    assert Best(**meta["best"]) == Best("val/acc", epoch0["val/acc"], 0, 21)
+    assert Best(**meta["best"]) == Best("val/acc", epoch0["val/acc"], 0, 21, improved=0)
     assert meta["metrics_records"] == 31, "21 steps, 1 epoch record, 9 steps"
     assert meta["position"]["epoch"] == 1 and meta["position"]["batch"] == 9
 

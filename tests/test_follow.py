@@ -22,16 +22,18 @@ from mlptrain.run import train
 
 
 def test_early_stopping_stops_patience_epochs_after_the_last_improvement(tmp_path: Path) -> None:
-    # lr=1e-12: the predictions never change, so val/acc is the same every epoch: epoch 0 is the best
-    # (a strict improvement is needed after it) and patience=2 ends the run after epoch 2.
+    # lr=1e-12: the predictions never change, so val/acc is the same every epoch: epoch 0 is the last
+    # improvement (a strict one is needed after it) and patience=2 ends the run after epoch 2; the
+    # epochs that tie it move best.npz to the latest of them (#27.4).
     cfg = make_cfg(epochs=10, optimizer__lr=1e-12, early_stopping__patience=2)
     summary = train(cfg, tmp_path / "run")
     epochs = [r for r in records(tmp_path / "run") if r["kind"] == "epoch"]
     assert [r["epoch"] for r in epochs] == [0, 1, 2]
     assert summary["stopped_early"] == 2 and summary["epochs"] == 3
-    assert summary["best"]["epoch"] == 0 and summary["best"]["metric"] == "val/acc"
+    assert summary["best"]["improved"] == 0 and summary["best"]["metric"] == "val/acc"
+    assert summary["best"]["epoch"] == 2
     best = checkpoint.load(tmp_path / "run" / "checkpoints" / "best.npz")
-    assert best.meta["best"]["epoch"] == 0
+    assert best.meta["best"]["epoch"] == 2 and best.position.epoch == 3
     last = checkpoint.load(tmp_path / "run" / "checkpoints" / "last.npz")
     assert last.position.epoch == 3, "last.npz is where the run stopped"
 

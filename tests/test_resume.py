@@ -246,3 +246,32 @@ def test_an_early_stopped_run_killed_before_its_summary_only_writes_it(
         train(make_cfg(resume="last", **cfg), run)  # finished: nothing left to do
     longer = train(make_cfg(resume="last", **{**cfg, "early_stopping__patience": 3}), run)  # honoured
     assert longer["steps"] > 84
+
+
+def scripted_val_acc(monkeypatch: pytest.MonkeyPatch, accs: list[float]) -> None:
+    """The validation accuracy of epoch ``e`` is ``accs[e]`` (the rest of evaluation as it is)."""
+    from mlptrain.trainer import Trainer
+
+    original = Trainer.evaluate
+
+    def evaluate(self: Trainer, split: str) -> dict[str, float]:
+        out = original(self, split)
+        if split == "val":
+            out["val/acc"] = accs[self.step_count // self.steps_per_epoch - 1]
+        return out
+
+    monkeypatch.setattr(Trainer, "evaluate", evaluate)
+
+
+def test_a_tie_moves_best_to_the_later_epoch_and_patience_counts_from_the_improvement(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """#27.4: on a small validation split the accuracy ties often; the first of a tie is an early model."""
+    scripted_val_acc(monkeypatch, [0.5, 0.8, 0.8, 0.8, 0.9, 0.9])
+    summary = train(make_cfg(epochs=6, early_stopping__patience=2), tmp_path)
+    assert summary["stopped_early"] == 3, "epochs 2 and 3 tie epoch 1: two epochs without an improvement"
+    assert summary["best"] == {"metric": "val/acc", "value": 0.8, "epoch": 3, "step": 84, "mode": "max", "improved": 1}
+    best = checkpoint.load(tmp_path / "checkpoints" / "best.npz")
+    assert best.position.step == 84, "best.npz holds the last epoch of the tie"
+    last = checkpoint.load(tmp_path / "checkpoints" / "last.npz")
+    assert all(np.array_equal(best.arrays[k], last.arrays[k]) for k in best.arrays if k.startswith("param/"))
