@@ -34,7 +34,7 @@ from mlptrain.data import Dataset
 from mlptrain.errors import CheckpointError, ConfigError, MlptrainError
 from mlptrain.faults import StopRequest
 from mlptrain.loop import Loop, selection
-from mlptrain.metrics import MetricsPrefix, MetricsWriter, kinds_after, plan_prefix
+from mlptrain.metrics import MetricsPrefix, MetricsWriter, epochs_from_one, kinds_after, plan_prefix
 from mlptrain.rundir import METRICS, RUN_RECORD, RunDirectory, follower_dir
 from mlptrain.sinks import CSV_NAME, TENSORBOARD_DIR, CsvSink, TensorBoardSink, csv_columns
 from mlptrain.trainer import Trainer
@@ -165,7 +165,7 @@ def _train_locked(
     if comm is None or comm.rank == 0:
         log.info(line, extra={"printed": True})  # the console shows it once (mlptrain.cli.NotPrinted)
         print(line, flush=True)
-    return summary
+    return epochs_from_one(summary)  # as metrics.jsonl holds it: epochs counted from 1
 
 
 @contextlib.contextmanager
