@@ -204,12 +204,12 @@ def plan_prefix(source: Path | None, records: int) -> MetricsPrefix:
         if len(plan.lines) + len(plan.damaged) == records:
             break
         complete = line.endswith(b"\n")
+        record: Any = None
         try:
             record = json.loads(line.decode("utf-8")) if complete else None
-            ok = isinstance(record, dict)
         except (UnicodeDecodeError, ValueError):
-            ok = False
-        if ok:
+            pass
+        if isinstance(record, dict):
             if counted_from_zero is None and isinstance(record.get("epoch"), int):
                 counted_from_zero = record["epoch"] == 0
             if counted_from_zero:
