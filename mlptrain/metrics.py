@@ -13,6 +13,13 @@ Record kinds (the ``kind`` key):
 * ``summary``: the final numbers of the run.
 * ``interrupted``: Ctrl-C stopped the run at ``step``; ``checkpoint`` is where ``last`` was saved.
 
+Epochs count from 1 here, as in the log lines (``epoch 1/20``), the summary line and Keras's
+``Epoch 1/20``: ``epoch`` of a step record is the epoch the step belongs to, of an epoch record the
+epoch it ends; the summary's ``best.epoch`` and ``stopped_early`` too. The training loop and the
+checkpoint's :class:`~mlptrain.checkpoint.Position` count from 0 (the next epoch to run); the writer
+turns one into the other (:func:`epochs_from_one`), and a run written before (its first record says
+``"epoch": 0``) has its records renumbered when it is resumed.
+
 A resumed run continues the file from the records written up to its checkpoint
 (:func:`plan_prefix`): the records after it are written again, identically. A line that is not a
 JSON record (a damaged disk block, a hand edit) is never dropped: it is moved to
@@ -50,6 +57,21 @@ def _clean(record: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def epochs_from_one(record: dict[str, Any]) -> dict[str, Any]:
+    """``record`` (a copy) with its epochs counted from 1: ``epoch``, ``best.epoch``, ``best.improved`` and
+    ``stopped_early`` of the loop's 0-based positions, plus one."""
+    out = dict(record)
+    if isinstance(out.get("epoch"), int):
+        out["epoch"] += 1
+    if isinstance(out.get("stopped_early"), int):
+        out["stopped_early"] += 1
+    if isinstance(out.get("best"), dict):
+        out["best"] = {
+            k: v + 1 if k in ("epoch", "improved") and isinstance(v, int) else v for k, v in out["best"].items()
+        }
+    return out
+
+
 class MetricsWriter:
     """Appends records to ``path`` (it continues a file that holds ``records`` records), counting them.
 
@@ -68,6 +90,8 @@ class MetricsWriter:
             raise OutputError(f"cannot open {self.path} for writing ({exc}); choose a writable hydra.run.dir") from exc
 
     def write(self, **record: Any) -> None:
+        """Append one record (its epochs as the loop counts them, from 0: the file counts from 1)."""
+        record = epochs_from_one(record)
         try:
             self._f.write(json.dumps(_clean(record), allow_nan=False) + "\n")
             self._f.flush()
@@ -177,15 +201,21 @@ def plan_prefix(source: Path | None, records: int) -> MetricsPrefix:
         raw = Path(source).read_bytes()
     except OSError as exc:
         raise OutputError(f"cannot read {source} ({type(exc).__name__}: {exc})") from exc
+    counted_from_zero: bool | None = None  # a run written before epochs counted from 1: renumbered
     for n, line in enumerate(raw.splitlines(keepends=True), start=1):
         if len(plan.lines) + len(plan.damaged) == records:
             break
         complete = line.endswith(b"\n")
+        record: Any = None
         try:
-            ok = complete and isinstance(json.loads(line.decode("utf-8")), dict)
+            record = json.loads(line.decode("utf-8")) if complete else None
         except (UnicodeDecodeError, ValueError):
-            ok = False
-        if ok:
+            pass
+        if isinstance(record, dict):
+            if counted_from_zero is None and isinstance(record.get("epoch"), int):
+                counted_from_zero = record["epoch"] == 0
+            if counted_from_zero:
+                line = (json.dumps(epochs_from_one(record), allow_nan=False) + "\n").encode("utf-8")
             plan.lines.append(line)
         elif complete:
             plan.damaged.append((n, line))

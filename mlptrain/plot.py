@@ -129,7 +129,7 @@ def curves_figure(target: Path, out: Path | None = None) -> Path:
         (line,) = axes[0].plot([r["step"] for r in steps], [r["train/loss"] for r in steps], lw=1, label=label)
         for ax, metric in ((axes[1], "loss"), (axes[2], "acc")):
             for split, style in (("val", "-"), ("test", ":")):
-                pts = [(r["epoch"] + 1, r[f"{split}/{metric}"]) for r in epochs if f"{split}/{metric}" in r]
+                pts = [(r["epoch"], r[f"{split}/{metric}"]) for r in epochs if f"{split}/{metric}" in r]
                 if pts:
                     ax.plot(*zip(*pts, strict=True), style, marker=".", color=line.get_color(),
                             label=f"{label} {split}" if len(runs) > 1 else split)  # fmt: skip

@@ -32,7 +32,7 @@ from mlptrain.data import Dataset
 from mlptrain.errors import ConfigError, MlptrainError
 from mlptrain.faults import StopRequest
 from mlptrain.loop import Loop
-from mlptrain.metrics import MetricsWriter
+from mlptrain.metrics import MetricsWriter, epochs_from_one
 from mlptrain.restore import front_end, restore
 from mlptrain.resume import Start, prepare, resume_path
 from mlptrain.rundir import RUN_RECORD, RunDirectory, follower_dir
@@ -171,7 +171,7 @@ def _train_locked(
     if comm is None or comm.rank == 0:
         log.info(line, extra={"printed": True})  # the console shows it once (mlptrain.cli.NotPrinted)
         print(line, flush=True)
-    return summary
+    return epochs_from_one(summary)  # as metrics.jsonl holds it: epochs counted from 1
 
 
 @contextlib.contextmanager

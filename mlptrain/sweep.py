@@ -108,13 +108,13 @@ def job_row(job: Path) -> dict[str, Any]:
     best = summary.get("best") or {}
     row.update({
         "best metric": best.get("metric"), "best": best.get("value"),
-        "best epoch": None if best.get("epoch") is None else best["epoch"] + 1,
+        "best epoch": best.get("epoch"),  # counted from 1, as metrics.jsonl counts epochs
         "best test acc": summary.get("best/test/acc"), "best test loss": summary.get("best/test/loss"),
         "test acc": summary.get("test/acc"), "test loss": summary.get("test/loss"),
         "epochs": summary.get("epochs"), "wall s": summary.get("wall_s"),
     })  # fmt: skip
     if "stopped_early" in summary:
-        row["status"] = f"stopped early (epoch {summary['stopped_early'] + 1})"
+        row["status"] = f"stopped early (epoch {summary['stopped_early']})"
     return row
 
 

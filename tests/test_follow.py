@@ -28,12 +28,14 @@ def test_early_stopping_stops_patience_epochs_after_the_last_improvement(tmp_pat
     cfg = make_cfg(epochs=10, optimizer__lr=1e-12, early_stopping__patience=2)
     summary = train(cfg, tmp_path / "run")
     epochs = [r for r in records(tmp_path / "run") if r["kind"] == "epoch"]
-    assert [r["epoch"] for r in epochs] == [0, 1, 2]
-    assert summary["stopped_early"] == 2 and summary["epochs"] == 3
-    assert summary["best"]["improved"] == 0 and summary["best"]["metric"] == "val/acc"
-    assert summary["best"]["epoch"] == 2
+    assert [r["epoch"] for r in epochs] == [1, 2, 3]  # counted from 1, as the log lines count them
+    assert summary["stopped_early"] == 3 and summary["epochs"] == 3
+    # a tie moves best to the later epoch; patience counts from the last improvement (epoch 1)
+    assert summary["best"]["epoch"] == 3 and summary["best"]["improved"] == 1
+    assert summary["best"]["metric"] == "val/acc"
+    assert records(tmp_path / "run")[-1]["best"] == summary["best"], "train() returns the summary record"
     best = checkpoint.load(tmp_path / "run" / "checkpoints" / "best.npz")
-    assert best.meta["best"]["epoch"] == 2 and best.position.epoch == 3
+    assert best.meta["best"]["epoch"] == 2 and best.position.epoch == 3  # the checkpoint counts from 0
     last = checkpoint.load(tmp_path / "run" / "checkpoints" / "last.npz")
     assert last.position.epoch == 3, "last.npz is where the run stopped"
 
@@ -45,7 +47,7 @@ def test_early_stopping_waits_while_the_metric_improves(tmp_path: Path) -> None:
     losses = [r["train/loss"] for r in records(tmp_path / "run") if r["kind"] == "epoch"]
     assert all(b < a for a, b in zip(losses, losses[1:], strict=False)), losses
     assert "stopped_early" not in summary and summary["epochs"] == 4
-    assert summary["best"] == {**summary["best"], "epoch": 3, "mode": "min", "metric": "train/loss"}
+    assert summary["best"] == {**summary["best"], "epoch": 4, "mode": "min", "metric": "train/loss"}
 
 
 def test_summary_reports_the_best_checkpoints_test_scores(tmp_path: Path) -> None:
@@ -74,11 +76,55 @@ def test_off_a_terminal_every_epoch_is_one_log_line(tmp_path: Path) -> None:
         lines = [line for line in where.splitlines() if " - epoch " in line]
         assert len(lines) == 3, where
         for line, rec in zip(lines, epochs, strict=True):
-            assert f"epoch {rec['epoch'] + 1}/3" in line
+            assert f"epoch {rec['epoch']}/3" in line  # one count of epochs in the file and the log
             assert f"train loss {rec['train/loss']:.4f} acc {rec['train/acc']:.4f}" in line
             assert f"val loss {rec['val/loss']:.4f}" in line and f"test loss {rec['test/loss']:.4f}" in line
             assert "lr " in line and "samples/s" in line
     assert "\r" not in proc.stderr, "no progress bar off a terminal"
+
+
+def test_epochs_count_from_one_in_the_files_the_log_and_the_summary(tmp_path: Path) -> None:
+    """#27.7: ``epoch`` was 0-based in metrics.jsonl and metrics.csv, 1-based in the log and the summary."""
+    run_dir = tmp_path / "run"
+    proc = run_cli(
+        "epochs=3",
+        "device=cpu",
+        "model.hidden=[16]",
+        "progress=false",
+        "early_stopping.patience=1",
+        "optimizer.lr=1e-12",
+        f"hydra.run.dir={run_dir}",
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, output(proc)
+    jsonl = read_metrics(run_dir / "metrics.jsonl")
+    logged = [int(line.split(" - epoch ")[1].split("/")[0]) for line in proc.stderr.splitlines() if " - epoch " in line]
+    assert [r["epoch"] for r in jsonl if r["kind"] == "epoch"] == logged == [1, 2]
+    assert {r["epoch"] for r in jsonl if r["kind"] == "step"} == {1, 2}
+    with open(run_dir / "metrics.csv", newline="") as f:
+        assert [int(r["epoch"]) for r in csv.DictReader(f) if r["kind"] == "epoch"] == [1, 2]
+    summary = jsonl[-1]
+    assert summary["best"]["epoch"] == 1 and summary["stopped_early"] == 2
+    assert "best (epoch 1, val/acc" in proc.stdout and "stopped early after epoch 2" in proc.stdout
+
+
+def test_resuming_a_run_written_with_epochs_from_zero_renumbers_it(tmp_path: Path) -> None:
+    """A run written before epochs counted from 1 continues as one file with one count."""
+    import json
+
+    run_dir = tmp_path / "run"
+    train(make_cfg(epochs=2), run_dir)
+    old = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for r in old:  # as the earlier mlptrain wrote it
+        for key in ("epoch", "stopped_early"):
+            if key in r:
+                r[key] -= 1
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in old))
+    train(make_cfg(epochs=3, resume="last"), run_dir)
+    jsonl = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["epoch"] for r in jsonl if r["kind"] == "epoch"] == [1, 2, 3]
+    steps = [r for r in jsonl if r["kind"] == "step"]
+    assert steps[0]["epoch"] == 1 and steps[-1]["epoch"] == 3
 
 
 def test_metrics_csv_has_a_row_per_record_and_survives_a_resume(tmp_path: Path) -> None:

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import os
 import shlex
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from test_cli import QUICK, output, run_cli
+from test_readme import python_on_path
 from test_reliability import start_cli, step_lines, wait_for
 
 from mlptrain.metrics import read_metrics
@@ -99,12 +98,7 @@ def test_a_stopped_sweep_gets_its_summary_and_continues_every_job_in_its_folder(
     (line,) = [x for x in err.splitlines() if "continue every job with: " in x]
     again = line.split("continue every job with: ", 1)[1]
     assert f"`{again}`" in md
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "python").write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n')
-    (bin_dir / "python").chmod(0o755)
-    env = {k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", "HYDRA_MAIN_MODULE")}
-    env.update(PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+    env = python_on_path(tmp_path / "bin")  # the printed command is pasted into bash as it is
     before = _sweep_dir_jobs(sweep)
     finished = {n: (p / "metrics.jsonl").read_bytes() for n, p in before.items() if n != long_job.name}
     resumed = subprocess.run(["bash", "-c", again], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
