@@ -341,7 +341,7 @@ class Loop:
         name = signal.Signals(signum).name
         self.metrics.write(kind="interrupted", step=pos.step, epoch=pos.epoch, checkpoint=str(last), signal=name)
         message = (  # the run's settings are in its checkpoint: the directory alone continues it
-            f"interrupted at step {pos.step} (epoch {pos.epoch}, {name}); checkpoint saved to {last}; "
+            f"interrupted at step {pos.step} (epoch {pos.epoch + 1}, {name}); checkpoint saved to {last}; "
             f"continue with: {self.run_dir.front.resume_command(self.run_dir.path)}"
         )
         log.warning(message)

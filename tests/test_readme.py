@@ -135,11 +135,6 @@ def test_the_readmes_command_runs_as_written(workspace: Workspace, command: str)
     assert "Traceback" not in proc.stderr
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="#27.2: regression targets are not standardised, and the README's example on targets in the hundreds "
-    "diverges ('non-finite values at step 4'); remove this mark when #27.2 lands",
-)
 def test_the_readmes_regression_example_beats_predicting_the_mean(workspace: Workspace) -> None:
     from mlptrain.metrics import read_metrics
 
