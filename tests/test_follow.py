@@ -104,8 +104,9 @@ def test_epochs_count_from_one_in_the_files_the_log_and_the_summary(tmp_path: Pa
     with open(run_dir / "metrics.csv", newline="") as f:
         assert [int(r["epoch"]) for r in csv.DictReader(f) if r["kind"] == "epoch"] == [1, 2]
     summary = jsonl[-1]
-    assert summary["best"]["epoch"] == 1 and summary["stopped_early"] == 2
-    assert "best (epoch 1, val/acc" in proc.stdout and "stopped early after epoch 2" in proc.stdout
+    # epoch 2 ties epoch 1 (lr 1e-12): best moves to the later epoch of the tie (#27.4)
+    assert summary["best"]["epoch"] == 2 and summary["best"]["improved"] == 1 and summary["stopped_early"] == 2
+    assert "best (epoch 2, val/acc" in proc.stdout and "stopped early after epoch 2" in proc.stdout
 
 
 def test_resuming_a_run_written_with_epochs_from_zero_renumbers_it(tmp_path: Path) -> None:
