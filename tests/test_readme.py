@@ -55,7 +55,9 @@ def python_on_path(folder: Path) -> dict[str, str]:
     (folder / "python").write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n')
     (folder / "python").chmod(0o755)
     env = {k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", "HYDRA_MAIN_MODULE")}
-    env.update(PATH=f"{folder}{os.pathsep}{env['PATH']}", PYTHONPATH=str(REPO))
+    # this checkout first; what PYTHONPATH already holds (a GPU machine's wheels) after it
+    path = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    env.update(PATH=f"{folder}{os.pathsep}{env['PATH']}", PYTHONPATH=path)
     return env
 
 

@@ -45,11 +45,10 @@ def _plain(v: Any) -> Any:
 
 
 def predictor(ckpt: Checkpoint, device: str) -> Predictor:
-    """The checkpoint scoring rows; on the CPU in float64, so that a row's output does not depend on the
-    other rows scored with it (float32 GEMMs of other heights sum in other orders: scikit-learn's
-    ``check_methods_subset_invariance``), and rounds once to float32."""
-    p = Predictor(ckpt, device=device)
-    return p if p.backend.is_gpu else Predictor(ckpt, device="cpu", precision="fp64")
+    """The checkpoint scoring rows in float64 on ``device``, so that a row's output does not depend on the
+    other rows scored with it (float32 GEMMs of other heights sum in other orders, on the CPU and the GPU:
+    scikit-learn's ``check_methods_subset_invariance``); the outputs round once to float32."""
+    return Predictor(ckpt, device=device, precision="fp64")
 
 
 def normalization(ckpt: Checkpoint) -> Normalization:

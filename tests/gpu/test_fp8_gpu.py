@@ -73,11 +73,12 @@ def _engines(mode="fused"):
     return GpuFp8Gemm(NvmathGemm(), GpuFp8Scaling(), mode), Fp8Gemm(NumpyGemm(), Fp8Scaling(np), mode)
 
 
-def _compare(d_gpu, d_cpu, what):
-    """Within two bfloat16 roundings of the contract (cuBLASLt's float32 accumulation runs in another order)."""
+def _compare(d_gpu, d_cpu, what, roundings=2):
+    """Within ``roundings`` bfloat16 roundings of the contract (cuBLASLt's float32 accumulation runs in another
+    order)."""
     a, b = f64(d_gpu), f64(d_cpu)
     err = np.abs(a - b).max() / max(np.abs(b).max(), 1e-30)
-    assert err < 2 * 2.0**-8, f"{what}: max error {err:.3g} relative to max |contract|"
+    assert err < roundings * 2.0**-8, f"{what}: max error {err:.3g} relative to max |contract|"
 
 
 @needs_fp8
@@ -115,7 +116,9 @@ def test_each_backward_epilog_matches_the_contract_with_an_e5m2_gradient(epilog)
     on_gpu = {name: cp.asarray(v) for name, v in inputs.items()}
     d_gpu, aux_gpu = gpu("l.dgrad", cp.asarray(W).T, cp.asarray(dz).T, epilog, **on_gpu)
     d_cpu, aux_cpu = cpu("l.dgrad", W.T, dz.T, epilog, **inputs)
-    _compare(d_gpu, d_cpu, epilog.name)
+    # DGELU: cuBLASLt evaluates gelu' of the bfloat16 gelu_aux its own way (2.6 bfloat16 roundings of the
+    # largest element from the float64 formula on the H200, 2026-12-02); the ReLU family only masks
+    _compare(d_gpu, d_cpu, epilog.name, roundings=4 if epilog in (Epilog.DGELU, Epilog.DGELU_BGRAD) else 2)
     for name in aux_cpu:
         _compare(aux_gpu[name], aux_cpu[name], name)
 

@@ -57,7 +57,8 @@ def test_fused_mlp_on_the_gpu_matches_nn_sequential(widths: list, activation: st
     fused, ref = models(widths, activation, bias, dtype)
     x = torch.randn(67, widths[0], device=CUDA, dtype=dtype)
     dy = torch.randn(67, widths[-1], device=CUDA, dtype=dtype)
-    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    # float64: cuBLASLt's GELU epilog evaluates tanh to about 4e-10 (H200, 2026-12-02); ReLU is exact
+    tol = (1e-12 if activation == "relu" else 1e-9) if dtype == torch.float64 else 1e-5
     for i, (a, b) in enumerate(zip(grads(fused, x, dy), grads(ref, x, dy), strict=True)):
         assert a.dtype == b.dtype and a.shape == b.shape
         assert rel(a, b) < tol, f"tensor {i} (y, dx, params...): {rel(a, b):.3g}"
@@ -79,8 +80,11 @@ def test_autocast_half_precision_is_at_torchs_own_error(
     g64 = grads(exact, x.double(), dy.double())
     got, theirs = grads(fused, x, dy, dtype), grads(ref, x, dy, dtype)
     assert got[0].dtype == dtype and all(g.dtype == torch.float32 for g in got[2:])
+    # the floor: two roundings of the half type (a width-1 layer's bias gradient is one element, so its
+    # norm-wise error is one rounding of the fused DGELU_BGRAD's sum, not an average over many)
+    floor = 2 * torch.finfo(dtype).eps
     for i, (a, b, e) in enumerate(zip(got, theirs, g64, strict=True)):
-        assert rel(a, e) <= 2 * rel(b, e) + 1e-3, f"tensor {i}: fused {rel(a, e):.3g}, torch {rel(b, e):.3g}"
+        assert rel(a, e) <= 2 * rel(b, e) + floor, f"tensor {i}: fused {rel(a, e):.3g}, torch {rel(b, e):.3g}"
 
 
 def test_no_grad_gives_the_training_forward() -> None:
@@ -99,7 +103,7 @@ def test_fused_linear_with_its_activation_on_the_gpu() -> None:
     ref.load_state_dict({"0.weight": fused.weight, "0.bias": fused.bias})
     x, dy = torch.randn(3, 5, 40, device=CUDA, dtype=torch.float64), torch.randn(3, 5, 24, device=CUDA).double()
     for a, b in zip(grads(fused, x, dy), grads(ref, x, dy), strict=True):
-        assert rel(a, b) < 1e-12
+        assert rel(a, b) < 1e-9  # cuBLASLt's GELU epilog in float64: about 4e-10 (see above)
 
 
 def test_torch_compile_fullgraph_on_the_gpu_gives_the_eager_outputs() -> None:
