@@ -101,6 +101,7 @@ def mlptrain_run(table: Path, epochs: int, caches: Path, run_dir: Path, extra: t
         f"epochs={epochs}",
         "progress=false",
         f"hydra.run.dir={run_dir}",
+        *extra,
     ]
     os.sync()
     t0 = time.perf_counter()
