@@ -23,7 +23,7 @@ from typing import Any
 
 from mlptrain import optim
 from mlptrain.choices import unknown_names
-from mlptrain.config import TrainConfig, flatten, to_plain
+from mlptrain.config import OptimizerConfig, TrainConfig, flatten, to_plain
 from mlptrain.errors import ConfigError
 from mlptrain.keys import suggest
 from mlptrain.losses import regression_losses
@@ -31,6 +31,7 @@ from mlptrain.precision import PRECISIONS, SETTINGS
 from mlptrain.registry import joined
 
 Uses = dict[str, tuple[Callable[[TrainConfig], bool], str]]
+_OPTIMIZER_FIELDS = {f.name for f in fields(OptimizerConfig)}
 
 
 def _data(*names: str) -> Callable[[TrainConfig], bool]:
@@ -101,7 +102,7 @@ def uses() -> Uses:
         f"regressions ({joined([f'model.loss={n}' for n in regressions], 'or')})",
     )
     for key in optim.setting_ranges():
-        if names := optim.users(key):
+        if (names := optim.users(key)) and key in _OPTIMIZER_FIELDS:
             where = joined([f"optimizer={n}" for n in names])
             out[f"optimizer.{key}"] = (_named("optimizer", names), where)
     for key, (reads, what, _) in SETTINGS.items():
@@ -186,7 +187,12 @@ def _registered(cfg: TrainConfig) -> list[str]:
     """The registered options' settings out of their declared ranges, and names no registry holds."""
     o, problems = cfg.optimizer, unknown_names(cfg)
     for key, r in optim.setting_ranges().items():
-        if r is not None and (problem := r.problem(f"optimizer.{key}", getattr(o, key))):
+        if key not in _OPTIMIZER_FIELDS:
+            readers = joined([f"optimizer={n}" for n in optim.users(key)])
+            problems.append(
+                f"{readers} reads optimizer.{key}, which is no field of OptimizerConfig (mlptrain/config.py)"
+            )
+        elif r is not None and (problem := r.problem(f"optimizer.{key}", getattr(o, key))):
             problems.append(problem)
     if o.name in optim.OPTIMIZERS:
         problems += optim.OPTIMIZERS[o.name].cls.config_problems(o)

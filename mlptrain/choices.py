@@ -12,8 +12,8 @@ from typing import Any
 
 from mlptrain.execution import ACTIVATIONS
 from mlptrain.losses import LOSSES
-from mlptrain.optim import OPTIMIZERS
-from mlptrain.precision import PRECISIONS
+from mlptrain.optim import OPTIMIZERS, users
+from mlptrain.precision import PRECISIONS, SETTINGS
 from mlptrain.registry import Registry
 
 REGISTRIES: dict[str, Registry[Any]] = {r.key: r for r in (ACTIVATIONS, LOSSES, OPTIMIZERS, PRECISIONS)}
@@ -22,6 +22,15 @@ REGISTRIES: dict[str, Registry[Any]] = {r.key: r for r in (ACTIVATIONS, LOSSES, 
 def help_of(key: str) -> str:
     """The registered names of setting ``key`` as ``--help`` lists them (``a, b (a note) or c``)."""
     return REGISTRIES[key].help()
+
+
+def users_of(key: str) -> list[str]:
+    """The registered options that read setting ``key`` (``optimizer.eps``: adam, adamw; ``precision.margin``: fp8)."""
+    group, name = key.split(".")
+    if group == "optimizer":
+        return users(name)
+    reads = SETTINGS[name][0]
+    return [n for n, row in PRECISIONS.items() if reads(row)]
 
 
 def unknown_names(cfg: Any) -> list[str]:

@@ -90,10 +90,11 @@ class ComputeCopy(str, Enum):
     cast = "cast"
 
 
-def _f(default: Any, help: str, factory: Any = None, choices: bool = False) -> Any:
+def _f(default: Any, help: str, factory: Any = None, choices: bool = False, users: bool = False) -> Any:
     """A schema field with its help text (``python -m mlptrain --help`` lists them); ``choices``: the
-    setting names a registered option, listed from its registry in place of ``{choices}``."""
-    metadata = {"help": help, "choices": choices}
+    setting names a registered option, listed from its registry in place of ``{choices}``; ``users``:
+    the registered options that read the setting replace ``{users}``."""
+    metadata = {"help": help, "choices": choices, "users": users}
     if factory is not None:
         return field(default_factory=factory, metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -143,12 +144,12 @@ class DataConfig:
 class OptimizerConfig:
     name: str = _f("sgd", "{choices} (optimizer=<name> selects its group)", choices=True)
     lr: float = _f(0.05, "learning rate (the peak of the schedule)")
-    momentum: float = _f(0.9, "sgd: momentum")
-    nesterov: bool = _f(False, "sgd: Nesterov momentum")
+    momentum: float = _f(0.9, "{users}: momentum", users=True)
+    nesterov: bool = _f(False, "{users}: Nesterov momentum", users=True)
     weight_decay: float = _f(0.0, "L2 weight decay (decoupled for adamw)")
-    beta1: float = _f(0.9, "adam, adamw: decay of the first moment")
-    beta2: float = _f(0.999, "adam, adamw: decay of the second moment")
-    eps: float = _f(1e-8, "adam, adamw: added to the denominator")
+    beta1: float = _f(0.9, "{users}: decay of the first moment", users=True)
+    beta2: float = _f(0.999, "{users}: decay of the second moment", users=True)
+    eps: float = _f(1e-8, "{users}: added to the denominator", users=True)
     schedule: Schedule = _f(Schedule.cosine, "learning-rate schedule after warm-up")
     warmup_steps: int = _f(0, "linear warm-up steps")
     min_lr_ratio: float = _f(0.0, "cosine: the last step's rate as a share of lr")
@@ -179,17 +180,20 @@ class PrecisionConfig:
         "widths of thousands), emulated and slow on the CPU",
         choices=True,
     )
-    init_scale: float = _f(65536.0, "fp16: initial loss scale")
-    growth_factor: float = _f(2.0, "fp16: the scale grows by this after growth_interval clean steps")
-    backoff_factor: float = _f(0.5, "fp16: the scale shrinks by this after an overflow")
-    growth_interval: int = _f(2000, "fp16: clean steps before the scale grows")
-    max_consecutive_skips: int = _f(50, "fp16, fp8: stop after this many skipped (inf/NaN) steps in a row")
-    amax_history: int = _f(16, "fp8: steps of amax history each FP8 tensor's scale is taken from (delayed scaling)")
-    margin: int = _f(0, "fp8: each scale leaves 2^margin of headroom below the FP8 format's max")
+    init_scale: float = _f(65536.0, "{users}: initial loss scale", users=True)
+    growth_factor: float = _f(2.0, "{users}: the scale grows by this after growth_interval clean steps", users=True)
+    backoff_factor: float = _f(0.5, "{users}: the scale shrinks by this after an overflow", users=True)
+    growth_interval: int = _f(2000, "{users}: clean steps before the scale grows", users=True)
+    max_consecutive_skips: int = _f(50, "{users}: stop after this many skipped (inf/NaN) steps in a row", users=True)
+    amax_history: int = _f(
+        16, "{users}: steps of amax history each FP8 tensor's scale is taken from (delayed scaling)", users=True
+    )
+    margin: int = _f(0, "{users}: each scale leaves 2^margin of headroom below the FP8 format's max", users=True)
     compute_copy: ComputeCopy = _f(
         ComputeCopy.kept,
-        "fp16, bf16, fp8: kept: a half-precision copy of every parameter, refreshed by the optimizer; cast: none, "
+        "{users}: kept: a half-precision copy of every parameter, refreshed by the optimizer; cast: none, "
         "each layer's cast just before its GEMMs (less memory for the largest models, a cast kernel per layer)",
+        users=True,
     )
 
 
@@ -259,10 +263,12 @@ def settings_help(node: Any = None, prefix: str = "", values: Any = None) -> str
 def _help(f: Any, prefix: str) -> str:
     """A field's help, the registered names in place of ``{choices}`` (:mod:`mlptrain.choices`)."""
     text = f.metadata.get("help", "")
-    if not f.metadata.get("choices"):
+    if not (f.metadata.get("choices") or f.metadata.get("users")):
         return text
-    from mlptrain.choices import help_of
+    from mlptrain.choices import help_of, users_of
 
+    if f.metadata.get("users"):
+        return text.format(users=", ".join(users_of(prefix + f.name)))
     return text.format(choices=help_of(prefix + f.name))
 
 

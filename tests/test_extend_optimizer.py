@@ -87,6 +87,8 @@ def test_a_run_trains_with_it(adagrad: list[str], tmp_path: Path) -> None:
 def test_help_and_the_checks_know_it(adagrad: list[str]) -> None:
     line = next(x for x in settings_help().splitlines() if "optimizer.name =" in x)
     assert "sgd, adam, adamw or adagrad (sum of squared gradients) (optimizer=<name> selects its group)" in line
+    eps = next(x for x in settings_help().splitlines() if "optimizer.eps =" in x)
+    assert eps.split(maxsplit=3)[3] == "adam, adamw, adagrad: added to the denominator"
     with pytest.raises(ConfigError, match=r"optimizer\.eps=0\.0 must be positive"):
         compose_config([*adagrad, "optimizer.eps=0"])
     with pytest.raises(ConfigError, match=r"optimizer\.eps=-1 must be positive"):  # the constructor: the same words

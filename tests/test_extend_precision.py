@@ -57,6 +57,8 @@ def test_the_row_says_what_it_needs(registered: list[str]) -> None:
 def test_help_and_the_checks_know_it(registered: list[str]) -> None:
     line = next(x for x in settings_help().splitlines() if "precision.name =" in x)
     assert "fp64, fp32, tf32, fp16, bf16, fp8 or fp32_scaled (precision=<name>)" in line
+    scale = next(x for x in settings_help().splitlines() if "precision.init_scale =" in x)
+    assert scale.split(maxsplit=3)[3] == "fp16, fp32_scaled: initial loss scale"
     with pytest.raises(ConfigError, match=r"precision\.init_scale=-1\.0 must be positive"):
         compose_config([*registered, "precision=fp32_scaled", "precision.init_scale=-1"])
     with pytest.raises(ConfigError, match=r"precision\.backoff_factor=1\.5 must be in \(0, 1\)"):

@@ -20,7 +20,7 @@ from mlptrain.errors import ConfigError, DeviceError
 from mlptrain.execution import ACTIVATIONS
 from mlptrain.layers import Param
 from mlptrain.losses import LOSSES
-from mlptrain.optim import OPTIMIZERS, Optimizer, setting_ranges
+from mlptrain.optim import OPTIMIZERS, Optimizer, OptimizerSpec, setting_ranges
 from mlptrain.precision import PRECISIONS, SETTINGS, get_precision
 from mlptrain.registry import Range
 
@@ -175,3 +175,15 @@ def test_the_docs_steps_name_files_that_exist() -> None:
     paths = {w for w in re.findall(r"`([^`\s<(]+)`", section) if "/" in w or w.endswith(".py")}
     assert len(paths) >= 8, paths
     assert all((root / p).exists() for p in paths), sorted(p for p in paths if not (root / p).exists())
+
+
+def test_an_optimizer_reading_a_setting_the_schema_lacks_is_refused_by_name() -> None:
+    class Rho(Optimizer):
+        settings = {"rho": None}
+
+    OPTIMIZERS.add("rho_opt", OptimizerSpec(Rho))
+    try:
+        with pytest.raises(ConfigError, match=r"optimizer=rho_opt reads optimizer.rho, which is no field of Optimizer"):
+            validate(TrainConfig())
+    finally:
+        OPTIMIZERS.remove("rho_opt")
