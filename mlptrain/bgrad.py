@@ -47,7 +47,7 @@ def choose(tr: Any) -> None:
         B = len(range(B)[shard_rows(B, tr.grad_sync.comm.rank, tr.grad_sync.comm.world)])
     key = (
         f"step {'-'.join(map(str, tr.widths))} batch {B} {np.dtype(cdt).name}"
-        f"{'' if tr.cfg.model.activation.value == 'relu' else ' ' + tr.cfg.model.activation.value}"
+        f"{'' if tr.cfg.model.activation == 'relu' else ' ' + tr.cfg.model.activation}"
         f"{' tf32' if tr.precision.tf32 else ''}{' 2 streams' if tr.model.uses_wgrad_stream else ''}"
         f"{' head kernel' if tr.head.mode == 'kernel' else ''}"
         f"{f' workspace {ex.workspace_mib} MiB' if ex.workspace_mib is not None else ''}"

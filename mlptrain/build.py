@@ -14,9 +14,11 @@ config group   builder                               object
 ============== ===================================== =========================================
 
 The builders take the config group they build from (typed, already validated) and the objects
-they need; :class:`mlptrain.trainer.Trainer` calls them in order. Adding an option to a group
-means adding it to the schema (:mod:`mlptrain.config`), the check that validates it, and the
-builder of its group.
+they need; :class:`mlptrain.trainer.Trainer` calls them in order. The options of ``optimizer``,
+``precision``, ``model.loss`` and ``model.activation`` are rows of their registries
+(:mod:`mlptrain.registry`): the builders look the row up, so a registered option needs no branch
+here. Adding a setting means adding it to the schema (:mod:`mlptrain.config`), its range or the
+options it applies to (:mod:`mlptrain.checks`, or the registry row), and the builder of its group.
 """
 
 from __future__ import annotations
@@ -34,8 +36,9 @@ from mlptrain.errors import ConfigError, ResourceError
 from mlptrain.execution import FusedExecution, NaiveExecution, NumpyGemm
 from mlptrain.head import OutputHead
 from mlptrain.loader import DataLoader
+from mlptrain.losses import LOSSES
 from mlptrain.network import MLP
-from mlptrain.optim import SGD, Adam, Optimizer
+from mlptrain.optim import OPTIMIZERS, Optimizer
 from mlptrain.precision import LossScaler, Precision, get_precision
 from mlptrain.schedule import LRSchedule, StepClock
 
@@ -43,7 +46,7 @@ from mlptrain.schedule import LRSchedule, StepClock
 def precision(cfg: PrecisionConfig, backend: Backend) -> Precision:
     """``precision.name`` on ``backend`` (half precision and TF32 need the GPU), and its ``compute_copy``."""
     return dataclasses.replace(
-        get_precision(cfg.name.value, backend),
+        get_precision(cfg.name, backend),
         compute_copy=cfg.compute_copy.value,
         amax_history=cfg.amax_history,
         margin=cfg.margin,
@@ -53,7 +56,7 @@ def precision(cfg: PrecisionConfig, backend: Backend) -> Precision:
 def scaler(cfg: PrecisionConfig, xp: Any, prec: Precision) -> LossScaler:
     """Dynamic loss scaling for fp16; fp8: a scale of 1 that never changes, checked every step (an inf/NaN
     gradient skips the step); a scale of 1 that is never checked otherwise."""
-    if prec.fp8:
+    if prec.checked:
         return LossScaler(xp, enabled=True, init_scale=1.0, growth_factor=1.0, backoff_factor=1.0)
     return LossScaler(
         xp,
@@ -102,10 +105,10 @@ def execution(cfg: ExecutionConfig, engine: Any, xp: Any) -> FusedExecution | Na
 def widths(cfg: ModelConfig, dataset: Dataset) -> list[int]:
     """``[in, hidden..., out]``, checking configured widths and the loss against the dataset."""
     in_f, out_f = dataset.num_features, dataset.num_outputs
-    if dataset.task == "regression" and cfg.loss.value != "mse":
+    if dataset.task == "regression" and not LOSSES[cfg.loss].regression:
         raise ConfigError(
             f"dataset {dataset.name!r} is a regression (targets {', '.join(dataset.target_names or [])}) but "
-            f"model.loss={cfg.loss.value}; set model.loss=mse"
+            f"model.loss={cfg.loss}; set model.loss=mse"
         )
     if cfg.in_features is not None and cfg.in_features != in_f:
         raise ConfigError(
@@ -123,7 +126,6 @@ def widths(cfg: ModelConfig, dataset: Dataset) -> list[int]:
 
 def model(
     cfg: ModelConfig,
-    ex_cfg: ExecutionConfig,
     sizes: list[int],
     ex: FusedExecution | NaiveExecution,
     backend: Backend,
@@ -138,7 +140,7 @@ def model(
         rng=rng,
         param_dtype=prec.param_dtype,
         compute_dtype=prec.compute_dtype,
-        activation=cfg.activation.value,
+        activation=cfg.activation,
         init=cfg.init.value,
         compute_copy=prec.compute_copy,
     )
@@ -171,10 +173,10 @@ def step_flops(sizes: list[int], batch: int) -> int:
 def head(cfg: TrainConfig, backend: Backend, sizes: list[int]) -> OutputHead:
     """How the loss and the output layer's gradients are computed (:mod:`mlptrain.head`)."""
     return OutputHead.choose(
-        loss=cfg.model.loss.value,
+        loss=cfg.model.loss,
         gpu=backend.is_gpu,
         fused=cfg.execution.mode.value == "fused",
-        relu=cfg.model.activation.value == "relu",
+        relu=cfg.model.activation == "relu",
         widths=sizes,
         batch_size=cfg.data.batch_size,
         head_kernel=cfg.execution.head_kernel,
@@ -210,8 +212,9 @@ def loaders(
         if shard is not None:  # data parallel: this rank's contiguous rows of the split (maybe none)
             rows = shard_rows(len(x), *shard)
             x, y = x[rows], y[rows]
-        evaluation[split] = DataLoader(x, y, cfg.eval_batch_size, xp=xp, dtype=dtype, shuffle=False, drop_last=False,
-                                       seed=0)  # fmt: skip
+        evaluation[split] = DataLoader(
+            x, y, cfg.eval_batch_size, xp=xp, dtype=dtype, shuffle=False, drop_last=False, seed=0
+        )
     return train, evaluation
 
 
@@ -233,20 +236,8 @@ def _size(n: float) -> str:
 
 
 def optimizer(cfg: OptimizerConfig, params: list) -> Optimizer:
-    """``optimizer.name``: SGD (momentum, Nesterov), Adam, or AdamW (decoupled weight decay)."""
-    name = cfg.name.value
-    if name == "sgd":
-        return SGD(params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov, weight_decay=cfg.weight_decay)
-    if name in ("adam", "adamw"):
-        return Adam(
-            params,
-            lr=cfg.lr,
-            betas=(cfg.beta1, cfg.beta2),
-            eps=cfg.eps,
-            weight_decay=cfg.weight_decay,
-            decoupled=name == "adamw",
-        )
-    raise ConfigError(f"optimizer {name!r} is unknown; expected one of sgd, adam, adamw")
+    """``optimizer.name``'s row of :data:`mlptrain.optim.OPTIMIZERS` (SGD, Adam, AdamW, or a registered one)."""
+    return OPTIMIZERS[cfg.name].build(cfg, params)
 
 
 def schedule(cfg: OptimizerConfig, xp: Any, clock: StepClock, total_steps: int) -> LRSchedule:

@@ -5,7 +5,12 @@ its key: a value out of range or not finite; a key that is no setting at all (``
 with the real key to use: :func:`mlptrain.keys.suggest`); and a setting that the chosen options do not use
 (``data.features`` with ``data=digits``, ``optimizer.momentum`` with ``optimizer=adam``), so that
 a configuration never ignores what was said. A setting counts as said when it differs from the
-schema's default; :data:`USES` says where each option-specific setting applies.
+schema's default; :func:`uses` says where each option-specific setting applies: :data:`USES` for
+the fixed options, and what the registries declare for the registered ones (the settings each
+optimizer reads, :attr:`mlptrain.optim.Optimizer.settings`; each precision's,
+:data:`mlptrain.precision.SETTINGS`). The ranges of those settings come from the same declarations,
+worded as :class:`mlptrain.registry.Range` words them, and a name no registry holds is refused
+(:mod:`mlptrain.choices`).
 """
 
 from __future__ import annotations
@@ -16,17 +21,26 @@ from collections.abc import Callable
 from dataclasses import fields, is_dataclass
 from typing import Any
 
-from mlptrain.config import TrainConfig, flatten, to_plain
+from mlptrain import optim
+from mlptrain.choices import unknown_names
+from mlptrain.config import OptimizerConfig, TrainConfig, flatten, to_plain
 from mlptrain.errors import ConfigError
 from mlptrain.keys import suggest
+from mlptrain.losses import regression_losses
+from mlptrain.precision import PRECISIONS, SETTINGS
+from mlptrain.registry import joined
+
+Uses = dict[str, tuple[Callable[[TrainConfig], bool], str]]
+_OPTIMIZER_FIELDS = {f.name for f in fields(OptimizerConfig)}
 
 
 def _data(*names: str) -> Callable[[TrainConfig], bool]:
     return lambda c: c.data.name.value in names
 
 
-def _optimizer(*names: str) -> Callable[[TrainConfig], bool]:
-    return lambda c: c.optimizer.name.value in names
+def _named(group: str, names: list[str]) -> Callable[[TrainConfig], bool]:
+    """Whether ``<group>.name`` is one of ``names``."""
+    return lambda c: getattr(c, group).name in names
 
 
 def _launched() -> bool:
@@ -38,8 +52,8 @@ def _gpu(c: TrainConfig) -> bool:
     return c.device.value != "cpu"
 
 
-# Option-specific settings: key -> (whether the chosen options use it, where it applies).
-USES: dict[str, tuple[Callable[[TrainConfig], bool], str]] = {
+# Option-specific settings of the fixed options: key -> (whether the chosen options use it, where it applies).
+USES: Uses = {
     "data.samples": (_data("synthetic"), "data=synthetic"),
     "data.features": (_data("synthetic"), "data=synthetic"),
     "data.classes": (_data("synthetic"), "data=synthetic"),
@@ -55,12 +69,6 @@ USES: dict[str, tuple[Callable[[TrainConfig], bool], str]] = {
         lambda c: c.data.name.value in ("digits", "synthetic", "file") and not c.data.test_path,
         "datasets without a test split of their own (digits, synthetic, data=file without data.test_path)",
     ),
-    "data.target_scaling": (lambda c: c.model.loss.value == "mse", "regressions (model.loss=mse)"),
-    "optimizer.momentum": (_optimizer("sgd"), "optimizer=sgd"),
-    "optimizer.nesterov": (_optimizer("sgd"), "optimizer=sgd"),
-    "optimizer.beta1": (_optimizer("adam", "adamw"), "optimizer=adam and optimizer=adamw"),
-    "optimizer.beta2": (_optimizer("adam", "adamw"), "optimizer=adam and optimizer=adamw"),
-    "optimizer.eps": (_optimizer("adam", "adamw"), "optimizer=adam and optimizer=adamw"),
     "optimizer.min_lr_ratio": (lambda c: c.optimizer.schedule.value == "cosine", "optimizer.schedule=cosine"),
     "execution.bgrad": (lambda c: c.execution.mode.value == "fused", "execution=fused"),
     "execution.head_kernel": (lambda c: c.execution.mode.value == "fused" and _gpu(c), "execution=fused on a GPU"),
@@ -81,23 +89,26 @@ USES: dict[str, tuple[Callable[[TrainConfig], bool], str]] = {
         lambda c: c.distributed.gpus > 1 or _launched(),
         "data parallel runs (distributed.gpus > 1, torchrun, mpirun)",
     ),
-    **{
-        f"precision.{k}": (lambda c: c.precision.name.value == "fp16", "precision=fp16 (dynamic loss scaling)")
-        for k in ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
-    },
-    "precision.max_consecutive_skips": (
-        lambda c: c.precision.name.value in ("fp16", "fp8"),
-        "precision=fp16 and fp8 (the precisions that skip a step with an inf/NaN gradient)",
-    ),
-    **{
-        f"precision.{k}": (lambda c: c.precision.name.value == "fp8", "precision=fp8 (delayed scaling)")
-        for k in ("amax_history", "margin")
-    },
-    "precision.compute_copy": (
-        lambda c: c.precision.name.value in ("fp16", "bf16", "fp8"),
-        "precision=fp16, bf16 or fp8 (the other precisions compute in the parameters' dtype)",
-    ),
 }
+
+
+def uses() -> Uses:
+    """:data:`USES`, and the settings of the registered options: those of the losses, optimizers and
+    precisions registered now (a registry may have grown since import)."""
+    out = dict(USES)
+    regressions = regression_losses()
+    out["data.target_scaling"] = (
+        lambda c: c.model.loss in regressions,
+        f"regressions ({joined([f'model.loss={n}' for n in regressions], 'or')})",
+    )
+    for key in optim.setting_ranges():
+        if (names := optim.users(key)) and key in _OPTIMIZER_FIELDS:
+            where = joined([f"optimizer={n}" for n in names])
+            out[f"optimizer.{key}"] = (_named("optimizer", names), where)
+    for key, (reads, what, _) in SETTINGS.items():
+        names = [n for n, spec in PRECISIONS.items() if reads(spec)]
+        out[f"precision.{key}"] = (_named("precision", names), f"precision={joined(names)} ({what})")
+    return out
 
 
 def validate(cfg: TrainConfig, *, data_parallel: bool = False) -> TrainConfig:
@@ -126,7 +137,7 @@ def _unused(cfg: TrainConfig, data_parallel: bool = False) -> list[str]:
     """Settings changed from their default that the chosen options do not use."""
     default, now = flatten(to_plain(TrainConfig())), flatten(to_plain(cfg))
     problems = []
-    for key, (applies, where) in USES.items():
+    for key, (applies, where) in uses().items():
         if data_parallel and key.startswith("distributed."):
             continue
         if now.get(key) != default[key] and not applies(cfg):
@@ -141,14 +152,15 @@ def _chosen(cfg: TrainConfig, key: str) -> str:
         name = cfg.data.name.value
         return "data=file with data.test_path" if name == "file" else f"data={name}, which has a test split of its own"
     if key == "data.target_scaling":
-        return f"model.loss={cfg.model.loss.value}"
+        return f"model.loss={cfg.model.loss}"
     if group == "data":
         return f"data={cfg.data.name.value}"
+    if key == "optimizer.min_lr_ratio":
+        return f"optimizer.schedule={cfg.optimizer.schedule.value}"
     if group == "optimizer":
-        return f"optimizer.schedule={cfg.optimizer.schedule.value}" if key == "optimizer.min_lr_ratio" else (
-            f"optimizer={cfg.optimizer.name.value}")  # fmt: skip
+        return f"optimizer={cfg.optimizer.name}"
     if group == "precision":
-        return f"precision={cfg.precision.name.value}"
+        return f"precision={cfg.precision.name}"
     if key == "execution.bgrad" or (key == "execution.head_kernel" and cfg.execution.mode.value == "naive"):
         return f"execution={cfg.execution.mode.value}"
     return f"device={cfg.device.value}"
@@ -171,8 +183,27 @@ def _floats(node: Any, prefix: str = "") -> list[tuple[str, float]]:
     return out
 
 
+def _registered(cfg: TrainConfig) -> list[str]:
+    """The registered options' settings out of their declared ranges, and names no registry holds."""
+    o, problems = cfg.optimizer, unknown_names(cfg)
+    for key, r in optim.setting_ranges().items():
+        if key not in _OPTIMIZER_FIELDS:
+            readers = joined([f"optimizer={n}" for n in optim.users(key)])
+            problems.append(
+                f"{readers} reads optimizer.{key}, which is no field of OptimizerConfig (mlptrain/config.py)"
+            )
+        elif r is not None and (problem := r.problem(f"optimizer.{key}", getattr(o, key))):
+            problems.append(problem)
+    if o.name in optim.OPTIMIZERS:
+        problems += optim.OPTIMIZERS[o.name].cls.config_problems(o)
+    for key, (_, _, r) in SETTINGS.items():
+        if r is not None and (problem := r.problem(f"precision.{key}", getattr(cfg.precision, key))):
+            problems.append(problem)
+    return problems
+
+
 def _ranges(cfg: TrainConfig) -> list[str]:
-    m, d, o, p = cfg.model, cfg.data, cfg.optimizer, cfg.precision
+    m, d, o = cfg.model, cfg.data, cfg.optimizer
     rules = [(math.isfinite(v), f"{k}={v} must be a finite number") for k, v in _floats(cfg)]
     rules += [(w >= 1, f"model.hidden[{i}]={w} must be a positive layer width") for i, w in enumerate(m.hidden)]
     rules += [
@@ -194,22 +225,8 @@ def _ranges(cfg: TrainConfig) -> list[str]:
         (d.classes >= 2, f"data.classes={d.classes} must be at least 2"),
         (d.name.value != "file" or bool(d.path), "data=file needs data.path=<the training file>"),
         (_target_ok(d.target), f"data.target={d.target!r} must be a column name or a list of column names"),
-        (o.lr > 0, f"optimizer.lr={o.lr} must be positive"),
-        (0.0 <= o.momentum < 1.0, f"optimizer.momentum={o.momentum} must be in [0, 1)"),
-        (not o.nesterov or o.momentum > 0, "optimizer.nesterov=true needs optimizer.momentum > 0"),
-        (o.weight_decay >= 0, f"optimizer.weight_decay={o.weight_decay} must be >= 0"),
-        (0.0 <= o.beta1 < 1.0, f"optimizer.beta1={o.beta1} must be in [0, 1)"),
-        (0.0 <= o.beta2 < 1.0, f"optimizer.beta2={o.beta2} must be in [0, 1)"),
-        (o.eps > 0, f"optimizer.eps={o.eps} must be positive"),
         (o.warmup_steps >= 0, f"optimizer.warmup_steps={o.warmup_steps} must be >= 0"),
         (0.0 <= o.min_lr_ratio <= 1.0, f"optimizer.min_lr_ratio={o.min_lr_ratio} must be in [0, 1]"),
-        (p.init_scale > 0, f"precision.init_scale={p.init_scale} must be positive"),
-        (p.growth_factor > 1, f"precision.growth_factor={p.growth_factor} must be > 1"),
-        (0 < p.backoff_factor < 1, f"precision.backoff_factor={p.backoff_factor} must be in (0, 1)"),
-        (p.growth_interval >= 1, f"precision.growth_interval={p.growth_interval} must be >= 1"),
-        (p.max_consecutive_skips >= 1, f"precision.max_consecutive_skips={p.max_consecutive_skips} must be >= 1"),
-        (p.amax_history >= 1, f"precision.amax_history={p.amax_history} must be a positive number of steps"),
-        (p.margin >= 0, f"precision.margin={p.margin} must be >= 0 (a power of two of headroom)"),
         (cfg.seed >= 0, f"seed={cfg.seed} must be a non-negative integer"),
         (cfg.epochs >= 1, f"epochs={cfg.epochs} must be a positive integer"),
         (cfg.log_every >= 1, f"log_every={cfg.log_every} must be a positive integer"),
@@ -233,9 +250,9 @@ def _ranges(cfg: TrainConfig) -> list[str]:
         (
             cfg.logger.value != "tensorboard" or _importable("tensorboardX"),
             "logger=tensorboard needs tensorboardX: pip install 'mlptrain[tensorboard]', or use logger=none",
-        ),  # fmt: skip
+        ),
     ]
-    return [msg for ok, msg in rules if not ok]
+    return [msg for ok, msg in rules if not ok] + _registered(cfg)
 
 
 EPOCH_METRICS = ("train/loss", "train/acc", "val/loss", "val/acc")
@@ -249,7 +266,7 @@ def _early_stopping(cfg: TrainConfig) -> list[tuple[bool, str]]:
             es.metric == "auto" or es.metric in EPOCH_METRICS,
             f"early_stopping.metric={es.metric} must be auto or "
             f"one of {', '.join(EPOCH_METRICS)} (the test split never selects a model)",
-        ),  # fmt: skip
+        ),
         (es.mode in ("auto", "max", "min"), f"early_stopping.mode={es.mode} must be auto, max or min"),
         (es.min_delta >= 0, f"early_stopping.min_delta={es.min_delta} must be >= 0"),
     ]

@@ -5,6 +5,11 @@ The schema is stored in Hydra's ConfigStore as ``train_schema`` and listed first
 values while composing. :mod:`mlptrain.checks` checks what types cannot (ranges, keys that the
 chosen options do not use). Every field carries its help text in ``metadata["help"]``, which
 ``python -m mlptrain --help`` lists: the schema is the one place a setting is described.
+
+The settings that name a registered option (``model.activation``, ``model.loss``, ``optimizer.name``,
+``precision.name``) are ``str``: their options are the entries of a registry, which grows when an
+option registers (:mod:`mlptrain.choices`); :mod:`mlptrain.checks` refuses an unknown name and
+``--help`` lists the registered ones in place of ``{choices}`` in their help.
 """
 
 from __future__ import annotations
@@ -38,21 +43,10 @@ class Bgrad(str, Enum):
     bgradb = "bgradb"
 
 
-class Activation(str, Enum):
-    relu = "relu"
-    gelu = "gelu"  # the tanh approximation, as cuBLASLt's GELU epilogs
-    none = "none"
-
-
 class Init(str, Enum):
     he = "he"  # N(0, 2/in) for ReLU/GELU layers, LeCun N(0, 1/in) for the output layer; zero biases
     lecun = "lecun"  # N(0, 1/in); zero biases
     torch = "torch"  # PyTorch's nn.Linear default: weights and biases U(-1/sqrt(in), 1/sqrt(in)), every layer
-
-
-class LossName(str, Enum):
-    cross_entropy = "cross_entropy"
-    mse = "mse"
 
 
 class DatasetName(str, Enum):
@@ -81,12 +75,6 @@ class TargetScaling(str, Enum):
     none = "none"
 
 
-class OptimizerName(str, Enum):
-    sgd = "sgd"
-    adam = "adam"
-    adamw = "adamw"
-
-
 class Schedule(str, Enum):
     constant = "constant"
     cosine = "cosine"
@@ -97,25 +85,19 @@ class Logger(str, Enum):
     tensorboard = "tensorboard"
 
 
-class PrecisionName(str, Enum):
-    fp64 = "fp64"
-    fp32 = "fp32"
-    tf32 = "tf32"
-    fp16 = "fp16"
-    bf16 = "bf16"
-    fp8 = "fp8"
-
-
 class ComputeCopy(str, Enum):
     kept = "kept"
     cast = "cast"
 
 
-def _f(default: Any, help: str, factory: Any = None) -> Any:
-    """A schema field with its help text (``python -m mlptrain --help`` lists them)."""
+def _f(default: Any, help: str, factory: Any = None, choices: bool = False, users: bool = False) -> Any:
+    """A schema field with its help text (``python -m mlptrain --help`` lists them); ``choices``: the
+    setting names a registered option, listed from its registry in place of ``{choices}``; ``users``:
+    the registered options that read the setting replace ``{users}``."""
+    metadata = {"help": help, "choices": choices, "users": users}
     if factory is not None:
-        return field(default_factory=factory, metadata={"help": help})
-    return field(default=default, metadata={"help": help})
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 @dataclass
@@ -125,9 +107,9 @@ class ModelConfig:
     hidden: list[int] = _f(None, "widths of the hidden layers", factory=lambda: [128, 128])
     in_features: Optional[int] = _f(None, "input width; null: the dataset's (if given, it must match)")
     out_features: Optional[int] = _f(None, "output width; null: the dataset's classes or targets")
-    activation: Activation = _f(Activation.relu, "hidden layers: relu, gelu (the tanh form) or none")
+    activation: str = _f("relu", "hidden layers: {choices}", choices=True)
     init: Init = _f(Init.he, "initial weights: he, lecun, or torch (nn.Linear's default, biases too)")
-    loss: LossName = _f(LossName.cross_entropy, "cross_entropy (classification) or mse (regression, or one-hot)")
+    loss: str = _f("cross_entropy", "{choices}", choices=True)
 
 
 @dataclass
@@ -160,14 +142,14 @@ class DataConfig:
 
 @dataclass
 class OptimizerConfig:
-    name: OptimizerName = _f(OptimizerName.sgd, "sgd, adam or adamw (optimizer=<name> selects its group)")
+    name: str = _f("sgd", "{choices} (optimizer=<name> selects its group)", choices=True)
     lr: float = _f(0.05, "learning rate (the peak of the schedule)")
-    momentum: float = _f(0.9, "sgd: momentum")
-    nesterov: bool = _f(False, "sgd: Nesterov momentum")
+    momentum: float = _f(0.9, "{users}: momentum", users=True)
+    nesterov: bool = _f(False, "{users}: Nesterov momentum", users=True)
     weight_decay: float = _f(0.0, "L2 weight decay (decoupled for adamw)")
-    beta1: float = _f(0.9, "adam, adamw: decay of the first moment")
-    beta2: float = _f(0.999, "adam, adamw: decay of the second moment")
-    eps: float = _f(1e-8, "adam, adamw: added to the denominator")
+    beta1: float = _f(0.9, "{users}: decay of the first moment", users=True)
+    beta2: float = _f(0.999, "{users}: decay of the second moment", users=True)
+    eps: float = _f(1e-8, "{users}: added to the denominator", users=True)
     schedule: Schedule = _f(Schedule.cosine, "learning-rate schedule after warm-up")
     warmup_steps: int = _f(0, "linear warm-up steps")
     min_lr_ratio: float = _f(0.0, "cosine: the last step's rate as a share of lr")
@@ -192,22 +174,26 @@ class ExecutionConfig:
 
 @dataclass
 class PrecisionConfig:
-    name: PrecisionName = _f(
-        PrecisionName.fp32,
-        "fp64, fp32, tf32, fp16, bf16 or fp8 (precision=<name>); fp8: FP8 GEMMs on Hopper, worth it where the "
-        "step is GEMM-bound (hidden widths of thousands), emulated and slow on the CPU",
+    name: str = _f(
+        "fp32",
+        "{choices} (precision=<name>); fp8: FP8 GEMMs on Hopper, worth it where the step is GEMM-bound (hidden "
+        "widths of thousands), emulated and slow on the CPU",
+        choices=True,
     )
-    init_scale: float = _f(65536.0, "fp16: initial loss scale")
-    growth_factor: float = _f(2.0, "fp16: the scale grows by this after growth_interval clean steps")
-    backoff_factor: float = _f(0.5, "fp16: the scale shrinks by this after an overflow")
-    growth_interval: int = _f(2000, "fp16: clean steps before the scale grows")
-    max_consecutive_skips: int = _f(50, "fp16, fp8: stop after this many skipped (inf/NaN) steps in a row")
-    amax_history: int = _f(16, "fp8: steps of amax history each FP8 tensor's scale is taken from (delayed scaling)")
-    margin: int = _f(0, "fp8: each scale leaves 2^margin of headroom below the FP8 format's max")
+    init_scale: float = _f(65536.0, "{users}: initial loss scale", users=True)
+    growth_factor: float = _f(2.0, "{users}: the scale grows by this after growth_interval clean steps", users=True)
+    backoff_factor: float = _f(0.5, "{users}: the scale shrinks by this after an overflow", users=True)
+    growth_interval: int = _f(2000, "{users}: clean steps before the scale grows", users=True)
+    max_consecutive_skips: int = _f(50, "{users}: stop after this many skipped (inf/NaN) steps in a row", users=True)
+    amax_history: int = _f(
+        16, "{users}: steps of amax history each FP8 tensor's scale is taken from (delayed scaling)", users=True
+    )
+    margin: int = _f(0, "{users}: each scale leaves 2^margin of headroom below the FP8 format's max", users=True)
     compute_copy: ComputeCopy = _f(
         ComputeCopy.kept,
-        "fp16, bf16, fp8: kept: a half-precision copy of every parameter, refreshed by the optimizer; cast: none, "
+        "{users}: kept: a half-precision copy of every parameter, refreshed by the optimizer; cast: none, "
         "each layer's cast just before its GEMMs (less memory for the largest models, a cast kernel per layer)",
+        users=True,
     )
 
 
@@ -270,8 +256,20 @@ def settings_help(node: Any = None, prefix: str = "", values: Any = None) -> str
         if hasattr(shown, "_content") or isinstance(shown, (list, tuple)):  # an OmegaConf ListConfig, a list
             shown = "[" + ", ".join(map(str, shown)) + "]"
         shown = "null" if shown is None else str(shown).lower() if isinstance(shown, bool) else shown
-        lines.append(f"  {prefix + f.name + ' = ' + str(shown):<36} {f.metadata.get('help', '')}")
+        lines.append(f"  {prefix + f.name + ' = ' + str(shown):<36} {_help(f, prefix)}")
     return "\n".join(lines)
+
+
+def _help(f: Any, prefix: str) -> str:
+    """A field's help, the registered names in place of ``{choices}`` (:mod:`mlptrain.choices`)."""
+    text = f.metadata.get("help", "")
+    if not (f.metadata.get("choices") or f.metadata.get("users")):
+        return text
+    from mlptrain.choices import help_of, users_of
+
+    if f.metadata.get("users"):
+        return text.format(users=", ".join(users_of(prefix + f.name)))
+    return text.format(choices=help_of(prefix + f.name))
 
 
 def register_configs() -> None:

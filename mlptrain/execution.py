@@ -38,18 +38,41 @@ GEMM reduces it). Both are exact; which is faster depends on the shape (docs/ben
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from mlptrain.epilogs import Epilog, gelu, gelu_grad, matmul, reduce_sum, unpack_relu_mask
+from mlptrain.registry import Registry
 
 log = logging.getLogger(__name__)
 
-ACTIVATIONS = ("relu", "gelu", "none")
-# The epilogs of each activation: forward for training (with the aux the backward needs), forward
-# for inference (no aux), and the input-gradient GEMM of the layer above (without, with the bias gradient).
-_FORWARD = {"relu": (Epilog.RELU_AUX_BIAS, Epilog.RELU_BIAS), "gelu": (Epilog.GELU_AUX_BIAS, Epilog.GELU_BIAS)}
-_BACKWARD = {"relu": (Epilog.DRELU, Epilog.DRELU_BGRAD), "gelu": (Epilog.DGELU, Epilog.DGELU_BGRAD)}
-_AUX = {"relu": "relu_aux", "gelu": "gelu_aux"}
+
+@dataclass(frozen=True)
+class ActivationSpec:
+    """The epilogs of a hidden layer's activation: ``forward`` for training (with the aux the backward
+    needs, named ``aux``), ``infer`` for inference (no aux), and the input-gradient GEMM of the layer
+    above without and with the bias gradient (``backward``, ``backward_bgrad``). None: no activation
+    (BIAS forward, a plain GEMM backward). Its naive twin is written in :class:`NaiveExecution`.
+    """
+
+    forward: Epilog | None = None
+    infer: Epilog | None = None
+    backward: Epilog | None = None
+    backward_bgrad: Epilog | None = None
+    aux: str = ""
+
+
+# model.activation: a new one is its epilogs in mlptrain.epilogs, a row here, and NaiveExecution's branch
+ACTIVATIONS: Registry[ActivationSpec] = Registry("model.activation")
+ACTIVATIONS.add(
+    "relu", ActivationSpec(Epilog.RELU_AUX_BIAS, Epilog.RELU_BIAS, Epilog.DRELU, Epilog.DRELU_BGRAD, "relu_aux")
+)
+ACTIVATIONS.add(
+    "gelu",
+    ActivationSpec(Epilog.GELU_AUX_BIAS, Epilog.GELU_BIAS, Epilog.DGELU, Epilog.DGELU_BGRAD, "gelu_aux"),
+    "the tanh form",
+)
+ACTIVATIONS.add("none", ActivationSpec())
 
 
 def forward_site(key: str, mask: bool) -> str:
@@ -107,10 +130,11 @@ class FusedExecution:
         ``mask=False`` (inference, evaluation: no backward follows) RELU_BIAS or GELU_BIAS, which
         write no aux. BIAS without an activation.
         """
-        epilog = _FORWARD[activation][0 if mask else 1] if activation != "none" else Epilog.BIAS
+        spec = ACTIVATIONS[activation]
+        epilog = (spec.forward if mask else spec.infer) or Epilog.BIAS
         # (out, in) @ (in, B) -> (out, B) column-major == (B, out) C-order
         zt, aux = self.gemm(forward_site(key, mask), W, x.T, epilog, bias=b)
-        return zt.T, (aux.get(_AUX[activation]) if activation != "none" else None)
+        return zt.T, (aux.get(spec.aux) if spec.aux else None)
 
     def input_grad(
         self, key: str, W: Any, dz: Any, mask_below: Any, bias_grad_below: bool, activation_below: str = "relu"
@@ -135,8 +159,9 @@ class FusedExecution:
         if mask_below is None:
             dxt, _ = self.gemm(f"{key}.dgrad", W.T, dz.T)
             return dxt.T, None
-        epilog = _BACKWARD[activation_below][1 if bias_grad_below else 0]
-        aux_input = {_AUX[activation_below]: mask_below}
+        below = ACTIVATIONS[activation_below]
+        epilog = below.backward_bgrad if bias_grad_below else below.backward
+        aux_input = {below.aux: mask_below}
         # (in, out) @ (out, B) -> (in, B) column-major == (B, in) C-order
         dxt, aux = self.gemm(f"{key}.dgrad", W.T, dz.T, epilog, **aux_input)
         return dxt.T, aux.get("drelu_bgrad", aux.get("dgelu_bgrad"))

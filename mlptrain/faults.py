@@ -156,5 +156,5 @@ def out_of_memory(
     return ResourceError(
         f"out of memory on the {backend.device} {where} ({type(exc).__name__}: {str(exc) or 'no details'}) with "
         f"data.batch_size={d.batch_size}, data.eval_batch_size={d.eval_batch_size}, {model}, "
-        f"precision={cfg.precision.name.value}, execution={cfg.execution.mode.value}; {lower}{note}"
+        f"precision={cfg.precision.name}, execution={cfg.execution.mode.value}; {lower}{note}"
     )

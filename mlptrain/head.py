@@ -40,7 +40,7 @@ class OutputHead:
     """The loss of the logits and the part of the output layer's backward the loss side does.
 
     Args:
-        loss: ``cross_entropy`` or ``mse``.
+        loss: a name of :data:`mlptrain.losses.LOSSES` (``cross_entropy``, ``mse``, or a registered one).
         mode: one of :data:`HEAD_MODES` (see the module docstring); :meth:`choose` picks it.
     """
 
@@ -49,10 +49,10 @@ class OutputHead:
             raise ValueError(f"loss {loss!r} is unknown; expected one of {', '.join(LOSSES)}")
         if mode not in HEAD_MODES:
             raise ValueError(f"head mode {mode!r} is unknown; expected one of {', '.join(HEAD_MODES)}")
-        if mode == "kernel" and loss != "cross_entropy":
-            raise ValueError("the head kernel follows the cross-entropy loss kernel; use mode 'loss_bias' for mse")
+        if mode == "kernel" and not LOSSES[loss].head_kernel:
+            raise ValueError(f"the head kernel follows the cross-entropy loss kernel; use mode 'loss_bias' for {loss}")
         self.loss_name = loss
-        self.loss_fn = LOSSES[loss]
+        self.loss_fn = LOSSES[loss].fn
         self.mode = mode
 
     @classmethod
@@ -68,7 +68,7 @@ class OutputHead:
         classes = widths[-1]
         if not small_head(batch_size, classes):
             return cls(loss, "gemm")
-        kernel = head_kernel and loss == "cross_entropy" and relu and len(widths) > 2
+        kernel = head_kernel and LOSSES[loss].head_kernel and relu and len(widths) > 2
         return cls(loss, "kernel" if kernel and head_kernel_applies(batch_size, classes) else "loss_bias")
 
     def grads(

@@ -35,9 +35,10 @@ from mlptrain.backend import Backend, get_backend
 from mlptrain.consistency import check_for_scoring
 from mlptrain.data.dataset import raw_rows_problem, saved_target_scaling
 from mlptrain.errors import CheckpointError, ConfigError, DatasetError
-from mlptrain.execution import FusedExecution, NumpyGemm
+from mlptrain.execution import ACTIVATIONS, FusedExecution, NumpyGemm
 from mlptrain.network import MLP
 from mlptrain.precision import Precision, get_precision
+from mlptrain.registry import joined
 
 log = logging.getLogger(__name__)
 
@@ -362,8 +363,10 @@ def _model(ckpt: checkpoint.Checkpoint, backend: Backend, prec: Precision, autot
         gemm = NumpyGemm()
     config = ckpt.meta.get("config") or {}
     activation = config.get("model", {}).get("activation", "relu")
-    if activation not in ("relu", "gelu", "none"):
-        raise CheckpointError(f"checkpoint {ckpt.path}: model.activation={activation!r} is not relu, gelu or none")
+    if activation not in ACTIVATIONS:
+        raise CheckpointError(
+            f"checkpoint {ckpt.path}: model.activation={activation!r} is not {joined(ACTIVATIONS.names(), 'or')}"
+        )
     model = MLP(ckpt.meta["widths"], execution=FusedExecution(gemm), xp=backend.xp, rng=np.random.default_rng(0),
                 param_dtype=prec.param_dtype, compute_dtype=prec.compute_dtype, activation=activation)  # fmt: skip
     params = {k[len("param/") :]: v for k, v in ckpt.arrays.items() if k.startswith("param/")}

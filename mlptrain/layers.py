@@ -141,7 +141,7 @@ class Linear:
         self.in_features = in_features
         self.out_features = out_features
         if activation not in ACTIVATIONS:
-            raise ValueError(f"activation {activation!r} is not one of {ACTIVATIONS}")
+            raise ValueError(f"activation {activation!r} is not one of {ACTIVATIONS.names()}")
         self.activation = activation
         w, b = initial(init, in_features, out_features, rng)
         self.weight = Param(f"{name}.weight", xp.asarray(w, dtype=param_dtype), compute_dtype, cast_buffer, "weight")

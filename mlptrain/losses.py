@@ -6,17 +6,22 @@ Every function returns device arrays (0-d for scalars) and never reads them back
 so a training step stays free of synchronisation. Half-precision logits are upcast to float32
 for the loss; the gradient is cast back to the logits' dtype after multiplying by
 ``grad_scale`` (the dynamic loss scale in fp16, else 1).
+
+:data:`LOSSES` registers each loss as a :class:`LossSpec`, named by ``model.loss``: a new loss is a
+function with the signature of :func:`mse` (``bias_grad`` and ``inplace`` included), added there.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from mlptrain.backend import get_array_module
+from mlptrain.registry import Registry
 
 
 def _loss_dtype(xp: Any, dtype: Any) -> Any:
@@ -112,4 +117,25 @@ def mse_in_units(scale: Any) -> Callable[..., tuple]:
     return functools.partial(mse, weight=scale * scale)
 
 
-LOSSES = {"cross_entropy": softmax_cross_entropy, "mse": mse}
+@dataclass(frozen=True)
+class LossSpec:
+    """A registered loss: ``fn(logits, y, grad_scale, *, bias_grad, inplace) -> (loss, dlogits, correct[, db])``.
+
+    ``regression``: it trains on regression targets ``(B, C)`` too (a regression dataset needs such a
+    loss). ``head_kernel``: the GPU's head kernel follows it (:mod:`mlptrain.gpu.head_kernel`, the
+    cross-entropy kernel only); any loss runs in the head's ``gemm`` and ``loss_bias`` modes.
+    """
+
+    fn: Callable[..., tuple]
+    regression: bool = False
+    head_kernel: bool = False
+
+
+LOSSES: Registry[LossSpec] = Registry("model.loss")
+LOSSES.add("cross_entropy", LossSpec(softmax_cross_entropy, head_kernel=True), "classification")
+LOSSES.add("mse", LossSpec(mse, regression=True), "regression, or one-hot")
+
+
+def regression_losses() -> list[str]:
+    """The losses that take regression targets."""
+    return [name for name, spec in LOSSES.items() if spec.regression]

@@ -1,4 +1,4 @@
-"""Optimizers: SGD with momentum/Nesterov, Adam, AdamW.
+"""Optimizers: SGD with momentum/Nesterov, Adam, AdamW; :data:`OPTIMIZERS`, the registry of them.
 
 One update rule per optimizer, written twice with the same arithmetic: as NumPy expressions
 for the CPU (one parameter at a time) and as the CUDA body of one element for the GPU, where a
@@ -14,11 +14,18 @@ launch, so a step never waits on the host and can be captured into a CUDA graph.
 Semantics follow ``torch.optim``: SGD ``buf = momentum * buf + g`` (buf starts at 0, which equals
 torch's first-step ``buf = g``), Nesterov ``g + momentum * buf``; weight decay adds ``wd * p`` to the
 gradient (L2) in SGD and Adam, and is decoupled in AdamW (``p *= 1 - lr * wd``).
+
+A new optimizer is one class registered with :func:`register_optimizer`, naming the settings of
+``OptimizerConfig`` it reads with their ranges in :attr:`Optimizer.settings`, and one
+``conf/optimizer/<name>.yaml``: the checks (ranges, settings the chosen optimizer does not use),
+``--help`` and :func:`mlptrain.build.optimizer` read the registry.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -26,22 +33,84 @@ from mlptrain.backend import get_array_module, scalar
 from mlptrain.cuda_source import KernelTail, c_literal
 from mlptrain.errors import ConfigError
 from mlptrain.layers import Param
+from mlptrain.registry import NON_NEGATIVE, POSITIVE, UNIT, Range, Registry
+
+NESTEROV_NEEDS_MOMENTUM = "optimizer.nesterov=true needs optimizer.momentum > 0"
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """A registered optimizer: its class and the constant keywords it is built with (adamw: ``decoupled``)."""
+
+    cls: type[Optimizer]
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def build(self, cfg: Any, params: list[Param]) -> Optimizer:
+        """The optimizer of ``cfg`` (an ``OptimizerConfig``) over ``params``."""
+        return self.cls.from_config(cfg, params, **self.options)
+
+
+OPTIMIZERS: Registry[OptimizerSpec] = Registry("optimizer.name")
+
+
+def setting_ranges() -> dict[str, Range | None]:
+    """``optimizer.<key>`` -> its range, for every setting a registered optimizer reads (one range per key)."""
+    ranges = dict(Optimizer.COMMON)
+    for name, spec in OPTIMIZERS.items():
+        for key, r in spec.cls.settings.items():
+            if ranges.setdefault(key, r) != r:
+                raise ValueError(f"optimizer={name} declares optimizer.{key} {r}, another optimizer {ranges[key]}")
+    return ranges
+
+
+def users(key: str) -> list[str]:
+    """The registered optimizers that read ``optimizer.<key>`` (beyond :attr:`Optimizer.COMMON`)."""
+    return [name for name, spec in OPTIMIZERS.items() if key in spec.cls.settings]
+
+
+def register_optimizer(name: str, help: str = "", **options: Any) -> Callable[[type[Optimizer]], type[Optimizer]]:
+    """Class decorator: register the optimizer as ``optimizer.name=<name>``, built with ``options``."""
+
+    def add(cls: type[Optimizer]) -> type[Optimizer]:
+        OPTIMIZERS.add(name, OptimizerSpec(cls, dict(options)), help)
+        return cls
+
+    return add
 
 
 class Optimizer:
     """Base class: per-parameter state, the step counter, and state dicts.
 
     Subclasses implement :meth:`_update_numpy` (one parameter, NumPy) and :meth:`_cuda_update`
-    (one element, CUDA, run over all parameters in one kernel).
+    (one element, CUDA, run over all parameters in one kernel), and declare in :attr:`settings` the
+    settings of ``OptimizerConfig`` they take as keywords besides :data:`COMMON`'s, each with its range.
     """
 
     state_names: tuple[str, ...] = ()
+    # optimizer.<key> -> its range (None: any value), read by every optimizer / by this one
+    COMMON: ClassVar[dict[str, Range | None]] = {"lr": POSITIVE, "weight_decay": NON_NEGATIVE}
+    settings: ClassVar[dict[str, Range | None]] = {}
+
+    @classmethod
+    def from_config(cls, cfg: Any, params: list[Param], **options: Any) -> Optimizer:
+        """The optimizer from ``cfg`` (an ``OptimizerConfig``): ``lr``, ``weight_decay`` and :attr:`settings`."""
+        values = {k: getattr(cfg, k) for k in cls.settings}
+        return cls(params, lr=cfg.lr, weight_decay=cfg.weight_decay, **values, **options)
+
+    @classmethod
+    def config_problems(cls, cfg: Any) -> list[str]:
+        """What the settings of ``cfg`` say wrong together beyond one range each (SGD: Nesterov without momentum)."""
+        return []
+
+    @classmethod
+    def check(cls, **values: Any) -> None:
+        """ConfigError for a value outside its declared range (the wording of :mod:`mlptrain.checks`)."""
+        for key, value in values.items():
+            if (r := {**cls.COMMON, **cls.settings}[key]) is not None:
+                r.check(f"optimizer.{key}", value)
 
     def __init__(self, params: list[Param], *, lr: float, weight_decay: float = 0.0) -> None:
-        if not lr > 0:
-            raise ConfigError(f"optimizer lr={lr} must be positive")
-        if weight_decay < 0:
-            raise ConfigError(f"optimizer weight_decay={weight_decay} must be >= 0")
+        Optimizer.check(lr=lr, weight_decay=weight_decay)
         self.params = params
         self.lr = lr
         self.weight_decay = weight_decay
@@ -151,8 +220,11 @@ class Optimizer:
         raise NotImplementedError
 
 
+@register_optimizer("sgd")
 class SGD(Optimizer):
     """SGD with optional (Nesterov) momentum and L2 weight decay."""
+
+    settings = {"momentum": UNIT, "nesterov": None}
 
     def __init__(
         self,
@@ -163,14 +235,17 @@ class SGD(Optimizer):
         nesterov: bool = False,
         weight_decay: float = 0.0,
     ) -> None:
-        if not 0.0 <= momentum < 1.0:
-            raise ConfigError(f"SGD momentum={momentum} must be in [0, 1)")
+        self.check(momentum=momentum)
         if nesterov and momentum == 0:
-            raise ConfigError("SGD nesterov=True needs momentum > 0")
+            raise ConfigError(NESTEROV_NEEDS_MOMENTUM)
         self.state_names = ("momentum",) if momentum > 0 else ()
         super().__init__(params, lr=lr, weight_decay=weight_decay)
         self.momentum = momentum
         self.nesterov = nesterov
+
+    @classmethod
+    def config_problems(cls, cfg: Any) -> list[str]:
+        return [NESTEROV_NEEDS_MOMENTUM] if cfg.nesterov and not cfg.momentum > 0 else []
 
     def _update_numpy(self, p: Param, st: dict[str, Any], lr: float, inv_scale: float) -> None:
         g = p.grad.astype(p.value.dtype) * inv_scale + self.weight_decay * p.value
@@ -190,10 +265,18 @@ class SGD(Optimizer):
         return "", body + "$p = $p - lr_v * g; }"
 
 
+@register_optimizer("adamw", decoupled=True)
+@register_optimizer("adam")
 class Adam(Optimizer):
     """Adam (``decoupled=False``, L2 weight decay) and AdamW (``decoupled=True``)."""
 
     state_names = ("exp_avg", "exp_avg_sq")
+    settings = {"beta1": UNIT, "beta2": UNIT, "eps": POSITIVE}
+
+    @classmethod
+    def from_config(cls, cfg: Any, params: list[Param], **options: Any) -> Optimizer:
+        betas = (cfg.beta1, cfg.beta2)
+        return cls(params, lr=cfg.lr, betas=betas, eps=cfg.eps, weight_decay=cfg.weight_decay, **options)
 
     def __init__(
         self,
@@ -205,11 +288,7 @@ class Adam(Optimizer):
         weight_decay: float = 0.0,
         decoupled: bool = False,
     ) -> None:
-        for i, beta in enumerate(betas):
-            if not 0.0 <= beta < 1.0:
-                raise ConfigError(f"Adam beta{i + 1}={beta} must be in [0, 1)")
-        if not eps > 0:
-            raise ConfigError(f"Adam eps={eps} must be positive")
+        self.check(beta1=betas[0], beta2=betas[1], eps=eps)
         super().__init__(params, lr=lr, weight_decay=weight_decay)
         self.beta1, self.beta2 = betas
         self.eps = eps

@@ -22,10 +22,15 @@ scale) but checks every step, so that a step with an inf/NaN gradient is skipped
 ``scale``; if any gradient is inf/NaN the step is skipped and ``scale *= backoff_factor``;
 after ``growth_interval`` consecutive clean steps ``scale *= growth_factor``. All of its
 state is 0-d device arrays updated by device operations, so a step never syncs the host.
+
+:data:`PRECISIONS` registers each precision as a :class:`PrecisionSpec` row, named by
+``precision.name``; :data:`SETTINGS` says which rows read which ``precision.*`` setting. A new
+precision is a row, ``conf/precision/<name>.yaml``, and the kernels it truly needs.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,11 +38,73 @@ import numpy as np
 
 from mlptrain.backend import Backend, scalar
 from mlptrain.cuda_source import c_literal
-from mlptrain.errors import ConfigError, DeviceError
+from mlptrain.errors import DeviceError
+from mlptrain.registry import AT_LEAST_ONE, FRACTION, POSITIVE, Range, Registry
 
-PRECISIONS = ("fp64", "fp32", "tf32", "fp16", "bf16", "fp8")
-CPU_PRECISIONS = ("fp64", "fp32", "fp8")  # fp8 on the CPU: the FP8 contract, emulated (slow)
 FP8_MIN_CAPABILITY = (8, 9)  # Ada and Hopper: FP8 tensor cores
+
+
+@dataclass(frozen=True)
+class PrecisionSpec:
+    """A precision: what it stores, what it computes in, and what it needs.
+
+    ``storage``: the master weights' dtype; ``compute``: the GEMMs' operands, activations and compute
+    copies (with ``gemm_scales``, the GEMM results': the operands are cast to FP8). ``loss_scaling``:
+    ``none``; ``dynamic`` (the loss is scaled, every step checked and skipped on inf/NaN, the scale
+    backed off and grown: :class:`LossScaler`); ``check`` (a scale of 1, every step checked and skipped
+    on inf/NaN). ``tf32``: float32 GEMMs on TF32 tensor cores. ``gemm_scales``: the GEMMs take
+    per-tensor delayed scales (:mod:`mlptrain.fp8`; a GPU of compute capability 8.9 or higher).
+    ``cpu``: the CPU runs it (the NumPy engine computes a half-precision GEMM in float32 and rounds once;
+    fp8: the FP8 contract, emulated).
+    """
+
+    storage: str
+    compute: str
+    loss_scaling: str = "none"
+    tf32: bool = False
+    gemm_scales: bool = False
+    cpu: bool = False
+
+    @property
+    def exponent_mask(self) -> int:
+        """The exponent bits of ``compute``: a value is inf or NaN exactly when they are all set (the bits
+        of +inf; float16 ``0x7C00``, bfloat16 ``0x7F80``), as the GPU's inf/NaN scans test them."""
+        inf = np.array(np.inf, dtype=_host_dtype(self.compute))
+        return int(inf.view(np.dtype(f"u{inf.itemsize}")))
+
+
+PRECISIONS: Registry[PrecisionSpec] = Registry("precision.name")
+PRECISIONS.add("fp64", PrecisionSpec("float64", "float64", cpu=True))
+PRECISIONS.add("fp32", PrecisionSpec("float32", "float32", cpu=True))
+PRECISIONS.add("tf32", PrecisionSpec("float32", "float32", tf32=True))
+PRECISIONS.add("fp16", PrecisionSpec("float32", "float16", loss_scaling="dynamic"))
+PRECISIONS.add("bf16", PrecisionSpec("float32", "bfloat16"))
+PRECISIONS.add("fp8", PrecisionSpec("float32", "bfloat16", loss_scaling="check", gemm_scales=True, cpu=True))
+
+
+def _dynamic(p: PrecisionSpec) -> bool:
+    return p.loss_scaling == "dynamic"
+
+
+# precision.<key>: (whether a row reads it, what those rows are, the setting's range)
+SETTINGS: dict[str, tuple[Callable[[PrecisionSpec], bool], str, Range | None]] = {
+    "init_scale": (_dynamic, "dynamic loss scaling", POSITIVE),
+    "growth_factor": (_dynamic, "dynamic loss scaling", Range(1, low_open=True)),
+    "backoff_factor": (_dynamic, "dynamic loss scaling", FRACTION),
+    "growth_interval": (_dynamic, "dynamic loss scaling", AT_LEAST_ONE),
+    "max_consecutive_skips": (
+        lambda p: p.loss_scaling != "none",
+        "the precisions that skip a step with an inf/NaN gradient",
+        AT_LEAST_ONE,
+    ),
+    "amax_history": (lambda p: p.gemm_scales, "delayed scaling", Range(1, words="a positive number of steps")),
+    "margin": (lambda p: p.gemm_scales, "delayed scaling", Range(0, note="a power of two of headroom")),
+    "compute_copy": (
+        lambda p: p.compute != p.storage,
+        "the other precisions compute in the parameters' dtype",
+        None,
+    ),
+}
 
 
 @dataclass(frozen=True)
@@ -46,7 +113,8 @@ class Precision:
     param_dtype: Any
     compute_dtype: Any
     tf32: bool = False
-    loss_scaling: bool = False
+    loss_scaling: bool = False  # dynamic loss scaling
+    checked: bool = False  # no scaling, but every step checked for inf/NaN gradients (and skipped): fp8
     compute_copy: str = "kept"  # fp16, bf16, fp8: "kept" or "cast" (mlptrain.layers.CastBuffer)
     fp8: bool = False  # GEMM operands cast to FP8 (mlptrain.fp8); compute_dtype is then the results'
     amax_history: int = 16  # fp8: delayed scaling's history length and margin (mlptrain.fp8.Fp8Scaling)
@@ -54,26 +122,34 @@ class Precision:
 
 
 def get_precision(name: str, backend: Backend) -> Precision:
-    """The policy ``name`` on ``backend``; half precision and TF32 need the GPU."""
-    if name not in PRECISIONS:
-        raise ConfigError(f"precision={name!r} is unknown; expected one of {', '.join(PRECISIONS)}")
-    if not backend.is_gpu and name not in CPU_PRECISIONS:
+    """The policy of row ``name`` of :data:`PRECISIONS` on ``backend`` (a row not marked ``cpu`` needs the GPU)."""
+    spec = PRECISIONS[name]
+    if not backend.is_gpu and not spec.cpu:
         raise DeviceError(
             f"precision={name} needs a GPU but the run is on the CPU; use precision=fp32 or fp64 on the CPU, "
             "or run on a machine with an NVIDIA GPU and the cu12/cu13 extra"
         )
+    if backend.is_gpu and spec.gemm_scales:
+        check_fp8_device(backend)
     xp = backend.xp
-    if name == "fp64":
-        return Precision(name, xp.float64, xp.float64)
-    if name in ("fp32", "tf32"):
-        return Precision(name, xp.float32, xp.float32, tf32=name == "tf32")
-    if name == "fp16":
-        return Precision(name, xp.float32, xp.float16, loss_scaling=True)
-    if name == "fp8":
-        if backend.is_gpu:
-            check_fp8_device(backend)
-        return Precision(name, xp.float32, _bfloat16(xp), fp8=True)
-    return Precision(name, xp.float32, _bfloat16(xp))
+    return Precision(
+        name,
+        _dtype(xp, spec.storage),
+        _dtype(xp, spec.compute),
+        tf32=spec.tf32,
+        loss_scaling=spec.loss_scaling == "dynamic",
+        checked=spec.loss_scaling == "check",
+        fp8=spec.gemm_scales,
+    )
+
+
+def _dtype(xp: Any, name: str) -> Any:
+    """``xp``'s dtype ``name`` (bfloat16: ml_dtypes', which CuPy takes too)."""
+    return _bfloat16(xp) if name == "bfloat16" else getattr(xp, name)
+
+
+def _host_dtype(name: str) -> Any:
+    return _bfloat16(np) if name == "bfloat16" else np.dtype(name)
 
 
 def check_fp8_device(backend: Backend) -> None:

@@ -79,7 +79,7 @@ class Trainer:
         self.execution = build.execution(cfg.execution, self.gemm, xp)
         self.await_kernels("setup")  # from here on: the parameters' cast (resuming: CuPy's fill)
         self.model = build.model(
-            cfg.model, cfg.execution, self.widths, self.execution, self.backend, self.precision,
+            cfg.model, self.widths, self.execution, self.backend, self.precision,
             np.random.default_rng(init_seed),
         )  # fmt: skip
         two_streams = build.wgrad_stream(cfg.execution, self.widths, cfg.data.batch_size, comm is not None)
@@ -322,7 +322,7 @@ class Trainer:
             "precision": self.precision.name,
             "execution": cfg.execution.mode.value,
             "bgrad": self.model.bgrad,
-            "optimizer": cfg.optimizer.name.value,
+            "optimizer": cfg.optimizer.name,
             "scaler": self.scaler.state_dict() if self.scaler.enabled else None,
             "rng": {"seed": cfg.seed, "data_seed": self.train_loader.seed},
             "data": data_meta,
@@ -363,10 +363,10 @@ class Trainer:
                 f"{where} holds {m['param_dtype']} parameters (precision={m['precision']}) but this run uses "
                 f"precision={self.precision.name} with {want_dtype} parameters; resume with precision={m['precision']}"
             )
-        if m["optimizer"] != self.cfg.optimizer.name.value:
+        if m["optimizer"] != self.cfg.optimizer.name:
             raise CheckpointError(
                 f"{where} holds {m['optimizer']} optimizer state but this run uses "
-                f"optimizer={self.cfg.optimizer.name.value}; resume with optimizer={m['optimizer']}"
+                f"optimizer={self.cfg.optimizer.name}; resume with optimizer={m['optimizer']}"
             )
         expected = {f"param/{p.name}": (tuple(p.value.shape), want_dtype) for p in self.model.params}
         expected.update({f"optim/{k}": (tuple(v.shape), None) for k, v in self.optimizer.state_dict().items()})

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from mlptrain.config import Device, PrecisionName, TrainConfig
+from mlptrain.config import Device, TrainConfig
 from mlptrain.metrics import read_metrics
 from mlptrain.precision import Precision
 
@@ -36,7 +36,7 @@ def records(run_dir: Path) -> list[dict[str, Any]]:
     return [{k: v for k, v in r.items() if k not in TIMING} for r in read_metrics(run_dir / "metrics.jsonl")]
 
 
-FP16 = {"precision__name": PrecisionName.fp16}  # make_cfg(**FP16, ...) with emulate_fp16
+FP16 = {"precision__name": "fp16"}  # make_cfg(**FP16, ...) with emulate_fp16
 
 
 def emulate_fp16(monkeypatch: Any) -> None:

@@ -18,7 +18,7 @@ from numpy.testing import assert_allclose, assert_array_equal
 
 from mlptrain import checkpoint, files
 from mlptrain.checkpoint import Best, Position
-from mlptrain.config import Device, OptimizerName, PrecisionName, TrainConfig
+from mlptrain.config import Device, TrainConfig
 from mlptrain.errors import CheckpointError, ConfigError, OutputError, TrainingInterrupted
 from mlptrain.metrics import read_metrics
 from mlptrain.run import train
@@ -215,7 +215,7 @@ def straight(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 REFERENCE: dict[str, dict[str, Any]] = {
     "sgd": {"optimizer__nesterov": True},
-    "adamw": {"optimizer__name": OptimizerName.adamw, "optimizer__lr": 0.01, "optimizer__warmup_steps": 5},
+    "adamw": {"optimizer__name": "adamw", "optimizer__lr": 0.01, "optimizer__warmup_steps": 5},
 }
 
 
@@ -318,8 +318,8 @@ def test_fp16_loss_scaler_state_resumes_exactly(tmp_path: Path, monkeypatch: pyt
 
 @pytest.mark.gpu
 def test_gpu_interrupted_then_resumed_matches_within_tolerance(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    overrides = {"device": Device.gpu, "optimizer__name": OptimizerName.adamw, "optimizer__lr": 0.01}
-    for precision in (PrecisionName.fp32, PrecisionName.fp16):
+    overrides = {"device": Device.gpu, "optimizer__name": "adamw", "optimizer__lr": 0.01}
+    for precision in ("fp32", "fp16"):
         a, b = tmp_path / f"straight-{precision.value}", tmp_path / f"resumed-{precision.value}"
         cfg = {**overrides, "precision__name": precision}
         train(make_cfg(**cfg), a)
@@ -368,8 +368,8 @@ def _unchanged(run: Path, before: dict[str, bytes]) -> None:
     ("overrides", "phrases"),
     [
         ({"model__hidden": [16]}, ["holds a run with model.hidden=[32], but this resume sets model.hidden=[16]"]),
-        ({"precision__name": PrecisionName.fp64}, ["precision.name=fp32, but this resume sets precision.name=fp64"]),
-        ({"optimizer__name": OptimizerName.adam}, ["optimizer.name=sgd, but this resume sets optimizer.name=adam"]),
+        ({"precision__name": "fp64"}, ["precision.name=fp32, but this resume sets precision.name=fp64"]),
+        ({"optimizer__name": "adam"}, ["optimizer.name=sgd, but this resume sets optimizer.name=adam"]),
         ({"optimizer__momentum": 0.0}, ["with optimizer.momentum=0.9, but this resume sets optimizer.momentum=0.0"]),
         ({"data__batch_size": 32}, ["with data.batch_size=64, but this resume sets data.batch_size=32"]),
         ({"epochs": 1}, ["is at step 30, at or past the end of this run (21 steps", "raise epochs or max_steps"]),

@@ -42,7 +42,7 @@ def output(proc: subprocess.CompletedProcess[str]) -> str:
     [
         ("foo=1", "foo is not a setting; python -m mlptrain --help lists the settings"),
         ("optimizer.lr=abc", "could not be converted to Float"),
-        ("model.activation=tanh", "expected one of [relu, gelu, none]"),
+        ("model.activation=tanh", "model.activation='tanh' is unknown; expected one of relu, gelu, none"),
         ("execution=bogus", "Could not find 'execution/bogus'"),
     ],
 )

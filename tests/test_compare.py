@@ -425,13 +425,13 @@ def test_gpu_comparison_configs_compose() -> None:
     from mlptrain.cli import compose_config
 
     cfg = compose_config(["model.activation=gelu", "precision=fp16"], config_name="compare_gpu")
-    assert (cfg.data.name.value, cfg.model.hidden, cfg.model.activation.value) == ("mnist1d", [256, 256], "gelu")
-    assert (cfg.optimizer.name.value, cfg.optimizer.lr, cfg.optimizer.warmup_steps) == ("adamw", 0.01, 100)
+    assert (cfg.data.name.value, cfg.model.hidden, cfg.model.activation) == ("mnist1d", [256, 256], "gelu")
+    assert (cfg.optimizer.name, cfg.optimizer.lr, cfg.optimizer.warmup_steps) == ("adamw", 0.01, 100)
     assert cfg.optimizer.schedule.value == "cosine" and cfg.data.batch_size == 128 and cfg.data.drop_last
-    assert (cfg.device.value, cfg.graph, cfg.epochs, cfg.precision.name.value) == ("gpu", True, 30, "fp16")
+    assert (cfg.device.value, cfg.graph, cfg.epochs, cfg.precision.name) == ("gpu", True, 30, "fp16")
     speed = compose_config(["precision=bf16"], config_name="compare_gpu_speed")
     assert (speed.data.name.value, speed.model.hidden, speed.data.batch_size) == ("synthetic", [4096] * 3, 8192)
-    assert speed.optimizer.name.value == "adamw" and speed.graph is True and speed.epochs == 1
+    assert speed.optimizer.name == "adamw" and speed.graph is True and speed.epochs == 1
 
 
 def test_gpu_recipe_steps_are_as_documented() -> None:

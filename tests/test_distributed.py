@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 from helpers import make_cfg
 
-from mlptrain.config import OptimizerName, PrecisionName
 from mlptrain.distributed.comm import LocalGroup
 from mlptrain.distributed.dp import shard_rows
 from mlptrain.errors import ConfigError
@@ -45,7 +44,7 @@ def test_a_last_batch_smaller_than_the_group_is_refused_clearly():
 
 def _run(world: int, steps: int, **cfg_overrides):
     """Per-step global losses and each rank's parameters after every step, ranks as threads."""
-    cfg = make_cfg(data__batch_size=63, precision__name=PrecisionName.fp64, **cfg_overrides)
+    cfg = make_cfg(data__batch_size=63, precision__name="fp64", **cfg_overrides)
     group = LocalGroup(world) if world > 1 else None
     out = {"loss": [[] for _ in range(world)], "rows": [[] for _ in range(world)], "params": [[] for _ in range(world)]}
     errors = []
@@ -86,8 +85,8 @@ def test_two_ranks_take_the_steps_of_one_with_the_global_batch(optimizer):
     short last batch too: the same per-step losses as one rank in fp64 within 1e-12 relative, and both
     ranks' parameters bit-identical after every step."""
     steps = 30  # past the first epoch's short last batch (17 steps per epoch)
-    one, _ = _run(1, steps, optimizer__name=OptimizerName(optimizer))
-    two, params = _run(2, steps, optimizer__name=OptimizerName(optimizer))
+    one, _ = _run(1, steps, optimizer__name=optimizer)
+    two, params = _run(2, steps, optimizer__name=optimizer)
     np.testing.assert_allclose(two, one, rtol=1e-12)
     for step in range(steps):
         for a, b in zip(params[0][step], params[1][step], strict=True):
@@ -187,7 +186,7 @@ def test_a_rank_without_rank_0_fails_within_the_timeout():
 
 def test_evaluation_is_split_across_ranks_and_reduced():
     """Each rank scores its rows of val and test; the all-reduced sums are the whole split's."""
-    cfg = make_cfg(data__batch_size=64, precision__name=PrecisionName.fp64, data__eval_batch_size=50)
+    cfg = make_cfg(data__batch_size=64, precision__name="fp64", data__eval_batch_size=50)
     one = Trainer(cfg).evaluate("test")
     group = LocalGroup(3)
     results: list = [None] * 3

@@ -16,7 +16,7 @@ import pytest
 from helpers import make_cfg, records
 
 from mlptrain import checkpoint
-from mlptrain.config import Device, OptimizerName, PrecisionName
+from mlptrain.config import Device
 from mlptrain.distributed import spawn
 from mlptrain.distributed.comm import LocalGroup
 from mlptrain.distributed.control import EXIT_HUNG, AgreedStop, Watchdog
@@ -25,7 +25,7 @@ from mlptrain.run import train
 
 
 def _cfg(**kw):
-    base = {"data__batch_size": 63, "precision__name": PrecisionName.fp64, "log_every": 5, "epochs": 2}
+    base = {"data__batch_size": 63, "precision__name": "fp64", "log_every": 5, "epochs": 2}
     return make_cfg(**{**base, **kw})
 
 
@@ -268,7 +268,7 @@ def test_rank_0s_error_is_the_runs_error():
 def test_adams_per_parameter_state_stays_identical_on_every_rank(tmp_path):
     """adam, whose state is per parameter: the replica check (a digest of every rank's parameters,
     all-reduced) passes after every step; a rank whose parameters drifted by one bit would fail it."""
-    cfg = _cfg(optimizer__name=OptimizerName.adam, optimizer__lr=1e-3, epochs=1, log_every=1, distributed__verify=True)
+    cfg = _cfg(optimizer__name="adam", optimizer__lr=1e-3, epochs=1, log_every=1, distributed__verify=True)
     res = _ranks(2, cfg, tmp_path / "run")
     assert all(isinstance(r, dict) for r in res), res
     assert res[0]["steps"] == res[1]["steps"] == 21

@@ -16,7 +16,7 @@ from helpers import make_cfg
 from numpy.testing import assert_array_equal
 
 from mlptrain import checkpoint
-from mlptrain.config import DataConfig, DatasetName, LossName, Task
+from mlptrain.config import DataConfig, DatasetName, Task
 from mlptrain.data import cache as data_cache
 from mlptrain.data import load_dataset
 from mlptrain.data.files import arrow_available, read_table, write_csv
@@ -110,7 +110,7 @@ def test_regression_on_two_target_columns(tmp_path: Path) -> None:
     header = "a,b,c,d,e,y1,y2"
     body = "\n".join(",".join(repr(v) for v in row) for row in np.hstack([x, t]).tolist())
     (tmp_path / "r.csv").write_text(header + "\n" + body + "\n")
-    cfg = file_cfg(tmp_path / "r.csv", epochs=30, model__loss=LossName.mse, optimizer__lr=0.01)
+    cfg = file_cfg(tmp_path / "r.csv", epochs=30, model__loss="mse", optimizer__lr=0.01)
     cfg.data.target = ["y1", "y2"]
     summary = train(cfg, tmp_path / "run")
     recs = read_metrics(tmp_path / "run" / "metrics.jsonl")
@@ -121,7 +121,7 @@ def test_regression_on_two_target_columns(tmp_path: Path) -> None:
     meta = checkpoint.load(tmp_path / "run" / "checkpoints" / "best.npz").meta
     assert meta["best"]["metric"] == "val/loss" and meta["best"]["mode"] == "min"
     assert meta["data"]["task"] == "regression" and meta["data"]["target_names"] == ["y1", "y2"]
-    cfg.model.loss = LossName.cross_entropy
+    cfg.model.loss = "cross_entropy"
     with pytest.raises(ConfigError, match=r"is a regression \(targets y1, y2\) but model.loss=cross_entropy; set mod"):
         train(cfg, tmp_path / "run2")
 
@@ -137,7 +137,7 @@ def test_regression_on_one_target_column_trains_fused_as_naive(tmp_path: Path, b
     write(tmp_path / "r.csv", x, y, target="y")
     losses = {}
     for mode in (Mode.fused, Mode.naive):
-        cfg = file_cfg(tmp_path / "r.csv", epochs=4, model__loss=LossName.mse,
+        cfg = file_cfg(tmp_path / "r.csv", epochs=4, model__loss="mse",
                        model__hidden=[16, 8], execution__mode=mode)  # fmt: skip
         cfg.data.target = "y"
         if mode is Mode.fused:
@@ -246,7 +246,7 @@ def test_a_bad_file_is_one_clear_error_and_nothing_is_written(
     for key, value in over.items():
         setattr(cfg.data, key.split(".")[1], value)
     if kind == "inf target":
-        cfg.model.loss = LossName.mse
+        cfg.model.loss = "mse"
     with pytest.raises(DatasetError) as err:
         train(cfg, tmp_path / "run")
     msg = str(err.value)

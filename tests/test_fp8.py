@@ -11,7 +11,6 @@ from helpers import make_cfg
 from test_checkpoint import assert_same_state, interrupt_at
 
 from mlptrain import checkpoint
-from mlptrain.config import PrecisionName
 from mlptrain.epilogs import Epilog
 from mlptrain.epilogs_fp8 import FP8_MAX, matmul_fp8, quantize
 from mlptrain.errors import CheckpointError, TrainingInterrupted
@@ -21,7 +20,7 @@ from mlptrain.run import train
 from mlptrain.trainer import Trainer
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
-FP8 = {"precision__name": PrecisionName.fp8}
+FP8 = {"precision__name": "fp8"}
 
 
 # ----------------------------------------------------------------------------- delayed scaling

@@ -290,7 +290,6 @@ def test_a_failed_write_is_one_error_after_the_work(trained: dict, tmp_path: Pat
 
 
 def test_regression_files_with_some_of_the_targets_are_scored_on_those(tmp_path: Path) -> None:
-    from mlptrain.config import LossName
 
     rng = np.random.default_rng(0)
     x = rng.standard_normal((300, 3))
@@ -299,7 +298,7 @@ def test_regression_files_with_some_of_the_targets_are_scored_on_those(tmp_path:
         "a,b,c,t1,t2\n" + "\n".join(",".join(map(repr, r)) for r in np.hstack([x, t]).tolist())
     )
     cfg = make_cfg(data__name=DatasetName.file, data__path=str(tmp_path / "r.csv"), data__target=["t1", "t2"],
-                   data__cache=False, model__loss=LossName.mse, epochs=2)  # fmt: skip
+                   data__cache=False, model__loss="mse", epochs=2)  # fmt: skip
     train(cfg, tmp_path / "run")
     p = Predictor(tmp_path / "run", device="cpu")
     only_t2 = tmp_path / "t2.csv"

@@ -18,7 +18,7 @@ from helpers import make_cfg
 from test_cli import REPO
 
 from mlptrain import checkpoint, outputs
-from mlptrain.config import DatasetName, LossName
+from mlptrain.config import DatasetName
 from mlptrain.data.files import write_csv
 from mlptrain.errors import CheckpointError, ConfigError, DatasetError, OutputError
 from mlptrain.evaluate import EvaluateArgs, evaluate
@@ -232,7 +232,7 @@ def regression(tmp_path_factory: pytest.TempPathFactory) -> dict:
         data__path=str(d / "r.csv"),
         data__target="price",
         data__cache=False,
-        model__loss=LossName.mse,
+        model__loss="mse",
         epochs=1,
     )
     train(cfg, d / "run")

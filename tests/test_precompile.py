@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from helpers import FP16, emulate_fp16, make_cfg
 
-from mlptrain.config import Device, OptimizerName
+from mlptrain.config import Device
 from mlptrain.gpu import precompile as pc
 from mlptrain.head import OutputHead
 from mlptrain.precision import Precision
@@ -72,7 +72,7 @@ def test_the_step_jobs_of_a_digits_run():
 
 def test_the_head_kernel_and_the_fp16_check_are_planned_where_the_run_has_them(monkeypatch):
     emulate_fp16(monkeypatch)
-    tr = Trainer(make_cfg(**FP16, optimizer__name=OptimizerName.adam))
+    tr = Trainer(make_cfg(**FP16, optimizer__name="adam"))
     tr.head = OutputHead("cross_entropy", "kernel")  # what OutputHead.choose takes on the GPU
     jobs = pc.step_jobs(tr)
     assert names(jobs, "loss") == [

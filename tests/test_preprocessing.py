@@ -14,7 +14,7 @@ from helpers import make_cfg
 import mlptrain
 from mlptrain import checkpoint
 from mlptrain.checks import validate
-from mlptrain.config import DatasetName, LossName, TargetScaling
+from mlptrain.config import DatasetName, TargetScaling
 from mlptrain.data import Dataset, load_dataset
 from mlptrain.data.dataset import Normalization
 from mlptrain.data.files import write_csv
@@ -159,7 +159,7 @@ def test_an_old_checkpoint_of_a_python_dataset_refuses_raw_rows(tmp_path: Path) 
 def test_a_regression_with_targets_in_the_hundreds_trains_below_the_mean(tmp_path: Path) -> None:
     """The README's data=file data.target=price model.loss=mse, default lr: before, non-finite at step 4."""
     data = _write(tmp_path, _houses, "price")
-    cfg = _file_cfg(tmp_path, model__loss=LossName.mse, epochs=20)
+    cfg = _file_cfg(tmp_path, model__loss="mse", epochs=20)
     cfg.data.target = "price"
     summary = train(cfg, tmp_path / "run")
     mean_mse = float(np.mean((data["y_test"] - data["y"].mean()) ** 2))  # predicting the train mean
@@ -200,7 +200,7 @@ def test_losses_are_in_the_targets_units_train_val_and_test(tmp_path: Path) -> N
         2,
         task="regression",
     )
-    summary = train(make_cfg(epochs=3, model__loss=LossName.mse), tmp_path / "run", dataset=ds)
+    summary = train(make_cfg(epochs=3, model__loss="mse"), tmp_path / "run", dataset=ds)
     p = Predictor(tmp_path / "run" / "checkpoints" / "last.npz", device="cpu")
     out = p.run(x[250:]).values.astype(np.float64)
     np.testing.assert_allclose(summary["test/loss"], np.mean((out - t[250:]) ** 2), rtol=1e-4)
@@ -214,7 +214,7 @@ def test_exports_and_predict_give_outputs_in_the_targets_units(tmp_path: Path) -
     pytest.importorskip("onnx")
     ort = pytest.importorskip("onnxruntime")
     data = _write(tmp_path, _houses, "price")
-    cfg = _file_cfg(tmp_path, model__loss=LossName.mse, epochs=5)
+    cfg = _file_cfg(tmp_path, model__loss="mse", epochs=5)
     cfg.data.target = "price"
     train(cfg, tmp_path / "run")
     ckpt = tmp_path / "run" / "checkpoints" / "last.npz"
@@ -245,9 +245,7 @@ def test_exports_and_predict_give_outputs_in_the_targets_units(tmp_path: Path) -
 
 def test_an_old_regression_checkpoint_without_target_scaling_scores_as_before(tmp_path: Path) -> None:
     data = _write(tmp_path, _houses, "price")
-    cfg = _file_cfg(
-        tmp_path, model__loss=LossName.mse, epochs=2, optimizer__lr=1e-4, data__target_scaling=TargetScaling.none
-    )
+    cfg = _file_cfg(tmp_path, model__loss="mse", epochs=2, optimizer__lr=1e-4, data__target_scaling=TargetScaling.none)
     cfg.data.target = "price"
     summary = train(cfg, tmp_path / "run")
     ckpt = checkpoint.load(tmp_path / "run" / "checkpoints" / "last.npz")
@@ -280,7 +278,7 @@ def test_target_scaling_is_a_regression_setting(tmp_path: Path) -> None:
         r"applies to regressions \(model.loss=mse\)",
     ):
         validate(cfg)
-    cfg.model.loss = LossName.mse  # mse on the digits' classes: a classification all the same
+    cfg.model.loss = "mse"  # mse on the digits' classes: a classification all the same
     with pytest.raises(ConfigError, match=r"data.target_scaling=none: dataset 'digits' is a classification; .*"):
         train(cfg, tmp_path / "run")
     assert not (tmp_path / "run").exists()
@@ -290,16 +288,16 @@ def test_target_scaling_is_a_regression_setting(tmp_path: Path) -> None:
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
 def test_the_gpus_regression_losses_are_in_the_targets_units_as_the_cpus(tmp_path: Path, precision: str) -> None:
     """The step's weighted mse (mlptrain.losses.mse_in_units) inside the GPU's CUDA graph, and its evaluation."""
-    from mlptrain.config import Device, PrecisionName
+    from mlptrain.config import Device
     from mlptrain.metrics import read_metrics
 
     data = _write(tmp_path, _houses, "price")
     runs = {}
     for device in ("cpu", "gpu"):
-        cfg = _file_cfg(tmp_path, model__loss=LossName.mse, epochs=5)
+        cfg = _file_cfg(tmp_path, model__loss="mse", epochs=5)
         cfg.data.target = "price"
         if device == "gpu":
-            cfg.device, cfg.precision.name = Device.gpu, PrecisionName(precision)
+            cfg.device, cfg.precision.name = Device.gpu, precision
         summary = train(cfg, tmp_path / device)
         records = [r for r in read_metrics(tmp_path / device / "metrics.jsonl") if r["kind"] == "step"]
         runs[device] = summary, [r["train/loss"] for r in records], [r.get("skipped", False) for r in records]

@@ -23,7 +23,7 @@ from test_checkpoint import interrupt_at, snapshot_of
 from test_cli import REPO, output, run_cli
 
 from mlptrain import checkpoint
-from mlptrain.config import DatasetName, Device, LossName, Task, TrainConfig
+from mlptrain.config import DatasetName, Device, Task, TrainConfig
 from mlptrain.errors import CheckpointError, ConfigError, OutputError, TrainingInterrupted
 from mlptrain.metrics import read_metrics
 from mlptrain.run import train
@@ -193,7 +193,7 @@ def test_a_regression_checkpoint_is_not_resumed_as_a_classification(tmp_path: Pa
     data.write_text("a,b,y\n" + "".join(f"{r[0]},{r[1]},{v}\n" for r, v in zip(x, y, strict=True)))
     base = dict(data__name=DatasetName.file, data__path=str(data), data__target="y", data__cache=False)
     run = tmp_path / "run"
-    train(make_cfg(data__task=Task.regression, model__loss=LossName.mse, epochs=1, **base), run)
+    train(make_cfg(data__task=Task.regression, model__loss="mse", epochs=1, **base), run)
     with pytest.raises(ConfigError) as err:
         train(make_cfg(resume="last", epochs=2, data__task=Task.classification, **base), run)
     msg = str(err.value)

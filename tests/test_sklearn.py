@@ -117,7 +117,7 @@ def test_the_classifier_takes_the_clis_steps_on_the_same_file(tmp_path: Path) ->
 
 def test_the_regressor_takes_train_s_steps_with_two_targets_and_nesterov(tmp_path: Path) -> None:
     """``mlptrain.train`` on a two-target file (SGD, Nesterov, a short last batch) and ``MLPRegressor``."""
-    from mlptrain.config import DatasetName, OptimizerName, Schedule, Task
+    from mlptrain.config import DatasetName, Schedule, Task
 
     x, y = make_regression(n_samples=90, n_features=4, n_targets=2, noise=0.1, random_state=1)
     y = y / 100.0
@@ -136,7 +136,7 @@ def test_the_regressor_takes_train_s_steps_with_two_targets_and_nesterov(tmp_pat
     )
     d.batch_size, d.val_fraction, d.split_seed, d.cache = 16, 0.0, 5, False
     o.name, o.lr, o.momentum, o.nesterov, o.schedule, o.weight_decay = (
-        OptimizerName.sgd,
+        "sgd",
         0.01,
         0.8,
         True,

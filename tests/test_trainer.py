@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from gpu_helpers import cp, gpu_trainer, train_losses
 
-from mlptrain.config import Device, Mode, OptimizerName, PrecisionName, TrainConfig
+from mlptrain.config import Device, Mode, TrainConfig
 from mlptrain.run import train
 from mlptrain.trainer import Trainer
 
@@ -13,7 +13,7 @@ def make_cfg(mode: str, precision: str, **kw) -> TrainConfig:
     cfg = TrainConfig()
     cfg.device, cfg.progress = Device.cpu, False
     cfg.execution.mode = Mode(mode)
-    cfg.precision.name = PrecisionName(precision)
+    cfg.precision.name = precision
     for key, value in kw.items():
         setattr(cfg, key, value)
     return cfg
@@ -38,7 +38,7 @@ def test_fused_and_naive_give_the_same_losses_step_by_step(precision, rtol, opti
     runs = {}
     for mode in ("fused", "naive"):
         cfg = make_cfg(mode, precision)
-        cfg.optimizer.name = OptimizerName(optimizer)
+        cfg.optimizer.name = optimizer
         cfg.optimizer.lr = 0.05 if optimizer == "sgd" else 3e-3
         runs[mode] = step_losses(cfg, epochs=3)
     fused, naive = runs["fused"], runs["naive"]

@@ -35,8 +35,9 @@ from typing import Any
 
 import numpy as np
 
-from mlptrain.config import Activation, Device, Mode, OptimizerName, PrecisionName, Schedule, TrainConfig
+from mlptrain.config import Device, Mode, Schedule, TrainConfig
 from mlptrain.errors import ConfigError
+from mlptrain.precision import PRECISIONS
 
 ACTIVATIONS = {"relu": "relu", "identity": "none", "gelu": "gelu"}
 SOLVERS = ("sgd", "adam")
@@ -106,7 +107,7 @@ def check(owner: str, p: dict[str, Any]) -> None:
         _choice(owner, name, p[name], allowed, WHY_NOT.get((name, p[name]), ""))
     _choice(owner, "normalize", p["normalize"], NORMALIZE)
     _choice(owner, "execution", p["execution"], tuple(m.value for m in Mode))
-    _choice(owner, "precision", p["precision"], tuple(m.value for m in PrecisionName))
+    _choice(owner, "precision", p["precision"], PRECISIONS.names())
     _choice(owner, "device", p["device"], tuple(m.value for m in Device))
     if p["graph"] not in (None, True, False):
         raise ConfigError(f"{owner} graph={p['graph']!r}; expected None (on, on a GPU), True or False")
@@ -140,14 +141,14 @@ def train_config(
     cfg.graph = p["graph"]
     cfg.progress = False
     cfg.model.hidden = hidden_sizes("", p["hidden_layer_sizes"])
-    cfg.model.activation = Activation(ACTIVATIONS[p["activation"]])
-    cfg.model.loss = type(cfg.model.loss)("cross_entropy" if task == "classification" else "mse")
+    cfg.model.activation = ACTIVATIONS[p["activation"]]
+    cfg.model.loss = "cross_entropy" if task == "classification" else "mse"
     d = cfg.data
     d.name, d.batch_size, d.split_seed, d.val_fraction = type(d.name)("file"), batch, seed, val_fraction
     d.normalize = type(d.normalize)(p["normalize"])
     d.task = type(d.task)(task)
     o = cfg.optimizer
-    o.name = OptimizerName(p["solver"])
+    o.name = p["solver"]
     o.lr = float(p["learning_rate_init"])
     o.schedule = Schedule(p["learning_rate"])
     o.weight_decay = float(p["alpha"]) / batch  # scikit-learn's penalty alpha/2 ||W||^2 is summed, then / batch rows
@@ -155,5 +156,5 @@ def train_config(
         o.momentum, o.nesterov = float(p["momentum"]), bool(p["nesterovs_momentum"]) and p["momentum"] > 0
     o.beta1, o.beta2, o.eps = float(p["beta_1"]), float(p["beta_2"]), float(p["epsilon"])
     cfg.execution.mode = Mode(p["execution"])
-    cfg.precision.name = PrecisionName(p["precision"])
+    cfg.precision.name = p["precision"]
     return cfg

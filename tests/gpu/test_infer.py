@@ -67,7 +67,7 @@ def test_device_inputs_equal_host_inputs(ckpt: Path) -> None:
 
 
 def test_regression_outputs_on_the_gpu(tmp_path: Path) -> None:
-    from mlptrain.config import DatasetName, LossName
+    from mlptrain.config import DatasetName
     from mlptrain.data.files import write_csv
 
     rng = np.random.default_rng(0)
@@ -75,7 +75,7 @@ def test_regression_outputs_on_the_gpu(tmp_path: Path) -> None:
     y = x @ rng.standard_normal(5)
     write_csv(tmp_path / "r.csv", x, y, [f"x{i}" for i in range(5)], target="y")
     train(make_cfg(data__name=DatasetName.file, data__path=str(tmp_path / "r.csv"), data__target="y",
-                   data__cache=False, model__loss=LossName.mse, epochs=2), tmp_path / "run")  # fmt: skip
+                   data__cache=False, model__loss="mse", epochs=2), tmp_path / "run")  # fmt: skip
     path = tmp_path / "run" / "checkpoints" / "best.npz"
     cpu, gpu = Predictor(path, device="cpu"), Predictor(path, device="gpu", precision="fp32", batch_size=64)
     np.testing.assert_allclose(gpu.run(x).values, cpu.run(x).values, rtol=1e-4, atol=1e-4)

@@ -13,13 +13,13 @@ pytestmark = pytest.mark.gpu
 def test_multi_tensor_optimizer_kernel_matches_numpy(name, compute):
     """One kernel over tensors of very different sizes (one element to many blocks), with a skipped step."""
     from mlptrain.build import optimizer as make_optimizer
-    from mlptrain.config import OptimizerConfig, OptimizerName
+    from mlptrain.config import OptimizerConfig
     from mlptrain.layers import Param
 
     rng = np.random.default_rng(11)
     shapes = [(37, 5), (1,), (300, 70), (3,)]
     w0 = [rng.standard_normal(s).astype(np.float32) for s in shapes]
-    cfg = OptimizerConfig(name=OptimizerName(name), lr=0.01, momentum=0.9, nesterov=True, weight_decay=0.01)
+    cfg = OptimizerConfig(name=name, lr=0.01, momentum=0.9, nesterov=True, weight_decay=0.01)
     pg = [Param(f"w{i}", cp.asarray(w), np_dtype(compute)) for i, w in enumerate(w0)]
     pc = [Param(f"w{i}", w.copy(), np.float32) for i, w in enumerate(w0)]
     og, oc = make_optimizer(cfg, pg), make_optimizer(cfg, pc)
