@@ -92,7 +92,7 @@ def head_input_grad(dlogits: Any, W: Any, relu_aux: Any, *, bias_grad_below: boo
     db = cp.empty(H if bias_grad_below else 1, dtype=dlogits.dtype)
     blocks = -(-H // COLUMNS_PER_BLOCK)
     # flat views, no copies: relu_aux.T is the C-order (B, Mb) array of its memory
-    _head_kernel(C)(
+    dgrad_kernel(C)(
         dlogits.reshape(-1), W.reshape(-1), relu_aux.T.reshape(-1), B, H, mb, bias_grad_below,
         dz.reshape(-1), db, size=blocks * THREADS, block_size=THREADS,
     )  # fmt: skip
@@ -168,7 +168,7 @@ if (want_db) {  // a fixed tree over the PASS partials of each column
 
 
 @functools.cache
-def _head_kernel(classes: int, cols: int = COLUMNS_PER_BLOCK, threads: int = THREADS) -> Any:
+def dgrad_kernel(classes: int, cols: int = COLUMNS_PER_BLOCK, threads: int = THREADS) -> Any:
     """The kernel for ``classes`` classes (compiled once per class count; a model has one)."""
     prep, body = _head_source(classes, cols, threads)
     return cp.ElementwiseKernel(
