@@ -37,7 +37,7 @@ def choose(tr: Any) -> None:
     from mlptrain.gpu.plan_cache import PlanCache
     from mlptrain.gpu.probe import choose_bgrad, random_batch
 
-    tr.await_kernels()  # every thread idle: the probe captures CUDA graphs (a run without it goes on)
+    tr.runtime.wait()  # every thread idle: the probe captures CUDA graphs (a run without it goes on)
 
     # Both strategies are exact; which is faster depends on the shapes and on how the
     # backward is scheduled: time this model's step both ways, on random data.
@@ -54,7 +54,7 @@ def choose(tr: Any) -> None:
     )
     store = PlanCache.default_path().with_suffix(".bgrad.json") if ex.plan_cache else None
     tr.model.set_bgrad("drelu_bgrad")
-    with tr.stream:  # the batch in a list, so that it can go before the pool is emptied
+    with tr.runtime.stream:  # the batch in a list, so that it can go before the pool is emptied
         y = tr.train_loader.y
         batch = random_batch(B, tr.widths, cdt, y.dtype, y.shape[1:], out=tr.batch_buffers(B))
         chosen = choose_bgrad(
@@ -63,13 +63,13 @@ def choose(tr: Any) -> None:
             key,
             store=store,
             release=tr.release_step,
-            on_pool=lambda n: tr.memory_peak.sample("bgrad probe", extra=n),
+            on_pool=lambda n: tr.runtime.memory_peak.sample("bgrad probe", extra=n),
         )
     tr.model.set_bgrad(chosen)
     # Nothing of the probe stays: its plans (the strategy not chosen has its own GEMMs, and a
     # DRELU_BGRAD plan can hold a workspace of gigabytes) and the arrays they still reference
     # go, and so do the blocks its graphs allocated. The step plans again (from the plan cache).
-    tr.memory_peak.sample("bgrad probe")
+    tr.runtime.memory_peak.sample("bgrad probe")
     batch.clear()
     tr.release_step()
     tr.gemm.free()

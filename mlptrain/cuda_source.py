@@ -3,12 +3,16 @@
 The optimizer, the loss scaler, the learning-rate schedule and the step log each know their own
 arithmetic, so each writes the CUDA statements of it (``mlptrain_lr_at``, the scaler update, ...)
 next to its NumPy version. The GPU modules (:mod:`mlptrain.gpu.multitensor`,
-:mod:`mlptrain.gpu.kernels`) compile and launch them.
+:mod:`mlptrain.gpu.kernels`) compile and launch them. Each object that writes CUDA source also
+declares how to compile it ahead (:class:`Job`, its ``precompile_jobs()``), beside that source;
+:mod:`mlptrain.gpu.precompile` only runs the jobs on threads.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -22,6 +26,20 @@ class KernelTail:
     params: str
     args: tuple
     preamble: str = ""
+
+
+@dataclass(frozen=True)
+class Job:
+    """``run()`` compiles the kernels ``name`` describes, by the very call the run will make, on zero-filled scratch
+    arrays (the run's own call then finds them in CuPy's cache); ``stage``: the part of the run that first launches
+    them (:data:`mlptrain.gpu.precompile.STAGES`); ``scratch``: the bytes of zeros it allocates (a job over
+    :data:`mlptrain.gpu.precompile.SCRATCH_LIMIT` is left to the kernel's first launch). ``run`` writes only to its
+    own scratch and copies, never to the state of the object that declared it."""
+
+    name: str
+    stage: str
+    run: Callable[[], Any]
+    scratch: int = 0
 
 
 def c_literal(x: float) -> str:

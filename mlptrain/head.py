@@ -28,8 +28,13 @@ contract); they differ in rounding order only. The trainer and the benchmarks ca
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
+import numpy as np
+
+from mlptrain.backend import get_array_module
+from mlptrain.cuda_source import Job
 from mlptrain.losses import LOSSES
 from mlptrain.network import MLP, HeadGrads
 
@@ -110,3 +115,43 @@ class OutputHead:
         """The device ``(loss, correct)`` of ``logits (B, C)`` against ``y (B,)``, no gradient needed."""
         loss, _, correct = self.loss_fn(logits, y)
         return loss, correct
+
+    # --- compiled ahead (mlptrain.gpu.precompile) -------------------------------------------------
+
+    def precompile_jobs(self, model: MLP, dtype: Any, batches: list[tuple[int, Any, bool]], scale: Any) -> list[Job]:
+        """The kernels of :meth:`backward` and :meth:`evaluate`, compiled ahead by the very calls on zeros.
+
+        ``batches``: ``(rows, y, training)`` for each batch shape of the run, training or evaluation (``y``: the
+        loader's targets, for their dtype and shape); ``dtype``: the logits'; ``scale``: the loss scale (0-d).
+        """
+        dtype, outputs = np.dtype(dtype), model.widths[-1]
+        rows = sorted({r for r, _, _ in batches}, reverse=True)
+        jobs = []
+        if rows:  # the scratch: logits, their gradient (and float32 copies)
+            sizes = ", ".join(map(str, rows))
+            run = functools.partial(self._compile_losses, outputs, dtype, batches, scale)
+            name = f"{self.loss_name} of {dtype.name} logits, {outputs} outputs, batches of {sizes} rows"
+            jobs.append(Job(name, "loss", run, scratch=rows[0] * outputs * 16))
+        if self.mode == "kernel":
+            train = [r for r, _, training in batches if training]
+            run = functools.partial(self._compile_kernel, model, dtype, train)
+            jobs.append(Job(f"mlptrain_head_dgrad ({outputs} classes, {dtype.name})", "loss", run))
+        return jobs
+
+    def _compile_losses(self, outputs: int, dtype: Any, batches: list[tuple[int, Any, bool]], scale: Any) -> None:
+        """The step's loss (scaled; with the output bias gradient where the head takes it) and evaluation's."""
+        xp = get_array_module(scale)
+        scale = xp.zeros_like(scale)
+        for r, y_like, training in batches:
+            logits, y = xp.zeros((r, outputs), dtype), xp.zeros((r, *y_like.shape[1:]), y_like.dtype)
+            if training:  # grads()
+                self.loss_fn(logits, y, scale, bias_grad=self.mode != "gemm")
+            else:
+                self.evaluate(logits, y)
+
+    def _compile_kernel(self, model: MLP, dtype: Any, rows: list[int]) -> None:
+        """The head kernel (:meth:`grads` in mode ``kernel``) for each training batch size."""
+        from mlptrain.gpu.head_kernel import compile_ahead
+
+        top, below = model.layers[-1], model.layers[-2]
+        compile_ahead(top.weight.value.shape, dtype, rows, bias_grad_below=not below.bias_grad_in_wgrad)

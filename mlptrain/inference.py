@@ -110,7 +110,7 @@ class Predictor:
         self.backend: Backend = get_backend(device)
         self.precision = _precision(precision, ckpt.meta["precision"], self.backend)
         self.model = _model(ckpt, self.backend, self.precision, autotune)
-        self._gpu: Any = None  # the GPU runner, built on first use (mlptrain.gpu.infer)
+        self.gpu_runner: Any = None  # the GPU runner, built on first use (mlptrain.gpu.infer)
 
     # --- what the model expects ------------------------------------------------------------
 
@@ -165,11 +165,11 @@ class Predictor:
         self.check_probabilities(probabilities)
         x = self._check(x, raw=True)
         if self.backend.is_gpu and len(x):
-            if self._gpu is None:
+            if self.gpu_runner is None:
                 from mlptrain.gpu.infer import GraphedInference
 
-                self._gpu = GraphedInference(self.model, self.shift, self.scale, self.precision.compute_dtype)
-            host = self._gpu.run(x, self.batch_size, classification=self.classification,
+                self.gpu_runner = GraphedInference(self.model, self.shift, self.scale, self.precision.compute_dtype)
+            host = self.gpu_runner.run(x, self.batch_size, classification=self.classification,
                                  probabilities=probabilities, progress=progress)  # fmt: skip
             if not self.classification:
                 return Outputs(values=self.targets.undo(host[0]))

@@ -82,8 +82,10 @@ class DataLoader:
         if shard is not None:
             rank, world = shard
             if not 0 <= rank < world or batch_size < world:
-                raise ConfigError(f"DataLoader shard {shard} of batch_size={batch_size}: expected 0 <= rank < world <= "
-                                  "batch_size (every rank takes at least one row of a batch)")  # fmt: skip
+                raise ConfigError(
+                    f"DataLoader shard {shard} of batch_size={batch_size}: expected 0 <= rank < world <= "
+                    "batch_size (every rank takes at least one row of a batch)"
+                )
             short = n % batch_size
             if not drop_last and 0 < short < world:
                 raise ConfigError(
@@ -118,6 +120,15 @@ class DataLoader:
         """Batches per epoch."""
         n, b = self.num_samples, self.batch_size
         return n // b if self.drop_last else -(-n // b)
+
+    def row_counts(self) -> list[int]:
+        """The rows of this loader's batches, largest first: the batch size, and a short last batch (the kernels
+        compiled ahead are planned for each, :meth:`mlptrain.trainer.Trainer.precompile_jobs`)."""
+        n, b = self.num_samples, self.batch_size
+        rows = {min(b, n)} if n else set()
+        if n > b and n % b and not self.drop_last:
+            rows.add(n % b)
+        return sorted(rows, reverse=True)
 
     def permutation(self, epoch: int) -> np.ndarray:
         """The host order of ``epoch``: ``(N,)`` int64, a function of ``(seed, epoch)`` only."""

@@ -219,6 +219,41 @@ class Optimizer:
     def _update_numpy(self, p: Param, st: dict[str, Any], lr: float, inv_scale: float) -> None:
         raise NotImplementedError
 
+    # --- compiled ahead (mlptrain.gpu.precompile) -----------------------------------------------
+
+    def precompile_jobs(self, grad_dtype: Any, step_args: tuple[Any, Any, Any], tail: Any = None) -> list[Any]:
+        """:meth:`step`'s kernel compiled ahead (a :class:`~mlptrain.cuda_source.Job`): the same call, on a copy
+        holding zeros, with its own kernel cache, parameters, gradients (``grad_dtype``), state and count.
+
+        ``step_args``: the step's ``lr, inv_scale, skip`` (zeros of their dtypes are passed); ``tail()``: the
+        step's tail on zeros (:meth:`mlptrain.steplog.StepLog.scratch_tail`), or None.
+        """
+        from mlptrain.cuda_source import Job
+
+        g = np.dtype(grad_dtype)
+        state = sum(int(a.nbytes) for st in self.state.values() for a in st.values())
+        copies = sum(int(p.value.nbytes) + p.value.size * g.itemsize * (1 + p.has_compute_copy) for p in self.params)
+        name = f"mlptrain_{type(self).__name__.lower()}_step" + (" (and the step log's tail)" if tail else "")
+        return [Job(name, "update", lambda: self._compile_step(g, step_args, tail), state + copies)]
+
+    def _compile_step(self, grad_dtype: Any, step_args: tuple[Any, Any, Any], tail: Any) -> None:
+        import copy
+
+        xp, kernel_tail = self.xp, tail() if tail is not None else None
+        opt = copy.copy(self)
+        opt._kernels = {}  # its own kernel object (its own block counter); the run's finds the compiled code
+        opt.params = []
+        for p in self.params:
+            q = copy.copy(p)
+            q.value = xp.zeros_like(p.value)
+            q.compute = xp.zeros_like(p.compute) if p.has_compute_copy else q.value
+            q.grad = xp.zeros(p.value.shape, grad_dtype)
+            opt.params.append(q)
+        opt.state = {name: {s: xp.zeros_like(a) for s, a in st.items()} for name, st in self.state.items()}
+        opt.t = xp.zeros_like(self.t)
+        lr, inv_scale, skip = (xp.zeros_like(a) for a in step_args)
+        opt.step(lr, inv_scale, skip, tail=kernel_tail)
+
 
 @register_optimizer("sgd")
 class SGD(Optimizer):

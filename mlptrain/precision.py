@@ -279,6 +279,28 @@ class LossScaler:
         self.growth_tracker[...] = state["growth_tracker"]
         self.consecutive_skips[...] = state["consecutive_skips"]
 
+    # --- compiled ahead (mlptrain.gpu.precompile) -----------------------------------------------
+
+    def precompile_jobs(self, dtype: Any, shapes: list[tuple[int, ...]]) -> list[Any]:
+        """:meth:`check` of gradients of ``shapes`` in ``dtype`` compiled ahead (a :class:`~mlptrain.cuda_source.Job`;
+        none unless enabled), on a copy of this scaler with flags and a kernel cache of its own."""
+        from mlptrain.cuda_source import Job
+
+        if not self.enabled:
+            return []
+        dtype = np.dtype(dtype)
+        scratch = sum(int(np.prod(s)) for s in shapes) * dtype.itemsize
+        name = f"mlptrain_check_nonfinite ({dtype.name} gradients)"
+        return [Job(name, "update", lambda: self._compile_check(dtype, shapes), scratch)]
+
+    def _compile_check(self, dtype: Any, shapes: list[tuple[int, ...]]) -> None:
+        import copy
+
+        xp, sc = self.xp, copy.copy(self)
+        sc._check_kernel, sc._check_key = None, None
+        sc.found_inf, sc._any_bad = xp.zeros_like(self.found_inf), xp.zeros_like(self._any_bad)
+        sc.check([xp.zeros(s, dtype) for s in shapes])
+
 
 SCALER_UPDATE_CUDA = """
 // LossScaler.update() of mlptrain/precision.py.

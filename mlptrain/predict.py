@@ -41,7 +41,8 @@ import numpy as np
 
 from mlptrain import commands, outputs
 from mlptrain.commands import REQUIRED, arg
-from mlptrain.data.files import _lines, columns, file_kind, read_table
+from mlptrain.data.csv_reader import lines as file_lines
+from mlptrain.data.files import columns, file_kind, read_table
 from mlptrain.errors import ConfigError, DatasetError, OutputError
 from mlptrain.inference import DEFAULT_BATCH, Outputs, Predictor, predict
 
@@ -119,7 +120,7 @@ def kept_columns(path: Path, keep: list[str], rows: int) -> dict[str, np.ndarray
     kind, delimiter = file_kind(path)
     out: dict[str, np.ndarray] = {}
     if kind == "csv":
-        lines = (line for line in _lines(path) if line.strip())  # blank lines are not rows, as read_table reads
+        lines = (line for line in file_lines(path) if line.strip())  # blank lines are not rows, as read_table reads
         header = [n.strip() for n in next(csv.reader([next(lines)], delimiter=delimiter or ","))]
         where = [header.index(k) if k in header else -1 for k in keep]
         cells: list[list[str]] = [[] for _ in keep]

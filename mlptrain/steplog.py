@@ -19,6 +19,9 @@ On the CPU the same bookkeeping runs as NumPy operations, in the same order.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -96,6 +99,17 @@ class StepLog:
         clock.advance_device()
         self.schedule.update()
 
+    def after_update(
+        self, update: Callable[[KernelTail | None], None], loss: Any, correct: Any, batch_size: Any
+    ) -> None:
+        """``update(tail)`` (the optimizer's step), then :meth:`end_step`: on the GPU in the update kernel's last
+        block (``tail``, :meth:`tail`), so the step is one kernel; on the CPU after it (``tail`` None)."""
+        if self.xp is not np:
+            update(self.tail(loss, correct, batch_size))
+            return
+        update(None)
+        self.end_step(loss, correct, batch_size)
+
     def tail(self, loss: Any, correct: Any, batch_size: Any, prefix: str = "log_") -> KernelTail:
         """:meth:`end_step` as CUDA statements for one thread, with parameter names starting with ``prefix``."""
         if prefix not in self._tail_code:
@@ -128,6 +142,15 @@ class StepLog:
             rows,
         )
         return KernelTail(code, params, arrays, preamble)
+
+    def scratch_tail(self, loss_dtype: Any, batch_size: int) -> KernelTail:
+        """:meth:`tail` as the training step calls it, on arrays of zeros: what compiling the step's kernel ahead
+        hands it (:meth:`mlptrain.optim.Optimizer.precompile_jobs`). This log's caches and state stay untouched."""
+        xp, lg = self.xp, copy.copy(self)
+        lg._tail_code, lg._batch_size = {}, {}  # its own caches
+        tail = lg.tail(xp.zeros((), loss_dtype), xp.zeros((), xp.int64), batch_size)
+        # the tail's arrays are the run's state (metrics ring, loss scale, step count, lr): zeros instead
+        return dataclasses.replace(tail, args=tuple(xp.zeros_like(a) for a in tail.args))
 
     def _tail_source(self, prefix: str) -> tuple[str, str, str]:
         n = {name: prefix + name for name in _TAIL_ARRAYS}

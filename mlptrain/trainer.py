@@ -5,8 +5,9 @@ into its object) and does one thing: train steps. The run around it (epochs, met
 checkpoints, interruption) is :func:`mlptrain.run.train`.
 
 One step (:meth:`Trainer.step`), all on the device, with no host synchronisation, so on the GPU it
-is captured once into a CUDA graph and replayed (:mod:`mlptrain.gpu.graph`, ``graph=false`` to
-turn off)::
+is captured once into a CUDA graph and replayed (``graph=false`` to turn off). Where it runs (the
+stream, the graphs, the pools, the kernels compiling ahead) is the device runtime's
+(:mod:`mlptrain.runtime`), apart from the step; the trainer is the step and its state::
 
     logits = model.forward(x)                            # fused: RELU_AUX_BIAS ... BIAS
     loss, correct = head.backward(model, logits, y, s)   # the loss kernel (and, small heads, the
@@ -24,19 +25,19 @@ of :class:`~mlptrain.steplog.StepLog`.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
-from mlptrain import bgrad, build, fp8, shell
+from mlptrain import bgrad, build, fp8, state_fit
 from mlptrain.backend import Backend, get_backend
 from mlptrain.config import TrainConfig
+from mlptrain.cuda_source import Job
 from mlptrain.data import Dataset, load_dataset, preprocess
-from mlptrain.errors import CheckpointError
 from mlptrain.losses import mse_in_units
+from mlptrain.runtime import Runtime, device_runtime
 from mlptrain.schedule import StepClock
 from mlptrain.steplog import StepLog
 
@@ -58,40 +59,50 @@ class Trainer:
     """
 
     def __init__(
-        self, cfg: TrainConfig, dataset: Dataset | None = None, backend: Backend | None = None, *, comm: Any = None,
+        self,
+        cfg: TrainConfig,
+        dataset: Dataset | None = None,
+        backend: Backend | None = None,
+        *,
+        comm: Any = None,
         precompile: Any = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.cfg = cfg
         self.backend = backend or get_backend(cfg.device.value)
         xp = self.xp = self.backend.xp
         self.precision = build.precision(cfg.precision, self.backend)
         # GPU: the run's CuPy kernels compile on threads from here on, each waited for before its first launch
-        self._precompile = precompile if self.backend.is_gpu else None
-        if self.backend.is_gpu and precompile is None:
-            from mlptrain.gpu.precompile import start
-
-            self._precompile = start(self.precision, resume=cfg.resume is not None)
+        self.runtime: Runtime = device_runtime(
+            self.backend,
+            self.precision,
+            precompile=precompile,
+            resume=cfg.resume is not None,
+            graph=cfg.graph is not False,
+            autotune=cfg.execution.autotune,
+        )
         self.dataset = load_dataset(cfg.data) if dataset is None else preprocess(dataset, cfg.data)  # one path
         self.widths = build.widths(cfg.model, self.dataset)
         # Independent host streams for init and data order, from one seed.
         init_seed, data_seed = np.random.SeedSequence(cfg.seed).spawn(2)
         self.gemm = build.gemm(cfg.execution, self.backend, self.precision)
         self.execution = build.execution(cfg.execution, self.gemm, xp)
-        self.await_kernels("setup")  # from here on: the parameters' cast (resuming: CuPy's fill)
+        self.runtime.wait("setup")  # from here on: the parameters' cast (resuming: CuPy's fill)
         self.model = build.model(
-            cfg.model, self.widths, self.execution, self.backend, self.precision,
+            cfg.model,
+            self.widths,
+            self.execution,
+            self.backend,
+            self.precision,
             np.random.default_rng(init_seed),
-        )  # fmt: skip
+        )
         two_streams = build.wgrad_stream(cfg.execution, self.widths, cfg.data.batch_size, comm is not None)
-        if self.backend.is_gpu and two_streams:
-            self.model.use_wgrad_stream()  # dW GEMMs concurrent with the dX chain
+        self.runtime.wgrad_stream(self.model, two_streams)  # GPU: dW GEMMs concurrent with the dX chain
         self.head = build.head(cfg, self.backend, self.widths)
         if (units := self.dataset.target_units()) is not None:  # standardised targets (mse): losses in their units
             self.head.loss_fn = mse_in_units(xp.asarray(units))
-        cdt = self.precision.compute_dtype
         shard = (comm.rank, comm.world) if comm is not None else None
         self.train_loader, self.eval_loaders = build.loaders(
-            cfg.data, self.dataset, xp, cdt, int(data_seed.generate_state(1)[0]), shard
+            cfg.data, self.dataset, xp, self.precision.compute_dtype, int(data_seed.generate_state(1)[0]), shard
         )
         self.grad_sync: Any = None
         if comm is not None:
@@ -108,43 +119,34 @@ class Trainer:
         self.schedule = build.schedule(cfg.optimizer, xp, self.clock, self.total_steps)
         # Per-step metrics and the end-of-step bookkeeping, on the device (read every log_every steps).
         self.log = StepLog(xp, cfg.log_every, self.scaler, self.schedule)
-        self._device_runtime(comm is None)
-        bgrad.choose(self)  # on the GPU it may time the step, so after everything the step uses
-        if self.backend.is_gpu:  # blocks set-up freed (the probe's, temporaries of the weights' init) go back
-            xp.get_default_memory_pool().free_all_blocks()  # to the device: the step allocates from its own pool
-        if self.grad_sync is not None and self.backend.is_gpu:  # after the probe: it times one rank's step alone
-            self.grad_sync.overlap(self.model)  # each layer's weight gradient all-reduced as soon as it is made
-        if self._precompile is not None:  # the kernels of the step and of evaluation, planned from what was built
-            from mlptrain.gpu.precompile import step_jobs
-
-            self._precompile.submit(step_jobs(self), last=True)
-
-    def _device_runtime(self, one_process: bool) -> None:
-        """The stream the training loop runs on, the step's CUDA graph and the pools' high-water mark.
-
-        On the GPU a non-default CUDA stream (graph capture needs one); on the CPU a context that does nothing.
-        """
-        cfg, xp = self.cfg, self.xp
-        self.stream: Any = contextlib.nullcontext()
-        self.graphed: Any = None
-        self.memory_peak: Any = None  # GPU: high-water mark of the pools (mlptrain.gpu.memory)
-        if self.backend.is_gpu:
-            from mlptrain.gpu.memory import PeakTracker
-
-            xp.cuda.Device().synchronize()  # set-up work on the default stream is done
-            self.stream = xp.cuda.Stream(non_blocking=True)
-            self.memory_peak = PeakTracker(lambda: self.graphed.pool_bytes() if self.graphed is not None else 0)
+        model = self.model
+        self.runtime.prepare(
+            self._launch, keep=model.step_arrays, restore=model.restore_step_arrays, release=self.release_step
+        )
         # Each training batch gathered by the step itself (train_batches): where the step is one replayed graph
         # and one process trains (data parallel ranks gather theirs as they did); tests turn it on, on the CPU.
-        self.gathers_in_step = self.backend.is_gpu and cfg.graph is not False and one_process
+        self.gathers_in_step = self.runtime.graphed is not None and comm is None
         self._own_batches: dict[int, tuple[Any, Any]] = {}  # rows -> the buffers such a step gathers into
-        if self.backend.is_gpu and cfg.graph is not False:
-            from mlptrain.gpu.graph import GraphedStep
+        bgrad.choose(self)  # on the GPU it may time the step, so after everything the step uses
+        self.runtime.free_setup_blocks()  # blocks set-up freed (the probe's, the weights' init temporaries)
+        if self.grad_sync is not None:  # after the probe: it times one rank's step alone
+            self.grad_sync.overlap(self.model)  # each weight gradient all-reduced as soon as it is made (GPU)
+        self.runtime.submit_precompile(self.precompile_jobs)  # the kernels of the step and of evaluation
 
-            model = self.model
-            self.graphed = GraphedStep(
-                self._launch, keep=model.step_arrays, restore=model.restore_step_arrays, release=self.release_step
-            )
+    @property
+    def stream(self) -> Any:
+        """The runtime's stream: ``with trainer.stream:`` runs steps where the training loop runs them."""
+        return self.runtime.stream
+
+    @property
+    def graphed(self) -> Any:
+        """The runtime's CUDA graphs of the step (:class:`~mlptrain.gpu.graph.GraphedStep`), or None."""
+        return self.runtime.graphed
+
+    @property
+    def memory_peak(self) -> Any:
+        """The runtime's high-water mark of the pools (:class:`~mlptrain.gpu.memory.PeakTracker`), or None."""
+        return self.runtime.memory_peak
 
     # --- the step ---------------------------------------------------------------------------
 
@@ -159,25 +161,15 @@ class Trainer:
         On the GPU (unless ``graph=false``) the step is replayed from a CUDA graph. The returned
         arrays belong to the step: a replay rewrites them.
         """
-        if self._precompile is not None and self.cfg.execution.autotune:
-            self.finish_precompile()  # autotune times GEMM candidates in CUDA graphs while it plans them
-        gathers = self._gathers(x)
-        if self.graphed is not None:
-            out = self.graphed(x, y, tag="gather" if gathers else None)
-        else:
-            self.release_step()  # the last step's arrays go before this step allocates its own
-            out = self._launch(x, y)
+        out = self.runtime.step(x, y, tag="gather" if self._gathers(x) else None)
         self.clock.tick()
-        if self._precompile is not None:  # that was the first step, never captured: every capture comes later
-            self.finish_precompile()
         return out
 
     def release_step(self) -> None:
         """Drop the arrays the last step left: gradients, saved inputs and masks, and the GEMM plans'
         references to their last operands (their memory returns to the pool for the next step)."""
         self.model.release_step_arrays()
-        if self.backend.is_gpu:
-            self.gemm.release_operands()
+        self.gemm.release_operands()  # (the CPU's engine plans nothing: it has none)
 
     def _launch(self, x: Any, y: Any) -> tuple[Any, Any]:
         """The step's device work, launched op by op (what a CUDA graph records once)."""
@@ -190,13 +182,11 @@ class Trainer:
         else:  # data parallel (mlptrain.distributed.dp): this rank's share, then the global batch's
             loss, correct = self.forward_backward(x, y, sync.grad_scale(self.scaler.scale, rows))
             loss, correct, rows, inv_scale = sync(self.model.params, loss, correct, rows, inv_scale)
-        self.await_kernels("update")
+        self.runtime.wait("update")
         skip = self.scaler.check([p.grad for p in self.model.params])  # fp16: any inf/NaN gradient
-        if self.backend.is_gpu:  # one kernel: the update, then (its last block) the bookkeeping
-            self.optimizer.step(lr, inv_scale, skip, tail=self.log.tail(loss, correct, rows))
-        else:
-            self.optimizer.step(lr, inv_scale, skip)
-            self.log.end_step(loss, correct, rows)  # scaler update, the step count and lr, the metrics
+        # the update, then the bookkeeping (scaler update, the step count and lr, the metrics): on the GPU one
+        # kernel, whose last block runs the bookkeeping
+        self.log.after_update(lambda tail: self.optimizer.step(lr, inv_scale, skip, tail=tail), loss, correct, rows)
         return loss, correct
 
     def forward_backward(self, x: Any, y: Any, grad_scale: Any = None) -> tuple[Any, Any]:
@@ -205,7 +195,7 @@ class Trainer:
         ``grad_scale``: what the loss gradient is multiplied by (default: the loss scale)."""
         # (B, classes), handed over in a list: the loss writes dlogits over it and the backward frees it
         logits = [self.model.forward(x)]
-        self.await_kernels("loss")  # (the first time, the forward's GEMMs were planned meanwhile)
+        self.runtime.wait("loss")  # (the first time, the forward's GEMMs were planned meanwhile)
         return self.head.backward(self.model, logits, y, self.scaler.scale if grad_scale is None else grad_scale)
 
     def rows(self, y: Any) -> int:
@@ -240,12 +230,9 @@ class Trainer:
         """Where the loader should gather a training batch of ``rows``: the CUDA graph's input
         buffers for that shape (saves the step a copy), or None (fresh arrays) without a graph.
         ``tag``: the graphs of steps that gather their own batch (:meth:`train_batches`) are others."""
-        self.await_kernels("batch")  # the loader gathers next
-        if self.graphed is None:
-            return None
+        self.runtime.wait("batch")  # the loader gathers next
         ld = self.train_loader
-        shapes = ((rows, ld.x.shape[1]), ld.x.dtype, (rows, *ld.y.shape[1:]), ld.y.dtype)
-        return self.graphed.input_buffers(*shapes, tag=tag)
+        return self.runtime.input_buffers((rows, ld.x.shape[1]), ld.x.dtype, (rows, *ld.y.shape[1:]), ld.y.dtype, tag)
 
     def _host_buffers(self, rows: int) -> tuple[Any, Any]:
         """Batch arrays for steps that gather their own batch without a graph (the CPU, in tests)."""
@@ -263,13 +250,12 @@ class Trainer:
         are then taken on the host (float64, in batch order), so evaluating compiles no kernel of its own.
         Data parallel: each rank evaluates its rows of the split and the sums are all-reduced.
         """
-        self.finish_precompile()
+        self.runtime.finish_precompile()
         loader = self.eval_loaders[split]
         per_batch = []
         for x, y in loader.epoch(0):
             per_batch.append((*self.head.evaluate(self.model.forward(x, keep=False), y), len(y)))
-        if self.backend.is_gpu:
-            self.gemm.release_operands()  # the plans forget the last batch: its memory can go
+        self.gemm.release_operands()  # the plans forget the last batch: its memory can go
         to_host = self.backend.to_host
         loss_sum = 0.0
         for loss, _, rows in per_batch:
@@ -287,17 +273,22 @@ class Trainer:
 
     # --- kernels compiled ahead (mlptrain.gpu.precompile) --------------------------------------
 
-    def await_kernels(self, stage: str | None = None) -> None:
-        """Wait for the kernels of ``stage`` (None: all) compiling ahead: before their first launch."""
-        if self._precompile is not None:
-            self._precompile.wait(stage)
-
-    def finish_precompile(self) -> None:
-        """Wait for every kernel compiling ahead and end the threads, before any capture: :meth:`step` calls
-        it after the first step (graphs are captured after uncaptured warm-up steps), :meth:`evaluate` first."""
-        pre, self._precompile = self._precompile, None
-        if pre is not None:
-            pre.close()
+    def precompile_jobs(self) -> list[Job]:
+        """The kernels of the step and of evaluation, each declared by the component that writes it: the head's
+        losses (and kernel), the optimizer's update with the step log's tail, the scaler's check."""
+        cdt, train = self.precision.compute_dtype, self.train_loader
+        batches = [(r, ld.y, ld is train) for ld in [train, *self.eval_loaders.values()] for r in ld.row_counts()]
+        loss_dtype = np.float64 if np.dtype(cdt) == np.float64 else np.float32  # the loss's 0-d
+        sc, shapes = self.scaler, [p.value.shape for p in self.model.params]
+        return [
+            *self.head.precompile_jobs(self.model, cdt, batches, sc.scale),
+            *self.optimizer.precompile_jobs(
+                cdt,
+                (self.schedule.lr, sc.inv_scale, sc.found_inf),
+                lambda: self.log.scratch_tail(loss_dtype, train.row_counts()[0]),
+            ),
+            *sc.precompile_jobs(cdt, shapes),
+        ]
 
     # --- state ------------------------------------------------------------------------------
 
@@ -336,7 +327,7 @@ class Trainer:
             CheckpointError: another architecture, parameter dtype or optimizer, or missing,
                 extra or misshapen arrays (``where`` names the checkpoint in the message).
         """
-        self._check_fits(arrays, meta, where)
+        state_fit.check(self, arrays, meta, where)
         if self.dataset.preprocessing_differs(arrays, where):
             log.warning("%s: the data is normalised differently than when the checkpoint was saved", where)
         self.model.load_state_dict({k[len("param/") :]: v for k, v in arrays.items() if k.startswith("param/")})
@@ -350,41 +341,3 @@ class Trainer:
             # The strategies round differently: continue with the one the run was trained with.
             log.info("%s: using the checkpoint's bgrad strategies %s", where, meta["bgrad"])
             self.model.set_bgrad(meta["bgrad"])
-
-    def _check_fits(self, arrays: dict[str, np.ndarray], m: dict[str, Any], where: str) -> None:
-        if m["widths"] != self.widths:
-            raise CheckpointError(
-                f"{where} is for model {_w(m['widths'])} but this run builds {_w(self.widths)}; "
-                f"resume with {shell.override('model.hidden', m['widths'][1:-1])} or start a new run"
-            )
-        want_dtype = np.dtype(self.precision.param_dtype).name
-        if m["param_dtype"] != want_dtype:
-            raise CheckpointError(
-                f"{where} holds {m['param_dtype']} parameters (precision={m['precision']}) but this run uses "
-                f"precision={self.precision.name} with {want_dtype} parameters; resume with precision={m['precision']}"
-            )
-        if m["optimizer"] != self.cfg.optimizer.name:
-            raise CheckpointError(
-                f"{where} holds {m['optimizer']} optimizer state but this run uses "
-                f"optimizer={self.cfg.optimizer.name}; resume with optimizer={m['optimizer']}"
-            )
-        expected = {f"param/{p.name}": (tuple(p.value.shape), want_dtype) for p in self.model.params}
-        expected.update({f"optim/{k}": (tuple(v.shape), None) for k, v in self.optimizer.state_dict().items()})
-        expected.update(fp8.expected_arrays(self.gemm, arrays))
-        for key, (shape, dtype) in expected.items():
-            a = arrays.get(key)
-            if a is None:
-                raise CheckpointError(f"{where} has no {key!r} (optimizer settings such as momentum changed?)")
-            if a.shape != shape or (dtype is not None and a.dtype.name != dtype):
-                raise CheckpointError(
-                    f"{where}: {key!r} is {a.dtype.name}{list(a.shape)}, expected {dtype or a.dtype.name}{list(shape)}"
-                )
-        extra = sorted(k for k in set(arrays) - set(expected) if not k.startswith("data/"))
-        if extra:
-            raise CheckpointError(
-                f"{where} has state this run does not use: {', '.join(extra)} (optimizer settings changed?)"
-            )
-
-
-def _w(widths: list[int]) -> str:
-    return "-".join(map(str, widths))

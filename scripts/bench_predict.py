@@ -172,18 +172,18 @@ def bench(name: str, widths: list[int], precision: str, rows: int, batch: int, r
     x_dev = cp.asarray(x_host)
     rec: dict = {"model": name, "widths": widths, "precision": precision, "rows": rows, "batch": batch}
     ours = p.run(x_dev).class_id
-    times = time_passes(lambda: p.run(x_dev), cupy_events(p._gpu.stream), reps)
+    times = time_passes(lambda: p.run(x_dev), cupy_events(p.gpu_runner.stream), reps)
     rec["mlptrain"] = {"s": statistics.median(times), "rows_per_s": rows / statistics.median(times)}
     tuned = Predictor(ckpt, device="gpu", precision=precision, batch_size=batch, autotune=True)
     agree = float(np.mean(tuned.run(x_dev).class_id == ours))  # (plans, autotunes and captures)
-    t = statistics.median(time_passes(lambda: tuned.run(x_dev), cupy_events(tuned._gpu.stream), reps))
+    t = statistics.median(time_passes(lambda: tuned.run(x_dev), cupy_events(tuned.gpu_runner.stream), reps))
     rec["mlptrain, autotune"] = {
         "s": t,
         "rows_per_s": rows / t,
         "agree": agree,
     }
     rec["forward GEMMs only"] = forward_floor(p, x_dev[:batch], batch)
-    host = statistics.median(time_passes(lambda: p.run(x_host), cupy_events(p._gpu.stream), 2))
+    host = statistics.median(time_passes(lambda: p.run(x_host), cupy_events(p.gpu_runner.stream), 2))
     rec["mlptrain, host rows"] = {"s": host, "rows_per_s": rows / host}  # transfers and finiteness check included
     try:
         import torch

@@ -67,7 +67,7 @@ def main(argv=None):
     ex = FusedExecution(NvmathGemm())
     variants = {"cuBLASLt DRELU_BGRAD": lambda: ex.input_grad("head", W, d, aux, bias_grad_below=True)}
     for cols, threads in SHAPES:
-        variants[f"head_dgrad {cols} cols x {threads}"] = launcher(head._head_kernel(C, cols, threads), cols, threads)
+        variants[f"head_dgrad {cols} cols x {threads}"] = launcher(head.dgrad_kernel(C, cols, threads), cols, threads)
     empty = cp.ElementwiseKernel(
         "raw T d, raw T W, raw uint8 aux, int64 B, int64 H, int64 Mb, bool want_db",
         "raw T dzb, raw T db",

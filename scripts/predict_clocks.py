@@ -93,19 +93,19 @@ def main(argv=None) -> int:
             )  # noqa: E501
         phase(
             f"whole pipeline, {n} batches",
-            lambda: statistics.median(time_passes(lambda: p.run(x), cupy_events(p._gpu.stream), 3)),
+            lambda: statistics.median(time_passes(lambda: p.run(x), cupy_events(p.gpu_runner.stream), 3)),
             n,
         )  # noqa: E501
 
         def normalise_all() -> float:
             x_in = cp.empty((batch, widths[0]), p.precision.compute_dtype)
-            s = p._gpu.stream
+            s = p.gpu_runner.stream
             with s:
                 start, end = cp.cuda.Event(), cp.cuda.Event()
                 start.record(s)
                 for i in range(0, rows, batch):
                     part = x[i : i + batch]
-                    normalise(part, p._gpu.shift, p._gpu.inv, x_in[: len(part)])
+                    normalise(part, p.gpu_runner.shift, p.gpu_runner.inv, x_in[: len(part)])
                 end.record(s)
                 end.synchronize()
             return cp.cuda.get_elapsed_time(start, end) / 1e3

@@ -320,7 +320,7 @@ def test_fp16_loss_scaler_state_resumes_exactly(tmp_path: Path, monkeypatch: pyt
 def test_gpu_interrupted_then_resumed_matches_within_tolerance(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     overrides = {"device": Device.gpu, "optimizer__name": "adamw", "optimizer__lr": 0.01}
     for precision in ("fp32", "fp16"):
-        a, b = tmp_path / f"straight-{precision.value}", tmp_path / f"resumed-{precision.value}"
+        a, b = tmp_path / f"straight-{precision}", tmp_path / f"resumed-{precision}"
         cfg = {**overrides, "precision__name": precision}
         train(make_cfg(**cfg), a)
         interrupt_at(monkeypatch, 30)

@@ -4,7 +4,7 @@ Which kernels are planned for which precision and which trainer; that jobs run a
 threads, that one that fails only warns, that waiting for a stage waits for that stage alone; and
 that the trainer waits for each stage before its first launch and joins the threads after its
 first step, before any CUDA graph could be captured. The compiles themselves:
-tests/gpu/test_precompile.py.
+tests/gpu/test_precompile_gpu.py.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from types import SimpleNamespace
 
 import ml_dtypes
 import numpy as np
@@ -22,6 +21,7 @@ from helpers import FP16, emulate_fp16, make_cfg
 from mlptrain.config import Device
 from mlptrain.gpu import precompile as pc
 from mlptrain.head import OutputHead
+from mlptrain.loader import DataLoader
 from mlptrain.precision import Precision
 from mlptrain.trainer import Trainer
 
@@ -58,13 +58,15 @@ def test_the_dtype_jobs_follow_the_precision():
     ("n", "b", "drop_last", "rows"),
     [(1294, 64, False, [64, 14]), (1294, 64, True, [64]), (1280, 64, False, [64]), (10, 64, False, [10])],
 )
-def test_batch_rows_are_the_batch_size_and_a_short_last_batch(n, b, drop_last, rows):
-    assert pc.batch_rows(SimpleNamespace(num_samples=n, batch_size=b, drop_last=drop_last)) == rows
+def test_row_counts_are_the_batch_size_and_a_short_last_batch(n, b, drop_last, rows):
+    x, y = np.zeros((n, 2), np.float32), np.zeros(n, np.int64)
+    ld = DataLoader(x, y, b, xp=np, dtype=np.float32, shuffle=False, drop_last=drop_last, seed=0)
+    assert ld.row_counts() == rows
 
 
 def test_the_step_jobs_of_a_digits_run():
     tr = Trainer(make_cfg())  # digits: 1294 train rows in batches of 64, val 144 and test 359 rows
-    assert [(j.stage, j.name) for j in pc.step_jobs(tr)] == [
+    assert [(j.stage, j.name) for j in tr.precompile_jobs()] == [
         ("loss", "cross_entropy of float32 logits, 10 outputs, batches of 359, 144, 64, 14 rows"),
         ("update", "mlptrain_sgd_step (and the step log's tail)"),
     ]
@@ -74,7 +76,7 @@ def test_the_head_kernel_and_the_fp16_check_are_planned_where_the_run_has_them(m
     emulate_fp16(monkeypatch)
     tr = Trainer(make_cfg(**FP16, optimizer__name="adam"))
     tr.head = OutputHead("cross_entropy", "kernel")  # what OutputHead.choose takes on the GPU
-    jobs = pc.step_jobs(tr)
+    jobs = tr.precompile_jobs()
     assert names(jobs, "loss") == [
         "cross_entropy of float16 logits, 10 outputs, batches of 359, 144, 64, 14 rows",
         "mlptrain_head_dgrad (10 classes, float16)",
@@ -87,7 +89,11 @@ def test_the_head_kernel_and_the_fp16_check_are_planned_where_the_run_has_them(m
 
 def test_calls_too_large_to_mirror_are_left_to_their_first_use(monkeypatch):
     monkeypatch.setattr(pc, "SCRATCH_LIMIT", 4096)  # below the optimizer's scratch and the loss's logits
-    assert names(pc.step_jobs(Trainer(make_cfg()))) == []  # the same run plans two jobs at the usual limit (above)
+    jobs = Trainer(make_cfg()).precompile_jobs()  # the same run plans two jobs at the usual limit (above)
+    pre = pool()
+    pre.submit(jobs)
+    pre.close()
+    assert pre.done == pre.failed == [] and pre.left == names(jobs) and len(jobs) == 2
 
 
 # --- the pool of threads -----------------------------------------------------------------------
@@ -132,8 +138,8 @@ def test_a_job_whose_device_cannot_be_set_up_only_warns(caplog):
 def test_waiting_for_a_stage_waits_for_it_alone_and_close_joins_every_thread():
     gate, ran = threading.Event(), []
     pre = pool(workers=2)
-    pre.submit([pc.Job("slow", "later", lambda: (gate.wait(10), ran.append("slow"))),
-                pc.Job("fast", "setup", lambda: ran.append("fast"))])  # fmt: skip
+    slow = pc.Job("slow", "later", lambda: (gate.wait(10), ran.append("slow")))
+    pre.submit([slow, pc.Job("fast", "setup", lambda: ran.append("fast"))])
     pre.wait("setup")
     assert ran == ["fast"]  # the later job is still held at its gate
     gate.set()
@@ -178,7 +184,7 @@ def test_nothing_is_started_for_a_cpu_run(monkeypatch):
     assert pc.early(make_cfg()) is None  # device=cpu
     monkeypatch.setattr(pc.importlib.util, "find_spec", lambda name: None)  # no nvmath: no GPU run
     assert pc.early(make_cfg(device=Device.auto)) is None
-    assert Trainer(make_cfg())._precompile is None
+    assert Trainer(make_cfg()).runtime.precompile is None
 
 
 # --- the trainer's waits -----------------------------------------------------------------------
@@ -205,7 +211,7 @@ def traced(monkeypatch, **cfg: object) -> tuple[Trainer, list, FakePrecompiler]:
     backward, update = tr.head.backward, tr.optimizer.step
     monkeypatch.setattr(tr.head, "backward", lambda *a: (events.append("loss"), backward(*a))[1])
     monkeypatch.setattr(tr.optimizer, "step", lambda *a, **k: (events.append("update"), update(*a, **k))[1])
-    tr._precompile = fake = FakePrecompiler(events)
+    tr.runtime.precompile = fake = FakePrecompiler(events)
     return tr, events, fake
 
 
@@ -215,7 +221,7 @@ def test_the_first_step_waits_for_each_stage_before_it_then_joins_the_threads(mo
     x, y = next(batches)
     tr.step(x, y)
     assert events == [("wait", "batch"), ("wait", "loss"), "loss", ("wait", "update"), "update", "close"]
-    assert fake.closed and tr._precompile is None  # a graph is captured after a warm-up step: joined by then
+    assert fake.closed and tr.runtime.precompile is None  # a graph is captured after a warm-up step: joined by then
     events.clear()
     tr.step(*next(batches))
     assert events == ["loss", "update"]  # nothing to wait for any more
@@ -223,7 +229,7 @@ def test_the_first_step_waits_for_each_stage_before_it_then_joins_the_threads(mo
 
 def test_autotune_joins_the_threads_before_the_first_step(monkeypatch):
     tr, events, _ = traced(monkeypatch)
-    tr.cfg.execution.autotune = True  # it captures GEMMs in CUDA graphs while it plans them
+    tr.runtime.autotune = True  # execution.autotune=true: it captures GEMMs in CUDA graphs while it plans them
     tr.step(*next(iter(tr.train_loader)))
     assert events[0] == "close" and events[1:] == ["loss", "update"]
 
@@ -231,8 +237,8 @@ def test_autotune_joins_the_threads_before_the_first_step(monkeypatch):
 def test_evaluation_joins_the_threads_first(monkeypatch):
     tr, events, fake = traced(monkeypatch)
     tr.evaluate("test")
-    assert events == ["close"] and tr._precompile is None
+    assert events == ["close"] and tr.runtime.precompile is None
 
 
 def test_a_cpu_trainer_uses_no_precompiler_it_is_given():
-    assert Trainer(make_cfg(), precompile=FakePrecompiler([]))._precompile is None
+    assert Trainer(make_cfg(), precompile=FakePrecompiler([])).runtime.precompile is None

@@ -25,12 +25,11 @@ import numpy as np
 
 from mlptrain.data.arrow_reader import read_arrow
 from mlptrain.data.csv_reader import header_names, read_csv_numpy
-from mlptrain.data.csv_reader import lines as _lines
 from mlptrain.data.npz_reader import read_npz
 from mlptrain.data.table import Table
 from mlptrain.errors import DatasetError
 
-__all__ = ["FORMATS", "Table", "arrow_available", "columns", "file_kind", "read_table", "write_csv", "_lines"]
+__all__ = ["FORMATS", "Table", "arrow_available", "columns", "file_kind", "read_table", "write_csv"]
 
 # suffix -> (kind, delimiter)
 FORMATS = {

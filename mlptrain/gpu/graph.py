@@ -183,6 +183,14 @@ class GraphedStep:
         """Bytes held by the graphs' private memory pools."""
         return sum(g.pool.total_bytes() for g in self._shapes.values())
 
+    def pool_used_bytes(self) -> int:
+        """Bytes of the graphs' private memory pools that arrays use now."""
+        return sum(int(g.pool.used_bytes()) for g in self._shapes.values())
+
+    def input_arrays(self) -> list[Any]:
+        """The batch buffers the graphs read (``x_static``, ``y_static`` of each; None where not made yet)."""
+        return [a for g in self._shapes.values() for a in (g.x_static, g.y_static)]
+
     def kernel_names(self, shape: tuple | None = None) -> list[str]:
         """The kernels one replay runs, in capture order (``shape``: the batch shape; default the first captured)."""
         graphs = self.graphs()

@@ -92,10 +92,8 @@ def head_input_grad(dlogits: Any, W: Any, relu_aux: Any, *, bias_grad_below: boo
     db = cp.empty(H if bias_grad_below else 1, dtype=dlogits.dtype)
     blocks = -(-H // COLUMNS_PER_BLOCK)
     # flat views, no copies: relu_aux.T is the C-order (B, Mb) array of its memory
-    _head_kernel(C)(
-        dlogits.reshape(-1), W.reshape(-1), relu_aux.T.reshape(-1), B, H, mb, bias_grad_below,
-        dz.reshape(-1), db, size=blocks * THREADS, block_size=THREADS,
-    )  # fmt: skip
+    args = (dlogits.reshape(-1), W.reshape(-1), relu_aux.T.reshape(-1), B, H, mb, bias_grad_below, dz.reshape(-1), db)
+    dgrad_kernel(C)(*args, size=blocks * THREADS, block_size=THREADS)
     return dz, (db if bias_grad_below else None)
 
 
@@ -167,8 +165,17 @@ if (want_db) {  // a fixed tree over the PASS partials of each column
 """
 
 
+def compile_ahead(weight: tuple[int, int], dtype: Any, rows: list[int], *, bias_grad_below: bool) -> None:
+    """:func:`head_input_grad` for an output weight of shape ``weight`` (C, H) and each training batch of ``rows``,
+    on zeros: the job :meth:`mlptrain.head.OutputHead.precompile_jobs` declares."""
+    w = cp.zeros(weight, dtype)  # (C, H)
+    for r in rows:
+        aux = cp.zeros(relu_aux_shape(w.shape[1], r)[::-1], cp.uint8).T  # (Mb, B) column-major, as RELU_AUX_BIAS
+        head_input_grad(cp.zeros((r, w.shape[0]), w.dtype), w, aux, bias_grad_below=bias_grad_below)
+
+
 @functools.cache
-def _head_kernel(classes: int, cols: int = COLUMNS_PER_BLOCK, threads: int = THREADS) -> Any:
+def dgrad_kernel(classes: int, cols: int = COLUMNS_PER_BLOCK, threads: int = THREADS) -> Any:
     """The kernel for ``classes`` classes (compiled once per class count; a model has one)."""
     prep, body = _head_source(classes, cols, threads)
     return cp.ElementwiseKernel(

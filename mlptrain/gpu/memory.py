@@ -70,11 +70,8 @@ def account(trainer: Any) -> dict[str, Any]:
     model, seen = trainer.model, set[int]()
     params = model.params
     layers = model.layers
-    graphed = trainer.graphed
-    batch = []
-    if graphed is not None:
-        for g in graphed._shapes.values():
-            batch += [g.x_static, g.y_static]
+    graphed = trainer.runtime.graphed
+    batch = graphed.input_arrays() if graphed is not None else []
     cats = {
         "master_weights": _unique_bytes((p.value for p in params), seen),
         "compute_copies": _unique_bytes((p.compute for p in params if p.has_compute_copy), seen)
@@ -93,11 +90,11 @@ def account(trainer: Any) -> dict[str, Any]:
     pools = {
         "default_used": int(default.used_bytes()),
         "default_total": int(default.total_bytes()),
-        "graph_used": sum(int(g.pool.used_bytes()) for g in graphed._shapes.values()) if graphed else 0,
+        "graph_used": graphed.pool_used_bytes() if graphed else 0,
         "graph_total": graphed.pool_bytes() if graphed else 0,
     }
     reserved = pools["default_total"] + pools["graph_total"]
-    peak = trainer.memory_peak
+    peak = trainer.runtime.memory_peak
     peak.sample("account")
     return {
         "live_bytes": cats,

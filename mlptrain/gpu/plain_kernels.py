@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-import cupy as cp
+from mlptrain.cuda_source import Job
 
 # out[i] = src[idx[r] * units + c] for i = r * units + c: whole rows in units of U (mlptrain.gpu.gather)
 GATHER = r"""
@@ -81,9 +81,21 @@ MLPTRAIN_NONFINITE(mlptrain_nonfinite_float64, unsigned long long, 0x7FF00000000
 @functools.cache
 def module() -> Any:
     """The one ``RawModule`` of the sources above (compiled at its first ``get_function``)."""
+    import cupy as cp  # here, not above: the sources and the jobs plan without a GPU (mlptrain.gpu.precompile)
+
     return cp.RawModule(code=GATHER + NONFINITE)
 
 
 def function(name: str) -> Any:
     """The kernel ``name`` of :func:`module`."""
     return module().get_function(name)
+
+
+def precompile_jobs() -> list[Job]:
+    """The module, compiled ahead (:mod:`mlptrain.gpu.precompile`): no shapes or dtypes in its source, so one job
+    whatever the run, started before the data is loaded."""
+    return [Job("mlptrain's header-free kernels: the batch gather, the inf/NaN flags (one module)", "batch", _compile)]
+
+
+def _compile() -> None:
+    function("mlptrain_gather_1")  # the first function compiles the whole module

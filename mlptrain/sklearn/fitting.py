@@ -110,7 +110,7 @@ def _check(tr: Trainer, losses: np.ndarray, lrs: np.ndarray, epoch: int, *, each
 
 def outputs(tr: Trainer, split: str) -> np.ndarray:
     """The model's outputs ``(N, C)`` float64 on an evaluation split (the logits of a classification)."""
-    tr.finish_precompile()
+    tr.runtime.finish_precompile()
     out = [tr.backend.to_host(tr.model.forward(x, keep=False)) for x, _ in tr.eval_loaders[split].epoch(0)]
     if tr.backend.is_gpu:
         tr.gemm.release_operands()  # the plans forget the last batch

@@ -34,7 +34,7 @@ def test_gpu_fp32_predictions_equal_the_cpus(ckpt: Path) -> None:
     clear = margin[:, -1] - margin[:, -2] > 1e-3  # rows whose argmax no rounding can flip
     np.testing.assert_array_equal(got.class_id[clear], want.class_id[clear])
     np.testing.assert_allclose(got.probabilities, want.probabilities, rtol=1e-4, atol=1e-5)
-    assert gpu._gpu.graphs_captured() == 1  # the short batch reused the graph of the full ones
+    assert gpu.gpu_runner.graphs_captured() == 1  # the short batch reused the graph of the full ones
 
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
@@ -125,7 +125,7 @@ def test_calls_of_many_sizes_share_a_few_graphs(ckpt: Path) -> None:
         got, want = gpu.run(x[:n], probabilities=True), cpu.run(x[:n], probabilities=True)
         np.testing.assert_allclose(got.probabilities, want.probabilities, rtol=1e-4, atol=1e-5)
         assert got.class_id.shape == (n,)
-    assert gpu._gpu.graphs_captured() == 3  # batches of 64, 128 and 1024 rows
+    assert gpu.gpu_runner.graphs_captured() == 3  # batches of 64, 128 and 1024 rows
 
 
 @pytest.mark.parametrize("name", ["float16", "bfloat16", "float32", "float64"])

@@ -124,7 +124,7 @@ def test_every_thread_is_joined_before_the_first_capture(monkeypatch):
     alive = []
 
     def capture(fn, stream):
-        pre = trainer._precompile
+        pre = trainer.runtime.precompile
         alive.append(pre is not None or any(t.is_alive() for t in threads))
         return original(fn, stream)
 
@@ -132,7 +132,7 @@ def test_every_thread_is_joined_before_the_first_capture(monkeypatch):
     monkeypatch.setattr(graph, "capture_graph", capture)
 
     trainer = gpu_trainer(**{"execution.bgrad": "bgradb"})
-    pre = trainer._precompile
+    pre = trainer.runtime.precompile
     assert pre is not None, "a GPU trainer compiles its kernels ahead"
     threads = list(pre._pool._threads)
     with trainer.stream:
@@ -148,7 +148,7 @@ def test_compiling_ahead_changes_no_number(monkeypatch, precision):
     tr, ahead = graph_run(True, 40, **{"precision.name": precision})
     monkeypatch.setenv("MLPTRAIN_PRECOMPILE", "0")
     lazy_tr, lazy = graph_run(True, 40, **{"precision.name": precision})
-    assert lazy_tr._precompile is None
+    assert lazy_tr.runtime.precompile is None
     np.testing.assert_array_equal(ahead, lazy)
     for name, value in tr.model.state_dict().items():
         np.testing.assert_array_equal(value, lazy_tr.model.state_dict()[name], err_msg=name)
@@ -156,12 +156,14 @@ def test_compiling_ahead_changes_no_number(monkeypatch, precision):
 
 
 def test_a_failing_job_leaves_its_kernel_to_its_first_launch(monkeypatch, caplog):
-    from mlptrain.gpu import precompile as pc
+    from mlptrain.cuda_source import Job
+    from mlptrain.optim import Optimizer
 
-    def broken(tr):
+    def broken() -> None:
         raise RuntimeError("broken on purpose")
 
-    monkeypatch.setattr(pc, "_update", broken)
+    # the optimizer's kernel, declared by the optimizer: its job fails, so it compiles at the first update
+    monkeypatch.setattr(Optimizer, "precompile_jobs", lambda self, *a, **k: [Job("the update", "update", broken)])
     with caplog.at_level(logging.WARNING, logger="mlptrain.gpu.precompile"):
         tr, losses = graph_run(True, 30)
     assert "ahead failed (RuntimeError: broken on purpose)" in caplog.text

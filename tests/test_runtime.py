@@ -1,0 +1,229 @@
+"""The device runtime apart from the step (mlptrain.runtime), and components that own their kernels.
+
+The CPU runtime does nothing but run the step; the GPU's has the same interface. Precompilation
+only schedules: each component declares its jobs beside its CUDA source, the trainer collects the
+step's, and the scheduler runs each exactly once, writing nothing of anyone. The GPU half (streams,
+graphs, pools, compiles): tests/gpu/test_precompile_gpu.py, test_graph.py, test_memory.py.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import copy
+import inspect
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import make_cfg
+
+from mlptrain import runtime as rt
+from mlptrain.backend import Backend
+from mlptrain.cuda_source import Job
+from mlptrain.gpu import precompile as pc
+from mlptrain.precision import LossScaler
+from mlptrain.trainer import Trainer
+
+PKG = Path(__file__).resolve().parent.parent / "mlptrain"
+
+
+# --- the runtime's interface ---------------------------------------------------------------------
+
+
+def test_the_cpu_runtime_does_nothing_but_run_the_step():
+    r = rt.device_runtime(Backend("cpu", np), None, precompile=object(), resume=False, graph=True, autotune=False)
+    assert type(r) is rt.Runtime  # a precompiler handed to a CPU run is not used
+    assert r.graphed is None and r.memory_peak is None and r.precompile is None
+    assert isinstance(r.stream, contextlib.nullcontext)
+    with r.stream:  # a context that does nothing
+        pass
+    assert r.input_buffers((4, 3), np.float32, (4,), np.int64) is None  # fresh arrays: no graph to feed
+    with pytest.raises(RuntimeError, match="before Runtime.prepare"):
+        r.step(1, 2)
+    calls: list = []
+    r.prepare(
+        lambda x, y: calls.append(("step", x, y)) or "out",
+        keep=list,
+        restore=print,
+        release=lambda: calls.append("release"),
+    )
+    assert r.step(1, 2) == "out" and r.step(3, 4, tag="gather") == "out"
+    assert calls == ["release", ("step", 1, 2), "release", ("step", 3, 4)]  # the last step's arrays go first
+    model = object()
+    r.wgrad_stream(model, True)  # one stream on the CPU
+    r.free_setup_blocks()
+    r.submit_precompile(lambda: pytest.fail("no precompiler: the jobs are not even planned"))
+    r.wait("loss")
+    r.finish_precompile()
+
+
+def test_the_gpu_runtime_has_the_cpu_runtimes_interface():
+    public = {n for n, _ in inspect.getmembers(rt.Runtime, inspect.isfunction) if not n.startswith("_")}
+    assert public == {
+        "prepare",
+        "step",
+        "input_buffers",
+        "wgrad_stream",
+        "free_setup_blocks",
+        "submit_precompile",
+        "wait",
+        "finish_precompile",
+    }
+    assert issubclass(rt.GpuRuntime, rt.Runtime)
+    for name in public:  # what the GPU overrides, it overrides with the same signature
+        cpu, gpu = getattr(rt.Runtime, name), getattr(rt.GpuRuntime, name)
+        assert inspect.signature(cpu) == inspect.signature(gpu), name
+
+
+def test_the_runtimes_precompile_lifecycle_waits_then_joins_once():
+    events: list = []
+
+    class Pre:
+        def submit(self, jobs, *, last=False):
+            events.append(("submit", [j.name for j in jobs], last))
+
+        def wait(self, stage=None):
+            events.append(("wait", stage))
+
+        def close(self):
+            events.append("close")
+
+    r = rt.Runtime(Pre(), autotune=True)
+    r.prepare(lambda x, y: events.append("step"), keep=list, restore=print, release=lambda: None)
+    r.submit_precompile(lambda: [Job("a", "loss", lambda: None)])
+    r.wait("loss")
+    r.step(0, 0)  # autotune: joined before the first step, then nothing more to join
+    r.step(0, 0)
+    assert events == [("submit", ["a"], True), ("wait", "loss"), "close", "step", "step"]
+    assert r.precompile is None
+
+
+def test_a_trainer_step_through_the_cpu_runtime_is_the_launch_itself():
+    cfg = make_cfg(data__batch_size=64, optimizer__lr=0.1)
+    a, b = Trainer(cfg), Trainer(cfg)
+    assert type(a.runtime) is rt.Runtime and a.stream is a.runtime.stream and a.graphed is None
+    got, want = [], []
+    for (x, y), (x2, y2) in zip(list(a.train_loader.epoch(0))[:12], list(b.train_loader.epoch(0))[:12], strict=True):
+        got.append(float(a.step(x, y)[0]))
+        b.release_step()  # what the runtime does around the step, by hand
+        want.append(float(b._launch(x2, y2)[0]))
+        b.clock.tick()
+    assert got == want and a.step_count == b.step_count == 12
+    for name, value in a.model.state_dict().items():
+        np.testing.assert_array_equal(value, b.model.state_dict()[name], err_msg=name)
+
+
+# --- components own their kernels; precompile only schedules -----------------------------------
+
+
+class Component:
+    """A fake component that writes CUDA source: it declares two jobs and counts how often each runs."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.ran: dict[str, int] = {}
+        self.declared = 0
+
+    def precompile_jobs(self, *args, **kwargs) -> list[Job]:
+        self.declared += 1
+        return [
+            Job(f"{self.name} {i}", stage, lambda i=i: self._compile(i)) for i, stage in enumerate(["loss", "update"])
+        ]
+
+    def _compile(self, i: int) -> None:
+        key = f"{self.name} {i}"
+        self.ran[key] = self.ran.get(key, 0) + 1
+
+
+def test_precompile_runs_every_declared_job_of_the_step_exactly_once(monkeypatch):
+    tr = Trainer(make_cfg())
+    fakes = {"head": Component("head"), "optimizer": Component("optimizer"), "scaler": Component("scaler")}
+    for attr, fake in fakes.items():
+        monkeypatch.setattr(getattr(tr, attr), "precompile_jobs", fake.precompile_jobs)
+    pre = pc.Precompiler(workers=3, context=contextlib.nullcontext)
+    tr.runtime.precompile = pre
+    tr.runtime.submit_precompile(tr.precompile_jobs)  # as the trainer does once it is built
+    tr.step(*next(iter(tr.train_loader)))  # the first step joins the threads
+    assert pre.closed and tr.runtime.precompile is None and pre.failed == [] and pre.left == []
+    for fake in fakes.values():
+        assert fake.declared == 1 and fake.ran == {f"{fake.name} 0": 1, f"{fake.name} 1": 1}
+    assert sorted(pre.done) == sorted(f"{n} {i}" for n in fakes for i in (0, 1))
+
+
+def test_the_step_collects_each_components_jobs():
+    tr = Trainer(make_cfg())  # digits, fp32 SGD: the loss, and the update with the step log's tail
+    assert [(j.stage, j.name, j.scratch > 0) for j in tr.precompile_jobs()] == [
+        ("loss", "cross_entropy of float32 logits, 10 outputs, batches of 359, 144, 64, 14 rows", True),
+        ("update", "mlptrain_sgd_step (and the step log's tail)", True),
+    ]
+
+
+def test_a_components_job_writes_only_to_its_own_copies():
+    """The head's losses, the optimizer's update and the scaler's check are plain calls that the CPU can run:
+    run here, on NumPy, they leave the trainer exactly as it was (the jobs hold zeros and copies)."""
+    tr = Trainer(make_cfg(optimizer__momentum=0.9))
+    tr.step(*next(iter(tr.train_loader)))
+    before = copy.deepcopy((tr.model.state_dict(), tr.optimizer.state_dict(), tr.scaler.state_dict()))
+    cdt, train = tr.precision.compute_dtype, tr.train_loader
+    batches = [(r, train.y, True) for r in train.row_counts()]
+    jobs = tr.head.precompile_jobs(tr.model, cdt, batches, tr.scaler.scale)
+    jobs += tr.optimizer.precompile_jobs(cdt, (tr.schedule.lr, tr.scaler.inv_scale, tr.scaler.found_inf))
+    scaler = LossScaler(np, enabled=True)
+    jobs += scaler.precompile_jobs(cdt, [p.value.shape for p in tr.model.params])
+    assert [j.name for j in jobs] == [
+        "cross_entropy of float32 logits, 10 outputs, batches of 64, 14 rows",
+        "mlptrain_sgd_step",
+        "mlptrain_check_nonfinite (float32 gradients)",
+    ]
+    for job in jobs:
+        job.run()
+    after = (tr.model.state_dict(), tr.optimizer.state_dict(), tr.scaler.state_dict())
+    for was, now in zip(before[:2], after[:2], strict=True):
+        for k in was:
+            np.testing.assert_array_equal(was[k], now[k], err_msg=k)
+    assert before[2] == after[2] and int(scaler.found_inf) == 0
+    tail = tr.log.scratch_tail(np.float32, 64)  # the step log's tail on zeros: none of the log's arrays
+    ring = [tr.log.loss, tr.log.correct, tr.log.skip, tr.log.scale, tr.log.epoch_loss, tr.log.epoch_correct]
+    assert not any(a is b for a in tail.args for b in ring) and all(not np.any(a) for a in tail.args)
+
+
+# --- architecture: the trainer is the step; nobody touches another module's privates ------------
+
+
+def test_the_trainer_has_no_device_branch():
+    src = (PKG / "trainer.py").read_text()
+    assert "is_gpu" not in src and "cupy" not in src and "precompile import" not in src
+
+
+def test_precompile_assigns_no_attribute_of_another_object():
+    tree = ast.parse((PKG / "gpu" / "precompile.py").read_text())
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+        for t in targets:
+            for leaf in ast.walk(t) if t is not None else ():
+                if isinstance(leaf, ast.Attribute) and isinstance(leaf.ctx, ast.Store):
+                    assert isinstance(leaf.value, ast.Name) and leaf.value.id == "self", ast.unparse(leaf)
+
+
+def test_no_module_touches_a_private_attribute_of_another_modules_class():
+    """``x._y`` only where ``_y`` belongs to a class of the same module (``self._y = ...`` there), or on
+    ``self``, ``cls`` or ``super()``; ``os._exit`` is the standard library's."""
+    offenders = []
+    for path in sorted(PKG.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        own = {
+            n.attr
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self"
+        }
+        for n in ast.walk(tree):
+            if not (isinstance(n, ast.Attribute) and n.attr.startswith("_") and not n.attr.startswith("__")):
+                continue
+            v = n.value
+            if (isinstance(v, ast.Name) and v.id in ("self", "cls", "os")) or n.attr in own:
+                continue
+            if isinstance(v, ast.Call) and isinstance(v.func, ast.Name) and v.func.id == "super":
+                continue
+            offenders.append(f"{path.relative_to(PKG.parent)}:{n.lineno} {ast.unparse(n)}")
+    assert offenders == []
