@@ -330,7 +330,9 @@ def test_a_dataframe_names_the_features_and_other_names_are_scikit_learns_error(
         clf.predict_proba(renamed)
 
 
-def test_fit_writes_no_run_directory_and_nothing_into_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fit_writes_no_run_directory_and_nothing_into_the_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """#32: "writes no run directory unless asked": fit, partial_fit, predict and score leave the working
     folder empty and write nothing into mlptrain's cache (``$MLPTRAIN_DATA``, ``$HOME``); only ``save``
     writes, and only the file it is given."""
