@@ -356,6 +356,21 @@ def test_fit_writes_no_run_directory_and_nothing_into_the_cache(
     assert sorted(p.name for p in work.rglob("*")) == ["model.npz"]
 
 
+def test_the_regressor_standardises_its_targets_from_the_train_split_as_the_cli_does() -> None:
+    """#32, docs/sklearn.md: targets in the hundreds are standardised (train split), kept, and undone."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(200, 3))
+    y = 300.0 + 100.0 * x[:, 0] + rng.normal(0.0, 5.0, 200)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        reg = MLPRegressor(max_iter=50, random_state=0, device="cpu").fit(x, y)
+    a = reg.state_.arrays
+    assert reg.state_.meta["data"]["target_scaling"] == "standard"
+    np.testing.assert_allclose(a["data/target_shift"], [y.mean()], rtol=1e-6)  # no held-out split here
+    np.testing.assert_allclose(a["data/target_scale"], [y.std()], rtol=1e-6)
+    assert reg.score(x, y) > 0.8 and abs(reg.predict(x).mean() - y.mean()) < 10.0  # in the targets' units
+
+
 def test_verbose_prints_scikit_learns_lines(capsys: pytest.CaptureFixture[str]) -> None:
     x, y = _blobs(60)
     clf = MLPClassifier(max_iter=50, early_stopping=True, n_iter_no_change=2, tol=0.5, verbose=True, random_state=0)
