@@ -112,6 +112,8 @@ def _own_split(p: Predictor, split: str) -> tuple[np.ndarray, np.ndarray, str]:
         cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(DataConfig), saved or {}))
     except OmegaConfBaseException as exc:
         raise CheckpointError(f"checkpoint {p.path}: its data config cannot be read ({exc}); use data=FILE") from exc
+    if cfg.name == "file" and not cfg.path:  # type: ignore[union-attr]  # fitted from Python (mlptrain.sklearn)
+        raise DatasetError(f"checkpoint {p.path} records no data file to split; pass data=<a labelled file>")
     ds = load_dataset(cfg)  # type: ignore[arg-type]
     norm = ds.normalization
     if norm is not None and not (np.array_equal(norm.shift, p.shift) and np.array_equal(norm.scale, p.scale)):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +63,12 @@ GROUP_KEYS = {
 }
 
 
-def restore(cfg: TrainConfig, out_dir: Path, overrides: Sequence[str] | None = None) -> TrainConfig:
+def restore(
+    cfg: TrainConfig,
+    out_dir: Path,
+    overrides: Sequence[str] | None = None,
+    check: Callable[[TrainConfig], Any] | None = None,
+) -> TrainConfig:
     """``cfg`` with the settings of the run it resumes, from that run's checkpoint (or ``run.json``, for a
     run killed before its first checkpoint); ``cfg`` itself when it starts a run.
 
@@ -72,6 +77,10 @@ def restore(cfg: TrainConfig, out_dir: Path, overrides: Sequence[str] | None = N
             (``model.hidden=[64,64]``; a group's option, ``optimizer=adam``, sets the key that names it,
             :data:`GROUP_KEYS`); None from Python, where a setting counts as set when it differs
             from :class:`~mlptrain.config.TrainConfig`'s default.
+        check: validates a config (:func:`mlptrain.checks.validate`); before a contradiction is refused,
+            what was asked is checked among the run's own settings, so that a bad value given is named
+            as such first, and an option is judged with the run's (``data.task`` with the run's ``data=file``,
+            not the default dataset's).
 
     Raises:
         ConfigError: a setting that was set contradicts the run's and may not change on resume.
@@ -95,6 +104,8 @@ def restore(cfg: TrainConfig, out_dir: Path, overrides: Sequence[str] | None = N
         else:
             refused.append(key)
     if refused:
+        if check is not None:
+            check(from_flat(merged))  # the settings given, the run's for the rest
         raise ConfigError(_contradiction(source, refused, saved, now, out_dir, overrides))
     if changed:
         log.info("resuming %s with its own settings; changed on resume: %s", source, "; ".join(changed))

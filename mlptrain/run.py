@@ -29,7 +29,7 @@ from mlptrain.backend import get_backend
 from mlptrain.checks import validate
 from mlptrain.config import TrainConfig, to_plain
 from mlptrain.data import Dataset
-from mlptrain.errors import ConfigError, MlptrainError
+from mlptrain.errors import MlptrainError
 from mlptrain.faults import StopRequest
 from mlptrain.loop import Loop
 from mlptrain.metrics import MetricsWriter, epochs_from_one
@@ -82,12 +82,12 @@ def train(
         NonFiniteError: a loss, gradient or parameter became inf/NaN (the message names it).
         ResourceError: out of memory (the message says which sizes to lower).
     """
-    try:
-        restored = restore(cfg, Path(out_dir), overrides)  # a resume: the run's own settings
-    except ConfigError:
-        validate(cfg, data_parallel=comm is not None)  # a bad value given is named as such first
-        raise
-    cfg = validate(restored, data_parallel=comm is not None)
+
+    def check(c: TrainConfig) -> TrainConfig:
+        return validate(c, data_parallel=comm is not None)
+
+    restored = restore(cfg, Path(out_dir), overrides, check)  # a resume: the run's own settings (a bad value first)
+    cfg = check(restored)
     if comm is not None and comm.rank != 0:
         return _train_follower(cfg, Path(out_dir), dataset, comm)
     run_dir = RunDirectory(Path(out_dir), front_end(overrides))

@@ -20,7 +20,7 @@ compared with the same job of an uninterrupted sweep). Two more moments aim at t
 epoch" (a step record of the final epoch is written) and "summary" (the final epoch record is
 written: the summary is being made). With ``logger=tensorboard`` the scalars TensorBoard would show
 (events read back, earlier ones purged from a resumed writer's ``purge_step`` on, as TensorBoard does)
-are compared with the uninterrupted run's too, and reported on their own line.
+are compared with the uninterrupted run's too, reported on their own line, and a difference is a problem.
 
 Usage: python scripts/fault_campaign.py [--interruptions 100] [--seed 0] [--scenarios plain,sweep] [--out DIR]
 """
@@ -278,7 +278,10 @@ def compare(run: Path, reference: Path) -> tuple[list[str], bool | None]:
         problems.append(f"{run}: a .corrupt or .tmp file is left")
     if not (reference / "tensorboard").is_dir():
         return problems, None
-    return problems, tensorboard_scalars(run) == tensorboard_scalars(reference)
+    same = tensorboard_scalars(run) == tensorboard_scalars(reference)
+    if not same:
+        problems.append(f"{run}: the TensorBoard scalars differ from the uninterrupted run's")
+    return problems, same
 
 
 def tensorboard_scalars(run: Path) -> dict[tuple[str, int], float]:

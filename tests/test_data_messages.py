@@ -91,16 +91,42 @@ def test_predict_names_its_own_settings(ckpt: Path, tmp_path: Path, capsys: pyte
         assert phrase in err and "data.path" not in err and "data.target" not in err, err
 
 
+def test_evaluate_of_a_checkpoint_without_a_data_file_asks_for_data(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """#27: a checkpoint fitted from Python (mlptrain.sklearn) records no data file; evaluate without
+    ``data=`` said "data file None does not exist; set data.path to an existing file"."""
+    pytest.importorskip("sklearn")
+    from mlptrain.evaluate import main as evaluate_main
+    from mlptrain.sklearn import MLPClassifier
+
+    x, y = blobs()
+    path = MLPClassifier(hidden_layer_sizes=(8,), max_iter=2, random_state=0).fit(x, y).save(tmp_path / "m.npz")
+    capsys.readouterr()
+    assert evaluate_main([f"ckpt={path}", "device=cpu"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert errors == [f"error: checkpoint {path} records no data file to split; pass data=<a labelled file>"]
+    x2, y2 = blobs(20, seed=1)
+    write_csv(tmp_path / "labelled.csv", x2, y2, ["x0", "x1", "x2"])  # the estimator's own column names
+    assert evaluate_main([f"ckpt={path}", f"data={tmp_path / 'labelled.csv'}", "device=cpu"]) == 0
+
+
 def test_from_the_command_line_each_is_one_line_and_exit_2(tmp_path: Path) -> None:
     x, y = blobs()
     np.savez(tmp_path / "w.npz", x=x, y=np.arange(len(x)) % 2, x_test=np.zeros((5, 4)), y_test=np.zeros(5))
     (tmp_path / "sp.csv").write_text("f0, f1, label\n" + "".join(f"{i}, {i % 3}, {i % 2}\n" for i in range(40)))
+    write_csv(tmp_path / "t.csv", x, np.arange(len(x)) * 0.5, ["f0", "f1", "f2"])
     env = {**os.environ, "PYTHONPATH": str(REPO), "MLPTRAIN_DATA": str(tmp_path / "cache")}
     common = [sys.executable, "-m", "mlptrain", "device=cpu", "progress=false", "epochs=1", "data=file"]
-    for path, rc, phrase in [(tmp_path / "w.npz", 2, "x_test has 4 columns, x has 3"), (tmp_path / "sp.csv", 0, "")]:
+    twice = "data.target=['label', 'label'] names the column 'label' more than once; name each target column once"
+    for path, extra, rc, phrase in [
+        (tmp_path / "w.npz", [], 2, "x_test has 4 columns, x has 3"),
+        (tmp_path / "sp.csv", [], 0, ""),
+        (tmp_path / "t.csv", ["data.target=[label,label]", "model.loss=mse"], 2, twice),  # #28.17
+    ]:
         run = tmp_path / f"run_{path.stem}"
         proc = subprocess.run(
-            [*common, f"data.path={path}", f"hydra.run.dir={run}"],
+            [*common, f"data.path={path}", *extra, f"hydra.run.dir={run}"],
             capture_output=True,
             text=True,
             env=env,

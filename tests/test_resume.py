@@ -202,6 +202,103 @@ def test_a_regression_checkpoint_is_not_resumed_as_a_classification(tmp_path: Pa
     assert "best/test/loss" in summary and "test/acc" not in summary and summary["best"]["metric"] == "val/loss"
 
 
+def _pets(path: Path, header: str = "a,b,c,label,kind") -> None:
+    """Two classes of three features, and a fourth feature (``kind``, 0 or 1) that could be a target too."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(200, 3))
+    labels = np.where(x[:, 0] > 0, "dog", "cat")
+    kinds = (x[:, 1] > 0).astype(int)
+    rows = [header] + [f"{r[0]},{r[1]},{r[2]},{y},{k}" for r, y, k in zip(x, labels, kinds, strict=True)]
+    path.write_text("\n".join(rows) + "\n")
+
+
+def test_resume_refuses_data_whose_feature_column_was_renamed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """#28.6: a feature column renamed (c -> z) since the checkpoint: refused, naming both sets of columns."""
+    data = tmp_path / "pets.csv"
+    _pets(data)
+    cfg = dict(data__name=DatasetName.file, data__path=str(data), data__cache=False, epochs=2)
+    run = tmp_path / "run"
+    interrupt_at(monkeypatch, 3)
+    with pytest.raises(TrainingInterrupted):
+        train(make_cfg(**cfg), run)
+    monkeypatch.undo()
+    _pets(data, header="a,b,z,label,kind")
+    before = snapshot_of(run)
+    with pytest.raises(CheckpointError) as err:
+        train(make_cfg(resume="last", **cfg), run)
+    msg = str(err.value)
+    assert (
+        "was trained on data with feature columns a, b, c, kind, but this run's data has feature columns "
+        "a, b, z, kind; resume with the data of the run, or start a new run"
+    ) in msg, msg
+    assert snapshot_of(run) == before
+
+
+def test_resume_refuses_another_target_column(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """#28.6: the same file with another column as the target (label -> kind): refused, naming both."""
+    data = tmp_path / "pets.csv"
+    _pets(data)
+    cfg = dict(data__name=DatasetName.file, data__path=str(data), data__cache=False, epochs=2)
+    run = tmp_path / "run"
+    interrupt_at(monkeypatch, 3)
+    with pytest.raises(TrainingInterrupted):
+        train(make_cfg(**cfg), run)
+    monkeypatch.undo()
+    before = snapshot_of(run)
+    with pytest.raises((ConfigError, CheckpointError)) as err:
+        train(make_cfg(resume="last", data__target="kind", **cfg), run)
+    msg = str(err.value)
+    assert "data.target=label" in msg and "data.target=kind" in msg, msg
+    assert snapshot_of(run) == before
+
+
+def test_a_classification_checkpoint_is_not_resumed_as_a_regression(tmp_path: Path) -> None:
+    """#28.12: a classification resumed with data.task=regression model.loss=mse was a KeyError: 'val/acc'."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(120, 2))
+    y = rng.integers(0, 3, size=120)
+    data = tmp_path / "t.csv"
+    data.write_text("a,b,y\n" + "".join(f"{r[0]},{r[1]},{v}\n" for r, v in zip(x, y, strict=True)))
+    base = dict(data__name=DatasetName.file, data__path=str(data), data__target="y", data__cache=False)
+    run = tmp_path / "run"
+    train(make_cfg(epochs=1, **base), run)
+    before = snapshot_of(run)
+    with pytest.raises(ConfigError) as err:
+        train(make_cfg(resume="last", epochs=2, data__task=Task.regression, model__loss=LossName.mse, **base), run)
+    msg = str(err.value)
+    assert "holds a run with model.loss=cross_entropy, data.task=auto, but this resume sets model.loss=mse, " in msg
+    assert "data.task=regression" in msg and "\n" not in msg, msg
+    assert snapshot_of(run) == before
+
+
+@pytest.mark.parametrize(
+    ("first", "then", "saved"),
+    [
+        ([], ["data.task=regression", "model.loss=mse"], "data.task=auto"),  # labels 0, 1, 2: a classification
+        (["data.task=regression", "model.loss=mse"], ["data.task=classification"], "data.task=regression"),
+    ],
+)
+def test_the_cli_refuses_a_resume_as_another_task_in_one_line(
+    tmp_path: Path, first: list[str], then: list[str], saved: str
+) -> None:
+    """#28.12 from the command line: exit 2, one line naming the run's task and the asked one, no traceback."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(120, 2))
+    (tmp_path / "t.csv").write_text(
+        "a,b,y\n" + "".join(f"{r[0]},{r[1]},{v}\n" for r, v in zip(x, rng.integers(0, 3, 120), strict=True))
+    )
+    run = tmp_path / "run"
+    data = ["data=file", "data.path=t.csv", "data.target=y", "data.cache=false"]
+    proc = run_cli(*data, *first, "epochs=1", "device=cpu", "progress=false", f"hydra.run.dir={run}", cwd=tmp_path)
+    assert proc.returncode == 0, output(proc)
+    before = snapshot_of(run)
+    proc = run_cli(f"hydra.run.dir={run}", "resume=last", "epochs=2", *then, "device=cpu", cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in output(proc), output(proc)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and saved in errors[0] and then[0] in errors[0], output(proc)
+    assert snapshot_of(run) == before
+
+
 def test_a_checkpoint_that_does_not_fit_its_own_settings_suggests_a_pasteable_fix(tmp_path: Path) -> None:
     """A re-signed checkpoint whose widths disagree with its config: the trainer's check names the fix."""
     run = tmp_path / "run"

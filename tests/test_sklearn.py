@@ -309,6 +309,68 @@ def test_bad_input_gets_scikit_learns_errors() -> None:
         clf.partial_fit(x, np.where(y == "a", "d", y))
 
 
+def test_a_dataframe_names_the_features_and_other_names_are_scikit_learns_error(tmp_path: Path) -> None:
+    """#32: ``feature_names_in_`` from a pandas DataFrame's columns, kept in the checkpoint (so ``predict``
+    matches a file's columns by name); a frame with other names is scikit-learn's ValueError."""
+    pd = pytest.importorskip("pandas")
+    x, y = _blobs(60)
+    columns = ["area", "rooms", "age", "floor", "rent"]
+    frame = pd.DataFrame(x, columns=columns)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        clf = MLPClassifier(hidden_layer_sizes=(8,), max_iter=3, random_state=0, device="cpu").fit(frame, y)
+    assert list(clf.feature_names_in_) == columns and clf.feature_names_in_.dtype == object
+    assert clf.state_.meta["data"]["feature_names"] == columns
+    np.testing.assert_array_equal(clf.predict(frame), clf.predict(x))  # a frame and its values score alike
+    assert MLPClassifier.load(clf.save(tmp_path / "m.npz")).feature_names_in_.tolist() == columns
+    renamed = frame.rename(columns={"age": "years"})
+    with pytest.raises(ValueError, match="The feature names should match those that were passed during fit"):
+        clf.predict(renamed)
+    with pytest.raises(ValueError, match="Feature names unseen at fit time:\n- years"):
+        clf.predict_proba(renamed)
+
+
+def test_fit_writes_no_run_directory_and_nothing_into_the_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """#32: "writes no run directory unless asked": fit, partial_fit, predict and score leave the working
+    folder empty and write nothing into mlptrain's cache (``$MLPTRAIN_DATA``, ``$HOME``); only ``save``
+    writes, and only the file it is given."""
+    work, cache, home = tmp_path / "work", tmp_path / "cache", tmp_path / "home"
+    for folder in (work, cache, home):
+        folder.mkdir()
+    monkeypatch.chdir(work)
+    monkeypatch.setenv("MLPTRAIN_DATA", str(cache))
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    x, y = _blobs(60)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        clf = MLPClassifier(hidden_layer_sizes=(8,), max_iter=3, early_stopping=True, random_state=0).fit(x, y)
+        clf.partial_fit(x, y)
+        reg = MLPRegressor(hidden_layer_sizes=(8,), max_iter=3, random_state=0).fit(x, x[:, :2])
+    clf.predict(x), clf.predict_proba(x), clf.score(x, y), reg.predict(x), reg.score(x, x[:, :2])
+    written = {d.name: sorted(str(p.relative_to(d)) for p in d.rglob("*")) for d in (work, cache, home)}
+    assert written == {"work": [], "cache": [], "home": []}
+    clf.save("model.npz")
+    assert sorted(p.name for p in work.rglob("*")) == ["model.npz"]
+
+
+def test_the_regressor_standardises_its_targets_from_the_train_split_as_the_cli_does() -> None:
+    """#32, docs/sklearn.md: targets in the hundreds are standardised (train split), kept, and undone."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(200, 3))
+    y = 300.0 + 100.0 * x[:, 0] + rng.normal(0.0, 5.0, 200)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        reg = MLPRegressor(max_iter=50, random_state=0, device="cpu").fit(x, y)
+    a = reg.state_.arrays
+    assert reg.state_.meta["data"]["target_scaling"] == "standard"
+    np.testing.assert_allclose(a["data/target_shift"], [y.mean()], rtol=1e-6)  # no held-out split here
+    np.testing.assert_allclose(a["data/target_scale"], [y.std()], rtol=1e-6)
+    assert reg.score(x, y) > 0.8 and abs(reg.predict(x).mean() - y.mean()) < 10.0  # in the targets' units
+
+
 def test_verbose_prints_scikit_learns_lines(capsys: pytest.CaptureFixture[str]) -> None:
     x, y = _blobs(60)
     clf = MLPClassifier(max_iter=50, early_stopping=True, n_iter_no_change=2, tol=0.5, verbose=True, random_state=0)
