@@ -31,7 +31,7 @@ def running_median(x: np.ndarray, window: int) -> np.ndarray:
     return out
 
 
-def mean_std(values: list[float]) -> dict[str, Any]:
+def mean_std(values: list[Any]) -> dict[str, Any]:
     """Mean and sample standard deviation (None with one seed) of per-seed values."""
     a = np.array(values, dtype=float)
     return {

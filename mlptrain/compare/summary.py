@@ -102,8 +102,8 @@ def loss_differences(pairs: dict[int, dict[str, Run]], tol: float | None) -> dic
     divergence = []
     for t, steps in firsts.items():
         hit = [(step, seed) for step, seed in zip(steps, seeds, strict=True) if step is not None]
-        step, seed = min(hit) if hit else (None, None)
-        divergence.append({"above": t, "step": step, "seed": seed, "per_seed": steps})
+        first: tuple[int | None, int | None] = min(hit) if hit else (None, None)
+        divergence.append({"above": t, "step": first[0], "seed": first[1], "per_seed": steps})
     return {
         "max_rel_diff": max_rel,
         "max_rel_diff_at": where,
