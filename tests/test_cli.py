@@ -158,7 +158,7 @@ def test_wheel_contains_configs_and_data(wheel: Path) -> None:
     assert "mlptrain/data/digits.csv.gz" in names  # the bundled default dataset
     assert "mlptrain/conf/hydra/job_logging/mlptrain.yaml" in names
     # a wheel user draws a sweep and runs the benchmark with python -m; scripts/ stays in the repository
-    for module in ("compare/__main__.py", "compare/report.py", "plot.py"):
+    for module in ("compare/__main__.py", "compare/report.py", "plot.py", "bench/__main__.py", "bench/timing.py"):
         assert f"mlptrain/{module}" in names
     assert not any(n.startswith("mlptrain/scripts/") for n in names)
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
