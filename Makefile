@@ -70,8 +70,8 @@ compare: $(STAMP) ## Train fused and naive (same seed and data) and plot them; A
 	@dir="$(or $(COMPARE_DIR),runs/compare/$$(date +%Y-%m-%d_%H-%M-%S))"; \
 	echo "$(BIN)/python -m mlptrain --config-name compare hydra.sweep.dir=$$dir $(ARGS)"; \
 	$(BIN)/python -m mlptrain --config-name compare "hydra.sweep.dir=$$dir" $(ARGS) && \
-	echo "$(BIN)/python scripts/compare.py $$dir" && \
-	$(BIN)/python scripts/compare.py "$$dir"
+	echo "$(BIN)/python -m mlptrain.compare $$dir" && \
+	$(BIN)/python -m mlptrain.compare "$$dir"
 
 # docs/compare-gpu/ (issue #17): MNIST-1D and a wide speed task, relu/gelu x fp16/bf16, fused vs naive, on a GPU.
 # Everything goes under COMPARE_DIR (default runs/compare-gpu/<date>_<time>); ARGS='--smoke' runs it small on the CPU.

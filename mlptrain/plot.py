@@ -1,10 +1,10 @@
 """Figures: the curves of a run or a sweep, and a confusion matrix (matplotlib, the ``plot`` extra).
 
-``python -m mlptrain.plot RUN_OR_SWEEP [--out FILE]`` (also ``scripts/plot.py``, and
-``python -m mlptrain.scripts.plot`` from a wheel) draws ``curves.png``: the training loss per
-step and, per epoch, the validation and test loss and accuracy, one line per run. Given a run
-directory it draws that run; given a sweep folder (a multirun), every job in it, labelled by the
-overrides that differ between the jobs. A run that is still going is drawn as far as it got.
+``python -m mlptrain.plot RUN_OR_SWEEP [--out FILE]`` (also ``scripts/plot.py`` in a source checkout)
+draws ``curves.png``: the training loss per step and, per epoch, the validation and test loss and
+accuracy, one line per run. Given a run directory it draws that run; given a sweep folder (a
+multirun), every job in it, labelled by the overrides that differ between the jobs. A run that is
+still going is drawn as far as it got.
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@ For each size, the median over ``--repeats`` of the mean step time of ``--steps`
 warm-up steps), with ``threadpoolctl.threadpool_limits(1, "blas")`` and without; the rule of
 :func:`mlptrain.backend.blas_threads` was chosen from these numbers (docs/benchmarks.md). Run a CPU
 hog beside it (``python -c 'while True: pass' &``) to see a busy machine.
+
+Run with mlptrain installed (``make install``) or with ``PYTHONPATH=.`` at the repository's root.
 """
 
 from __future__ import annotations

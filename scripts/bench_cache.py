@@ -13,6 +13,8 @@ and integer labels, then times, on this machine, each the median of ``--repeats`
   Arrow reader does (an Arrow string column, with pyarrow installed).
 
 Usage: python scripts/bench_cache.py [--rows 600000] [--features 256] [--repeats 3]
+
+Run with mlptrain installed (``make install``) or with ``PYTHONPATH=.`` at the repository's root.
 """
 
 from __future__ import annotations
@@ -29,11 +31,9 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from mlptrain.data import cache, labels  # noqa: E402
-from mlptrain.data.table import Table  # noqa: E402
-from mlptrain.files import sha256_file  # noqa: E402
+from mlptrain.data import cache, labels
+from mlptrain.data.table import Table
+from mlptrain.files import sha256_file
 
 
 def median_seconds(fn, repeats: int) -> float:

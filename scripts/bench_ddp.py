@@ -5,6 +5,8 @@ Run by torchrun (``torchrun --nproc_per_node=N scripts/bench_ddp.py --widths ...
 ``nn.Linear`` and ``nn.ReLU``, autocast with fp32 master weights, SGD with momentum 0.9,
 ``GradScaler`` for fp16, ``B`` rows per GPU of random data. CUDA events around 20 steps back to
 back after 5 warm-up steps, median of ``--reps``; rank 0 prints one JSON line.
+
+Run with mlptrain installed (``make install``) or with ``PYTHONPATH=.`` at the repository's root.
 """
 
 from __future__ import annotations

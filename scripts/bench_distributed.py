@@ -16,6 +16,8 @@ to back after warm-up (capture included), median of ``--reps``, on rank 0; rando
 timing every rank reports a digest of its parameters, and the script checks they are identical.
 
 Usage: python scripts/bench_distributed.py [--gpus N] [--out DIR] [--reps N] [--no-torch]
+
+Run with mlptrain installed (``make install``) or with ``PYTHONPATH=.`` at the repository's root.
 """
 
 from __future__ import annotations
@@ -30,9 +32,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 MODELS = [("4096 x 4", [4096] * 5, 8192), ("784-1024-1024-10", [784, 1024, 1024, 10], 256)]
 
 
@@ -40,15 +39,15 @@ def _rank(rank: int, world: int, uid: bytes, widths: list, rows: int, precision:
     import logging
 
     logging.basicConfig(level=logging.WARNING)
-    import bench
     import cupy as cp
     import numpy as np
 
+    from mlptrain.bench.step_trainer import step_trainer
     from mlptrain.gpu.nccl import NcclComm
     from mlptrain.gpu.timing import cuda_time_ms
 
     comm = NcclComm(rank, world, uid, device=rank) if world > 1 else None
-    tr = bench.step_trainer(widths, rows * world, precision, comm=comm)
+    tr = step_trainer(widths, rows * world, precision, comm=comm)
     with tr.stream:
         xb, yb = next(iter(tr.train_loader.epoch(0, out=tr.batch_buffers)))
         t = cuda_time_ms(lambda: tr.step(xb, yb), warmup=6, reps=reps, chain=20)

@@ -14,6 +14,8 @@ Each reader is timed ``--repeats`` times and the median kept (a small machine's 
 
 Every reader's ``x`` is checked equal to loadtxt's. Usage:
 python scripts/bench_files.py [--rows 1000000] [--features 100] [--out DIR]
+
+Run with mlptrain installed (``make install``) or with ``PYTHONPATH=.`` at the repository's root.
 """
 
 from __future__ import annotations
@@ -30,10 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from mlptrain.data import cache  # noqa: E402
-from mlptrain.data.files import arrow_available, read_table  # noqa: E402
+from mlptrain.data import cache
+from mlptrain.data.files import arrow_available, read_table
 
 
 def write_csv(path: Path, rows: int, features: int, seed: int = 0) -> None:

@@ -15,6 +15,8 @@ data, ReLU), each the median of --reps CUDA-event timings of 20 steps back to ba
 Peak memory: mlptrain's pools' high-water mark; torch's ``max_memory_reserved``. Writes
 ``bench_fp8.json`` and ``bench_fp8.md`` (a table for docs/benchmarks.md, with the command) to --out.
 Needs a GPU of compute capability 8.9+ (H100/H200); torchao is carried as a wheel (0.18.0).
+
+Run with mlptrain installed (``make install``) or with ``PYTHONPATH=.`` at the repository's root.
 """
 
 from __future__ import annotations
@@ -27,12 +29,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import bench  # noqa: E402  (scripts/bench.py: the mlptrain step and its timing)
-
-from mlptrain.backend import probe_gpu  # noqa: E402
+from mlptrain.backend import probe_gpu
+from mlptrain.bench.step_timing import bench_step_mlptrain
+from mlptrain.bench.timing import CHAIN, median
 
 MODELS = [("4096 x 4", [4096] * 5, 8192), ("8192 x 4", [8192] * 5, 16384)]
 MLPTRAIN = [  # (variant, precision, execution)
@@ -80,15 +79,15 @@ def torch_step(widths: list[int], batch: int, reps: int, float8: str | None) -> 
 
     torch.cuda.reset_peak_memory_stats()
     on = cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)  # CuPy's events on torch's stream
-    chained = cuda_time_ms(train_step, warmup=5, reps=reps, stream=on, chain=bench.CHAIN)
-    return {"ms": bench.median(chained), "peak_gib": torch.cuda.max_memory_reserved() / 2**30}
+    chained = cuda_time_ms(train_step, warmup=5, reps=reps, stream=on, chain=CHAIN)
+    return {"ms": median(chained), "peak_gib": torch.cuda.max_memory_reserved() / 2**30}
 
 
 def model_rows(name: str, widths: list[int], batch: int, reps: int) -> list[dict[str, Any]]:
     """Every variant of one model, in one process: the mlptrain steps, then PyTorch's."""
     rows = []
     for label, precision, mode in MLPTRAIN:
-        r = bench.bench_step_mlptrain(widths, batch, precision, mode, reps, graph=True)
+        r = bench_step_mlptrain(widths, batch, precision, mode, reps, graph=True)
         kept = {key: r[key] for key in ("ms", "peak_gib", "losses")}
         rows.append({"model": name, "batch": batch, "variant": label, **kept})
         logging.warning("%s %s: %.3f ms, peak %.2f GiB", name, label, r["ms"], r["peak_gib"])
@@ -105,7 +104,7 @@ def markdown(rows: list[dict[str, Any]], stack: dict[str, Any]) -> str:
     """The table: ms per step, and how much faster mlptrain fp8 is than each of the others."""
     lines = [
         f"Measured {stack['date']} on {stack['gpu']} ({stack['versions']}). Command: `{stack['command']}`.",
-        f"Medians of {stack['reps']} timings of {bench.CHAIN} steps back to back; SGD momentum, ReLU, random data.",
+        f"Medians of {stack['reps']} timings of {CHAIN} steps back to back; SGD momentum, ReLU, random data.",
         "",
         "| model, batch | variant | ms / step | fp8 speed-up over it | peak GiB |",
         "|---|---|---|---|---|",

@@ -6,6 +6,8 @@ back, median of 11 repeats, and reports microseconds per gather and the bandwidt
 written). Each result is checked equal to ``cupy.take``'s. Random data.
 
 Usage: python scripts/bench_gather.py [--out FILE.md]
+
+Run with mlptrain installed (``make install``) or with ``PYTHONPATH=.`` at the repository's root.
 """
 
 from __future__ import annotations
@@ -17,9 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from mlptrain.backend import probe_gpu  # noqa: E402
+from mlptrain.backend import probe_gpu
 
 # (rows in the dataset, row shape, dtype, batch): digits, MNIST-sized, a wide fp16 set, labels, targets
 CASES = (

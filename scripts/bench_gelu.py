@@ -16,6 +16,8 @@ Method as ``scripts/bench.py``: random normal data, CUDA events after warm-up, m
 20 steps back to back, isolated = one at a time.
 
 Usage: python scripts/bench_gelu.py [--out DIR] [--reps N] [--no-compile]
+
+Run with mlptrain installed (``make install``) or with ``PYTHONPATH=.`` at the repository's root.
 """
 
 from __future__ import annotations
@@ -27,10 +29,9 @@ import platform
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/bench.py
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import bench  # noqa: E402
+from mlptrain.backend import probe_gpu
+from mlptrain.bench.layer_timing import GRID, bench_layer
+from mlptrain.bench.step_timing import bench_step_mlptrain, bench_step_torch
 
 STEP_MODELS = [("784-1024-1024-10", [784, 1024, 1024, 10], 256), ("4096 x 4", [4096] * 5, 8192)]
 
@@ -40,10 +41,10 @@ def layers(reps: int) -> list[dict]:
     import numpy as np
 
     rows = []
-    for m, k, n in bench.GRID:
+    for m, k, n in GRID:
         for dtype in (np.float16, ml_dtypes.bfloat16):
             for activation in ("gelu", "relu"):
-                r = bench.bench_layer(m, k, n, dtype, reps, activation=activation, graphed=True)
+                r = bench_layer(m, k, n, dtype, reps, activation=activation, graphed=True)
                 r["activation"] = activation
                 rows.append(r)
                 print(
@@ -65,14 +66,10 @@ def steps(reps: int, compile: bool) -> list[dict]:
                 ("naive", "naive", "gelu"),
                 ("fused_relu", "fused", "relu"),
             ):
-                r[key] = bench.bench_step_mlptrain(
-                    widths, batch, precision, mode, reps, graph=True, activation=activation
-                )
-            r["torch"] = bench.bench_step_torch(widths, batch, precision, reps, activation="gelu")
+                r[key] = bench_step_mlptrain(widths, batch, precision, mode, reps, graph=True, activation=activation)
+            r["torch"] = bench_step_torch(widths, batch, precision, reps, activation="gelu")
             r["torch_compile"] = (
-                bench.bench_step_torch(widths, batch, precision, reps, activation="gelu", compile=True)
-                if compile
-                else None
+                bench_step_torch(widths, batch, precision, reps, activation="gelu", compile=True) if compile else None
             )
             rows.append(r)
             print(f"step {name} {precision}: " + ", ".join(f"{k} {v['ms']:.3f}" for k, v in r.items()
@@ -130,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=10, help="timed repetitions per measurement (median reported)")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
     args = ap.parse_args(argv)
-    ok, reason = bench.probe_gpu()
+    ok, reason = probe_gpu()
     if not ok:
         print(f"error: needs an NVIDIA GPU ({reason})", file=sys.stderr)
         return 2

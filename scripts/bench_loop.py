@@ -7,6 +7,8 @@ back (CUDA events, median of ``--repeats`` chains of ``--steps`` replays). The r
 adds to the step: Python, the host's launches, the log interval's sync.
 
 Usage: python scripts/bench_loop.py --out DIR [--epochs 5] [--samples 200000]
+
+Run with mlptrain installed (``make install``) or with ``PYTHONPATH=.`` at the repository's root.
 """
 
 from __future__ import annotations

@@ -16,6 +16,8 @@ mlptrain's (share of equal class ids: half-precision GEMMs with other algorithms
 differently at near-ties). mlptrain from host (NumPy) rows is timed too, transfers included.
 
 Usage: python scripts/bench_predict.py [--out DIR] [--rows N] [--batch B] [--reps R] [--models NAME]
+(with mlptrain installed, or ``PYTHONPATH=.`` at the repository's root; the timing helpers are
+:mod:`mlptrain.bench.predict_timing`)
 """
 
 from __future__ import annotations
@@ -31,59 +33,12 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from mlptrain import checkpoint  # noqa: E402
-from mlptrain.backend import probe_gpu  # noqa: E402
-from mlptrain.inference import Predictor  # noqa: E402
+from mlptrain import checkpoint
+from mlptrain.backend import probe_gpu
+from mlptrain.bench.predict_timing import cupy_events, forward_floor, random_checkpoint, time_passes
+from mlptrain.inference import Predictor
 
 MODELS = [("784-1024-1024-10", [784, 1024, 1024, 10]), ("4096 x 4", [4096] * 5)]
-
-
-def random_checkpoint(widths: list[int], precision: str, seed: int = 0) -> checkpoint.Checkpoint:
-    """A checkpoint of random He-initialised weights and a random normalisation (nothing trained)."""
-    rng = np.random.default_rng(seed)
-    arrays = {}
-    for i in range(len(widths) - 1):
-        fan_in = widths[i]
-        w = rng.standard_normal((widths[i + 1], fan_in)) * np.sqrt(2.0 / fan_in)
-        arrays[f"param/layer{i}.weight"] = w.astype(np.float32)
-        arrays[f"param/layer{i}.bias"] = (0.1 * rng.standard_normal(widths[i + 1])).astype(np.float32)
-    arrays["data/shift"] = rng.standard_normal(widths[0])
-    arrays["data/scale"] = rng.uniform(0.5, 2.0, widths[0])
-    meta = {
-        "format_version": checkpoint.FORMAT_VERSION, "mlptrain": "bench", "widths": widths, "precision": precision,
-        "config": {"model": {"activation": "relu"}},
-        "data": {"task": "classification", "feature_names": None, "class_names": None, "target_names": None},
-    }  # fmt: skip
-    return checkpoint.Checkpoint(Path(f"random-{'-'.join(map(str, widths))}.npz"), arrays, meta)
-
-
-def time_passes(fn, stream_events, reps: int) -> list[float]:
-    """Seconds of ``fn()`` per call, by CUDA events on its stream, after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(reps):
-        start, end, elapsed = stream_events()
-        start()
-        fn()
-        end()
-        times.append(elapsed())
-    return times
-
-
-def cupy_events(stream):
-    import cupy as cp
-
-    def make():
-        a, b = cp.cuda.Event(), cp.cuda.Event()
-        return (
-            (lambda: a.record(stream)),
-            (lambda: (b.record(stream), b.synchronize())),
-            (lambda: cp.cuda.get_elapsed_time(a, b) / 1e3),
-        )
-
-    return make
 
 
 def torch_events():
@@ -94,25 +49,6 @@ def torch_events():
         return (lambda: a.record()), (lambda: (b.record(), b.synchronize())), (lambda: a.elapsed_time(b) / 1e3)
 
     return make
-
-
-def forward_floor(p: Predictor, xb, batch: int, chain: int = 20) -> dict:
-    """The forward GEMMs alone (RELU_BIAS ... BIAS, no normalisation, no argmax): the floor per batch."""
-    import cupy as cp
-
-    xc = xb.astype(p.precision.compute_dtype)
-    stream = cp.cuda.Stream(non_blocking=True)
-    with stream:
-        for _ in range(3):
-            p.model.forward(xc, keep=False)
-        start, end = cp.cuda.Event(), cp.cuda.Event()
-        start.record(stream)
-        for _ in range(chain):
-            p.model.forward(xc, keep=False)
-        end.record(stream)
-        end.synchronize()
-    s = cp.cuda.get_elapsed_time(start, end) / 1e3 / chain
-    return {"s_per_batch": s, "rows_per_s": batch / s}
 
 
 def torch_variants(p: Predictor, ckpt: checkpoint.Checkpoint, precision: str, batch: int):

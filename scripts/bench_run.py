@@ -22,6 +22,8 @@ records times the steps) and the time outside the loop (imports, data, planning)
 
 Usage: python scripts/bench_run.py --out DIR [--rows 600000] [--features 256] [--epochs 5]
        [--variants mlptrain-first,mlptrain-again,torch-loop,lightning-resident,lightning-loader]
+
+Run with mlptrain installed (``make install``) or with ``PYTHONPATH=.`` at the repository's root.
 """
 
 from __future__ import annotations

@@ -11,6 +11,8 @@ standardises with the train split's statistics itself). The regression (diabetes
 standardises the targets for both (``TransformedTargetRegressor``): neither MLP scales them. Fit
 and predict times are wall-clock medians over the seeds; BLAS runs on ``--blas-threads`` threads
 (1 by default: on a shared 2-core machine more threads only contend).
+
+Run with mlptrain installed (``make install``) or with ``PYTHONPATH=.`` at the repository's root.
 """
 
 from __future__ import annotations

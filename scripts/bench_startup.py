@@ -27,6 +27,8 @@ a cold and a warm run are also profiled (cProfile; the top functions by cumulati
 into ``cold-profile.txt`` and ``warm-profile.txt``): what the start-up spends its time on.
 
 Usage: python scripts/bench_startup.py [--out DIR] [--profile] [-- overrides ...]
+
+Run with mlptrain installed (``make install``) or with ``PYTHONPATH=.`` at the repository's root.
 """
 
 from __future__ import annotations

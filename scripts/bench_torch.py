@@ -21,6 +21,8 @@ error in the table; over 5e-2 marks the row FAILED).
 Usage: python scripts/bench_torch.py --out DIR [--reps N] [--chain N] [--warmup N] [--modes eager,compile]
 (``--modes eager,compile,reduce-overhead`` adds ``torch.compile(mode="reduce-overhead")``: CUDA graphs.)
 Writes DIR/bench_torch.md (the table) and DIR/bench_torch.json (every figure and the stack).
+
+Run with mlptrain installed (``make install``) or with ``PYTHONPATH=.`` at the repository's root.
 """
 
 from __future__ import annotations
@@ -33,8 +35,6 @@ import statistics
 import sys
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 MODELS = [("784-1024-1024-10", [784, 1024, 1024, 10], 256), ("4096 x 4", [4096] * 5, 8192)]
 DTYPES = ("bf16", "fp16")

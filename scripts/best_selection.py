@@ -8,6 +8,8 @@ test scores of every epoch, so every rule is scored from the same runs: the test
 epoch it picks, against the last epoch's.
 
 Usage: python scripts/best_selection.py [--seeds 10] [--out docs/best_selection.md]
+
+Run with mlptrain installed (``make install``) or with ``PYTHONPATH=.`` at the repository's root.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import platform
-import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -23,12 +24,11 @@ from typing import Any
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from mlptrain.cli import compose_config
+from mlptrain.metrics import read_metrics
+from mlptrain.run import train
 
-from mlptrain.cli import compose_config  # noqa: E402
-from mlptrain.metrics import read_metrics  # noqa: E402
-from mlptrain.run import train  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 Rule = Callable[[list[dict[str, Any]]], int]
 

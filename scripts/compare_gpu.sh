@@ -10,7 +10,7 @@
 #     then cosine, 840 steps): the accuracy comparison;
 #   * the speed task, one seed, fused and naive (conf/compare_gpu_speed.yaml: 32-4096-4096-4096-10 at
 #     a batch of 8192 on synthetic data, 95 steps): the time per step where the GEMMs are large;
-# then scripts/compare.py on each sweep, and `scripts/compare.py --index` for the page that links
+# then `python -m mlptrain.compare` on each sweep, and `python -m mlptrain.compare --index` for the page that links
 # the panels and says how fused and naive differ. Everything lands under OUT_DIR, laid out as in the
 # repository (run from inside OUT_DIR, so the commands recorded in the reports are the ones to
 # type at the repository's root):
@@ -164,9 +164,9 @@ for act in $ACTIVATIONS; do
   for prec in $PRECISIONS; do
     panel="$act-$prec"
     rm -rf "docs/compare-gpu/$panel"
-    step "$panel MNIST-1D report" "$PY" "$REPO/scripts/compare.py" "runs/compare-gpu/$panel" \
+    step "$panel MNIST-1D report" "$PY" -m mlptrain.compare "runs/compare-gpu/$panel" \
       --out "docs/compare-gpu/$panel"
-    step "$panel speed report" "$PY" "$REPO/scripts/compare.py" "runs/compare-gpu/$panel-speed" \
+    step "$panel speed report" "$PY" -m mlptrain.compare "runs/compare-gpu/$panel-speed" \
       --out "docs/compare-gpu/$panel/speed"
   done
 done
@@ -176,7 +176,7 @@ made_by="scripts/compare_gpu.sh OUT_DIR"
 [ "$PRECISIONS" != "$DEFAULT_PRECISIONS" ] && made_by+=" --precisions '$PRECISIONS'"
 [ ${#EXTRA[@]} -gt 0 ] && made_by+=" -- ${EXTRA[*]}"
 made_by+="   # then OUT_DIR/docs/compare-gpu/ was copied to docs/compare-gpu/"
-step "index" "$PY" "$REPO/scripts/compare.py" --index docs/compare-gpu --made-by "$made_by"
+step "index" "$PY" -m mlptrain.compare --index docs/compare-gpu --made-by "$made_by"
 
 say "finished in $((SECONDS - START)) s; ${#FAILED[@]} part(s) failed${FAILED[*]:+: ${FAILED[*]}}"
 if [ -n "$TAR" ]; then

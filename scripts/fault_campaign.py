@@ -23,6 +23,8 @@ written: the summary is being made). With ``logger=tensorboard`` the scalars Ten
 are compared with the uninterrupted run's too, reported on their own line, and a difference is a problem.
 
 Usage: python scripts/fault_campaign.py [--interruptions 100] [--seed 0] [--scenarios plain,sweep] [--out DIR]
+
+Run with mlptrain installed (``make install``) or with ``PYTHONPATH=.`` at the repository's root.
 """
 
 from __future__ import annotations
@@ -43,11 +45,10 @@ from typing import Any
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from mlptrain import checkpoint
+from mlptrain.errors import CheckpointError
 
-from mlptrain import checkpoint  # noqa: E402
-from mlptrain.errors import CheckpointError  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 CONFIG = ["device=cpu", "progress=false", "model.hidden=[256,256]", "epochs=6", "checkpoint_steps=5", "log_every=5"]
 SCENARIOS = {

@@ -16,13 +16,14 @@ What it checks (each one independent: a failure is printed with its exception an
 * GPU times at 4096 and 8192: bf16 GEMM, FP8 GEMM with and without its casts, the casts alone.
 
 Exit status 1 if any check fails. Made to be the first thing run on a new GPU: its output says what breaks.
+
+Run with mlptrain installed (``make install``) or with ``PYTHONPATH=.`` at the repository's root.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -30,11 +31,6 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
-
-try:
-    import mlptrain  # noqa: F401
-except ImportError:  # run from a source checkout without an install
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mlptrain.epilogs import Epilog, gelu_aux_shape, pack_relu_mask, unpack_relu_mask
 from mlptrain.epilogs_fp8 import FORMATS
@@ -209,8 +205,7 @@ def graph_replay() -> str:
 def training(graph: bool) -> str:
     import cupy as cp
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    from gpu_helpers import graph_run
+    from mlptrain.bench.step_trainer import graph_run
 
     tr, losses = graph_run(graph, 84, **{"precision.name": "fp8"})
     cp.cuda.Device().synchronize()

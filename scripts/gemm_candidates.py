@@ -9,6 +9,8 @@ calls between CUDA events, median of 7. Prints microseconds per GEMM; random nor
 RELU_BIAS result is checked against PyTorch in fp32. Needs a GPU and PyTorch.
 
 Usage: python scripts/gemm_candidates.py [--out DIR]
+
+Run with mlptrain installed (``make install``) or with ``PYTHONPATH=.`` at the repository's root.
 """
 
 from __future__ import annotations
@@ -20,8 +22,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 CALLS, REPS = 10, 7
 

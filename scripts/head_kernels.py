@@ -10,6 +10,8 @@ replays, and one launch on an idle GPU):
 Every variant's result is compared with the GEMM's (max |difference|). Random normal data.
 
 Usage: python scripts/head_kernels.py [--batch 256] [--classes 10] [--hidden 1024] [--precision fp16]
+
+Run with mlptrain installed (``make install``) or with ``PYTHONPATH=.`` at the repository's root.
 """
 
 from __future__ import annotations
@@ -17,13 +19,10 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from mlptrain.backend import probe_gpu  # noqa: E402
+from mlptrain.backend import probe_gpu
 
 SHAPES = ((8, 512), (8, 256), (16, 512), (32, 256), (4, 512))  # (columns per block, threads)
 EMPTY = "if (threadIdx.x == 0 && B < 0) db[0] = (T)0.0f;"

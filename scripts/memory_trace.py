@@ -17,6 +17,8 @@ has in use then. Where the pool reserves more than the step's arrays need at the
 block to reuse.
 
 Needs a GPU. Usage: python scripts/memory_trace.py [--graph] [--out DIR]
+
+Run with mlptrain installed (``make install``) or with ``PYTHONPATH=.`` at the repository's root.
 """
 
 from __future__ import annotations
@@ -29,11 +31,7 @@ import sys
 import traceback
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))
-
-import mlptrain  # noqa: E402
+import mlptrain
 
 MIB = 2**20
 PACKAGE = str(Path(mlptrain.__file__).resolve().parent)  # allocations are placed by the frames in here
@@ -120,8 +118,7 @@ def make_reserve_trace():
 
 def trace_graph_case(widths, batch, precision) -> dict:
     """Reservations of the step's graph pool through its warm-up steps and capture."""
-    from bench import step_trainer
-
+    from mlptrain.bench.step_trainer import step_trainer
     from mlptrain.gpu.memory import account, expected_step_peak
 
     tr = step_trainer(widths, batch, precision, graph=True, bgrad="bgradb")
@@ -154,8 +151,8 @@ def trace_graph_case(widths, batch, precision) -> dict:
 
 def trace_case(widths, batch, precision) -> dict:
     import cupy as cp
-    from bench import step_trainer
 
+    from mlptrain.bench.step_trainer import step_trainer
     from mlptrain.gpu.memory import account
 
     pool = cp.get_default_memory_pool()

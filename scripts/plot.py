@@ -1,16 +1,14 @@
 """Curves of a run or a sweep: ``python scripts/plot.py RUN_OR_SWEEP [--out FILE]`` (see :mod:`mlptrain.plot`).
 
-From a wheel: ``python -m mlptrain.scripts.plot`` (scripts/ ships in it) or ``python -m mlptrain.plot``.
+From a wheel: ``python -m mlptrain.plot``. Run with mlptrain installed (``make install``) or with
+``PYTHONPATH=.`` at the repository's root.
 """
 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a source checkout
-
-from mlptrain.plot import main  # noqa: E402
+from mlptrain.plot import main
 
 if __name__ == "__main__":
     sys.exit(main())

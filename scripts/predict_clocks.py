@@ -13,6 +13,8 @@ with 1.5 s of idle before each, while ``nvidia-smi`` samples the SM clock and th
 25 ms; each phase is printed with the clock range and mean it ran at.
 
 Usage: python scripts/predict_clocks.py [--out DIR] [--precision fp16|bf16] [--rows N] [--batch B]
+
+Run with mlptrain installed (``make install``) or with ``PYTHONPATH=.`` at the repository's root.
 """
 
 from __future__ import annotations
@@ -27,10 +29,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
 
 
 def clock_samples(path: Path) -> list[tuple[float, float, float]]:
@@ -54,8 +52,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=8192)
     args = ap.parse_args(argv)
     import cupy as cp
-    from bench_predict import cupy_events, forward_floor, random_checkpoint, time_passes
 
+    from mlptrain.bench.predict_timing import cupy_events, forward_floor, random_checkpoint, time_passes
     from mlptrain.gpu.infer_kernels import normalise
     from mlptrain.inference import Predictor
 

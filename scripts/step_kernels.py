@@ -8,6 +8,8 @@ kernels of the captured graph in launch order, and times the step against its GE
 
 Usage: python scripts/step_kernels.py [--widths 784,1024,1024,10] [--batch 256] [--precision fp16]
        [--optimizer sgd] [--out DIR]
+
+Run with mlptrain installed (``make install``) or with ``PYTHONPATH=.`` at the repository's root.
 """
 
 from __future__ import annotations
@@ -21,10 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from mlptrain.backend import probe_gpu  # noqa: E402
+from mlptrain.backend import probe_gpu
 
 
 def main(argv=None):
@@ -52,8 +51,10 @@ def main(argv=None):
     logging.basicConfig(level=logging.WARNING)
     import cupy as cp
     import ml_dtypes
-    from bench import CHAIN, median, step_gemm_floor, step_trainer
 
+    from mlptrain.bench.step_timing import step_gemm_floor
+    from mlptrain.bench.step_trainer import step_trainer
+    from mlptrain.bench.timing import CHAIN, median
     from mlptrain.gpu.timing import cuda_time_ms
 
     widths = [int(w) for w in args.widths.split(",")]

@@ -11,21 +11,17 @@
 
 Every check is an assertion: the script exits non-zero if fused and naive disagree. Float32
 throughout; on the CPU fused and naive issue the same BLAS calls and agree bit for bit.
+
+Run with mlptrain installed (``make install``) or with ``PYTHONPATH=.`` at the repository's root.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-try:
-    import mlptrain  # noqa: F401
-except ImportError:  # run from a source checkout without an install: use the checkout's package
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mlptrain.backend import Backend, get_backend
 from mlptrain.config import DataConfig

@@ -1,8 +1,8 @@
-"""scripts/compare.py: its numbers from hand-written sweeps, its errors, its outputs, and one real sweep."""
+"""mlptrain.compare (`python -m mlptrain.compare`): its numbers from hand-written sweeps, its errors, its outputs,
+and one real sweep."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -13,19 +13,10 @@ from typing import Any
 import numpy as np
 import pytest
 
+from mlptrain import compare
+
 REPO = Path(__file__).resolve().parent.parent
 
-
-def _load_compare() -> Any:
-    spec = importlib.util.spec_from_file_location("mlptrain_compare_script", REPO / "scripts" / "compare.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
-
-
-compare = _load_compare()
 
 BATCH = 64
 
@@ -160,7 +151,7 @@ def test_outputs_are_written_and_hold_the_numbers(sweep: Path, tmp_path: Path) -
     assert "85.00% ± 7.07%" in md  # test accuracy, mean ± std over the two seeds
     assert "| median time per step (ms) | 4.5 | 9 |" in md
     assert "agree" in md and "fp32 tolerance 1e-05" in md
-    assert f"python scripts/compare.py {sweep} --out {out}" in md
+    assert f"python -m mlptrain.compare {sweep} --out {out}" in md
     data = json.loads((out / "compare.json").read_text())
     assert data["speedup"] == 2.0 and data["max_rel_diff"] == 2.0**-17 and data["agree"] is True
     assert not (sweep / "compare.png").exists()  # --out, not the sweep directory
@@ -377,8 +368,8 @@ def test_paired_difference_pairs_by_seed_and_uses_students_t() -> None:
     assert steady["contains_zero"] is None and steady["mean"] == pytest.approx(0.1)
     assert compare.paired_difference([0.8, 0.9], [0.8, 0.9])["contains_zero"] is True
     assert compare.paired_difference([0.8, float("nan")], [0.7, 0.8])["mean"] is None
-    assert compare._verdict_cell(steady) == "n/a (no spread over the seeds)"
-    assert compare._gap_cell(compare.paired_difference([float("nan")], [0.5])) == "n/a"
+    assert compare.verdict_cell(steady) == "n/a (no spread over the seeds)"
+    assert compare.gap_cell(compare.paired_difference([float("nan")], [0.5])) == "n/a"
     assert (compare.t95(4), compare.t95(13), compare.t95(35), compare.t95(100), compare.t95(10**6)) == (
         2.776, 2.160, 2.042, 2.000, 1.980)  # fmt: skip
 
@@ -496,7 +487,7 @@ def test_gpu_script_runs_end_to_end_on_the_cpu(tmp_path: Path) -> None:
     assert speed["dataset"] == "synthetic" and speed["widths"] == [32, 64, 64, 10] and speed["seeds"] == [0]
     md = (docs / "gelu-fp32" / "compare.md").read_text()
     # the recorded commands are the ones to type at the repository's root
-    assert "python scripts/compare.py runs/compare-gpu/gelu-fp32 --out docs/compare-gpu/gelu-fp32" in md
+    assert "python -m mlptrain.compare runs/compare-gpu/gelu-fp32 --out docs/compare-gpu/gelu-fp32" in md
     index = (docs / "README.md").read_text()
     assert "| [gelu-fp32](gelu-fp32/compare.md) | gelu | fp32 |" in index
     assert "scripts/compare_gpu.sh OUT_DIR --smoke --activations 'gelu' --precisions 'fp32' -- seed=0" in index
@@ -508,3 +499,56 @@ def test_gpu_script_runs_end_to_end_on_the_cpu(tmp_path: Path) -> None:
         names = tar.getnames()
     assert "docs/compare-gpu/README.md" in names and "compare_gpu.log" in names
     assert "docs/compare-gpu/gelu-fp32/speed/compare.png" in names
+
+
+def _run(mode: str, losses: list[float | None], ms: list[float | None], summary: dict | None = None) -> Any:
+    steps = [
+        {"kind": "step", "step": i, "epoch": i // 4, "train/loss": v, "step_time_ms": t, "samples_per_s": t and 1e3 / t}
+        for i, (v, t) in enumerate(zip(losses, ms, strict=True))
+    ]
+    record = {"config": {"execution": {"mode": mode}, "seed": 0, "precision": {"name": "fp32"}}}
+    return compare.Run(Path(mode), record, steps=steps, summary=summary)
+
+
+def test_loss_differences_of_hand_made_pairs() -> None:
+    from mlptrain.compare.summary import loss_differences
+
+    ms = [None] * 6
+    pairs = {
+        0: {
+            "fused": _run("fused", [1.0, 1.0, 1.05, 2.0, 0.0, None], ms),
+            "naive": _run("naive", [1.0, 1.0, 1.0, 1.0, 0.0, None], ms),
+        },
+        1: {"fused": _run("fused", [1.0, 1.002, 1.0, 1.0, 1.0, 1.0], ms), "naive": _run("naive", [1.0] * 6, ms)},
+    }
+    d = loss_differences(pairs, tol=1e-5)
+    assert d["max_rel_diff"] == pytest.approx(1.0) and d["max_rel_diff_at"] == {"seed": 0, "step": 3}
+    assert d["max_abs_diff"] == pytest.approx(1.0)
+    assert d["first_above_tolerance"] == {"seed": 1, "step": 1}  # the earliest over the seeds
+    by = {e["above"]: e for e in d["divergence"]}
+    assert by[1e-3] == {"above": 1e-3, "step": 1, "seed": 1, "per_seed": [2, 1]}
+    assert by[1e-2]["per_seed"] == [2, None] and by[1e-1]["per_seed"] == [3, None] and by[1e-1]["seed"] == 0
+    assert (
+        loss_differences({0: {"fused": _run("fused", [1.0], [None]), "naive": _run("naive", [1.0], [None])}}, None)[
+            "first_above_tolerance"
+        ]
+        is None
+    )
+
+
+def test_mode_numbers_pool_the_timed_intervals_and_average_the_seeds() -> None:
+    from mlptrain.compare.summary import mode_numbers
+
+    # steps 0-3 epoch 0, 4-7 epoch 1, timed every 2 steps: the first interval (9 ms) is warm-up and left
+    # out, the other three (2, 3, 4 ms) of each seed are pooled
+    ms = [None, 9.0, None, 2.0, None, 3.0, None, 4.0]
+    runs = [
+        _run("fused", [1.0] * 8, ms, {"train/loss": 0.5, "test/loss": 0.6, "test/acc": 0.9, "wall_s": 3}),
+        _run("fused", [1.0] * 8, ms, {"train/loss": 0.7, "test/loss": 0.8, "test/acc": 0.8, "wall_s": 4}),
+    ]
+    out = mode_numbers(runs)
+    assert out["test/acc"]["mean"] == pytest.approx(0.85) and out["test/acc"]["std"] == pytest.approx(0.0707107)
+    assert out["timed_intervals"] == 6 and out["step_time_ms"] == pytest.approx(3.0)
+    assert out["wall_s"] == [3.0, 4.0] and out["step_time_ms_per_seed"] == [3.0, 3.0]
+    runs[1].summary = {"train/loss": None}
+    assert mode_numbers(runs)["test/acc"] is None
