@@ -264,7 +264,7 @@ def test_a_classification_checkpoint_is_not_resumed_as_a_regression(tmp_path: Pa
     train(make_cfg(epochs=1, **base), run)
     before = snapshot_of(run)
     with pytest.raises(ConfigError) as err:
-        train(make_cfg(resume="last", epochs=2, data__task=Task.regression, model__loss=LossName.mse, **base), run)
+        train(make_cfg(resume="last", epochs=2, data__task=Task.regression, model__loss="mse", **base), run)
     msg = str(err.value)
     assert "holds a run with model.loss=cross_entropy, data.task=auto, but this resume sets model.loss=mse, " in msg
     assert "data.task=regression" in msg and "\n" not in msg, msg
