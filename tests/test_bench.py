@@ -38,13 +38,13 @@ def test_step_overrides_are_hydra_command_line_values() -> None:
 )
 def test_step_config_sets_what_the_benchmark_asks_and_keeps_the_defaults(widths, batch, precision, options) -> None:
     cfg = step_config(widths, batch, precision, **options)
-    assert cfg.device.value == "gpu" and cfg.precision.name.value == precision
+    assert cfg.device.value == "gpu" and cfg.precision.name == precision
     assert list(cfg.model.hidden) == widths[1:-1] and cfg.data.batch_size == batch
     assert cfg.execution.mode.value == options.get("mode", "fused") and cfg.graph is options.get("graph", True)
     assert cfg.execution.wgrad_stream is options.get("wgrad_stream") and cfg.progress is False
-    assert cfg.optimizer.name.value == options.get("optimizer", "sgd") and cfg.optimizer.lr == 1e-3
+    assert cfg.optimizer.name == options.get("optimizer", "sgd") and cfg.optimizer.lr == 1e-3
     assert cfg.optimizer.schedule.value == "constant"
-    assert cfg.model.activation.value == options.get("activation", "relu")
+    assert cfg.model.activation == options.get("activation", "relu")
     if "workspace_mib" in options:
         assert cfg.execution.workspace_mib == options["workspace_mib"]
     if precision in ("fp16", "bf16"):
@@ -64,8 +64,8 @@ def test_step_config_is_checked_as_a_command_line_is() -> None:
 
 def test_digits_overrides_compose_and_take_extra_keys() -> None:
     cfg = compose_config(digits_overrides(True, **{"precision.name": "fp8", "epochs": 2}))
-    assert cfg.data.name.value == "digits" and cfg.data.batch_size == 64 and cfg.optimizer.name.value == "adam"
-    assert cfg.precision.name.value == "fp8" and cfg.epochs == 2 and cfg.execution.bgrad.value == "bgradb"
+    assert cfg.data.name.value == "digits" and cfg.data.batch_size == 64 and cfg.optimizer.name == "adam"
+    assert cfg.precision.name == "fp8" and cfg.epochs == 2 and cfg.execution.bgrad.value == "bgradb"
 
 
 def test_largest_bisects_to_the_widest_width_that_trains(monkeypatch: pytest.MonkeyPatch) -> None:
