@@ -78,9 +78,14 @@ class Predictor:
     """
 
     def __init__(
-        self, ckpt: str | Path | checkpoint.Checkpoint, *, device: str = "auto", precision: str | None = None,
-        batch_size: int = DEFAULT_BATCH, autotune: bool = False,
-    ) -> None:  # fmt: skip
+        self,
+        ckpt: str | Path | checkpoint.Checkpoint,
+        *,
+        device: str = "auto",
+        precision: str | None = None,
+        batch_size: int = DEFAULT_BATCH,
+        autotune: bool = False,
+    ) -> None:
         if not isinstance(ckpt, checkpoint.Checkpoint):
             ckpt = checkpoint.load(_checkpoint_path(Path(ckpt).expanduser()))
         if ckpt.meta.get("data") is None or "data/shift" not in ckpt.arrays:
@@ -168,8 +173,9 @@ class Predictor:
                 from mlptrain.gpu.infer import GraphedInference
 
                 self._gpu = GraphedInference(self.model, self.shift, self.scale, self.precision.compute_dtype)
-            host = self._gpu.run(x, self.batch_size, classification=self.classification,
-                                 probabilities=probabilities, progress=progress)  # fmt: skip
+            host = self._gpu.run(
+                x, self.batch_size, classification=self.classification, probabilities=probabilities, progress=progress
+            )
             if not self.classification:
                 return Outputs(values=self.targets.undo(host[0]))
             return Outputs(class_id=host[0], probabilities=host[1] if probabilities else None)
@@ -317,9 +323,13 @@ def softmax(z: np.ndarray) -> np.ndarray:
 
 
 def predict(
-    ckpt: str | Path | Predictor, x: Any, *, probabilities: bool = False, device: str = "auto",
+    ckpt: str | Path | Predictor,
+    x: Any,
+    *,
+    probabilities: bool = False,
+    device: str = "auto",
     batch_size: int = DEFAULT_BATCH,
-) -> np.ndarray:  # fmt: skip
+) -> np.ndarray:
     """Score raw rows ``x (N, F)`` with a checkpoint (``mlptrain.predict(ckpt, x)``).
 
     Returns the class ids ``(N,)`` (``probabilities=True``: the ``(N, C)`` probabilities), or a
@@ -364,8 +374,15 @@ def _model(ckpt: checkpoint.Checkpoint, backend: Backend, prec: Precision, autot
     activation = config.get("model", {}).get("activation", "relu")
     if activation not in ("relu", "gelu", "none"):
         raise CheckpointError(f"checkpoint {ckpt.path}: model.activation={activation!r} is not relu, gelu or none")
-    model = MLP(ckpt.meta["widths"], execution=FusedExecution(gemm), xp=backend.xp, rng=np.random.default_rng(0),
-                param_dtype=prec.param_dtype, compute_dtype=prec.compute_dtype, activation=activation)  # fmt: skip
+    model = MLP(
+        ckpt.meta["widths"],
+        execution=FusedExecution(gemm),
+        xp=backend.xp,
+        rng=np.random.default_rng(0),
+        param_dtype=prec.param_dtype,
+        compute_dtype=prec.compute_dtype,
+        activation=activation,
+    )
     params = {k[len("param/") :]: v for k, v in ckpt.arrays.items() if k.startswith("param/")}
     expected = {p.name: tuple(p.value.shape) for p in model.params}
     got = {k: tuple(v.shape) for k, v in params.items()}

@@ -82,8 +82,10 @@ class DataLoader:
         if shard is not None:
             rank, world = shard
             if not 0 <= rank < world or batch_size < world:
-                raise ConfigError(f"DataLoader shard {shard} of batch_size={batch_size}: expected 0 <= rank < world <= "
-                                  "batch_size (every rank takes at least one row of a batch)")  # fmt: skip
+                raise ConfigError(
+                    f"DataLoader shard {shard} of batch_size={batch_size}: expected 0 <= rank < world <= "
+                    "batch_size (every rank takes at least one row of a batch)"
+                )
             short = n % batch_size
             if not drop_last and 0 < short < world:
                 raise ConfigError(

@@ -124,9 +124,14 @@ class Loop:
         # inf/NaN are reported by the checks, which name the step and the tensor: no NumPy warnings
         with tr.stream, np.errstate(over="ignore", invalid="ignore", divide="ignore"):
             epochs = tqdm(
-                range(self.start.epoch, cfg.epochs), initial=self.start.epoch, total=cfg.epochs, desc="epoch",
-                unit="epoch", position=0, disable=self.progress_disable,
-            )  # fmt: skip
+                range(self.start.epoch, cfg.epochs),
+                initial=self.start.epoch,
+                total=cfg.epochs,
+                desc="epoch",
+                unit="epoch",
+                position=0,
+                disable=self.progress_disable,
+            )
             epoch = self.start.epoch
             for epoch in epochs:
                 t_epoch = time.perf_counter()
@@ -205,10 +210,15 @@ class Loop:
         tr.log.start_epoch(pos.loss_sum, pos.correct)  # the epoch's running sums, on the device
         samples, batch, done = pos.samples, pos.batch, False
         bar = tqdm(
-            tr.train_batches(epoch, batch), initial=batch, total=tr.steps_per_epoch,
-            desc=f"train {epoch + 1}/{cfg.epochs}", unit="batch", leave=False, position=1,
+            tr.train_batches(epoch, batch),
+            initial=batch,
+            total=tr.steps_per_epoch,
+            desc=f"train {epoch + 1}/{cfg.epochs}",
+            unit="batch",
+            leave=False,
+            position=1,
             disable=self.progress_disable,
-        )  # fmt: skip
+        )
         for x, y in bar:
             lr = tr.lr_at(tr.step_count)
             loss, _ = tr.step(x, y)

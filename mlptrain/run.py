@@ -225,10 +225,18 @@ def _accept(tr: Trainer, run_dir: RunDirectory, start: Start, on_accept: Callabl
     ds = tr.dataset
     log.info(
         "mlptrain %s: %s, dataset %s (%d train / %d val / %d test), model %s (%s params), %s, %s, bgrad %s",
-        __version__, tr.backend.describe(), ds.name, len(ds.y_train), len(ds.y_val), len(ds.y_test),
-        "-".join(map(str, tr.widths)), f"{tr.model.num_params:,}", tr.cfg.execution.mode.value, tr.precision.name,
+        __version__,
+        tr.backend.describe(),
+        ds.name,
+        len(ds.y_train),
+        len(ds.y_val),
+        len(ds.y_test),
+        "-".join(map(str, tr.widths)),
+        f"{tr.model.num_params:,}",
+        tr.cfg.execution.mode.value,
+        tr.precision.name,
         ",".join(tr.model.bgrad) or "-",
-    )  # fmt: skip
+    )
     if start.resumed_from is not None:
         p = start.position
         log.info("resuming from %s at step %d (epoch %d, batch %d)", start.resumed_from, p.step, p.epoch, p.batch)

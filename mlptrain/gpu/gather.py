@@ -38,11 +38,15 @@ def take_rows(src: Any, idx: Any, out: Any = None) -> Any:
     if out is None:
         out = cp.empty((rows, *src.shape[1:]), src.dtype)
     if not (src.flags.c_contiguous and out.flags.c_contiguous) or out.shape != (rows, *src.shape[1:]):
-        raise ValueError(f"take_rows needs C-contiguous (N, ...) rows and out {(rows, *src.shape[1:])}; "
-                         f"got src {src.shape} and out {out.shape}")  # fmt: skip
+        raise ValueError(
+            f"take_rows needs C-contiguous (N, ...) rows and out {(rows, *src.shape[1:])}; "
+            f"got src {src.shape} and out {out.shape}"
+        )
     if out.dtype != src.dtype or idx.dtype != cp.int64 or not idx.flags.c_contiguous:
-        raise ValueError(f"take_rows: out {out.dtype} must be src's {src.dtype}, idx contiguous int64 "
-                         f"(got {idx.dtype}, strides {idx.strides})")  # fmt: skip
+        raise ValueError(
+            f"take_rows: out {out.dtype} must be src's {src.dtype}, idx contiguous int64 "
+            f"(got {idx.dtype}, strides {idx.strides})"
+        )
     launch = _plan(src, out, rows)
     if launch is not None:
         unit, units, n, blocks = launch

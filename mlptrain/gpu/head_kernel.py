@@ -93,9 +93,18 @@ def head_input_grad(dlogits: Any, W: Any, relu_aux: Any, *, bias_grad_below: boo
     blocks = -(-H // COLUMNS_PER_BLOCK)
     # flat views, no copies: relu_aux.T is the C-order (B, Mb) array of its memory
     _head_kernel(C)(
-        dlogits.reshape(-1), W.reshape(-1), relu_aux.T.reshape(-1), B, H, mb, bias_grad_below,
-        dz.reshape(-1), db, size=blocks * THREADS, block_size=THREADS,
-    )  # fmt: skip
+        dlogits.reshape(-1),
+        W.reshape(-1),
+        relu_aux.T.reshape(-1),
+        B,
+        H,
+        mb,
+        bias_grad_below,
+        dz.reshape(-1),
+        db,
+        size=blocks * THREADS,
+        block_size=THREADS,
+    )
     return dz, (db if bias_grad_below else None)
 
 

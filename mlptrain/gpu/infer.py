@@ -60,9 +60,14 @@ class GraphedInference:
         return step
 
     def run(
-        self, x: Any, batch: int, *, classification: bool, probabilities: bool,
+        self,
+        x: Any,
+        batch: int,
+        *,
+        classification: bool,
+        probabilities: bool,
         progress: Callable[[int], None] | None = None,
-    ) -> list[np.ndarray]:  # fmt: skip
+    ) -> list[np.ndarray]:
         """Score raw rows ``x (N, F)`` (NumPy or CuPy, any numeric dtype) in batches of ``batch``.
 
         Returns host arrays: a regression's ``[values (N, T)]``; a classification's ``[class_id (N,)]``

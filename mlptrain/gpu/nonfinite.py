@@ -40,8 +40,10 @@ def nonfinite_flags(arrays: Sequence[Any]) -> list[bool]:
     for dtype, index in groups.items():
         kernel = function(f"mlptrain_nonfinite_{dtype}")
         # the scan reads a.size elements from the first: any one-piece layout (C or F order) will do
-        tensors = [a if a.flags.c_contiguous or a.flags.f_contiguous else cp.ascontiguousarray(a)
-                   for a in (arrays[i] for i in index)]  # fmt: skip
+        tensors = [
+            a if a.flags.c_contiguous or a.flags.f_contiguous else cp.ascontiguousarray(a)
+            for a in (arrays[i] for i in index)
+        ]
         ptrs = cp.asarray(np.array([a.data.ptr for a in tensors], dtype=np.uint64))
         sizes = cp.asarray(np.array([a.size for a in tensors], dtype=np.int64))
         out = cp.zeros(len(tensors), dtype=cp.int32)
