@@ -172,7 +172,8 @@ class Predictor:
             if self._gpu is None:
                 from mlptrain.gpu.infer import GraphedInference
 
-                self._gpu = GraphedInference(self.model, self.shift, self.scale, self.precision.compute_dtype)
+                forward = lambda rows: self.model.forward(rows, keep=False)  # RELU_BIAS ... BIAS
+                self._gpu = GraphedInference(forward, self.shift, self.scale, self.precision.compute_dtype)
             host = self._gpu.run(
                 x, self.batch_size, classification=self.classification, probabilities=probabilities, progress=progress
             )

@@ -196,3 +196,53 @@ def test_no_module_turns_the_formatter_off() -> None:
 @pytest.mark.parametrize("name", sorted(modules()))
 def test_module_and_function_sizes(name: str, formatted: dict[str, str]) -> None:
     assert too_long(formatted[name]) == [], f"{modules()[name]} (as ruff format writes it)"
+
+
+def reach(graph: dict[str, set[str]], start: str) -> set[str]:
+    """Every module ``start`` imports, directly or through others."""
+    found: set[str] = set()
+    todo = [start]
+    while todo:
+        for m in graph[todo.pop()] - found:
+            found.add(m)
+            todo.append(m)
+    return found
+
+
+# What an engine of mlptrain.gpu may import from the rest of the package: the contracts it carries out
+# and plain helpers. Never the step, the network, the builders or the precision policy.
+ENGINES_MAY_IMPORT = {
+    "mlptrain.epilogs",  # the epilog contract the GEMM engines run
+    "mlptrain.epilogs_fp8",
+    "mlptrain.fp8",  # the FP8 scaling contract
+    "mlptrain.backend",  # device selection
+    "mlptrain.files",  # atomic_write, the cache folder
+}
+# Today's exceptions, each to go once its module is given what it needs instead of importing it:
+ENGINE_EXCEPTIONS = {
+    # rebuilds the step's kernels itself, with the run's precision policy (#29: components own their kernels)
+    "mlptrain.gpu.precompile": {"mlptrain.precision"},
+    # compares the pools with the step's memory formula (#29: the device runtime apart from the step)
+    "mlptrain.gpu.memory": {"mlptrain.step_memory"},
+    # the torch front end's bgrad probe reads the trainer's rule and builds a FusedExecution to time
+    "mlptrain.gpu.torch_gemm": {"mlptrain.bgrad", "mlptrain.build", "mlptrain.execution"},
+}
+
+
+def engine_imports_outside(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Each module of mlptrain.gpu -> what it imports of the package beyond gpu/ and ENGINES_MAY_IMPORT."""
+    return {
+        name: {m for m in deps if not m.startswith("mlptrain.gpu")} - ENGINES_MAY_IMPORT
+        for name, deps in graph.items()
+        if name.startswith("mlptrain.gpu.")
+    }
+
+
+def test_gpu_modules_are_engines_that_never_import_the_step_the_network_or_the_precision_policy() -> None:
+    found = {name: deps for name, deps in engine_imports_outside(import_graph()).items() if deps}
+    assert found == ENGINE_EXCEPTIONS  # an exception that is gone is taken out of the set too
+
+
+def test_the_engine_rule_refuses_an_engine_that_imports_the_network() -> None:
+    graph = {"mlptrain.gpu.x": {"mlptrain.network", "mlptrain.epilogs", "mlptrain.gpu.y"}, "mlptrain.gpu.y": set()}
+    assert engine_imports_outside(graph) == {"mlptrain.gpu.x": {"mlptrain.network"}, "mlptrain.gpu.y": set()}
