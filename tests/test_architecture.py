@@ -246,3 +246,14 @@ def test_gpu_modules_are_engines_that_never_import_the_step_the_network_or_the_p
 def test_the_engine_rule_refuses_an_engine_that_imports_the_network() -> None:
     graph = {"mlptrain.gpu.x": {"mlptrain.network", "mlptrain.epilogs", "mlptrain.gpu.y"}, "mlptrain.gpu.y": set()}
     assert engine_imports_outside(graph) == {"mlptrain.gpu.x": {"mlptrain.network"}, "mlptrain.gpu.y": set()}
+
+
+def test_the_launcher_is_above_the_run_and_data_parallelism_below_it() -> None:
+    graph = import_graph()
+    assert "mlptrain.run" in graph["mlptrain.launcher"], "the launcher's workers call run.train"
+    assert {name for name, deps in graph.items() if "mlptrain.launcher" in deps} == {"mlptrain.cli"}
+    above = {"mlptrain.launcher", "mlptrain.cli", "mlptrain.run", "mlptrain.loop", "mlptrain.trainer"}
+    distributed = [name for name in graph if name.startswith("mlptrain.distributed")]
+    assert len(distributed) >= 4 and {n: sorted(reach(graph, n) & above) for n in distributed} == {
+        n: [] for n in distributed
+    }

@@ -11,7 +11,7 @@ A rank that dies or hangs leaves the others waiting inside NCCL, where no Python
 :class:`Watchdog` thread of each rank notices that the loop has made no progress for
 ``distributed.timeout_s``, aborts the rank's NCCL communicator (which ends the waiting kernels) and
 exits the process with a clear error: never a silent hang. The launcher of ``distributed.gpus``
-then stops the other ranks (:mod:`mlptrain.distributed.spawn`); torchrun and mpirun do the same.
+then stops the other ranks (:mod:`mlptrain.launcher`); torchrun and mpirun do the same.
 """
 
 from __future__ import annotations

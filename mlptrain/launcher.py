@@ -1,5 +1,9 @@
 """``python -m mlptrain distributed.gpus=N``: one training process per GPU of this host.
 
+The layer above the run: the launcher starts processes that each call :func:`mlptrain.run.train`,
+which runs data parallelism (:mod:`mlptrain.distributed`, below it). Only the CLI imports this module;
+nothing in :mod:`mlptrain.distributed` does (``tests/test_architecture.py``).
+
 The launching process (the Hydra job) makes NCCL's unique id and starts ``N`` worker processes
 (``multiprocessing``'s spawn: a fresh interpreter each, as CUDA requires), handing each its rank and
 the id; each selects GPU ``rank``, joins the NCCL communicator and runs :func:`mlptrain.run.train`
