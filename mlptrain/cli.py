@@ -280,7 +280,7 @@ def _exit_now(signum: int, frame: Any) -> None:
     """Ctrl-C or SIGTERM outside a run (Hydra composing the config, between the jobs of a multirun):
     nothing of a run is being written, so exit at once, with one line and ``128 + signal``. Raising in
     the middle of Hydra's or OmegaConf's code could leave a half-built object to fail on (a traceback).
-    A run installs its own handlers (:class:`mlptrain.faults.StopRequest`)."""
+    A run installs its own handlers (:class:`mlptrain.stopping.StopRequest`)."""
     os.write(2, f"error: stopped by {signal.Signals(signum).name} before training; nothing was written\n".encode())
     os._exit(128 + signum)
 

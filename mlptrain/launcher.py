@@ -34,6 +34,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from mlptrain.distributed.comm import Communicator
 from mlptrain.distributed.launch import DistEnv, exchange_id
 from mlptrain.errors import ConfigError, DeviceError, Interrupted, MlptrainError
 
@@ -272,7 +273,7 @@ def _writer(files: dict[str, str] | None) -> Any:
     return accept
 
 
-def join(env: DistEnv) -> Any:
+def join(env: DistEnv) -> Communicator:
     """This process's communicator, launched by torchrun or mpirun: GPU ``local_rank``, the id over TCP.
 
     Raises:

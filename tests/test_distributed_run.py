@@ -21,6 +21,7 @@ from mlptrain.distributed.comm import LocalGroup
 from mlptrain.distributed.control import EXIT_HUNG, AgreedStop, Watchdog
 from mlptrain.errors import ConfigError, TrainingInterrupted
 from mlptrain.run import train
+from mlptrain.stopping import Stop, StopRequest
 
 
 def _cfg(**kw):
@@ -129,6 +130,20 @@ def test_agreement_is_an_all_reduce_of_the_flags():
     [t.start() for t in ts]
     [t.join(10) for t in ts]
     assert out == [True, True, True]
+
+
+def test_one_process_and_a_rank_stop_through_the_same_protocol():
+    """The loop calls ``beat`` and ``agree`` on any stop: a no-op and ``requested`` in one process, the
+    watchdog's heart and the all-reduce of the flags for a rank (``mlptrain.stopping.Stop``)."""
+    one = StopRequest()
+    rank = AgreedStop(one, LocalGroup(1).communicator(0))
+    assert isinstance(one, Stop) and isinstance(rank, Stop)
+    one.beat()
+    assert one.agree() is False and rank.agree() is False
+    one.requested = True
+    assert one.agree() is True and rank.agree() is True and rank.requested
+    src = "\n".join(p.read_text() for p in Path(launcher.__file__).parent.rglob("*.py"))
+    assert 'hasattr(stop, "beat")' not in src and 'hasattr(self.stop, "' not in src
 
 
 def test_the_watchdog_aborts_and_exits_when_nothing_moves():
