@@ -257,3 +257,13 @@ def test_the_launcher_is_above_the_run_and_data_parallelism_below_it() -> None:
     assert len(distributed) >= 4 and {n: sorted(reach(graph, n) & above) for n in distributed} == {
         n: [] for n in distributed
     }
+
+
+def test_every_module_is_named_where_the_package_is_described() -> None:
+    """docs/architecture.md names every top-level module (``x.py``); gpu/__init__'s table every GPU module."""
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    top = [p.stem for p in PKG.glob("*.py") if not p.stem.startswith("__")]
+    assert len(top) > 30 and [m for m in top if f"`{m}.py`" not in doc] == []
+    table = (PKG / "gpu" / "__init__.py").read_text()
+    gpu = [p.stem for p in (PKG / "gpu").glob("*.py") if p.stem != "__init__"]
+    assert len(gpu) > 10 and [m for m in gpu if f"``{m}``" not in table] == []
