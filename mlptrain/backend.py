@@ -30,10 +30,10 @@ log = logging.getLogger(__name__)
 
 DEVICES = ("auto", "cpu", "gpu")
 
-# A CPU training step of fewer GEMM FLOPs than this runs on one BLAS thread. On a busy 2-core machine
-# (docs/benchmarks.md, "BLAS threads") OpenBLAS's second thread made the default digits step (1e7
-# FLOPs) 44x slower and a 1e9-FLOP step 6.8x; above 1e10 the library's default is kept: GEMMs of
-# gigaflops are what threads are for on free cores (a user's OPENBLAS_NUM_THREADS still applies).
+# A CPU training step of fewer GEMM FLOPs than this runs on one BLAS thread: on a busy machine
+# OpenBLAS's second thread makes small steps many times slower (docs/benchmarks.md, "BLAS threads on
+# a busy CPU"); above it the library's default is kept: GEMMs of gigaflops are what threads are for
+# on free cores (a user's OPENBLAS_NUM_THREADS still applies).
 BLAS_ONE_THREAD_BELOW = 1e10
 
 GPU_INSTALL_HINT = (
@@ -165,7 +165,7 @@ def scalar(xp: ModuleType, value: Any, dtype: Any) -> Any:
     """A 0-d array of ``dtype`` holding ``value`` in ``xp``'s memory (a step count, a rate, a loss scale).
 
     Made on the host and copied over: ``cupy.full`` and ``cupy.ones`` launch CuPy's fill or copy
-    kernel, which a fresh machine must first compile (NVRTC, about 0.1 s each, issue #14); a
+    kernel, which a fresh machine must first compile (NVRTC, a kernel at a time, issue #14); a
     host-to-device copy needs no kernel. One element, then a view without the axis: CuPy copies a
     0-d host array with its fill kernel too.
     """

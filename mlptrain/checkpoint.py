@@ -308,8 +308,10 @@ def _read_arrays(path: Path) -> dict[str, np.ndarray]:
 
 def _read_meta(blob: np.ndarray, path: Path) -> dict[str, Any]:
     if blob.dtype != np.uint8 or blob.ndim != 1:
-        raise CheckpointError(f"checkpoint {path} is corrupt: its {META_KEY!r} entry is {blob.dtype} {blob.shape}, "
-                              "expected uint8 bytes of JSON")  # fmt: skip
+        raise CheckpointError(
+            f"checkpoint {path} is corrupt: its {META_KEY!r} entry is {blob.dtype} {blob.shape}, "
+            "expected uint8 bytes of JSON"
+        )
     try:
         meta = json.loads(blob.tobytes().decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:

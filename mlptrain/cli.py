@@ -242,13 +242,13 @@ def _train_job(cfg: DictConfig, config: TrainConfig, out_dir: Path, handlers: li
                 f"distributed.gpus={config.distributed.gpus} under {env.launcher}, which started {env.world} "
                 "ranks already: leave distributed.gpus at 1 and let the launcher set the number of processes"
             )
-        from mlptrain.distributed.spawn import launch
+        from mlptrain.launcher import launch
 
         validate(config)
         return launch(config, out_dir, accept_files=_hydra_files(cfg), overrides=overrides)
     if env is None:
         return train(config, out_dir, on_accept=lambda path: handlers.append(_accepted(cfg, path)), overrides=overrides)
-    from mlptrain.distributed.spawn import join
+    from mlptrain.launcher import join
 
     comm = join(env)
     accept = (lambda path: handlers.append(_accepted(cfg, path))) if env.rank == 0 else None
@@ -280,7 +280,7 @@ def _exit_now(signum: int, frame: Any) -> None:
     """Ctrl-C or SIGTERM outside a run (Hydra composing the config, between the jobs of a multirun):
     nothing of a run is being written, so exit at once, with one line and ``128 + signal``. Raising in
     the middle of Hydra's or OmegaConf's code could leave a half-built object to fail on (a traceback).
-    A run installs its own handlers (:class:`mlptrain.faults.StopRequest`)."""
+    A run installs its own handlers (:class:`mlptrain.stopping.StopRequest`)."""
     os.write(2, f"error: stopped by {signal.Signals(signum).name} before training; nothing was written\n".encode())
     os._exit(128 + signum)
 

@@ -29,8 +29,8 @@ DGELU_BGRAD     gelu_aux       dgelu_bgrad (M,)     as DGELU, plus its row sums 
 (GELU and GELU_AUX are the same without a bias.) GELU is the tanh approximation cuBLASLt computes,
 ``gelu(z) = 0.5 z (1 + tanh(sqrt(2/pi) (z + 0.044715 z^3)))``; its ``gelu_aux`` is the
 pre-activation in D's dtype, ``(Mp, N)`` with ``Mp = round_up(M, 8)``, column-major, rows past M
-undefined (zeros here). The GELU epilogs are in the contract (the oracle); the training step does
-not use them yet.
+undefined (zeros here). The training step uses the GELU epilogs with ``model.activation=gelu``
+(:mod:`mlptrain.execution`), as it uses the ReLU ones by default; this contract is the oracle of both.
 
 Layout: every epilog above returns D column-major (F-order), as cuBLASLt's bias and aux
 epilogs require. A plain GEMM (no epilog) follows A's order. The ``relu_aux`` mask is cuBLASLt's

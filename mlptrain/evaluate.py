@@ -79,7 +79,7 @@ def classification_report(logits: np.ndarray, y: np.ndarray, names: list[str]) -
         "macro": {
             k: float(v[present].mean()) if present.any() else float("nan")
             for k, v in (("precision", precision), ("recall", recall), ("f1", f1))
-        },  # fmt: skip
+        },
         "per_class": {n: {k: (float(v) if k != "support" else v) for k, v in d.items()} for n, d in per_class.items()},
         "class_names": names,
         "confusion": confusion.tolist(),
@@ -221,8 +221,10 @@ def run(args: EvaluateArgs) -> int:
     report, _ = evaluate(args, p)
     written = write_report(report, folder)
     scores = f"loss {report['loss']:.4f}" + (f" acc {report['acc']:.4f}" if "acc" in report else "")
-    print(f"{Path(report['checkpoint']).name} on the {report['data']} ({report['samples']:,} rows): {scores} -> "
-          f"{', '.join(map(str, written))}")  # fmt: skip
+    print(
+        f"{Path(report['checkpoint']).name} on the {report['data']} ({report['samples']:,} rows): {scores} -> "
+        f"{', '.join(map(str, written))}"
+    )
     return 0
 
 

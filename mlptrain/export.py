@@ -173,13 +173,17 @@ def onnx_model(p: Predictor) -> Any:
     except ImportError as exc:
         raise ConfigError("format=onnx needs the onnx package: pip install 'mlptrain[onnx]'") from exc
     f32 = np.float32
-    inits = [numpy_helper.from_array(p.shift.astype(f32), "shift"),
-             numpy_helper.from_array((1.0 / p.scale).astype(f32), "inv_scale")]  # fmt: skip
+    inits = [
+        numpy_helper.from_array(p.shift.astype(f32), "shift"),
+        numpy_helper.from_array((1.0 / p.scale).astype(f32), "inv_scale"),
+    ]
     if _activation(p) == "gelu":
         consts = {"gelu_k": 0.044715, "gelu_c": np.sqrt(2 / np.pi), "gelu_one": 1.0, "gelu_half": 0.5}
         inits += [numpy_helper.from_array(np.array(v, f32), name) for name, v in consts.items()]
-    nodes = [helper.make_node("Sub", ["x", "shift"], ["x_shifted"]),
-             helper.make_node("Mul", ["x_shifted", "inv_scale"], ["h0"])]  # fmt: skip
+    nodes = [
+        helper.make_node("Sub", ["x", "shift"], ["x_shifted"]),
+        helper.make_node("Mul", ["x_shifted", "inv_scale"], ["h0"]),
+    ]
     for i, layer in enumerate(p.model.layers):
         w, b = (np.ascontiguousarray(p.backend.to_host(t.value), dtype=f32) for t in (layer.weight, layer.bias))
         inits += [numpy_helper.from_array(w, f"layer{i}.weight"), numpy_helper.from_array(b, f"layer{i}.bias")]
@@ -199,10 +203,14 @@ def onnx_model(p: Predictor) -> Any:
     n, c = "N", p.num_outputs
     outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [n, c])]
     if p.classification:
-        nodes += [helper.make_node("Softmax", ["logits"], ["probabilities"], axis=1),
-                  helper.make_node("ArgMax", ["logits"], ["class_id"], axis=1, keepdims=0)]  # fmt: skip
-        outputs += [helper.make_tensor_value_info("probabilities", TensorProto.FLOAT, [n, c]),
-                    helper.make_tensor_value_info("class_id", TensorProto.INT64, [n])]  # fmt: skip
+        nodes += [
+            helper.make_node("Softmax", ["logits"], ["probabilities"], axis=1),
+            helper.make_node("ArgMax", ["logits"], ["class_id"], axis=1, keepdims=0),
+        ]
+        outputs += [
+            helper.make_tensor_value_info("probabilities", TensorProto.FLOAT, [n, c]),
+            helper.make_tensor_value_info("class_id", TensorProto.INT64, [n]),
+        ]
     graph = helper.make_graph(
         nodes, "mlptrain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [n, p.num_features])], outputs, inits
     )

@@ -1,8 +1,6 @@
-"""What can stop a run, and the messages that say why: signals, inf/NaN, running out of memory.
+"""What can stop a run, and the messages that say why: inf/NaN, running out of memory (signals, the
+stop a run is asked for: :mod:`mlptrain.stopping`).
 
-* :class:`StopRequest`: the first SIGINT or SIGTERM asks the run to stop after the current step
-  (it saves ``last`` and raises :class:`~mlptrain.errors.TrainingInterrupted`); a second one
-  raises :class:`~mlptrain.errors.Interrupted` at once.
 * :func:`nonfinite_error` and :func:`check_scaler`: inf/NaN in a loss, a gradient or a parameter
   stops the run naming the step and the tensors; in fp16 only a persistent overflow does.
 * :func:`out_of_memory`: a :class:`~mlptrain.errors.ResourceError` naming the sizes to lower.
@@ -11,60 +9,14 @@
 from __future__ import annotations
 
 import math
-import signal
-import threading
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from mlptrain.backend import Backend
 from mlptrain.config import TrainConfig
-from mlptrain.errors import Interrupted, NonFiniteError, ResourceError
+from mlptrain.errors import NonFiniteError, ResourceError
 from mlptrain.trainer import Trainer
-
-
-class StopRequest:
-    """SIGINT and SIGTERM during a run. SIGTERM is what job schedulers and ``docker stop`` send
-    before they kill. Installed in the main thread only; restored on exit.
-
-    Until :meth:`defer` (before the run is accepted, when nothing has been written) a signal raises
-    :class:`Interrupted` at once. From then on the first one only sets ``requested``: the loop saves
-    ``last`` and stops after the current step; a second raises :class:`Interrupted` at once. The
-    handler itself only sets a flag or raises: printing from a signal handler can re-enter a stream.
-    """
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self) -> None:
-        self.requested = False
-        self.deferred = False
-        self.signum = int(signal.SIGINT)  # the signal that asked to stop
-        self._previous: dict[int, Any] = {}
-
-    def defer(self) -> None:
-        """From now on a first signal asks the run to stop at the next step, after saving ``last``."""
-        self.deferred = True
-
-    def __enter__(self) -> StopRequest:
-        if threading.current_thread() is threading.main_thread():
-            self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for s, previous in self._previous.items():
-            if previous is None:  # installed from outside Python
-                previous = signal.default_int_handler if s == signal.SIGINT else signal.SIG_DFL
-            signal.signal(s, previous)
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        name = signal.Signals(signum).name
-        if not self.deferred:
-            raise Interrupted(f"stopped by {name} before training started; nothing was written", signum)
-        if self.requested:
-            raise Interrupted(f"stopped at once by a second {name}", signum)
-        self.requested = True
-        self.signum = signum
 
 
 def nonfinite_tensors(tr: Trainer, *, grads: bool) -> list[str]:

@@ -13,8 +13,8 @@ mode            what happens after the forward pass
                 gradient with DRELU or DRELU_BGRAD. The CPU, naive execution, large heads.
 ``loss_bias``   as ``gemm``, but the loss kernel also sums ``dlogits`` over the batch in its
                 reduction pass: the output bias gradient, so the weight-gradient GEMM needs
-                no BGRADB epilog (on the H200, 784-1024-1024-10 at batch 256, fp16: the
-                GEMM took 10.7 us with BGRADB, 4.4 without). GPU, fused, one-block losses.
+                no BGRADB epilog, which costs that small GEMM more than the sum costs the loss
+                (docs/benchmarks.md, "Figures moved out of the code"). GPU, fused, one-block losses.
 ``kernel``      as ``loss_bias``, and the output layer's input gradient (K = classes, where
                 cuBLASLt runs DRELU_BGRAD as three kernels) comes from one small kernel that
                 also sums the layer below's bias gradient (:mod:`mlptrain.gpu.head_kernel`).

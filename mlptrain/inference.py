@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from mlptrain import checkpoint
+from mlptrain import checkpoint, columns
 from mlptrain.backend import Backend, get_backend
 from mlptrain.consistency import check_for_scoring
 from mlptrain.data.dataset import raw_rows_problem, saved_target_scaling
@@ -79,9 +79,14 @@ class Predictor:
     """
 
     def __init__(
-        self, ckpt: str | Path | checkpoint.Checkpoint, *, device: str = "auto", precision: str | None = None,
-        batch_size: int = DEFAULT_BATCH, autotune: bool = False,
-    ) -> None:  # fmt: skip
+        self,
+        ckpt: str | Path | checkpoint.Checkpoint,
+        *,
+        device: str = "auto",
+        precision: str | None = None,
+        batch_size: int = DEFAULT_BATCH,
+        autotune: bool = False,
+    ) -> None:
         if not isinstance(ckpt, checkpoint.Checkpoint):
             ckpt = checkpoint.load(_checkpoint_path(Path(ckpt).expanduser()))
         if ckpt.meta.get("data") is None or "data/shift" not in ckpt.arrays:
@@ -168,9 +173,11 @@ class Predictor:
             if self.gpu_runner is None:
                 from mlptrain.gpu.infer import GraphedInference
 
-                self.gpu_runner = GraphedInference(self.model, self.shift, self.scale, self.precision.compute_dtype)
-            host = self.gpu_runner.run(x, self.batch_size, classification=self.classification,
-                                 probabilities=probabilities, progress=progress)  # fmt: skip
+                forward = lambda rows: self.model.forward(rows, keep=False)  # RELU_BIAS ... BIAS
+                self.gpu_runner = GraphedInference(forward, self.shift, self.scale, self.precision.compute_dtype)
+            host = self.gpu_runner.run(
+                x, self.batch_size, classification=self.classification, probabilities=probabilities, progress=progress
+            )
             if not self.classification:
                 return Outputs(values=self.targets.undo(host[0]))
             return Outputs(class_id=host[0], probabilities=host[1] if probabilities else None)
@@ -234,7 +241,7 @@ class Predictor:
             shape = getattr(x, "shape", type(x).__name__)
             raise DatasetError(
                 f"inputs of shape {shape}; the model {self.path.name} takes (N, {self.num_features}) rows of "
-                f"features{_names_hint(self.feature_names)}"
+                f"features{columns.names_hint(self.feature_names)}"
             )
         if not self.backend.is_gpu or type(x).__module__.startswith("numpy"):
             x = np.asarray(x)
@@ -246,69 +253,22 @@ class Predictor:
                 raise DatasetError(f"inputs row {row}, {name} holds {x[row, col]}; features must be finite numbers")
         return x
 
-    # --- files ------------------------------------------------------------------------------
+    # --- files: matched to the model by mlptrain.columns ----------------------------------------
 
     def arrange(self, names: list[str], x: np.ndarray, where: str, named: bool = True) -> np.ndarray:
-        """The columns of a file (``names``, values ``x (N, len(names))``) in the model's feature order.
-
-        Raises:
-            DatasetError: a feature column is missing, or the file has a column the model does not
-                know (renamed columns are both), or (files without names) another number of columns.
-        """
-        expected = self.feature_names
-        if expected is None or not named:
-            if x.shape[1] != self.num_features:
-                raise DatasetError(
-                    f"{where} has {x.shape[1]} feature columns; the model takes {self.num_features}"
-                    f"{_names_hint(expected)}"
-                )
-            return x
-        self.check_columns(names, where)
-        return x[:, [names.index(c) for c in expected]]
+        """The columns of a file (``names``, values ``x (N, len(names))``) in the model's feature order
+        (:func:`mlptrain.columns.arrange`)."""
+        return columns.arrange(names, x, where, self.feature_names, self.num_features, self.target_columns, named=named)
 
     def check_columns(self, names: list[str], where: str) -> None:
-        """Raise DatasetError if the feature columns ``names`` are not the model's (missing, or unknown ones).
-
-        Called on a file's header before its cells are read, so that a file of another model is
-        named as such rather than by its first cell that is not a number.
-        """
-        expected = self.feature_names
-        if expected is None:
-            return
-        missing = [c for c in expected if c not in names]
-        extra = [c for c in names if c not in expected]
-        if missing or extra:
-            parts = []
-            if missing:
-                parts.append(f"lacks the feature column(s) {_list(missing)}")
-            if extra:
-                parts.append(f"has column(s) the model was not trained on: {_list(extra)}")
-            hint = " (renamed?)" if missing and extra and len(missing) == len(extra) else ""
-            if len(missing) == len(expected) and extra:  # not one of the model's columns
-                hint = " (a file of another model?)"
-            raise DatasetError(
-                f"{where} {' and '.join(parts)}{hint}; the model takes the {len(expected)} columns "
-                f"{_list(expected)}, and optionally the target {_list(self.target_columns)}"
-            )
+        """Raise DatasetError if the feature columns ``names`` are not the model's
+        (:func:`mlptrain.columns.check_columns`)."""
+        columns.check_columns(names, where, self.feature_names, self.target_columns)
 
     def labels(self, y: np.ndarray, where: str) -> np.ndarray:
-        """Class indices of a target column: by class name, or an integer class index."""
-        names = self.class_names or [str(i) for i in range(self.num_outputs)]
-        index = {n: i for i, n in enumerate(names)}
-        # A number stands for a class index only where the class names are not numbers themselves
-        # (fashion_mnist's "Trouser" is label 1; with classes "1", "2", "3", label 1 is class "1").
-        by_index = not all(_number(n) is not None for n in names)
-        out = np.empty(len(y), dtype=np.int64)
-        for row, v in enumerate(y.tolist()):
-            number = _number(v)  # 3, 3.0 and "3.0" are class "3"
-            key = str(int(number)) if number is not None and number.is_integer() else str(v).strip()
-            if key in index:
-                out[row] = index[key]
-            elif by_index and number is not None and number.is_integer() and 0 <= number < len(names):
-                out[row] = int(number)
-            else:
-                raise DatasetError(f"{where} row {row}: label {v!r} is not a class of the model ({_list(names)})")
-        return out
+        """Class indices of a target column: by class name, or an integer class index
+        (:func:`mlptrain.columns.labels`)."""
+        return columns.labels(y, where, self.class_names or [str(i) for i in range(self.num_outputs)])
 
 
 def softmax(z: np.ndarray) -> np.ndarray:
@@ -318,9 +278,13 @@ def softmax(z: np.ndarray) -> np.ndarray:
 
 
 def predict(
-    ckpt: str | Path | Predictor, x: Any, *, probabilities: bool = False, device: str = "auto",
+    ckpt: str | Path | Predictor,
+    x: Any,
+    *,
+    probabilities: bool = False,
+    device: str = "auto",
     batch_size: int = DEFAULT_BATCH,
-) -> np.ndarray:  # fmt: skip
+) -> np.ndarray:
     """Score raw rows ``x (N, F)`` with a checkpoint (``mlptrain.predict(ckpt, x)``).
 
     Returns the class ids ``(N,)`` (``probabilities=True``: the ``(N, C)`` probabilities), or a
@@ -367,8 +331,15 @@ def _model(ckpt: checkpoint.Checkpoint, backend: Backend, prec: Precision, autot
         raise CheckpointError(
             f"checkpoint {ckpt.path}: model.activation={activation!r} is not {joined(ACTIVATIONS.names(), 'or')}"
         )
-    model = MLP(ckpt.meta["widths"], execution=FusedExecution(gemm), xp=backend.xp, rng=np.random.default_rng(0),
-                param_dtype=prec.param_dtype, compute_dtype=prec.compute_dtype, activation=activation)  # fmt: skip
+    model = MLP(
+        ckpt.meta["widths"],
+        execution=FusedExecution(gemm),
+        xp=backend.xp,
+        rng=np.random.default_rng(0),
+        param_dtype=prec.param_dtype,
+        compute_dtype=prec.compute_dtype,
+        activation=activation,
+    )
     params = {k[len("param/") :]: v for k, v in ckpt.arrays.items() if k.startswith("param/")}
     expected = {p.name: tuple(p.value.shape) for p in model.params}
     got = {k: tuple(v.shape) for k, v in params.items()}
@@ -376,19 +347,3 @@ def _model(ckpt: checkpoint.Checkpoint, backend: Backend, prec: Precision, autot
         raise CheckpointError(f"checkpoint {ckpt.path}: parameters {got} do not fit the model {expected}")
     model.load_state_dict(params)
     return model
-
-
-def _number(v: Any) -> float | None:
-    try:
-        return float(v)
-    except (TypeError, ValueError):
-        return None
-
-
-def _list(names: list[str], most: int = 8) -> str:
-    shown = ", ".join(map(repr, names[:most]))
-    return shown + (f", ... ({len(names)} in all)" if len(names) > most else "")
-
-
-def _names_hint(names: list[str] | None) -> str:
-    return f" ({_list(names)})" if names else ""

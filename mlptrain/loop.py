@@ -29,10 +29,10 @@ from mlptrain import checkpoint, faults
 from mlptrain.checkpoint import Position
 from mlptrain.config import to_plain
 from mlptrain.errors import TrainingInterrupted
-from mlptrain.faults import StopRequest
 from mlptrain.metrics import MetricsWriter, read_metrics
 from mlptrain.resume import Start
 from mlptrain.rundir import RunDirectory
+from mlptrain.stopping import Stop
 from mlptrain.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -99,7 +99,7 @@ class Loop:
         tr: Trainer,
         run_dir: RunDirectory,
         metrics: MetricsWriter,
-        stop: StopRequest,
+        stop: Stop,
         start: Start,
     ) -> None:
         self.tr, self.cfg, self.run_dir, self.metrics = tr, tr.cfg, run_dir, metrics
@@ -124,9 +124,14 @@ class Loop:
         # inf/NaN are reported by the checks, which name the step and the tensor: no NumPy warnings
         with tr.stream, np.errstate(over="ignore", invalid="ignore", divide="ignore"):
             epochs = tqdm(
-                range(self.start.epoch, cfg.epochs), initial=self.start.epoch, total=cfg.epochs, desc="epoch",
-                unit="epoch", position=0, disable=self.progress_disable,
-            )  # fmt: skip
+                range(self.start.epoch, cfg.epochs),
+                initial=self.start.epoch,
+                total=cfg.epochs,
+                desc="epoch",
+                unit="epoch",
+                position=0,
+                disable=self.progress_disable,
+            )
             epoch = self.start.epoch
             for epoch in epochs:
                 t_epoch = time.perf_counter()
@@ -205,10 +210,15 @@ class Loop:
         tr.log.start_epoch(pos.loss_sum, pos.correct)  # the epoch's running sums, on the device
         samples, batch, done = pos.samples, pos.batch, False
         bar = tqdm(
-            tr.train_batches(epoch, batch), initial=batch, total=tr.steps_per_epoch,
-            desc=f"train {epoch + 1}/{cfg.epochs}", unit="batch", leave=False, position=1,
+            tr.train_batches(epoch, batch),
+            initial=batch,
+            total=tr.steps_per_epoch,
+            desc=f"train {epoch + 1}/{cfg.epochs}",
+            unit="batch",
+            leave=False,
+            position=1,
             disable=self.progress_disable,
-        )  # fmt: skip
+        )
         for x, y in bar:
             lr = tr.lr_at(tr.step_count)
             loss, _ = tr.step(x, y)
@@ -247,8 +257,7 @@ class Loop:
             rec["train/acc"] = pos.correct / n
         for split in tr.eval_loaders:
             rec.update(tr.evaluate(split))
-            if hasattr(self.stop, "beat"):
-                self.stop.beat()
+            self.stop.beat()
         rec["time_s"] = time.perf_counter() - t_epoch
         self.record = rec
         # A checkpoint after a whole epoch resumes at the next one, its epoch record written; one
@@ -289,12 +298,11 @@ class Loop:
 
         Data parallel: every rank also agrees here whether one of them was asked to stop."""
         losses, lrs = self.interval.flush(self.metrics, epoch)
-        if hasattr(self.stop, "agree"):
-            self.stop.agree()
-            if self.cfg.distributed.verify:  # every rank still holds the same bytes
-                from mlptrain.distributed.control import check_replicas
+        self.stop.agree()
+        if self.tr.grad_sync is not None and self.cfg.distributed.verify:  # every rank still holds the same bytes
+            from mlptrain.distributed.control import check_replicas
 
-                check_replicas(self.tr.grad_sync.comm, self.tr.model.state_dict(), self.tr.step_count)
+            check_replicas(self.tr.grad_sync.comm, self.tr.model.state_dict(), self.tr.step_count)
         if not self.each_step:
             self.check(losses, lrs, epoch)
         faults.check_scaler(self.tr)
@@ -327,8 +335,7 @@ class Loop:
         )
         path = self.run_dir.checkpoint(name)
         checkpoint.save(path, arrays, meta)
-        if hasattr(self.stop, "beat"):  # a large checkpoint on slow storage: not a hang
-            self.stop.beat()
+        self.stop.beat()  # a large checkpoint on slow storage: not a hang
         if name == "last":
             self.last_saved = (path, pos.step)
 

@@ -168,8 +168,12 @@ class MetricsPrefix:
         """
         found = len(self.lines) + len(self.damaged)
         if found < self.wanted:
-            log.warning("%s holds %d of the %d records before the checkpoint; continuing after them",
-                        self.source, found, self.wanted)  # fmt: skip
+            log.warning(
+                "%s holds %d of the %d records before the checkpoint; continuing after them",
+                self.source,
+                found,
+                self.wanted,
+            )
         path = Path(path)
         corrupt = path.with_name(path.name + CORRUPT_SUFFIX)
         try:
@@ -179,8 +183,10 @@ class MetricsPrefix:
                     f.flush()
                 log.warning(
                     "%s: line(s) %s are not JSON records; moved to %s, the records around them are kept",
-                    self.source, ", ".join(str(n) for n, _ in self.damaged), corrupt,
-                )  # fmt: skip
+                    self.source,
+                    ", ".join(str(n) for n, _ in self.damaged),
+                    corrupt,
+                )
             atomic_write(path, b"".join(self.lines))
         except OSError as exc:
             raise OutputError(

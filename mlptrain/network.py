@@ -1,8 +1,9 @@
 """The multilayer perceptron: a chain of :class:`~mlptrain.layers.Linear` layers.
 
-``in -> hidden[0] -> ... -> hidden[-1] -> out``: every hidden layer is one GEMM with bias and
-ReLU (fused: RELU_AUX_BIAS), the output layer one GEMM with bias (fused: BIAS). Activations flow
-between layers as C-contiguous ``(B, features)`` arrays with no copies.
+``in -> hidden[0] -> ... -> hidden[-1] -> out``: every hidden layer is one GEMM with bias and the
+model's activation (``model.activation``: ReLU by default, fused RELU_AUX_BIAS; GELU, fused
+GELU_AUX_BIAS; or none, a deep linear model, BIAS), the output layer one GEMM with bias (fused:
+BIAS). Activations flow between layers as C-contiguous ``(B, features)`` arrays with no copies.
 
 The backward pass starts from the gradient of the logits that the output head computed
 (:class:`mlptrain.head.OutputHead`), together with whatever else of the output layer's backward

@@ -79,8 +79,15 @@ def confusion_png(confusion: np.ndarray, names: list[str], title: str) -> bytes 
             for i in range(c):
                 for j in range(c):
                     if confusion[i, j]:
-                        ax.text(j, i, str(confusion[i, j]), ha="center", va="center", fontsize=8,
-                                color="white" if rates[i, j] > 0.5 else "black")  # fmt: skip
+                        ax.text(
+                            j,
+                            i,
+                            str(confusion[i, j]),
+                            ha="center",
+                            va="center",
+                            fontsize=8,
+                            color="white" if rates[i, j] > 0.5 else "black",
+                        )
     ax.set_xlabel("predicted class")
     ax.set_ylabel("true class")
     ax.set_title(title, fontsize=10)
@@ -131,8 +138,13 @@ def curves_figure(target: Path, out: Path | None = None) -> Path:
             for split, style in (("val", "-"), ("test", ":")):
                 pts = [(r["epoch"], r[f"{split}/{metric}"]) for r in epochs if f"{split}/{metric}" in r]
                 if pts:
-                    ax.plot(*zip(*pts, strict=True), style, marker=".", color=line.get_color(),
-                            label=f"{label} {split}" if len(runs) > 1 else split)  # fmt: skip
+                    ax.plot(
+                        *zip(*pts, strict=True),
+                        style,
+                        marker=".",
+                        color=line.get_color(),
+                        label=f"{label} {split}" if len(runs) > 1 else split,
+                    )
     axes[0].set(xlabel="optimizer step", ylabel="training loss (per step)", yscale="log", title="training loss")
     axes[1].set(xlabel="epoch", ylabel="loss", title="validation (solid) and test (dotted) loss")
     axes[2].set(xlabel="epoch", ylabel="accuracy", title="validation (solid) and test (dotted) accuracy")

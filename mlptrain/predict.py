@@ -140,8 +140,10 @@ def kept_columns(path: Path, keep: list[str], rows: int) -> dict[str, np.ndarray
         out = {k: table.column(k).to_numpy(zero_copy_only=False) for k in table.column_names}
     missing = [k for k in keep if k not in out]
     if missing:
-        raise DatasetError(f"input file {path} has no column {', '.join(map(repr, missing))} of {rows} rows (keep); "
-                           f"its columns are {', '.join(columns(path))}")  # fmt: skip
+        raise DatasetError(
+            f"input file {path} has no column {', '.join(map(repr, missing))} of {rows} rows (keep); "
+            f"its columns are {', '.join(columns(path))}"
+        )
     return out
 
 
@@ -231,8 +233,9 @@ def run(args: PredictArgs) -> int:
         raise ConfigError(f"keep={args.keep}: a .npy file holds one array; write .csv or .npz to keep columns")
     if not out_path.parent.is_dir():
         raise OutputError(f"output={out_path}: the folder {out_path.parent} does not exist")
-    p = Predictor(args.ckpt, device=args.device, precision=args.precision, batch_size=args.batch_size,
-                  autotune=args.autotune)  # fmt: skip
+    p = Predictor(
+        args.ckpt, device=args.device, precision=args.precision, batch_size=args.batch_size, autotune=args.autotune
+    )
     log.info("%s", p.describe())
     p.check_probabilities(args.probabilities)
     outputs.check_output(
@@ -245,8 +248,14 @@ def run(args: PredictArgs) -> int:
     outputs.prepare([out_path])
     x, y, kept = read_inputs(p, in_path, keep)
     t0 = time.perf_counter()
-    with tqdm(total=len(x), unit="rows", desc="predict", disable=None if args.progress is None else not args.progress,
-              unit_scale=True, dynamic_ncols=True) as bar:  # fmt: skip
+    with tqdm(
+        total=len(x),
+        unit="rows",
+        desc="predict",
+        disable=None if args.progress is None else not args.progress,
+        unit_scale=True,
+        dynamic_ncols=True,
+    ) as bar:
         out = p.run(x, probabilities=args.probabilities, progress=bar.update)
     seconds = time.perf_counter() - t0
     write_outputs(p, out, out_path, kept)

@@ -29,14 +29,15 @@ from mlptrain.backend import get_backend
 from mlptrain.checks import validate
 from mlptrain.config import TrainConfig, to_plain
 from mlptrain.data import Dataset
+from mlptrain.distributed.comm import Communicator
 from mlptrain.errors import MlptrainError
-from mlptrain.faults import StopRequest
 from mlptrain.loop import Loop
 from mlptrain.metrics import MetricsWriter, epochs_from_one
 from mlptrain.restore import front_end, restore
 from mlptrain.resume import Start, prepare, resume_path
 from mlptrain.rundir import RUN_RECORD, RunDirectory, follower_dir
 from mlptrain.sinks import CSV_NAME, TENSORBOARD_DIR, CsvSink, TensorBoardSink, csv_columns
+from mlptrain.stopping import Stop, StopRequest
 from mlptrain.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ def train(
     dataset: Dataset | None = None,
     *,
     on_accept: Callable[[Path], None] | None = None,
-    comm: Any = None,
+    comm: Communicator | None = None,
     overrides: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """Train as ``cfg`` says, writing ``run.json``, ``metrics.jsonl`` and ``checkpoints/`` into ``out_dir``.
@@ -101,7 +102,7 @@ def train(
         raise
 
 
-def _train_follower(cfg: TrainConfig, out_dir: Path, dataset: Dataset | None, comm: Any) -> dict[str, Any]:
+def _train_follower(cfg: TrainConfig, out_dir: Path, dataset: Dataset | None, comm: Communicator) -> dict[str, Any]:
     """A rank other than 0: the same run, into a private directory that goes at the end."""
     import shutil
 
@@ -124,7 +125,7 @@ def _train_locked(
     run_dir: RunDirectory,
     dataset: Dataset | None,
     on_accept: Callable[[Path], None] | None,
-    comm: Any = None,
+    comm: Communicator | None = None,
 ) -> dict[str, Any]:
     precompile = None
     if cfg.device.value != "cpu":  # GPU: the run's kernels compile on threads while get_backend imports nvmath
@@ -141,8 +142,7 @@ def _train_locked(
                 if precompile is not None:  # the trainer never took it over: its threads end here
                     precompile.close()
                 raise
-            if hasattr(stop, "beat"):  # data parallel: building (data, kernels, the bgrad probe) was progress
-                stop.beat()
+            stop.beat()  # data parallel: building (data, kernels, the bgrad probe) was progress
             start = prepare(tr, run_dir)
             stop.defer()  # accepted: from here a stop request saves last first
             _accept(tr, run_dir, start, on_accept)
@@ -175,7 +175,7 @@ def _train_locked(
 
 
 @contextlib.contextmanager
-def _stop_request(cfg: TrainConfig, comm: Any) -> Iterator[Any]:
+def _stop_request(cfg: TrainConfig, comm: Communicator | None) -> Iterator[Stop]:
     """Ctrl-C and SIGTERM (:class:`StopRequest`); data parallel: agreed by every rank, with a watchdog
     that ends this rank when the others stop making progress (:mod:`mlptrain.distributed.control`)."""
     with StopRequest() as stop:
@@ -225,10 +225,18 @@ def _accept(tr: Trainer, run_dir: RunDirectory, start: Start, on_accept: Callabl
     ds = tr.dataset
     log.info(
         "mlptrain %s: %s, dataset %s (%d train / %d val / %d test), model %s (%s params), %s, %s, bgrad %s",
-        __version__, tr.backend.describe(), ds.name, len(ds.y_train), len(ds.y_val), len(ds.y_test),
-        "-".join(map(str, tr.widths)), f"{tr.model.num_params:,}", tr.cfg.execution.mode.value, tr.precision.name,
+        __version__,
+        tr.backend.describe(),
+        ds.name,
+        len(ds.y_train),
+        len(ds.y_val),
+        len(ds.y_test),
+        "-".join(map(str, tr.widths)),
+        f"{tr.model.num_params:,}",
+        tr.cfg.execution.mode.value,
+        tr.precision.name,
         ",".join(tr.model.bgrad) or "-",
-    )  # fmt: skip
+    )
     if start.resumed_from is not None:
         p = start.position
         log.info("resuming from %s at step %d (epoch %d, batch %d)", start.resumed_from, p.step, p.epoch, p.batch)

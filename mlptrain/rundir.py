@@ -258,8 +258,14 @@ def remove_stale_follower_dirs(tmp: Path) -> list[Path]:
         m = re.fullmatch(rf"{FOLLOWER_PREFIX}\d+-([A-Za-z0-9._]+)-pid(\d+)-\w+", path.name)
         try:
             st = path.lstat()
-            if (not m or m.group(1) != _host() or not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid()
-                    or _alive(int(m.group(2))) or _locked(path / "run")):  # fmt: skip
+            if (
+                not m
+                or m.group(1) != _host()
+                or not stat.S_ISDIR(st.st_mode)
+                or st.st_uid != os.getuid()
+                or _alive(int(m.group(2)))
+                or _locked(path / "run")
+            ):
                 continue
         except OSError:
             continue

@@ -34,8 +34,20 @@ from mlptrain.shell import command, override
 
 log = logging.getLogger(__name__)
 
-COLUMNS = ["job", "overrides", "status", "best metric", "best", "best epoch", "best test acc", "best test loss",
-           "test acc", "test loss", "epochs", "wall s"]  # fmt: skip
+COLUMNS = [
+    "job",
+    "overrides",
+    "status",
+    "best metric",
+    "best",
+    "best epoch",
+    "best test acc",
+    "best test loss",
+    "test acc",
+    "test loss",
+    "epochs",
+    "wall s",
+]
 
 
 # A file name holds at most 255 bytes on the usual file systems; a longer name keeps its start and a hash.
@@ -106,13 +118,19 @@ def job_row(job: Path) -> dict[str, Any]:
         row["status"] = {"summary": "finished", "interrupted": "interrupted"}.get(records[-1]["kind"], "stopped")
     summary = records[-1] if records and records[-1]["kind"] == "summary" else {}
     best = summary.get("best") or {}
-    row.update({
-        "best metric": best.get("metric"), "best": best.get("value"),
-        "best epoch": best.get("epoch"),  # counted from 1, as metrics.jsonl counts epochs
-        "best test acc": summary.get("best/test/acc"), "best test loss": summary.get("best/test/loss"),
-        "test acc": summary.get("test/acc"), "test loss": summary.get("test/loss"),
-        "epochs": summary.get("epochs"), "wall s": summary.get("wall_s"),
-    })  # fmt: skip
+    row.update(
+        {
+            "best metric": best.get("metric"),
+            "best": best.get("value"),
+            "best epoch": best.get("epoch"),  # counted from 1, as metrics.jsonl counts epochs
+            "best test acc": summary.get("best/test/acc"),
+            "best test loss": summary.get("best/test/loss"),
+            "test acc": summary.get("test/acc"),
+            "test loss": summary.get("test/loss"),
+            "epochs": summary.get("epochs"),
+            "wall s": summary.get("wall_s"),
+        }
+    )
     if "stopped_early" in summary:
         row["status"] = f"stopped early (epoch {summary['stopped_early']})"
     return row
@@ -135,9 +153,14 @@ def write_summary(sweep_dir: Path, continue_with: str | None = None) -> list[dic
     w.writeheader()
     w.writerows({k: ("" if v is None else v) for k, v in r.items()} for r in rows)
     atomic_write(Path(sweep_dir) / "summary.csv", text.getvalue())
-    md = [f"# Sweep {Path(sweep_dir).name}: {len(rows)} jobs", "",
-          f"Every job: {' '.join(common) or 'no common overrides'}", "",
-          "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]  # fmt: skip
+    md = [
+        f"# Sweep {Path(sweep_dir).name}: {len(rows)} jobs",
+        "",
+        f"Every job: {' '.join(common) or 'no common overrides'}",
+        "",
+        "| " + " | ".join(COLUMNS) + " |",
+        "|" + "---|" * len(COLUMNS),
+    ]
     md += ["| " + " | ".join(_cell(r.get(c)) for c in COLUMNS) + " |" for r in rows]
     if continue_with is not None:
         unfinished = [f"{r['job']} ({r['status']})" for r in rows if r["status"] in ("interrupted", "stopped")]

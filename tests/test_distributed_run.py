@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 from helpers import make_cfg, records
 
-from mlptrain import checkpoint
+from mlptrain import checkpoint, launcher
 from mlptrain.config import Device
-from mlptrain.distributed import spawn
 from mlptrain.distributed.comm import LocalGroup
 from mlptrain.distributed.control import EXIT_HUNG, AgreedStop, Watchdog
 from mlptrain.errors import ConfigError, TrainingInterrupted
 from mlptrain.run import train
+from mlptrain.stopping import Stop, StopRequest
 
 
 def _cfg(**kw):
@@ -132,6 +132,20 @@ def test_agreement_is_an_all_reduce_of_the_flags():
     assert out == [True, True, True]
 
 
+def test_one_process_and_a_rank_stop_through_the_same_protocol():
+    """The loop calls ``beat`` and ``agree`` on any stop: a no-op and ``requested`` in one process, the
+    watchdog's heart and the all-reduce of the flags for a rank (``mlptrain.stopping.Stop``)."""
+    one = StopRequest()
+    rank = AgreedStop(one, LocalGroup(1).communicator(0))
+    assert isinstance(one, Stop) and isinstance(rank, Stop)
+    one.beat()
+    assert one.agree() is False and rank.agree() is False
+    one.requested = True
+    assert one.agree() is True and rank.agree() is True and rank.requested
+    src = "\n".join(p.read_text() for p in Path(launcher.__file__).parent.rglob("*.py"))
+    assert 'hasattr(stop, "beat")' not in src and 'hasattr(self.stop, "' not in src
+
+
 def test_the_watchdog_aborts_and_exits_when_nothing_moves():
     calls = []
     dog = Watchdog(0.3, rank=1, on_timeout=lambda: calls.append("abort"), exit=lambda code: calls.append(code))
@@ -152,10 +166,10 @@ def test_the_watchdog_stays_quiet_while_the_heart_beats():
 
 
 def test_more_gpus_than_the_host_has_is_a_clear_error(tmp_path, monkeypatch):
-    monkeypatch.setattr(spawn, "device_count", lambda: 1)
+    monkeypatch.setattr(launcher, "device_count", lambda: 1)
     cfg = _cfg(device=Device.auto, distributed__gpus=2)
     with pytest.raises(ConfigError, match="distributed.gpus=2, but this host has 1 GPU$"):
-        spawn.launch(cfg, tmp_path / "run")
+        launcher.launch(cfg, tmp_path / "run")
     assert not (tmp_path / "run").exists()
 
 
@@ -193,13 +207,13 @@ def _wait_for_stop(marker: str, stop) -> None:
 
 
 def test_a_rank_that_fails_stops_the_others_within_the_grace_period(monkeypatch):
-    monkeypatch.setattr(spawn, "GRACE_S", 1.0)
+    monkeypatch.setattr(launcher, "GRACE_S", 1.0)
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_exit_with, args=(0, 60.0)), ctx.Process(target=_exit_with, args=(3, 0.2))]
     for p in procs:
         p.start()
     t0 = time.monotonic()
-    failure = spawn._supervise(procs)
+    failure = launcher._supervise(procs)
     assert failure == "rank 1 exited with status 3"
     assert time.monotonic() - t0 < 15
     assert procs[0].exitcode is not None and procs[0].exitcode != 0  # stopped, not left running
@@ -219,13 +233,13 @@ def test_ctrl_c_on_the_launcher_reaches_every_rank_once_as_a_shared_stop(tmp_pat
         time.sleep(0.05)
     received: list[int] = []
     threading.Timer(0.2, received.append, (int(signal.SIGINT),)).start()
-    assert spawn._supervise(procs, stop_timeout=30, stop=stop, received=received) == "stopped by SIGINT"
+    assert launcher._supervise(procs, stop_timeout=30, stop=stop, received=received) == "stopped by SIGINT"
     assert [m.read_text() for m in markers] == [str(int(signal.SIGINT))] * 2
     assert [p.exitcode for p in procs] == [130, 130]
 
 
 def test_the_launcher_records_ctrl_c_instead_of_raising_it():
-    with spawn._Signals() as received:
+    with launcher._Signals() as received:
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(0.1)
     assert received == [signal.SIGINT]
@@ -237,13 +251,14 @@ def _sleep(seconds: float) -> None:
 
 @pytest.mark.parametrize(("received", "limit"), [([int(signal.SIGINT)], 10), ([int(signal.SIGINT)] * 2, 3)])
 def test_ranks_that_do_not_stop_are_killed_after_the_timeout_or_at_a_second_ctrl_c(monkeypatch, received, limit):
-    monkeypatch.setattr(spawn, "GRACE_S", 0.5)
+    monkeypatch.setattr(launcher, "GRACE_S", 0.5)
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_sleep, args=(60,)) for _ in range(2)]
     for p in procs:
         p.start()
     t0 = time.monotonic()
-    assert spawn._supervise(procs, stop_timeout=4.0, stop=ctx.Value("i", 0), received=received) == "stopped by SIGINT"
+    failure = launcher._supervise(procs, stop_timeout=4.0, stop=ctx.Value("i", 0), received=received)
+    assert failure == "stopped by SIGINT"
     took = time.monotonic() - t0
     assert took < limit and (len(received) > 1 or took > 3)  # the timeout waited, the second signal did not
     assert [p.exitcode for p in procs] == [-signal.SIGKILL, -signal.SIGKILL]
@@ -254,13 +269,13 @@ def test_rank_0s_error_is_the_runs_error():
 
     err = DatasetError("data.path=x.csv: no such file")
     with pytest.raises(DatasetError, match="no such file"):
-        spawn._outcome({0: ("error", err), 1: ("ok", {})}, None, [])
+        launcher._outcome({0: ("error", err), 1: ("ok", {})}, None, [])
     with pytest.raises(Exception, match="rank 1 exited with status 3.*rank 1: RuntimeError: boom"):
-        spawn._outcome({1: ("crash", "RuntimeError: boom")}, "rank 1 exited with status 3", [])
-    assert spawn._outcome({0: ("ok", {"a": 1}), 1: ("ok", {})}, None, []) == {"a": 1}
+        launcher._outcome({1: ("crash", "RuntimeError: boom")}, "rank 1 exited with status 3", [])
+    assert launcher._outcome({0: ("ok", {"a": 1}), 1: ("ok", {})}, None, []) == {"a": 1}
     # rank 1 failed first; rank 0, stopped by the launcher's SIGTERM, only says it was interrupted
     with pytest.raises(DatasetError, match="no such file"):
-        spawn._outcome(
+        launcher._outcome(
             {0: ("interrupted", "stopped by SIGTERM", 15), 1: ("error", err)}, "rank 1 exited with status 2", []
         )
 

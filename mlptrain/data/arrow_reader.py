@@ -30,11 +30,11 @@ def first_line(exc: BaseException) -> str:
 def read_arrow(path: Path, kind: str, delimiter: str, targets: list[str], setting: str = "data.target") -> Table:
     """A CSV's features parsed as float64 and its targets as text (no type guessing); or a Parquet file.
 
-    Two choices, measured on 1,000,000 x 100 (docs/benchmarks.md). The system allocator: Arrow's own
-    (mimalloc) hands freed memory back to the kernel and takes it again as fresh pages, which the
-    kernel zeroes (half the CPU of a first read on the 2-core VM). No null spellings (``NA``, ``null``,
-    the empty cell...: a tenth of the parse): a feature reads the same without them or fails; a
-    failure reads again with the defaults, which name the bad cell as NaN.
+    Two choices, for speed (docs/benchmarks.md, "Reading a large CSV"). The system allocator: Arrow's
+    own (mimalloc) hands freed memory back to the kernel and takes it again as fresh pages, which the
+    kernel zeroes. No null spellings (``NA``, ``null``, the empty cell...: Arrow compares every cell
+    with each): a feature reads the same without them or fails; a failure reads again with the
+    defaults, which name the bad cell as NaN.
     """
     try:
         import pyarrow as pa

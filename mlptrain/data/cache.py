@@ -6,9 +6,9 @@ entry is keyed by the file's path and the target columns, and trusts nothing it 
 
 * the source by its content: the SHA-256 of the file's bytes, taken before it is parsed, is stored
   with the entry and compared on every read (a file changed in place with its time restored is
-  parsed again). Hashing runs at about 1.6 GB/s here, a fraction of a parse (docs/benchmarks.md);
+  parsed again). Hashing costs a fraction of a parse (docs/benchmarks.md, "The data cache's checks");
 * every array by its shape, dtype and a checksum (:func:`checksum`, a vectorised position-weighted
-  sum, linear and a few GB/s), on every read: an array overwritten, truncated or of another shape
+  sum, linear in the size), on every read: an array overwritten, truncated or of another shape
   is found.
 
 A stale or damaged entry is logged and rebuilt from the file. The cache lives in
@@ -42,8 +42,8 @@ def checksum(a: np.ndarray) -> str:
     """A checksum of ``a``'s bytes: ``sum(words)`` and ``sum(words * odd weights)`` block by block, mod 2**64.
 
     Any one changed word changes both sums (the weights are odd), and a swap of two words the
-    second; it is not cryptographic (the cache guards against damage, not an adversary). 4 GB/s on
-    600,000 x 256 float64 on the 2-core CPU against 1.6 GB/s for SHA-256 (docs/benchmarks.md).
+    second; it is not cryptographic (the cache guards against damage, not an adversary), and runs
+    several times faster than SHA-256 (docs/benchmarks.md, "The data cache's checks").
     """
     raw = np.ascontiguousarray(a).reshape(-1).view(np.uint8)  # its bytes, no copy (a memmap stays one)
     whole = len(raw) // 8 * 8

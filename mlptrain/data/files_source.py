@@ -88,8 +88,17 @@ def _raw(cfg: DataConfig, train: Table, test: Table | None) -> Raw:
     task = _task(cfg.task.value, train)
     if task == "regression":
         ys = [_regression_targets(t) for t in tables]
-        return Raw(train.x, ys[0], _x(test), ys[1] if test else None, ys[0].shape[1], None, task,
-                   train.feature_names, train.target_names)  # fmt: skip
+        return Raw(
+            train.x,
+            ys[0],
+            _x(test),
+            ys[1] if test else None,
+            ys[0].shape[1],
+            None,
+            task,
+            train.feature_names,
+            train.target_names,
+        )
     classes, names = _classes(train)
     ys = [_labels(t, classes) for t in tables]
     return Raw(train.x, ys[0], _x(test), ys[1] if test else None, len(classes), names, task, train.feature_names)

@@ -175,9 +175,14 @@ def load_dataset(cfg: DataConfig, seed: int | None = None) -> Dataset:
     ds = preprocess(split, cfg)
     log.info(
         "dataset %s: %d train, %d val, %d test, %d features, %d %s",
-        name, len(ds.x_train), len(ds.x_val), len(ds.x_test), ds.num_features, raw.num_classes,
+        name,
+        len(ds.x_train),
+        len(ds.x_val),
+        len(ds.x_test),
+        ds.num_features,
+        raw.num_classes,
         "classes" if raw.task == "classification" else "targets",
-    )  # fmt: skip
+    )
     return ds
 
 

@@ -11,7 +11,7 @@ A rank that dies or hangs leaves the others waiting inside NCCL, where no Python
 :class:`Watchdog` thread of each rank notices that the loop has made no progress for
 ``distributed.timeout_s``, aborts the rank's NCCL communicator (which ends the waiting kernels) and
 exits the process with a clear error: never a silent hang. The launcher of ``distributed.gpus``
-then stops the other ranks (:mod:`mlptrain.distributed.spawn`); torchrun and mpirun do the same.
+then stops the other ranks (:mod:`mlptrain.launcher`); torchrun and mpirun do the same.
 """
 
 from __future__ import annotations
@@ -28,19 +28,23 @@ from typing import Any
 
 import numpy as np
 
+from mlptrain.distributed.comm import Communicator
+from mlptrain.stopping import Stop
+
 log = logging.getLogger(__name__)
 
 EXIT_HUNG = 3  # the exit status of a rank that its watchdog stopped
 
 
 class AgreedStop:
-    """A :class:`~mlptrain.faults.StopRequest` whose ``requested`` changes only when every rank agrees.
+    """A rank's :class:`~mlptrain.stopping.Stop`: this process's stop request (``inner``,
+    a :class:`~mlptrain.stopping.StopRequest`) whose ``requested`` changes only when every rank agrees.
 
     :meth:`agree` (at each log interval's sync) all-reduces this rank's flag: when any rank was asked
     to stop, every rank sees ``requested`` from then on. It also beats the watchdog's heart.
     """
 
-    def __init__(self, inner: Any, comm: Any, watchdog: Watchdog | None = None) -> None:
+    def __init__(self, inner: Stop, comm: Communicator, watchdog: Watchdog | None = None) -> None:
         self.inner, self.comm, self.watchdog = inner, comm, watchdog
         self._agreed = False
         # the launcher of distributed.gpus passes its Ctrl-C on as a shared integer (the signal's number)
@@ -126,7 +130,7 @@ class Watchdog:
             return
 
 
-def check_replicas(comm: Any, arrays: dict[str, np.ndarray], step: int) -> None:
+def check_replicas(comm: Communicator, arrays: dict[str, np.ndarray], step: int) -> None:
     """Raise if the ranks' ``arrays`` (the parameters, as host arrays by name) differ in any bit.
 
     Each rank hashes its bytes; the 64-bit digest goes through the all-reduce as four 16-bit float64

@@ -62,8 +62,10 @@ class DistEnv:
             )
         addr = env.get("MASTER_ADDR")
         if not addr:
-            raise ConfigError(f"{launcher} started rank {rank} of {world} without MASTER_ADDR; set MASTER_ADDR and "
-                              "MASTER_PORT to rank 0's host and a free port (the NCCL id's rendezvous)")  # fmt: skip
+            raise ConfigError(
+                f"{launcher} started rank {rank} of {world} without MASTER_ADDR; set MASTER_ADDR and "
+                "MASTER_PORT to rank 0's host and a free port (the NCCL id's rendezvous)"
+            )
         port = _int(env, "MASTER_PORT", launcher)
         if not 0 < port < 65536:
             raise ConfigError(f"MASTER_PORT={port}; expected a TCP port between 1 and 65535")

@@ -20,5 +20,18 @@ module              what it owns
 ``torch_gemm``      nvmath GEMMs on torch tensors, for :mod:`mlptrain.torch` (imports nvmath, not CuPy)
 ``fp8_gemm``        precision=fp8: FP8 GEMMs with epilogs through the raw cuBLASLt bindings
 ``fp8_kernels``     precision=fp8: the FP8 casts (straight, transposed), amaxes and scale updates
+``nonfinite``       which of many tensors hold an inf or NaN, in one launch
+``gather``          the data loader's batch gather, whole rows of any dtype
+``plain_kernels``   the header-free kernels (gather, nonfinite) compiled in one NVRTC call
+``precompile``      the run's kernels compiled on threads before their first launch
+``infer``           inference batches as replays of a CUDA graph (the forward pass passed in)
+``infer_kernels``   inference's normalise and argmax kernels
+``memory``          the step's live bytes by category beside the pools, and their high-water mark
+``nccl``            :class:`NcclComm`: the communicator of data parallelism over NCCL
 =================== ================================================================
+
+These modules are engines: outside this package they import only the contracts they carry out
+(:mod:`mlptrain.epilogs`, :mod:`mlptrain.epilogs_fp8`, :mod:`mlptrain.fp8`) and plain helpers
+(:mod:`mlptrain.backend`, :mod:`mlptrain.files`, :mod:`mlptrain.cuda_source`), never the step, the network, the builders or the
+precision policy (``tests/test_architecture.py`` lists today's exceptions).
 """

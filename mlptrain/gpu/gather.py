@@ -1,7 +1,7 @@
 """The data loader's batch gather, ``out[r] = src[idx[r]]`` for whole rows: one header-free kernel, any dtype.
 
 ``cupy.take(src, idx, axis=0)`` compiles a kernel per dtype and number of dimensions, and a fresh
-machine compiles CuPy's element-wise kernels at about 0.1 s each (NVRTC with CuPy's headers): the
+machine compiles CuPy's element-wise kernels one at a time, each with CuPy's headers (NVRTC): the
 default run gathered its features (float32) and its labels (int64) with two of them, compiled while
 the first step waited (issue #14). A row is only bytes, so this kernel copies rows of any dtype and
 width in units of the widest word that divides the row (16, 8, 4, 2 or 1 bytes), and needs no

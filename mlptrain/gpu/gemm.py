@@ -213,10 +213,10 @@ def graph_autotune(mm: Matmul, algorithms: tuple, key: str, *, calls: int = 5, r
 
     nvmath's ``Matmul.autotune()`` times each candidate with a host synchronisation and an L2
     flush around every run. For the microsecond GEMMs of a small MLP that measures launch
-    latency, not the kernel: on the H200 it replaced the heuristics' 10.6 us choice for the
-    output layer's BGRADB weight gradient of 784-1024-1024-10 (batch 256, fp16) with one that
-    runs 17.7 us in the training step. Here each candidate runs ``calls`` times back to back in a CUDA
-    graph (GPU time only, L2 warm as in training) and the median of ``reps`` replays decides.
+    latency, not the kernel: it can replace the heuristics' choice with one that is slower in the
+    training step (docs/benchmarks.md, "Figures moved out of the code"). Here each candidate runs
+    ``calls`` times back to back in a CUDA graph (GPU time only, L2 warm as in training) and the
+    median of ``reps`` replays decides.
     Candidates that fail to run are skipped.
     """
     stream = cp.cuda.Stream(non_blocking=True)

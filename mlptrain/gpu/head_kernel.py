@@ -4,12 +4,12 @@ For an MNIST-sized head the output layer's input-gradient GEMM is tiny and awkwa
 
     dZ_below^T (H, B) = W^T (H, C) @ dlogits^T (C, B),  DRELU_BGRAD with relu_aux of the layer below
 
-K = C = 10: ten products per element. cuBLASLt has no fused kernel for DRELU_BGRAD at that K.
-On the H200 (784-1024-1024-10, batch 256, fp16) it ran a magma GEMM, a memset and a separate
-epilogue kernel, 10.7 to 11.3 us in all, on the critical path of the step
-(``scripts/step_kernels.py --gemm-head --profile``).
+K = C = 10: ten products per element. cuBLASLt has no fused kernel for DRELU_BGRAD at that K: it
+runs a GEMM, a memset and a separate epilogue kernel, on the critical path of the step
+(``scripts/step_kernels.py --gemm-head --profile``; the times are in docs/benchmarks.md, "Figures
+moved out of the code").
 
-``mlptrain_head_dgrad`` does the same work in one launch of 4.2 us. Block ``j`` owns hidden
+``mlptrain_head_dgrad`` does the same work in one launch. Block ``j`` owns hidden
 columns ``8 j .. 8 j + 7`` of ``dZ_below (B, H)``: exactly one byte of relu_aux per row, because
 element ``(h, b)`` of the mask is bit ``h % 8`` of byte ``h // 8`` of column ``b``
 (:mod:`mlptrain.epilogs`). Its 512 threads are 64 rows x 8 columns; thread ``t`` takes column

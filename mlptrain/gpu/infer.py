@@ -1,6 +1,7 @@
 """Inference on the GPU: normalise, then the forward pass and the argmax/softmax as a CUDA graph.
 
-Per batch of ``B`` raw rows (:class:`mlptrain.inference.Predictor` holds the model):
+Per batch of ``B`` raw rows (:class:`mlptrain.inference.Predictor` holds the model and passes its
+forward pass in: this engine knows arrays and graphs, not the network):
 
 1. one kernel reads the raw float32 rows where they are (a slice of the caller's CuPy array, or
    a staging buffer the host rows were copied into) and writes ``(x - shift) * (1 / scale)`` in
@@ -29,14 +30,17 @@ import numpy as np
 
 from mlptrain.gpu.graph import GraphedStep
 from mlptrain.gpu.infer_kernels import argmax, normalise
-from mlptrain.network import MLP
 
 
 class GraphedInference:
-    """Runs a model's inference batches as replays of one CUDA graph per batch size."""
+    """Runs a model's inference batches as replays of one CUDA graph per batch size.
 
-    def __init__(self, model: MLP, shift: np.ndarray, scale: np.ndarray, compute_dtype: Any) -> None:
-        self.model = model
+    ``forward``: the model's forward pass for inference, ``x (B, in)`` in the compute dtype to
+    ``logits (B, out)`` (``lambda x: model.forward(x, keep=False)``), captured into the graphs.
+    """
+
+    def __init__(self, forward: Callable[[Any], Any], shift: np.ndarray, scale: np.ndarray, compute_dtype: Any) -> None:
+        self.forward = forward
         self.dtype = np.dtype(compute_dtype)
         self.shift = cp.asarray(shift.astype(np.float32))  # (F,)
         self.inv = cp.asarray((1.0 / scale).astype(np.float32))  # (F,)
@@ -47,7 +51,7 @@ class GraphedInference:
 
     def _step(self, classification: bool, probabilities: bool) -> Callable[[Any, Any], Any]:
         def step(x: Any, _unused: Any) -> Any:
-            logits = self.model.forward(x, keep=False)  # (B, out): RELU_BIAS ... BIAS
+            logits = self.forward(x)  # (B, out): RELU_BIAS ... BIAS
             if not classification:
                 return (logits.astype(cp.float32),)
             ids = argmax(logits)  # (B,) int64, one warp per row (mlptrain.gpu.infer_kernels)
@@ -60,9 +64,14 @@ class GraphedInference:
         return step
 
     def run(
-        self, x: Any, batch: int, *, classification: bool, probabilities: bool,
+        self,
+        x: Any,
+        batch: int,
+        *,
+        classification: bool,
+        probabilities: bool,
         progress: Callable[[int], None] | None = None,
-    ) -> list[np.ndarray]:  # fmt: skip
+    ) -> list[np.ndarray]:
         """Score raw rows ``x (N, F)`` (NumPy or CuPy, any numeric dtype) in batches of ``batch``.
 
         Returns host arrays: a regression's ``[values (N, T)]``; a classification's ``[class_id (N,)]``

@@ -18,15 +18,15 @@ kernel a *last-block* epilogue (the threadfence reduction of the CUDA samples): 
 its threads are done, increments a counter in device memory, and the block that sees the
 counter reach the grid size knows every other block has finished and runs the epilogue, then
 resets the counter for the next launch (or the next replay of a CUDA graph). The fixed grid keeps
-those atomic increments to about a thousand per launch. With one block per 256 elements instead
-(7,300 blocks for 784-1024-1024-10) the H200 took 14 us for the overflow check and 19 us for the
-SGD update; with the fixed grid, 4.5 and 8 us.
+those atomic increments to about a thousand per launch; one block per 256 elements instead (7,300
+blocks for 784-1024-1024-10) made the overflow check and the SGD update several times slower
+(docs/benchmarks.md, "Figures moved out of the code").
 
 The kernels are CuPy ElementwiseKernels over raw arrays, so CuPy names the dtypes (float16,
 bfloat16, float32, float64) and caches the compiled code on disk per model layout.
 
 The overflow check only reads, and reads one dtype: :class:`NonfiniteScan` does it with 16-byte
-loads (8 fp16 values each), 3.6 us instead of 4.5 for 784-1024-1024-10 on the H200.
+loads (8 fp16 values each), faster than element by element.
 """
 
 from __future__ import annotations

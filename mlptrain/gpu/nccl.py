@@ -49,7 +49,7 @@ class NcclComm:
         if device is not None:
             cp.cuda.Device(device).use()
         self.rank, self.world = rank, world
-        self.stop_signal: Any = None  # the launcher's stop request, a shared integer (mlptrain.distributed.spawn)
+        self.stop_signal: Any = None  # the launcher's stop request, a shared integer (mlptrain.launcher)
         try:  # CuPy 14 takes the id as bytes; older CuPy as a tuple of the C chars
             self._comm = nccl.NcclCommunicator(world, unique_id, rank)
         except TypeError:

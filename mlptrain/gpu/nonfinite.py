@@ -2,9 +2,9 @@
 
 The training loop checks the parameters (and gradients) every log interval
 (:func:`mlptrain.faults.nonfinite_tensors`). A CuPy reduction per tensor compiles a kernel per
-dtype, shape and block size the first time it runs: on the H200 the default digits run compiled
-20 of them, 7 of its 10 seconds from a cold cache. This kernel reads a table of pointers and
-sizes instead, so one program serves every model, and it needs no headers: a value is inf or NaN
+dtype, shape and block size the first time it runs: the default digits run compiled 20 of them,
+most of its time from a cold cache. This kernel reads a table of pointers and sizes instead, so one
+program serves every model, and it needs no headers: a value is inf or NaN
 exactly when its exponent bits are all ones, which it tests on the raw bits of each dtype
 (float16 ``0x7C00``, bfloat16 ``0x7F80``, float32 ``0x7F800000``, float64 ``0x7FF0...``). The four
 variants are compiled in one NVRTC call with mlptrain's other header-free kernels

@@ -1,8 +1,8 @@
 """mlptrain's header-free kernels, compiled together: one NVRTC call for the set (issue #14).
 
-NVRTC compiles overlap little on threads (on the H200, NVRTC 13.0: 8 header-free programs took
-0.27 s one after another and 0.17 s on 8 threads), so a fresh machine waits for how many programs
-it compiles more than for their size. The kernels whose source needs no headers and no shapes share
+NVRTC compiles overlap little on threads (docs/benchmarks.md, "Figures moved out of the code"), so
+a fresh machine waits for how many programs it compiles more than for their size. The kernels whose
+source needs no headers and no shapes share
 one module, compiled (or loaded from CuPy's disk cache) at the start of a run: the data loader's
 batch gather (:mod:`mlptrain.gpu.gather`) and the inf/NaN flags (:mod:`mlptrain.gpu.nonfinite`).
 Their sources are here; what each computes, and why so, is documented in its module.

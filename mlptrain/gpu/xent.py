@@ -53,12 +53,11 @@ def softmax_cross_entropy_gpu(logits: Any, y: Any, grad_scale: Any, bias_grad: b
     A small head (:func:`small_head`: MNIST up to batch 1024) is one kernel,
     ``mlptrain_xent_small``: one block loads the whole ``(B, C)`` tile into shared memory with
     coalesced loads, one thread per row does the three passes there, the block stores ``dlogits``
-    coalesced, and warp shuffles and a tree give the fixed-order sums. On the H200, for (256, 10)
-    fp16 with the bias gradient, the two kernels took 7.7 us; this kernel took 6.7 us when each
-    thread read its row from global memory (30 dependent loads of L2 latency a thread), and
-    5.4 us with the tile in shared memory (``scripts/step_kernels.py --profile``, 2026-11-30).
-    (Holding the row in a 32-wide register array measured slower, 7.8 us: with 1024 threads a
-    block gets 64 registers per thread.)
+    coalesced, and warp shuffles and a tree give the fixed-order sums. The tile in shared memory is
+    faster than each thread reading its row from global memory (30 dependent loads of L2 latency a
+    thread) and than holding the row in a 32-wide register array (with 1024 threads a block gets 64
+    registers per thread); one kernel is faster than two (``scripts/step_kernels.py --profile``; the
+    times are in docs/benchmarks.md, "Figures moved out of the code").
     """
     rows, mean = _cupy_xent_kernels()
     B, C = logits.shape
@@ -78,8 +77,7 @@ def softmax_cross_entropy_gpu(logits: Any, y: Any, grad_scale: Any, bias_grad: b
     correct = cp.empty((), dtype=cp.int64)
     db = cp.empty(C if bias_grad else 1, dtype=logits.dtype)  # (C,): the output layer's bias gradient
     if small_head(B, C):  # MNIST-sized: everything in one block, one row per thread
-        # 1024 threads even for a few rows: more threads share the tile's loads (on the H200 a
-        # block of 256 for (256, 10) took 6.2 us against 5.4)
+        # 1024 threads even for a few rows: more threads share the tile's loads (faster than a block of 256)
         small = _xent_small_kernel(C)  # C compiled in: the loops over a row unroll
         small(logits, y, scale, B, 1.0 / B, bias_grad, d, loss, correct, db, size=1024, block_size=1024)
         return (loss, d, correct, db) if bias_grad else (loss, d, correct)

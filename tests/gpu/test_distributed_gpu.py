@@ -49,7 +49,7 @@ def _steps(run: Path) -> list[dict]:
 
 
 def _two(cfg: TrainConfig, out: Path) -> dict:
-    from mlptrain.distributed.spawn import launch
+    from mlptrain.launcher import launch
 
     cfg = copy.deepcopy(cfg)
     cfg.distributed.gpus = 2

@@ -1,5 +1,9 @@
 """``python -m mlptrain distributed.gpus=N``: one training process per GPU of this host.
 
+The layer above the run: the launcher starts processes that each call :func:`mlptrain.run.train`,
+which runs data parallelism (:mod:`mlptrain.distributed`, below it). Only the CLI imports this module;
+nothing in :mod:`mlptrain.distributed` does (``tests/test_architecture.py``).
+
 The launching process (the Hydra job) makes NCCL's unique id and starts ``N`` worker processes
 (``multiprocessing``'s spawn: a fresh interpreter each, as CUDA requires), handing each its rank and
 the id; each selects GPU ``rank``, joins the NCCL communicator and runs :func:`mlptrain.run.train`
@@ -30,6 +34,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from mlptrain.distributed.comm import Communicator
 from mlptrain.distributed.launch import DistEnv, exchange_id
 from mlptrain.errors import ConfigError, DeviceError, Interrupted, MlptrainError
 
@@ -73,10 +78,13 @@ def launch(
     ctx = mp.get_context("spawn")
     results, stop = ctx.Queue(), ctx.Value("i", 0)  # stop: the signal the launcher got, 0 while none
     procs = [
-        ctx.Process(target=_worker, args=(r, world, uid, cfg, str(out_dir), accept_files, results, stop, overrides),
-                    name=f"rank{r}")
+        ctx.Process(
+            target=_worker,
+            args=(r, world, uid, cfg, str(out_dir), accept_files, results, stop, overrides),
+            name=f"rank{r}",
+        )
         for r in range(world)
-    ]  # fmt: skip
+    ]
     with _Signals() as received:  # from before the first rank starts: no Ctrl-C leaves ranks unsupervised
         try:
             for p in procs:
@@ -176,8 +184,10 @@ def _outcome(got: dict[int, tuple], failure: str | None, procs: list[Any]) -> di
         raise first[1]
     others = [f"rank {r}: {v[1]}" for r, v in sorted(got.items()) if v[0] in ("error", "crash")]
     codes = ", ".join(f"rank {r} status {p.exitcode}" for r, p in enumerate(procs))
-    raise MlptrainError(f"data-parallel run failed ({failure or 'rank 0 did not report'}; {codes})"
-                        + (f": {'; '.join(others)}" if others else ""))  # fmt: skip
+    raise MlptrainError(
+        f"data-parallel run failed ({failure or 'rank 0 did not report'}; {codes})"
+        + (f": {'; '.join(others)}" if others else "")
+    )
 
 
 def _worker(
@@ -194,8 +204,10 @@ def _worker(
     """One rank: GPU ``rank``, the NCCL communicator, then the run (reports to the launcher)."""
     os.setpgrp()  # a terminal's Ctrl-C reaches the launcher only; it passes the request on, once
     _die_with_parent()
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
-                        format=f"[%(asctime)s][rank {rank}][%(name)s][%(levelname)s] - %(message)s")  # fmt: skip
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"[%(asctime)s][rank {rank}][%(name)s][%(levelname)s] - %(message)s",
+    )
     code = 0
     try:
         from mlptrain.gpu.nccl import NcclComm
@@ -261,7 +273,7 @@ def _writer(files: dict[str, str] | None) -> Any:
     return accept
 
 
-def join(env: DistEnv) -> Any:
+def join(env: DistEnv) -> Communicator:
     """This process's communicator, launched by torchrun or mpirun: GPU ``local_rank``, the id over TCP.
 
     Raises:
