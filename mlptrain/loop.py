@@ -326,6 +326,8 @@ class Loop:
             config=to_plain(self.cfg),
         )
         path = self.run_dir.checkpoint(name)
+        if name == "last":  # what a resume from it keeps: TensorBoard's events up to here on disk first
+            self.metrics.flush_sinks()
         checkpoint.save(path, arrays, meta)
         if hasattr(self.stop, "beat"):  # a large checkpoint on slow storage: not a hang
             self.stop.beat()
