@@ -334,6 +334,8 @@ class Loop:
             config=to_plain(self.cfg),
         )
         path = self.run_dir.checkpoint(name)
+        if name == "last":  # what a resume from it keeps: TensorBoard's events up to here on disk first
+            self.metrics.flush_sinks()
         checkpoint.save(path, arrays, meta)
         self.stop.beat()  # a large checkpoint on slow storage: not a hang
         if name == "last":

@@ -104,6 +104,12 @@ class MetricsWriter:
         for sink in self.sinks:
             sink.write(record)
 
+    def flush_sinks(self) -> None:
+        """Every record so far on disk in the sinks too (``metrics.jsonl`` is flushed line by line): before a
+        checkpoint, so that a run killed after it, resumed from it, finds its views complete up to it."""
+        for sink in self.sinks:
+            sink.flush()
+
     def close(self) -> None:
         """Close the file and the sinks; a buffered line that cannot be written any more is given up (it was
         reported)."""

@@ -14,7 +14,7 @@ import csv
 import logging
 import math
 import os
-import secrets
+import time
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +64,9 @@ class CsvSink:
         except OSError as exc:
             raise OutputError(f"cannot write {self.path} ({type(exc).__name__}: {exc}); free disk space") from exc
 
+    def flush(self) -> None:
+        """Nothing to do: every row is flushed as it is written (and the file is rebuilt on resume)."""
+
     def close(self) -> None:
         try:
             self._f.close()
@@ -93,14 +96,33 @@ class TensorBoardSink:
             raise ConfigError(
                 "logger=tensorboard needs tensorboardX (pip install 'mlptrain[tensorboard]'), or use logger=none"
             ) from exc
-        # a suffix of this writer's own: two writers in one second would otherwise share a file name
-        suffix = f".{os.getpid()}.{secrets.token_hex(4)}"
-        self.writer = SummaryWriter(str(folder), purge_step=purge_step, filename_suffix=suffix)
-        jsonl = Path(folder).parent / METRICS if jsonl is None else Path(jsonl)
+        self._summary_writer = SummaryWriter
+        self.folder = Path(folder)
+        self.writer = self._open(purge_step)
+        jsonl = self.folder.parent / METRICS if jsonl is None else Path(jsonl)
         if purge_step is not None and jsonl.is_file():
             for record in read_metrics(jsonl):
                 if (record.get("step") or 0) >= purge_step:
                     self.write(record)
+
+    def _open(self, purge_step: int | None) -> Any:
+        # tensorboardX names the file events.out.tfevents.<second>.<host><suffix>, and TensorBoard reads a
+        # folder's files in the order of their names (a step lower than one read before drops the points
+        # above it): the suffix keeps two files of one second apart and in the order they were opened
+        suffix = f".{time.time_ns():020d}.{os.getpid()}"
+        return self._summary_writer(str(self.folder), purge_step=purge_step, filename_suffix=suffix)
+
+    def flush(self) -> None:
+        """Every record written so far on disk; the loop calls this before it writes ``last.npz``.
+
+        A run killed after that checkpoint resumes from it and purges from its step: whatever the
+        event files lack below that step would be lost for good. tensorboardX's own ``flush`` writes
+        only what its worker thread has taken from its queue; ``close`` drains the queue. So the
+        writer is closed (its file complete) and the next records go to a new file of the folder,
+        which TensorBoard reads as one run.
+        """
+        self.writer.close()
+        self.writer = self._open(None)
 
     def write(self, record: dict[str, Any]) -> None:
         kind, step = record.get("kind"), record.get("step")
