@@ -32,6 +32,6 @@ module              what it owns
 
 These modules are engines: outside this package they import only the contracts they carry out
 (:mod:`mlptrain.epilogs`, :mod:`mlptrain.epilogs_fp8`, :mod:`mlptrain.fp8`) and plain helpers
-(:mod:`mlptrain.backend`, :mod:`mlptrain.files`, :mod:`mlptrain.cuda_source`), never the step, the network, the builders or the
-precision policy (``tests/test_architecture.py`` lists today's exceptions).
+(:mod:`mlptrain.backend`, :mod:`mlptrain.files`, :mod:`mlptrain.cuda_source`), never the step, the
+network, the builders or the precision policy (``tests/test_architecture.py`` lists today's exceptions).
 """
