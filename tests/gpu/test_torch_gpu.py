@@ -57,8 +57,9 @@ def test_fused_mlp_on_the_gpu_matches_nn_sequential(widths: list, activation: st
     fused, ref = models(widths, activation, bias, dtype)
     x = torch.randn(67, widths[0], device=CUDA, dtype=dtype)
     dy = torch.randn(67, widths[-1], device=CUDA, dtype=dtype)
-    # float64: cuBLASLt's GELU epilog evaluates tanh to about 4e-10 (H200, 2026-12-02); ReLU is exact
-    tol = (1e-12 if activation == "relu" else 1e-9) if dtype == torch.float64 else 1e-5
+    # float64: cuBLASLt's GELU epilog evaluates tanh to about 4e-10, 1.0e-9 through a width-1 layer where
+    # nothing averages the error (H200, 2026-12-02); a wrong GELU is off by 1e-3 or more. ReLU is exact.
+    tol = (1e-12 if activation == "relu" else 1e-8) if dtype == torch.float64 else 1e-5
     for i, (a, b) in enumerate(zip(grads(fused, x, dy), grads(ref, x, dy), strict=True)):
         assert a.dtype == b.dtype and a.shape == b.shape
         assert rel(a, b) < tol, f"tensor {i} (y, dx, params...): {rel(a, b):.3g}"
@@ -103,7 +104,7 @@ def test_fused_linear_with_its_activation_on_the_gpu() -> None:
     ref.load_state_dict({"0.weight": fused.weight, "0.bias": fused.bias})
     x, dy = torch.randn(3, 5, 40, device=CUDA, dtype=torch.float64), torch.randn(3, 5, 24, device=CUDA).double()
     for a, b in zip(grads(fused, x, dy), grads(ref, x, dy), strict=True):
-        assert rel(a, b) < 1e-9  # cuBLASLt's GELU epilog in float64: about 4e-10 (see above)
+        assert rel(a, b) < 1e-8  # cuBLASLt's GELU epilog in float64 (see above)
 
 
 def test_torch_compile_fullgraph_on_the_gpu_gives_the_eager_outputs() -> None:
