@@ -148,9 +148,8 @@ def model(
 
 
 # Below this many GEMM FLOPs per step, execution.wgrad_stream=null runs the weight gradients on a second
-# stream. H200 (docs/benchmarks.md, "Memory"): 784-1024-1024-10 at batch 256 (2.9e9 FLOPs) took 0.057 ms
-# with two streams against 0.063 with one; 4096 x 4 at batch 8192 (3.3e12) was within 1.2% either way (steady
-# state), and with one stream the step's own arrays peak lower (8192 x 4: 1.17 GiB against 1.80).
+# stream: a small step's GEMMs leave the GPU idle enough for two streams to overlap, while a large
+# step's GEMMs fill it and one stream peaks lower (docs/benchmarks.md, "Figures moved out of the code").
 TWO_STREAMS_MAX_FLOPS = 1e11
 
 

@@ -71,7 +71,8 @@ __all__ = ["STAGES", "Job", "Precompiler", "dtype_jobs", "early", "enabled", "st
 log = logging.getLogger(__name__)
 
 STAGES = ("setup", "batch", "loss", "update", "later")
-# The H200 test: 16 compiles from 1.7 s to 0.9 s on 8 threads. One core stays for the main thread.
+# NVRTC gains little past 8 threads (docs/benchmarks.md, "Figures moved out of the code").
+# One core stays for the main thread.
 WORKERS = max(1, min(8, (os.cpu_count() or 2) - 1))
 THREAD_NAME = "mlptrain-precompile"
 # Bytes of zeros a job may allocate to mirror a call (the optimizer's: every parameter, gradient and
