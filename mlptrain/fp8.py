@@ -172,12 +172,16 @@ class Fp8Gemm:
         b8, b_inv = self.scaling.quantize(f"{names}.b", b, fb, record, order="F")  # ... and in B
         aux: dict[str, Any] = {}
         if epilog is Epilog.BGRADB:  # NOT_SUPPORTED in FP8: the bias gradient from the 16-bit operand
-            aux["bgradb"] = reduce_sum(b, axis=0, dtype=a.dtype)  # (N,): B summed over K
+            aux["bgradb"] = self.bias_gradient(b)  # (N,): B summed over K
             epilog = None
         inputs = {name: v for name, v in epilog_inputs.items() if v is not None}
         c_order = epilog is None and a.flags.c_contiguous  # D follows A's order, as the 16-bit contract's
         d, more = self.matmul(Fp8Call(key, (a8, a_inv, fa), (b8, b_inv, fb), epilog, inputs, a.dtype, c_order))
         return d, {**aux, **more}
+
+    def bias_gradient(self, b: Any) -> Any:
+        """BGRADB's bias gradient of the 16-bit ``b (K, N)``: its sum over K, ``(N,)`` in b's dtype."""
+        return reduce_sum(b, axis=0, dtype=b.dtype)
 
     def matmul(self, call: Fp8Call) -> tuple[Any, dict[str, Any]]:
         """The FP8 GEMM of ``call``: here the contract, which keeps A's order in its FP8 copy (the GPU: cuBLASLt)."""

@@ -30,7 +30,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--widths", default="784,1024,1024,10")
     ap.add_argument("--batch", type=int, default=256)
-    ap.add_argument("--precision", default="fp16", choices=["fp32", "tf32", "fp16", "bf16"])
+    ap.add_argument("--precision", default="fp16", choices=["fp32", "tf32", "fp16", "bf16", "fp8"])
     ap.add_argument("--optimizer", default="sgd", choices=["sgd", "adam", "adamw"])
     ap.add_argument("--bgrad", default="auto", choices=["auto", "bgradb", "drelu_bgrad"])
     ap.add_argument("--autotune", action="store_true", help="time cuBLASLt's candidate algorithms per GEMM")
@@ -82,7 +82,8 @@ def main(argv=None):
             "isolated": median(cuda_time_ms(lambda: tr.step(xb, yb), warmup=2, reps=args.reps)),
         }
         per_kernel = profile_kernels(lambda: tr.step(xb, yb), args.reps) if args.profile else None
-    dtype = {"fp16": np.float16, "bf16": np.dtype(ml_dtypes.bfloat16)}.get(args.precision, np.float32)
+    bf16 = np.dtype(ml_dtypes.bfloat16)  # fp8: the floor is the bf16 GEMMs the FP8 ones replace
+    dtype = {"fp16": np.float16, "bf16": bf16, "fp8": bf16}.get(args.precision, np.float32)
     floor = step_gemm_floor(widths, args.batch, dtype, args.reps)
     ours = [n for n in names if n.startswith("mlptrain_")]
     model = "-".join(map(str, widths))

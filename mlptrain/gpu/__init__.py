@@ -20,6 +20,7 @@ module              what it owns
 ``torch_gemm``      nvmath GEMMs on torch tensors, for :mod:`mlptrain.torch` (imports nvmath, not CuPy)
 ``fp8_gemm``        precision=fp8: FP8 GEMMs with epilogs through the raw cuBLASLt bindings
 ``fp8_kernels``     precision=fp8: the FP8 casts (straight, transposed), amaxes and scale updates
+``fp8_dgrad``       precision=fp8: DRELU_BGRAD after the plain FP8 GEMM (the mask, the bias gradient)
 ``nonfinite``       which of many tensors hold an inf or NaN, in one launch
 ``gather``          the data loader's batch gather, whole rows of any dtype
 ``plain_kernels``   the header-free kernels (gather, nonfinite) compiled in one NVRTC call

@@ -32,6 +32,7 @@ from nvmath.bindings import cublasLt as lt
 
 from mlptrain.epilogs import Epilog, gelu_aux_shape, relu_aux_shape
 from mlptrain.fp8 import Fp8Call, Fp8Gemm, Fp8Scaling
+from mlptrain.gpu import fp8_dgrad
 from mlptrain.gpu.streams import results_allocator
 
 log = logging.getLogger(__name__)
@@ -188,14 +189,20 @@ class GpuFp8Gemm(Fp8Gemm):
         *,
         workspace_mib: int | None = 64,
         fast_accum: bool = False,
+        own_drelu_bgrad: bool = True,
     ) -> None:
         super().__init__(base, scaling, mode)
         self.workspace_cap = int(workspace_mib if workspace_mib is not None else 256) * 2**20
         self.fast_accum = fast_accum
+        # DRELU_BGRAD as the plain FP8 GEMM and mlptrain's kernel (gpu/fp8_dgrad.py), not cuBLASLt's epilogue
+        self.own_drelu_bgrad = own_drelu_bgrad
         self._plans: dict[tuple, Fp8Matmul] = {}
 
     def matmul(self, call: Fp8Call) -> tuple[Any, dict[str, Any]]:
         a, b, epilog, inputs, out_dtype, key = call.a, call.b, call.epilog, call.inputs, call.out_dtype, call.key
+        relu_aux = None
+        if epilog is Epilog.DRELU_BGRAD and self.own_drelu_bgrad and np.dtype(out_dtype).name == "bfloat16":
+            relu_aux, epilog, inputs = inputs["relu_aux"], None, {}  # D column-major still: call.c_order is False
         (m, k), n = a[0].shape, b[0].shape[1]
         if call.c_order:  # D (M, N) in C order is D^T (N, M) column-major: B^T @ A^T, on the same FP8 bytes
             a, b, m, n = (b[0].T, *b[1:]), (a[0].T, *a[1:]), n, m  # B^T (N, K) row-major, A^T (K, M) column-major
@@ -216,7 +223,16 @@ class GpuFp8Gemm(Fp8Gemm):
         if mm.algo is None:  # the first call: the heuristics see the pointers set (nvmath sets them first too)
             mm.plan(key)
         mm.run(a[0], b[0], d)
+        if relu_aux is not None:  # DRELU_BGRAD: D masked in place, and its bias gradient
+            with cp.cuda.using_allocator(results) if results is not None else contextlib.nullcontext():
+                aux = {"drelu_bgrad": fp8_dgrad.drelu_bgrad(d, relu_aux)}
         return (d.T if call.c_order else d), aux
+
+    def bias_gradient(self, b: Any) -> Any:
+        """BGRADB's bias gradient as :func:`mlptrain.gpu.fp8_dgrad.column_sums` where b (K, N) suits it."""
+        if b.dtype.name == "bfloat16" and b.flags.c_contiguous and b.shape[1] % 8 == 0 and b.data.ptr % 16 == 0:
+            return fp8_dgrad.column_sums(b)
+        return super().bias_gradient(b)
 
     def _plan(self, key: str, m: int, n: int, k: int, formats: tuple[str, str], epilog: Epilog | None) -> Fp8Matmul:
         """A new descriptor for this call site, shape, formats and epilog (its algorithm chosen at its first run)."""

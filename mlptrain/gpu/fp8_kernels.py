@@ -7,18 +7,25 @@ order of the bits is the order of the floats, and any NaN's bits exceed inf's, s
 ``atomicMax`` gives the amax, inf or NaN as NumPy's ``max`` would):
 
 * ``mlptrain_fp8_cast_<fmt>``: the same memory order (a weight for the forward, an activation that is
-  already the GEMM's column-major B);
-* ``mlptrain_fp8_cast_t_<fmt>``: a transposed copy through a 32 x 32 tile in shared memory (W^T for
+  already the GEMM's column-major B), eight elements a thread: one 16-byte load, one 8-byte store;
+* ``mlptrain_fp8_cast_t_<fmt>``: a transposed copy through a 64 x 64 tile in shared memory (W^T for
   the input gradient, X^T and dZ^T for the weight gradient: Hopper runs FP8 only as "TN", K
-  contiguous in both operands, and K is the batch there).
+  contiguous in both operands, and K is the batch there), 16-byte loads and 8-byte stores too.
 
-The cast itself is the hardware's: PTX ``cvt.rn.satfinite.e4m3x2.f32`` (sm_89+), round to nearest
-even, saturating; a non-finite input becomes NaN first (:func:`mlptrain.epilogs_fp8.quantize`).
+Both move memory at close to the GPU's bandwidth only with wide accesses: one byte stored per thread
+(the first version) left each cast several times slower than its bytes (docs/benchmarks.md, #30).
 
-``mlptrain_fp8_scale_update`` (one thread) then writes the dequantisation scale the GEMM reads
-(``1 / scale``: the scale this cast used), takes the amax into the history (unless it is not finite)
-and computes the scale of the next cast, with the float64 arithmetic of :meth:`Fp8Scaling.record`
-(``2^margin`` passed in as a double, as the CPU computes it).
+The cast itself is the hardware's: PTX ``cvt.rn.satfinite.e4m3x2.f32`` (sm_89+), two values at a
+time, round to nearest even, saturating; a non-finite input becomes NaN first
+(:func:`mlptrain.epilogs_fp8.quantize`).
+
+**The scale update rides on the cast.** The grid's last block to finish (each block counts itself
+into ``blocks_done`` after its ``atomicMax``: CUDA's "threadFenceReduction" pattern) writes the
+dequantisation scale the GEMM reads (``1 / scale``: the scale this cast used), takes the amax into
+the history (unless it is not finite) and computes the scale of the next cast, with the float64
+arithmetic of :meth:`Fp8Scaling.record` (``2^margin`` passed in as a double, as the CPU computes it).
+Every other block has read the scale by then, so none casts with the new one; and the step has one
+launch per cast instead of two.
 """
 
 from __future__ import annotations
@@ -36,91 +43,142 @@ SOURCE = r"""
 // header-free: intrinsics only (no math headers, whose max/fmax NVRTC may not declare)
 __device__ __forceinline__ float mlptrain_bf16(unsigned short u) { return __uint_as_float(((unsigned int)u) << 16); }
 __device__ __forceinline__ unsigned int mlptrain_umax(unsigned int a, unsigned int b) { return a > b ? a : b; }
-
-// fp8(v * scale), the hardware's rounding and saturation; inf and NaN become NaN (the step will be skipped)
-#define MLPTRAIN_FP8_CVT(NAME, PTX)                                                                  \
-__device__ __forceinline__ unsigned char NAME(float x, float scale) {                               \
-    const float v = (__float_as_uint(x) & 0x7F800000u) == 0x7F800000u ? __uint_as_float(0x7FC00000u) \
-                                                                       : x * scale;                  \
-    unsigned short r;                                                                                \
-    asm("cvt.rn.satfinite." PTX "x2.f32 %0, %1, %2;" : "=h"(r) : "f"(0.0f), "f"(v));                 \
-    return (unsigned char)(r & 0xFFu);  /* the second source lands in the low byte */               \
+// v * scale, or NaN where v is inf or NaN (the step will be skipped)
+__device__ __forceinline__ float mlptrain_fp8_scaled(float x, float scale) {
+    return (__float_as_uint(x) & 0x7F800000u) == 0x7F800000u ? __uint_as_float(0x7FC00000u) : x * scale;
 }
-MLPTRAIN_FP8_CVT(mlptrain_to_e4m3, "e4m3")
-MLPTRAIN_FP8_CVT(mlptrain_to_e5m2, "e5m2")
 
-// The block's largest |x| bits into *amax_bits (tid, nthreads: the block's flat thread index and size)
-__device__ __forceinline__ void mlptrain_block_amax(unsigned int m, int tid, int nthreads, unsigned int* amax_bits) {
+// Two values at once, the hardware's rounding and saturation: the second source lands in the low byte,
+// so fp8(lo) is byte 0 and fp8(hi) byte 1 (memory order on a little-endian GPU)
+#define MLPTRAIN_FP8_CVT2(NAME, PTX)                                                                 \
+__device__ __forceinline__ unsigned short NAME(float lo, float hi, float scale) {                   \
+    unsigned short r;                                                                                \
+    asm("cvt.rn.satfinite." PTX "x2.f32 %0, %1, %2;"                                                 \
+        : "=h"(r) : "f"(mlptrain_fp8_scaled(hi, scale)), "f"(mlptrain_fp8_scaled(lo, scale)));       \
+    return r;                                                                                        \
+}
+MLPTRAIN_FP8_CVT2(mlptrain_to_e4m3x2, "e4m3")
+MLPTRAIN_FP8_CVT2(mlptrain_to_e5m2x2, "e5m2")
+
+// The scale update, run by the grid's last block once every block has folded its amax in:
+// scale_inv = 1 / scale (what the GEMM dequantises with: the scale this cast used); then, with record,
+// the amax enters the history (newest first; not when inf or NaN) and the next scale is
+// fp8_max / (2^margin * max(history)), in float64 as Fp8Scaling.record computes it (headroom = 2^margin)
+struct mlptrain_fp8_state {
+    unsigned int* amax_bits; unsigned int* blocks_done; float* history; float* scale; float* scale_inv;
+    double fp8_max; double headroom; int len; int record;
+};
+// the kernels' last arguments: the tensor's state (GpuTensorScale) and the update's constants
+#define MLPTRAIN_FP8_STATE_ARGS                                                                      \
+    unsigned int *amax_bits, unsigned int *blocks_done, float *history, int len, float *scale,      \
+    float *scale_inv, double fp8_max, double headroom, int record
+#define MLPTRAIN_FP8_STATE {amax_bits, blocks_done, history, scale, scale_inv, fp8_max, headroom, len, record}
+__device__ void mlptrain_fp8_update(const mlptrain_fp8_state& st) {
+    const unsigned int bits = atomicExch(st.amax_bits, 0u);  // the grid's amax, and 0 for the next cast
+    const float s = *st.scale;  // every block has read it: the last one to finish is the only one left
+    *st.scale_inv = 1.0f / s;
+    if (!st.record || (bits & 0x7F800000u) == 0x7F800000u) return;
+    for (int i = st.len - 1; i > 0; --i) st.history[i] = st.history[i - 1];
+    st.history[0] = __uint_as_float(bits);
+    double top = 0.0;
+    for (int i = 0; i < st.len; ++i) top = (double)st.history[i] > top ? (double)st.history[i] : top;
+    if (top > 0.0) *st.scale = (float)(st.fp8_max / (st.headroom * (top > 1e-30 ? top : 1e-30)));
+}
+
+// The block's largest |x| bits into *amax_bits (tid, nthreads: the block's flat thread index and size);
+// the last block of the grid to finish then runs the scale update ("threadFenceReduction" pattern)
+__device__ __forceinline__ void mlptrain_block_amax(unsigned int m, int tid, int nthreads,
+                                                    const mlptrain_fp8_state& st) {
     __shared__ unsigned int warp_max[32];
+    __shared__ bool last;
     for (int o = 16; o > 0; o >>= 1) m = mlptrain_umax(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
     if ((tid & 31) == 0) warp_max[tid >> 5] = m;
     __syncthreads();
     if (tid < 32) {
         m = tid < (nthreads + 31) / 32 ? warp_max[tid] : 0u;
         for (int o = 16; o > 0; o >>= 1) m = mlptrain_umax(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
-        if (tid == 0 && m) atomicMax(amax_bits, m);
+        if (tid == 0) {
+            if (m) atomicMax(st.amax_bits, m);
+            __threadfence();  // this block's amax is visible before it counts itself done
+            const unsigned int blocks = gridDim.x * gridDim.y;
+            last = atomicAdd(st.blocks_done, 1u) == blocks - 1u;
+        }
+    }
+    __syncthreads();
+    if (last && tid == 0) {
+        __threadfence();
+        *st.blocks_done = 0u;
+        mlptrain_fp8_update(st);
     }
 }
 
-// out[i] = fp8(x[i] * scale), n elements in memory order
-#define MLPTRAIN_FP8_CAST(NAME, CVT)                                                                 \
-extern "C" __global__ void NAME(const unsigned short* x, long long n, const float* scale,            \
-                                unsigned char* out, unsigned int* amax_bits) {                       \
-    const float s = *scale;                                                                          \
+// out[i] = fp8(x[i] * scale), n elements in memory order, 8 a thread (16-byte loads, 8-byte stores):
+// n a multiple of 8 and both pointers 16- and 8-byte aligned (the caller checks)
+#define MLPTRAIN_FP8_CAST(NAME, CVT2)                                                                \
+extern "C" __global__ void NAME(const uint4* x, long long n8, unsigned long long* out,              \
+                                MLPTRAIN_FP8_STATE_ARGS) {                                           \
+    const mlptrain_fp8_state st = MLPTRAIN_FP8_STATE;                                                \
+    const float s = *scale;                                                                       \
     unsigned int m = 0u;                                                                             \
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;                     \
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n8;                    \
          i += (long long)gridDim.x * blockDim.x) {                                                   \
-        const float v = mlptrain_bf16(x[i]);                                                         \
-        m = mlptrain_umax(m, __float_as_uint(v) & 0x7FFFFFFFu);                                                \
-        out[i] = CVT(v, s);                                                                          \
-    }                                                                                                \
-    mlptrain_block_amax(m, threadIdx.x, blockDim.x, amax_bits);                                      \
-}
-MLPTRAIN_FP8_CAST(mlptrain_fp8_cast_e4m3, mlptrain_to_e4m3)
-MLPTRAIN_FP8_CAST(mlptrain_fp8_cast_e5m2, mlptrain_to_e5m2)
-
-// x (rows, cols) row-major -> out (cols, rows) row-major, through a 32 x 32 tile; block (32, 8)
-#define MLPTRAIN_FP8_CAST_T(NAME, CVT)                                                               \
-extern "C" __global__ void NAME(const unsigned short* x, long long rows, long long cols,            \
-                                const float* scale, unsigned char* out, unsigned int* amax_bits) {   \
-    __shared__ float tile[32][33];                                                                   \
-    const float s = *scale;                                                                          \
-    const long long c0 = (long long)blockIdx.x * 32, r0 = (long long)blockIdx.y * 32;                \
-    unsigned int m = 0u;                                                                             \
-    for (int j = threadIdx.y; j < 32; j += 8) {                                                      \
-        const long long r = r0 + j, c = c0 + threadIdx.x;                                            \
-        float v = 0.0f;                                                                              \
-        if (r < rows && c < cols) {                                                                  \
-            v = mlptrain_bf16(x[r * cols + c]);                                                      \
-            m = mlptrain_umax(m, __float_as_uint(v) & 0x7FFFFFFFu);                                            \
+        const uint4 v = x[i];                                                                        \
+        const unsigned int w[4] = {v.x, v.y, v.z, v.w};                                              \
+        unsigned long long q = 0ull;                                                                 \
+        for (int j = 0; j < 4; ++j) {  /* bf16 pair j: element 2j in the low half */                 \
+            const float lo = __uint_as_float(w[j] << 16), hi = __uint_as_float(w[j] & 0xFFFF0000u);  \
+            m = mlptrain_umax(m, mlptrain_umax(__float_as_uint(lo) & 0x7FFFFFFFu, __float_as_uint(hi) & 0x7FFFFFFFu)); \
+            q |= (unsigned long long)CVT2(lo, hi, s) << (16 * j);                                   \
         }                                                                                            \
-        tile[j][threadIdx.x] = v;                                                                    \
+        out[i] = q;                                                                                  \
+    }                                                                                                \
+    mlptrain_block_amax(m, threadIdx.x, blockDim.x, st);                                             \
+}
+MLPTRAIN_FP8_CAST(mlptrain_fp8_cast_e4m3, mlptrain_to_e4m3x2)
+MLPTRAIN_FP8_CAST(mlptrain_fp8_cast_e5m2, mlptrain_to_e5m2x2)
+
+// x (rows, cols) row-major -> out (cols, rows) row-major through a 64 x 64 tile; block 256 threads.
+// Read: 8 threads cover a tile row's 64 columns with 16-byte loads (32 rows a pass, 2 passes).
+// Write: 8 threads cover an output row's 64 bytes with 8-byte stores. rows, cols multiples of 8.
+#define MLPTRAIN_FP8_CAST_T(NAME, CVT2)                                                              \
+extern "C" __global__ void NAME(const unsigned short* x, long long rows, long long cols,            \
+                                unsigned char* out, MLPTRAIN_FP8_STATE_ARGS) {                       \
+    const mlptrain_fp8_state st = MLPTRAIN_FP8_STATE;                                                \
+    __shared__ float tile[64][65];                                                                   \
+    const float s = *scale;                                                                       \
+    const long long c0 = (long long)blockIdx.x * 64, r0 = (long long)blockIdx.y * 64;                \
+    const int t = threadIdx.x, lane8 = t & 7, row32 = t >> 3;                                        \
+    unsigned int m = 0u;                                                                             \
+    for (int p = 0; p < 2; ++p) {                                                                    \
+        const int tr = row32 + 32 * p;                                                               \
+        const long long r = r0 + tr, c = c0 + 8 * lane8;                                             \
+        uint4 v = make_uint4(0u, 0u, 0u, 0u);                                                        \
+        if (r < rows && c < cols) v = *(const uint4*)(x + r * cols + c);                             \
+        const unsigned int w[4] = {v.x, v.y, v.z, v.w};                                              \
+        for (int j = 0; j < 4; ++j) {                                                                \
+            const float lo = __uint_as_float(w[j] << 16), hi = __uint_as_float(w[j] & 0xFFFF0000u);  \
+            m = mlptrain_umax(m, mlptrain_umax(__float_as_uint(lo) & 0x7FFFFFFFu, __float_as_uint(hi) & 0x7FFFFFFFu)); \
+            tile[tr][8 * lane8 + 2 * j] = lo;                                                        \
+            tile[tr][8 * lane8 + 2 * j + 1] = hi;                                                    \
+        }                                                                                            \
     }                                                                                                \
     __syncthreads();                                                                                 \
-    for (int j = threadIdx.y; j < 32; j += 8) {                                                      \
-        const long long c = c0 + j, r = r0 + threadIdx.x;                                            \
-        if (r < rows && c < cols) out[c * rows + r] = CVT(tile[threadIdx.x][j], s);                  \
+    for (int p = 0; p < 2; ++p) {                                                                    \
+        const int tc = row32 + 32 * p;  /* the output row: x's column c0 + tc */                     \
+        const long long c = c0 + tc, r = r0 + 8 * lane8;                                             \
+        if (c < cols && r < rows) {                                                                  \
+            unsigned long long q = 0ull;                                                             \
+            for (int j = 0; j < 4; ++j) {  /* rows r + 2j and r + 2j + 1 of column c */               \
+                const float lo = tile[8 * lane8 + 2 * j][tc], hi = tile[8 * lane8 + 2 * j + 1][tc];     \
+                q |= (unsigned long long)CVT2(lo, hi, s) << (16 * j);                                   \
+            }                                                                                        \
+            *(unsigned long long*)(out + c * rows + r) = q;                                          \
+        }                                                                                            \
     }                                                                                                \
-    mlptrain_block_amax(m, threadIdx.y * 32 + threadIdx.x, 256, amax_bits);                          \
+    mlptrain_block_amax(m, t, 256, st);                                                              \
 }
-MLPTRAIN_FP8_CAST_T(mlptrain_fp8_cast_t_e4m3, mlptrain_to_e4m3)
-MLPTRAIN_FP8_CAST_T(mlptrain_fp8_cast_t_e5m2, mlptrain_to_e5m2)
-
-// After a cast: scale_inv = 1 / scale (what the GEMM dequantises with); then, with record, the amax
-// enters the history (newest first; not when inf or NaN) and the next scale is fp8_max / (2^margin * max)
-extern "C" __global__ void mlptrain_fp8_scale_update(unsigned int* amax_bits, float* history, int len, float* scale,
-                                                     float* scale_inv, double fp8_max, double headroom, int record) {
-    const unsigned int bits = *amax_bits;
-    *amax_bits = 0u;  // ready for the next cast
-    const float s = *scale;
-    *scale_inv = 1.0f / s;
-    if (!record || (bits & 0x7F800000u) == 0x7F800000u) return;
-    for (int i = len - 1; i > 0; --i) history[i] = history[i - 1];
-    history[0] = __uint_as_float(bits);
-    double top = 0.0;
-    for (int i = 0; i < len; ++i) top = (double)history[i] > top ? (double)history[i] : top;
-    if (top > 0.0) *scale = (float)(fp8_max / (headroom * (top > 1e-30 ? top : 1e-30)));  // headroom = 2^margin
-}
+MLPTRAIN_FP8_CAST_T(mlptrain_fp8_cast_t_e4m3, mlptrain_to_e4m3x2)
+MLPTRAIN_FP8_CAST_T(mlptrain_fp8_cast_t_e5m2, mlptrain_to_e5m2x2)
 """
 
 
@@ -134,31 +192,43 @@ def _grid(n: int, threads: int = 256) -> int:
     return max(1, min(-(-n // threads), 4096))  # a grid-stride loop past 4096 blocks
 
 
-def cast(x: Any, scale: Any, fmt: str, amax_bits: Any, transpose: bool) -> Any:
-    """The FP8 bytes of the C-contiguous bfloat16 ``x (R, C)``: ``(R, C)``, or ``(C, R)`` with ``transpose``;
-    ``max |x|`` folded into ``amax_bits`` (uint32 (1,), float bits)."""
+def cast(x: Any, fmt: str, st: GpuTensorScale, limits: tuple[Any, ...], transpose: bool) -> Any:
+    """The FP8 bytes of the C-contiguous bfloat16 ``x (R, C)``: ``(R, C)``, or ``(C, R)`` with ``transpose``.
+
+    One kernel: the cast with ``st``'s scale, ``max |x|`` folded into ``st.amax_bits``, and, in the grid's
+    last block, the scale update (``limits``: fp8_max and 2^margin as float64, record as int32)."""
     if x.dtype.name != "bfloat16" or not x.flags.c_contiguous or x.ndim != 2:
         raise ValueError(f"the FP8 cast needs a C-contiguous 2-d bfloat16 array; got {x.dtype} {x.shape}")
     rows, cols = x.shape
+    if rows % 8 or cols % 8:  # FP8 GEMMs take multiples of 16 (epilogs_fp8.fits_fp8): the casts 8 at a time
+        raise ValueError(f"the FP8 cast takes dimensions that are multiples of 8; got {x.shape}")
+    if x.data.ptr % 16:
+        x = x.copy()  # the 16-byte loads need an aligned start (a pool allocation is)
+    state = (st.amax_bits, st.blocks_done, st.amax_history, np.int32(st.amax_history.size), st.scale, st.scale_inv)
     if not transpose:
         out = cp.empty((rows, cols), dtype=cp.uint8)
-        n = rows * cols
-        module().get_function(f"mlptrain_fp8_cast_{fmt}")((_grid(n),), (256,), (x, np.int64(n), scale, out, amax_bits))
+        n8 = rows * cols // 8
+        kernel = module().get_function(f"mlptrain_fp8_cast_{fmt}")
+        kernel((_grid(n8),), (256,), (x, np.int64(n8), out, *state, *limits))
         return out
     out = cp.empty((cols, rows), dtype=cp.uint8)
-    grid = (-(-cols // 32), -(-rows // 32))  # tiles of 32 columns x 32 rows
-    args = (x, np.int64(rows), np.int64(cols), scale, out, amax_bits)
-    module().get_function(f"mlptrain_fp8_cast_t_{fmt}")(grid, (32, 8), args)
+    grid = (-(-cols // 64), -(-rows // 64))  # tiles of 64 columns x 64 rows
+    if grid[1] > 65535:
+        raise ValueError(f"the transposed FP8 cast takes at most {65535 * 64} rows; got {rows}")
+    kernel = module().get_function(f"mlptrain_fp8_cast_t_{fmt}")
+    kernel(grid, (256,), (x, np.int64(rows), np.int64(cols), out, *state, *limits))
     return out
 
 
 class GpuTensorScale(TensorScale):
-    """A :class:`TensorScale` with the two arrays the kernels need: ``amax_bits`` (uint32 (1,): the casts'
-    running amax) and ``scale_inv`` (float32 (): the dequantisation scale of the last cast)."""
+    """A :class:`TensorScale` with the arrays the kernels need: ``amax_bits`` (uint32 (1,): the cast's running
+    amax), ``blocks_done`` (uint32 (1,): the cast's blocks that have folded theirs in; the last one updates
+    the scale and sets it back to 0) and ``scale_inv`` (float32 (): the dequantisation scale of the last cast)."""
 
     def __init__(self, history_len: int) -> None:
         super().__init__(cp, history_len)
         self.amax_bits = cp.asarray(np.zeros(1, np.uint32))  # host copies: no fill kernel to compile
+        self.blocks_done = cp.asarray(np.zeros(1, np.uint32))
         self.scale_inv = cp.asarray(np.ones(1, np.float32)).reshape(())
 
 
@@ -181,12 +251,9 @@ class GpuFp8Scaling(Fp8Scaling):
         if order not in ("C", "F"):
             raise ValueError(f"an FP8 operand's order is 'C' (A) or 'F' (B); got {order!r}")
         src = x if order == "C" else x.T  # the array whose C order is the wanted memory
-        if src.flags.c_contiguous:
-            q = cast(src, st.scale, fmt, st.amax_bits, transpose=False)
-        else:
-            q = cast(cp.ascontiguousarray(src.T), st.scale, fmt, st.amax_bits, transpose=True)
-        history = (st.amax_history, np.int32(self.history_len))
         limits = (np.float64(FP8_MAX[fmt]), np.float64(2.0**self.margin), np.int32(record))
-        update = module().get_function("mlptrain_fp8_scale_update")
-        update((1,), (1,), (st.amax_bits, *history, st.scale, st.scale_inv, *limits))  # one thread, after the cast
+        if src.flags.c_contiguous:
+            q = cast(src, fmt, st, limits, transpose=False)
+        else:
+            q = cast(cp.ascontiguousarray(src.T), fmt, st, limits, transpose=True)
         return (q if order == "C" else q.T), st.scale_inv

@@ -38,8 +38,11 @@ def _fp8_values(q_uint8, fmt):
 @needs_fp8
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 @pytest.mark.parametrize("order", ["C", "F"])
-def test_the_cast_kernels_round_and_saturate_as_the_contract(fmt, order):
-    x = _bf16((48, 80), 1, 30.0)
+@pytest.mark.parametrize("shape", [(48, 80), (200, 136), (4096, 2056)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_the_cast_kernels_round_and_saturate_as_the_contract(fmt, order, shape):
+    """Partial 64 x 64 tiles (48 x 80, 200 x 136) and a grid-stride loop of many blocks (4096 x 2056), whose
+    last block updates the scale: the bytes and the state equal the contract's."""
+    x = _bf16(shape, 1, 30.0)
     x[3, 4], x[5, 6], x[7, 8] = np.inf, -np.inf, np.nan
     x[9, 10] = 1e6  # saturates
     gpu, cpu = GpuFp8Scaling(), Fp8Scaling(np)
@@ -56,6 +59,22 @@ def test_the_cast_kernels_round_and_saturate_as_the_contract(fmt, order):
     # the inf/NaN amaxes entered no history: both states equal bit for bit
     for key, value in cpu.state_dict().items():
         np.testing.assert_array_equal(gpu.state_dict()[key], value, err_msg=key)
+
+
+@needs_fp8
+def test_the_cast_refuses_dimensions_that_are_not_multiples_of_8():
+    with pytest.raises(ValueError, match=r"multiples of 8; got \(40, 12\)"):
+        GpuFp8Scaling().quantize("t", cp.asarray(_bf16((40, 12), 0)), "e4m3", order="C")
+
+
+@needs_fp8
+def test_a_cast_from_an_unaligned_view_equals_the_aligned_one():
+    x = cp.asarray(_bf16((17 * 16, 64), 3, 4.0))
+    unaligned = x.ravel()[4 : 4 + 256 * 64].reshape(256, 64)  # starts 8 bytes into x's allocation
+    assert unaligned.data.ptr % 16 and unaligned.flags.c_contiguous
+    got, _ = GpuFp8Scaling().quantize("t", unaligned, "e4m3", order="C")
+    want, _ = GpuFp8Scaling().quantize("t", unaligned.copy(), "e4m3", order="C")
+    assert cp.array_equal(got, want)
 
 
 @needs_fp8
@@ -188,3 +207,54 @@ def test_the_contract_of_the_first_cast_is_plain_quantisation():
     x = _bf16((16, 32), 15, 100.0)
     q, _ = GpuFp8Scaling().quantize("t", cp.asarray(x), "e4m3", order="C")
     np.testing.assert_array_equal(_fp8_values(q, "e4m3"), quantize(x, 1.0, "e4m3").astype(np.float64))
+
+
+@needs_fp8
+@pytest.mark.parametrize("m, n", [(16, 8), (272, 1000), (4096, 8192)])
+def test_the_drelu_bgrad_kernel_masks_exactly_and_sums_in_float32(m, n):
+    """mlptrain_fp8_drelu_partial / _bgrad_finish: rows not a multiple of a block's 256, slabs that do not
+    divide N. D masked bit for bit; db within a float32 sum and one bfloat16 rounding of the float64 sum."""
+    from mlptrain.gpu.fp8_dgrad import drelu_bgrad
+
+    rng = np.random.default_rng(m + n)
+    d = np.asarray(rng.standard_normal((m, n)).astype(BF16), order="F")
+    mask = rng.random((m, n)) > 0.4
+    d_gpu = cp.asarray(d, order="F")
+    db = drelu_bgrad(d_gpu, cp.asarray(pack_relu_mask(mask), order="F"))
+    masked = np.where(mask, d.astype(np.float64), 0.0)
+    np.testing.assert_array_equal(f64(d_gpu), masked)
+    exact = masked.sum(axis=1)
+    bound = 2.0**-8 * np.abs(exact) + n * 2.0**-24 * np.abs(masked).sum(axis=1) + 1e-30
+    assert db.dtype == d_gpu.dtype and db.shape == (m,)
+    assert np.all(np.abs(f64(db) - exact) <= bound)
+
+
+@needs_fp8
+def test_the_own_drelu_bgrad_equals_cublaslts_epilogue_within_its_roundings():
+    m, k, n = 256, 512, 128
+    W, dz = _bf16((k, m), 11, 0.1), _bf16((n, k), 12, 1e-2)
+    aux = cp.asarray(pack_relu_mask(np.random.default_rng(13).random((m, n)) > 0.5), order="F")
+    runs = {}
+    for own in (True, False):
+        gpu = GpuFp8Gemm(NvmathGemm(), GpuFp8Scaling(), "fused", own_drelu_bgrad=own)
+        runs[own] = gpu("l.dgrad", cp.asarray(W).T, cp.asarray(dz).T, Epilog.DRELU_BGRAD, relu_aux=aux)
+    (d_own, aux_own), (d_lt, aux_lt) = runs[True], runs[False]
+    np.testing.assert_array_equal(f64(d_own) == 0, f64(d_lt) == 0)  # the same mask
+    _compare(d_own, d_lt, "D", roundings=1)
+    _compare(aux_own["drelu_bgrad"], aux_lt["drelu_bgrad"], "drelu_bgrad")
+
+
+@needs_fp8
+@pytest.mark.parametrize("k, n", [(8, 16), (1000, 272), (8192, 4096)])
+def test_the_column_sums_of_a_weight_gradient_operand(k, n):
+    """BGRADB's bias gradient in FP8 (fp8_dgrad.column_sums): the sum over K of a C-order (K, N)."""
+    from mlptrain.gpu.fp8_dgrad import column_sums
+
+    b = _bf16((k, n), k + n)
+    before = b.copy()
+    b_gpu = cp.asarray(b)
+    got = column_sums(b_gpu)
+    exact = b.astype(np.float64).sum(axis=0)
+    bound = 2.0**-8 * np.abs(exact) + k * 2.0**-24 * np.abs(b.astype(np.float64)).sum(axis=0) + 1e-30
+    assert got.shape == (n,) and np.all(np.abs(f64(got) - exact) <= bound)
+    np.testing.assert_array_equal(cp.asnumpy(b_gpu), before)  # no mask: b is read, not written
