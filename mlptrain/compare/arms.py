@@ -70,16 +70,17 @@ def other_axis_verdict(s: dict[str, Any], n: str) -> str:
 def other_axis_note(s: dict[str, Any]) -> str:
     """compare.md's paragraph on what the two arms do differently."""
     cand, ref = arms(s)
-    if axis_name(s) == "precision" and "fp8" in (cand, ref):
+    if axis_name(s) == "precision" and cand == "fp8":
+        cpu = " (the CPU has no bf16: there fp32 is the reference)" if ref == "fp32" else ""
         return (
-            "fp8 and bf16 train the same model from the same weights on the same batches with the same optimizer "
-            "(fp32 master weights, bf16 activations and gradients). They differ in the GEMMs: with fp8 every GEMM "
-            "whose three dimensions are multiples of 16 takes e4m3 operands (3 mantissa bits: weights and "
-            "activations) and e5m2 gradients (2 mantissa bits), each cast with its own per-tensor scale from the "
-            "amaxes of the steps before (delayed scaling), and accumulates in fp32 into a bf16 result; the others "
-            "(the 10-class head, MNIST-1D's 40-feature input layer) stay bf16. An e4m3 operand is rounded 16 times, "
-            "an e5m2 one 32 times more coarsely than a bf16 one, so the curves part at once; the test is whether "
-            f"fp8 ends at bf16's accuracy, seed by seed. {FP8_README} says what runs in FP8 in each task, and why."
+            f"fp8 and {ref}{cpu} train the same model from the same weights on the same batches with the same "
+            "optimizer and fp32 master weights. fp8 runs every GEMM whose three dimensions are multiples of 16 "
+            "on e4m3 operands (3 mantissa bits: weights and activations) and e5m2 gradients (2 mantissa bits), each "
+            "cast with its own per-tensor scale from the amaxes of the steps before (delayed scaling), accumulated "
+            "in fp32 into a bf16 result; the other GEMMs (the 10-class head, MNIST-1D's 40-feature input layer) "
+            "and its activations and gradients are bf16. An e4m3 operand is rounded 16 times, an e5m2 one 32 "
+            "times more coarsely than a bf16 one, so the curves part at once; the test is whether fp8 ends at "
+            f"{ref}'s accuracy, seed by seed. {FP8_README} says what runs in FP8 in each task, and why."
         )
     return (
         f"The two arms differ in {(s.get('axis') or {}).get('key')} ({cand} and {ref}) and in nothing else but the "

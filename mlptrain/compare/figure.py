@@ -130,7 +130,7 @@ def _difference_panel(ax_diff: Any, pairs: dict[int, dict[str, Run]], seeds: lis
     ax_diff.text(
         0.02,
         0.96,
-        f"max |diff| / |naive| = {s['max_rel_diff']:.3g}"
+        f"max |diff| / |{ref}| = {s['max_rel_diff']:.3g}"
         + ("" if tol is None else f" ({'under' if s['agree'] else 'ABOVE'} {tol:g})"),
         transform=ax_diff.transAxes,
         fontsize=9,

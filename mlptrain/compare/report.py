@@ -201,7 +201,7 @@ def write_markdown(s: dict[str, Any], path: Path, made_by: dict[str, Any], figur
         f"| largest absolute training-loss difference | {s['max_abs_diff']:.3g} |",
         f"| first step where the relative difference passes {divergence_header(s)} (earliest seed) "
         f"| {divergence_cells(s)} |",
-        f"| tolerance ({s['precision']}) | {tol} |",
+        f"| tolerance ({s['precision'] if axis_name(s) == 'execution' else f'{cand} vs {ref}'}) | {tol} |",
         f"| verdict | {verdict(s)} |",
         f"| speedup ({ref} / {cand} median time per step) | {speedup} |",
         "",
