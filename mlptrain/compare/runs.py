@@ -175,14 +175,14 @@ def pair_by_seed(runs: list[Run], ax: Axis, sweep_dir: Path, defaulted: bool) ->
             )
     by_seed: dict[int, dict[str, Run]] = {}
     for run in runs:
-        slot, arm = by_seed.setdefault(run.seed, {}), ax.value(run.config)
-        assert arm is not None  # checked above
-        if arm in slot:
+        slot, value = by_seed.setdefault(run.seed, {}), ax.value(run.config)
+        assert value is not None  # checked above
+        if value in slot:
             raise CompareError(
-                f"runs {slot[arm].path} and {run.path} are both {arm} with seed {run.seed}; "
+                f"runs {slot[value].path} and {run.path} are both {value} with seed {run.seed}; "
                 "give each comparison its own sweep directory"
             )
-        slot[arm] = run
+        slot[value] = run
     for seed, slot in sorted(by_seed.items()):
         for arm in ax.arms:
             if arm not in slot:
