@@ -1,4 +1,5 @@
-"""Fused vs naive, side by side: read a comparison sweep and write its figure, table and numbers.
+"""Two arms side by side (fused vs naive, fp8 vs bf16): read a comparison sweep and write its figure,
+table and numbers.
 
 ``make compare`` trains the same model with the same seed and data order twice, once with the
 epilogs fused into the GEMMs (``execution=fused``) and once with plain GEMMs and separate
@@ -8,7 +9,10 @@ this report on the sweep directory::
     python -m mlptrain.compare runs/compare/2026-11-30_12-00-00 [--out DIR]
 
 It reads every job directory (:mod:`.runs`), checks that the runs are complete and comparable,
-pairs the fused and naive run of each seed, computes the numbers (:mod:`.summary`, with the
+finds what they compare (:mod:`.axis`: the one config key besides the seed that differs, or
+``--axis precision``), pairs the two runs of each seed (fused and naive; fp8 and bf16 for
+``conf/compare_fp8.yaml``, whose report adds whether the paired accuracy difference's 95 %
+interval lies inside half a point, :mod:`.arms`), computes the numbers (:mod:`.summary`, with the
 statistics of :mod:`.stats`), and writes into the sweep directory (or ``--out``):
 
 * ``compare.png`` (:mod:`.figure`): training loss per step (mean over seeds, min-max band), test
@@ -28,6 +32,7 @@ get one index (:mod:`.index`)::
     python -m mlptrain.compare --index docs/compare-gpu [--made-by "scripts/compare_gpu.sh OUT_DIR"] [--note FILE]
 """
 
+from mlptrain.compare.axis import EXECUTION, Axis, choose_axis, differing_keys
 from mlptrain.compare.cli import main
 from mlptrain.compare.figure import plot
 from mlptrain.compare.index import Panel, index_markdown, load_panels, write_index
@@ -45,20 +50,26 @@ from mlptrain.compare.report import (
     write_markdown,
 )
 from mlptrain.compare.runs import MODES, CompareError, Run, check_runs, find_run_dirs, load_run, load_runs
-from mlptrain.compare.stats import T95, paired_difference, relative_difference, running_median, t95
-from mlptrain.compare.summary import DIVERGENCE_THRESHOLDS, TOLERANCES, summarize
+from mlptrain.compare.stats import T95, interval_within, paired_difference, relative_difference, running_median, t95
+from mlptrain.compare.summary import ACCURACY_BOUND, DIVERGENCE_THRESHOLDS, TOLERANCES, axis_of, summarize
 
 __all__ = [
+    "ACCURACY_BOUND",
     "DIVERGENCE_THRESHOLDS",
+    "EXECUTION",
     "MODES",
     "T95",
     "TOLERANCES",
+    "Axis",
     "CompareError",
     "Panel",
     "Run",
     "accuracy_gap",
+    "axis_of",
+    "choose_axis",
     "check_runs",
     "commands",
+    "differing_keys",
     "divergence_cells",
     "divergence_header",
     "find_run_dirs",
@@ -66,6 +77,7 @@ __all__ = [
     "gap_cell",
     "half_precision_note",
     "index_markdown",
+    "interval_within",
     "load_panels",
     "load_run",
     "load_runs",

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from mlptrain.compare.arms import arms
 from mlptrain.compare.figure import plot
 from mlptrain.compare.index import write_index
 from mlptrain.compare.report import commands, verdict, write_markdown
@@ -29,7 +30,10 @@ def _json_ready(v: Any) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(description="Compare the fused and naive runs of a `make compare` sweep.")
+    parser = argparse.ArgumentParser(
+        description="Compare the two arms of a comparison sweep: fused and naive (`make compare`), fp8 and bf16 "
+        "(conf/compare_fp8.yaml), or the two values of another config key."
+    )
     parser.add_argument("sweep_dir", type=Path, nargs="?", help="the Hydra sweep directory (runs/compare/<time>)")
     parser.add_argument(
         "--out", type=Path, default=None, help="where to write compare.png/.md/.json (default: sweep_dir)"
@@ -41,6 +45,13 @@ def main(argv: list[str] | None = None) -> int:
         metavar="DIR",
         help="instead of a sweep: write DIR/README.md, the index of the comparisons in DIR/<panel>/compare.json",
     )
+    parser.add_argument(
+        "--axis",
+        default=None,
+        metavar="KEY[=A,B]",
+        help="the config key the two arms differ in (precision, execution.mode, optimizer.lr), optionally with its "
+        "values, candidate first (precision=fp8,bf16); default: the one key besides the seed the runs differ in",
+    )
     parser.add_argument("--made-by", default=None, help="with --index: the command that made the comparisons")
     parser.add_argument(
         "--note", type=Path, default=None, help="with --index: a markdown file whose text follows the accuracy table"
@@ -51,8 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.index is None and (args.note is not None or args.made_by is not None):
         parser.error("--note and --made-by apply to --index, not to a sweep")
     if args.index is not None:
-        if args.out is not None:
-            parser.error("--out applies to a sweep, not to --index")
+        if args.out is not None or args.axis is not None:
+            parser.error("--out and --axis apply to a sweep, not to --index")
         try:
             note = None
             if args.note is not None:
@@ -70,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     out = args.out or args.sweep_dir
     try:
-        pairs = load_runs(args.sweep_dir)
+        pairs = load_runs(args.sweep_dir, args.axis)
         s = summarize(pairs)
         out.mkdir(parents=True, exist_ok=True)
         plot(pairs, s, out / "compare.png")
@@ -83,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(verdict(s))
+    cand, ref = arms(s)
     if s["speedup"] is not None:
-        print(f"speedup (naive / fused median time per step): {s['speedup']:.2f}x on {s['device']}")
+        print(f"speedup ({ref} / {cand} median time per step): {s['speedup']:.2f}x on {s['device']}")
     print(f"wrote {out / 'compare.png'}, {out / 'compare.md'}, {out / 'compare.json'}")
     return 0

@@ -7,12 +7,14 @@ from typing import Any
 
 import numpy as np
 
+from mlptrain.compare.arms import arms
 from mlptrain.compare.report import title, verdict
-from mlptrain.compare.runs import MODES, CompareError, Run
+from mlptrain.compare.runs import CompareError, Run
 from mlptrain.compare.stats import relative_difference, running_median
 
-COLORS = {"fused": "tab:blue", "naive": "tab:orange"}
-STYLES = {"fused": {"lw": 2.0, "ls": "-"}, "naive": {"lw": 1.2, "ls": "--"}}
+# By the arm's place: the candidate (fused, fp8) solid blue, the reference (naive, bf16) dashed orange.
+COLORS = ("tab:blue", "tab:orange")
+STYLES = ({"lw": 2.0, "ls": "-"}, {"lw": 1.2, "ls": "--"})
 
 
 def plot(pairs: dict[int, dict[str, Run]], s: dict[str, Any], path: Path) -> Any:
@@ -27,8 +29,8 @@ def plot(pairs: dict[int, dict[str, Run]], s: dict[str, Any], path: Path) -> Any
     seeds = sorted(pairs)
     fig, axes = plt.subplots(2, 2, figsize=(13, 8.5))
     ax_loss, ax_acc, ax_diff, ax_speed = axes.ravel()
-    _loss_panel(ax_loss, pairs, seeds)
-    _accuracy_panel(ax_acc, pairs, seeds)
+    _loss_panel(ax_loss, pairs, seeds, arms(s))
+    _accuracy_panel(ax_acc, pairs, seeds, arms(s))
     _difference_panel(ax_diff, pairs, seeds, s)
     _speed_panel(ax_speed, pairs, seeds, s)
 
@@ -40,51 +42,52 @@ def plot(pairs: dict[int, dict[str, Run]], s: dict[str, Any], path: Path) -> Any
     return fig
 
 
-def _loss_panel(ax_loss: Any, pairs: dict[int, dict[str, Run]], seeds: list[int]) -> None:
+def _loss_panel(ax_loss: Any, pairs: dict[int, dict[str, Run]], seeds: list[int], modes: tuple[str, str]) -> None:
     """(a) Training loss per step: mean over seeds, min-max band."""
-    for mode in MODES:
+    for i, mode in enumerate(modes):
         L = np.stack([pairs[sd][mode].losses() for sd in seeds])  # (seeds, steps)
         x = np.arange(L.shape[1])
-        ax_loss.plot(x, L.mean(0), color=COLORS[mode], label=mode, **STYLES[mode])
+        ax_loss.plot(x, L.mean(0), color=COLORS[i], label=mode, **STYLES[i])
         if len(seeds) > 1:
-            ax_loss.fill_between(x, L.min(0), L.max(0), color=COLORS[mode], alpha=0.2, lw=0)
+            ax_loss.fill_between(x, L.min(0), L.max(0), color=COLORS[i], alpha=0.2, lw=0)
     ax_loss.set_yscale("log")
     ax_loss.set(xlabel="step", ylabel="training loss (batch)", title="training loss per step")
     band = f"; band: min-max over {len(seeds)} seeds" if len(seeds) > 1 else ""
     ax_loss.legend(title=f"mean{band}", fontsize=9, title_fontsize=9)
 
 
-def _accuracy_panel(ax_acc: Any, pairs: dict[int, dict[str, Run]], seeds: list[int]) -> None:
+def _accuracy_panel(ax_acc: Any, pairs: dict[int, dict[str, Run]], seeds: list[int], modes: tuple[str, str]) -> None:
     """(b) Test accuracy per epoch."""
     from matplotlib.ticker import MaxNLocator
 
-    for mode in MODES:
+    for i, mode in enumerate(modes):
         runs = [pairs[sd][mode] for sd in seeds]
         if not all(r.epochs and r.epochs[0].get("test/acc") is not None for r in runs):
             continue
         A = np.array([[e["test/acc"] for e in r.epochs] for r in runs]) * 100  # (seeds, epochs)
         x = np.arange(1, A.shape[1] + 1)
-        ax_acc.plot(x, A.mean(0), color=COLORS[mode], marker="o", ms=3, label=mode, **STYLES[mode])
+        ax_acc.plot(x, A.mean(0), color=COLORS[i], marker="o", ms=3, label=mode, **STYLES[i])
         if len(seeds) > 1:
-            ax_acc.fill_between(x, A.min(0), A.max(0), color=COLORS[mode], alpha=0.2, lw=0)
+            ax_acc.fill_between(x, A.min(0), A.max(0), color=COLORS[i], alpha=0.2, lw=0)
     ax_acc.set(xlabel="epoch", ylabel="test accuracy (%)", title="test accuracy per epoch")
     ax_acc.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax_acc.legend(fontsize=9)
 
 
 def _difference_panel(ax_diff: Any, pairs: dict[int, dict[str, Run]], seeds: list[int], s: dict[str, Any]) -> None:
-    # (c) per-step relative difference |fused - naive| / |naive| on a log axis: each seed's running
-    # median (the raw values, faint, behind it), and for scale the same measure between two seeds of
-    # the naive mode: where the fused-naive curves reach that line, the modes are as far apart as a
-    # change of seed makes two runs.
+    # (c) per-step relative difference |fused - naive| / |naive| (or fp8 and bf16) on a log axis: each
+    # seed's running median (the raw values, faint, behind it), and for scale the same measure between
+    # two seeds of the reference: where the fused-naive curves reach that line, the modes are as far
+    # apart as a change of seed makes two runs.
     tol = s["tolerance"]
+    cand, ref = arms(s)
 
     def abs_rel(f: np.ndarray, n: np.ndarray) -> np.ndarray:  # NaN where either loss is not finite: no point
         r = np.abs(relative_difference(f, n))
         r[~(np.isfinite(f) & np.isfinite(n))] = np.nan
         return r
 
-    rels = {sd: abs_rel(pairs[sd]["fused"].losses(), pairs[sd]["naive"].losses()) for sd in seeds}
+    rels = {sd: abs_rel(pairs[sd][cand].losses(), pairs[sd][ref].losses()) for sd in seeds}
     positive = np.concatenate([r[np.isfinite(r) & (r > 0)] for r in rels.values()])
     floor = min(float(positive.min()) / 3, 1e-9) if len(positive) else 1e-12  # where exact agreement is drawn
     window = max(1, min(25, len(next(iter(rels.values()))) // 30))
@@ -95,7 +98,7 @@ def _difference_panel(ax_diff: Any, pairs: dict[int, dict[str, Run]], seeds: lis
         ax_diff.plot(x, rel, lw=0.4, color=color, alpha=0.25)
         ax_diff.plot(x, running_median(rel, window), lw=1.4, color=color, label=f"seed {sd}")
     if len(seeds) > 1:
-        a, b = pairs[seeds[0]]["naive"].losses(), pairs[seeds[1]]["naive"].losses()
+        a, b = pairs[seeds[0]][ref].losses(), pairs[seeds[1]][ref].losses()
         between = abs_rel(a, b)
         between = np.where(np.isfinite(between), np.maximum(between, floor), np.nan)
         ax_diff.plot(
@@ -104,7 +107,7 @@ def _difference_panel(ax_diff: Any, pairs: dict[int, dict[str, Run]], seeds: lis
             color="black",
             ls="--",
             lw=1.2,
-            label=f"naive seed {seeds[0]} vs seed {seeds[1]}",
+            label=f"{ref} seed {seeds[0]} vs seed {seeds[1]}",
         )
     ax_diff.set_yscale("log")
     ax_diff.axhline(floor, color="grey", lw=0.6)
@@ -119,7 +122,7 @@ def _difference_panel(ax_diff: Any, pairs: dict[int, dict[str, Run]], seeds: lis
         ax_diff.axhline(tol, color="tab:red", ls=":", lw=1.2, label=f"{s['precision']} tolerance")
     ax_diff.set(
         xlabel="step",
-        ylabel="|fused - naive| / |naive|",
+        ylabel=f"|{cand} - {ref}| / |{ref}|",
         title=f"training-loss difference per step (running median of {window})"
         if window > 1
         else "training-loss difference per step",
@@ -127,7 +130,7 @@ def _difference_panel(ax_diff: Any, pairs: dict[int, dict[str, Run]], seeds: lis
     ax_diff.text(
         0.02,
         0.96,
-        f"max |diff| / |naive| = {s['max_rel_diff']:.3g}"
+        f"max |diff| / |{ref}| = {s['max_rel_diff']:.3g}"
         + ("" if tol is None else f" ({'under' if s['agree'] else 'ABOVE'} {tol:g})"),
         transform=ax_diff.transAxes,
         fontsize=9,
@@ -140,16 +143,17 @@ def _difference_panel(ax_diff: Any, pairs: dict[int, dict[str, Run]], seeds: lis
 def _speed_panel(ax_speed: Any, pairs: dict[int, dict[str, Run]], seeds: list[int], s: dict[str, Any]) -> None:
     """(d) Throughput of the timed intervals, all seeds pooled."""
     data, labels = [], []
-    for mode in MODES:
+    modes = arms(s)
+    for mode in modes:
         sps = np.concatenate([pairs[sd][mode].timed_intervals()[1] for sd in seeds])
         data.append(sps if len(sps) else np.array([np.nan]))
         labels.append(mode)
     box = ax_speed.boxplot(data, showfliers=False, patch_artist=True, widths=0.5, medianprops={"color": "black"})
     ax_speed.set_xticks([1, 2], labels)
-    for patch, mode in zip(box["boxes"], MODES, strict=True):
-        patch.set_facecolor(COLORS[mode])
+    for i, patch in enumerate(box["boxes"]):
+        patch.set_facecolor(COLORS[i])
         patch.set_alpha(0.5)
-    for i, mode in enumerate(MODES, start=1):
+    for i, mode in enumerate(modes, start=1):
         m = s["modes"][mode]
         if m["samples_per_s"] is not None:
             ax_speed.text(
@@ -159,7 +163,7 @@ def _speed_panel(ax_speed: Any, pairs: dict[int, dict[str, Run]], seeds: list[in
                 fontsize=9,
                 va="center",
             )
-    speed = f"speedup {s['speedup']:.2f}x (naive / fused step time)" if s["speedup"] else "no timed intervals"
+    speed = f"speedup {s['speedup']:.2f}x ({modes[1]} / {modes[0]} step time)" if s["speedup"] else "no timed intervals"
     ax_speed.set(ylabel="samples / s (per log interval)", title=f"throughput: {speed}")
     ax_speed.set_xlim(0.5, 2.95)
     if str(s["device"]).startswith("cpu"):

@@ -10,7 +10,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from mlptrain.compare.runs import MODES
+from mlptrain.compare.arms import arms, axis_name, equivalence_row, other_axis_note, other_axis_verdict, short_names
 from mlptrain.compare.stats import paired_difference
 
 # The largest relative rounding error of one rounding to each precision's GEMM format (TF32 rounds
@@ -23,8 +23,10 @@ COMMAND = "python -m mlptrain.compare"
 def title(s: dict[str, Any]) -> str:
     widths = "-".join(map(str, s["widths"] or []))
     n = len(s["seeds"])
+    cand, ref = arms(s)
+    precision = "" if axis_name(s) == "precision" else f"{s['precision']}, "
     return (
-        f"fused vs naive: {s['dataset']} {widths} {s.get('activation', 'relu')}, {s['precision']}, "
+        f"{cand} vs {ref}: {s['dataset']} {widths} {s.get('activation', 'relu')}, {precision}"
         f"batch {s['batch_size']}, {s['device']}, {n} seed{'s' if n > 1 else ''}"
     )
 
@@ -32,6 +34,8 @@ def title(s: dict[str, Any]) -> str:
 def verdict(s: dict[str, Any]) -> str:
     """One sentence on whether the curves agree, for the table and the figure."""
     n = f"{s['steps']} steps x {len(s['seeds'])} seed{'s' if len(s['seeds']) > 1 else ''}"
+    if axis_name(s) != "execution":
+        return other_axis_verdict(s, n)
     if s["tolerance"] is None:
         return (
             f"{s['precision']}: reduced-precision GEMMs round fused and naive differently and the difference "
@@ -151,13 +155,15 @@ def write_markdown(s: dict[str, Any], path: Path, made_by: dict[str, Any], figur
     m = s["modes"]
     n = len(s["seeds"])
     over = f"mean ± std over {n} seeds" if n > 1 else "1 seed"
+    cand, ref = arms(s)
+    f, r = short_names(s)
 
     def row(label: str, key: str, fmt: str, scale: float = 1.0, unit: str = "") -> str:
-        cells = [fmt_stat(m[mode][key], fmt, scale, unit) for mode in MODES]
+        cells = [fmt_stat(m[mode][key], fmt, scale, unit) for mode in (cand, ref)]
         return f"| {label} | {cells[0]} | {cells[1]} |"
 
     def timing(key: str, fmt: str) -> str:
-        vals = [m[mode][key] for mode in MODES]
+        vals = [m[mode][key] for mode in (cand, ref)]
         return " | ".join("n/a" if v is None else f"{v:{fmt}}" for v in vals)
 
     tol = "not applied (see below)" if s["tolerance"] is None else f"{s['tolerance']:g}"
@@ -168,34 +174,36 @@ def write_markdown(s: dict[str, Any], path: Path, made_by: dict[str, Any], figur
     lines = [
         f"# {title(s)}",
         "",
-        f"![fused vs naive]({figure})",
+        f"![{cand} vs {ref}]({figure})",
         "",
-        f"| {s['precision']}, {s['steps']} steps, {s['epochs']} epochs | fused | naive |",
+        f"| {s['precision'] if axis_name(s) != 'precision' else 'precision'}, {s['steps']} steps, "
+        f"{s['epochs']} epochs | {cand} | {ref} |",
         "|---|---|---|",
         row(f"final train loss (last-epoch mean; {over})", "train/loss", ".4g"),
         row(f"final test loss ({over})", "test/loss", ".4g"),
         row(f"final test accuracy ({over})", "test/acc", ".2f", 100, "%"),
         *(
             [
-                f"| final test accuracy, fused - naive paired by seed (95 % interval) | {gap_cell(accuracy_gap(s))} "
+                f"| final test accuracy, {cand} - {ref} paired by seed (95 % interval) | {gap_cell(accuracy_gap(s))} "
                 f"(no difference at 95 %: {verdict_cell(accuracy_gap(s))}) | |"
             ]
             if n > 1 and accuracy_gap(s) is not None
             else []
         ),
+        *equivalence_row(s),
         f"| median time per step (ms) | {timing('step_time_ms', '.4g')} |",
         f"| median samples/s | {timing('samples_per_s', ',.0f')} |",
         "",
-        "| fused vs naive | |",
+        f"| {cand} vs {ref} | |",
         "|---|---|",
-        f"| largest relative training-loss difference, max over steps and seeds of abs(f - n) / abs(n) "
+        f"| largest relative training-loss difference, max over steps and seeds of abs({f} - {r}) / abs({r}) "
         f"| {s['max_rel_diff']:.3g}{at} |",
         f"| largest absolute training-loss difference | {s['max_abs_diff']:.3g} |",
         f"| first step where the relative difference passes {divergence_header(s)} (earliest seed) "
         f"| {divergence_cells(s)} |",
-        f"| tolerance ({s['precision']}) | {tol} |",
+        f"| tolerance ({s['precision'] if axis_name(s) == 'execution' else f'{cand} vs {ref}'}) | {tol} |",
         f"| verdict | {verdict(s)} |",
-        f"| speedup (naive / fused median time per step) | {speedup} |",
+        f"| speedup ({ref} / {cand} median time per step) | {speedup} |",
         "",
         f"Time per step is the median over the timed log intervals of all seeds (log_every={s['log_every']}; "
         "the first interval, warm-up, and intervals that cross an epoch boundary are left out).",
@@ -226,7 +234,8 @@ def accuracy_gap(s: dict[str, Any]) -> dict[str, Any] | None:
     paired = (s.get("paired") or {}).get("test/acc")
     if paired is not None:
         return paired
-    f, n = s["modes"]["fused"].get("test/acc"), s["modes"]["naive"].get("test/acc")
+    cand, ref = arms(s)
+    f, n = s["modes"][cand].get("test/acc"), s["modes"][ref].get("test/acc")
     if not f or not n:
         return None
     return paired_difference(f["per_seed"], n["per_seed"])
@@ -250,7 +259,9 @@ def verdict_cell(gap: dict[str, Any] | None) -> str:
 def device_note(s: dict[str, Any]) -> list[str]:
     """The paragraph of compare.md on what the device's numbers mean (CPU, GPU in fp32/fp64, or half precision)."""
     lines: list[str] = []
-    if str(s["device"]).startswith("cpu"):
+    if axis_name(s) != "execution":
+        lines += ["", other_axis_note(s)]
+    elif str(s["device"]).startswith("cpu"):
         lines += [
             "",
             "On the CPU the fused engine is the NumPy epilog contract (`mlptrain/epilogs.py`): it computes what "

@@ -1,9 +1,10 @@
 """The runs of a comparison sweep: each job's record and metrics, read and checked.
 
 A comparison is a Hydra multirun (``conf/compare.yaml``) that trains the same model with the same
-seed and data order once per execution mode. :func:`load_runs` reads every job directory
-(``run.json`` and ``metrics.jsonl``, see :mod:`mlptrain.metrics`), checks that the runs are
-complete and comparable, and pairs the fused and naive run of each seed. A problem is one
+seed and data order once per value of one config key, its axis (:mod:`.axis`): the execution mode
+for ``make compare``, the precision for ``conf/compare_fp8.yaml``. :func:`load_runs` reads every job
+directory (``run.json`` and ``metrics.jsonl``, see :mod:`mlptrain.metrics`), checks that the runs are
+complete and comparable, and pairs the two runs of each seed (fused and naive, fp8 and bf16). A problem is one
 :class:`CompareError` naming the run directory.
 """
 
@@ -16,16 +17,14 @@ from typing import Any
 
 import numpy as np
 
+from mlptrain.compare.axis import ALWAYS_SWEPT, EXECUTION, Axis, choose_axis
+from mlptrain.compare.errors import CompareError
 from mlptrain.config import flatten
 from mlptrain.metrics import read_metrics
 
-MODES = ("fused", "naive")
-# Keys that may differ between the runs of one comparison: everything else must match.
-SWEPT_KEYS = ("execution.mode", "seed", "progress")
-
-
-class CompareError(Exception):
-    """A run is missing, incomplete or not comparable; the message names the run directory."""
+MODES = EXECUTION.arms
+# Keys that may differ between the runs of a fused-vs-naive comparison; another axis replaces execution.mode.
+SWEPT_KEYS = (EXECUTION.key, *ALWAYS_SWEPT)
 
 
 @dataclass
@@ -125,8 +124,13 @@ def load_run(path: Path) -> Run:
     return run
 
 
-def check_runs(runs: list[Run], sweep_dir: Path) -> dict[int, dict[str, Run]]:
-    """Check that the runs are complete and comparable; return them as ``{seed: {mode: run}}``.
+def check_runs(runs: list[Run], sweep_dir: Path, axis: str | None = None) -> dict[int, dict[str, Run]]:
+    """Check that the runs are complete and comparable; return them as ``{seed: {arm: run}}``.
+
+    The arms are the two values of the comparison's axis (:func:`mlptrain.compare.axis.choose_axis`:
+    ``axis`` as ``--axis`` gives it, else the one config key the runs differ in), candidate first:
+    ``{seed: {"fused": run, "naive": run}}`` for ``make compare``, ``{seed: {"fp8": run, "bf16": run}}``
+    for ``conf/compare_fp8.yaml``.
 
     Raises:
         CompareError: one message for the first problem found, naming the run directory.
@@ -137,35 +141,60 @@ def check_runs(runs: list[Run], sweep_dir: Path) -> dict[int, dict[str, Run]]:
             "(made by `make compare` or `python -m mlptrain --config-name compare`)"
         )
     for run in runs:
-        if run.mode not in MODES:
-            raise CompareError(f"run {run.path} has execution.mode={run.mode!r}; expected one of {MODES}")
         if run.summary is None:
             raise CompareError(
                 f"run {run.path} is incomplete: metrics.jsonl has {len(run.steps)} step records and no summary "
                 "record (the run did not finish; run the comparison again)"
             )
-    for mode in MODES:
-        if not any(r.mode == mode for r in runs):
-            other = ", ".join(sorted(str(r.path.name) for r in runs))
+    ax, defaulted = choose_axis([r.config for r in runs], sweep_dir, axis)
+    by_seed = pair_by_seed(runs, ax, sweep_dir, defaulted)
+    check_same_experiment(runs, ax)
+    return dict(sorted(by_seed.items()))
+
+
+def pair_by_seed(runs: list[Run], ax: Axis, sweep_dir: Path, defaulted: bool) -> dict[int, dict[str, Run]]:
+    """``{seed: {candidate: run, reference: run}}``, in the axis's order; every run has a partner."""
+    key = ax.key
+    for run in runs:
+        if ax.value(run.config) not in ax.arms:
             raise CompareError(
-                f"no {mode} run in {sweep_dir} (found only: {other}); the comparison needs both "
-                "execution=fused and execution=naive"
+                f"run {run.path} has {key}={ax.value(run.config)!r}; expected one of {ax.arms}"
+                + (" (this comparison pairs them; --axis names other values)" if key != EXECUTION.key else "")
+            )
+    for arm in ax.arms:
+        if not any(ax.value(r.config) == arm for r in runs):
+            other = ", ".join(sorted(str(r.path.name) for r in runs))
+            nothing = (
+                "; nor does any other config key than the seed differ between the runs: nothing to compare"
+                if defaulted
+                else ""
+            )
+            raise CompareError(
+                f"no {arm} run in {sweep_dir} (found only: {other}); the comparison needs both "
+                f"{ax.name}={ax.arms[0]} and {ax.name}={ax.arms[1]}{nothing}"
             )
     by_seed: dict[int, dict[str, Run]] = {}
     for run in runs:
-        slot = by_seed.setdefault(run.seed, {})
-        if run.mode in slot:
+        slot, value = by_seed.setdefault(run.seed, {}), ax.value(run.config)
+        assert value is not None  # checked above
+        if value in slot:
             raise CompareError(
-                f"runs {slot[run.mode].path} and {run.path} are both {run.mode} with seed {run.seed}; "
+                f"runs {slot[value].path} and {run.path} are both {value} with seed {run.seed}; "
                 "give each comparison its own sweep directory"
             )
-        slot[run.mode] = run
+        slot[value] = run
     for seed, slot in sorted(by_seed.items()):
-        for mode in MODES:
-            if mode not in slot:
+        for arm in ax.arms:
+            if arm not in slot:
                 (have,) = slot.values()
-                raise CompareError(f"seed {seed} has a {have.mode} run ({have.path}) but no {mode} run to pair it with")
-    # Same length: the longest run sets what complete means.
+                raise CompareError(
+                    f"seed {seed} has a {ax.value(have.config)} run ({have.path}) but no {arm} run to pair it with"
+                )
+    return {seed: {arm: slot[arm] for arm in ax.arms} for seed, slot in by_seed.items()}
+
+
+def check_same_experiment(runs: list[Run], ax: Axis) -> None:
+    """Every run as long as the longest, and only the axis and the seed vary between them."""
     ref = max(runs, key=lambda r: (len(r.steps), len(r.epochs)))
     for run in runs:
         if len(run.steps) != len(ref.steps) or len(run.epochs) != len(ref.epochs):
@@ -175,26 +204,26 @@ def check_runs(runs: list[Run], sweep_dir: Path) -> dict[int, dict[str, Run]]:
             )
         if [r["step"] for r in run.steps] != list(range(len(run.steps))):
             raise CompareError(f"run {run.path}: its step records are not numbered 0..{len(run.steps) - 1}")
-    # Same experiment: only the swept keys may differ.
-    ref_cfg = {k: v for k, v in flatten(ref.config).items() if k not in SWEPT_KEYS}
+    swept = (ax.key, *ALWAYS_SWEPT)
+    ref_cfg = {k: v for k, v in flatten(ref.config).items() if k not in swept}
     for run in runs:
-        cfg = {k: v for k, v in flatten(run.config).items() if k not in SWEPT_KEYS}
+        cfg = {k: v for k, v in flatten(run.config).items() if k not in swept}
         for key in sorted(set(ref_cfg) | set(cfg)):
             if ref_cfg.get(key) != cfg.get(key):
                 raise CompareError(
                     f"runs {ref.path} and {run.path} differ in {key} ({ref_cfg.get(key)!r} vs {cfg.get(key)!r}); "
-                    "a comparison may vary only execution and seed"
+                    f"a comparison may vary only {ax.name} and seed"
                 )
         if run.record.get("device") != ref.record.get("device"):
             raise CompareError(
                 f"runs {ref.path} and {run.path} ran on different devices "
                 f"({ref.record.get('device')!r} vs {run.record.get('device')!r})"
             )
-    return dict(sorted(by_seed.items()))
 
 
-def load_runs(sweep_dir: Path) -> dict[int, dict[str, Run]]:
-    """Load and check every run of a sweep: ``{seed: {"fused": Run, "naive": Run}}``.
+def load_runs(sweep_dir: Path, axis: str | None = None) -> dict[int, dict[str, Run]]:
+    """Load and check every run of a sweep: ``{seed: {"fused": Run, "naive": Run}}``, or the arms of
+    ``axis`` (``--axis``; by default the key the runs differ in, :func:`check_runs`).
 
     Raises:
         CompareError: the directory, a run or a file is missing, a run is incomplete, or the runs
@@ -203,4 +232,4 @@ def load_runs(sweep_dir: Path) -> dict[int, dict[str, Run]]:
     sweep_dir = Path(sweep_dir)
     if not sweep_dir.is_dir():
         raise CompareError(f"sweep directory {sweep_dir} does not exist")
-    return check_runs([load_run(p) for p in find_run_dirs(sweep_dir)], sweep_dir)
+    return check_runs([load_run(p) for p in find_run_dirs(sweep_dir)], sweep_dir, axis)

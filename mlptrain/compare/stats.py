@@ -117,3 +117,18 @@ def paired_difference(fused: list[float], naive: list[float]) -> dict[str, Any]:
         half = float(t95(n - 1) * d.std(ddof=1) / math.sqrt(n))
         out.update(half_width=half, contains_zero=bool(abs(out["mean"]) <= half))
     return out
+
+
+def interval_within(gap: dict[str, Any] | None, bound: float) -> dict[str, Any]:
+    """Whether the 95 % interval of a paired difference (:func:`paired_difference`) lies inside ``± bound``.
+
+    ``low`` and ``high``: ``mean ∓ half_width``; ``inside``: ``-bound <= low`` and ``high <= bound``
+    (an equivalence test at the 2.5 % level on each side: both one-sided tests reject a difference as
+    large as ``bound``), None where the interval cannot be told (one seed, no spread, not finite).
+    """
+    out: dict[str, Any] = {"bound": bound, "low": None, "high": None, "inside": None}
+    if gap is None or gap.get("mean") is None or gap.get("half_width") is None:
+        return out
+    low, high = gap["mean"] - gap["half_width"], gap["mean"] + gap["half_width"]
+    out.update(low=low, high=high, inside=bool(-bound <= low and high <= bound))
+    return out

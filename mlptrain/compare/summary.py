@@ -6,8 +6,10 @@ from typing import Any
 
 import numpy as np
 
-from mlptrain.compare.runs import MODES, Run
-from mlptrain.compare.stats import mean_std, paired_difference, relative_difference
+from mlptrain.compare.axis import ALWAYS_SWEPT, EXECUTION, Axis
+from mlptrain.compare.runs import Run
+from mlptrain.compare.stats import interval_within, mean_std, paired_difference, relative_difference
+from mlptrain.config import flatten
 
 # Largest relative per-step difference of the training loss at which fused and naive "agree".
 # fp64 and fp32 are exact contracts (on the CPU both modes issue the very same BLAS calls);
@@ -16,6 +18,19 @@ from mlptrain.compare.stats import mean_std, paired_difference, relative_differe
 TOLERANCES = {"fp64": 1e-10, "fp32": 1e-5}
 # How fast the curves part: the first step where the relative difference passes each of these.
 DIVERGENCE_THRESHOLDS = (1e-3, 1e-2, 1e-1)
+# The paired final-accuracy difference "is within" this when its whole 95 % interval is: half a point.
+ACCURACY_BOUND = 0.005
+
+
+def axis_of(pairs: dict[int, dict[str, Run]]) -> Axis:
+    """The axis of pairs made by :func:`mlptrain.compare.runs.check_runs`: the arms in their order, and the
+    config key the two runs of a seed differ in (``execution.mode`` where they differ in none)."""
+    slot = pairs[min(pairs)]
+    arms = tuple(slot)
+    assert len(arms) == 2, arms
+    a, b = (flatten(slot[arm].config) for arm in arms)
+    keys = [k for k in sorted(set(a) | set(b)) if k not in ALWAYS_SWEPT and a.get(k) != b.get(k)]
+    return Axis(keys[0] if len(keys) == 1 else EXECUTION.key, arms)  # type: ignore[arg-type]
 
 
 def summarize(pairs: dict[int, dict[str, Run]]) -> dict[str, Any]:
@@ -28,25 +43,33 @@ def summarize(pairs: dict[int, dict[str, Run]]) -> dict[str, Any]:
       of all seeds (see :meth:`Run.timed_intervals`).
     * ``paired``: for the final test accuracy and loss, fused minus naive seed by seed and the
       95 % interval of its mean (:func:`paired_difference`), or None where a run lacks them.
+    * ``axis``: what was compared (:class:`Axis`: ``execution.mode``, ``fused`` and ``naive``; or
+      ``precision.name``, ``fp8`` and ``bf16``); every "fused" and "naive" here is then the axis's
+      candidate and reference, and ``modes`` is keyed by its arms.
+    * ``equivalence``: whether the paired final-accuracy difference's 95 % interval lies inside
+      ``± ACCURACY_BOUND`` (:func:`interval_within`).
     * ``speedup``: naive median step time / fused median step time.
-    * ``tolerance`` and ``agree``: for fp64 and fp32, whether ``max_rel_diff`` is under it, and
+    * ``tolerance`` and ``agree``: for fp64 and fp32, fused vs naive, whether ``max_rel_diff`` is under it, and
       ``first_above_tolerance``: the earliest step (and its seed) where a seed's difference passed it.
     * ``divergence``: for each of :data:`DIVERGENCE_THRESHOLDS`, the first step where each seed's
       relative difference passed it (``per_seed``, None where it never did) and the earliest of them
       (``step``, ``seed``): how many steps the two modes take to part, whatever the precision.
     """
     seeds = sorted(pairs)
-    first = pairs[seeds[0]]["fused"]
+    axis = axis_of(pairs)
+    cand, ref = axis.arms
+    first = pairs[seeds[0]][cand]
     cfg = first.config
     precision = first.precision
-    tol = TOLERANCES.get(precision)
+    # Exact contracts hold between the two execution modes of one precision, not between precisions.
+    tol = TOLERANCES.get(precision) if axis.key == EXECUTION.key else None
     diffs = loss_differences(pairs, tol)
-    modes = {mode: mode_numbers([pairs[sd][mode] for sd in seeds]) for mode in MODES}
+    modes = {arm: mode_numbers([pairs[sd][arm] for sd in seeds]) for arm in axis.arms}
     paired: dict[str, Any] = {}
     for key in ("test/acc", "test/loss"):
-        f_stat, n_stat = modes["fused"][key], modes["naive"][key]
+        f_stat, n_stat = modes[cand][key], modes[ref][key]
         paired[key] = paired_difference(f_stat["per_seed"], n_stat["per_seed"]) if f_stat and n_stat else None
-    tf, tn = modes["fused"]["step_time_ms"], modes["naive"]["step_time_ms"]
+    tf, tn = modes[cand]["step_time_ms"], modes[ref]["step_time_ms"]
     opt = cfg.get("optimizer", {})
     return {
         "dataset": cfg["data"]["name"],
@@ -70,8 +93,10 @@ def summarize(pairs: dict[int, dict[str, Run]]) -> dict[str, Any]:
         "agree": None if tol is None else bool(diffs["max_rel_diff"] <= tol),
         "first_above_tolerance": diffs["first_above_tolerance"],
         "divergence": diffs["divergence"],
+        "axis": axis.as_dict(),
         "modes": modes,
         "paired": paired,
+        "equivalence": interval_within(paired["test/acc"], ACCURACY_BOUND),
         "speedup": (tn / tf) if tf and tn else None,
     }
 
@@ -84,7 +109,8 @@ def loss_differences(pairs: dict[int, dict[str, Run]], tol: float | None) -> dic
     max_rel, max_abs, where, above = 0.0, 0.0, None, None
     firsts: dict[float, list[int | None]] = {t: [] for t in DIVERGENCE_THRESHOLDS}
     for seed in seeds:
-        f, n = pairs[seed]["fused"].losses(), pairs[seed]["naive"].losses()
+        cand, ref = pairs[seed]  # the arms, candidate first (fused, naive)
+        f, n = pairs[seed][cand].losses(), pairs[seed][ref].losses()
         rel = np.abs(relative_difference(f, n))
         for t, steps in firsts.items():
             steps.append(int(np.argmax(rel > t)) if (rel > t).any() else None)
