@@ -73,6 +73,10 @@ def column_stats(
         raise ValueError("column statistics of no rows")
 
     def one(part: tuple[int, int]) -> ColumnStats:
+        with np.errstate(invalid="ignore", over="ignore"):  # (per thread) an inf or NaN is reported, not warned of
+            return _chunk_stats(part)
+
+    def _chunk_stats(part: tuple[int, int]) -> ColumnStats:
         a, b = part
         block = np.array(x[a:b], np.float64) if rows is None else x[rows[a:b]].astype(np.float64, copy=False)
         # (m, F) float64: a copy of the chunk, ours to overwrite (never a view of x)
@@ -87,8 +91,9 @@ def column_stats(
         np.multiply(block, block, out=block)
         return ColumnStats(b - a, mean, np.add.reduce(block, axis=0), low, high, bad)
 
-    parts = chunks.run(one, chunks.ranges(n, chunks.chunk_rows(f, chunk)))
-    out = parts[0]
-    for p in parts[1:]:
-        out = out.merge(p)
+    with np.errstate(invalid="ignore", over="ignore"):  # the merge of NaN statistics
+        parts = chunks.run(one, chunks.ranges(n, chunks.chunk_rows(f, chunk)))
+        out = parts[0]
+        for p in parts[1:]:
+            out = out.merge(p)
     return out
