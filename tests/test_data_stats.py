@@ -4,8 +4,8 @@ the splits equal to the straightforward formula, the cache's checksum and versio
 from __future__ import annotations
 
 import json
-import math
 import logging
+import math
 from pathlib import Path
 
 import numpy as np
