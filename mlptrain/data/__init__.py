@@ -1,15 +1,5 @@
 """Datasets on the host: loading, verifying, splitting and normalising, in NumPy only.
 
-module          what it owns
-=============== ==================================================================
-``dataset``     :class:`Dataset`: the splits as host arrays
-``sources``     the built-in datasets: ``digits`` (bundled, SHA-256 checked), ``mnist1d``
-                (generated offline), ``mnist`` and ``fashion_mnist`` (downloaded), ``synthetic``
-``idx``         the IDX format and the verifying downloader of MNIST and Fashion-MNIST
-``prepare``     :func:`load_dataset`: a name to a :class:`Dataset`, split and :func:`preprocess`-ed
-                (normalised; a regression's targets standardised): the one path of every dataset
-=============== ==================================================================
-=======
 ================ ==================================================================
 module           what it owns
 ================ ==================================================================
@@ -26,6 +16,9 @@ module           what it owns
 ``labels``       target cells as every reader normalises them: stripped, missing, numbers typed
 ``files_source`` a file's table as the data of a run: labels or regression targets, checked
 ``cache``        a parsed file as NumPy arrays, keyed by its content, checked on every read
+``chunks``       passes over a table in row chunks on every core: finiteness, gather and normalise,
+                 the phases' timing in the log
+``stats``        per-column mean, variance, min and max in one chunked pass (Chan et al.'s merge)
 ================ ==================================================================
 
 Nothing here imports CuPy: :mod:`mlptrain.loader` moves the arrays to the device.

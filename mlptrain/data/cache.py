@@ -23,17 +23,20 @@ import json
 import logging
 import os
 import shutil
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from mlptrain.data import chunks
 from mlptrain.data.files import Table, read_table
 from mlptrain.files import cache_root, fsync_dir, sha256_file
 
 log = logging.getLogger(__name__)
 
-VERSION = 2  # entries of another layout (or of readers that normalised labels otherwise) are rebuilt
+VERSION = 3  # entries of another layout (3: NPZ features kept in their float dtype, not float64) are rebuilt
 _BLOCK = 1 << 17  # words per block of the checksum: the weights and a product stay in the CPU's cache
 _WEIGHTS = np.random.default_rng(0x5EED).integers(1, 2**63, size=_BLOCK, dtype=np.uint64) | np.uint64(1)
 
@@ -43,20 +46,24 @@ def checksum(a: np.ndarray) -> str:
 
     Any one changed word changes both sums (the weights are odd), and a swap of two words the
     second; it is not cryptographic (the cache guards against damage, not an adversary), and runs
-    several times faster than SHA-256 (docs/benchmarks.md, "The data cache's checks").
+    several times faster than SHA-256 (docs/benchmarks.md, "The data cache's checks"). The blocks'
+    sums are taken on every core (:func:`mlptrain.data.chunks.run`), then folded in order.
     """
     raw = np.ascontiguousarray(a).reshape(-1).view(np.uint8)  # its bytes, no copy (a memmap stays one)
     whole = len(raw) // 8 * 8
     words, tail = raw[:whole].view(np.uint64), bytes(raw[whole:])
     s1, s2 = np.uint64(len(raw)), np.uint64(int.from_bytes(tail, "little"))
-    product = np.empty(_BLOCK, np.uint64)
+
+    def sums(part: tuple[int, int]) -> tuple[np.uint64, np.uint64]:
+        block = words[part[0] : part[1]]
+        with np.errstate(over="ignore"):
+            product = np.multiply(block, _WEIGHTS[: len(block)])
+            return np.add.reduce(block, dtype=np.uint64), np.add.reduce(product, dtype=np.uint64)
+
     with np.errstate(over="ignore"):
-        for start in range(0, len(words), _BLOCK):
-            block = words[start : start + _BLOCK]
-            n = len(block)
-            np.multiply(block, _WEIGHTS[:n], out=product[:n])
-            s1 = s1 * np.uint64(0x9E3779B97F4A7C15) + np.add.reduce(block, dtype=np.uint64)  # the block's place
-            s2 = s2 * np.uint64(0xC2B2AE3D27D4EB4F) + np.add.reduce(product[:n], dtype=np.uint64)
+        for b1, b2 in chunks.run(sums, chunks.ranges(len(words), _BLOCK)):
+            s1 = s1 * np.uint64(0x9E3779B97F4A7C15) + b1  # the block's place
+            s2 = s2 * np.uint64(0xC2B2AE3D27D4EB4F) + b2
     return f"{int(s1):016x}{int(s2):016x}"
 
 
@@ -76,15 +83,15 @@ def source_of(path: str | Path) -> dict[str, Any] | None:
 
 
 def load(
-    path: str | Path, target: str | list[str], source: dict[str, Any] | None = None
+    path: str | Path, target: str | list[str], source: dict[str, Any] | Callable[[], Any] | None = None
 ) -> tuple[Table, Table | None] | None:
     """The cached tables of ``path``, or None when there is no usable entry (then parse and :func:`store`).
 
-    ``source`` is :func:`source_of` the file, taken before it is parsed (taken here when not given).
+    ``source`` is :func:`source_of` the file, taken before it is parsed (taken here when not given),
+    or a function that returns it (a hash under way: waited for only when there is an entry to check).
     """
     path = Path(path).expanduser().resolve()
     folder = _entry(path, target)
-    source = source_of(path) if source is None else source
     try:
         meta = json.loads((folder / "meta.json").read_text())
     except FileNotFoundError:
@@ -92,6 +99,7 @@ def load(
     except (OSError, ValueError) as exc:
         log.warning("data file %s: its cache entry %s is damaged (meta.json: %s); parsing the file", path, folder, exc)
         return None
+    source = source_of(path) if source is None else source() if callable(source) else source
     if source is None or not isinstance(meta, dict) or meta.get("version") != VERSION:
         log.info("data file %s: its cache entry %s is of an older mlptrain; parsing the file", path, folder)
         return None
@@ -99,7 +107,9 @@ def load(
         log.info("data file %s changed since it was cached (SHA-256 differs); parsing it again", path)
         return None
     try:
+        start = time.perf_counter()
         tables = _load(folder, meta, path)
+        chunks.log_phase("read from the cache", start, sum(t.x.nbytes for t in tables if t is not None))
     except (OSError, ValueError, KeyError, TypeError) as exc:
         log.warning("data file %s: its cache entry %s is damaged (%s); parsing the file", path, folder, exc)
         return None
@@ -122,7 +132,8 @@ def store(
         return
     try:
         rebuilt = folder.exists()
-        _store(folder, tables, source)
+        with chunks.timed("cache write", sum(np.asarray(t.x).nbytes for t in tables if t is not None)):
+            _store(folder, tables, source)
         log.info("data file %s: cache entry %s %s", path, folder, "rebuilt" if rebuilt else "written")
     except OSError as exc:
         log.warning("could not cache the parsed data file %s in %s (%s)", path, folder, exc)

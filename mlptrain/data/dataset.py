@@ -13,13 +13,16 @@ A dataset whose ``normalization`` (``target_scaling``) is None holds raw feature
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from mlptrain.data.chunks import first_nonfinite
 from mlptrain.errors import DatasetError
 
+__all__ = ["TASKS", "Dataset", "Normalization", "Raw", "first_nonfinite"]
 TASKS = ("classification", "regression")
 
 
@@ -195,6 +198,7 @@ class Raw:
     task: str = "classification"
     feature_names: list[str] | None = None
     target_names: list[str] | None = None
+    pending: list[Future] = field(default_factory=list, repr=False)  # cache writes under way: waited for at the end
 
 
 def saved_target_scaling(meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> Normalization:
@@ -226,11 +230,3 @@ def raw_rows_problem(meta: dict[str, Any], where: str) -> str | None:
             "this mlptrain, which normalises a Dataset's raw features and keeps the normalisation"
         )
     return None
-
-
-def first_nonfinite(x: np.ndarray) -> tuple[int, int] | None:
-    """``(row, column)`` of the first inf or NaN in ``x (N, F)``, or None (one pass when there is none)."""
-    if x.size == 0 or np.isfinite(x).all():
-        return None
-    row, col = np.argwhere(~np.isfinite(x))[0]
-    return int(row), int(col)

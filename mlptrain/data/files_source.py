@@ -20,11 +20,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 
 from mlptrain.config import DataConfig
 from mlptrain.data import cache, labels
+from mlptrain.data.chunks import log_phase, max_abs, timed
 from mlptrain.data.dataset import Raw, first_nonfinite
 from mlptrain.data.files import Table, read_table
 from mlptrain.errors import DatasetError
@@ -34,18 +39,56 @@ FLOAT32_MAX = float(np.finfo(np.float32).max)  # features are normalised and tra
 
 
 def load_file(cfg: DataConfig, rng: np.random.Generator) -> Raw:
-    """The :class:`Raw` data of ``cfg.path`` (and ``cfg.test_path``); parsed files are cached once they pass."""
+    """The :class:`Raw` data of ``cfg.path`` (and ``cfg.test_path``); parsed files are cached once they pass.
+
+    Each file's SHA-256 (:func:`mlptrain.data.cache.source_of`) is taken on a thread of its own while
+    the file is parsed (hashlib releases the GIL), and a file that passes is written to the cache on
+    that thread while the caller splits and normalises it (``Raw.pending``); a file whose size or time
+    changed meanwhile is not cached (the hash and the parse may have read different bytes).
+    """
     target = cfg.target if isinstance(cfg.target, str) else list(cfg.target)
     files = [str(cfg.path), *([str(cfg.test_path)] if cfg.test_path else [])]
-    sources = [cache.source_of(f) if cfg.cache else None for f in files]  # before parsing: see cache.store
-    cached = [cache.load(f, target, s) if s else None for f, s in zip(files, sources, strict=True)]
-    parsed = [c if c is not None else read_table(f, target) for f, c in zip(files, cached, strict=True)]
-    train, test = parsed[0][0], parsed[1][0] if cfg.test_path else parsed[0][1]
-    raw = _raw(cfg, _complete(train, str(cfg.missing)), None if test is None else _complete(test, str(cfg.missing)))
-    for f, s, c, p in zip(files, sources, cached, parsed, strict=True):
-        if s and c is None:
-            cache.store(f, target, p, s)
-    return raw
+    worker = ThreadPoolExecutor(1, thread_name_prefix="mlptrain-data-file")  # the hashes, then the cache writes
+    try:
+        sources = [worker.submit(cache.source_of, f) if cfg.cache else None for f in files]
+        cached = [cache.load(f, target, s.result) if s else None for f, s in zip(files, sources, strict=True)]
+        parsed = [c if c is not None else _read(f, target) for f, c in zip(files, cached, strict=True)]
+        train, test = parsed[0][0], parsed[1][0] if cfg.test_path else parsed[0][1]
+        missing = str(cfg.missing)
+        with timed("check", sum(t.x.nbytes for t in (train, test) if t is not None)):
+            raw = _raw(cfg, _complete(train, missing), None if test is None else _complete(test, missing))
+        writes = [
+            worker.submit(_store, f, target, p, s)
+            for f, s, c, p in zip(files, sources, cached, parsed, strict=True)
+            if s and c is None
+        ]  # written while the data is split and normalised: load_dataset waits for them
+    finally:
+        worker.shutdown(wait=False)
+    return dataclasses.replace(raw, pending=writes)
+
+
+def _store(path: str, target: str | list[str], tables: tuple[Table, Table | None], source: Future) -> None:
+    if _unchanged(path, source.result()):
+        cache.store(path, target, tables, source.result())
+
+
+def _read(path: str, target: str | list[str]) -> tuple[Table, Table | None]:
+    start = time.perf_counter()
+    tables = read_table(path, target)
+    log_phase("read", start, os.stat(path).st_size)
+    return tables
+
+
+def _unchanged(path: str, source: dict | None) -> bool:
+    """Whether ``path`` still has the size and time it had when ``source`` (:func:`cache.source_of`) was taken."""
+    try:
+        st = os.stat(Path(path).expanduser().resolve())
+    except OSError:
+        return False
+    same = source is not None and (st.st_size, st.st_mtime_ns) == (source["size"], source["mtime_ns"])
+    if source is not None and not same:
+        log.info("data file %s changed while it was read; it is not cached", path)
+    return same
 
 
 def _complete(table: Table, missing: str) -> Table:
@@ -128,7 +171,8 @@ def _check_finite(table: Table, values: np.ndarray, names: list[str], what: str)
             f"data file {table.path} {table.where(row)}, column {names[col]!r}: {flat[bad]} is not a finite number; "
             f"{what} must be finite (fill or remove missing values)"
         )
-    if what == "features" and len(flat) and float(np.max(np.abs(flat))) > FLOAT32_MAX:
+    wide = flat.dtype.kind == "f" and flat.dtype.itemsize > 4  # finite narrower values are within float32's range
+    if what == "features" and len(flat) and wide and max_abs(flat) > FLOAT32_MAX:
         at = np.unravel_index(int(np.argmax(np.abs(flat))), flat.shape)
         raise DatasetError(
             f"data file {table.path} {table.where(int(at[0]))}, column {names[int(at[1])]!r}: {flat[at]:g} is beyond "

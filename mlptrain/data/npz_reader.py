@@ -86,7 +86,8 @@ def read_npz(path: Path, need_y: bool = True) -> tuple[Table, Table | None]:
 def _table(path: Path, arrays: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray | None) -> Table:
     names = _names(path, arrays, "feature_names", x.shape[1])
     features = names or [f"x{i}" for i in range(x.shape[1])]
-    table = Table(path, x.astype(np.float64, copy=False), None, features, [], text=False, named=bool(names))
+    kept = x.dtype in (np.float16, np.float32, np.float64)  # floats as saved (no copy); integers and others as float64
+    table = Table(path, x if kept else x.astype(np.float64), None, features, [], text=False, named=bool(names))
     if y is not None:
         cols = y.reshape(len(y), -1)  # (N, T)
         table.target_names = _names(path, arrays, "target_names", cols.shape[1]) or [

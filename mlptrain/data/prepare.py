@@ -19,8 +19,10 @@ import logging
 import numpy as np
 
 from mlptrain.config import DataConfig
+from mlptrain.data import chunks
 from mlptrain.data.dataset import Dataset, Normalization, Raw
 from mlptrain.data.sources import SOURCES
+from mlptrain.data.stats import column_stats
 from mlptrain.errors import ConfigError, DatasetError
 
 log = logging.getLogger(__name__)
@@ -64,19 +66,27 @@ def stratified_split(y: np.ndarray, fraction: float, rng: np.random.Generator) -
     return rng.permutation(np.concatenate(keep)), rng.permutation(np.concatenate(taken))
 
 
-def normalization(method: str, x_train: np.ndarray) -> Normalization:
-    """The normalisation of ``method`` from the train split's statistics (``x_train (N, F)``)."""
-    f = x_train.shape[1]
+def normalization(method: str, x: np.ndarray, rows: np.ndarray | None = None, where: str = "") -> Normalization:
+    """The normalisation of ``method`` from the train split's statistics: ``x[rows]`` (``x (N, F)``;
+    ``rows`` None: all of ``x``), in one chunked pass (:func:`mlptrain.data.stats.column_stats`).
+
+    Raises:
+        DatasetError: an inf or NaN among those rows (``where`` names them: ``dataset 'x' split train``).
+    """
+    f = x.shape[1]
     if method == "none":
         return Normalization.identity(f)
-    if method == "standard":
-        shift = x_train.mean(axis=0, dtype=np.float64)  # (F,)
-        scale = x_train.std(axis=0, dtype=np.float64)  # (F,)
-    elif method == "minmax":
-        shift = np.asarray(x_train.min(axis=0), dtype=np.float64)
-        scale = np.asarray(x_train.max(axis=0), dtype=np.float64) - shift
-    else:
+    if method not in ("standard", "minmax"):
         raise ConfigError(f"data.normalize={method!r} is not a normalisation; expected standard, minmax or none")
+    st = column_stats(x, rows, extremes=method == "minmax")  # (F,) each, float64
+    if st.nonfinite is not None:
+        row, col = st.nonfinite
+        value = x[row if rows is None else rows[row], col]
+        raise DatasetError(
+            f"{where}: row {row}, column {col} holds {value}; features must be finite numbers (remove or fill the "
+            "missing values)"
+        )
+    shift, scale = (st.mean, st.std) if method == "standard" else (st.low, st.high - st.low)
     floor = max(STD_FLOOR, REL_FLOOR * float(np.median(scale)))
     return Normalization(method, shift, np.where(scale < floor, 1.0, scale), "train split")  # centre below the floor
 
@@ -97,6 +107,17 @@ def target_scaling(method: str, y_train: np.ndarray) -> Normalization:
     return Normalization(method, shift, np.where(scale > floor, scale, 1.0), "train split")
 
 
+def _methods(cfg: DataConfig, name: str, task: str) -> tuple[str, str]:
+    """``(data.normalize, data.target_scaling)`` as strings; a target scaling for a classification is refused."""
+    method, scaling = (str(getattr(v, "value", v)) for v in (cfg.normalize, cfg.target_scaling))
+    if task != "regression" and scaling != "standard":
+        raise ConfigError(
+            f"data.target_scaling={scaling}: dataset {name!r} is a classification; target scaling applies to "
+            "regressions only (leave it at its default)"
+        )
+    return method, scaling
+
+
 def preprocess(ds: Dataset, cfg: DataConfig) -> Dataset:
     """``ds`` normalised from its train split (``cfg.normalize``), and a regression's targets scaled
     (``cfg.target_scaling``), where it does not bring its own (:attr:`Dataset.normalization`,
@@ -105,16 +126,15 @@ def preprocess(ds: Dataset, cfg: DataConfig) -> Dataset:
     Raises:
         ConfigError: ``data.target_scaling`` set for a classification, or an unknown method.
     """
-    method, scaling = (str(getattr(v, "value", v)) for v in (cfg.normalize, cfg.target_scaling))
-    if ds.task != "regression" and scaling != "standard":
-        raise ConfigError(
-            f"data.target_scaling={scaling}: dataset {ds.name!r} is a classification; target scaling applies to "
-            "regressions only (leave it at its default)"
-        )
+    method, scaling = _methods(cfg, ds.name, ds.task)
     new: dict = {}
     if ds.normalization is None:
-        norm = normalization(method, ds.x_train)
-        new.update({f"x_{s}": norm.apply(getattr(ds, f"x_{s}")) for s in ("train", "val", "test")}, normalization=norm)
+        with chunks.timed("statistics", ds.x_train.nbytes):
+            norm = normalization(method, ds.x_train, where=f"dataset {ds.name!r} split train")
+        splits = [getattr(ds, f"x_{s}") for s in ("train", "val", "test")]
+        with chunks.timed("normalise", sum(4 * x.size for x in splits)):  # the float32 bytes written
+            xs = [chunks.gather_normalised(x, None, norm.shift, norm.scale) for x in splits]
+        new.update(x_train=xs[0], x_val=xs[1], x_test=xs[2], normalization=norm)
     elif ds.normalization.origin == "dataset":  # the caller's own (a load_dataset result is preprocessed already)
         kept = ds.normalization.method
         log.info(
@@ -157,22 +177,33 @@ def load_dataset(cfg: DataConfig, seed: int | None = None) -> Dataset:
         )
     rng = np.random.default_rng([cfg.split_seed, 0xDA7A])  # a stream of its own, apart from init and data order
     raw = SOURCES[name](cfg, rng)
-    (x_tr, y_tr), (x_val, y_val), (x_te, y_te) = _split(name, cfg, raw, rng)
+    method, _ = _methods(cfg, name, raw.task)
+    with chunks.timed("split", raw.y.nbytes):
+        parts = _split(name, cfg, raw, rng)  # [(x, rows, y)] of train, validation, test
+    x, rows = parts[0][0], parts[0][1]
+    with chunks.timed("statistics", len(rows) * x.shape[1] * x.itemsize):
+        norm = normalization(method, x, rows, where=f"dataset {name!r} split train")
+    with chunks.timed("normalise", sum(4 * len(r if r is not None else xs) * xs.shape[1] for xs, r, _ in parts)):
+        xs = [chunks.gather_normalised(xs, r, norm.shift, norm.scale) for xs, r, _ in parts]  # the float32 splits
+    (_, _, y_tr), (_, _, y_val), (_, _, y_te) = parts
     split = Dataset(
         name,
-        x_tr,
+        xs[0],
         y_tr,
-        x_val,
+        xs[1],
         y_val,
-        x_te,
+        xs[2],
         y_te,
         raw.num_classes,
         raw.class_names,
         raw.task,
         raw.feature_names,
         raw.target_names,
-    )  # raw features and targets
+        normalization=norm,
+    )  # normalised features, raw targets
     ds = preprocess(split, cfg)
+    for write in raw.pending:  # the cache entry is complete when the dataset is returned
+        write.result()
     log.info(
         "dataset %s: %d train, %d val, %d test, %d features, %d %s",
         name,
@@ -186,17 +217,19 @@ def load_dataset(cfg: DataConfig, seed: int | None = None) -> Dataset:
     return ds
 
 
-def _split(name: str, cfg: DataConfig, raw: Raw, rng: np.random.Generator) -> list[tuple[np.ndarray, np.ndarray]]:
-    """``[(x, y) of train, validation, test]``: the test split stratified off (unless the source has one)."""
-    x, y = raw.x, raw.y
+def _split(name: str, cfg: DataConfig, raw: Raw, rng: np.random.Generator) -> list[tuple]:
+    """``[(x, rows, y)]`` of train, validation and test: each split is ``x[rows]`` (``rows`` None: all of
+    ``x``), the test split stratified off (unless the source has one). No feature is copied here."""
+    y = raw.y
     strata = y if raw.task == "classification" else np.zeros(len(y), np.int64)
     n, official_test = len(y), raw.x_test is not None
     try:
+        keep = None
         if raw.x_test is None:
-            train, test = stratified_split(strata, cfg.test_fraction, rng)
-            x, y, x_test, y_test, strata = x[train], y[train], x[test], y[test], strata[train]
+            keep, test = stratified_split(strata, cfg.test_fraction, rng)
+            x_test, test_rows, y_test, strata = raw.x, test, y[test], strata[keep]
         else:
-            x_test, y_test = raw.x_test, raw.y_test
+            x_test, test_rows, y_test = raw.x_test, None, raw.y_test
         train, val = stratified_split(strata, cfg.val_fraction, rng)
     except ConfigError as exc:
         raise ConfigError(
@@ -204,5 +237,7 @@ def _split(name: str, cfg: DataConfig, raw: Raw, rng: np.random.Generator) -> li
             f"{cfg.val_fraction}{'' if official_test else f' and data.test_fraction={cfg.test_fraction}'} "
             f"({exc}); {'raise data.samples or ' if name == 'synthetic' else ''}lower the fractions"
         ) from exc
+    if keep is not None:
+        train, val = keep[train], keep[val]  # rows of the table: x[keep][train] is x[keep[train]]
     y_dtype = np.int64 if raw.task == "classification" else np.float32
-    return [(x[train], y[train]), (x[val], y[val]), (x_test, np.asarray(y_test, y_dtype))]
+    return [(raw.x, train, y[train]), (raw.x, val, y[val]), (x_test, test_rows, np.asarray(y_test, y_dtype))]
