@@ -44,10 +44,12 @@ from mlptrain.schedule import LRSchedule, StepClock
 
 
 def precision(cfg: PrecisionConfig, backend: Backend) -> Precision:
-    """``precision.name`` on ``backend`` (half precision and TF32 need the GPU), and its ``compute_copy``."""
+    """``precision.name`` on ``backend`` (half precision and TF32 need the GPU), and its ``compute_copy``
+    (``auto``: the precision's own)."""
+    base = get_precision(cfg.name, backend)
     return dataclasses.replace(
-        get_precision(cfg.name, backend),
-        compute_copy=cfg.compute_copy.value,
+        base,
+        compute_copy=base.compute_copy if cfg.compute_copy.value == "auto" else cfg.compute_copy.value,
         amax_history=cfg.amax_history,
         margin=cfg.margin,
     )
@@ -92,9 +94,10 @@ def fp8_gemm(cfg: ExecutionConfig, backend: Backend, prec: Precision, engine: An
         from mlptrain.gpu.fp8_kernels import GpuFp8Scaling
 
         on_gpu = GpuFp8Scaling(amax_history=prec.amax_history, margin=prec.margin)
-        return GpuFp8Gemm(engine, on_gpu, mode=cfg.mode.value, workspace_mib=cfg.workspace_mib)
+        mode = cfg.mode.value
+        return GpuFp8Gemm(engine, on_gpu, mode, dtype=prec.compute_dtype, workspace_mib=cfg.workspace_mib)
     scaling = Fp8Scaling(backend.xp, amax_history=prec.amax_history, margin=prec.margin)
-    return Fp8Gemm(engine, scaling, mode=cfg.mode.value)
+    return Fp8Gemm(engine, scaling, mode=cfg.mode.value, dtype=prec.compute_dtype)
 
 
 def execution(cfg: ExecutionConfig, engine: Any, xp: Any) -> FusedExecution | NaiveExecution:
@@ -143,6 +146,7 @@ def model(
         activation=cfg.activation,
         init=cfg.init.value,
         compute_copy=prec.compute_copy,
+        fp8_weights=prec.fp8,
     )
     return net
 

@@ -86,6 +86,7 @@ class Logger(str, Enum):
 
 
 class ComputeCopy(str, Enum):
+    auto = "auto"  # the precision's own: kept for fp16 and bf16, cast for fp8
     kept = "kept"
     cast = "cast"
 
@@ -190,9 +191,11 @@ class PrecisionConfig:
     )
     margin: int = _f(0, "{users}: each scale leaves 2^margin of headroom below the FP8 format's max", users=True)
     compute_copy: ComputeCopy = _f(
-        ComputeCopy.kept,
+        ComputeCopy.auto,
         "{users}: kept: a half-precision copy of every parameter, refreshed by the optimizer; cast: none, "
-        "each layer's cast just before its GEMMs (less memory for the largest models, a cast kernel per layer)",
+        "each layer's cast just before its GEMMs (less memory for the largest models, a cast kernel per layer; "
+        "fp8: the FP8 casts read the float32 weights, only biases and the head are cast); auto: kept for "
+        "fp16 and bf16, cast for fp8",
         users=True,
     )
 

@@ -77,13 +77,18 @@ class Fp8Scaling:
             self.tensors[name] = TensorScale(self.xp, self.history_len)
         return self.tensors[name]
 
-    def quantize(self, name: str, x: Any, fmt: str, record: bool = True, order: str = "K") -> tuple[Any, Any]:
+    def quantize(
+        self, name: str, x: Any, fmt: str, record: bool = True, order: str = "K", via: Any = None
+    ) -> tuple[Any, Any]:
         """``(fp8(scale * x), 1 / scale)`` with tensor ``name``'s current scale; then, with ``record``, its amax
         enters the history and the scale for the next step is computed (``record=False``: inference).
 
         ``order``: the memory order the FP8 copy must have (``"C"``: a GEMM's A, row-major; ``"F"``: its B,
         column-major; the GPU casts with a transpose where x has the other). The CPU keeps x's order: the
-        contract reads values, not layouts."""
+        contract reads values, not layouts. ``via``: a 16-bit dtype x (a float32 master weight) is rounded
+        to first, so the bytes and the amax are those of its 16-bit copy."""
+        if via is not None:
+            x = x.astype(via)
         st = self.get(name)
         scale_inv = (1.0 / st.scale).astype(self.xp.float32)  # the dequantisation scale of this cast
         q = quantize(x, st.scale, fmt)
@@ -148,35 +153,44 @@ class Fp8Gemm:
         base: the 16-bit engine, for the GEMMs FP8 cannot run (dimensions not multiples of 16).
         scaling: the delayed scales of every operand.
         mode: ``"fused"`` or ``"naive"``: which operand of each role is the gradient (:data:`FORMATS`).
+        dtype: the 16-bit dtype of the operands and results (``precision.compute_dtype``, bfloat16); an
+            operand of another dtype is a weight's float32 master (:attr:`mlptrain.layers.Param.gemm_casts`),
+            which stands for its value in ``dtype``: rounded to it before its FP8 cast (on the GPU inside
+            the cast kernel), cast to it for a 16-bit GEMM. None: A's dtype (no masters).
 
     Call sites ``<layer>.fwd``, ``.dgrad``, ``.wgrad`` record amaxes; ``<layer>.infer`` (a forward
     with no backward: evaluation) casts with the training forward's scales and records nothing.
     """
 
-    def __init__(self, base: Any, scaling: Fp8Scaling, mode: str = "fused") -> None:
+    def __init__(self, base: Any, scaling: Fp8Scaling, mode: str = "fused", *, dtype: Any = None) -> None:
         self.base = base
         self.scaling = scaling
         self.formats = FORMATS[mode]
+        self.dtype = None if dtype is None else np.dtype(dtype)
 
     def __call__(
         self, key: str, a: Any, b: Any, epilog: Epilog | None = None, **epilog_inputs: Any
     ) -> tuple[Any, dict[str, Any]]:
         (m, k), n = a.shape, b.shape[1]
         site, role = key.rsplit(".", 1)
+        dtype = self.dtype if self.dtype is not None else a.dtype  # the results', and what a master stands for
+        via_a, via_b = (dtype if x.dtype != dtype else None for x in (a, b))  # a weight's master (Param.gemm_casts)
         if role not in ("fwd", "infer", "dgrad", "wgrad") or not fits_fp8(m, n, k):
-            return self.base(key, a, b, epilog, **epilog_inputs)
+            a16, b16 = (x if via is None else x.astype(dtype) for x, via in ((a, via_a), (b, via_b)))
+            return self.base(key, a16, b16, epilog, **epilog_inputs)
         record = role != "infer"
         names = f"{site}.fwd" if role == "infer" else key
         fa, fb = self.formats["fwd" if role == "infer" else role]
-        a8, a_inv = self.scaling.quantize(f"{names}.a", a, fa, record, order="C")  # TN: K contiguous in A
-        b8, b_inv = self.scaling.quantize(f"{names}.b", b, fb, record, order="F")  # ... and in B
+        # TN: K contiguous in A and in B; a master is rounded to dtype first (on the GPU in the cast's registers)
+        a8, a_inv = self.scaling.quantize(f"{names}.a", a, fa, record, order="C", via=via_a)
+        b8, b_inv = self.scaling.quantize(f"{names}.b", b, fb, record, order="F", via=via_b)
         aux: dict[str, Any] = {}
         if epilog is Epilog.BGRADB:  # NOT_SUPPORTED in FP8: the bias gradient from the 16-bit operand
             aux["bgradb"] = self.bias_gradient(b)  # (N,): B summed over K
             epilog = None
         inputs = {name: v for name, v in epilog_inputs.items() if v is not None}
         c_order = epilog is None and a.flags.c_contiguous  # D follows A's order, as the 16-bit contract's
-        d, more = self.matmul(Fp8Call(key, (a8, a_inv, fa), (b8, b_inv, fb), epilog, inputs, a.dtype, c_order))
+        d, more = self.matmul(Fp8Call(key, (a8, a_inv, fa), (b8, b_inv, fb), epilog, inputs, dtype, c_order))
         return d, {**aux, **more}
 
     def bias_gradient(self, b: Any) -> Any:

@@ -91,10 +91,11 @@ class OutputHead:
         from mlptrain.gpu.head_kernel import head_input_grad
 
         top, below = model.layers[-1], model.layers[-2]
+        weight = top.weight.for_gemm(cast=False)  # (C, H)
+        if weight.dtype != dlogits.dtype:  # precision=fp8: the float32 master (Param.gemm_casts), in 16 bits here
+            weight = weight.astype(dlogits.dtype)
         # one kernel: dZ_below = (dlogits @ W) * relu'(Z_below), and its sum over the batch
-        dz_below, db_below = head_input_grad(
-            dlogits, top.weight.for_gemm(cast=False), below.mask, bias_grad_below=not below.bias_grad_in_wgrad
-        )
+        dz_below, db_below = head_input_grad(dlogits, weight, below.mask, bias_grad_below=not below.bias_grad_in_wgrad)
         return loss, correct, dlogits, HeadGrads(bias_grad=db_out, input_grad=dz_below, input_bias_grad=db_below)
 
     def backward(self, model: MLP, logits: Any, y: Any, grad_scale: Any) -> tuple[Any, Any]:

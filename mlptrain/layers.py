@@ -10,7 +10,10 @@ Mixed precision: a :class:`Param` keeps the master copy ``value`` in the paramet
 the GEMMs read. The optimizer updates ``value`` and refreshes ``compute`` in the same kernel.
 With ``precision.compute_copy=cast`` no copy is kept: a :class:`CastBuffer`, one per model,
 receives each layer's parameters cast just before its GEMMs read them (2 of the 12 bytes a
-parameter costs in fp16/bf16 with SGD momentum; one cast kernel per layer and pass).
+parameter costs in fp16/bf16 with SGD momentum; one cast kernel per layer and pass). Under
+``precision=fp8`` the weights whose GEMMs run in FP8 skip that buffer too: the GEMM engine's FP8
+cast reads the float32 master itself (rounded to the compute dtype in registers, so the FP8 bytes
+are those of the kept copy's), and only the other weights (the head's) and the biases are cast into it.
 """
 
 from __future__ import annotations
@@ -64,16 +67,27 @@ class Param:
         compute: the copy the GEMMs read, compute dtype (``value`` itself when the dtypes agree;
             None when it is cast on use into ``cast_buffer``: read it through :meth:`for_gemm`).
         grad: gradient in compute dtype as the backward produced it (None before the first).
+        gemm_casts: the GEMM engine reads the master and casts it itself (``precision=fp8`` with
+            ``compute_copy=cast``: straight to FP8, :meth:`mlptrain.fp8.Fp8Gemm.__call__`): no copy, no buffer.
     """
 
     def __init__(
-        self, name: str, value: Any, compute_dtype: Any, cast_buffer: CastBuffer | None = None, role: str = ""
+        self,
+        name: str,
+        value: Any,
+        compute_dtype: Any,
+        cast_buffer: CastBuffer | None = None,
+        role: str = "",
+        gemm_casts: bool = False,
     ) -> None:
         self.name = name
         self.value = value
-        self.cast_buffer = cast_buffer if value.dtype != compute_dtype else None
+        self.gemm_casts = gemm_casts and value.dtype != compute_dtype
+        self.cast_buffer = cast_buffer if value.dtype != compute_dtype and not self.gemm_casts else None
         self.role = role
-        if self.cast_buffer is not None:
+        if self.gemm_casts:
+            self.compute: Any = None
+        elif self.cast_buffer is not None:
             self.compute: Any = None
         else:
             self.compute = value if value.dtype == compute_dtype else value.astype(compute_dtype)
@@ -86,7 +100,10 @@ class Param:
 
     def for_gemm(self, cast: bool = True) -> Any:
         """The array a GEMM reads: the kept compute copy, or the master cast now (``cast=False``:
-        the cast buffer still holds this parameter, see :meth:`CastBuffer.cast`)."""
+        the cast buffer still holds this parameter, see :meth:`CastBuffer.cast`); the master itself
+        where the GEMM engine casts it (``gemm_casts``)."""
+        if self.gemm_casts:
+            return self.value
         if self.cast_buffer is None:
             return self.compute
         return self.cast_buffer.cast(self.role, self.value, again=cast)
@@ -121,6 +138,8 @@ class Linear:
         rng: host NumPy Generator; He init ``N(0, 2/in)`` for ReLU layers, LeCun ``N(0, 1/in)``
             otherwise (or as ``init`` says). Drawn on the host so CPU and GPU runs start from
             the same weights.
+        cast_buffer: where the parameters are cast on use (``compute_copy=cast``), or None.
+        weight_gemm_casts: the weight is handed to the GEMM engine as the master (:attr:`Param.gemm_casts`).
     """
 
     def __init__(
@@ -136,6 +155,7 @@ class Linear:
         compute_dtype: Any,
         init: str = "he",
         cast_buffer: CastBuffer | None = None,
+        weight_gemm_casts: bool = False,
     ) -> None:
         self.name = name
         self.in_features = in_features
@@ -144,7 +164,8 @@ class Linear:
             raise ValueError(f"activation {activation!r} is not one of {ACTIVATIONS.names()}")
         self.activation = activation
         w, b = initial(init, in_features, out_features, rng)
-        self.weight = Param(f"{name}.weight", xp.asarray(w, dtype=param_dtype), compute_dtype, cast_buffer, "weight")
+        w_master = xp.asarray(w, dtype=param_dtype)
+        self.weight = Param(f"{name}.weight", w_master, compute_dtype, cast_buffer, "weight", weight_gemm_casts)
         self.bias = Param(f"{name}.bias", xp.asarray(b, dtype=param_dtype), compute_dtype, cast_buffer, "bias")
         # Where this layer's bias gradient is computed (see mlptrain.execution): in its own
         # weight-gradient GEMM (BGRADB), or by the layer above (DRELU_BGRAD). A layer without

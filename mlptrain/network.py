@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from mlptrain.epilogs_fp8 import FP8_MULTIPLE
 from mlptrain.execution import FusedExecution, NaiveExecution
 from mlptrain.layers import CastBuffer, Linear, Param
 
@@ -62,6 +63,10 @@ class MLP:
         compute_copy: ``"kept"``: each parameter keeps a copy in the compute dtype (fp16/bf16), which
             the optimizer refreshes; ``"cast"``: none is kept, each layer's parameters are cast into one
             shared :class:`~mlptrain.layers.CastBuffer` just before its GEMMs read them.
+        fp8_weights: ``precision=fp8``: with ``compute_copy="cast"``, the weights of the layers whose
+            widths FP8 takes (multiples of 16) are handed to the GEMM engine as the master, which it
+            casts straight to FP8 (:attr:`mlptrain.layers.Param.gemm_casts`); only the other weights
+            (a 10-class head's) and the biases share the cast buffer.
     """
 
     def __init__(
@@ -77,6 +82,7 @@ class MLP:
         init: str = "he",
         bgrad: str | Sequence[str] = "bgradb",
         compute_copy: str = "kept",
+        fp8_weights: bool = False,
     ) -> None:
         if len(widths) < 2:
             raise ValueError(f"an MLP needs at least input and output widths; got {list(widths)}")
@@ -87,8 +93,13 @@ class MLP:
         if compute_copy not in ("kept", "cast"):
             raise ValueError(f"compute_copy must be 'kept' or 'cast'; got {compute_copy!r}")
         self.cast_buffer = None
-        if compute_copy == "cast" and np.dtype(param_dtype) != np.dtype(compute_dtype):
-            largest = {"weight": max(a * b for a, b in zip(widths, widths[1:], strict=False)), "bias": max(widths[1:])}
+        cast = compute_copy == "cast" and np.dtype(param_dtype) != np.dtype(compute_dtype)
+        pairs = list(zip(widths, widths[1:], strict=False))  # (in, out) of each layer
+        # per layer: its weight goes to the GEMM engine as the master (the FP8 cast reads it), or through the buffer
+        gemm_casts = [cast and fp8_weights and a % FP8_MULTIPLE == 0 and b % FP8_MULTIPLE == 0 for a, b in pairs]
+        if cast:
+            buffered = [a * b for (a, b), own in zip(pairs, gemm_casts, strict=True) if not own]
+            largest = {"weight": max(buffered, default=0), "bias": max(widths[1:])}
             self.cast_buffer = CastBuffer(xp, compute_dtype, largest)
         self.layers = [
             Linear(
@@ -102,6 +113,7 @@ class MLP:
                 compute_dtype=compute_dtype,
                 init=init if init == "torch" or (activation != "none" and i < n - 1) else "lecun",
                 cast_buffer=self.cast_buffer,
+                weight_gemm_casts=gemm_casts[i],
             )
             for i in range(n)
         ]

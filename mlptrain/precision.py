@@ -64,6 +64,7 @@ class PrecisionSpec:
     tf32: bool = False
     gemm_scales: bool = False
     cpu: bool = False
+    compute_copy: str = "kept"  # what precision.compute_copy=auto means for this row (when compute != storage)
 
     @property
     def exponent_mask(self) -> int:
@@ -79,7 +80,11 @@ PRECISIONS.add("fp32", PrecisionSpec("float32", "float32", cpu=True))
 PRECISIONS.add("tf32", PrecisionSpec("float32", "float32", tf32=True))
 PRECISIONS.add("fp16", PrecisionSpec("float32", "float16", loss_scaling="dynamic"))
 PRECISIONS.add("bf16", PrecisionSpec("float32", "bfloat16"))
-PRECISIONS.add("fp8", PrecisionSpec("float32", "bfloat16", loss_scaling="check", gemm_scales=True, cpu=True))
+# fp8 keeps no bfloat16 copy of its weights: the FP8 casts read the float32 masters (mlptrain.layers.Param.gemm_casts)
+PRECISIONS.add(
+    "fp8",
+    PrecisionSpec("float32", "bfloat16", loss_scaling="check", gemm_scales=True, cpu=True, compute_copy="cast"),
+)
 
 
 def _dynamic(p: PrecisionSpec) -> bool:
@@ -115,7 +120,7 @@ class Precision:
     tf32: bool = False
     loss_scaling: bool = False  # dynamic loss scaling
     checked: bool = False  # no scaling, but every step checked for inf/NaN gradients (and skipped): fp8
-    compute_copy: str = "kept"  # fp16, bf16, fp8: "kept" or "cast" (mlptrain.layers.CastBuffer)
+    compute_copy: str = "kept"  # fp16, bf16: "kept" or "cast" (mlptrain.layers.CastBuffer); fp8: "cast" by default
     fp8: bool = False  # GEMM operands cast to FP8 (mlptrain.fp8); compute_dtype is then the results'
     amax_history: int = 16  # fp8: delayed scaling's history length and margin (mlptrain.fp8.Fp8Scaling)
     margin: int = 0
@@ -139,6 +144,7 @@ def get_precision(name: str, backend: Backend) -> Precision:
         tf32=spec.tf32,
         loss_scaling=spec.loss_scaling == "dynamic",
         checked=spec.loss_scaling == "check",
+        compute_copy=spec.compute_copy,
         fp8=spec.gemm_scales,
     )
 

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from mlptrain.epilogs import relu_aux_shape
+from mlptrain.epilogs_fp8 import FP8_MULTIPLE
 
 
 def expected_bytes(
@@ -21,20 +22,26 @@ def expected_bytes(
     compute_dtype: Any,
     state_per_param: int,
     compute_copy: str = "kept",
+    fp8_weights: bool = False,
 ) -> dict:
     """The live bytes of a fused MLP step by the formula (what :func:`account` must find after a step).
 
     Parameters ``P = sum(w_i w_{i+1} + w_{i+1})``: master weights ``P`` in the parameter dtype,
     compute copies ``P`` in the compute dtype (when it differs; ``compute_copy="cast"``: the shared
-    buffer instead, the largest weight and the largest bias), gradients ``P`` in the compute
-    dtype, optimizer state ``state_per_param x P`` in the parameter dtype. The saved inputs and the
-    relu_aux masks are gone after a step: the backward frees each layer's once read.
+    buffer instead, the largest weight and the largest bias; with ``fp8_weights``, precision=fp8, the
+    largest weight whose widths FP8 does not take, read through the buffer),
+    gradients ``P`` in the compute dtype, optimizer state ``state_per_param x P`` in the parameter
+    dtype. The saved inputs and the relu_aux masks are gone after a step: the backward frees each
+    layer's once read.
     """
     sp, sc = np.dtype(param_dtype).itemsize, np.dtype(compute_dtype).itemsize
     n = sum(a * b + b for a, b in zip(widths, widths[1:], strict=False))
     copies = sc * n
     if compute_copy == "cast":
-        copies = sc * (max(a * b for a, b in zip(widths, widths[1:], strict=False)) + max(widths[1:]))
+        pairs = list(zip(widths, widths[1:], strict=False))
+        fp8 = [fp8_weights and a % FP8_MULTIPLE == 0 and b % FP8_MULTIPLE == 0 for a, b in pairs]
+        buffered = [a * b for (a, b), own in zip(pairs, fp8, strict=True) if not own]
+        copies = sc * (max(buffered, default=0) + max(widths[1:]))
     return {
         "master_weights": sp * n,
         "compute_copies": copies if np.dtype(param_dtype) != np.dtype(compute_dtype) else 0,

@@ -6,8 +6,10 @@
 Per model, whole training steps (forward, loss, backward, update; SGD momentum 0.9, lr 1e-3, random
 data, ReLU), each the median of --reps CUDA-event timings of 20 steps back to back after warm-up:
 
-* mlptrain bf16 and fp8, fused, replayed from a CUDA graph (what a training run does), and fp8 naive
-  (the same FP8 GEMMs with bias, ReLU and reductions as separate kernels);
+* mlptrain bf16 and fp8, fused, replayed from a CUDA graph (what a training run does); fp8 with the
+  bfloat16 weight copy kept (``precision.compute_copy=kept``; fp8's own is ``cast``: the FP8 casts read
+  the float32 weights); and fp8 naive (the same FP8 GEMMs with bias, ReLU and reductions as separate
+  kernels);
 * PyTorch with bf16 autocast over fp32 master weights and ``torch.compile``, and the same model
   converted by torchao (``convert_to_float8_training``, recipe ``tensorwise``, then ``torch.compile``):
   the float8 training a PyTorch user has. Skipped when torch or torchao is not importable.
@@ -34,10 +36,11 @@ from mlptrain.bench.step_timing import bench_step_mlptrain
 from mlptrain.bench.timing import CHAIN, median
 
 MODELS = [("4096 x 4", [4096] * 5, 8192), ("8192 x 4", [8192] * 5, 16384)]
-MLPTRAIN = [  # (variant, precision, execution)
-    ("mlptrain bf16", "bf16", "fused"),
-    ("mlptrain fp8", "fp8", "fused"),
-    ("mlptrain fp8 naive", "fp8", "naive"),
+MLPTRAIN = [  # (variant, precision, execution, precision.compute_copy: None for the precision's own)
+    ("mlptrain bf16", "bf16", "fused", None),
+    ("mlptrain fp8", "fp8", "fused", None),
+    ("mlptrain fp8, bf16 weight copy kept", "fp8", "fused", "kept"),
+    ("mlptrain fp8 naive", "fp8", "naive", None),
 ]
 
 
@@ -86,9 +89,9 @@ def torch_step(widths: list[int], batch: int, reps: int, float8: str | None) -> 
 def model_rows(name: str, widths: list[int], batch: int, reps: int) -> list[dict[str, Any]]:
     """Every variant of one model, in one process: the mlptrain steps, then PyTorch's."""
     rows = []
-    for label, precision, mode in MLPTRAIN:
-        r = bench_step_mlptrain(widths, batch, precision, mode, reps, graph=True)
-        kept = {key: r[key] for key in ("ms", "peak_gib", "losses")}
+    for label, precision, mode, copy in MLPTRAIN:
+        r = bench_step_mlptrain(widths, batch, precision, mode, reps, graph=True, compute_copy=copy)
+        kept = {key: r[key] for key in ("ms", "peak_gib", "losses", "bgrad")}
         rows.append({"model": name, "batch": batch, "variant": label, **kept})
         logging.warning("%s %s: %.3f ms, peak %.2f GiB", name, label, r["ms"], r["peak_gib"])
     for label, recipe in (("torch.compile bf16", None), ("torchao float8 tensorwise", "tensorwise")):

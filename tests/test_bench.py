@@ -22,8 +22,10 @@ def test_step_overrides_are_hydra_command_line_values() -> None:
     got = step_overrides([784, 1024, 1024, 10], 256, "fp16", wgrad_stream=None, workspace_mib=64)
     assert "model.hidden=[1024,1024]" in got and "execution.wgrad_stream=null" in got
     assert "graph=true" in got and "progress=false" in got and "execution.workspace_mib=64" in got
-    assert "precision.compute_copy=kept" in got  # half precision only
-    assert "precision.compute_copy=kept" not in step_overrides([8, 4], 16, "fp32")
+    assert not any(o.startswith("precision.compute_copy=") for o in got)  # the precision's own unless asked
+    assert "precision.compute_copy=kept" in step_overrides([8, 16], 16, "fp16", compute_copy="kept")
+    assert "precision.compute_copy=kept" in step_overrides([8, 16], 16, "fp8", compute_copy="kept")
+    assert "precision.compute_copy=kept" not in step_overrides([8, 4], 16, "fp32", compute_copy="kept")
     assert not any(o.startswith("execution.workspace_mib=") for o in step_overrides([8, 4], 16, "fp32"))
 
 
@@ -48,7 +50,7 @@ def test_step_config_sets_what_the_benchmark_asks_and_keeps_the_defaults(widths,
     if "workspace_mib" in options:
         assert cfg.execution.workspace_mib == options["workspace_mib"]
     if precision in ("fp16", "bf16"):
-        assert cfg.precision.compute_copy.value == options.get("compute_copy", "kept")
+        assert cfg.precision.compute_copy.value == options.get("compute_copy", "auto")
     # Everything the benchmark does not set is the command line's default.
     asked = {o.split("=", 1)[0] for o in step_overrides(widths, batch, precision, **options)}
     default, composed = _flat(TrainConfig()), _flat(cfg)

@@ -155,6 +155,64 @@ def test_fp8_trains_digits_close_to_fp32(tmp_path: Path):
     assert fp8["test/acc"] != fp32["test/acc"] or fp8["train/loss"] != fp32["train/loss"]  # not fp32 in disguise
 
 
+@pytest.mark.parametrize("mode", ["fused", "naive"])
+def test_fp8_without_a_weight_copy_takes_the_steps_of_the_kept_copy(mode: str):
+    """precision=fp8's own compute_copy (auto: cast) keeps no bfloat16 copy of the weights: the layers whose
+    widths FP8 takes hand their float32 master to the GEMM engine, which rounds it to bfloat16 before its
+    FP8 cast (on the GPU in the cast kernel's registers); the head's weight and every bias go through the
+    cast buffer; a GEMM that falls back to 16 bits (the epoch's short last batch of 14 rows) casts the
+    master itself. Every loss and weight is the kept copy's bit for bit: a master cast to FP8 without its
+    rounding to bfloat16 first (some 3 % of the weights land in another FP8 value), or a 16-bit fallback
+    that read the float32 master, would not agree."""
+    from test_trainer import step_losses_of
+
+    from mlptrain.config import ComputeCopy
+    from mlptrain.step_memory import expected_bytes
+
+    runs = {}
+    for copy in ("kept", "auto"):
+        cfg = make_cfg(model__hidden=[32, 48], **FP8)
+        cfg.execution.mode, cfg.precision.compute_copy = type(cfg.execution.mode)(mode), ComputeCopy(copy)
+        tr = Trainer(cfg)
+        runs[copy] = (tr, step_losses_of(tr, epochs=2))
+    (kept, kept_losses), (cast, cast_losses) = runs["kept"], runs["auto"]
+    assert tr.train_loader.num_samples % 64 % 16 != 0 and len(tr.train_loader) == 21  # a short batch: 16 bits
+    assert all(p.has_compute_copy for p in kept.model.params) and kept.model.cast_buffer is None
+    assert [layer.weight.gemm_casts for layer in cast.model.layers] == [True, True, False]  # 64-32-48 in FP8
+    assert all(p.compute is None and not p.has_compute_copy for p in cast.model.params)
+    assert cast.model.cast_buffer.nbytes == 2 * (48 * 10 + 48)  # the head's weight and the largest bias
+    formula = expected_bytes([64, 32, 48, 10], 64, np.float32, BF16, 1, compute_copy="cast", fp8_weights=True)
+    assert formula["compute_copies"] == cast.model.cast_buffer.nbytes
+    assert len(set(kept_losses.tolist())) > 30  # it trains
+    np.testing.assert_array_equal(cast_losses, kept_losses)
+    for p, q in zip(kept.model.params, cast.model.params, strict=True):
+        np.testing.assert_array_equal(q.value, p.value, err_msg=p.name)
+
+
+def test_the_engine_rounds_a_master_weight_to_16_bits_before_its_fp8_cast():
+    """Fp8Gemm given a float32 B (a weight's master): its FP8 bytes and recorded amax are those of B in A's
+    dtype, not of the float32 values (they differ in a few percent of the elements)."""
+    rng = np.random.default_rng(3)
+    a = _bf16((32, 48), 1)
+    w = rng.standard_normal((48, 16)).astype(np.float32) * np.float32(0.1)
+    assert (quantize(w, np.float32(37.0), "e4m3") != quantize(w.astype(BF16), np.float32(37.0), "e4m3")).any()
+    outs = []
+    for b in (w, w.astype(BF16)):
+        gemm = Fp8Gemm(NumpyGemm(), Fp8Scaling(np))
+        gemm.scaling.get("l.fwd.b").scale[...] = np.float32(37.0)
+        d, _ = gemm("l.fwd", a, b)
+        outs.append((d, gemm.scaling.state_dict()))
+    (d_master, state_master), (d_copy, state_copy) = outs
+    assert d_master.dtype == BF16
+    np.testing.assert_array_equal(d_master, d_copy)
+    for key, value in state_copy.items():
+        np.testing.assert_array_equal(state_master[key], value, err_msg=key)
+    head = Fp8Gemm(NumpyGemm(), Fp8Scaling(np))  # 10 columns: the 16-bit GEMM, on B in A's dtype
+    w10 = w[:, :10]
+    d16, _ = head("h.fwd", a, w10)
+    np.testing.assert_array_equal(d16, NumpyGemm()("h.fwd", a, w10.astype(BF16))[0])
+
+
 def test_an_fp8_run_resumes_bit_for_bit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     overrides = {**FP8, "precision__amax_history": 4, "epochs": 2}
     train(make_cfg(**overrides), tmp_path / "straight")

@@ -21,7 +21,16 @@ STEP_MODELS = [  # (name, widths, batch)
 
 
 def bench_step_mlptrain(
-    widths, batch, precision, mode, reps, graph=False, autotune=False, wgrad_stream=None, activation="relu"
+    widths,
+    batch,
+    precision,
+    mode,
+    reps,
+    graph=False,
+    autotune=False,
+    wgrad_stream=None,
+    activation="relu",
+    compute_copy=None,
 ):
     import gc
 
@@ -33,7 +42,15 @@ def bench_step_mlptrain(
     pool = cp.get_default_memory_pool()
     pool.free_all_blocks()
     tr = step_trainer(
-        widths, batch, precision, mode, graph=graph, autotune=autotune, wgrad_stream=wgrad_stream, activation=activation
+        widths,
+        batch,
+        precision,
+        mode,
+        graph=graph,
+        autotune=autotune,
+        wgrad_stream=wgrad_stream,
+        activation=activation,
+        compute_copy=compute_copy,
     )
     losses = []
     with tr.stream:  # the stream a training run uses (graph capture needs a non-default one)

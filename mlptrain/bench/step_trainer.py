@@ -44,11 +44,11 @@ def step_overrides(
     head_kernel: bool = True,
     workspace_mib: Any = "default",
     activation: str = "relu",
-    compute_copy: str = "kept",
+    compute_copy: str | None = None,
 ) -> list[str]:
     """The overrides of a benchmark step: ``widths`` (input, hidden..., classes) at ``batch``, SGD
-    (or ``optimizer``) at a constant lr of 1e-3, no progress bar. ``compute_copy`` applies to fp16
-    and bf16; ``workspace_mib="default"`` keeps the configuration's cap."""
+    (or ``optimizer``) at a constant lr of 1e-3, no progress bar. ``compute_copy`` applies to fp16,
+    bf16 and fp8 (None: the precision's own); ``workspace_mib="default"`` keeps the configuration's cap."""
     values: dict[str, Any] = {
         "device": "gpu",
         "precision.name": precision,
@@ -66,7 +66,7 @@ def step_overrides(
         "progress": False,
         "graph": graph,
     }
-    if precision in HALF:
+    if compute_copy is not None and precision in (*HALF, "fp8"):  # else the precision's own (auto)
         values["precision.compute_copy"] = compute_copy
     if workspace_mib != "default":  # else the configuration's default cap
         values["execution.workspace_mib"] = workspace_mib

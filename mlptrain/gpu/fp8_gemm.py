@@ -187,11 +187,12 @@ class GpuFp8Gemm(Fp8Gemm):
         scaling: Fp8Scaling,
         mode: str = "fused",
         *,
+        dtype: Any = None,
         workspace_mib: int | None = 64,
         fast_accum: bool = False,
         own_drelu_bgrad: bool = True,
     ) -> None:
-        super().__init__(base, scaling, mode)
+        super().__init__(base, scaling, mode, dtype=dtype)
         self.workspace_cap = int(workspace_mib if workspace_mib is not None else 256) * 2**20
         self.fast_accum = fast_accum
         # DRELU_BGRAD as the plain FP8 GEMM and mlptrain's kernel (gpu/fp8_dgrad.py), not cuBLASLt's epilogue

@@ -12,7 +12,11 @@ order of the bits is the order of the floats, and any NaN's bits exceed inf's, s
   the input gradient, X^T and dZ^T for the weight gradient: Hopper runs FP8 only as "TN", K
   contiguous in both operands, and K is the batch there), 16-byte loads and 8-byte stores too.
 
-Both move memory at close to the GPU's bandwidth only with wide accesses: one byte stored per thread
+Each has a ``_f32_e4m3`` twin for a weight's float32 master (``compute_copy=cast``, the FP8 default:
+no 16-bit copy of the weights is kept): it reads 32 bytes a thread and rounds them to bfloat16 in
+registers (``cvt.rn.bf16x2.f32``), so its bytes and amax are those of the kept copy's cast.
+
+All move memory at close to the GPU's bandwidth only with wide accesses: one byte stored per thread
 (the first version) left each cast several times slower than its bytes (docs/benchmarks.md, #30).
 
 The cast itself is the hardware's: PTX ``cvt.rn.satfinite.e4m3x2.f32`` (sm_89+), two values at a
@@ -59,6 +63,25 @@ __device__ __forceinline__ unsigned short NAME(float lo, float hi, float scale) 
 }
 MLPTRAIN_FP8_CVT2(mlptrain_to_e4m3x2, "e4m3")
 MLPTRAIN_FP8_CVT2(mlptrain_to_e5m2x2, "e5m2")
+
+// Eight consecutive 16-bit values, elements e .. e + 7 (e a multiple of 8), as four words of bfloat16
+// pairs (element 2j in word j's low half): a bfloat16 tensor read with one 16-byte load, or a float32
+// master weight read with two and rounded to bfloat16 in registers (cvt.rn.bf16x2.f32: round to
+// nearest even, as the optimizer's kept copy is written), so both give the same bytes and amax
+__device__ __forceinline__ void mlptrain_load8_bf16(const void* x, long long e, unsigned int w[4]) {
+    const uint4 v = *(const uint4*)((const unsigned short*)x + e);
+    w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
+}
+__device__ __forceinline__ unsigned int mlptrain_bf16x2(unsigned int lo, unsigned int hi) {
+    unsigned int r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(__uint_as_float(hi)), "f"(__uint_as_float(lo)));
+    return r;
+}
+__device__ __forceinline__ void mlptrain_load8_f32(const void* x, long long e, unsigned int w[4]) {
+    const uint4 a = *(const uint4*)((const float*)x + e), b = *(const uint4*)((const float*)x + e + 4);
+    w[0] = mlptrain_bf16x2(a.x, a.y); w[1] = mlptrain_bf16x2(a.z, a.w);
+    w[2] = mlptrain_bf16x2(b.x, b.y); w[3] = mlptrain_bf16x2(b.z, b.w);
+}
 
 // The scale update, run by the grid's last block once every block has folded its amax in:
 // scale_inv = 1 / scale (what the GEMM dequantises with: the scale this cast used); then, with record,
@@ -113,17 +136,17 @@ __device__ __forceinline__ void mlptrain_block_amax(unsigned int m, int tid, int
 }
 
 // out[i] = fp8(x[i] * scale), n elements in memory order, 8 a thread (16-byte loads, 8-byte stores):
-// n a multiple of 8 and both pointers 16- and 8-byte aligned (the caller checks)
-#define MLPTRAIN_FP8_CAST(NAME, CVT2)                                                                \
-extern "C" __global__ void NAME(const uint4* x, long long n8, unsigned long long* out,              \
+// n a multiple of 8 and both pointers 16- and 8-byte aligned (the caller checks); LOAD8 reads x
+#define MLPTRAIN_FP8_CAST(NAME, CVT2, LOAD8)                                                         \
+extern "C" __global__ void NAME(const void* x, long long n8, unsigned long long* out,               \
                                 MLPTRAIN_FP8_STATE_ARGS) {                                           \
     const mlptrain_fp8_state st = MLPTRAIN_FP8_STATE;                                                \
     const float s = *scale;                                                                       \
     unsigned int m = 0u;                                                                             \
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n8;                    \
          i += (long long)gridDim.x * blockDim.x) {                                                   \
-        const uint4 v = x[i];                                                                        \
-        const unsigned int w[4] = {v.x, v.y, v.z, v.w};                                              \
+        unsigned int w[4];                                                                           \
+        LOAD8(x, 8 * i, w);                                                                          \
         unsigned long long q = 0ull;                                                                 \
         for (int j = 0; j < 4; ++j) {  /* bf16 pair j: element 2j in the low half */                 \
             const float lo = __uint_as_float(w[j] << 16), hi = __uint_as_float(w[j] & 0xFFFF0000u);  \
@@ -134,14 +157,15 @@ extern "C" __global__ void NAME(const uint4* x, long long n8, unsigned long long
     }                                                                                                \
     mlptrain_block_amax(m, threadIdx.x, blockDim.x, st);                                             \
 }
-MLPTRAIN_FP8_CAST(mlptrain_fp8_cast_e4m3, mlptrain_to_e4m3x2)
-MLPTRAIN_FP8_CAST(mlptrain_fp8_cast_e5m2, mlptrain_to_e5m2x2)
+MLPTRAIN_FP8_CAST(mlptrain_fp8_cast_e4m3, mlptrain_to_e4m3x2, mlptrain_load8_bf16)
+MLPTRAIN_FP8_CAST(mlptrain_fp8_cast_e5m2, mlptrain_to_e5m2x2, mlptrain_load8_bf16)
+MLPTRAIN_FP8_CAST(mlptrain_fp8_cast_f32_e4m3, mlptrain_to_e4m3x2, mlptrain_load8_f32)
 
 // x (rows, cols) row-major -> out (cols, rows) row-major through a 64 x 64 tile; block 256 threads.
 // Read: 8 threads cover a tile row's 64 columns with 16-byte loads (32 rows a pass, 2 passes).
 // Write: 8 threads cover an output row's 64 bytes with 8-byte stores. rows, cols multiples of 8.
-#define MLPTRAIN_FP8_CAST_T(NAME, CVT2)                                                              \
-extern "C" __global__ void NAME(const unsigned short* x, long long rows, long long cols,            \
+#define MLPTRAIN_FP8_CAST_T(NAME, CVT2, LOAD8)                                                       \
+extern "C" __global__ void NAME(const void* x, long long rows, long long cols,                      \
                                 unsigned char* out, MLPTRAIN_FP8_STATE_ARGS) {                       \
     const mlptrain_fp8_state st = MLPTRAIN_FP8_STATE;                                                \
     __shared__ float tile[64][65];                                                                   \
@@ -152,9 +176,8 @@ extern "C" __global__ void NAME(const unsigned short* x, long long rows, long lo
     for (int p = 0; p < 2; ++p) {                                                                    \
         const int tr = row32 + 32 * p;                                                               \
         const long long r = r0 + tr, c = c0 + 8 * lane8;                                             \
-        uint4 v = make_uint4(0u, 0u, 0u, 0u);                                                        \
-        if (r < rows && c < cols) v = *(const uint4*)(x + r * cols + c);                             \
-        const unsigned int w[4] = {v.x, v.y, v.z, v.w};                                              \
+        unsigned int w[4] = {0u, 0u, 0u, 0u};                                                        \
+        if (r < rows && c < cols) LOAD8(x, r * cols + c, w);                                         \
         for (int j = 0; j < 4; ++j) {                                                                \
             const float lo = __uint_as_float(w[j] << 16), hi = __uint_as_float(w[j] & 0xFFFF0000u);  \
             m = mlptrain_umax(m, mlptrain_umax(__float_as_uint(lo) & 0x7FFFFFFFu, __float_as_uint(hi) & 0x7FFFFFFFu)); \
@@ -177,8 +200,9 @@ extern "C" __global__ void NAME(const unsigned short* x, long long rows, long lo
     }                                                                                                \
     mlptrain_block_amax(m, t, 256, st);                                                              \
 }
-MLPTRAIN_FP8_CAST_T(mlptrain_fp8_cast_t_e4m3, mlptrain_to_e4m3x2)
-MLPTRAIN_FP8_CAST_T(mlptrain_fp8_cast_t_e5m2, mlptrain_to_e5m2x2)
+MLPTRAIN_FP8_CAST_T(mlptrain_fp8_cast_t_e4m3, mlptrain_to_e4m3x2, mlptrain_load8_bf16)
+MLPTRAIN_FP8_CAST_T(mlptrain_fp8_cast_t_e5m2, mlptrain_to_e5m2x2, mlptrain_load8_bf16)
+MLPTRAIN_FP8_CAST_T(mlptrain_fp8_cast_t_f32_e4m3, mlptrain_to_e4m3x2, mlptrain_load8_f32)
 """
 
 
@@ -196,9 +220,14 @@ def cast(x: Any, fmt: str, st: GpuTensorScale, limits: tuple[Any, ...], transpos
     """The FP8 bytes of the C-contiguous bfloat16 ``x (R, C)``: ``(R, C)``, or ``(C, R)`` with ``transpose``.
 
     One kernel: the cast with ``st``'s scale, ``max |x|`` folded into ``st.amax_bits``, and, in the grid's
-    last block, the scale update (``limits``: fp8_max and 2^margin as float64, record as int32)."""
-    if x.dtype.name != "bfloat16" or not x.flags.c_contiguous or x.ndim != 2:
-        raise ValueError(f"the FP8 cast needs a C-contiguous 2-d bfloat16 array; got {x.dtype} {x.shape}")
+    last block, the scale update (``limits``: fp8_max and 2^margin as float64, record as int32). A float32
+    ``x`` (a master weight, cast to e4m3) is rounded to bfloat16 first, in the kernel: the bytes of
+    ``cast(x.astype(bfloat16))`` without that copy."""
+    f32 = x.dtype == cp.float32
+    if f32 and fmt != "e4m3":
+        raise ValueError(f"the FP8 cast of a float32 master weight writes e4m3; got {fmt}")
+    if (x.dtype.name != "bfloat16" and not f32) or not x.flags.c_contiguous or x.ndim != 2:
+        raise ValueError(f"the FP8 cast needs a C-contiguous 2-d bfloat16 or float32 array; got {x.dtype} {x.shape}")
     rows, cols = x.shape
     if rows % 8 or cols % 8:  # FP8 GEMMs take multiples of 16 (epilogs_fp8.fits_fp8): the casts 8 at a time
         raise ValueError(f"the FP8 cast takes dimensions that are multiples of 8; got {x.shape}")
@@ -208,14 +237,14 @@ def cast(x: Any, fmt: str, st: GpuTensorScale, limits: tuple[Any, ...], transpos
     if not transpose:
         out = cp.empty((rows, cols), dtype=cp.uint8)
         n8 = rows * cols // 8
-        kernel = module().get_function(f"mlptrain_fp8_cast_{fmt}")
+        kernel = module().get_function(f"mlptrain_fp8_cast_{'f32_' if f32 else ''}{fmt}")
         kernel((_grid(n8),), (256,), (x, np.int64(n8), out, *state, *limits))
         return out
     out = cp.empty((cols, rows), dtype=cp.uint8)
     grid = (-(-cols // 64), -(-rows // 64))  # tiles of 64 columns x 64 rows
     if grid[1] > 65535:
         raise ValueError(f"the transposed FP8 cast takes at most {65535 * 64} rows; got {rows}")
-    kernel = module().get_function(f"mlptrain_fp8_cast_t_{fmt}")
+    kernel = module().get_function(f"mlptrain_fp8_cast_t_{'f32_' if f32 else ''}{fmt}")
     kernel(grid, (256,), (x, np.int64(rows), np.int64(cols), out, *state, *limits))
     return out
 
@@ -243,9 +272,14 @@ class GpuFp8Scaling(Fp8Scaling):
             self.tensors[name] = GpuTensorScale(self.history_len)
         return self.tensors[name]
 
-    def quantize(self, name: str, x: Any, fmt: str, record: bool = True, order: str = "K") -> tuple[Any, Any]:
+    def quantize(
+        self, name: str, x: Any, fmt: str, record: bool = True, order: str = "K", via: Any = None
+    ) -> tuple[Any, Any]:
         """The FP8 bytes of ``x (R, C)`` (uint8, x's shape) in memory ``order`` ``"C"`` or ``"F"``, and the
-        dequantisation scale; a transposed cast where x has the other order."""
+        dequantisation scale; a transposed cast where x has the other order. ``via``: the 16-bit dtype a
+        float32 ``x`` stands for (a master weight): bfloat16 is rounded to in the cast kernel, another by a copy."""
+        if via is not None and not (np.dtype(via).name == "bfloat16" and fmt == "e4m3"):
+            x = x.astype(via)
         st = self.get(name)
         assert isinstance(st, GpuTensorScale)
         if order not in ("C", "F"):

@@ -62,6 +62,28 @@ def test_the_cast_kernels_round_and_saturate_as_the_contract(fmt, order, shape):
 
 
 @needs_fp8
+@pytest.mark.parametrize("order", ["C", "F"])
+@pytest.mark.parametrize("shape", [(48, 80), (4096, 2056)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_the_cast_of_a_float32_master_is_the_cast_of_its_bfloat16_copy(order, shape):
+    """A weight's float32 master (compute_copy=cast) is rounded to bfloat16 in the cast kernel's registers:
+    the bytes, the dequantisation scale and the amax history are those of casting the bfloat16 copy. The
+    values are drawn so that rounding to FP8 straight from float32 gives other bytes somewhere."""
+    w = (np.random.default_rng(5).standard_normal(shape) * 0.05).astype(np.float32)
+    w[1, 2] = np.float32(0.1) + np.float32(2.0**-14)  # its bfloat16 rounding decides the amax's low bits
+    gpu, copy = GpuFp8Scaling(), GpuFp8Scaling()
+    for step in range(3):
+        ws = w * np.float32(step + 1)
+        q, inv = gpu.quantize("w", cp.asarray(ws), "e4m3", order=order, via=BF16)
+        q16, inv16 = copy.quantize("w", cp.asarray(ws.astype(BF16)), "e4m3", order=order)
+        assert q.flags.c_contiguous == (order == "C") and q.shape == shape
+        assert cp.array_equal(q, q16) and float(inv) == float(inv16), f"step {step}"
+        straight = quantize(ws, np.float32(1.0 / float(inv16)), "e4m3").view(np.uint8)  # no bfloat16 first
+        assert (straight != cp.asnumpy(q16)).any()  # the test can tell the two roundings apart
+    for key, value in copy.state_dict().items():
+        np.testing.assert_array_equal(gpu.state_dict()[key], value, err_msg=key)
+
+
+@needs_fp8
 def test_the_cast_refuses_dimensions_that_are_not_multiples_of_8():
     with pytest.raises(ValueError, match=r"multiples of 8; got \(40, 12\)"):
         GpuFp8Scaling().quantize("t", cp.asarray(_bf16((40, 12), 0)), "e4m3", order="C")
@@ -258,3 +280,83 @@ def test_the_column_sums_of_a_weight_gradient_operand(k, n):
     bound = 2.0**-8 * np.abs(exact) + k * 2.0**-24 * np.abs(b.astype(np.float64)).sum(axis=0) + 1e-30
     assert got.shape == (n,) and np.all(np.abs(f64(got) - exact) <= bound)
     np.testing.assert_array_equal(cp.asnumpy(b_gpu), before)  # no mask: b is read, not written
+
+
+@needs_fp8
+@pytest.mark.parametrize("wgrad_stream", [True, False])
+def test_fp8_without_a_weight_copy_takes_the_kept_copys_steps_in_less_memory(wgrad_stream):
+    """precision=fp8's own compute_copy (auto: cast): the FP8 casts read the float32 weights; the head's weight
+    and the biases share a small cast buffer. Captured and replayed, every loss, weight and scale equals the
+    kept bfloat16 copy's run bit for bit, with 2 bytes a hidden weight less in the account and everything
+    else the same (the peaks: scripts/bench_fp8.py, at sizes where the weights are what counts)."""
+    import gc
+
+    from gpu_helpers import gpu_trainer, train_losses
+
+    from mlptrain.gpu.memory import account, expected_bytes
+
+    runs = {}
+    for copy in ("kept", "auto"):
+        gc.collect()
+        cp.get_default_memory_pool().free_all_blocks()
+        tr = gpu_trainer(**{
+            "model.hidden": [2048, 2048], "data.batch_size": 256, "precision.name": "fp8",
+            "precision.compute_copy": copy, "execution.bgrad": "bgradb", "execution.plan_cache": False,
+            "execution.wgrad_stream": wgrad_stream,
+        })  # fmt: skip
+        with tr.stream:
+            losses = train_losses(tr, 12)  # two warm-up steps, the capture, replays
+        assert tr.graphed.num_graphs >= 1
+        runs[copy] = {
+            "losses": losses,
+            "params": {p.name: cp.asnumpy(p.value) for p in tr.model.params},
+            "scales": tr.gemm.scaling.state_dict(),
+            "live": account(tr)["live_bytes"],
+            "gemm_casts": [layer.weight.gemm_casts for layer in tr.model.layers],
+            "weights": sum(int(p.value.size) for p in tr.model.params),
+            "widths": tr.widths,
+        }
+        del tr
+    kept, cast = runs["kept"], runs["auto"]
+    kept["copies"], cast["copies"] = kept["live"]["compute_copies"], cast["live"]["compute_copies"]
+    assert cast["gemm_casts"] == [True, True, False]  # 64-2048-2048 in FP8, the 10-class head in bf16
+    assert kept["gemm_casts"] == [False, False, False]
+    assert len(set(kept["losses"].tolist())) > 6  # it trains
+    np.testing.assert_array_equal(cast["losses"], kept["losses"])
+    for name, value in kept["params"].items():
+        np.testing.assert_array_equal(cast["params"][name], value, err_msg=name)
+    for key, value in kept["scales"].items():
+        np.testing.assert_array_equal(cast["scales"][key], value, err_msg=key)
+    assert kept["copies"] == 2 * kept["weights"]
+    assert cast["copies"] == 2 * (2048 * 10 + 2048)  # the head's weight and the largest bias
+    want = expected_bytes(cast["widths"], 256, np.float32, BF16, 1, compute_copy="cast", fp8_weights=True)
+    assert want["compute_copies"] == cast["copies"]
+    # everything else the runs hold is the same: the memory saved is the hidden weights' copies less the buffer
+    for key, value in kept["live"].items():
+        if key not in ("compute_copies", "gemm_workspaces"):
+            assert cast["live"][key] == value, key
+
+
+@needs_fp8
+def test_a_16_class_head_read_as_the_master_by_the_head_kernel_takes_the_kept_copys_steps():
+    """16 classes: the output layer's widths fit FP8, so its weight is a master too (Param.gemm_casts), and the
+    head kernel (mlptrain.head, mode kernel), which reads W in 16 bits, gets it cast: the kept copy's steps."""
+    from gpu_helpers import gpu_trainer, train_losses
+
+    runs = {}
+    for copy in ("kept", "auto"):
+        tr = gpu_trainer(**{
+            "data.name": "synthetic", "data.samples": 4096, "data.features": 32, "data.classes": 16,
+            "data.batch_size": 128, "model.hidden": [64], "precision.name": "fp8", "precision.compute_copy": copy,
+            "execution.bgrad": "bgradb", "execution.plan_cache": False,
+        })  # fmt: skip
+        with tr.stream:
+            losses = train_losses(tr, 10)
+        assert tr.head.mode == "kernel"
+        runs[copy] = (tr, losses)
+    (kept, kept_losses), (cast, cast_losses) = runs["kept"], runs["auto"]
+    assert [layer.weight.gemm_casts for layer in cast.model.layers] == [True, True]
+    assert len(set(kept_losses.tolist())) > 5
+    np.testing.assert_array_equal(cast_losses, kept_losses)
+    for p, q in zip(kept.model.params, cast.model.params, strict=True):
+        np.testing.assert_array_equal(cp.asnumpy(q.value), cp.asnumpy(p.value), err_msg=p.name)
