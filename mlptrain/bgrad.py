@@ -3,7 +3,8 @@
 ``drelu_bgrad``: in the input-gradient GEMM of the layer above (the DRELU_BGRAD epilog); ``bgradb``: in
 the layer's own weight-gradient GEMM (DRELU above, BGRADB here). Both are exact; which is faster depends
 on the shapes and on how the backward is scheduled, so ``auto`` times this model's step both ways on the
-GPU (:mod:`mlptrain.gpu.probe`), and takes ``bgradb`` untimed where the choice cannot matter.
+GPU (:mod:`mlptrain.gpu.probe`), and takes ``bgradb`` untimed where the choice cannot matter
+(``drelu_bgrad`` under ``precision=fp8``, where it is the one without a pass of its own).
 """
 
 from __future__ import annotations
@@ -33,6 +34,13 @@ def choose(tr: Any) -> None:
     if small or not (tr.backend.is_gpu and tr.cfg.execution.mode.value == "fused" and len(tr.widths) > 2):
         # on the CPU (and in naive mode) the two do the same work; in a small step the choice cannot
         tr.model.set_bgrad("bgradb")  # matter and the probe would cost more than the run (default digits)
+        return
+    if tr.precision.fp8:
+        # FP8 on the GPU: DRELU_BGRAD is the plain FP8 GEMM and mlptrain's mask kernel, which sums the bias
+        # gradient as it masks (gpu/fp8_dgrad.py); BGRADB has no FP8 form and costs a pass of its own over dZ.
+        # drelu_bgrad, untimed (docs/benchmarks.md, #30: 3.71 against 4.19 ms a step at 4096 x 4, batch 8192).
+        # Timed, the probe's key would also be the bf16 step's (the same compute dtype) and share its entry.
+        tr.model.set_bgrad("drelu_bgrad")
         return
     from mlptrain.gpu.plan_cache import PlanCache
     from mlptrain.gpu.probe import choose_bgrad, random_batch

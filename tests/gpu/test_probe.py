@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from gpu_helpers import gpu_trainer
+from gpu_helpers import cp, gpu_trainer
 
 pytestmark = pytest.mark.gpu
 
@@ -51,3 +51,18 @@ def test_bgrad_auto_probes_only_models_whose_step_is_worth_timing(monkeypatch):
     monkeypatch.setattr(bgrad_module, "PROBE_MIN_FLOPS", 1.0)  # everything is worth timing now
     gpu_trainer(**{"execution.bgrad": "auto", "execution.plan_cache": False})
     assert len(timed) == 1
+
+
+def test_bgrad_auto_takes_drelu_bgrad_untimed_in_fp8(monkeypatch):
+    """precision=fp8: the mask kernel sums the bias gradient, BGRADB would be a pass of its own: no probe."""
+    from mlptrain import bgrad as bgrad_module
+    from mlptrain.gpu import probe
+
+    if int(cp.cuda.Device().compute_capability) < 89:
+        pytest.skip("FP8 needs compute capability 8.9 or higher")
+    timed = []
+    monkeypatch.setattr(probe, "choose_bgrad", lambda *a, **k: timed.append(a[2]))
+    monkeypatch.setattr(bgrad_module, "PROBE_MIN_FLOPS", 1.0)  # worth timing, were it not fp8
+    tr = gpu_trainer(**{"execution.bgrad": "auto", "execution.plan_cache": False, "precision.name": "fp8",
+                        "model.hidden": [256, 256]})  # fmt: skip
+    assert tr.model.bgrad == ["drelu_bgrad", "drelu_bgrad"] and timed == []
