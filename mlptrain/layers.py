@@ -85,10 +85,8 @@ class Param:
         self.gemm_casts = gemm_casts and value.dtype != compute_dtype
         self.cast_buffer = cast_buffer if value.dtype != compute_dtype and not self.gemm_casts else None
         self.role = role
-        if self.gemm_casts:
-            self.compute: Any = None
-        elif self.cast_buffer is not None:
-            self.compute: Any = None
+        if self.gemm_casts or self.cast_buffer is not None:
+            self.compute: Any = None  # read through for_gemm(): the master, or its cast into the buffer
         else:
             self.compute = value if value.dtype == compute_dtype else value.astype(compute_dtype)
         self.grad: Any = None
