@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -28,9 +29,7 @@ def nonfinite_tensors(tr: Trainer, *, grads: bool) -> list[str]:
     element is) and a flagged tensor is confirmed element-wise, since the dot product itself can
     overflow.
     """
-    params = tr.model.params
-    items = [(f"{p.name} gradient", p.grad) for p in params if grads and p.grad is not None]
-    items += [(p.name, p.value) for p in params]
+    items = _checked(tr, grads)
     if tr.backend.is_gpu:
         from mlptrain.gpu.nonfinite import nonfinite_flags
 
@@ -40,25 +39,91 @@ def nonfinite_tensors(tr: Trainer, *, grads: bool) -> list[str]:
     return [n for (n, a), s in zip(items, screens, strict=True) if not math.isfinite(s) and not np.isfinite(a).all()]
 
 
+def _checked(tr: Trainer, grads: bool) -> list[tuple[str, Any]]:
+    """``(name, array)`` of what the inf/NaN check reads: the gradients (if ``grads``), then the parameters."""
+    params = tr.model.params
+    items = [(f"{p.name} gradient", p.grad) for p in params if grads and p.grad is not None]
+    return items + [(p.name, p.value) for p in params]
+
+
+class IntervalChecks:
+    """The checks of one log interval, queued on the device after its steps and read when the loop collects it.
+
+    What :func:`nonfinite_error` and :func:`check_scaler` read from the device (which tensors hold
+    inf/NaN, fp16's count of consecutive skipped steps), taken as the interval ends, so that the loop can
+    read them one interval later without stopping the device (:class:`mlptrain.loop.Interval`). Without
+    a GPU watch (the CPU) they are read at once.
+    """
+
+    def __init__(self, tr: Trainer, watch: Any = None) -> None:
+        """``watch``: the GPU's :class:`~mlptrain.gpu.nonfinite.NonfiniteWatch`, kept by the caller (its
+        pointer tables are made once); without one the checks are read now (the CPU)."""
+        scaled = tr.scaler.enabled  # fp16: overflowing gradients are the scaler's to handle, not errors
+        items = _checked(tr, grads=not scaled)
+        self.names = [n for n, _ in items]
+        self._skips: Any = None
+        self._bad: list[str] | None = None
+        if watch is None:  # read now (the CPU's checks cost a fraction of the per-step checks it runs anyway)
+            self._bad = nonfinite_tensors(tr, grads=not scaled)
+            self._skips = int(tr.scaler.consecutive_skips) if scaled else 0
+            return
+        if scaled:  # the count into page-locked memory, on the stream before the flags (whose event covers it)
+            self._skips = _pinned_like(tr.scaler.consecutive_skips)
+            tr.scaler.consecutive_skips.get(out=self._skips, blocking=False)
+        self._flags = watch.queue([a for _, a in items])
+
+    @property
+    def nonfinite(self) -> list[str]:
+        """Names of the tensors that held inf/NaN when the interval ended (waits for the copy, GPU)."""
+        if self._bad is None:
+            self._bad = [n for n, bad in zip(self.names, self._flags.result(), strict=True) if bad]
+        return self._bad
+
+    @property
+    def consecutive_skips(self) -> int:
+        """fp16: steps skipped in a row up to the interval's end (0 without a loss scaler)."""
+        if isinstance(self._skips, np.ndarray):
+            self._flags.result()  # queued after the count's copy: once the flags are there, so is the count
+        return int(self._skips or 0)
+
+
+def _pinned_like(a: Any) -> np.ndarray:
+    import cupy as cp
+
+    mem = cp.cuda.alloc_pinned_memory(max(a.nbytes, 1))
+    return np.frombuffer(mem, a.dtype, a.size).reshape(a.shape)
+
+
 def nonfinite_error(
-    tr: Trainer, losses: np.ndarray, lrs: np.ndarray, epoch: int, *, each_step: bool, saved: str
+    tr: Trainer,
+    losses: np.ndarray,
+    lrs: np.ndarray,
+    epoch: int,
+    *,
+    each_step: bool,
+    saved: str,
+    checks: IntervalChecks | None = None,
+    last_step: int | None = None,
 ) -> NonFiniteError | None:
-    """The error for the first inf/NaN loss of the last ``len(losses)`` steps, or any inf/NaN tensor now.
+    """The error for the first inf/NaN loss of the last ``len(losses)`` steps, or any inf/NaN tensor.
 
     ``each_step``: checked after every step (the CPU), so the step that made them is known;
     otherwise checked once per log interval. ``saved`` says where the last checkpoint is.
+    ``checks``: the tensors as the interval ended (:class:`IntervalChecks`; default: checked now), and
+    ``last_step`` the interval's last step (default: the trainer's last).
     """
     scaled = tr.scaler.enabled  # fp16: overflowing gradients are the scaler's to handle, not errors
     bad = [] if scaled else [j for j, v in enumerate(losses) if not math.isfinite(v)]
-    tensors = nonfinite_tensors(tr, grads=not scaled)
+    tensors = (checks or IntervalChecks(tr)).nonfinite
     if not bad and not tensors:
         return None
+    last = tr.step_count - 1 if last_step is None else last_step
     j = bad[0] if bad else len(losses) - 1
-    step = tr.step_count - len(losses) + j
+    step = last + 1 - len(losses) + j
     if each_step:  # checked after every step: this step made them
         where, after = f"at step {step}", ""
     elif bad:
-        where, after = f"at step {step}", f" after step {tr.step_count - 1}"
+        where, after = f"at step {step}", f" after step {last}"
     else:
         where, after = f"by step {step}", f" (checked every {tr.cfg.log_every} steps)"
     what = [f"the training loss is {losses[j]}"] if bad else []
@@ -70,15 +135,21 @@ def nonfinite_error(
     )
 
 
-def check_scaler(tr: Trainer) -> None:
-    """fp16: stop after ``precision.max_consecutive_skips`` consecutive overflowing (skipped) steps."""
+def check_scaler(tr: Trainer, checks: IntervalChecks | None = None, last_step: int | None = None) -> None:
+    """fp16: stop after ``precision.max_consecutive_skips`` consecutive overflowing (skipped) steps.
+
+    ``checks``: the count as a log interval ended, its last step ``last_step`` (default: read now)."""
     max_skips = tr.cfg.precision.max_consecutive_skips
-    if not tr.scaler.enabled or int(tr.scaler.consecutive_skips) < max_skips:
+    if not tr.scaler.enabled:
         return
+    skips = int(tr.scaler.consecutive_skips) if checks is None else checks.consecutive_skips
+    if skips < max_skips:
+        return
+    last = tr.step_count - 1 if last_step is None else last_step
     grads = [n for n in nonfinite_tensors(tr, grads=True) if n.endswith(" gradient")]
     raise NonFiniteError(
-        f"{tr.precision.name} gradients overflowed on {int(tr.scaler.consecutive_skips)} consecutive steps up to step "
-        f"{tr.step_count - 1} (loss scale now {float(tr.scaler.scale):.3g}; last step's inf/NaN: "
+        f"{tr.precision.name} gradients overflowed on {skips} consecutive steps up to step "
+        f"{last} (loss scale now {float(tr.scaler.scale):.3g}; last step's inf/NaN: "
         f"{', '.join(grads) or 'none'}); the model diverged: lower optimizer.lr or use precision=bf16"
     )
 

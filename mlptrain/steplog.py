@@ -10,8 +10,11 @@ rest of the step, so the host does nothing per step but replay the graph.
 
 Metrics go into a ring of ``capacity`` slots in device memory, indexed by the device step count
 (slot ``step % capacity``, :class:`~mlptrain.schedule.StepClock`); the training loop reads the ring
-back once per log interval (one host sync), and ``capacity`` is the interval length, so a slot is
-never overwritten before it is read.
+back once per log interval, and ``capacity`` is the interval length. :meth:`StepLog.request` queues
+the interval's copies on the stream and returns at once; :meth:`MetricsRead.result` waits for them
+later (the loop collects one interval while the device runs the next), so a log interval need not
+stop the device. A slot is never overwritten before it is read: the copy is queued after the
+interval's steps and before the next interval's, and the stream runs them in that order.
 The epoch's running sums live on the device too.
 
 On the CPU the same bookkeeping runs as NumPy operations, in the same order.
@@ -59,7 +62,8 @@ class StepLog:
         self.correct = xp.zeros(capacity, dtype=xp.int64)
         self.skip = xp.zeros(capacity, dtype=xp.int32)
         self.scale = xp.zeros(capacity, dtype=xp.float64)
-        self._host: dict[str, np.ndarray] | None = None  # GPU: pinned host copies of the rings (read)
+        self._host: list[dict[str, np.ndarray]] | None = None  # GPU: two sets of pinned host copies of the rings
+        self._turn = 0  # the set the next request copies into
         self.epoch_loss = xp.zeros((), dtype=xp.float64)
         self.epoch_correct = xp.zeros((), dtype=xp.int64)
         self._tail_code: dict[str, tuple[str, str, str]] = {}
@@ -116,10 +120,7 @@ class StepLog:
             self._tail_code[prefix] = self._tail_source(prefix)
         code, params, preamble = self._tail_code[prefix]
         if isinstance(batch_size, int | np.integer):
-            b = int(batch_size)
-            if b not in self._batch_size:  # first seen in an uncaptured step (graph warm-up), never in a capture
-                self._batch_size[b] = scalar(self.xp, b, np.float64)  # a host copy: no kernel to compile
-            rows = self._batch_size[b]
+            rows = self.rows_value(int(batch_size))
         else:  # a 0-d float64 device array: the global batch's rows of a data-parallel step
             rows = batch_size
         sc, sched = self.scaler, self.schedule
@@ -142,6 +143,13 @@ class StepLog:
             rows,
         )
         return KernelTail(code, params, arrays, preamble)
+
+    def rows_value(self, b: int) -> Any:
+        """The 0-d float64 device value of a batch of ``b`` rows that the tail reads, made on first use: in an
+        uncaptured step (a graph's warm-up), or ahead of a capture (:meth:`mlptrain.trainer.Trainer.step`)."""
+        if b not in self._batch_size:
+            self._batch_size[b] = scalar(self.xp, b, np.float64)  # a host copy: no kernel to compile
+        return self._batch_size[b]
 
     def scratch_tail(self, loss_dtype: Any, batch_size: int) -> KernelTail:
         """:meth:`tail` as the training step calls it, on arrays of zeros: what compiling the step's kernel ahead
@@ -168,21 +176,50 @@ class StepLog:
         return code, params, SCALER_UPDATE_CUDA + LR_AT_CUDA
 
     def read(self, first_step: int, n: int) -> dict[str, np.ndarray]:
-        """Host copies of the metrics of steps ``first_step .. first_step + n - 1`` (syncs the device)."""
+        """Host copies of the metrics of steps ``first_step .. first_step + n - 1`` (waits for the device)."""
+        return self.request(first_step, n).result()
+
+    def request(self, first_step: int, n: int) -> MetricsRead:
+        """Queue host copies of the metrics of steps ``first_step .. first_step + n - 1``; return at once.
+
+        GPU: the four rings are copied into pinned host buffers on the current stream, after the steps
+        queued before, and an event marks the end; :meth:`MetricsRead.result` waits for that event
+        only. Two sets of buffers take turns, so one read may be collected while the next is queued
+        (a third request reuses the first read's buffers: collect it before). CPU: read now.
+        """
         if not 0 <= n <= self.capacity:
             raise ValueError(f"cannot read {n} steps from a StepLog of capacity {self.capacity}")
         slots = (np.arange(first_step, first_step + n) % self.capacity).astype(np.int64)
-        names = ("loss", "correct", "skip", "scale")
         if self.xp is np:
-            return {name: np.asarray(getattr(self, name))[slots] for name in names}
-        # The four rings into pinned host buffers made once, queued on the stream, then one wait (not four).
-        if self._host is None:
-            self._host = {name: _pinned(self.xp, getattr(self, name)) for name in names}
+            return MetricsRead({name: np.asarray(getattr(self, name))[slots] for name in _RINGS})
+        if self._host is None:  # made once: page-locked, so that the copies are asynchronous
+            self._host = [{name: _pinned(self.xp, getattr(self, name)) for name in _RINGS} for _ in range(2)]
+        host = self._host[self._turn]
+        self._turn ^= 1
         stream = self.xp.cuda.get_current_stream()
-        for name in names:
-            getattr(self, name).get(stream=stream, out=self._host[name], blocking=False)
-        stream.synchronize()  # syncs the device: the interval's one wait
-        return {name: self._host[name][slots] for name in names}  # copies: the buffers are read again next time
+        for name in _RINGS:
+            getattr(self, name).get(stream=stream, out=host[name], blocking=False)
+        done = self.xp.cuda.Event(disable_timing=True)
+        done.record(stream)
+        return MetricsRead(host, slots, done)
+
+
+class MetricsRead:
+    """The metrics of a log interval on their way to the host (:meth:`StepLog.request`)."""
+
+    def __init__(self, host: dict[str, np.ndarray], slots: np.ndarray | None = None, done: Any = None) -> None:
+        self._host, self._slots, self._done = host, slots, done
+
+    def result(self) -> dict[str, np.ndarray]:
+        """``{"loss", "correct", "skip", "scale"}``, one value per step: waits for the copies (GPU), once."""
+        if self._done is not None:
+            self._done.synchronize()  # this interval's copies only: later steps may still be running
+            self._host = {name: self._host[name][self._slots] for name in _RINGS}  # copies: the buffers take turns
+            self._done = None
+        return self._host
+
+
+_RINGS = ("loss", "correct", "skip", "scale")
 
 
 # The tail's arrays, in argument order, with their CUDA types (L, K: the loss's and count's dtypes).

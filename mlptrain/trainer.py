@@ -127,6 +127,10 @@ class Trainer:
         # and one process trains (data parallel ranks gather theirs as they did); tests turn it on, on the CPU.
         self.gathers_in_step = self.runtime.graphed is not None and comm is None
         self._own_batches: dict[int, tuple[Any, Any]] = {}  # rows -> the buffers such a step gathers into
+        # Batch shapes whose graphs are captured ahead, once the first step's graph exists (train_batches, step).
+        self._ahead: list[int] = []
+        # The loop writes each log interval's records while the device runs the next (mlptrain.loop.Interval)
+        self.writes_metrics_late = self.backend.is_gpu and comm is None
         bgrad.choose(self)  # on the GPU it may time the step, so after everything the step uses
         self.runtime.free_setup_blocks()  # blocks set-up freed (the probe's, the weights' init temporaries)
         if self.grad_sync is not None:  # after the probe: it times one rank's step alone
@@ -161,9 +165,33 @@ class Trainer:
         On the GPU (unless ``graph=false``) the step is replayed from a CUDA graph. The returned
         arrays belong to the step: a replay rewrites them.
         """
-        out = self.runtime.step(x, y, tag="gather" if self._gathers(x) else None)
+        tag = "gather" if self._gathers(x) else None
+        out = self.runtime.step(x, y, tag=tag)
         self.clock.tick()
+        if self._ahead and self.graphed.captured(x, y, tag):
+            self._capture_ahead()
         return out
+
+    def _capture_ahead(self) -> None:
+        """Capture the graphs of the epoch's other batch shapes (the short last batch) now, before the loop
+        meets them: one the first time inside the timed epochs cost the epoch it fell in a capture's time.
+
+        No step is taken: each shape's warm-up is the forward and backward alone on a batch gathered for it (they
+        plan its GEMMs; :meth:`GraphedStep.precapture`), and the capture runs nothing. What the forward changes
+        under fp8 (the amax histories) is put back. The update and the bookkeeping have run uncaptured in
+        the first shape's warm-up steps, and the tail's batch size is made here, outside the capture.
+        """
+        ld, rows_now = self.train_loader, self._ahead
+        self._ahead = []
+        fp8_state = fp8.state_dict(self.gemm)
+        for rows in rows_now:
+            x, y = self._own_batches[rows]
+            if self.graphed.captured(x, y, "gather"):
+                continue
+            self.log.rows_value(rows)
+            ld.gather_in_step(x, y, self.clock.device)  # a valid batch to plan on: the next one's first rows
+            self.graphed.precapture(x, y, lambda x=x, y=y: self.forward_backward(x, y), tag="gather")
+        fp8.load_state_dict(self.gemm, fp8_state)
 
     def release_step(self) -> None:
         """Drop the arrays the last step left: gradients, saved inputs and masks, and the GEMM plans'
@@ -216,6 +244,10 @@ class Trainer:
             yield from ld.epoch(epoch, start_batch, out=self.batch_buffers)
             return
         ld.place_order(epoch, start_batch, self.step_count)
+        if not self._own_batches and self.graphed is not None:  # the first epoch: every shape, the last captured ahead
+            for rows in ld.row_counts():
+                self._own_batches[rows] = self.batch_buffers(rows, tag="gather") or self._host_buffers(rows)
+            self._ahead = [rows for rows in ld.row_counts() if rows != next(ld.batch_rows(start_batch), None)]
         for rows in ld.batch_rows(start_batch):
             if rows not in self._own_batches:
                 self._own_batches[rows] = self.batch_buffers(rows, tag="gather") or self._host_buffers(rows)

@@ -158,6 +158,35 @@ class GraphedStep:
         self.restore(g.kept)
         return g.result
 
+    def captured(self, x: Any, y: Any, tag: str | None = None) -> bool:
+        """Whether the step on batches shaped as ``x``, ``y`` (and ``tag``) has its graph."""
+        g = self._shapes.get((x.shape, x.dtype, y.shape, y.dtype, tag))
+        return g is not None and g.graph is not None
+
+    def precapture(self, x: Any, y: Any, warm: Callable[[], Any], tag: str | None = None) -> None:
+        """Capture the step of this batch shape now, without running it: no step is taken.
+
+        ``warm()`` stands in for the uncaptured warm-up steps: the work of the step that plans for the batch
+        shape (its GEMMs: nvmath plans and allocates on a first execute, which must not happen in a capture)
+        and changes no state of the run (the forward and backward; the update is left out). It runs
+        ``warmup`` times in the shape's pool, as warm-up steps would. Everything else the step runs must
+        have run before, uncaptured: call this once another shape's graph exists.
+        """
+        key = (x.shape, x.dtype, y.shape, y.dtype, tag)
+        g = self._shapes.get(key)
+        if g is None:
+            g = self._shapes[key] = _ShapeGraph()
+        if g.graph is not None:
+            return
+        for _ in range(self.warmup):
+            self.release()
+            with cp.cuda.using_allocator(g.pool.malloc):
+                warm()
+        self.release()
+        log.info("capturing the training step for batch shape %s into a CUDA graph (ahead of its first step)", x.shape)
+        g.capture(self.step, self.keep, x, y)
+        g.warm = self.warmup
+
     def input_buffers(
         self, x_shape: tuple, x_dtype: Any, y_shape: tuple, y_dtype: Any, tag: str | None = None
     ) -> tuple[Any, Any]:

@@ -118,3 +118,39 @@ def test_a_step_that_gathers_its_own_batch_replays_the_losses_of_uncaptured_step
             assert tr.graphed.num_graphs == 2 and any(n.startswith("mlptrain_gather_at_") for n in names), names
     assert len(runs[True]) == 3 * 13 - 1
     np.testing.assert_array_equal(runs[True], runs[False])
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_the_short_batch_is_captured_before_it_is_met_and_changes_nothing(precision):
+    """#31: the short last batch's graph is captured once the first shape's graph exists (step 3 of epoch 0),
+    not in the epoch where its warm-ups would end; capturing it takes no step (fp8's amax histories put back),
+    so the run's losses, parameters and fp8 scales equal those of graph=false bit for bit."""
+    runs = {}
+    for graph in (True, False):
+        settings = {"data.batch_size": 96, "model.hidden": [256, 256], "precision.name": precision, "epochs": 2}
+        tr = gpu_trainer(**settings, **{"execution.bgrad": "bgradb", "graph": graph})
+        losses = []
+        with tr.stream:
+            batches = tr.train_batches(0)
+            for _ in range(3):  # two warm-up steps, then the capture of the full batch (and, with it, the short one)
+                losses.append(tr.step(*next(batches))[0].copy())
+            if graph:
+                rows = tr.train_loader.row_counts()
+                assert len(rows) == 2 and rows[1] < rows[0]
+                assert tr.graphed.num_graphs == 2 and tr.graphed.captured(*tr._own_batches[rows[1]], "gather")
+            for x, y in batches:
+                losses.append(tr.step(x, y)[0].copy())
+            for x, y in tr.train_batches(1):
+                losses.append(tr.step(x, y)[0].copy())
+            tr.stream.synchronize()
+        runs[graph] = {
+            "losses": np.array([float(v) for v in losses]),
+            "params": {p.name: cp.asnumpy(p.value) for p in tr.model.params},
+            "scales": tr.gemm.scaling.state_dict() if precision == "fp8" else {},
+        }
+    assert len(runs[True]["losses"]) == 2 * tr.steps_per_epoch
+    np.testing.assert_array_equal(runs[True]["losses"], runs[False]["losses"])
+    for name, value in runs[False]["params"].items():
+        np.testing.assert_array_equal(runs[True]["params"][name], value, err_msg=name)
+    for key, value in runs[False]["scales"].items():
+        np.testing.assert_array_equal(runs[True]["scales"][key], value, err_msg=key)
