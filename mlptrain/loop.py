@@ -172,6 +172,7 @@ class Loop:
         # Write each log interval's records while the device runs the next (GPU, one process): see Interval.
         self.lagged = tr.writes_metrics_late
         self.in_flight: Closed | None = None  # the interval closed last, not yet written (lagged)
+        self.writer = checkpoint.Writer()  # checkpoints written on a thread while the steps go on
         self.last_saved: tuple[Path, int] | None = (resumed_from, self.start.step) if resumed_from is not None else None
         self.stop = stop
         self.progress_disable = None if self.cfg.progress is None else not self.cfg.progress
@@ -180,6 +181,18 @@ class Loop:
 
     def run(self) -> dict[str, Any]:
         """Train to the end (or a stop request); returns the summary record."""
+        try:
+            return self._run()
+        except BaseException:
+            try:  # what was queued is written (the error's "last checkpoint" note says so) before the error goes on
+                self.writer.close()
+            except Exception as exc:  # the run's own error is the one to report
+                log.error("a checkpoint write failed while the run stopped: %s", exc)
+            raise
+        finally:
+            self.writer.close()
+
+    def _run(self) -> dict[str, Any]:
         tr, cfg = self.tr, self.cfg
         t_start = time.perf_counter()
         if self.stop.requested:  # asked to stop while the run was being set up
@@ -217,6 +230,8 @@ class Loop:
         """Write and return the summary record: the run's size and speed, the last epoch's metrics, and the
         best checkpoint's epoch, metric and test scores (``best/test/acc`` ...)."""
         tr = self.tr
+        self.writer.wait()  # best.npz is read back below
+        self.stop.beat()  # (a large checkpoint on slow storage: not a hang)
         wall = time.perf_counter() - t_start
         summary = {
             "kind": "summary",
@@ -408,6 +423,7 @@ class Loop:
             last_step=closed.last if closed is not None else None,
         )
         if error is not None:
+            self.writer.wait()  # the checkpoint the message names is on disk (or its write's error comes first)
             if flush_first:  # the records up to the bad step, then the error
                 for c in ([self.in_flight] if self.in_flight is not None else []) + [self.interval.close()]:
                     self.interval.write(c, self.metrics, epoch)
@@ -434,8 +450,8 @@ class Loop:
         path = self.run_dir.checkpoint(name)
         if name == "last":  # what a resume from it keeps: TensorBoard's events up to here on disk first
             self.metrics.flush_sinks()
-        checkpoint.save(path, arrays, meta)
-        self.stop.beat()  # a large checkpoint on slow storage: not a hang
+        self.writer.submit(path, arrays, meta)  # hashed, zipped and synced on the writer's thread
+        self.stop.beat()
         if name == "last":
             self.last_saved = (path, pos.step)
 
@@ -444,6 +460,7 @@ class Loop:
         last = self.run_dir.checkpoint("last")
         if self.last_saved != (last, pos.step):
             self.save("last", pos)
+        self.writer.wait()  # "checkpoint saved": on disk before the message says so
         signum = self.stop.signum
         name = signal.Signals(signum).name
         self.metrics.write(kind="interrupted", step=pos.step, epoch=pos.epoch, checkpoint=str(last), signal=name)

@@ -137,6 +137,43 @@ def test_failed_save_leaves_the_previous_checkpoint(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.npz"], "the temporary file must be removed"
 
 
+def test_the_writer_writes_in_order_what_was_submitted(tmp_path: Path) -> None:
+    writer = checkpoint.Writer()
+    path = tmp_path / "last.npz"
+    for step in (7, 8, 9):
+        meta = _meta(step=step)
+        writer.submit(path, {k: v + step for k, v in _arrays().items()}, meta)
+        meta["position"]["step"] = -1  # changed after submit: the checkpoint keeps the meta as submitted
+    writer.close()
+    ckpt = checkpoint.load(path)
+    assert ckpt.position.step == 9
+    assert_array_equal(ckpt.arrays["param/layer0.weight"], _arrays()["param/layer0.weight"] + 9)
+    assert sorted(q.name for q in tmp_path.iterdir()) == ["last.npz"]
+
+
+def test_a_failed_write_stops_the_writes_after_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "last.npz"
+    real_replace = files.os.replace
+    calls = {"n": 0}
+
+    def replace(src: Any, dst: Any) -> None:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise OSError(28, "No space left on device")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(files.os, "replace", replace)
+    writer = checkpoint.Writer()
+    for step in (7, 8, 9):  # 8 fails on its thread; 9, queued after it, must not replace 7
+        writer.submit(path, _arrays(), _meta(step=step))
+    with pytest.raises(CheckpointError, match="No space left on device"):
+        writer.wait()
+    assert calls["n"] == 2 and checkpoint.load(path).position.step == 7
+    writer.submit(path, _arrays(), _meta(step=10))  # the error was reported: writing goes on
+    writer.close()
+    assert checkpoint.load(path).position.step == 10
+
+
 def _corrupt(kind: str, path: Path) -> str:
     """Damage the checkpoint at ``path`` in one way; return a phrase the error must contain."""
     blob = path.read_bytes()
