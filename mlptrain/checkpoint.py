@@ -29,7 +29,7 @@ and the order of epoch ``e`` is ``default_rng([data_seed, e]).permutation(N)``, 
 
 Writing goes through :func:`mlptrain.files.atomic_write` (a temp file of this writer's own,
 fsync, rename, fsync the folder): a crash at any moment leaves the previous checkpoint or the new
-one, never a torn file. A training run writes them on a thread of its own (:class:`Writer`), so
+one, never a torn file. A training run writes them on a thread of its own (:class:`mlptrain.saving.Writer`), so
 that the steps go on while a checkpoint is hashed, zipped and synced to disk. Reading checks the
 zip's CRCs, the JSON, the format version, the SHA-256 and every meta field's type and range
 (:func:`check_meta`), and raises :class:`~mlptrain.errors.CheckpointError` naming the file and what
@@ -38,11 +38,9 @@ is wrong, whatever the bytes.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import stat
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -250,62 +248,6 @@ def save(path: Path, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> Non
             f"cannot write checkpoint {path} ({type(exc).__name__}: {exc}); the previous checkpoint there, if any, "
             "is unchanged; free disk space or choose a writable hydra.run.dir"
         ) from exc
-
-
-class Writer:
-    """Checkpoints written by :func:`save` on a thread of their own, in the order submitted, while training goes on.
-
-    A checkpoint's host copies are taken before :meth:`submit` (the caller's ``state_dict()``: the
-    state at that moment, which later steps do not touch); the SHA-256, the zip and the fsync happen
-    on the thread (hashlib, zlib and file writes release the GIL). A write that failed raises its
-    :class:`~mlptrain.errors.CheckpointError` at the next :meth:`submit` or :meth:`wait`, before
-    anything else is written, so the checkpoint before it stays the last one on disk. :meth:`wait`
-    before reading a checkpoint back, before reporting one as saved, and at the end of the run.
-    """
-
-    def __init__(self) -> None:
-        self._pool: ThreadPoolExecutor | None = None
-        self._pending: list[Future] = []
-        self._failed: BaseException | None = None  # the first write that failed; nothing is written after it
-
-    def submit(self, path: Path, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
-        """Queue ``save(path, arrays, meta)`` (``meta`` copied now); raise an earlier write's error first."""
-        self._raise_failed()
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="mlptrain-checkpoint")
-        self._pending = [f for f in self._pending if not f.done()]
-        self._pending.append(self._pool.submit(self._write, Path(path), arrays, copy.deepcopy(meta)))
-
-    def wait(self) -> None:
-        """Wait for every queued write; raise the first failed one's error."""
-        pending, self._pending = self._pending, []
-        for future in pending:
-            future.exception()  # waits (the error itself is kept in _failed)
-        self._raise_failed()
-
-    def _write(self, path: Path, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
-        if self._failed is not None:  # queued after a write that failed: the one before stays the last on disk
-            return
-        try:
-            save(path, arrays, meta)
-        except BaseException as exc:
-            self._failed = exc
-            raise
-
-    def _raise_failed(self) -> None:
-        if self._failed is not None:
-            exc, self._failed = self._failed, None
-            self._pending = []
-            raise exc
-
-    def close(self) -> None:
-        """Wait for the writes (errors raised), then stop the thread."""
-        try:
-            self.wait()
-        finally:
-            if self._pool is not None:
-                self._pool.shutdown(wait=True)
-                self._pool = None
 
 
 def load(path: Path) -> Checkpoint:

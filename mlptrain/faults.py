@@ -68,8 +68,9 @@ class IntervalChecks:
             self._skips = int(tr.scaler.consecutive_skips) if scaled else 0
             return
         if scaled:  # the count into page-locked memory, on the stream before the flags (whose event covers it)
-            self._skips = _pinned_like(tr.scaler.consecutive_skips)
-            tr.scaler.consecutive_skips.get(out=self._skips, blocking=False)
+            from mlptrain.gpu.nonfinite import copy_to_pinned
+
+            self._skips = copy_to_pinned(tr.scaler.consecutive_skips)
         self._flags = watch.queue([a for _, a in items])
 
     @property
@@ -85,13 +86,6 @@ class IntervalChecks:
         if isinstance(self._skips, np.ndarray):
             self._flags.result()  # queued after the count's copy: once the flags are there, so is the count
         return int(self._skips or 0)
-
-
-def _pinned_like(a: Any) -> np.ndarray:
-    import cupy as cp
-
-    mem = cp.cuda.alloc_pinned_memory(max(a.nbytes, 1))
-    return np.frombuffer(mem, a.dtype, a.size).reshape(a.shape)
 
 
 def nonfinite_error(

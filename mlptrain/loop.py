@@ -8,7 +8,7 @@
             ...                                    # metrics, checks, checkpoints every N steps
         ...                                        # end_epoch: evaluate, epoch record, best, last
 
-Everything else has a name: :class:`Interval` keeps the host side of the steps whose metrics are
+Everything else has a name: :class:`~mlptrain.interval.Interval` keeps the host side of the steps whose metrics are
 still on the device, :meth:`Loop.save` writes a checkpoint of the trainer's state at a position,
 :meth:`Loop.interrupt` saves and stops on Ctrl-C or SIGTERM.
 """
@@ -29,124 +29,15 @@ from mlptrain import checkpoint, faults
 from mlptrain.checkpoint import Position
 from mlptrain.config import to_plain
 from mlptrain.errors import TrainingInterrupted
-from mlptrain.faults import IntervalChecks
+from mlptrain.interval import Closed, Interval
 from mlptrain.metrics import MetricsWriter, read_metrics
 from mlptrain.resume import Start
 from mlptrain.rundir import RunDirectory
-from mlptrain.steplog import MetricsRead
+from mlptrain.saving import Writer
 from mlptrain.stopping import Stop
 from mlptrain.trainer import Trainer
 
 log = logging.getLogger(__name__)
-
-
-class Interval:
-    """The steps of one log interval: host-side sizes and rates; their metrics are in ``tr.log`` on the device.
-
-    :meth:`close` ends the interval: the step log's copies to the host (:meth:`StepLog.request`), the
-    inf/NaN checks (:class:`~mlptrain.faults.IntervalChecks`) and a time mark are queued behind its
-    steps, and a :class:`Closed` comes back at once; :meth:`write` waits for it and writes its step
-    records. On a GPU the loop writes each interval while the device runs the next one, so that the log
-    never leaves the device idle (a wait for the device at every interval stopped it until the host had
-    written the records and queued the next steps: the loop's step took 1.4x the replayed graph's).
-
-    Time: on a GPU, CUDA events recorded on the stream at the interval's start and end (the device's
-    own clock: what the steps took, gaps where the host was late included); on the CPU, the host clock.
-    """
-
-    def __init__(self, tr: Trainer, log_every: int) -> None:
-        self.tr = tr
-        self.classification = tr.dataset.task == "classification"
-        self.size = np.zeros(log_every, dtype=np.int64)
-        self.lr = np.zeros(log_every)
-        self.pending = 0
-        self.samples_per_s = 0.0
-        self.gpu = tr.backend.is_gpu
-        self.watch: Any = None
-        if self.gpu:
-            from mlptrain.gpu.nonfinite import NonfiniteWatch
-
-            self.watch = NonfiniteWatch()
-        self.restart_clock()
-
-    def restart_clock(self) -> None:
-        """Start timing here (after evaluation and checkpoints, which are not training throughput)."""
-        self.started = self._mark()
-
-    def _mark(self) -> Any:
-        if not self.gpu:
-            return time.perf_counter()
-        import cupy as cp
-
-        mark = cp.cuda.Event()
-        mark.record(cp.cuda.get_current_stream())
-        return mark
-
-    def add(self, batch_size: int, lr: float) -> None:
-        self.size[self.pending] = batch_size
-        self.lr[self.pending] = lr
-        self.pending += 1
-
-    def close(self) -> Closed:
-        """End the interval: its metrics, checks and end mark queued behind its steps (no wait)."""
-        n, tr = self.pending, self.tr
-        first = tr.step_count - n
-        read = tr.log.request(first, n)
-        checks = IntervalChecks(tr, self.watch)
-        end = self._mark()
-        closed = Closed(first, n, self.size[:n].copy(), self.lr[:n].copy(), read, checks, self.started, end)
-        self.pending = 0
-        self.started = end
-        return closed
-
-    def write(self, closed: Closed, metrics: MetricsWriter, epoch: int) -> tuple[np.ndarray, np.ndarray]:
-        """Write one ``step`` record per step of ``closed`` (waits for its copies); return their losses and lrs."""
-        got = closed.read.result()
-        n, tr = closed.n, self.tr
-        if self.gpu:
-            closed.end.synchronize()
-            import cupy as cp
-
-            seconds = cp.cuda.get_elapsed_time(closed.start, closed.end) / 1e3
-        else:
-            seconds = closed.end - closed.start
-        self.samples_per_s = int(closed.size.sum()) / max(seconds, 1e-9)
-        step_ms = seconds * 1e3 / n
-        for j in range(n):
-            rec: dict[str, Any] = {
-                "kind": "step",
-                "step": closed.first + j,
-                "epoch": epoch,
-                "train/loss": float(got["loss"][j]),
-            }
-            if self.classification:
-                rec["train/acc"] = int(got["correct"][j]) / int(closed.size[j])
-            rec["lr"] = float(closed.lr[j])
-            if tr.scaler.enabled:
-                rec["loss_scale"] = float(got["scale"][j])
-                rec["skipped"] = bool(got["skip"][j])
-            if j == n - 1:
-                rec.update(samples_per_s=self.samples_per_s, step_time_ms=step_ms)
-            metrics.write(**rec)
-        return got["loss"], closed.lr
-
-
-@dataclasses.dataclass
-class Closed:
-    """A log interval ended (:meth:`Interval.close`): steps ``first .. first + n - 1``, on their way to the host."""
-
-    first: int
-    n: int
-    size: np.ndarray  # (n,) rows of each step's global batch
-    lr: np.ndarray  # (n,) each step's learning rate (host values)
-    read: MetricsRead  # the step log's copies
-    checks: IntervalChecks  # inf/NaN tensors and fp16's skip count as the interval ended
-    start: Any  # time marks: CUDA events (GPU) or perf_counter() seconds (CPU)
-    end: Any
-
-    @property
-    def last(self) -> int:
-        return self.first + self.n - 1
 
 
 class Loop:
@@ -172,7 +63,7 @@ class Loop:
         # Write each log interval's records while the device runs the next (GPU, one process): see Interval.
         self.lagged = tr.writes_metrics_late
         self.in_flight: Closed | None = None  # the interval closed last, not yet written (lagged)
-        self.writer = checkpoint.Writer()  # checkpoints written on a thread while the steps go on
+        self.writer = Writer()  # checkpoints written on a thread while the steps go on
         self.last_saved: tuple[Path, int] | None = (resumed_from, self.start.step) if resumed_from is not None else None
         self.stop = stop
         self.progress_disable = None if self.cfg.progress is None else not self.cfg.progress

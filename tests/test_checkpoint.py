@@ -22,6 +22,7 @@ from mlptrain.config import Device, TrainConfig
 from mlptrain.errors import CheckpointError, ConfigError, OutputError, TrainingInterrupted
 from mlptrain.metrics import read_metrics
 from mlptrain.run import train
+from mlptrain.saving import Writer
 from mlptrain.trainer import Trainer
 
 
@@ -138,7 +139,7 @@ def test_failed_save_leaves_the_previous_checkpoint(
 
 
 def test_the_writer_writes_in_order_what_was_submitted(tmp_path: Path) -> None:
-    writer = checkpoint.Writer()
+    writer = Writer()
     path = tmp_path / "last.npz"
     for step in (7, 8, 9):
         meta = _meta(step=step)
@@ -163,7 +164,7 @@ def test_a_failed_write_stops_the_writes_after_it(tmp_path: Path, monkeypatch: p
         real_replace(src, dst)
 
     monkeypatch.setattr(files.os, "replace", replace)
-    writer = checkpoint.Writer()
+    writer = Writer()
     for step in (7, 8, 9):  # 8 fails on its thread; 9, queued after it, must not replace 7
         writer.submit(path, _arrays(), _meta(step=step))
     with pytest.raises(CheckpointError, match="No space left on device"):

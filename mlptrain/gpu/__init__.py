@@ -21,7 +21,9 @@ module              what it owns
 ``fp8_gemm``        precision=fp8: FP8 GEMMs with epilogs through the raw cuBLASLt bindings
 ``fp8_kernels``     precision=fp8: the FP8 casts (straight, transposed), amaxes and scale updates
 ``fp8_dgrad``       precision=fp8: DRELU_BGRAD after the plain FP8 GEMM (the mask, the bias gradient)
-``nonfinite``       which of many tensors hold an inf or NaN, in one launch
+``nonfinite``       which of many tensors hold an inf or NaN, in one launch (or queued, read later)
+``upload``          host arrays copied to the device through pinned staging buffers, two in flight
+``torch_lt``        raw cuBLASLt plans on torch tensors (nvmath's layout rules, LtPlan), for ``torch_gemm``
 ``gather``          the data loader's batch gather, whole rows of any dtype
 ``plain_kernels``   the header-free kernels (gather, nonfinite) compiled in one NVRTC call
 ``precompile``      the run's kernels compiled on threads before their first launch

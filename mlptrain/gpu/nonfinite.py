@@ -137,3 +137,12 @@ class PendingFlags:
 def _pinned_int32(n: int) -> np.ndarray:
     mem = cp.cuda.alloc_pinned_memory(max(n, 1) * 4)
     return np.frombuffer(mem, np.int32, n)
+
+
+def copy_to_pinned(a: Any) -> np.ndarray:
+    """``a`` copied into new page-locked host memory on the current stream, without waiting (read it after an
+    event recorded later on the stream has completed)."""
+    mem = cp.cuda.alloc_pinned_memory(max(a.nbytes, 1))
+    host = np.frombuffer(mem, a.dtype, a.size).reshape(a.shape)
+    a.get(out=host, blocking=False)
+    return host

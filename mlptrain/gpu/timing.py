@@ -56,3 +56,16 @@ def capture_graph(fn: Any, stream: Any) -> tuple[Any, Any]:
         if gc_was_enabled:
             gc.enable()
     return graph, result
+
+
+def stream_mark() -> Any:
+    """A timing event recorded now on the current stream: the device's clock as it reaches this point."""
+    mark = cp.cuda.Event()
+    mark.record(cp.cuda.get_current_stream())
+    return mark
+
+
+def seconds_between(start: Any, end: Any) -> float:
+    """Seconds from event ``start`` to event ``end`` on the device's clock (waits for ``end``)."""
+    end.synchronize()
+    return cp.cuda.get_elapsed_time(start, end) / 1e3
