@@ -11,16 +11,28 @@ depends on nothing but ``(seed, epoch)``, a resumed run replays the same batches
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 
+from mlptrain.data import chunks
 from mlptrain.distributed.dp import shard_rows
 from mlptrain.errors import ConfigError
 
 log = logging.getLogger(__name__)
+
+
+def _owned_copy(xp: ModuleType, a: Any, dtype: Any) -> Any:
+    """A C-contiguous copy of the host array ``a`` in ``dtype`` on ``xp``'s device: on the GPU through
+    pinned staging buffers (:func:`mlptrain.gpu.upload.to_device`), never a whole host copy first."""
+    if xp is np:
+        return np.array(a, dtype=dtype, order="C")
+    from mlptrain.gpu.upload import to_device
+
+    return to_device(a, dtype)
 
 
 class DataLoader:
@@ -100,12 +112,17 @@ class DataLoader:
         self.drop_last = bool(drop_last)
         self.seed = int(seed)
         # Always a copy, on the CPU too, so NumPy and CuPy runs share semantics: the loader owns its data.
-        # The dtype is set on the host, then one host-to-device copy: a device-side cast would
-        # compile a CuPy kernel per dtype pair on a fresh machine (the first run's start-up).
-        self.x = xp.asarray(np.array(x, dtype=dtype, order="C"))  # (N, F)
-        # (N,) int64 class labels, or (N, T) float32 regression targets; C order like x (the GPU's
+        # The dtype is set on the host, chunk by chunk into pinned staging buffers on the GPU
+        # (mlptrain.gpu.upload): a device-side cast would compile a CuPy kernel per dtype pair on a
+        # fresh machine (the first run's start-up), and pageable memory copies at a fraction of the bus.
+        # y: (N,) int64 class labels, or (N, T) float32 regression targets; C order like x (the GPU's
         # gather copies whole rows: a Fortran-ordered (N, T) from pandas' to_numpy() would have none)
-        self.y = xp.asarray(np.array(y, dtype=np.int64 if y.ndim == 1 else np.float32, order="C"))
+        y_dtype = np.int64 if y.ndim == 1 else np.float32
+        start = time.perf_counter()
+        self.x = _owned_copy(xp, x, dtype)  # (N, F)
+        self.y = _owned_copy(xp, y, y_dtype)  # (N,) or (N, T)
+        if xp is not np:
+            chunks.log_phase("copy to the device", start, int(self.x.nbytes + self.y.nbytes))
         # Gathering inside the step (place_order, gather_in_step): the epoch's order and the step count at
         # its batch 0, in device buffers whose addresses never change (a captured step reads them).
         self._order: Any = None  # (N,) int64

@@ -84,6 +84,45 @@ def test_chunk_boundaries_and_a_subset_of_rows(n: int, chunk: int) -> None:
     assert_allclose(st.std, std, rtol=1e-12, atol=1e-15)
 
 
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+@pytest.mark.parametrize("chunk", [13, None])
+def test_narrow_floats_with_large_offsets_and_constant_columns(dtype, chunk: int | None) -> None:
+    """float16 and float32 tables as saved (an NPZ keeps them): each value widened exactly to float64,
+    so the statistics equal the float64 reference of the same values, offsets and all."""
+    rng = np.random.default_rng(11)
+    n = 5003
+    x = np.empty((n, 4), dtype)
+    big = 1e6 if dtype == np.float32 else 2048.0  # float16: ulp 2 at 2048 (its largest exact integers: 2**11)
+    x[:, 0] = big + rng.integers(-3, 4, n) * (0.0625 if dtype == np.float32 else 2.0)  # exact in dtype
+    x[:, 1] = dtype(-3.5)  # constant
+    x[:, 2] = rng.standard_normal(n) * 1e-3  # tiny spread near zero
+    x[:, 3] = np.finfo(dtype).max / 2 * np.sign(rng.standard_normal(n))  # large magnitudes: float64 sums hold them
+    st = column_stats(x, chunk=chunk, extremes=True)
+    mean, std = reference(x)
+    assert_allclose(st.mean, mean, rtol=1e-14, atol=1e-18)
+    assert_allclose(st.std[[0, 2, 3]], std[[0, 2, 3]], rtol=1e-10)
+    assert st.std[1] == 0.0 and st.mean[1] == -3.5 and st.low[1] == st.high[1] == -3.5
+    norm = normalization("standard", x)
+    assert norm.scale[1] == 1.0 and norm.shift[1] == -3.5  # constant: centred only
+    assert_allclose(norm.shift[0], mean[0], rtol=1e-14)
+
+
+def test_an_unaligned_memory_mapped_table_is_checked_as_an_aligned_one(tmp_path: Path) -> None:
+    """An NPZ member starts wherever the zip puts it: float32 items off their 4-byte boundary."""
+    x = table(300, 7, np.float32)
+    raw = np.zeros(x.nbytes + 1, np.uint8)
+    raw[1:] = x.view(np.uint8).reshape(-1)
+    mapped = raw[1:].view(np.float32).reshape(x.shape)  # the same values, unaligned
+    assert not mapped.flags.aligned
+    assert chunks.first_nonfinite(mapped, chunk=7) is None and chunks.max_abs(mapped, chunk=7) == np.abs(x).max()
+    raw[1 + 4 * (7 * 123 + 5) : 1 + 4 * (7 * 123 + 6)] = np.array([np.nan], np.float32).view(np.uint8)
+    assert chunks.first_nonfinite(mapped, chunk=7) == (123, 5)
+    norm = normalization("standard", x)
+    assert_array_equal(
+        chunks.gather_normalised(mapped, None, norm.shift, norm.scale, chunk=7)[:123], norm.apply(x)[:123]
+    )
+
+
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 @pytest.mark.parametrize("chunk", [1, 3, 100])
 def test_the_first_nonfinite_cell_is_named_in_the_rows_order(bad: float, chunk: int) -> None:
@@ -140,11 +179,11 @@ def test_the_parallel_checksum_is_the_sequential_one() -> None:
     assert cache.checksum(a[:-1]) == sequential_checksum(a[:-1]) != cache.checksum(a)
 
 
-def write_npz(path: Path, n: int = 300, dtype=np.float32) -> np.ndarray:
+def write_npz(path: Path, n: int = 300, dtype=np.float32, compressed: bool = False) -> np.ndarray:
     rng = np.random.default_rng(5)
     y = rng.integers(0, 3, n)
     x = (rng.standard_normal((n, 4)) + y[:, None]).astype(dtype)
-    np.savez(path, x=x, y=y)
+    (np.savez_compressed if compressed else np.savez)(path, x=x, y=y)
     return x
 
 
@@ -152,7 +191,7 @@ def test_an_npz_table_is_cached_in_its_dtype_and_an_older_entry_rebuilt(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setenv("MLPTRAIN_DATA", str(tmp_path / "cache"))
-    x = write_npz(tmp_path / "d.npz")
+    x = write_npz(tmp_path / "d.npz", compressed=True)  # a stored one is memory-mapped in place, not cached
     cfg = DataConfig(name=DatasetName.file, path=str(tmp_path / "d.npz"), target="y")
     first = load_dataset(cfg)
     (folder,) = (tmp_path / "cache" / "tables").iterdir()

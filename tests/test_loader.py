@@ -193,3 +193,75 @@ def test_buffers_of_the_wrong_shape_or_dtype_are_refused() -> None:
             next(loader.epoch(0, out=lambda rows, x_buf=x_buf: (x_buf, np.zeros(rows, np.int64))))
     with pytest.raises(ValueError, match=r"\(10,\) int32 do not fit"):  # labels of the wrong dtype
         next(loader.epoch(0, out=lambda rows: (np.zeros((rows, 5), np.float32), np.zeros(rows, np.int32))))
+
+
+# --- the copy to the device in chunks through two staging buffers (mlptrain.gpu.upload, host half) ----
+
+
+def _staged_copy(x: np.ndarray, dtype: object, chunk_bytes: int, buffers: int = 2) -> tuple[np.ndarray, list]:
+    """copy_in_chunks against a stand-in device whose copies read their buffer only later (a DMA): a
+    buffer refilled before its copy was waited for would deliver the next chunk's rows."""
+    from mlptrain.gpu.upload import copy_in_chunks, plan
+
+    dtype = np.dtype(dtype)
+    out = np.full(x.shape, 99, dtype)
+    parts = plan(len(x), int(np.prod(x.shape[1:])) * dtype.itemsize, chunk_bytes)
+    rows = max(b - a for a, b in parts)
+    bufs = [np.empty((rows, *x.shape[1:]), dtype) for _ in range(min(buffers, len(parts)))]
+    queued: dict[int, tuple[np.ndarray, int, int]] = {}
+    events: list = []
+
+    def land(k: int) -> None:  # the copy queued from buffer k reads it now
+        if k in queued:
+            staged, a, b = queued.pop(k)
+            out[a:b] = staged
+
+    def wait(k: int) -> None:
+        events.append(("wait", k))
+        land(k)
+
+    def send(k: int, staged: np.ndarray, a: int, b: int) -> None:
+        assert staged.base is bufs[k] or staged is bufs[k] or np.shares_memory(staged, bufs[k])
+        events.append(("send", k, a, b))
+        queued[k] = (staged, a, b)
+
+    copy_in_chunks(x, parts, bufs, wait, send)
+    for k in list(queued):  # the final synchronize
+        land(k)
+    return out, events
+
+
+def _bfloat16() -> object:
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    return ml_dtypes.bfloat16
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, "bfloat16", np.int64])
+@pytest.mark.parametrize("layout", ["C", "F", "strided", "3-D"])
+@pytest.mark.parametrize("chunk_bytes", [1, 100, 4096, 1 << 20])
+def test_the_staged_copy_equals_a_whole_cast(dtype: object, layout: str, chunk_bytes: int) -> None:
+    dtype = _bfloat16() if dtype == "bfloat16" else dtype
+    rng = np.random.default_rng(3)
+    base = rng.standard_normal((203, 14)) * 50
+    x = {"C": base, "F": np.asfortranarray(base), "strided": base[::2, 1::3], "3-D": base.reshape(203, 7, 2)}[layout]
+    got, events = _staged_copy(x, dtype, chunk_bytes)
+    want = np.array(x, dtype=dtype, order="C")
+    assert got.tobytes() == want.tobytes()  # byte for byte: the cast is x.astype's
+    sends = [e for e in events if e[0] == "send"]
+    assert [e[2] for e in sends] == sorted(e[2] for e in sends) and sends[-1][3] == len(x)
+    assert {e[1] for e in sends} == ({0} if len(sends) == 1 else {0, 1}), "two buffers in turn"
+
+
+def test_the_plan_covers_every_row_in_chunks_of_at_most_the_buffer() -> None:
+    from mlptrain.gpu.upload import plan
+
+    assert plan(10, 4, 12) == [(0, 3), (3, 6), (6, 9), (9, 10)]
+    assert plan(3, 100, 10) == [(0, 1), (1, 2), (2, 3)]  # a row larger than the buffer: one per chunk
+    assert plan(0, 8, 64) == [] and plan(5, 0, 64) == [(0, 5)]
+    for rows, row_bytes, chunk in [(1, 1, 1), (1000, 1024, 64 << 20), (600_000, 1024, 64 << 20), (7, 3, 8)]:
+        parts = plan(rows, row_bytes, chunk)
+        assert parts[0][0] == 0 and parts[-1][1] == rows
+        assert all(a == b_prev for (a, _), (_, b_prev) in zip(parts[1:], parts[:-1], strict=True))
+        assert all(0 < (b - a) * row_bytes <= max(chunk, row_bytes) for a, b in parts)
+    with pytest.raises(ValueError, match="expected sizes"):
+        plan(-1, 4, 8)

@@ -1,9 +1,13 @@
 """NPZ files (issues #28.4, #28.13, #27.6): feature names one per column and unique, when training and
 predicting; an object array of names refused with the way to save it; a test split of another width,
-no rows or no features: one clear error each."""
+no rows or no features: one clear error each; an uncompressed NPZ's tables memory-mapped where they lie
+in the zip, equal to what NumPy reads, and not copied into the cache (#31)."""
 
 from __future__ import annotations
 
+import io
+import logging
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +17,7 @@ from helpers import make_cfg
 
 from mlptrain.config import DataConfig, DatasetName
 from mlptrain.data import load_dataset
+from mlptrain.data.npz_reader import in_place, read_npz, stored_member
 from mlptrain.errors import DatasetError
 from mlptrain.predict import main as predict_main
 from mlptrain.run import train
@@ -97,3 +102,79 @@ def test_a_test_split_of_another_width_or_an_empty_array_is_one_error(
     with pytest.raises(DatasetError) as err:
         load(tmp_path / "d.npz")
     assert phrase in str(err.value), str(err.value)
+
+
+# --- tables memory-mapped where they lie in the zip (#31) ----------------------------------------------
+
+
+def write_stored(path: Path, arrays: dict[str, np.ndarray], version: tuple[int, int] = (1, 0)) -> Path:
+    """An uncompressed NPZ written by zipfile itself (no zip64 extra field, unlike np.savez), any .npy version."""
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as zf:
+        for name, a in arrays.items():
+            buf = io.BytesIO()
+            np.lib.format.write_array(buf, a, version=version, allow_pickle=False)
+            zf.writestr(f"{name}.npy", buf.getvalue())
+    return path
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+@pytest.mark.parametrize("order", ["C", "F"])
+@pytest.mark.parametrize("writer", ["savez", "zipfile 1.0", "zipfile 2.0"])
+def test_a_stored_table_is_memory_mapped_with_the_values_numpy_reads(
+    tmp_path: Path, dtype: type, order: str, writer: str
+) -> None:
+    x, y = blobs(97, 5)
+    x, xt = np.asarray(x, dtype, order=order), np.asarray(x[:11] * 3, dtype, order=order)
+    arrays = {"x": x, "y": y, "x_test": xt, "y_test": y[:11]}
+    path = tmp_path / "d.npz"
+    if writer == "savez":
+        np.savez(path, **arrays)
+    else:
+        write_stored(path, arrays, (1, 0) if writer.endswith("1.0") else (2, 0))
+    member = stored_member(path, "x")
+    assert member is not None and member.shape == (97, 5) and member.fortran == (order == "F")
+    train, test = read_npz(path)
+    assert test is not None
+    for got, want in ((train.x, x), (test.x, xt)):
+        assert isinstance(got, np.memmap) and got.dtype == dtype and not got.flags.writeable
+        np.testing.assert_array_equal(got, want)
+    assert in_place(path)
+
+
+def test_a_compressed_or_integer_table_is_read_and_not_in_place(tmp_path: Path) -> None:
+    x, y = blobs()
+    np.savez_compressed(tmp_path / "c.npz", x=x.astype(np.float32), y=y)
+    np.savez(tmp_path / "i.npz", x=np.round(x * 10).astype(np.int16), y=y)
+    assert stored_member(tmp_path / "c.npz", "x") is None and not in_place(tmp_path / "c.npz")
+    assert stored_member(tmp_path / "i.npz", "x") is not None and not in_place(tmp_path / "i.npz")  # cast: cached
+    table, _ = read_npz(tmp_path / "c.npz")
+    assert not isinstance(table.x, np.memmap)
+    np.testing.assert_array_equal(table.x, x.astype(np.float32))
+
+
+def test_a_stored_npz_trains_as_the_compressed_one_and_writes_no_cache_entry(
+    tmp_path: Path, cache_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    x, y = blobs(400, 6)
+    np.savez(tmp_path / "s.npz", x=x.astype(np.float32), y=y)
+    np.savez_compressed(tmp_path / "c.npz", x=x.astype(np.float32), y=y)
+    with caplog.at_level(logging.INFO, logger="mlptrain.data"):
+        stored = load(tmp_path / "s.npz")
+    assert "memory-mapped in the NPZ" in caplog.text and "cache entry" not in caplog.text, caplog.text
+    assert not cache_dir.exists() or not any(cache_dir.rglob("*.npy")), "nothing copied into the cache"
+    compressed = load(tmp_path / "c.npz")  # read, checked, cached as before
+    assert len(list((cache_dir / "tables").iterdir())) == 1
+    for split in ("x_train", "y_train", "x_val", "y_val", "x_test", "y_test"):
+        np.testing.assert_array_equal(getattr(stored, split), getattr(compressed, split))
+    np.testing.assert_array_equal(stored.normalization.shift, compressed.normalization.shift)
+
+
+def test_a_truncated_stored_npz_is_one_clear_error(tmp_path: Path) -> None:
+    x, y = blobs()
+    path = tmp_path / "d.npz"
+    np.savez(path, x=x, y=y)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])  # the table cut, the central directory gone
+    assert stored_member(path, "x") is None and not in_place(path)
+    with pytest.raises(DatasetError, match="cannot be read as an NPZ file"):
+        load(path)

@@ -5,13 +5,19 @@ Parsing a large CSV takes seconds to minutes; the second run of the same file re
 entry is keyed by the file's path and the target columns, and trusts nothing it cannot check:
 
 * the source by its content: the SHA-256 of the file's bytes, taken before it is parsed, is stored
-  with the entry and compared on every read (a file changed in place with its time restored is
-  parsed again). Hashing costs a fraction of a parse (docs/benchmarks.md, "The data cache's checks");
+  with the entry beside the file's identity when it was hashed (resolved path, size, ``mtime_ns``,
+  ``ctime_ns``, inode and device: what ``make``, pip and git's index go by). A later look-up that
+  finds the same identity trusts the stored hash (:func:`trusted`); any other identity (a file
+  rewritten, touched, replaced, its time restored: that sets ``ctime``) hashes the file again and
+  compares. A file whose time is within :data:`RACY_NS` of its hashing is hashed again all the same,
+  as git treats a "racily clean" entry: a write in the same clock tick as the hash leaves the time
+  unchanged. Hashing costs a fraction of a parse (docs/benchmarks.md, "The data cache's checks");
 * every array by its shape, dtype and a checksum (:func:`checksum`, a vectorised position-weighted
   sum, linear in the size), on every read: an array overwritten, truncated or of another shape
   is found.
 
-A stale or damaged entry is logged and rebuilt from the file. The cache lives in
+A stale or damaged entry is logged and rebuilt from the file; which way a look-up went (identity
+trusted, hashed and equal, hashed and changed) is logged too. The cache lives in
 :func:`mlptrain.files.cache_root`, never in a run directory, and a cache that cannot be read or
 written is skipped with a warning: it never stops a run.
 """
@@ -25,6 +31,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable
+from concurrent.futures import Executor, Future
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +39,7 @@ import numpy as np
 
 from mlptrain.data import chunks
 from mlptrain.data.files import Table, read_table
-from mlptrain.files import cache_root, fsync_dir, sha256_file
+from mlptrain.files import atomic_write, cache_root, fsync_dir, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -72,14 +79,82 @@ def _entry(path: Path, target: str | list[str]) -> Path:
     return cache_root() / "tables" / key
 
 
-def source_of(path: str | Path) -> dict[str, Any] | None:
-    """What the cache knows a file by: its size, time and the SHA-256 of its bytes (None: unreadable)."""
+IDENTITY = ("path", "size", "mtime_ns", "ctime_ns", "inode", "device")  # a file unchanged has all of these
+RACY_NS = 2_000_000_000  # a file changed this close to its hashing may have kept its time: hashed again
+
+
+def identity_of(path: str | Path) -> dict[str, Any] | None:
+    """What the file is now, without reading it: :data:`IDENTITY` and ``stat_ns``, the clock just before
+    the ``stat`` (None: it cannot be stat'ed)."""
     path = Path(path).expanduser().resolve()
+    stat_ns = time.time_ns()
     try:
         st = path.stat()
-        return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha256_file(path)}
     except OSError:
         return None
+    return {
+        "path": str(path),
+        "size": st.st_size,
+        "mtime_ns": st.st_mtime_ns,
+        "ctime_ns": st.st_ctime_ns,  # set by every write, chmod and utime: a restored mtime leaves a new ctime
+        "inode": st.st_ino,
+        "device": st.st_dev,
+        "stat_ns": stat_ns,
+    }
+
+
+def source_of(path: str | Path) -> dict[str, Any] | None:
+    """What the cache knows a file by: :func:`identity_of`, then the SHA-256 of its bytes (None: unreadable).
+
+    The identity is taken before the bytes are read, so a write during the hash leaves another
+    identity than the one stored, and the next look-up hashes again.
+    """
+    source = identity_of(path)
+    if source is None:
+        return None
+    start = time.perf_counter()
+    try:
+        source["sha256"] = sha256_file(Path(source["path"]))
+    except OSError:
+        return None
+    chunks.log_phase("hash (SHA-256)", start, source["size"])
+    return source
+
+
+def trusted(recorded: dict[str, Any], now: dict[str, Any]) -> str | None:
+    """None if the SHA-256 ``recorded`` with an entry holds for the file whose :func:`identity_of` is ``now``;
+    else why not (``size and mtime_ns differ``), and the file is hashed again."""
+    changed = [k for k in IDENTITY if recorded.get(k) != now.get(k)]
+    if changed:
+        return f"{' and '.join(changed)} {'differs' if len(changed) == 1 else 'differ'}"
+    if not isinstance(recorded.get("sha256"), str) or not isinstance(recorded.get("stat_ns"), int):
+        return "no hash recorded"
+    if max(recorded["mtime_ns"], recorded["ctime_ns"]) + RACY_NS > recorded["stat_ns"]:
+        return f"it was changed within {RACY_NS / 1e9:g} s of being hashed"
+    return None
+
+
+class SourceHash:
+    """:func:`source_of` a file, taken at most once: on ``executor`` (started by :meth:`start` or the
+    first call) or, without one, inline at the first call. A look-up that trusts the entry's
+    identity never calls it, so the file is never read."""
+
+    def __init__(self, path: str | Path, executor: Executor | None = None) -> None:
+        self.path, self.executor = path, executor
+        self._future: Future | None = None
+
+    def start(self) -> None:
+        """Begin hashing (on the executor: the caller goes on, parsing the file meanwhile)."""
+        if self._future is None and self.executor is not None:
+            self._future = self.executor.submit(source_of, self.path)
+
+    def __call__(self) -> dict[str, Any] | None:
+        if self._future is None and self.executor is None:
+            self._future = Future()
+            self._future.set_result(source_of(self.path))
+        self.start()
+        assert self._future is not None
+        return self._future.result()
 
 
 def load(
@@ -87,8 +162,10 @@ def load(
 ) -> tuple[Table, Table | None] | None:
     """The cached tables of ``path``, or None when there is no usable entry (then parse and :func:`store`).
 
-    ``source`` is :func:`source_of` the file, taken before it is parsed (taken here when not given),
-    or a function that returns it (a hash under way: waited for only when there is an entry to check).
+    ``source`` is :func:`source_of` the file, or a function that returns it (a :class:`SourceHash`),
+    called only when the entry's recorded identity does not hold (:func:`trusted`); None: taken here
+    when needed. An entry found good by a new hash is given the file's new identity, so the next
+    look-up trusts it.
     """
     path = Path(path).expanduser().resolve()
     folder = _entry(path, target)
@@ -99,22 +176,46 @@ def load(
     except (OSError, ValueError) as exc:
         log.warning("data file %s: its cache entry %s is damaged (meta.json: %s); parsing the file", path, folder, exc)
         return None
-    source = source_of(path) if source is None else source() if callable(source) else source
-    if source is None or not isinstance(meta, dict) or meta.get("version") != VERSION:
+    if not isinstance(meta, dict) or meta.get("version") != VERSION:
         log.info("data file %s: its cache entry %s is of an older mlptrain; parsing the file", path, folder)
         return None
-    if meta.get("source", {}).get("sha256") != source["sha256"]:
-        log.info("data file %s changed since it was cached (SHA-256 differs); parsing it again", path)
-        return None
+    now = identity_of(path)
+    if now is None:
+        return None  # gone meanwhile: the parse says so
+    recorded: dict[str, Any] = meta["source"] if isinstance(meta.get("source"), dict) else {}
+    why = trusted(recorded, now)
+    if why is None:
+        same = ", ".join(IDENTITY[1:])
+        log.info(
+            "data file %s: unchanged since it was hashed (%s as recorded); its SHA-256 is not taken again", path, same
+        )
+    else:
+        source = source_of(path) if source is None else source() if callable(source) else source
+        if source is None:
+            return None
+        if recorded.get("sha256") != source["sha256"]:
+            log.info("data file %s changed since it was cached (%s; SHA-256 differs); parsing it again", path, why)
+            return None
+        log.info("data file %s: hashed again (%s): the bytes that were cached", path, why)
     try:
         start = time.perf_counter()
         tables = _load(folder, meta, path)
         chunks.log_phase("read from the cache", start, sum(t.x.nbytes for t in tables if t is not None))
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except Exception as exc:  # any damage (a .npy header garbled into a SyntaxError): parsed again, never a crash
         log.warning("data file %s: its cache entry %s is damaged (%s); parsing the file", path, folder, exc)
         return None
+    if why is not None:
+        _refresh(folder, {**meta, "source": source}, path)
     log.info("data file %s: read from its cache %s (content and arrays verified)", path, folder)
     return tables
+
+
+def _refresh(folder: Path, meta: dict[str, Any], path: Path) -> None:
+    """Rewrite the entry's ``meta.json`` with the file's new identity (atomically; a failure only warns)."""
+    try:
+        atomic_write(folder / "meta.json", json.dumps(meta))
+    except OSError as exc:
+        log.warning("could not record the new identity of %s in its cache entry %s (%s)", path, folder, exc)
 
 
 def store(
@@ -141,11 +242,12 @@ def store(
 
 def read_cached(path: str | Path, target: str | list[str], *, reader: str = "auto") -> tuple[Table, Table | None]:
     """:func:`mlptrain.data.files.read_table` through the cache (stored at once: for files known to be good)."""
-    source = source_of(path)
+    source = SourceHash(path)  # hashed only if the entry's identity does not hold, or to store a new entry
     tables = load(path, target, source)
     if tables is None:
+        taken = source()  # before the parse: a file changed meanwhile is found changed by the next read
         tables = read_table(path, target, reader=reader)
-        store(path, target, tables, source)
+        store(path, target, tables, taken)
     return tables
 
 

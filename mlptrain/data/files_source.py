@@ -22,8 +22,7 @@ import dataclasses
 import logging
 import os
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -32,6 +31,7 @@ from mlptrain.data import cache, labels
 from mlptrain.data.chunks import log_phase, max_abs, timed
 from mlptrain.data.dataset import Raw, first_nonfinite
 from mlptrain.data.files import Table, read_table
+from mlptrain.data.npz_reader import in_place
 from mlptrain.errors import DatasetError
 
 log = logging.getLogger(__name__)
@@ -41,35 +41,49 @@ FLOAT32_MAX = float(np.finfo(np.float32).max)  # features are normalised and tra
 def load_file(cfg: DataConfig, rng: np.random.Generator) -> Raw:
     """The :class:`Raw` data of ``cfg.path`` (and ``cfg.test_path``); parsed files are cached once they pass.
 
-    Each file's SHA-256 (:func:`mlptrain.data.cache.source_of`) is taken on a thread of its own while
-    the file is parsed (hashlib releases the GIL), and a file that passes is written to the cache on
-    that thread while the caller splits and normalises it (``Raw.pending``); a file whose size or time
-    changed meanwhile is not cached (the hash and the parse may have read different bytes).
+    A cache entry whose recorded identity still holds is read without reading the file
+    (:func:`mlptrain.data.cache.trusted`); otherwise the file's SHA-256 (:class:`cache.SourceHash`) is
+    taken on a thread of its own while the file is parsed (hashlib releases the GIL), and a file that
+    passes is written to the cache on that thread while the caller splits and normalises it
+    (``Raw.pending``); a file whose identity changed meanwhile is not cached (the hash and the parse
+    may have read different bytes). An NPZ whose tables are memory-mapped where they lie
+    (:func:`mlptrain.data.npz_reader.in_place`) is read as it is: a cache entry would be a copy of it.
     """
     target = cfg.target if isinstance(cfg.target, str) else list(cfg.target)
     files = [str(cfg.path), *([str(cfg.test_path)] if cfg.test_path else [])]
     worker = ThreadPoolExecutor(1, thread_name_prefix="mlptrain-data-file")  # the hashes, then the cache writes
     try:
-        sources = [worker.submit(cache.source_of, f) if cfg.cache else None for f in files]
-        cached = [cache.load(f, target, s.result) if s else None for f, s in zip(files, sources, strict=True)]
+        hashes = [cache.SourceHash(f, worker) if cfg.cache and not _in_place(f) else None for f in files]
+        cached = [cache.load(f, target, h) if h else None for f, h in zip(files, hashes, strict=True)]
+        for h, c in zip(hashes, cached, strict=True):
+            if h is not None and c is None:
+                h.start()  # hashed while it is parsed, for the entry written after
         parsed = [c if c is not None else _read(f, target) for f, c in zip(files, cached, strict=True)]
         train, test = parsed[0][0], parsed[1][0] if cfg.test_path else parsed[0][1]
         missing = str(cfg.missing)
         with timed("check", sum(t.x.nbytes for t in (train, test) if t is not None)):
             raw = _raw(cfg, _complete(train, missing), None if test is None else _complete(test, missing))
         writes = [
-            worker.submit(_store, f, target, p, s)
-            for f, s, c, p in zip(files, sources, cached, parsed, strict=True)
-            if s and c is None
+            worker.submit(_store, f, target, p, h)
+            for f, h, c, p in zip(files, hashes, cached, parsed, strict=True)
+            if h is not None and c is None
         ]  # written while the data is split and normalised: load_dataset waits for them
     finally:
         worker.shutdown(wait=False)
     return dataclasses.replace(raw, pending=writes)
 
 
-def _store(path: str, target: str | list[str], tables: tuple[Table, Table | None], source: Future) -> None:
-    if _unchanged(path, source.result()):
-        cache.store(path, target, tables, source.result())
+def _in_place(path: str) -> bool:
+    if not in_place(path):
+        return False
+    log.info("data file %s: its tables are memory-mapped in the NPZ (stored uncompressed); not cached", path)
+    return True
+
+
+def _store(path: str, target: str | list[str], tables: tuple[Table, Table | None], source: cache.SourceHash) -> None:
+    taken = source()  # on this thread, hashed before: the worker runs its jobs in order
+    if _unchanged(path, taken):
+        cache.store(path, target, tables, taken)
 
 
 def _read(path: str, target: str | list[str]) -> tuple[Table, Table | None]:
@@ -80,12 +94,9 @@ def _read(path: str, target: str | list[str]) -> tuple[Table, Table | None]:
 
 
 def _unchanged(path: str, source: dict | None) -> bool:
-    """Whether ``path`` still has the size and time it had when ``source`` (:func:`cache.source_of`) was taken."""
-    try:
-        st = os.stat(Path(path).expanduser().resolve())
-    except OSError:
-        return False
-    same = source is not None and (st.st_size, st.st_mtime_ns) == (source["size"], source["mtime_ns"])
+    """Whether ``path`` is still the file it was when ``source`` (:func:`cache.source_of`) was taken."""
+    now = cache.identity_of(path)
+    same = source is not None and now is not None and all(now[k] == source[k] for k in cache.IDENTITY)
     if source is not None and not same:
         log.info("data file %s changed while it was read; it is not cached", path)
     return same

@@ -3,11 +3,20 @@
 Arrays are read without pickle (a pickled object could run code): names saved as a Python object
 array (a pandas ``Index``, a list of mixed objects) are refused with the way to save them as text.
 ``feature_names`` must name every column of ``x`` once; ``x_test`` must have ``x``'s columns.
+
+The tables ``x`` and ``x_test`` of an NPZ saved without compression (``np.savez``) are memory-mapped
+where they lie in the zip (:func:`stored_member`: the member's data offset, past its local header and
+its ``.npy`` header), so reading them copies nothing and the first pass over them reads the page
+cache; a compressed member (``np.savez_compressed``) is inflated into memory as NumPy reads it.
+Such a table is not copied into the cache either (:func:`in_place`): there is nothing to parse.
 """
 
 from __future__ import annotations
 
+import struct
+import zipfile
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -15,7 +24,72 @@ from mlptrain.data import labels
 from mlptrain.data.table import Table
 from mlptrain.errors import DatasetError
 
+TABLES = ("x", "x_test")  # the members memory-mapped in place when stored
+_LOCAL_HEADER = 30  # bytes of a zip member's local header before its name and extra field
 SHAPES = "an NPZ dataset needs 'x' (N, features) and 'y' (N,) or (N, targets), and may hold 'x_test' and 'y_test'"
+
+
+class Member(NamedTuple):
+    """Where an uncompressed ``.npy`` member's array lies in its zip file."""
+
+    offset: int  # of the first data byte, from the start of the file
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    fortran: bool
+
+
+def stored_member(path: Path, name: str) -> Member | None:
+    """The place of member ``name`` (``"x"``) of the NPZ ``path`` when it can be memory-mapped: stored
+    (not compressed, not encrypted), a ``.npy`` of format 1.0 or 2.0, a non-empty array of numbers,
+    all of its bytes inside the member. None otherwise (then it is read as NumPy reads it).
+
+    A zip member's data starts after its *local* header (30 bytes, its name and an extra field whose
+    length may differ from the central directory's), and the array's bytes after the ``.npy`` header.
+    """
+    try:
+        with zipfile.ZipFile(path) as zf, open(path, "rb") as f:
+            info = zf.getinfo(f"{name}.npy")
+            if info.compress_type != zipfile.ZIP_STORED or info.flag_bits & 0x1:
+                return None
+            f.seek(info.header_offset)
+            local = f.read(_LOCAL_HEADER)
+            if len(local) < _LOCAL_HEADER or local[:4] != b"PK\x03\x04":
+                return None
+            name_len, extra_len = struct.unpack("<HH", local[26:30])
+            start = info.header_offset + _LOCAL_HEADER + name_len + extra_len
+            f.seek(start)
+            version = np.lib.format.read_magic(f)
+            read_header = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+            if version not in read_header:
+                return None
+            shape, fortran, dtype = read_header[version](f)
+            offset = f.tell()
+    except (OSError, KeyError, ValueError, zipfile.BadZipFile, struct.error):
+        return None  # read as NumPy reads it, which names what is wrong
+    size = int(np.prod(shape)) * dtype.itemsize
+    if dtype.hasobject or dtype.kind not in "biuf" or size == 0 or offset + size > start + info.file_size:
+        return None
+    return Member(offset, tuple(shape), dtype, bool(fortran))
+
+
+def in_place(path: str | Path) -> bool:
+    """Whether every table of the NPZ ``path`` (``x``, and ``x_test`` if it has one) is memory-mapped
+    where it lies, in a float dtype kept as saved: then the file is read as fast as a cache entry."""
+    path = Path(path).expanduser()
+    if not path.name.lower().endswith(".npz"):
+        return False
+    try:
+        with zipfile.ZipFile(path) as zf:
+            names = [n[: -len(".npy")] for n in zf.namelist() if n.endswith(".npy")]
+    except (OSError, zipfile.BadZipFile):
+        return False
+    members = [stored_member(path, t) for t in TABLES if t in names]
+    return bool(members) and all(m is not None and m.dtype.kind == "f" for m in members)
+
+
+def _mapped(path: Path, member: Member) -> np.ndarray:
+    """The member's array, a read-only memory map of its bytes in the zip file (no copy)."""
+    return np.memmap(path, member.dtype, "r", member.offset, member.shape, "F" if member.fortran else "C")
 
 
 def _arrays(path: Path) -> dict[str, np.ndarray]:
@@ -26,6 +100,10 @@ def _arrays(path: Path) -> dict[str, np.ndarray]:
     with npz:
         arrays = {}
         for k in npz.files:
+            member = stored_member(path, k) if k in TABLES else None
+            if member is not None:
+                arrays[k] = _mapped(path, member)
+                continue
             try:
                 arrays[k] = npz[k]
             except ValueError as exc:

@@ -86,7 +86,11 @@ def normalization(method: str, x: np.ndarray, rows: np.ndarray | None = None, wh
             f"{where}: row {row}, column {col} holds {value}; features must be finite numbers (remove or fill the "
             "missing values)"
         )
-    shift, scale = (st.mean, st.std) if method == "standard" else (st.low, st.high - st.low)
+    if method == "standard":
+        shift, scale = st.mean, st.std
+    else:
+        assert st.low is not None and st.high is not None  # asked for: extremes=True
+        shift, scale = st.low, st.high - st.low
     floor = max(STD_FLOOR, REL_FLOOR * float(np.median(scale)))
     return Normalization(method, shift, np.where(scale < floor, 1.0, scale), "train split")  # centre below the floor
 

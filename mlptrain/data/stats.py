@@ -48,8 +48,9 @@ class ColumnStats:
         d = other.mean - self.mean  # (F,)
         mean = self.mean + d * (other.count / n)
         m2 = self.m2 + other.m2 + d * d * (self.count * other.count / n)
-        low = None if self.low is None else np.minimum(self.low, other.low)
-        high = None if self.high is None else np.maximum(self.high, other.high)
+        low = None if self.low is None or other.low is None else np.minimum(self.low, other.low)
+        high = None if self.high is None or other.high is None else np.maximum(self.high, other.high)
+        nonfinite: tuple[int, int] | None
         if self.nonfinite is None and other.nonfinite is not None:
             nonfinite = (self.count + other.nonfinite[0], other.nonfinite[1])
         else:
