@@ -2,7 +2,7 @@
 
 This is the math of :class:`mlptrain.torch.FusedMLP` (and of :class:`~mlptrain.torch.FusedLinear`, a
 chain of one), written once for both engines: NumPy arrays through the epilog contract on the CPU
-(:class:`~mlptrain.torch.engines.NumpyEngine`), torch tensors through nvmath on a GPU
+(:class:`~mlptrain.torch.engines.NumpyEngine`), torch tensors through cuBLASLt on a GPU
 (:class:`~mlptrain.torch.engines.TorchEngine` over :mod:`mlptrain.gpu.torch_gemm`). The
 layout is the trainer's (:mod:`mlptrain.execution`): activations ``(B, features)`` C-contiguous,
 which is the column-major ``(features, B)`` matrix cuBLASLt's bias and aux epilogs write, so every

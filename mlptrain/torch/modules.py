@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from mlptrain.errors import ConfigError
-from mlptrain.torch.ops import BGRAD_CHOICES, fused_mlp
+from mlptrain.torch.ops import BGRAD_CHOICES, fused_mlp_apply
 
 ACTIVATIONS = ("relu", "gelu", None)
 
@@ -135,8 +135,9 @@ class FusedMLP(nn.Module):
 
 
 def run_chain(module: nn.Module, x: Tensor, weights: list, biases: list, acts: list[str], bgrad: str) -> Tensor:
-    """``x (*, in) -> (*, out)`` through :func:`mlptrain.torch.ops.fused_mlp`: leading dimensions flattened into
-    the batch, autocast's dtype applied, and the aux kept only when autograd will want a backward."""
+    """``x (*, in) -> (*, out)`` through :func:`mlptrain.torch.ops.fused_mlp_apply` (the registered operator
+    under ``torch.compile``, its bodies eagerly): leading dimensions flattened into the batch, autocast's
+    dtype applied, and the aux kept only when autograd will want a backward."""
     name = type(module).__name__
     if x.shape[-1] != weights[0].shape[1]:
         raise ConfigError(f"{name} got an input of shape {tuple(x.shape)}; expected (..., {weights[0].shape[1]})")
@@ -156,7 +157,7 @@ def run_chain(module: nn.Module, x: Tensor, weights: list, biases: list, acts: l
     lead = x.shape[:-1]
     flat = x.reshape(-1, x.shape[-1]).contiguous()  # (B, in) C-order: the layout every epilog chains through
     keep = torch.is_grad_enabled() and (flat.requires_grad or any(p.requires_grad for p in weights + biases))
-    y = fused_mlp(flat, weights, biases, ",".join(acts), keep, bgrad)[0]
+    y = fused_mlp_apply(flat, weights, biases, ",".join(acts), keep, bgrad)
     return y.reshape(*lead, y.shape[-1])
 
 

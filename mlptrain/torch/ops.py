@@ -1,10 +1,16 @@
-"""The fused chain as two registered PyTorch operators, so that autograd, ``torch.compile`` and CUDA graphs see them.
+"""The fused chain as autograd sees it: two registered PyTorch operators, and the same bodies eagerly.
 
 ``mlptrain::fused_mlp`` (forward) and ``mlptrain::fused_mlp_backward`` are ``torch.library.custom_op``
 operators: each has a fake-tensor rule (``register_fake``: output shapes and dtypes, no compute), so
 that ``torch.compile(fullgraph=True)`` traces through them without a graph break, and the forward has
-its backward registered with ``register_autograd``. Their bodies are opaque to the compiler: plan
-look-ups, nvmath calls and the NumPy engine run as they do eagerly.
+its backward registered with ``register_autograd``. Their bodies (:func:`forward_body`,
+:func:`backward_body`) are opaque to the compiler: plan look-ups, cuBLASLt calls and the NumPy engine
+run as they do eagerly.
+
+Eagerly a custom op's dispatch (schema checks, the autograd and fake-tensor machinery) costs host time
+twice a step; :func:`fused_mlp_apply` skips it outside ``torch.compile``: :class:`FusedMLPFunction`, a
+``torch.autograd.Function`` whose forward and backward call the same bodies and save the same tensors
+(the results are the op's, bit for bit), or under ``torch.no_grad()`` the forward body alone.
 
 The forward returns one list, ``[y, *hidden, *aux_t]``: the output, then (when it keeps what the
 backward needs) each layer's input but the first and each activation's aux, all C-contiguous
@@ -12,6 +18,8 @@ backward needs) each layer's input but the first and each activation's aux, all 
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -22,21 +30,24 @@ from mlptrain.torch.engines import aux_shape_t, engine_for, to_arrays, to_tensor
 BGRAD_CHOICES = ("bgradb", "drelu_bgrad")
 
 
-@torch.library.custom_op("mlptrain::fused_mlp", mutates_args=())
-def fused_mlp(
-    x: Tensor, weights: list[Tensor], biases: list[Tensor], activations: str, keep: bool, bgrad: str
-) -> list[Tensor]:
-    """``x (B, in)`` through the layers ``weights[l] (out, in)``, ``biases[l] (out,)`` (none: ``[]``).
-
-    ``activations``: one per layer, comma-separated (``"relu,relu,none"``). ``keep``: write the aux
-    and keep the layer inputs for a backward (training), else the epilogs without aux (no_grad).
-    ``bgrad`` is the backward's (``"auto"`` or one strategy per hidden layer, comma-separated).
-    """
+def forward_body(x: Tensor, weights: list[Tensor], biases: list[Tensor], activations: str, keep: bool) -> list[Tensor]:
+    """``[y (B, out), *hidden, *aux_t]``: ``x (B, in)`` through the layers ``weights[l] (out, in)``, ``biases[l]
+    (out,)`` (none: ``[]``); ``activations`` one per layer, comma-separated (``"relu,relu,none"``); ``keep``:
+    write the aux and keep the layer inputs for a backward (training), else the epilogs without aux (no_grad)."""
     eng = engine_for(x)
     xa, *params = to_arrays(eng, [x, *weights, *biases])
     n = len(weights)
     y, saved = chain.forward(eng, xa, params[:n], params[n:], activations.split(","), keep)
     return to_tensors(eng, [y, *saved.hidden, *saved.aux_t])
+
+
+@torch.library.custom_op("mlptrain::fused_mlp", mutates_args=())
+def fused_mlp(
+    x: Tensor, weights: list[Tensor], biases: list[Tensor], activations: str, keep: bool, bgrad: str
+) -> list[Tensor]:
+    """:func:`forward_body` as an operator; ``bgrad`` is the backward's (``"auto"`` or one strategy per hidden
+    layer, comma-separated)."""
+    return forward_body(x, weights, biases, activations, keep)
 
 
 @fused_mlp.register_fake
@@ -55,8 +66,7 @@ def _fused_mlp_fake(
     return out
 
 
-@torch.library.custom_op("mlptrain::fused_mlp_backward", mutates_args=())
-def fused_mlp_backward(
+def backward_body(
     dy: Tensor,
     x: Tensor,
     weights: list[Tensor],
@@ -78,6 +88,21 @@ def fused_mlp_backward(
         eng, dya, xa, ws, acts, kept, bias=bias, bias_in_wgrad=[c == "bgradb" for c in choice], input_grad=input_grad
     )
     return to_tensors(eng, ([dx] if input_grad else []) + dws + dbs)
+
+
+@torch.library.custom_op("mlptrain::fused_mlp_backward", mutates_args=())
+def fused_mlp_backward(
+    dy: Tensor,
+    x: Tensor,
+    weights: list[Tensor],
+    saved: list[Tensor],
+    activations: str,
+    bias: bool,
+    bgrad: str,
+    input_grad: bool,
+) -> list[Tensor]:
+    """:func:`backward_body` as an operator."""
+    return backward_body(dy, x, weights, saved, activations, bias, bgrad, input_grad)
 
 
 @fused_mlp_backward.register_fake
@@ -117,19 +142,65 @@ def _setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, outp
     ctx.save_for_backward(x, *weights, *output[1:])
 
 
-def _backward(ctx: torch.autograd.function.FunctionCtx, grads: list[Tensor | None]) -> tuple:
-    activations, bias, keep, bgrad = ctx.meta  # type: ignore[attr-defined]
+def _gradients(ctx: Any, dy: Tensor | None, backward: Any) -> tuple[Tensor | None, list[Tensor], list[Tensor]]:
+    """``(dx or None, dWs, dbs)`` from what ``ctx`` saved, through ``backward`` (the op, or its body)."""
+    activations, bias, keep, bgrad = ctx.meta
     if not keep:
         raise RuntimeError("mlptrain::fused_mlp ran with keep=False (no aux kept): it has no backward")
-    n = ctx.n  # type: ignore[attr-defined]
-    x, *rest = ctx.saved_tensors  # type: ignore[attr-defined]
+    n = ctx.n
+    x, *rest = ctx.saved_tensors
     weights, saved = rest[:n], rest[n:]
-    dy = grads[0] if grads[0] is not None else x.new_zeros((x.shape[0], weights[-1].shape[0]))  # y unused
-    input_grad = bool(ctx.needs_input_grad[0])  # type: ignore[attr-defined]
-    out = fused_mlp_backward(dy.contiguous(), x, weights, saved, activations, bias, bgrad, input_grad)
+    dy = dy if dy is not None else x.new_zeros((x.shape[0], weights[-1].shape[0]))  # y unused
+    input_grad = bool(ctx.needs_input_grad[0])
+    out = backward(dy.contiguous(), x, weights, saved, activations, bias, bgrad, input_grad)
     dx = out.pop(0) if input_grad else None
-    dws, dbs = out[:n], (out[n:] if bias else [])
+    return dx, out[:n], (out[n:] if bias else [])
+
+
+def _backward(ctx: torch.autograd.function.FunctionCtx, grads: list[Tensor | None]) -> tuple:
+    dx, dws, dbs = _gradients(ctx, grads[0], fused_mlp_backward)
     return dx, dws, dbs, None, None, None
 
 
 torch.library.register_autograd("mlptrain::fused_mlp", _backward, setup_context=_setup_context)
+
+
+class FusedMLPFunction(torch.autograd.Function):
+    """The eager twin of ``mlptrain::fused_mlp`` with its registered backward: the same bodies, called directly.
+
+    ``apply(x, activations, bgrad, n, *weights, *biases) -> y (B, out)``; saves ``x``, the weights, each
+    layer's input but the first and each aux (:class:`mlptrain.torch.chain.Saved`), as the op's
+    ``setup_context`` does. Its backward returns ``(dx, None, None, None, *dW, *db)``.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, activations: str, bgrad: str, n: int, *params: Tensor) -> Tensor:
+        weights, biases = list(params[:n]), list(params[n:])
+        out = forward_body(x, weights, biases, activations, True)
+        ctx.n, ctx.meta = n, (activations, bool(biases), True, bgrad)
+        ctx.save_for_backward(x, *weights, *out[1:])
+        ctx.set_materialize_grads(False)  # an unused y gives None, as the op's backward sees it
+        return out[0]
+
+    @staticmethod
+    def backward(ctx: Any, dy: Tensor | None) -> tuple:
+        dx, dws, dbs = _gradients(ctx, dy, backward_body)
+        return (dx, None, None, None, *dws, *dbs)
+
+
+DIRECT = True  # eager calls skip the operators' dispatch (the CPU tests turn it off to compare)
+
+
+def fused_mlp_apply(
+    x: Tensor, weights: list[Tensor], biases: list[Tensor], activations: str, keep: bool, bgrad: str
+) -> Tensor:
+    """``y (B, out)`` of the fused chain, with autograd's backward when ``keep``.
+
+    Under ``torch.compile`` (and for a tensor subclass: fake, functional, ...) the registered operator, so
+    that the compiler traces it; eagerly :class:`FusedMLPFunction`, or without a backward the forward body.
+    """
+    if not DIRECT or torch.compiler.is_compiling() or type(x) is not torch.Tensor:
+        return fused_mlp(x, weights, biases, activations, keep, bgrad)[0]
+    if not keep:
+        return forward_body(x, weights, biases, activations, False)[0]
+    return FusedMLPFunction.apply(x, activations, bgrad, len(weights), *weights, *biases)

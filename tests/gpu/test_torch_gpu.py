@@ -204,3 +204,155 @@ def test_ddp_on_two_gpus_averages_the_fused_gradients(tmp_path: Path) -> None:
     for r in range(2):
         for a, p in zip(saved[r]["grads"], seq.parameters(), strict=True):
             assert rel(a, p.grad) < 1e-5, f"rank {r}"
+
+
+# --- the raw cuBLASLt engine (the default) against nvmath's, bit for bit ---
+
+GEMM_SHAPES = [(37, 129, 65), (129, 33, 67), (1024, 784, 256), (8, 16, 3)]  # (M, K, N), odd ones first
+FORWARD = ["BIAS", "RELU_BIAS", "RELU_AUX_BIAS", "GELU_BIAS", "GELU_AUX_BIAS", "GELU", "GELU_AUX", None]
+BACKWARD = ["DRELU", "DRELU_BGRAD", "DGELU", "DGELU_BGRAD", None]
+
+
+def both_gemms() -> tuple:
+    from mlptrain.gpu.torch_gemm import TorchCublasLtGemm, TorchNvmathGemm
+
+    return TorchCublasLtGemm(0), TorchNvmathGemm(0)
+
+
+def assert_same_gemm(lt_out: tuple, nv_out: tuple, m: int, what: str) -> None:
+    """D and every aux output equal bit for bit (relu_aux: its M valid bits; gelu_aux: its M valid rows)."""
+    from mlptrain.torch.engines import relu_mask
+
+    (d, aux), (d_nv, aux_nv) = lt_out, nv_out
+    assert d.shape == d_nv.shape and d.stride() == d_nv.stride() and d.dtype == d_nv.dtype, what
+    assert torch.equal(d, d_nv), f"{what}: D differs in {(d != d_nv).sum().item()} elements"
+    assert set(aux) == set(aux_nv), (what, set(aux), set(aux_nv))
+    for name, t in aux.items():
+        ref = aux_nv[name]
+        assert t.shape == ref.shape and t.stride() == ref.stride() and t.dtype == ref.dtype, (what, name)
+        if name == "relu_aux":
+            assert torch.equal(relu_mask(t.T, m), relu_mask(ref.T, m)), f"{what}: relu_aux"
+        else:
+            assert torch.equal(t[:m] if t.dim() == 2 else t, ref[:m] if ref.dim() == 2 else ref), f"{what}: {name}"
+
+
+@pytest.mark.parametrize("tf32", [False, True], ids=["fp32", "tf32"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", GEMM_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_the_cublaslt_engine_is_nvmath_bit_for_bit(shape: tuple, dtype: torch.dtype, tf32: bool) -> None:
+    """Every GEMM of the chain, laid out as the chain lays it out: forward ``W @ h^T`` (and ``h @ W^T``),
+    input gradient ``W^T @ dZ^T`` with the aux of a forward of that shape, weight gradient ``h^T @ dZ``."""
+    from mlptrain.epilogs import Epilog
+
+    if tf32 and dtype != torch.float32:
+        pytest.skip("TF32 is float32's")
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high" if tf32 else "highest")
+    try:
+        m, k, n = shape
+        lt, nv = both_gemms()
+        rand = lambda *s: torch.randn(s, device=CUDA).to(dtype)
+        W, h, b = rand(m, k), rand(n, k), rand(m)  # (out, in), (B, in), (out,)
+        for name in FORWARD:
+            epilog = Epilog[name] if name else None
+            inputs = {"bias": b} if name and "BIAS" in name else {}
+            what = f"forward {name}"
+            assert_same_gemm(lt("f", W, h.T, epilog, **inputs), nv("f", W, h.T, epilog, **inputs), m, what)
+        assert_same_gemm(lt("p", h, W.T), nv("p", h, W.T), n, "forward h @ W^T")
+        W2, dz = rand(k, m), rand(n, k)  # the layer above: (out=k, in=m); its dZ (B, k)
+        aux = nv("aux", W, h.T, Epilog.RELU_AUX_BIAS, bias=b)[1]["relu_aux"]  # (Mb, B) for M = m
+        gaux = nv("gaux", W, h.T, Epilog.GELU_AUX_BIAS, bias=b)[1]["gelu_aux"]  # (Mp, B)
+        for name in BACKWARD if k > 1 else [None]:
+            epilog = Epilog[name] if name else None
+            inputs = {"relu_aux": aux} if name and "RELU" in name else ({"gelu_aux": gaux} if name else {})
+            got, ref = lt("d", W2.T, dz.T, epilog, **inputs), nv("d", W2.T, dz.T, epilog, **inputs)
+            assert_same_gemm(got, ref, m, f"input gradient {name}")
+        dzw = rand(n, m)  # (B, out) of this layer
+        for epilog in (Epilog.BGRADB, None):
+            assert_same_gemm(lt("w", h.T, dzw, epilog), nv("w", h.T, dzw, epilog), k, f"weight gradient {epilog}")
+        assert lt.num_plans > 0
+        lt.free()
+        nv.free()
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
+@pytest.fixture
+def gemm_engine() -> object:
+    """Runs the test body's FusedMLPs on a GEMM engine by name, then back to the default."""
+    from mlptrain.torch import engines
+
+    yield engines.use_gemm_engine
+    engines.use_gemm_engine("cublaslt")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("bgrad", ["bgradb", "drelu_bgrad"])
+@pytest.mark.parametrize("widths", WIDTHS, ids=lambda w: "-".join(map(str, w)))
+def test_fused_mlp_on_both_engines_is_bit_for_bit_equal(
+    gemm_engine: object, widths: list, activation: str, bias: bool, bgrad: str, dtype: torch.dtype
+) -> None:
+    """Forward and backward of FusedMLP, fp32 parameters under autocast for the half types."""
+    half = dtype in (torch.float16, torch.bfloat16)
+    torch.manual_seed(0)
+    fused = FusedMLP(widths, activation, bias, bgrad, device=CUDA, dtype=torch.float32 if half else dtype)
+    x, dy = torch.randn(67, widths[0], device=CUDA), torch.randn(67, widths[-1], device=CUDA)
+    x = x if half else x.to(dtype)
+    out = {}
+    for name in ("nvmath", "cublaslt"):
+        gemm_engine(name)  # type: ignore[operator]
+        out[name] = grads(fused, x, dy, dtype if half else None)
+    assert out["cublaslt"][0].dtype == dtype
+    for i, (a, b) in enumerate(zip(out["cublaslt"], out["nvmath"], strict=True)):
+        assert a.dtype == b.dtype and torch.equal(a, b), f"tensor {i} (y, dx, params...): {rel(a, b):.3g}"
+
+
+def test_a_captured_graph_replays_the_cublaslt_engine_bit_for_bit() -> None:
+    """torch.cuda.graph captures the raw cuBLASLt calls (their D and aux from the graph's pool); a replay on
+    new inputs gives the eager step's output and gradients exactly."""
+    fused, _ = models([256, 512, 512, 10], "gelu", True, torch.float32)
+    static_x = torch.randn(64, 256, device=CUDA)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):  # plans and workspaces, outside the capture
+            fused.zero_grad(set_to_none=False)
+            with torch.autocast(CUDA, dtype=torch.bfloat16):
+                y = fused(static_x)
+            y.float().square().sum().backward()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    fused.zero_grad(set_to_none=False)
+    with torch.cuda.graph(graph):
+        with torch.autocast(CUDA, dtype=torch.bfloat16):
+            static_y = fused(static_x)
+        static_y.float().square().sum().backward()
+    new_x = torch.randn(64, 256, device=CUDA)
+    static_x.copy_(new_x)
+    fused.zero_grad(set_to_none=False)
+    graph.replay()
+    torch.cuda.synchronize()
+    replayed = [static_y.clone(), *(p.grad.clone() for p in fused.parameters())]
+    fused.zero_grad(set_to_none=True)
+    with torch.autocast(CUDA, dtype=torch.bfloat16):
+        y = fused(new_x)
+    y.float().square().sum().backward()
+    for i, (a, b) in enumerate(zip(replayed, [y.detach(), *(p.grad for p in fused.parameters())], strict=True)):
+        assert torch.equal(a, b), f"tensor {i} (y, params...)"
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_the_eager_path_and_torch_compile_give_the_same_bits(activation: str) -> None:
+    """Eagerly the autograd.Function, compiled the registered ops: the same bodies, so the same outputs and
+    gradients (the loss is computed outside the compiled module, so the op sees the eager dY)."""
+    fused, _ = models([784, 1024, 1024, 10], activation, True, torch.float32)
+    compiled = torch.compile(fused, fullgraph=True)
+    x, dy = torch.randn(256, 784, device=CUDA), torch.randn(256, 10, device=CUDA)
+    for dtype in (torch.bfloat16, None):
+        got, ref = grads(compiled, x, dy, dtype), grads(fused, x, dy, dtype)
+        for i, (a, b) in enumerate(zip(got, ref, strict=True)):
+            assert torch.equal(a, b), f"{dtype} tensor {i} (y, dx, params...): {rel(a, b):.3g}"
+    with torch.no_grad():
+        assert torch.equal(compiled(x), fused(x))
