@@ -43,6 +43,9 @@ class Runtime:
     ``precompile`` (None once joined).
     """
 
+    # Whether work is queued on a device that runs ahead of the host (the loop then reads its records late).
+    queues_work = False
+
     def __init__(self, precompile: Any = None, *, autotune: bool = False) -> None:
         self.stream: Any = contextlib.nullcontext()
         self.graphed: Any = None
@@ -122,6 +125,8 @@ class GpuRuntime(Runtime):
         graph: the step replayed as CUDA graphs (``graph=false``: launched op by op).
         autotune: see :class:`Runtime`.
     """
+
+    queues_work = True
 
     def __init__(self, xp: Any, precision: Any, *, precompile: Any, resume: bool, graph: bool, autotune: bool) -> None:
         if precompile is None:  # the run's CuPy kernels compile on threads from here on

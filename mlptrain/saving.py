@@ -14,11 +14,11 @@ from typing import Any
 
 import numpy as np
 
-from mlptrain.checkpoint import save
+from mlptrain import checkpoint
 
 
 class Writer:
-    """Checkpoints written by :func:`save` on a thread of their own, in the order submitted, while training goes on.
+    """Checkpoints written by :func:`mlptrain.checkpoint.save` on a thread, in order, while training goes on.
 
     A checkpoint's host copies are taken before :meth:`submit` (the caller's ``state_dict()``: the
     state at that moment, which later steps do not touch); the SHA-256, the zip and the fsync happen
@@ -52,7 +52,7 @@ class Writer:
         if self._failed is not None:  # queued after a write that failed: the one before stays the last on disk
             return
         try:
-            save(path, arrays, meta)
+            checkpoint.save(path, arrays, meta)
         except BaseException as exc:
             self._failed = exc
             raise

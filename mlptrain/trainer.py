@@ -130,7 +130,7 @@ class Trainer:
         # Batch shapes whose graphs are captured ahead, once the first step's graph exists (train_batches, step).
         self._ahead: list[int] = []
         # The loop writes each log interval's records while the device runs the next (mlptrain.loop.Interval)
-        self.writes_metrics_late = self.backend.is_gpu and comm is None
+        self.writes_metrics_late = self.runtime.queues_work and comm is None
         bgrad.choose(self)  # on the GPU it may time the step, so after everything the step uses
         self.runtime.free_setup_blocks()  # blocks set-up freed (the probe's, the weights' init temporaries)
         if self.grad_sync is not None:  # after the probe: it times one rank's step alone
