@@ -24,6 +24,7 @@ from typing import Any
 from mlptrain import optim
 from mlptrain.choices import unknown_names
 from mlptrain.config import OptimizerConfig, TrainConfig, flatten, to_plain
+from mlptrain.data.sources import mnist1d_samples_problem
 from mlptrain.errors import ConfigError
 from mlptrain.keys import suggest
 from mlptrain.losses import regression_losses
@@ -54,7 +55,7 @@ def _gpu(c: TrainConfig) -> bool:
 
 # Option-specific settings of the fixed options: key -> (whether the chosen options use it, where it applies).
 USES: Uses = {
-    "data.samples": (_data("synthetic"), "data=synthetic"),
+    "data.samples": (_data("synthetic", "mnist1d"), "data=synthetic and data=mnist1d"),
     "data.features": (_data("synthetic"), "data=synthetic"),
     "data.classes": (_data("synthetic"), "data=synthetic"),
     "data.root": (_data("mnist", "fashion_mnist"), "data=mnist and data=fashion_mnist"),
@@ -220,7 +221,8 @@ def _ranges(cfg: TrainConfig) -> list[str]:
         (d.val_fraction + d.test_fraction < 1.0, "data.val_fraction + data.test_fraction must be below 1"),
         (d.missing in ("error", "drop"), f"data.missing={d.missing!r} must be error or drop"),
         (d.split_seed >= 0, f"data.split_seed={d.split_seed} must be a non-negative integer"),
-        (d.samples >= 2, f"data.samples={d.samples} must be at least 2"),
+        (d.samples is None or d.samples >= 2, f"data.samples={d.samples} must be at least 2 or null"),
+        (d.name.value != "mnist1d" or not mnist1d_samples_problem(d.samples), str(mnist1d_samples_problem(d.samples))),
         (d.features >= 1, f"data.features={d.features} must be positive"),
         (d.classes >= 2, f"data.classes={d.classes} must be at least 2"),
         (d.name.value != "file" or bool(d.path), "data=file needs data.path=<the training file>"),

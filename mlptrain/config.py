@@ -130,7 +130,11 @@ class DataConfig:
     split_seed: int = _f(0, "seed of the validation and test splits (and of synthetic data); seed does not change them")
     root: Optional[str] = _f(None, "mnist, fashion_mnist: download cache folder; null: $MLPTRAIN_DATA or ~/.cache")
     download: bool = _f(True, "mnist, fashion_mnist: download missing files")
-    samples: int = _f(10000, "synthetic: number of samples")
+    samples: Optional[int] = _f(
+        None,
+        "synthetic, mnist1d: number of samples; null: the dataset's own (synthetic 10000; mnist1d 5000, its standard "
+        "draw of 4000 training and 1000 test samples)",
+    )
     features: int = _f(32, "synthetic: number of features")
     classes: int = _f(10, "synthetic: number of classes")
     path: Optional[str] = _f(None, "file: the training data (CSV/TSV with a header, .gz, NPZ, Parquet)")

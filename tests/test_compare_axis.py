@@ -239,3 +239,35 @@ def test_fp8_script_runs_end_to_end_on_the_cpu(tmp_path: Path) -> None:
     )
     assert "inside ± 0.5 pp" in (docs / "results.md").read_text()
     assert not list((tmp_path / "out" / "runs").rglob("checkpoints"))
+
+
+def test_the_large_mnist1d_task_is_the_mnist1d_recipe_on_50000_samples() -> None:
+    from omegaconf import OmegaConf
+
+    from mlptrain.cli import compose_config
+
+    params = OmegaConf.load(REPO / "conf" / "compare_fp8_mnist1d_50k.yaml").hydra.get("sweeper")
+    assert params is None  # the sweep lists are compare_fp8.yaml's
+    base, large = (
+        compose_config([], config_name="compare_fp8"),
+        compose_config([], config_name="compare_fp8_mnist1d_50k"),
+    )
+    assert (base.data.samples, large.data.samples) == (None, 50000)
+    large.data.samples = None
+    assert large == base  # nothing else differs
+    train = 50000 * 4 // 5 - round(50000 * 4 // 5 * base.data.val_fraction)
+    assert train // base.data.batch_size * base.epochs == 8430  # as the config and the script say
+
+
+def test_fp8_script_runs_the_large_mnist1d_task_on_the_cpu(tmp_path: Path) -> None:
+    """--smoke --tasks mnist1d-50k: its config, its folders, a 10,000-sample draw for 2 epochs."""
+    pytest.importorskip("mnist1d")
+    pytest.importorskip("matplotlib")
+    proc = _script("out", "--smoke", "--tasks", "mnist1d-50k", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    docs = tmp_path / "out" / "docs" / "compare-fp8"
+    data = json.loads((docs / "mnist1d-50k" / "compare.json").read_text())
+    assert data["axis"]["arms"] == ["fp8", "fp32"] and data["seeds"] == [0, 1] and data["steps"] == 2 * 56
+    assert "--config-name compare_fp8_mnist1d_50k" in (tmp_path / "out" / "compare_fp8.log").read_text()
+    assert "[mnist1d-50k](mnist1d-50k/compare.md)" in (docs / "results.md").read_text()
+    assert not list((tmp_path / "out" / "runs").rglob("checkpoints"))

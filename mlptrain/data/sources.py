@@ -64,11 +64,31 @@ def _load_digits(cfg: DataConfig, rng: np.random.Generator) -> Raw:
     return Raw(table[:, :64], table[:, 64].astype(np.int64), None, None, 10, DIGIT_NAMES, feature_names=pixels)
 
 
-_MNIST1D_CACHE: dict[str, np.ndarray] = {}
+# data.samples=null: the standard sizes. MNIST-1D's is the draw of mnist1d's get_dataset_args() (4,000
+# training and 1,000 test samples); any other size is the same generator with the same seed (42), so
+# every size is one fixed draw, but not a superset of the smaller ones (the digits are drawn in turn).
+SYNTHETIC_SAMPLES = 10000
+MNIST1D_SAMPLES = 5000
+
+_MNIST1D_CACHE: dict[int, dict[str, np.ndarray]] = {}  # by the number of samples drawn
+
+
+def mnist1d_samples_problem(samples: object) -> str | None:
+    """Why ``data.samples`` cannot size an MNIST-1D draw, or None (null: the standard draw)."""
+    if samples is None or (isinstance(samples, (int, np.integer)) and samples >= 10 and samples % 10 == 0):
+        return None
+    return (
+        f"data.samples={samples} cannot size MNIST-1D: expected a positive multiple of 10 (mnist1d draws "
+        f"data.samples/10 of each digit and keeps 80 % of the draw for training), or null for its standard "
+        f"{MNIST1D_SAMPLES}"
+    )
 
 
 def _load_mnist1d(cfg: DataConfig, rng: np.random.Generator) -> Raw:
-    if not _MNIST1D_CACHE:
+    if problem := mnist1d_samples_problem(cfg.samples):
+        raise ConfigError(problem)
+    n = MNIST1D_SAMPLES if cfg.samples is None else int(cfg.samples)
+    if n not in _MNIST1D_CACHE:
         try:
             from mnist1d.data import get_dataset_args, make_dataset
         except ImportError as exc:
@@ -76,16 +96,19 @@ def _load_mnist1d(cfg: DataConfig, rng: np.random.Generator) -> Raw:
                 f"dataset 'mnist1d' needs the optional package mnist1d ({exc}); "
                 "pip install mnist1d, or pip install 'mlptrain[datasets]'"
             ) from exc
+        args = get_dataset_args()  # its own seed (42) and train_split (0.8) stay: the same draw on every call
+        args.num_samples = n
         np_state, py_state = np.random.get_state(), random.getstate()
         try:  # make_dataset reseeds the global random and np.random; never get_dataset (it downloads)
-            d = make_dataset(get_dataset_args())
+            d = make_dataset(args)
         finally:
             np.random.set_state(np_state)
             random.setstate(py_state)
-        for key in ("x", "y", "x_test", "y_test"):
-            _MNIST1D_CACHE[key] = np.array(d[key])
-            _MNIST1D_CACHE[key].setflags(write=False)
-    c = _MNIST1D_CACHE
+        arrays = {key: np.array(d[key]) for key in ("x", "y", "x_test", "y_test")}
+        for a in arrays.values():
+            a.setflags(write=False)
+        _MNIST1D_CACHE[n] = arrays
+    c = _MNIST1D_CACHE[n]
     return Raw(c["x"], c["y"].astype(np.int64), c["x_test"], c["y_test"].astype(np.int64), 10, DIGIT_NAMES)
 
 
@@ -109,7 +132,7 @@ def _load_idx_dataset(name: str, class_names: list[str]) -> Callable[[DataConfig
 
 def _load_synthetic(cfg: DataConfig, rng: np.random.Generator) -> Raw:
     """Each class is a mixture of two Gaussian blobs, so the classes are not linearly separable."""
-    n, f, c = cfg.samples, cfg.features, cfg.classes
+    n, f, c = SYNTHETIC_SAMPLES if cfg.samples is None else cfg.samples, cfg.features, cfg.classes
     if n < 2 or f < 1 or c < 2:
         raise ConfigError(f"synthetic data: samples={n}, features={f}, classes={c}; expected >= 2, >= 1, >= 2")
     centres = rng.normal(size=(c, 2, f)) * (SYNTHETIC_SEPARATION / math.sqrt(f))  # (C, 2, F)
