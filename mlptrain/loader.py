@@ -238,8 +238,8 @@ class DataLoader:
         if self.xp is np:
             first = (int(step) - int(self._base[0])) * self.batch_size + offset
             idx = self._order[first : first + len(xb)]
-            np.take(self.x, idx, axis=0, out=xb)
-            np.take(self.y, idx, axis=0, out=yb)
+            chunks.take_into(self.x, idx, xb)
+            chunks.take_into(self.y, idx, yb)
             return
         from mlptrain.gpu.gather import take_rows_at
 
@@ -254,7 +254,7 @@ class DataLoader:
         """``src[idx]`` (whole rows) into ``out`` or a new array; on the GPU one header-free kernel for
         every dtype (:func:`mlptrain.gpu.gather.take_rows`), where ``xp.take`` compiles one per dtype."""
         if self.xp is np:
-            return np.take(src, idx, axis=0, out=out)
+            return np.take(src, idx, axis=0) if out is None else chunks.take_into(src, idx, out)
         from mlptrain.gpu.gather import take_rows
 
         return take_rows(src, idx, out)

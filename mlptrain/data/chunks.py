@@ -77,6 +77,16 @@ def max_abs(x: np.ndarray, chunk: int | None = None) -> float:
     return max(run(lambda part: float(np.max(np.abs(aligned(x[part[0] : part[1]])))), parts), default=0.0)
 
 
+def take_into(src: np.ndarray, idx: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """``out[:] = src[idx]`` (whole rows, ``idx`` in range by construction: a permutation or split of the rows).
+
+    ``mode="clip"``, because NumPy's default ``mode="raise"`` buffers ``out`` (it must leave it untouched
+    when an index is out of range): the rows are gathered into a temporary and copied again, about 3x the
+    time of one gather (8192 rows of 4096 bfloat16: 31 ms against 10 ms on the 2-core machine, 2026-12-04).
+    """
+    return np.take(src, idx, axis=0, out=out, mode="clip")
+
+
 def aligned(block: np.ndarray) -> np.ndarray:
     """``block``, or a copy of it when its items are not aligned to their size (a table memory-mapped
     in an NPZ starts wherever its zip member does): ``isfinite`` runs several times slower on those,
@@ -102,7 +112,7 @@ def gather_normalised(
         if rows is None:
             dest[...] = x[a:b]  # the cast to float32
         elif x.dtype == np.float32 and x.flags.aligned:  # (np.take from unaligned items: 1000x slower)
-            np.take(x, rows[a:b], axis=0, out=dest)  # the gather, into the split
+            take_into(x, rows[a:b], dest)  # the gather, into the split
         else:
             dest[...] = x[rows[a:b]]
         np.subtract(dest, shift32, out=dest)
