@@ -24,6 +24,7 @@ options it applies to (:mod:`mlptrain.checks`, or the registry row), and the bui
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 import numpy as np
@@ -41,6 +42,8 @@ from mlptrain.network import MLP
 from mlptrain.optim import OPTIMIZERS, Optimizer
 from mlptrain.precision import LossScaler, Precision, get_precision
 from mlptrain.schedule import LRSchedule, StepClock
+
+log = logging.getLogger(__name__)
 
 
 def precision(cfg: PrecisionConfig, backend: Backend) -> Precision:
@@ -192,12 +195,15 @@ def loaders(
     """The shuffled training loader (order from ``seed``; ``shard``: this rank's rows of each batch)
     and an ordered loader per evaluation split.
 
-    The loaders copy every split to the device once; on the GPU the copies must fit its free memory.
+    Where the splits live is :func:`residency`'s choice: on the device (:class:`DataLoader`, copied once)
+    or in host memory (:class:`~mlptrain.host_loader.HostLoader`, each batch copied ahead of its step).
     """
-    if xp is not np:
-        free, total = xp.cuda.runtime.memGetInfo()
-        check_device_memory(dataset, np.dtype(dtype), free, total)
-    train = DataLoader(
+    kind: type[DataLoader] = DataLoader
+    if residency(cfg, dataset, xp, np.dtype(dtype)) == "host":
+        from mlptrain.host_loader import HostLoader
+
+        kind = HostLoader
+    train = kind(
         dataset.x_train,
         dataset.y_train,
         cfg.batch_size,
@@ -215,10 +221,38 @@ def loaders(
         if shard is not None:  # data parallel: this rank's contiguous rows of the split (maybe none)
             rows = shard_rows(len(x), *shard)
             x, y = x[rows], y[rows]
-        evaluation[split] = DataLoader(
-            x, y, cfg.eval_batch_size, xp=xp, dtype=dtype, shuffle=False, drop_last=False, seed=0
-        )
+        evaluation[split] = kind(x, y, cfg.eval_batch_size, xp=xp, dtype=dtype, shuffle=False, drop_last=False, seed=0)
     return train, evaluation
+
+
+def residency(cfg: DataConfig, dataset: Dataset, xp: Any, dtype: np.dtype) -> str:
+    """``"device"`` or ``"host"``: where the splits of ``dataset`` in ``dtype`` live (``data.residency``).
+
+    ``auto`` keeps them on the device where they take at most 90% of its free memory, else in host memory
+    (logged); ``device`` raises :class:`ResourceError` where they do not fit. On the CPU both are host memory:
+    ``host`` then gathers each batch from the dataset's array instead of a copy of the split.
+    """
+    asked = str(getattr(cfg.residency, "value", cfg.residency))
+    if asked not in ("auto", "device", "host"):
+        raise ConfigError(f"data.residency={asked!r}; expected auto, device or host")
+    if asked == "host":
+        return "host"
+    if xp is np:
+        return "device"
+    free, total = xp.cuda.runtime.memGetInfo()
+    try:
+        check_device_memory(dataset, dtype, free, total)
+    except ResourceError:
+        if asked == "device":
+            raise
+        log.info(
+            "dataset %s: the splits do not fit the GPU's free memory (%s free): kept in host memory, each batch "
+            "copied ahead of its step (data.residency=host)",
+            dataset.name,
+            _size(free),
+        )
+        return "host"
+    return "device"
 
 
 def check_device_memory(dataset: Dataset, dtype: np.dtype, free: int, total: int) -> None:
@@ -230,7 +264,8 @@ def check_device_memory(dataset: Dataset, dtype: np.dtype, free: int, total: int
         raise ResourceError(
             f"dataset {dataset.name!r} ({rows:,} rows x {dataset.num_features} features in {dtype.name}) needs "
             f"{_size(need)} on the GPU, more than the {_size(free)} free of {_size(total)}; "
-            "use fewer rows, or a half-precision run (precision=bf16 or fp16) to halve it"
+            "keep the splits in host memory (data.residency=host or auto), use fewer rows, or a half-precision "
+            "run (precision=bf16 or fp16) to halve it"
         )
 
 

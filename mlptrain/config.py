@@ -70,6 +70,12 @@ class Normalize(str, Enum):
     none = "none"
 
 
+class Residency(str, Enum):
+    auto = "auto"
+    device = "device"
+    host = "host"
+
+
 class TargetScaling(str, Enum):
     standard = "standard"
     none = "none"
@@ -143,6 +149,11 @@ class DataConfig:
     task: Task = _f(Task.auto, "file: classification or regression; auto: from the target columns")
     cache: bool = _f(True, "file: keep a binary copy of a parsed file, memory-mapped by the next run")
     missing: str = _f("error", "file: rows whose target is empty, NA, null or NaN: error (names them) or drop")
+    residency: Residency = _f(
+        Residency.auto,
+        "where the splits live: device (copied to the GPU once, batches gathered there), host (batches gathered in "
+        "host memory and copied ahead of each step: data larger than the GPU); auto: device where the splits fit",
+    )
 
 
 @dataclass

@@ -117,16 +117,26 @@ class DataLoader:
         # fresh machine (the first run's start-up), and pageable memory copies at a fraction of the bus.
         # y: (N,) int64 class labels, or (N, T) float32 regression targets; C order like x (the GPU's
         # gather copies whole rows: a Fortran-ordered (N, T) from pandas' to_numpy() would have none)
-        y_dtype = np.int64 if y.ndim == 1 else np.float32
-        start = time.perf_counter()
-        self.x = _owned_copy(xp, x, dtype)  # (N, F)
-        self.y = _owned_copy(xp, y, y_dtype)  # (N,) or (N, T)
-        if xp is not np:
-            chunks.log_phase("copy to the device", start, int(self.x.nbytes + self.y.nbytes))
+        self.dtype = np.dtype(dtype)  # of the features in a batch
+        self._store(x, y, np.int64 if y.ndim == 1 else np.float32)
         # Gathering inside the step (place_order, gather_in_step): the epoch's order and the step count at
         # its batch 0, in device buffers whose addresses never change (a captured step reads them).
         self._order: Any = None  # (N,) int64
         self._base: Any = None  # (1,) int64
+
+    resident = True  # the split lives in device memory (mlptrain.host_loader.HostLoader: in host memory)
+
+    def _store(self, x: Any, y: Any, y_dtype: Any) -> None:
+        """Keep the split: here a copy of each array on the device (``self.x (N, F)``, ``self.y``)."""
+        start = time.perf_counter()
+        self.x = _owned_copy(self.xp, x, self.dtype)  # (N, F)
+        self.y = _owned_copy(self.xp, y, y_dtype)  # (N,) or (N, T)
+        if self.xp is not np:
+            chunks.log_phase("copy to the device", start, int(self.x.nbytes + self.y.nbytes))
+
+    def batch_spec(self, rows: int) -> tuple[tuple[int, ...], np.dtype, tuple[int, ...], np.dtype]:
+        """``(x shape, x dtype, y shape, y dtype)`` of a batch of ``rows`` on the device."""
+        return (rows, self.x.shape[1]), self.dtype, (rows, *self.y.shape[1:]), np.dtype(self.y.dtype)
 
     @property
     def num_samples(self) -> int:
@@ -187,15 +197,19 @@ class DataLoader:
                 yield self._take(self.x, idx), self._take(self.y, idx)  # (B, F), (B,) or (B, T)
                 continue
             xb, yb = bufs
-            want = ((len(idx), self.x.shape[1]), self.x.dtype, (len(idx), *self.y.shape[1:]), self.y.dtype)
-            if (xb.shape, xb.dtype, yb.shape, yb.dtype) != want:
-                raise ValueError(
-                    f"batch buffers {xb.shape} {xb.dtype} / {yb.shape} {yb.dtype} do not fit a batch of "
-                    f"{want[0]} {want[1]} / {want[2]} {want[3]}"
-                )
+            self.check_buffers(xb, yb, len(idx))
             self._take(self.x, idx, xb)
             self._take(self.y, idx, yb)
             yield xb, yb
+
+    def check_buffers(self, xb: Any, yb: Any, rows: int) -> None:
+        """Raise ValueError unless ``xb``, ``yb`` have the shapes and dtypes of a batch of ``rows`` rows."""
+        want = self.batch_spec(rows)
+        if (tuple(xb.shape), xb.dtype, tuple(yb.shape), yb.dtype) != want:
+            raise ValueError(
+                f"batch buffers {xb.shape} {xb.dtype} / {yb.shape} {yb.dtype} do not fit a batch of "
+                f"{want[0]} {want[1]} / {want[2]} {want[3]}"
+            )
 
     # --- the batch gathered by the step itself (a CUDA graph replays it with the step) -------------
 
@@ -245,6 +259,11 @@ class DataLoader:
 
         for src, out in ((self.x, xb), (self.y, yb)):
             take_rows_at(src, self._order, out, step, self._base, self.batch_size, offset)
+
+    def sample_batch(self, xb: Any, yb: Any, step: Any) -> None:
+        """A valid batch in ``xb``, ``yb`` (to plan and capture a step on, ahead of its shape's first batch):
+        here the batch of step ``step``'s first rows (:meth:`gather_in_step`)."""
+        self.gather_in_step(xb, yb, step)
 
     def _shard(self, rows: int) -> slice:
         """This rank's rows of a global batch of ``rows`` (all of them on one process)."""

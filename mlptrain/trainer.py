@@ -125,10 +125,12 @@ class Trainer:
         )
         # Each training batch gathered by the step itself (train_batches): where the step is one replayed graph
         # and one process trains (data parallel ranks gather theirs as they did); tests turn it on, on the CPU.
-        self.gathers_in_step = self.runtime.graphed is not None and comm is None
+        # A host-resident split (data.residency=host) is gathered on the host and copied into the graph's buffers.
+        self.gathers_in_step = self.runtime.graphed is not None and comm is None and self.train_loader.resident
         self._own_batches: dict[int, tuple[Any, Any]] = {}  # rows -> the buffers such a step gathers into
         # Batch shapes whose graphs are captured ahead, once the first step's graph exists (train_batches, step).
         self._ahead: list[int] = []
+        self._ahead_planned = False
         # The loop writes each log interval's records while the device runs the next (mlptrain.loop.Interval)
         self.writes_metrics_late = self.runtime.queues_work and comm is None
         bgrad.choose(self)  # on the GPU it may time the step, so after everything the step uses
@@ -183,14 +185,15 @@ class Trainer:
         """
         ld, rows_now = self.train_loader, self._ahead
         self._ahead = []
+        tag = "gather" if self.gathers_in_step else None  # a host-resident split fills the graph's own buffers
         fp8_state = fp8.state_dict(self.gemm)
         for rows in rows_now:
-            x, y = self._own_batches[rows]
-            if self.graphed.captured(x, y, "gather"):
+            x, y = self._own_batches[rows] if tag else self.batch_buffers(rows) or self._host_buffers(rows)
+            if self.graphed.captured(x, y, tag):
                 continue
             self.log.rows_value(rows)
-            ld.gather_in_step(x, y, self.clock.device)  # a valid batch to plan on: the next one's first rows
-            self.graphed.precapture(x, y, lambda x=x, y=y: self.forward_backward(x, y), tag="gather")
+            ld.sample_batch(x, y, self.clock.device)  # a valid batch to plan on
+            self.graphed.precapture(x, y, lambda x=x, y=y: self.forward_backward(x, y), tag=tag)
         fp8.load_state_dict(self.gemm, fp8_state)
 
     def release_step(self) -> None:
@@ -241,6 +244,10 @@ class Trainer:
         """
         ld = self.train_loader
         if not self.gathers_in_step:
+            if self.graphed is not None and not ld.resident and not self._ahead_planned:  # host-resident batches
+                self._ahead_planned = True  # the other shapes are captured once the first one's graph exists
+                first = next(ld.batch_rows(start_batch), None)
+                self._ahead = [rows for rows in ld.row_counts() if rows != first]
             yield from ld.epoch(epoch, start_batch, out=self.batch_buffers)
             return
         ld.place_order(epoch, start_batch, self.step_count)
@@ -263,13 +270,12 @@ class Trainer:
         buffers for that shape (saves the step a copy), or None (fresh arrays) without a graph.
         ``tag``: the graphs of steps that gather their own batch (:meth:`train_batches`) are others."""
         self.runtime.wait("batch")  # the loader gathers next
-        ld = self.train_loader
-        return self.runtime.input_buffers((rows, ld.x.shape[1]), ld.x.dtype, (rows, *ld.y.shape[1:]), ld.y.dtype, tag)
+        return self.runtime.input_buffers(*self.train_loader.batch_spec(rows), tag)
 
     def _host_buffers(self, rows: int) -> tuple[Any, Any]:
         """Batch arrays for steps that gather their own batch without a graph (the CPU, in tests)."""
-        ld, xp = self.train_loader, self.xp
-        return xp.empty((rows, ld.x.shape[1]), ld.x.dtype), xp.empty((rows, *ld.y.shape[1:]), ld.y.dtype)
+        x_shape, x_dtype, y_shape, y_dtype = self.train_loader.batch_spec(rows)
+        return self.xp.empty(x_shape, x_dtype), self.xp.empty(y_shape, y_dtype)
 
     def lr_at(self, step: int) -> float:
         """The learning rate of optimizer step ``step`` (host value, for logs)."""

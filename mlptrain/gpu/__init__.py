@@ -25,6 +25,7 @@ module              what it owns
 ``upload``          host arrays copied to the device through pinned staging buffers, two in flight
 ``torch_lt``        raw cuBLASLt plans on torch tensors (nvmath's layout rules, LtPlan), for ``torch_gemm``
 ``gather``          the data loader's batch gather, whole rows of any dtype
+``prefetch``        a host-resident loader's batches: pinned slots, a copy stream, events per slot
 ``plain_kernels``   the header-free kernels (gather, nonfinite) compiled in one NVRTC call
 ``precompile``      the run's kernels compiled on threads before their first launch
 ``infer``           inference batches as replays of a CUDA graph (the forward pass passed in)

@@ -72,6 +72,7 @@ def account(trainer: Any) -> dict[str, Any]:
     layers = model.layers
     graphed = trainer.runtime.graphed
     batch = graphed.input_arrays() if graphed is not None else []
+    loaders = (trainer.train_loader, *trainer.eval_loaders.values())
     cats = {
         "master_weights": _unique_bytes((p.value for p in params), seen),
         "compute_copies": _unique_bytes((p.compute for p in params if p.has_compute_copy), seen)
@@ -81,9 +82,9 @@ def account(trainer: Any) -> dict[str, Any]:
         "batch": _unique_bytes(batch, seen),
         "saved_inputs": _unique_bytes((layer.x for layer in layers), seen),
         "relu_aux": _unique_bytes((layer.mask for layer in layers), seen),
-        "dataset": _unique_bytes(
-            [a for ld in (trainer.train_loader, *trainer.eval_loaders.values()) for a in (ld.x, ld.y)], seen
-        ),
+        # Resident splits live on the device; a host-resident one (data.residency=host) only its batch slots.
+        "dataset": _unique_bytes([a for ld in loaders if ld.resident for a in (ld.x, ld.y)], seen),
+        "host_batch_slots": sum(ld.device_bytes for ld in loaders if not ld.resident),
         "gemm_workspaces": trainer.gemm.workspace_bytes(),
     }
     default = cp.get_default_memory_pool()
