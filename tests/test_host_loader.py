@@ -111,14 +111,27 @@ def test_the_table_is_not_copied_when_it_has_the_dtype_already() -> None:
 def test_a_large_batch_is_gathered_on_threads_as_on_one() -> None:
     from concurrent.futures import ThreadPoolExecutor
 
-    x = np.random.default_rng(0).normal(size=(5000, 7)).astype(np.float32)
-    idx = np.random.default_rng(1).permutation(5000)[:3001]
-    one, many = np.empty((3001, 7), np.float32), np.empty((3001, 7), np.float32)
+    class Counting(ThreadPoolExecutor):
+        parts: list[int] = []
+
+        def map(self, fn, *its, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+            cuts = list(its[0])
+            self.parts.append(len(cuts))
+            return super().map(fn, cuts, **kw)
+
+    x = np.random.default_rng(0).normal(size=(40_000, 64)).astype(np.float32)  # 256 bytes a row
+    idx = np.random.default_rng(1).permutation(40_000)[:30_001]  # 7.7 MB: 8 threads' shares of at least 1 MiB
+    one, many = np.empty((30_001, 64), np.float32), np.empty((30_001, 64), np.float32)
     take_rows(x, idx, one, None)
-    with ThreadPoolExecutor(4) as pool:
+    labels = np.arange(40_000)
+    small = np.empty(30_001, labels.dtype)
+    with Counting(4) as pool:
         take_rows(x, idx, many, pool)
+        take_rows(labels, idx, small, pool)  # 240 kB: on the calling thread, not the pool
+    assert Counting.parts == [7]
     assert_array_equal(one, x[idx])
     assert_array_equal(many, x[idx])
+    assert_array_equal(small, idx)
 
 
 # --- the pipe ------------------------------------------------------------------------------------
