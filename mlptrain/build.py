@@ -32,6 +32,7 @@ import numpy as np
 from mlptrain.backend import Backend
 from mlptrain.config import DataConfig, ExecutionConfig, ModelConfig, OptimizerConfig, PrecisionConfig, TrainConfig
 from mlptrain.data import Dataset
+from mlptrain.data.rows import NormalisedRows
 from mlptrain.distributed.dp import shard_rows
 from mlptrain.errors import ConfigError, ResourceError
 from mlptrain.execution import FusedExecution, NaiveExecution, NumpyGemm
@@ -220,7 +221,7 @@ def loaders(
             continue
         if shard is not None:  # data parallel: this rank's contiguous rows of the split (maybe none)
             rows = shard_rows(len(x), *shard)
-            x, y = x[rows], y[rows]
+            x, y = (x.subset(rows) if isinstance(x, NormalisedRows) else x[rows]), y[rows]
         evaluation[split] = kind(x, y, cfg.eval_batch_size, xp=xp, dtype=dtype, shuffle=False, drop_last=False, seed=0)
     return train, evaluation
 
@@ -228,14 +229,24 @@ def loaders(
 def residency(cfg: DataConfig, dataset: Dataset, xp: Any, dtype: np.dtype) -> str:
     """``"device"`` or ``"host"``: where the splits of ``dataset`` in ``dtype`` live (``data.residency``).
 
+    Streamed splits (``stream``, or ``auto``/``host`` where :func:`mlptrain.data.prepare.load_dataset` found
+    the normalised splits too large for host memory) are host-resident: read from the table batch by batch.
+
     ``auto`` keeps them on the device where they take at most 90% of its free memory, else in host memory
     (logged); ``device`` raises :class:`ResourceError` where they do not fit. On the CPU both are host memory:
     ``host`` then gathers each batch from the dataset's array instead of a copy of the split.
     """
     asked = str(getattr(cfg.residency, "value", cfg.residency))
-    if asked not in ("auto", "device", "host"):
-        raise ConfigError(f"data.residency={asked!r}; expected auto, device or host")
-    if asked == "host":
+    if asked not in ("auto", "device", "host", "stream"):
+        raise ConfigError(f"data.residency={asked!r}; expected auto, device, host or stream")
+    if isinstance(dataset.x_train, NormalisedRows):  # streamed (mlptrain.data.rows): read as the batches need it
+        if asked == "device":
+            raise ConfigError(
+                f"data.residency=device, but dataset {dataset.name}'s splits are streamed from its table "
+                "(mlptrain.data.rows.NormalisedRows); use data.residency=host, stream or auto"
+            )
+        return "host"
+    if asked in ("host", "stream"):
         return "host"
     if xp is np:
         return "device"

@@ -74,6 +74,7 @@ class Residency(str, Enum):
     auto = "auto"
     device = "device"
     host = "host"
+    stream = "stream"
 
 
 class TargetScaling(str, Enum):
@@ -152,7 +153,9 @@ class DataConfig:
     residency: Residency = _f(
         Residency.auto,
         "where the splits live: device (copied to the GPU once, batches gathered there), host (batches gathered in "
-        "host memory and copied ahead of each step: data larger than the GPU); auto: device where the splits fit",
+        "host memory and copied ahead of each step: data larger than the GPU), stream (as host, but no split is "
+        "made: each batch's rows read from the memory-mapped table and normalised as they are gathered: data larger "
+        "than host memory); auto: device where the splits fit, else host, else stream",
     )
 
 

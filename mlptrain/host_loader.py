@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from mlptrain.data import chunks
+from mlptrain.data.rows import NormalisedRows
 from mlptrain.errors import ConfigError
 from mlptrain.loader import DataLoader
 from mlptrain.prefetch import Pipe
@@ -45,9 +46,12 @@ TAKE_THREADS = 8  # host threads gathering a batch's rows (NumPy's take releases
 MIN_BYTES_PER_THREAD = 1 << 20
 
 
-def host_table(x: Any, dtype: np.dtype) -> np.ndarray:
+def host_table(x: Any, dtype: np.dtype) -> np.ndarray | NormalisedRows:
     """``x (N, F)`` as a C-contiguous, aligned host array of ``dtype``: ``x`` itself when it is one,
-    else a copy cast chunk by chunk on threads (the cast done once, not per batch)."""
+    else a copy cast chunk by chunk on threads (the cast done once, not per batch); a streamed split
+    (:class:`~mlptrain.data.rows.NormalisedRows`) stays one, handing out rows of ``dtype``."""
+    if isinstance(x, NormalisedRows):  # streamed: its rows are read, normalised and cast as they are taken
+        return x.as_dtype(dtype)
     a = np.asarray(x)
     if a.dtype == dtype and a.flags.c_contiguous and a.flags.aligned:
         return a
@@ -67,11 +71,12 @@ def take_rows(src: np.ndarray, idx: np.ndarray, out: np.ndarray, pool: ThreadPoo
     n = len(idx)
     row_bytes = src.dtype.itemsize * int(np.prod(src.shape[1:]))
     parts = 1 if pool is None else min(TAKE_THREADS, max(1, n * row_bytes // MIN_BYTES_PER_THREAD))
+    take = src.take if isinstance(src, NormalisedRows) else lambda i, o: chunks.take_into(src, i, o)
     if pool is None or parts <= 1:
-        chunks.take_into(src, idx, out)
+        take(idx, out)
         return
     cuts = chunks.ranges(n, -(-n // parts))
-    list(pool.map(lambda c: chunks.take_into(src, idx[c[0] : c[1]], out[c[0] : c[1]]), cuts))
+    list(pool.map(lambda c: take(idx[c[0] : c[1]], out[c[0] : c[1]]), cuts))
 
 
 class HostStaging:

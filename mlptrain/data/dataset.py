@@ -110,7 +110,7 @@ class Dataset:
             raise DatasetError(
                 f"{where}: x {x.shape} and y {y.shape} are not (N, F) and {shape} with F={f} as in the train split"
             )
-        bad = first_nonfinite(x)
+        bad = None if getattr(x, "checked_finite", False) else first_nonfinite(x)  # streamed: its table was checked
         if bad is not None:
             raise DatasetError(
                 f"{where}: row {bad[0]}, column {bad[1]} holds {x[bad]}; features must be finite numbers (remove "

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import Any
 
 import numpy as np
 
 from mlptrain.config import DataConfig
 from mlptrain.data import chunks
 from mlptrain.data.dataset import Dataset, Normalization, Raw
+from mlptrain.data.rows import NormalisedRows, host_memory_available, memory_mapped
 from mlptrain.data.sources import SOURCES
 from mlptrain.data.stats import column_stats
 from mlptrain.errors import ConfigError, DatasetError
@@ -34,6 +36,9 @@ log = logging.getLogger(__name__)
 REL_FLOOR = 0.1
 STD_FLOOR = 1e-6
 DATASETS = tuple(SOURCES)
+# data.residency=auto or host streams the splits (mlptrain.data.rows) from a memory-mapped table whose
+# normalised float32 splits would take more than this share of the host memory available.
+STREAM_SHARE = 0.5
 
 
 def stratified_split(y: np.ndarray, fraction: float, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
@@ -187,8 +192,13 @@ def load_dataset(cfg: DataConfig, seed: int | None = None) -> Dataset:
     x, rows = parts[0][0], parts[0][1]
     with chunks.timed("statistics", len(rows) * x.shape[1] * x.itemsize):
         norm = normalization(method, x, rows, where=f"dataset {name!r} split train")
-    with chunks.timed("normalise", sum(4 * len(r if r is not None else xs) * xs.shape[1] for xs, r, _ in parts)):
-        xs = [chunks.gather_normalised(xs, r, norm.shift, norm.scale) for xs, r, _ in parts]  # the float32 splits
+    split_bytes = sum(4 * len(r if r is not None else xs) * xs.shape[1] for xs, r, _ in parts)  # as float32
+    xs: list[Any]  # (n, F) float32 splits, made or streamed
+    if _streams(cfg, name, parts, split_bytes):
+        xs = [NormalisedRows(xs, r, norm.shift, norm.scale) for xs, r, _ in parts]  # read as the batches need them
+    else:
+        with chunks.timed("normalise", split_bytes):
+            xs = [chunks.gather_normalised(xs, r, norm.shift, norm.scale) for xs, r, _ in parts]  # the float32 splits
     (_, _, y_tr), (_, _, y_val), (_, _, y_te) = parts
     split = Dataset(
         name,
@@ -219,6 +229,30 @@ def load_dataset(cfg: DataConfig, seed: int | None = None) -> Dataset:
         "classes" if raw.task == "classification" else "targets",
     )
     return ds
+
+
+def _streams(cfg: DataConfig, name: str, parts: list[tuple], split_bytes: int) -> bool:
+    """Whether the splits are streamed from the table (:class:`NormalisedRows`) instead of made: asked for
+    (``data.residency=stream``), or (``auto``, ``host``) a memory-mapped table whose normalised splits
+    would take more than :data:`STREAM_SHARE` of the host memory available (logged)."""
+    asked = str(getattr(cfg.residency, "value", cfg.residency))
+    if asked == "stream":
+        log.info("dataset %s: the splits are streamed from the table (data.residency=stream), not made", name)
+        return True
+    if asked not in ("auto", "host") or not all(memory_mapped(xs) for xs, _, _ in parts):
+        return False
+    available = host_memory_available()
+    if split_bytes <= STREAM_SHARE * available:
+        return False
+    log.info(
+        "dataset %s: its normalised splits (%.1f GB) would take more than %d%% of the host memory available "
+        "(%.1f GB): streamed from the memory-mapped table as the batches need them (data.residency=stream)",
+        name,
+        split_bytes / 1e9,
+        round(100 * STREAM_SHARE),
+        available / 1e9,
+    )
+    return True
 
 
 def _split(name: str, cfg: DataConfig, raw: Raw, rng: np.random.Generator) -> list[tuple]:
