@@ -73,12 +73,12 @@ def test_the_steps_buffers_are_refilled_in_stream_order() -> None:
     np.testing.assert_array_equal(cp.stack(sums_host).get(), cp.stack(sums_dev).get())
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_a_host_resident_run_takes_the_resident_runs_steps(tmp_path: Path, precision: str) -> None:
+@pytest.mark.parametrize(("precision", "residency"), [("fp32", "host"), ("bf16", "host"), ("bf16", "stream")])
+def test_a_host_resident_run_takes_the_resident_runs_steps(tmp_path: Path, precision: str, residency: str) -> None:
     cfg = dict(device=Device.gpu, epochs=2, log_every=5, execution__bgrad=Bgrad.bgradb, data__batch_size=100)
     cfg["precision__name"] = precision
     resident = train(make_cfg(**cfg), tmp_path / "device")
-    host = train(make_cfg(**cfg, data__residency="host"), tmp_path / "host")
+    host = train(make_cfg(**cfg, data__residency=residency), tmp_path / "host")  # stream: rows normalised per batch
     assert host["steps"] == resident["steps"] == 2 * 13  # digits: 1,294 training rows, a short last batch of 94
     got, expected = records(tmp_path / "host"), records(tmp_path / "device")
     steps = [r for r in got if r["kind"] == "step"]
