@@ -8,13 +8,15 @@ median of ``--repeats``:
 * **mlptrain, first load**: ``load_dataset`` of ``data=file`` with an empty cache folder: the file
   read and hashed, checked, split, the train split's statistics, the splits normalised into
   float32 and the cache entry written;
-* **mlptrain, second load**: the same again, read from that cache entry (verified).
+* **mlptrain, second load**: the same again, read from that cache entry (verified);
+* with ``--stream``, **mlptrain, streamed**: ``data.residency=stream``: read, checked, split and the
+  statistics, but no split made (each batch is normalised as it is gathered, in training).
 
 ``--pythonpath DIR`` runs the timed processes with the mlptrain in ``DIR`` (an older checkout, for a
 before/after). Prints a markdown table with each time over NumPy's.
 
 Usage: python scripts/bench_load.py [--rows 600000] [--cols 256] [--classes 10] [--repeats 3] [--quick]
-[--file PATH] [--pythonpath DIR]
+[--file PATH] [--pythonpath DIR] [--stream]
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 TARGET = 3.0  # #31: the first load at most 3x NumPy's read and column means
+STREAMED = "mlptrain, streamed (data.residency=stream)"
 
 NUMPY = """
 import json, sys, time
@@ -47,7 +50,7 @@ MLPTRAIN = """
 import json, sys, time
 from mlptrain.cli import compose_config
 from mlptrain.data import load_dataset
-cfg = compose_config(["data=file", f"data.path={sys.argv[1]}", "data.target=y"]).data
+cfg = compose_config(["data=file", f"data.path={sys.argv[1]}", "data.target=y", *sys.argv[2:]]).data
 start = time.perf_counter()
 ds = load_dataset(cfg)
 print(json.dumps(time.perf_counter() - start))
@@ -63,27 +66,32 @@ def write_npz(path: Path, rows: int, cols: int, classes: int, seed: int = 0) -> 
     np.savez(path, x=x, y=y)
 
 
-def timed_process(code: str, file: Path, cache: Path, pythonpath: str | None) -> float:
+def timed_process(code: str, file: Path, cache: Path, pythonpath: str | None, *overrides: str) -> float:
     """Seconds that ``code`` reports, run in a fresh interpreter with ``MLPTRAIN_DATA=cache``."""
     env = {**os.environ, "MLPTRAIN_DATA": str(cache)}
     if pythonpath:
         env["PYTHONPATH"] = pythonpath
-    out = subprocess.run([sys.executable, "-c", code, str(file)], env=env, check=True, capture_output=True, text=True)
+    cmd = [sys.executable, "-c", code, str(file), *overrides]
+    out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
     return float(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
-def measure(file: Path, repeats: int, pythonpath: str | None, folder: Path) -> dict[str, list[float]]:
-    """``{what: [seconds of each repeat]}``: NumPy, the first load (a fresh cache) and the second, interleaved."""
+def measure(file: Path, repeats: int, pythonpath: str | None, folder: Path, stream: bool) -> dict[str, list[float]]:
+    """``{what: [seconds of each repeat]}``: NumPy, the first load (a fresh cache) and the second, interleaved;
+    with ``stream`` also a streamed load (``data.residency=stream``: statistics, no split made)."""
     times: dict[str, list[float]] = {
         "NumPy np.load + column means": [],
         "mlptrain, first load": [],
         "mlptrain, second load": [],
+        **({STREAMED: []} if stream else {}),
     }
     for r in range(repeats):
         cache = folder / f"cache{r}"
         times["NumPy np.load + column means"].append(timed_process(NUMPY, file, cache, pythonpath))
         times["mlptrain, first load"].append(timed_process(MLPTRAIN, file, cache, pythonpath))
         times["mlptrain, second load"].append(timed_process(MLPTRAIN, file, cache, pythonpath))
+        if stream:
+            times[STREAMED].append(timed_process(MLPTRAIN, file, cache, pythonpath, "data.residency=stream"))
         shutil.rmtree(cache, ignore_errors=True)
     return times
 
@@ -113,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="60,000 rows, one repeat")
     ap.add_argument("--file", type=Path, help="an NPZ of x and y to load instead of writing one")
     ap.add_argument("--pythonpath", help="run the timed processes with the mlptrain in this folder")
+    ap.add_argument("--stream", action="store_true", help="also time a streamed load (data.residency=stream)")
     args = ap.parse_args(argv)
     rows, repeats = (min(args.rows, 60_000), 1) if args.quick else (args.rows, args.repeats)
     folder = Path(tempfile.mkdtemp(prefix="mlptrain-bench-load-"))
@@ -123,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             write_npz(file, rows, args.cols, args.classes)
         with np.load(file) as npz:
             shape, dtype, nbytes = npz["x"].shape, npz["x"].dtype, npz["x"].nbytes
-        times = measure(file, repeats, args.pythonpath, folder)
+        times = measure(file, repeats, args.pythonpath, folder, args.stream)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     command = " ".join(["python", Path(sys.argv[0]).as_posix(), *sys.argv[1:]])
