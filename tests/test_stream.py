@@ -132,3 +132,12 @@ def test_a_streamed_run_writes_the_resident_runs_records(tmp_path: Path) -> None
     assert [r for r in got if r["kind"] == "step"] == [r for r in want if r["kind"] == "step"]
     assert [r for r in got if r["kind"] == "epoch"] == [r for r in want if r["kind"] == "epoch"]
     assert isinstance(Trainer(make_cfg(data__residency="stream")).train_loader.x, NormalisedRows)
+
+
+def test_a_streamed_runs_checkpoint_scores_its_own_split_as_the_run_did(tmp_path: Path) -> None:
+    from mlptrain.evaluate import EvaluateArgs, evaluate
+
+    summary = train(make_cfg(epochs=1, data__residency="stream"), tmp_path / "run")
+    report, _ = evaluate(EvaluateArgs(ckpt=str(tmp_path / "run" / "checkpoints" / "last.npz"), device="cpu"))
+    assert report["samples"] == 359  # digits' test split (20% of 1,797), read again streamed (its data config)
+    np.testing.assert_allclose(report["loss"], summary["test/loss"], rtol=1e-6)
