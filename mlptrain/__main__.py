@@ -4,6 +4,10 @@ import os
 import signal
 import sys
 
+from mlptrain import timeline as _timeline
+
+_timeline.PROCESS.mark("python")  # the interpreter's start-up, until this line (mlptrain.timeline)
+
 
 def _stop(signum: int, frame: object) -> None:
     """Ctrl-C or SIGTERM while Python imports Hydra and mlptrain: nothing has been written, so stop at

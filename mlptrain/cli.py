@@ -44,6 +44,7 @@ from mlptrain.errors import ConfigError, Interrupted, MlptrainError, OutputError
 from mlptrain.files import atomic_write
 from mlptrain.hydra_errors import hydra_errors_raised, one_line
 from mlptrain.sweep import register_resolvers
+from mlptrain.timeline import PROCESS, Timeline
 
 log = logging.getLogger(__name__)
 
@@ -208,10 +209,13 @@ def _run(cfg: DictConfig) -> float:
 
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     handlers: list[logging.Handler] = []
+    # The process's first job carries its start-up (mlptrain.timeline); a multirun's later jobs start afresh.
+    timeline = PROCESS if "config" not in PROCESS.phases else Timeline()
     try:
         config = to_train_config(cfg)
+        timeline.mark("config")
         with logging_redirect_tqdm():
-            summary = _train_job(cfg, config, out_dir, handlers)
+            summary = _train_job(cfg, config, out_dir, handlers, timeline)
         return sweep_value(summary, config.optimized_metric)
     except MlptrainError as exc:
         _report(exc)
@@ -224,7 +228,9 @@ def _run(cfg: DictConfig) -> float:
             handler.close()
 
 
-def _train_job(cfg: DictConfig, config: TrainConfig, out_dir: Path, handlers: list[logging.Handler]) -> dict[str, Any]:
+def _train_job(
+    cfg: DictConfig, config: TrainConfig, out_dir: Path, handlers: list[logging.Handler], timeline: Timeline
+) -> dict[str, Any]:
     """One run: here, on ``distributed.gpus`` GPUs of this host (one process each), or as one rank
     that torchrun or mpirun started (:mod:`mlptrain.distributed`)."""
     from mlptrain.distributed.launch import DistEnv
@@ -247,12 +253,18 @@ def _train_job(cfg: DictConfig, config: TrainConfig, out_dir: Path, handlers: li
         validate(config)
         return launch(config, out_dir, accept_files=_hydra_files(cfg), overrides=overrides)
     if env is None:
-        return train(config, out_dir, on_accept=lambda path: handlers.append(_accepted(cfg, path)), overrides=overrides)
+        return train(
+            config,
+            out_dir,
+            on_accept=lambda path: handlers.append(_accepted(cfg, path)),
+            overrides=overrides,
+            timeline=timeline,
+        )
     from mlptrain.launcher import join
 
     comm = join(env)
     accept = (lambda path: handlers.append(_accepted(cfg, path))) if env.rank == 0 else None
-    summary = train(config, out_dir, on_accept=accept, comm=comm, overrides=overrides)
+    summary = train(config, out_dir, on_accept=accept, comm=comm, overrides=overrides, timeline=timeline)
     if env.rank != 0 and out_dir.absolute() in _created:  # Hydra's directory of this rank: unused
         from mlptrain.rundir import RunDirectory
 
@@ -328,6 +340,7 @@ def main() -> None:
     """
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _exit_now)
+    PROCESS.mark("imports")  # (the console script: the interpreter's start-up too)
     if sys.argv[1:] == ["--version"]:  # mlptrain's, not Hydra's
         print(version())
         return

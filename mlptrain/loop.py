@@ -35,6 +35,7 @@ from mlptrain.resume import Start
 from mlptrain.rundir import RunDirectory
 from mlptrain.saving import Writer
 from mlptrain.stopping import Stop
+from mlptrain.timeline import FIRST_STEPS, timed
 from mlptrain.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -121,7 +122,8 @@ class Loop:
         """Write and return the summary record: the run's size and speed, the last epoch's metrics, and the
         best checkpoint's epoch, metric and test scores (``best/test/acc`` ...)."""
         tr = self.tr
-        self.writer.wait()  # best.npz is read back below
+        with timed("save"):
+            self.writer.wait()  # best.npz is read back below
         self.stop.beat()  # (a large checkpoint on slow storage: not a hang)
         wall = time.perf_counter() - t_start
         summary = {
@@ -140,16 +142,27 @@ class Loop:
         return summary
 
     def best_scores(self) -> dict[str, float]:
-        """The test scores of the parameters in ``best.npz`` (evaluated in place, then the last state put back)."""
+        """The test scores of the parameters in ``best.npz`` (evaluated in place, then the last state put back).
+
+        Where ``best.npz`` holds the parameters the last epoch record evaluated (best is the last epoch, as it
+        often is), its test scores are that record's: the same parameters, evaluated as the epoch ended, so
+        nothing is read back or evaluated again. (Every rank decides alike: the record and ``best`` are all-reduced.)
+        """
         path = self.run_dir.checkpoint("best")
-        if "test" not in self.tr.eval_loaders or not self._everyone(path.is_file()):
+        if "test" not in self.tr.eval_loaders:
+            return {}
+        rec = self.record
+        if rec.get("step") == self.best.step == self.tr.step_count and "test/loss" in rec:
+            return {k: v for k, v in rec.items() if k.startswith("test/")}
+        if not self._everyone(path.is_file()):
             return {}
         model = self.tr.model
         now = model.state_dict()
         best = checkpoint.load(path).arrays
         model.load_state_dict({k[len("param/") :]: v for k, v in best.items() if k.startswith("param/")})
         try:
-            return self.tr.evaluate("test")
+            with timed("evaluate"):
+                return self.tr.evaluate("test")
         finally:
             model.load_state_dict(now)
 
@@ -192,7 +205,11 @@ class Loop:
         )
         for x, y in bar:
             lr = tr.lr_at(tr.step_count)
-            loss, _ = tr.step(x, y)
+            if tr.step_count - self.start.step < FIRST_STEPS:  # warm-up and capture (mlptrain.timeline)
+                with timed("first steps"):
+                    loss, _ = tr.step(x, y)
+            else:
+                loss, _ = tr.step(x, y)
             rows = tr.rows(y)  # of the global batch (data parallel: every rank's shard together)
             interval.add(rows, lr)  # host only: the step recorded its metrics on the device
             samples += rows
@@ -228,7 +245,8 @@ class Loop:
         if self.interval.classification:
             rec["train/acc"] = pos.correct / n
         for split in tr.eval_loaders:
-            rec.update(tr.evaluate(split))
+            with timed("evaluate"):
+                rec.update(tr.evaluate(split))
             self.stop.beat()
         rec["time_s"] = time.perf_counter() - t_epoch
         self.record = rec
@@ -331,6 +349,10 @@ class Loop:
 
         Data parallel: every rank saves (the others into their private directories, :func:`mlptrain.run.train`),
         so that every rank reads the same ``best`` back for the summary's test scores."""
+        with timed("save"):
+            self._save(name, pos)
+
+    def _save(self, name: str, pos: Position) -> None:
         arrays, meta = self.tr.state_dict()
         meta.update(
             position=pos.__dict__,

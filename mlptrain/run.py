@@ -38,6 +38,7 @@ from mlptrain.resume import Start, prepare, resume_path
 from mlptrain.rundir import RUN_RECORD, RunDirectory, follower_dir
 from mlptrain.sinks import CSV_NAME, TENSORBOARD_DIR, CsvSink, TensorBoardSink, csv_columns
 from mlptrain.stopping import Stop, StopRequest
+from mlptrain.timeline import Timeline, active, current, mark
 from mlptrain.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,7 @@ def train(
     on_accept: Callable[[Path], None] | None = None,
     comm: Communicator | None = None,
     overrides: Sequence[str] | None = None,
+    timeline: Timeline | None = None,
 ) -> dict[str, Any]:
     """Train as ``cfg`` says, writing ``run.json``, ``metrics.jsonl`` and ``checkpoints/`` into ``out_dir``.
 
@@ -70,6 +72,8 @@ def train(
             user set, and messages then name Hydra's settings (``hydra.run.dir``) and print commands to
             paste. None (a call from Python): a setting counts as set when it differs from
             ``TrainConfig()``'s, and messages name this function's arguments (``out_dir``).
+        timeline: where the run's phases are timed (:mod:`mlptrain.timeline`; the CLI passes the
+            process's, which holds its start-up); default: a timeline from this call on.
 
     Returns:
         The summary record (also the last line of ``metrics.jsonl``).
@@ -84,6 +88,18 @@ def train(
         ResourceError: out of memory (the message says which sizes to lower).
     """
 
+    with active(timeline if timeline is not None else Timeline()):
+        return _train(cfg, Path(out_dir), dataset, on_accept, comm, overrides)
+
+
+def _train(
+    cfg: TrainConfig,
+    out_dir: Path,
+    dataset: Dataset | None,
+    on_accept: Callable[[Path], None] | None,
+    comm: Communicator | None,
+    overrides: Sequence[str] | None,
+) -> dict[str, Any]:
     def check(c: TrainConfig) -> TrainConfig:
         return validate(c, data_parallel=comm is not None)
 
@@ -133,6 +149,7 @@ def _train_locked(
 
         precompile = early(cfg)
     backend = get_backend(cfg.device.value)
+    mark("backend")
     tr: Trainer | None = None
     try:
         with _stop_request(cfg, comm) as stop:  # until stop.defer(), Ctrl-C and SIGTERM stop at once
@@ -146,11 +163,12 @@ def _train_locked(
             start = prepare(tr, run_dir)
             stop.defer()  # accepted: from here a stop request saves last first
             _accept(tr, run_dir, start, on_accept)
+            mark("accept")
             writer = MetricsWriter(run_dir.metrics, start.metrics.records, _sinks(tr, run_dir, start))
             with writer as metrics, backend.blas_threads(build.step_flops(tr.widths, cfg.data.batch_size)):
                 summary = Loop(tr, run_dir, metrics, stop, start).run()
-            if backend.is_gpu:
-                _record_memory(tr, run_dir, start)
+            mark("loop")
+            _record_end(tr, run_dir, start)
     except MemoryError as exc:
         if isinstance(exc, MlptrainError):
             raise
@@ -244,13 +262,20 @@ def _accept(tr: Trainer, run_dir: RunDirectory, start: Start, on_accept: Callabl
         log.warning(note)
 
 
-def _record_memory(tr: Trainer, run_dir: RunDirectory, start: Start) -> None:
-    """Add the GPU memory account at the end of the run (peak and live bytes by category) to ``run.json``."""
-    from mlptrain.gpu.memory import account, describe
+def _record_end(tr: Trainer, run_dir: RunDirectory, start: Start) -> None:
+    """Add to ``run.json`` where the run's time went (:mod:`mlptrain.timeline`) and, on the GPU, the memory
+    account at its end (peak and live bytes by category)."""
+    record = _run_record(tr, start)
+    if tr.backend.is_gpu:
+        from mlptrain.gpu.memory import account, describe
 
-    acc = account(tr)
-    log.info("GPU memory: %s", describe(acc).replace("\n", "; "))
-    run_dir.write_json(RUN_RECORD, {**_run_record(tr, start), "memory": acc})
+        record["memory"] = account(tr)
+        log.info("GPU memory: %s", describe(record["memory"]).replace("\n", "; "))
+    timeline = current()
+    if timeline is not None:
+        record["timeline"] = timeline.record()
+        log.info("time: %s", timeline.describe())
+    run_dir.write_json(RUN_RECORD, record)
 
 
 def _run_record(tr: Trainer, start: Start) -> dict[str, Any]:

@@ -40,6 +40,7 @@ from mlptrain.losses import mse_in_units
 from mlptrain.runtime import Runtime, device_runtime
 from mlptrain.schedule import StepClock
 from mlptrain.steplog import StepLog
+from mlptrain.timeline import mark
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,7 @@ class Trainer:
             autotune=cfg.execution.autotune,
         )
         self.dataset = load_dataset(cfg.data) if dataset is None else preprocess(dataset, cfg.data)  # one path
+        mark("data")
         self.widths = build.widths(cfg.model, self.dataset)
         # Independent host streams for init and data order, from one seed.
         init_seed, data_seed = np.random.SeedSequence(cfg.seed).spawn(2)
@@ -133,11 +135,20 @@ class Trainer:
         self._ahead_planned = False
         # The loop writes each log interval's records while the device runs the next (mlptrain.loop.Interval)
         self.writes_metrics_late = self.runtime.queues_work and comm is None
+        mark("model")
+        self._finish_setup()
+        mark("bgrad")
+
+    def _finish_setup(self) -> None:
+        """Once everything the step uses is built: its kernels queued, the bgrad choice, set-up's blocks freed."""
+        # The kernels of the step and of evaluation compile on threads from now on. The bgrad probe waits for
+        # them before it captures (on a first run it would otherwise compile the loss and the head kernel
+        # itself, one after another, on this thread); the head kernel's source is the same for either choice.
+        self.runtime.submit_precompile(self.precompile_jobs)
         bgrad.choose(self)  # on the GPU it may time the step, so after everything the step uses
         self.runtime.free_setup_blocks()  # blocks set-up freed (the probe's, the weights' init temporaries)
         if self.grad_sync is not None:  # after the probe: it times one rank's step alone
             self.grad_sync.overlap(self.model)  # each weight gradient all-reduced as soon as it is made (GPU)
-        self.runtime.submit_precompile(self.precompile_jobs)  # the kernels of the step and of evaluation
 
     @property
     def stream(self) -> Any:

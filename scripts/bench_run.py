@@ -22,7 +22,7 @@ time (``wall_s`` of the summary), the sum of its step times (the median ``step_t
 records times the steps) and the time outside the loop (imports, data, planning). Writes
 ``bench-run.md`` and ``bench-run.json`` into ``--out``.
 
-Usage: python scripts/bench_run.py --out DIR [--rows 600000] [--features 256] [--epochs 5]
+Usage: python scripts/bench_run.py --out DIR [--rows 600000] [--features 256] [--epochs 5] [--repeats 1]
        [--variants mlptrain-first,mlptrain-again,torch-loop,lightning-resident,lightning-loader]
 
 Run with mlptrain installed (``make install``) or with ``PYTHONPATH=.`` at the repository's root.
@@ -54,6 +54,7 @@ VARIANTS = (
 )
 PEERS = ("torch-loop", "lightning-resident", "lightning-loader")
 HIDDEN, BATCH, LR, CLASSES = (1024, 1024), 1024, 1e-3, 10
+STARTUP = ("python", "imports", "config", "backend")  # mlptrain.timeline's phases that any run pays first
 
 
 def make_table(path: Path, rows: int, features: int, test_rows: int, seed: int = 0) -> None:
@@ -87,13 +88,18 @@ def prime(work: Path) -> None:
     subprocess.run([sys.executable, "-c", peers], env=env, capture_output=True)
 
 
-def mlptrain_run(table: Path, epochs: int, caches: Path, run_dir: Path, extra: tuple[str, ...] = ()) -> dict:
-    env = {
+def mlptrain_env(caches: Path) -> dict[str, str]:
+    """The environment of an mlptrain variant: its data cache, plans and kernels kept under ``caches``."""
+    return {
         **python_env(caches.parent),
         "CUPY_CACHE_DIR": str(caches / "cupy"),
         "MLPTRAIN_DATA": str(caches / "mlptrain"),
     }
-    overrides = [
+
+
+def mlptrain_overrides(table: Path, epochs: int, run_dir: Path, extra: tuple[str, ...] = ()) -> list[str]:
+    """``python -m mlptrain``'s overrides for the task on ``table``, into ``run_dir``."""
+    return [
         "data=file",
         f"data.path={table}",
         "data.val_fraction=0",
@@ -107,6 +113,11 @@ def mlptrain_run(table: Path, epochs: int, caches: Path, run_dir: Path, extra: t
         f"hydra.run.dir={run_dir}",
         *extra,
     ]
+
+
+def mlptrain_run(table: Path, epochs: int, caches: Path, run_dir: Path, extra: tuple[str, ...] = ()) -> dict:
+    env = mlptrain_env(caches)
+    overrides = mlptrain_overrides(table, epochs, run_dir, extra)
     os.sync()
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "mlptrain", *overrides], env=env, capture_output=True, text=True)
@@ -118,6 +129,7 @@ def mlptrain_run(table: Path, epochs: int, caches: Path, run_dir: Path, extra: t
     step_ms = [r["step_time_ms"] for r in records if r["kind"] == "step" and "step_time_ms" in r]
     evaluation = sum(r.get("time_s", 0.0) for r in records if r["kind"] == "epoch")
     steps_s = statistics.median(step_ms) * summary["steps"] / 1e3
+    timeline = json.loads((run_dir / "run.json").read_text()).get("timeline", {})
     return {
         "wall_s": wall,
         "test_acc": summary.get("test/acc"),
@@ -126,7 +138,14 @@ def mlptrain_run(table: Path, epochs: int, caches: Path, run_dir: Path, extra: t
         "step_ms_median": statistics.median(step_ms),
         "epochs_time_s": evaluation,
         "outside_loop_s": wall - summary["wall_s"],
+        "timeline": timeline,  # mlptrain.timeline: the run's phases and the loop's parts, as run.json has them
     }
+
+
+def startup_s(timeline: dict) -> float:
+    """#31's start-up: the interpreter, the imports, Hydra's compose and the backend (CuPy, nvmath, CUDA)."""
+    phases = timeline.get("phases_s", {})
+    return sum(phases.get(k, 0.0) for k in STARTUP)
 
 
 def worker(kind: str, table: Path, epochs: int) -> dict:
@@ -243,33 +262,94 @@ def peer_run(kind: str, table: Path, epochs: int) -> dict:
     return {"wall_s": wall, **json.loads(proc.stdout.strip().splitlines()[-1])}
 
 
+def median_run(runs: list[dict]) -> dict:
+    """Of one variant's rounds, the run of the median wall time (the upper of the two middle ones), with every
+    round's wall beside it (``walls_s``); a round that failed is reported where none succeeded."""
+    ok = sorted((r for r in runs if "error" not in r), key=lambda r: r["wall_s"])
+    if not ok:
+        return runs[-1]
+    return {**ok[len(ok) // 2], "walls_s": [round(r["wall_s"], 3) for r in runs if "error" not in r]}
+
+
 def table_md(results: dict, args: argparse.Namespace) -> str:
     lines = [
         f"# A whole run against its peers ({datetime.date.today().isoformat()})",
         "",
         f"Command: `python scripts/bench_run.py --out DIR --rows {args.rows} --features {args.features} "
-        f"--epochs {args.epochs}`; {args.rows:,} x {args.features} float32 rows as NPZ, "
+        f"--epochs {args.epochs} --repeats {args.repeats}`; {args.rows:,} x {args.features} float32 rows as NPZ, "
         f"{args.features}-{HIDDEN[0]}-{HIDDEN[1]}-{CLASSES}, bf16, Adam, batch {BATCH}.",
         "",
         f"The NPZ ({results.get('_file', {}).get('bytes', 0) / 1e9:.2f} GB) read from the page cache: "
         f"{results.get('_file', {}).get('page_cache_read_s', float('nan')):.2f} s (best of 3). #31 asks, at "
         "10,000,000 rows, for mlptrain's time outside its steps (wall - steps) at most that plus 3 s.",
         "",
+        f"Each variant ran {args.repeats} time(s), one round after another (each round's mlptrain-first on empty "
+        "caches of its own); the row is its run of median wall time, and 'walls s' lists every round's.",
+        "",
         "| variant | wall s | test acc | loop s | steps s (median step x steps) | outside the loop s "
-        "| wall - steps s |",
-        "|---|---|---|---|---|---|---|",
+        "| wall - steps s | walls s |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
         if name.startswith("_"):
             continue
         if "error" in r:
-            lines.append(f"| {name} | failed: {r['error'].splitlines()[-1][:120]} | | | | | |")
+            lines.append(f"| {name} | failed: {r['error'].splitlines()[-1][:120]} | | | | | | |")
             continue
         cells = [f"{r['wall_s']:.1f}", f"{r['test_acc']:.4f}"]
         cells += [f"{r[k]:.2f}" if k in r else "" for k in ("loop_s", "steps_s", "outside_loop_s")]
         cells.append(f"{r['wall_s'] - r['steps_s']:.2f}" if "steps_s" in r else "")
+        cells.append(", ".join(f"{w:.2f}" for w in r.get("walls_s", [r["wall_s"]])))
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += ["", *ratios_md(results), *timeline_md(results)]
     return "\n".join(lines) + "\n"
+
+
+def ratios_md(results: dict) -> list[str]:
+    """#31's ratios between the variants: the PyTorch loop's wall over mlptrain's, and a first run's over a second's."""
+    wall = {k: r["wall_s"] for k, r in results.items() if not k.startswith("_") and "wall_s" in r}
+    lines = []
+    if "torch-loop" in wall and "mlptrain-again" in wall:
+        lines.append(
+            f"- PyTorch loop / mlptrain-again: {wall['torch-loop'] / wall['mlptrain-again']:.2f}x (#31: at least 3x)"
+        )
+    if "mlptrain-first" in wall and "mlptrain-again" in wall:
+        ratio = wall["mlptrain-first"] / wall["mlptrain-again"]
+        lines.append(f"- mlptrain-first / mlptrain-again: {ratio:.2f}x (#31: at most 1.2x)")
+    return [*lines, ""] if lines else []
+
+
+def timeline_md(results: dict) -> list[str]:
+    """Per mlptrain variant: the run's phases (``run.json``'s timeline), and #31's ratio of the wall to the sum
+    of its steps, evaluation and start-up (the interpreter, imports, config, backend)."""
+    runs = {k: r for k, r in results.items() if r.get("timeline", {}).get("phases_s")}
+    if not runs:
+        return []
+    phases = list(dict.fromkeys(p for r in runs.values() for p in r["timeline"]["phases_s"]))
+    parts = list(dict.fromkeys(p for r in runs.values() for p in r["timeline"].get("loop_s", {})))
+    head = [
+        "variant",
+        *phases,
+        *(f"loop: {p}" for p in parts),
+        "after the loop",
+        "steps + eval + start-up",
+        "wall / that",
+    ]
+    lines = [
+        "Where each mlptrain run's wall went, s (`run.json`'s `timeline`, mlptrain/timeline.py; "
+        "'after the loop': the wall less the timeline's total, the process's exit included):",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
+    for name, r in runs.items():
+        t = r["timeline"]
+        base = r["steps_s"] + t.get("loop_s", {}).get("evaluate", 0.0) + startup_s(t)
+        cells = [f"{t['phases_s'].get(p, 0.0):.2f}" for p in phases]
+        cells += [f"{t.get('loop_s', {}).get(p, 0.0):.2f}" for p in parts]
+        cells += [f"{r['wall_s'] - t['total_s']:.2f}", f"{base:.2f}", f"{r['wall_s'] / base:.2f}x"]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def main() -> None:
@@ -280,6 +360,7 @@ def main() -> None:
     p.add_argument("--test-rows", type=int, default=100_000)
     p.add_argument("--epochs", type=int, default=5)
     p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--repeats", type=int, default=1, help="rounds of every variant; each reports its median-wall run")
     p.add_argument("--worker", choices=PEERS, help=argparse.SUPPRESS)
     p.add_argument("--table", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -295,15 +376,24 @@ def main() -> None:
     prime(work)
     results: dict[str, dict] = {"_file": {"bytes": table.stat().st_size, "page_cache_read_s": page_cache_read_s(table)}}
     print("_file", json.dumps(results["_file"]), flush=True)
-    for name in args.variants.split(","):
+    names = args.variants.split(",")
+    for name in names:
         if name not in VARIANTS:
             p.error(f"--variants: {name!r} is not one of {', '.join(VARIANTS)}")
-        if name.startswith("mlptrain"):  # -init-torch: PyTorch's initialisation (model.init=torch)
-            extra = ("model.init=torch",) if name == "mlptrain-init-torch" else ()
-            results[name] = mlptrain_run(table, args.epochs, work / "caches", work / f"run-{name}", extra)
-        else:
-            results[name] = peer_run(name, table, args.epochs)
-        print(name, json.dumps(results[name]), flush=True)
+    if args.repeats < 1:
+        p.error(f"--repeats {args.repeats}: expected at least 1")
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    for r in range(args.repeats):  # round r: its own caches, so that each round's mlptrain-first is a first run
+        for name in names:
+            if name.startswith("mlptrain"):  # -init-torch: PyTorch's initialisation (model.init=torch)
+                extra = ("model.init=torch",) if name == "mlptrain-init-torch" else ()
+                run = mlptrain_run(table, args.epochs, work / f"caches-{r}", work / f"run-{name}-{r}", extra)
+            else:
+                run = peer_run(name, table, args.epochs)
+            runs[name].append(run)
+            print(name, r, json.dumps(run), flush=True)
+    for name in names:
+        results[name] = median_run(runs[name])
     record = {"args": {**vars(args), "out": str(args.out)}, **results}
     (args.out / "bench-run.json").write_text(json.dumps(record, indent=1, default=str))
     (args.out / "bench-run.md").write_text(table_md(results, args))

@@ -64,6 +64,27 @@ def test_summary_reports_the_best_checkpoints_test_scores(tmp_path: Path) -> Non
     assert "test/acc" in summary  # and the last epoch's, as before
 
 
+def test_a_best_checkpoint_of_the_last_epoch_takes_that_epochs_test_scores(tmp_path: Path, monkeypatch) -> None:
+    """best.npz holds the parameters the last epoch evaluated: its test scores are that epoch's, not evaluated
+    again; a best of an earlier epoch is evaluated from best.npz (the test above)."""
+    from mlptrain.trainer import Trainer
+
+    evaluated = []
+    real = Trainer.evaluate
+    monkeypatch.setattr(Trainer, "evaluate", lambda self, split: evaluated.append(split) or real(self, split))
+    cfg = make_cfg(epochs=4, optimizer__lr=0.01, early_stopping__metric="train/loss")  # falls every epoch
+    summary = train(cfg, tmp_path / "run")
+    assert summary["best"]["epoch"] == 4  # the last (1-based, as the summary line says)
+    last = [r for r in records(tmp_path / "run") if r["kind"] == "epoch"][-1]
+    assert summary["best/test/acc"] == last["test/acc"] and summary["best/test/loss"] == last["test/loss"]
+    assert evaluated.count("test") == 4  # once an epoch, not once more for the summary
+    tr = Trainer(cfg)  # and they are best.npz's
+    best = checkpoint.load(tmp_path / "run" / "checkpoints" / "best.npz")
+    tr.model.load_state_dict({k[6:]: v for k, v in best.arrays.items() if k.startswith("param/")})
+    again = tr.evaluate("test")  # (NumPy's BLAS may round a fresh copy's products in their last bits)
+    assert again["test/acc"] == last["test/acc"] and again["test/loss"] == pytest.approx(last["test/loss"], rel=1e-6)
+
+
 # --- what a run writes as it goes ------------------------------------------------------------
 
 

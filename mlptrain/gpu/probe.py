@@ -61,23 +61,23 @@ def choose_bgrad(
     arrays (:meth:`mlptrain.trainer.Trainer.release_step`), so that the probe, like the training
     step, never holds two copies of them.
     """
-    known: dict[str, list[str]] = {}
-    if store is not None and store.is_file():
-        try:
-            known = json.loads(store.read_text())
-        except (OSError, ValueError) as exc:
-            log.warning("ignoring unreadable bgrad choices %s (%s)", store, exc)
-    choices = known.get(key)
-    if isinstance(choices, list) and len(choices) == len(model.bgrad):
+    known = _read(store)
+    choices = remembered(store, key, len(model.bgrad), known)
+    if choices is not None:
         return choices
     choices = list(model.bgrad)
     stream = cp.cuda.Stream(non_blocking=True)
+    timed: dict[tuple[str, ...], list[float]] = {}  # each whole-model choice timed once
     for i in reversed(range(len(choices))):
         times: dict[str, list[float]] = {}
         for option in ("drelu_bgrad", "bgradb"):
             choices[i] = option
-            model.set_bgrad(choices)
-            times[option] = _time_candidate(forward_backward, stream, reps, release, on_pool)
+            # Layer i's first option with the layers above as chosen is often the very model the layer above
+            # was last timed as (an L-hidden-layer model: L + 1 captures, not 2L, on a first run).
+            if tuple(choices) not in timed:
+                model.set_bgrad(choices)
+                timed[tuple(choices)] = _time_candidate(forward_backward, stream, reps, release, on_pool)
+            times[option] = timed[tuple(choices)]
         med = {option: sorted(t)[reps // 2] for option, t in times.items()}
         choices[i] = min(med, key=lambda option: med[option])
         log.info("bgrad probe, hidden layer %d: %s ms per step -> %s", i, med, choices[i])
@@ -92,6 +92,29 @@ def choose_bgrad(
         except OSError as exc:
             log.warning("could not write the bgrad choices %s (%s)", store, exc)
     return choices
+
+
+def remembered(store: Path | None, key: str, layers: int, known: dict | None = None) -> list[str] | None:
+    """The choice ``store`` keeps for ``key`` (one strategy per hidden layer, ``layers`` of them), or None."""
+    choices = (_read(store) if known is None else known).get(key)
+    if not isinstance(choices, list) or len(choices) != layers:
+        return None
+    return [str(c) for c in choices] if all(c in ("drelu_bgrad", "bgradb") for c in choices) else None
+
+
+def _read(store: Path | None) -> dict[str, Any]:
+    """The choices kept in ``store`` (none: an empty dict; unreadable: a warning, then an empty dict)."""
+    if store is None or not store.is_file():
+        return {}
+    try:
+        known = json.loads(store.read_text())
+    except (OSError, ValueError) as exc:
+        log.warning("ignoring unreadable bgrad choices %s (%s)", store, exc)
+        return {}
+    if not isinstance(known, dict):
+        log.warning("ignoring bgrad choices %s: a JSON object was expected, not %s", store, type(known).__name__)
+        return {}
+    return known
 
 
 def _time_candidate(forward_backward: Any, stream: Any, reps: int, release: Any, on_pool: Any) -> list[float]:
@@ -123,23 +146,27 @@ def random_batch(
     """``[x (rows, widths[0]), y]``: random inputs in ``dtype`` and targets as the loader gives them
     (labels ``(rows,)`` for integer ``y_dtype``, else normals ``(rows, *y_tail)``), for the probe.
 
-    Written into ``out`` (the CUDA graph's input buffers, which the training step holds anyway)
-    where given and of these dtypes and shapes; the draw's temporaries then go back to the device,
-    so that the probe holds no batch of its own. Synchronises: the probe runs on a stream of its own.
+    Drawn on the host (NumPy, ml_dtypes' bfloat16) and copied: no kernel of CuPy's random module
+    or of a cast compiles for them, which on a first run (an empty kernel cache) cost the probe a
+    quarter of a second. Written into ``out`` (the CUDA graph's input buffers, which the training
+    step holds anyway) where given and of these dtypes and shapes, so that the probe holds no batch
+    of its own. Synchronises: the probe runs on a stream of its own.
     """
-    rng = cp.random.default_rng(0)
-    x = rng.standard_normal((rows, widths[0]), dtype=cp.float32).astype(dtype)  # (B, in)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((rows, widths[0]), dtype=np.float32).astype(dtype)  # (B, in)
     if np.dtype(y_dtype).kind in "iu":
         y = rng.integers(0, widths[-1], rows).astype(y_dtype)  # (B,) labels
     else:  # a regression's targets, (B, T)
-        y = rng.standard_normal((rows, *y_tail), dtype=cp.float32).astype(y_dtype)
+        y = rng.standard_normal((rows, *y_tail), dtype=np.float32).astype(y_dtype)
     fits = out is not None and all(o.dtype == a.dtype and o.shape == a.shape for o, a in zip(out, (x, y), strict=True))
     if fits:
-        out[0][...], out[1][...] = x, y
-        x, y = out
-        cp.get_default_memory_pool().free_all_blocks()
+        out[0].set(x)  # host to device into the buffers themselves (contiguous, as the loader makes them)
+        out[1].set(y)
+        batch = list(out)
+    else:
+        batch = [cp.asarray(x), cp.asarray(y)]
     cp.cuda.get_current_stream().synchronize()
-    return [x, y]
+    return batch
 
 
 def time_layer_backward(

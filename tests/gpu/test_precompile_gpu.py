@@ -116,6 +116,8 @@ def test_the_bgrad_probe_starts_only_once_every_job_is_done(monkeypatch):
     monkeypatch.setattr(bgrad_module, "PROBE_MIN_FLOPS", 1.0)  # probe this small model
     gpu_trainer(**{"execution.bgrad": "auto", "execution.plan_cache": False})
     assert len(seen) == 1 and ("a slow compile", True) in seen[0] and all(done for _, done in seen[0]), seen
+    # the step's own jobs were queued before the probe too (it would compile the loss on this thread otherwise)
+    assert any(" logits, " in name for name, _ in seen[0]), seen
 
 
 def test_every_thread_is_joined_before_the_first_capture(monkeypatch):
