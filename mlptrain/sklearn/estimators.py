@@ -20,15 +20,16 @@ from sklearn.base import BaseEstimator, ClassifierMixin, RegressorMixin
 from sklearn.exceptions import ConvergenceWarning
 from sklearn.metrics import accuracy_score, r2_score
 from sklearn.utils import check_random_state
-from sklearn.utils.multiclass import check_classification_targets
+from sklearn.utils.multiclass import check_classification_targets, unique_labels
 from sklearn.utils.validation import check_is_fitted, validate_data
 
+from mlptrain import build
 from mlptrain.checkpoint import Checkpoint
 from mlptrain.errors import DatasetError
 from mlptrain.inference import Predictor, softmax
 from mlptrain.sklearn import persist
 from mlptrain.sklearn.fitting import Stopping, make_dataset, outputs, run_epoch
-from mlptrain.sklearn.params import batch_rows, check, train_config
+from mlptrain.sklearn.params import batch_rows, check, check_continuation, train_config
 from mlptrain.trainer import Trainer
 
 
@@ -40,6 +41,15 @@ class _BaseMLP(BaseEstimator):
     """What both estimators share: the parameters, ``fit`` / ``partial_fit``, the fitted state, ``save``."""
 
     _task = ""
+    # the fitted attributes a checkpoint keeps besides the trainer's state (load sets these and no others)
+    FITTED: tuple[str, ...] = (
+        "n_iter_",
+        "t_",
+        "loss_curve_",
+        "best_loss_",
+        "best_validation_score_",
+        "validation_scores_",
+    )
     # fitted attributes (set by fit: an unfitted estimator has none of them)
     state_: Checkpoint
     predictor_: Predictor
@@ -118,6 +128,9 @@ class _BaseMLP(BaseEstimator):
         check(name, params)
         fresh = not hasattr(self, "state_") or not (incremental or self.warm_start)
         regression = self._task == "regression"
+        if not fresh:  # before anything changes: the fitted network and optimizer state must fit the parameters
+            check_continuation(name, "partial_fit" if incremental else "warm_start=True", params, self.state_)
+        columns = persist.target_columns(y)
         X, y = validate_data(self, X, y, reset=fresh, dtype=np.float64, multi_output=regression, y_numeric=regression)
         targets, width = self._targets(y, fresh, classes)
         if self.batch_size != "auto" and not 1 <= self.batch_size <= len(X):
@@ -140,6 +153,11 @@ class _BaseMLP(BaseEstimator):
             epochs=done + epochs,
             val_fraction=self.validation_fraction if early else 0.0,
         )
+        count = 1 if targets.ndim == 1 else targets.shape[1]  # target columns (a classification's one)
+        if columns is None or len(columns) != count:  # unnamed: the CLI's default column, or y0, y1, ...
+            columns = ["label"] if count == 1 else [f"y{i}" for i in range(count)]
+        cfg.data.target = columns[0] if len(columns) == 1 else columns  # what evaluate reads as the target column
+        names = {**self._names(), **({"target_names": columns} if regression else {})}
         ds = make_dataset(
             X,
             targets,
@@ -149,7 +167,7 @@ class _BaseMLP(BaseEstimator):
             split_seed=self.seed_,
             method=self.normalize,
             norm=None if fresh else persist.normalization(self.state_),
-            names=self._names(),
+            names=names,
         )
         cfg.log_every = -(-len(ds.y_train) // cfg.data.batch_size)  # the epoch's steps: one host sync an epoch
         tr = Trainer(cfg, ds)
@@ -157,7 +175,9 @@ class _BaseMLP(BaseEstimator):
             arrays, meta = self.state_.arrays, self.state_.meta
             tr.load_state_dict(arrays, meta, step=meta["position"]["step"], where=f"the fitted {name}")
         tr.train_loader.shuffle = bool(self.shuffle)
-        self._train(tr, done, epochs, Stopping(self.tol, self.n_iter_no_change, early), converge=not incremental)
+        stop = Stopping(self.tol, self.n_iter_no_change, early)
+        with tr.backend.blas_threads(build.step_flops(tr.widths, cfg.data.batch_size)):  # the CLI's thread policy
+            self._train(tr, done, epochs, stop, converge=not incremental)
         self.state_ = persist.state(tr, self.n_iter_, self._fitted_attributes(params))
         self.predictor_ = persist.predictor(self.state_, self.device)
         return self
@@ -214,8 +234,7 @@ class _BaseMLP(BaseEstimator):
 
     def _fitted_attributes(self, params: dict[str, Any]) -> dict[str, Any]:
         """What the checkpoint keeps besides the trainer's state, so that :meth:`load` restores the estimator."""
-        keep = ("n_iter_", "t_", "loss_curve_", "best_loss_", "best_validation_score_", "validation_scores_")
-        return {"params": params, **{k: getattr(self, k) for k in keep}}
+        return {"params": params, **{k: getattr(self, k) for k in self.FITTED}}
 
     # --- the fitted model ---------------------------------------------------------------------
 
@@ -223,7 +242,10 @@ class _BaseMLP(BaseEstimator):
         """The network's outputs ``(N, C)`` float32 for raw rows ``X (N, F)`` (normalised as the train split)."""
         check_is_fitted(self)
         X = validate_data(self, X, reset=False, dtype=np.float64)
-        return self.predictor_.logits(X)
+        p = self.predictor_
+        flops = build.step_flops(p.widths, min(len(X), p.batch_size)) // 3  # a chunk's forward: one GEMM per layer
+        with p.backend.blas_threads(flops):  # the CLI's thread policy, sized to the forward's GEMMs
+            return p.logits(X)
 
     @property
     def n_layers_(self) -> int:
@@ -276,6 +298,7 @@ class MLPClassifier(ClassifierMixin, _BaseMLP):
     """scikit-learn's ``MLPClassifier`` on mlptrain: softmax cross-entropy over ``classes_`` (multi-class)."""
 
     _task = "classification"
+    FITTED = (*_BaseMLP.FITTED, "classes_")
     classes_: np.ndarray
 
     def _targets(self, y: Any, fresh: bool, classes: Any) -> tuple[np.ndarray, int]:
@@ -298,13 +321,15 @@ class MLPClassifier(ClassifierMixin, _BaseMLP):
     def _names(self) -> dict[str, Any]:
         return {**super()._names(), "class_names": [str(c) for c in self.classes_]}
 
-    def _fitted_attributes(self, params: dict[str, Any]) -> dict[str, Any]:
-        return {**super()._fitted_attributes(params), "classes_": self.classes_.tolist()}
-
     def partial_fit(self, X: Any, y: Any, classes: Any = None) -> MLPClassifier:
         """One epoch over ``X, y``, continuing the fitted model; the first call needs ``classes`` (all of them)."""
         if not hasattr(self, "state_") and classes is None:
             raise TargetError(f"{type(self).__name__}.partial_fit needs classes=<every class> on its first call")
+        fitted = hasattr(self, "state_") and classes is not None
+        if fitted and not np.array_equal(self.classes_, unique_labels(classes)):  # scikit-learn's words
+            raise TargetError(
+                f"`classes={classes!r}` is not the same as on last call to partial_fit, was: {self.classes_!r}"
+            )
         return self._fit(X, y, incremental=True, classes=classes)
 
     def predict(self, X: Any) -> np.ndarray:
@@ -324,6 +349,7 @@ class MLPRegressor(RegressorMixin, _BaseMLP):
     """scikit-learn's ``MLPRegressor`` on mlptrain: mean squared error over one or more targets."""
 
     _task = "regression"
+    FITTED = (*_BaseMLP.FITTED, "n_outputs_")
     n_outputs_: int
 
     def _targets(self, y: Any, fresh: bool, classes: Any) -> tuple[np.ndarray, int]:
@@ -335,9 +361,6 @@ class MLPRegressor(RegressorMixin, _BaseMLP):
             )
         self.n_outputs_ = y2.shape[1]
         return y2, y2.shape[1]
-
-    def _fitted_attributes(self, params: dict[str, Any]) -> dict[str, Any]:
-        return {**super()._fitted_attributes(params), "n_outputs_": self.n_outputs_}
 
     def __sklearn_tags__(self) -> Any:
         tags = super().__sklearn_tags__()

@@ -125,6 +125,29 @@ def check(owner: str, p: dict[str, Any]) -> None:
         batch_rows(owner, p["batch_size"], 1)
 
 
+def check_continuation(owner: str, how: str, p: dict[str, Any], fitted: Any) -> None:
+    """Raise ConfigError when parameters ``p`` cannot continue the ``fitted`` checkpoint (``warm_start=True``
+    or ``partial_fit``, said by ``how``): another network, solver, precision, or momentum state than it holds.
+
+    The trainer would refuse these too, in the CLI's words (``model.hidden``, ``optimizer=``); this names
+    the estimator's parameters."""
+    meta = fitted.meta
+    had_momentum = any(k.startswith("optim/") and k.endswith("/momentum") for k in fitted.arrays)
+    pairs = [
+        ("hidden_layer_sizes", tuple(meta["widths"][1:-1]), tuple(hidden_sizes(owner, p["hidden_layer_sizes"]))),
+        ("solver", meta["optimizer"], p["solver"]),
+        ("precision", meta["precision"], p["precision"]),
+    ]
+    if p["solver"] == "sgd" and meta["optimizer"] == "sgd" and had_momentum != (p["momentum"] > 0):
+        pairs.append(("momentum", "a positive value" if had_momentum else 0, p["momentum"]))
+    for name, was, now in pairs:
+        if was != now:
+            raise ConfigError(
+                f"{owner} {how} continues a fit made with {name}={was!r}, but {name}={now!r} now; set "
+                f"{name} back, or call fit with warm_start=False to fit a new model"
+            )
+
+
 def train_config(
     p: dict[str, Any], *, task: str, batch: int, seed: int, epochs: int, val_fraction: float
 ) -> TrainConfig:

@@ -21,6 +21,7 @@ from mlptrain.config import to_plain
 from mlptrain.data.dataset import Normalization
 from mlptrain.errors import CheckpointError
 from mlptrain.inference import Predictor
+from mlptrain.outputs import is_checkpoint
 from mlptrain.trainer import Trainer
 
 IN_MEMORY = Path("<in memory>")
@@ -34,6 +35,19 @@ def state(tr: Trainer, epochs: int, fitted: dict[str, Any]) -> Checkpoint:
     meta.update(position=Position(step // spe, step % spe, step).__dict__, metrics_records=0, best=None)
     meta["config"] = {**to_plain(tr.cfg), "sklearn": json.loads(json.dumps(fitted, default=_plain))}
     return Checkpoint(IN_MEMORY, arrays, meta)
+
+
+def target_columns(y: Any) -> list[str] | None:
+    """The names of ``y``'s target columns, as ``evaluate`` finds them in a file: a pandas Series' name, a
+    DataFrame's columns; None for unnamed targets (an array, a Series without a name).
+
+    The checkpoint keeps them where a CLI run's keeps its target columns: ``config.data.target`` (a name, or
+    a list of them) and, for a regression, ``data.target_names``."""
+    columns = getattr(y, "columns", None)
+    if columns is not None:
+        return [str(c) for c in columns]
+    name = getattr(y, "name", None)
+    return None if name is None or not hasattr(y, "index") else [str(name)]
 
 
 def _plain(v: Any) -> Any:
@@ -64,9 +78,20 @@ def layers(ckpt: Checkpoint, kind: str) -> list[np.ndarray]:
 
 
 def save(ckpt: Checkpoint, path: Any) -> Path:
+    """Write ``ckpt`` to ``path`` atomically; an existing file there is replaced only when it is an mlptrain
+    checkpoint (or empty): never a data file or anything else (the path through a symlink is what counts).
+
+    Raises:
+        CheckpointError: ``path`` is a folder or a file that is not a checkpoint (nothing is written).
+    """
     path = Path(path).expanduser()
     if path.is_dir():
         raise CheckpointError(f"{path} is a folder; save to a checkpoint file such as {path / 'model.npz'}")
+    if path.exists() and path.stat().st_size and not is_checkpoint(path):
+        raise CheckpointError(
+            f"save path {path} exists and is not an mlptrain checkpoint; save replaces only a checkpoint: "
+            "choose another path (nothing was written)"
+        )
     checkpoint.save(path, ckpt.arrays, ckpt.meta)
     return path
 
@@ -84,6 +109,7 @@ def load(cls: Any, path: Any) -> Any:
             f"checkpoint {ckpt.path} holds a {data.get('task')} model; {cls.__name__} needs a {cls._task}"
         )
     saved = config.get("sklearn") or _from_cli(config, ckpt.meta)
+    _check_keys(cls, saved, ckpt.path)
     est = cls(**{k: tuple(v) if k == "hidden_layer_sizes" else v for k, v in saved["params"].items()})
     for k, v in saved.items():
         if k != "params":
@@ -95,6 +121,26 @@ def load(cls: Any, path: Any) -> Any:
     est.state_ = Checkpoint(ckpt.path, ckpt.arrays, {k: v for k, v in ckpt.meta.items() if k != "sha256"})
     est.predictor_ = predictor(est.state_, est.device)
     return est
+
+
+def _check_keys(cls: Any, saved: Any, path: Path) -> None:
+    """Only the estimator's parameters (``params``) and fitted attributes (``cls.FITTED``) may be set from
+    the checkpoint's ``config.sklearn``: a crafted file must not set any other attribute."""
+    where = f"checkpoint {path}: config.sklearn"
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"{where} is {type(saved).__name__}; expected an object with a 'params' object")
+    if not isinstance(saved.get("params"), dict):
+        raise CheckpointError(f"{where}.params is {type(saved.get('params')).__name__}; expected an object")
+    known = set(cls._get_param_names())
+    for key in saved["params"]:
+        if key not in known:
+            raise CheckpointError(f"{where}.params has {key!r}, which is not a parameter of {cls.__name__}")
+    for key in saved:
+        if key != "params" and key not in cls.FITTED:
+            raise CheckpointError(
+                f"{where} has {key!r}, which is not a fitted attribute of {cls.__name__}; expected only 'params' "
+                f"and {', '.join(map(repr, cls.FITTED))}"
+            )
 
 
 def _from_cli(config: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,194 @@
+"""mlptrain.sklearn's fronts (issue #47): what ``save`` may replace, what ``load`` may set, ``partial_fit``'s
+classes, the CLI's BLAS-thread policy, the estimator's own names in warm-start errors, the target column."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("sklearn")
+
+from threadpoolctl import threadpool_info, threadpool_limits  # noqa: E402
+
+from mlptrain import build, checkpoint  # noqa: E402
+from mlptrain.backend import Backend  # noqa: E402
+from mlptrain.errors import CheckpointError, ConfigError  # noqa: E402
+from mlptrain.inference import Predictor  # noqa: E402
+from mlptrain.sklearn import MLPClassifier, MLPRegressor  # noqa: E402
+from mlptrain.trainer import Trainer  # noqa: E402
+
+
+def _blobs(n: int = 90, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    y = rng.integers(0, 3, n)
+    return rng.normal(size=(n, 4)) + y[:, None] * 3.0, np.array(["a", "b", "c"])[y]
+
+
+def _fitted(**kw: Any) -> MLPClassifier:
+    x, y = _blobs()
+    return MLPClassifier(hidden_layer_sizes=(8,), max_iter=2, random_state=0, **kw).fit(x, y)
+
+
+@pytest.mark.filterwarnings("ignore::sklearn.exceptions.ConvergenceWarning")
+@pytest.mark.parametrize("kind", ["csv", "npz", "text"])
+def test_save_never_replaces_a_file_that_is_not_a_checkpoint(tmp_path: Path, kind: str) -> None:
+    """Before: ``save("train.csv")`` replaced the training data with a checkpoint."""
+    clf = _fitted()
+    path = tmp_path / f"train.{kind}"
+    if kind == "npz":
+        np.savez(path, x=np.ones((3, 4)), y=np.arange(3))
+    else:
+        path.write_text("f0,f1,label\n1,2,a\n")
+    before = path.read_bytes()
+    with pytest.raises(CheckpointError, match=r"exists and is not an mlptrain checkpoint; save replaces only a che"):
+        clf.save(path)
+    assert path.read_bytes() == before
+    link = tmp_path / "model.npz"
+    link.symlink_to(path)  # through a link the data file is what would be replaced
+    with pytest.raises(CheckpointError, match="is not an mlptrain checkpoint"):
+        clf.save(link)
+    assert path.read_bytes() == before
+
+
+@pytest.mark.filterwarnings("ignore::sklearn.exceptions.ConvergenceWarning")
+def test_save_replaces_a_checkpoint_and_writes_a_new_or_empty_file(tmp_path: Path) -> None:
+    first, second = _fitted(), _fitted(alpha=0.5)
+    path = first.save(tmp_path / "model.npz")
+    second.save(path)  # an earlier checkpoint is replaced (atomically: checkpoint.save)
+    assert MLPClassifier.load(path).alpha == 0.5
+    empty = tmp_path / "empty.npz"
+    empty.touch()  # tempfile.NamedTemporaryFile's: it holds nothing
+    assert MLPClassifier.load(second.save(empty)).alpha == 0.5
+
+
+@pytest.mark.filterwarnings("ignore::sklearn.exceptions.ConvergenceWarning")
+def test_partial_fit_with_other_classes_is_scikit_learns_error() -> None:
+    """Before: the classes of a later call were ignored without a word."""
+    x, y = _blobs()
+    clf = MLPClassifier(hidden_layer_sizes=(8,), random_state=0).partial_fit(x, y, classes=["a", "b", "c"])
+    same = r"^`classes=\['a', 'b', 'd'\]` is not the same as on last call to partial_fit, was: array\(\['a', 'b', 'c'\]"
+    with pytest.raises(ValueError, match=same):
+        clf.partial_fit(x, y, classes=["a", "b", "d"])
+    assert clf.n_iter_ == 1
+    clf.partial_fit(x, y, classes=["c", "b", "a", "a"])  # the same classes, in any order
+    clf.partial_fit(x, y)
+    assert clf.n_iter_ == 3 and clf.classes_.tolist() == ["a", "b", "c"]
+
+
+def _craft(path: Path, change: Any) -> Path:
+    """The checkpoint at ``path`` with ``change(meta)`` applied and its SHA-256 made right again."""
+    ckpt = checkpoint.load(path)
+    meta = {k: v for k, v in ckpt.meta.items() if k not in ("sha256", "format", "format_version", "mlptrain")}
+    change(meta)
+    out = path.with_name("crafted.npz")
+    checkpoint.save(out, ckpt.arrays, meta)
+    return out
+
+
+@pytest.mark.filterwarnings("ignore::sklearn.exceptions.ConvergenceWarning")
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda s: s.update(predict="x"), r"config.sklearn has 'predict', which is not a fitted attribute of MLPC"),
+        (lambda s: s.update(__class__="x"), r"config.sklearn has '__class__', which is not a fitted attribute"),
+        (lambda s: s["params"].update(state_=1), r"config.sklearn.params has 'state_', which is not a parameter of M"),
+        (lambda s: s.update(params=[1]), r"config.sklearn.params is list; expected an object"),
+    ],
+)
+def test_load_sets_only_the_estimators_parameters_and_fitted_attributes(
+    tmp_path: Path, change: Any, message: str
+) -> None:
+    """Before: every key of the checkpoint's ``config.sklearn`` became an attribute (``predict`` included)."""
+    path = _fitted().save(tmp_path / "model.npz")
+    crafted = _craft(path, lambda meta: change(meta["config"]["sklearn"]))
+    with pytest.raises(CheckpointError, match=message):
+        MLPClassifier.load(crafted)
+    assert MLPClassifier.load(path).n_iter_ == 2
+
+
+def _blas() -> set[int]:
+    return {i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"}
+
+
+@pytest.mark.filterwarnings("ignore::sklearn.exceptions.ConvergenceWarning")
+def test_fit_partial_fit_and_predict_take_the_clis_blas_thread_policy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A digits-sized fit steps on one BLAS thread, as the CLI's run does; before, on the library's default
+    (11.6 s against 0.57 s on a busy 2-core machine)."""
+    seen: list[set[int]] = []
+    step = Trainer.step
+    monkeypatch.setattr(Trainer, "step", lambda self, x, y: (seen.append(_blas()), step(self, x, y))[1])
+    entered: list[float] = []
+    policy = Backend.blas_threads
+
+    def recorded(self: Backend, flops: float) -> Any:
+        entered.append(flops)
+        return policy(self, flops)
+
+    monkeypatch.setattr(Backend, "blas_threads", recorded)
+    logits = Predictor.logits
+    monkeypatch.setattr(Predictor, "logits", lambda self, x: (seen.append(_blas()), logits(self, x))[1])
+    x, y = _blobs()
+    with threadpool_limits(limits=2, user_api="blas"):
+        clf = MLPClassifier(hidden_layer_sizes=(8,), batch_size=30, max_iter=2, random_state=0).fit(x, y)
+        clf.partial_fit(x, y)
+        clf.predict(x[:7])
+        after = _blas()
+    assert len(seen) == 2 * 3 + 3 + 1 and all(t == {1} for t in seen), seen
+    assert after == {2}
+    train_step = build.step_flops([4, 8, 3], 30)  # 6 * 30 * (4*8 + 8*3)
+    assert entered == [train_step, train_step, 2 * 7 * (4 * 8 + 8 * 3)]
+
+
+@pytest.mark.filterwarnings("ignore::sklearn.exceptions.ConvergenceWarning")
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"hidden_layer_sizes": (9,)}, r"continues a fit made with hidden_layer_sizes=\(8,\), but hidden_layer_s"),
+        ({"solver": "sgd"}, r"continues a fit made with solver='adam', but solver='sgd' now; set solver back, or "),
+        ({"precision": "bf16"}, r"continues a fit made with precision='fp32', but precision='bf16' now"),
+    ],
+)
+def test_a_continued_fit_names_the_estimators_parameters(change: dict[str, Any], message: str) -> None:
+    """Before: ``model.hidden=[9]`` and ``optimizer=sgd``, the CLI's words, came back from the estimator."""
+    x, y = _blobs()
+    clf = _fitted(warm_start=True).set_params(**change)
+    for call, how in ((lambda: clf.fit(x, y), "warm_start=True"), (lambda: clf.partial_fit(x, y), "partial_fit")):
+        with pytest.raises(ConfigError, match=f"^MLPClassifier {how} " + message) as info:
+            call()
+        assert "model.hidden" not in str(info.value) and "optimizer=" not in str(info.value)
+    assert clf.n_iter_ == 2
+
+
+@pytest.mark.filterwarnings("ignore::sklearn.exceptions.ConvergenceWarning")
+def test_a_continued_sgd_fit_names_momentum() -> None:
+    x, y = _blobs()
+    clf = _fitted(solver="sgd", momentum=0.0, warm_start=True).set_params(momentum=0.9)
+    with pytest.raises(ConfigError, match=r"^MLPClassifier partial_fit continues a fit made with momentum=0, but mom"):
+        clf.partial_fit(x, y)
+
+
+@pytest.mark.filterwarnings("ignore::sklearn.exceptions.ConvergenceWarning")
+def test_the_checkpoint_records_the_target_column_it_was_fitted_with(tmp_path: Path) -> None:
+    """Before: ``config.data.target`` was always ``label``, so evaluate looked for a column the file lacked."""
+    pd = pytest.importorskip("pandas")
+    x, y = _blobs()
+    frame = pd.DataFrame(x, columns=["f0", "f1", "f2", "f3"])
+    clf = MLPClassifier(hidden_layer_sizes=(8,), max_iter=2, random_state=0).fit(frame, pd.Series(y, name="animal"))
+    meta = checkpoint.load(clf.save(tmp_path / "clf.npz")).meta
+    assert meta["config"]["data"]["target"] == "animal"
+    assert Predictor(checkpoint.load(tmp_path / "clf.npz")).target_columns == ["animal"]
+    unnamed = MLPClassifier(hidden_layer_sizes=(8,), max_iter=2, random_state=0).fit(x, y)
+    assert unnamed.state_.meta["config"]["data"]["target"] == "label"
+    targets = pd.DataFrame({"price": x[:, 0], "size": x[:, 1]})
+    reg = MLPRegressor(hidden_layer_sizes=(8,), max_iter=2, random_state=0).fit(x[:, 2:], targets)
+    meta = checkpoint.load(reg.save(tmp_path / "reg.npz")).meta
+    assert meta["config"]["data"]["target"] == ["price", "size"] and meta["data"]["target_names"] == ["price", "size"]
+    one = MLPRegressor(hidden_layer_sizes=(8,), max_iter=2, random_state=0).fit(x[:, 2:], pd.Series(x[:, 0], name="p"))
+    assert one.state_.meta["config"]["data"]["target"] == "p" and one.state_.meta["data"]["target_names"] == ["p"]
+    plain = MLPRegressor(hidden_layer_sizes=(8,), max_iter=2, random_state=0).fit(x[:, 2:], x[:, :2])
+    assert plain.state_.meta["data"]["target_names"] == ["y0", "y1"]
+    assert json.loads(json.dumps(plain.state_.meta["config"]["data"]["target"])) == ["y0", "y1"]
