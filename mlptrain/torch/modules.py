@@ -10,6 +10,13 @@ and either model loads the other's.
 Under ``torch.autocast`` the layers run in the autocast dtype with the parameters cast, as
 ``nn.Linear`` does (the casts are ordinary differentiable ops: the gradients reach the float32
 parameters in float32).
+
+Where the gradients differ from ``nn.Sequential``'s: at a pre-activation of exactly 0 relu'(0) is 1
+here (the relu_aux mask is ``Z >= 0``, cuBLASLt's and the NumPy contract's) and 0 in ``nn.ReLU``. Zero
+biases and an all-zero (padding) row ``x = 0`` give ``Z = 0`` on every hidden unit: the row's gradient
+reaches the hidden bias (``db0 = W1^T dy``) and the input here, and neither through ``nn.Sequential``
+(docs/torch.md). There is no second-order gradient (:class:`mlptrain.torch.ops.SecondOrderError`). A
+batch of no rows runs ``nn.functional.linear`` (nothing to fuse): an empty output, zero gradients.
 """
 
 from __future__ import annotations
@@ -139,8 +146,11 @@ def run_chain(module: nn.Module, x: Tensor, weights: list, biases: list, acts: l
     under ``torch.compile``, its bodies eagerly): leading dimensions flattened into the batch, autocast's
     dtype applied, and the aux kept only when autograd will want a backward."""
     name = type(module).__name__
-    if x.shape[-1] != weights[0].shape[1]:
-        raise ConfigError(f"{name} got an input of shape {tuple(x.shape)}; expected (..., {weights[0].shape[1]})")
+    if x.dim() == 0 or x.shape[-1] != weights[0].shape[1]:  # a 0-d tensor has no feature dimension
+        raise ConfigError(
+            f"{name} got an input of shape {tuple(x.shape)}; expected (..., {weights[0].shape[1]}), "
+            f"its in_features={weights[0].shape[1]} last"
+        )
     if x.device != weights[0].device:
         raise ConfigError(
             f"{name} got an input on {x.device}; expected one on {weights[0].device}, where its parameters are"
@@ -157,8 +167,21 @@ def run_chain(module: nn.Module, x: Tensor, weights: list, biases: list, acts: l
     lead = x.shape[:-1]
     flat = x.reshape(-1, x.shape[-1]).contiguous()  # (B, in) C-order: the layout every epilog chains through
     keep = torch.is_grad_enabled() and (flat.requires_grad or any(p.requires_grad for p in weights + biases))
-    y = fused_mlp_apply(flat, weights, biases, ",".join(acts), keep, bgrad)
+    if flat.shape[0] == 0:  # no rows: no GEMM to run (cuBLASLt and the contract take none); torch's ops give
+        y = _empty_chain(flat, weights, biases, acts)  # the empty output and, backward, zero gradients
+    else:
+        y = fused_mlp_apply(flat, weights, biases, ",".join(acts), keep, bgrad)
     return y.reshape(*lead, y.shape[-1])
+
+
+def _empty_chain(x: Tensor, weights: list, biases: list, acts: list[str]) -> Tensor:
+    """``x (0, in) -> (0, out)`` through ``nn.Linear``'s functional form: what ``nn.Sequential`` computes on
+    no rows (an empty output; backward, weight and bias gradients of zeros)."""
+    bs = biases if biases else [None] * len(weights)
+    fns = {"relu": torch.relu, "gelu": lambda z: nn.functional.gelu(z, approximate="tanh"), "none": lambda z: z}
+    for W, b, act in zip(weights, bs, acts, strict=True):
+        x = fns[act](nn.functional.linear(x, W, b))
+    return x
 
 
 def _check_widths(name: str, widths: Sequence[int]) -> None:

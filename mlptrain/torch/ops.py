@@ -15,6 +15,10 @@ twice a step; :func:`fused_mlp_apply` skips it outside ``torch.compile``: :class
 The forward returns one list, ``[y, *hidden, *aux_t]``: the output, then (when it keeps what the
 backward needs) each layer's input but the first and each activation's aux, all C-contiguous
 (:class:`mlptrain.torch.chain.Saved`). Outputs are new tensors, never views of the inputs.
+
+The backward is first-order only: cuBLASLt's DRELU / DGELU / BGRAD epilogs have no derivative of their
+own. Under ``create_graph=True`` (a gradient penalty) its gradients come out with a grad_fn that raises
+:class:`SecondOrderError` when they are differentiated, instead of a second-order term silently left out.
 """
 
 from __future__ import annotations
@@ -24,10 +28,43 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from mlptrain.errors import MlptrainError
 from mlptrain.torch import chain
 from mlptrain.torch.engines import aux_shape_t, engine_for, to_arrays, to_tensors
 
 BGRAD_CHOICES = ("bgradb", "drelu_bgrad")
+
+
+class SecondOrderError(MlptrainError, RuntimeError):
+    """A second-order gradient (double backward) was asked of the fused chain, whose backward has none."""
+
+
+SECOND_ORDER = (
+    "FusedMLP/FusedLinear have no second-order gradient: their backward (cuBLASLt's DRELU/DGELU and BGRAD "
+    "epilogs) is not differentiable, so a term that differentiates their gradients again (a gradient penalty "
+    "from torch.autograd.grad(..., create_graph=True)) cannot be computed; use nn.Sequential of nn.Linear for "
+    "that model"
+)
+
+
+class _NoSecondOrder(torch.autograd.Function):
+    """The identity on a gradient of the chain, whose own backward raises :class:`SecondOrderError`."""
+
+    @staticmethod
+    def forward(ctx: Any, g: Tensor) -> Tensor:
+        return g.clone()
+
+    @staticmethod
+    def backward(ctx: Any, _: Tensor) -> Tensor:
+        raise SecondOrderError(SECOND_ORDER)
+
+
+def _first_order(grads: list[Tensor]) -> list[Tensor]:
+    """``grads`` as they are, or under ``create_graph=True`` (grad mode on in a backward) each tied to a
+    :class:`_NoSecondOrder` node, so that differentiating them again raises instead of giving zero."""
+    if not torch.is_grad_enabled():
+        return grads
+    return [_NoSecondOrder.apply(g.detach().requires_grad_(True)) for g in grads]
 
 
 def forward_body(x: Tensor, weights: list[Tensor], biases: list[Tensor], activations: str, keep: bool) -> list[Tensor]:
@@ -152,7 +189,9 @@ def _gradients(ctx: Any, dy: Tensor | None, backward: Any) -> tuple[Tensor | Non
     weights, saved = rest[:n], rest[n:]
     dy = dy if dy is not None else x.new_zeros((x.shape[0], weights[-1].shape[0]))  # y unused
     input_grad = bool(ctx.needs_input_grad[0])
-    out = backward(dy.contiguous(), x, weights, saved, activations, bias, bgrad, input_grad)
+    with torch.no_grad():  # create_graph=True runs this in grad mode: the bodies are not differentiable
+        out = backward(dy.contiguous(), x, weights, saved, activations, bias, bgrad, input_grad)
+    out = _first_order(out)
     dx = out.pop(0) if input_grad else None
     return dx, out[:n], (out[n:] if bias else [])
 
