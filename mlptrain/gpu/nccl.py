@@ -17,18 +17,26 @@ import cupy as cp
 import numpy as np
 from cupy.cuda import nccl
 
+from mlptrain.errors import DeviceError
+
 log = logging.getLogger(__name__)
 
 UNIQUE_ID_BYTES = 128
-_NCCL_BFLOAT16 = 9  # ncclBfloat16 in NCCL >= 2.10 (CuPy names it NCCL_BFLOAT16 in newer releases)
-_DTYPES = {
-    "float16": nccl.NCCL_FLOAT16,
-    "bfloat16": getattr(nccl, "NCCL_BFLOAT16", _NCCL_BFLOAT16),
-    "float32": nccl.NCCL_FLOAT32,
-    "float64": nccl.NCCL_FLOAT64,
-    "int32": nccl.NCCL_INT32,
-    "int64": nccl.NCCL_INT64,
-}
+# ncclDataType_t, fixed by NCCL's ABI (nccl.h; ncclBfloat16 since NCCL 2.10). Written out rather than read
+# from cupy.cuda.nccl, whose constants exist only where CuPy could load libnccl: the module then imports
+# everywhere (a CPU machine with the cu12 extra), and a missing library is one clear error when a
+# communicator is made (:func:`_require_nccl`).
+_DTYPES = {"int32": 2, "int64": 4, "float16": 6, "float32": 7, "float64": 8, "bfloat16": 9}
+_NCCL_SUM = 0  # ncclSum
+
+
+def _require_nccl() -> None:
+    """Raise DeviceError when CuPy could not load the NCCL library (it then lacks the communicator)."""
+    if not hasattr(nccl, "NcclCommunicator"):
+        raise DeviceError(
+            "distributed.gpus needs NCCL, which CuPy could not load (libnccl.so.2); install it with "
+            "pip install 'nvidia-nccl-cu12>=2.18,<3' (or nvidia-nccl-cu13 for the cu13 extra)"
+        )
 
 
 def device_count() -> int:
@@ -48,6 +56,7 @@ class NcclComm:
             raise ValueError(f"an NCCL unique id has {UNIQUE_ID_BYTES} bytes; got {len(unique_id)}")
         if device is not None:
             cp.cuda.Device(device).use()
+        _require_nccl()
         self.rank, self.world = rank, world
         self.stop_signal: Any = None  # the launcher's stop request, a shared integer (mlptrain.launcher)
         try:  # CuPy 14 takes the id as bytes; older CuPy as a tuple of the C chars
@@ -59,6 +68,7 @@ class NcclComm:
     @staticmethod
     def new_id() -> bytes:
         """A fresh unique id (rank 0 makes it; every rank needs the same one)."""
+        _require_nccl()
         uid = nccl.get_unique_id()  # bytes (CuPy 14), or a tuple of 128 C chars as ints (older CuPy)
         return bytes(uid) if isinstance(uid, bytes | bytearray) else np.array(uid, dtype=np.int8).tobytes()
 
@@ -91,7 +101,7 @@ class NcclComm:
                     raise ValueError(f"all_reduce needs contiguous arrays; got {a.shape} strides {a.strides}")
                 if a.dtype.name not in _DTYPES:
                     raise ValueError(f"all_reduce: NCCL has no {a.dtype.name}; expected one of {', '.join(_DTYPES)}")
-                self._comm.allReduce(a.data.ptr, a.data.ptr, a.size, _DTYPES[a.dtype.name], nccl.NCCL_SUM, stream.ptr)
+                self._comm.allReduce(a.data.ptr, a.data.ptr, a.size, _DTYPES[a.dtype.name], _NCCL_SUM, stream.ptr)
         finally:
             nccl.groupEnd()
         for h, d in host:
