@@ -117,7 +117,7 @@ def _torch_store(env: DistEnv, payload: bytes | None, timeout: float, attempt: s
     if env.rank == 0:
         if payload is None:
             raise ValueError("rank 0 must give the payload to send")
-        store.set(key, payload)
+        store.set(key, payload)  # type: ignore[arg-type]  # the binding takes bytes (std::string); its stub says str
         return payload
     return bytes(store.get(key))  # waits for rank 0 (the store's timeout bounds it)
 
