@@ -5,6 +5,10 @@ draws ``curves.png``: the training loss per step and, per epoch, the validation 
 accuracy, one line per run. Given a run directory it draws that run; given a sweep folder (a
 multirun), every job in it, labelled by the overrides that differ between the jobs. A run that is
 still going is drawn as far as it got.
+
+``--out`` names an image: a ``.png``, ``.svg`` or ``.pdf`` file (drawn in that format). It never
+replaces an input of the figure (a run's ``metrics.jsonl`` or overrides), a checkpoint, or an existing
+file that is not an image (:func:`check_out`): a data file, a log, a run's records stay as they were.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from mlptrain import outputs
 from mlptrain.errors import OutputError
 from mlptrain.files import atomic_write
 from mlptrain.metrics import read_metrics
@@ -24,6 +29,9 @@ from mlptrain.metrics import read_metrics
 log = logging.getLogger(__name__)
 
 METRICS = "metrics.jsonl"
+IMAGE_SUFFIXES = (".png", ".svg", ".pdf")
+# The first bytes of each format (an SVG written by matplotlib starts with its XML declaration).
+_MAGIC = {".png": (b"\x89PNG\r\n\x1a\n",), ".pdf": (b"%PDF-",), ".svg": (b"<?xml", b"<svg")}
 
 
 def _pyplot() -> Any:
@@ -37,19 +45,55 @@ def _pyplot() -> Any:
     return plt
 
 
-def _png(fig: Any) -> bytes:
+def _png(fig: Any, fmt: str = "png") -> bytes:
     import io
 
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=120, bbox_inches="tight")
+    fig.savefig(buf, format=fmt, dpi=120, bbox_inches="tight")
     return buf.getvalue()
 
 
 def _save(fig: Any, path: Path) -> None:
     try:
-        atomic_write(path, _png(fig))
+        atomic_write(path, _png(fig, path.suffix.lower().lstrip(".")))
     except OSError as exc:
         raise OutputError(f"cannot write {path} ({exc})") from exc
+
+
+def is_image(path: Path) -> bool:
+    """Whether ``path`` starts as a PNG, PDF or SVG file does (what ``--out`` may replace)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(64).lstrip()
+    except OSError:
+        return False
+    return any(head.startswith(m) for magics in _MAGIC.values() for m in magics)
+
+
+def check_out(out: Path, runs: list[Path]) -> None:
+    """Refuse ``--out`` before drawing: not an image name, an input of the figure, a checkpoint, or an
+    existing file that is not an image (:func:`mlptrain.outputs.check_output`).
+
+    Raises:
+        OutputError: one sentence naming ``out`` and what was expected.
+    """
+    if out.suffix.lower() not in IMAGE_SUFFIXES:
+        raise OutputError(
+            f"--out={out}: expected the name of an image file ending in .png, .svg or .pdf (plot writes an image "
+            "only, never over a data file, a checkpoint or a run's records)"
+        )
+    inputs = {}
+    for run in runs:  # what the figure reads
+        inputs[f"the metrics of the run {run}:"] = run / METRICS
+        inputs[f"the overrides of the run {run}:"] = run / ".hydra" / "overrides.yaml"
+    # overwrite=True: the rule on files of another kind is this command's own (plot has no overwrite=)
+    outputs.check_output(out, inputs=inputs, kind="an image", same_kind=is_image, overwrite=True, key="--out")
+    real = out.resolve()
+    if real.is_file() and real.stat().st_size and not is_image(real):
+        raise OutputError(
+            f"--out={out} exists and is not an image ({', '.join(IMAGE_SUFFIXES)}); plot replaces only an image it "
+            "could have drawn: choose another --out"
+        )
 
 
 def plain(text: str) -> str:
@@ -127,10 +171,12 @@ def curves_figure(target: Path, out: Path | None = None) -> Path:
     if plt is None:
         raise OutputError("plotting needs matplotlib: pip install 'mlptrain[plot]'")
     runs = runs_of(target)
+    path = Path(out) if out else Path(target) / "curves.png"
+    check_out(path, runs)
     labels = [plain(label) for label in labels_of(runs)]
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
     for run, label in zip(runs, labels, strict=True):
-        records = read_metrics(run / METRICS)
+        records = _records(run / METRICS)
         steps = [r for r in records if r["kind"] == "step"]
         epochs = [r for r in records if r["kind"] == "epoch"]
         (line,) = axes[0].plot([r["step"] for r in steps], [r["train/loss"] for r in steps], lw=1, label=label)
@@ -154,16 +200,26 @@ def curves_figure(target: Path, out: Path | None = None) -> Path:
     if not any(ax.lines for ax in axes[2:]):
         axes[2].set_visible(False)  # a regression has no accuracy
     fig.suptitle(f"{plain(str(target))} ({len(runs)} run{'s' if len(runs) > 1 else ''})", fontsize=10)
-    path = Path(out) if out else Path(target) / "curves.png"
     _save(fig, path)
     plt.close(fig)
     return path
 
 
+def _records(path: Path) -> list[dict[str, Any]]:
+    """The records of a ``metrics.jsonl``; a file that is not UTF-8 text is named, with its line."""
+    try:
+        return read_metrics(path)
+    except UnicodeDecodeError as exc:
+        line = exc.object[: exc.start].count(b"\n") + 1
+        raise OutputError(
+            f"{path}: line {line} is not UTF-8 text (byte {exc.start}); expected the JSON lines of a run's metrics"
+        ) from None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mlptrain.plot", description=__doc__.split("\n\n")[0])
     parser.add_argument("target", type=Path, help="a run directory or a sweep folder")
-    parser.add_argument("--out", type=Path, default=None, help="the PNG to write (default: TARGET/curves.png)")
+    parser.add_argument("--out", type=Path, default=None, help="a .png, .svg or .pdf (default: TARGET/curves.png)")
     args = parser.parse_args(argv)
     try:
         path = curves_figure(args.target, args.out)
