@@ -8,6 +8,7 @@ the number of features, the target columns and the class names. Nothing here rea
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -67,8 +68,11 @@ def check_columns(names: list[str], where: str, expected: list[str] | None, targ
         )
 
 
-def labels(y: np.ndarray, where: str, names: list[str]) -> np.ndarray:
-    """Class indices of a target column ``y``: by class name (``names``, the model's), or an integer class index."""
+def labels(y: np.ndarray, where: str, names: list[str], place: Callable[[int], str] | None = None) -> np.ndarray:
+    """Class indices of a target column ``y``: by class name (``names``, the model's), or an integer class index.
+
+    ``place(row)`` says where row ``row`` of ``y`` is in its file (``line 7``); default ``row <row>`` (0-based).
+    """
     index = {n: i for i, n in enumerate(names)}
     # A number stands for a class index only where the class names are not numbers themselves
     # (fashion_mnist's "Trouser" is label 1; with classes "1", "2", "3", label 1 is class "1").
@@ -82,7 +86,8 @@ def labels(y: np.ndarray, where: str, names: list[str]) -> np.ndarray:
         elif by_index and number is not None and number.is_integer() and 0 <= number < len(names):
             out[row] = int(number)
         else:
-            raise DatasetError(f"{where} row {row}: label {v!r} is not a class of the model ({listed(names)})")
+            at = place(row) if place is not None else f"row {row}"
+            raise DatasetError(f"{where} {at}: label {v!r} is not a class of the model ({listed(names)})")
     return out
 
 

@@ -3,7 +3,9 @@
 Without ``data``, the checkpoint is scored on a split (``split=test`` by default) of its own
 dataset, rebuilt from the config saved in it (the same files and ``split_seed`` give the same
 split; a warning says so if the normalisation no longer matches). With ``data=FILE`` it is scored
-on that file's rows, which must hold the target column (``predict`` scores files without one).
+on that file's rows, which must hold the target column: ``target=COLUMN`` (default: the column the
+checkpoint was trained on, ``data.target`` of its config, else ``label``; a regression's, comma-separated,
+in the model's order), with a value on every row (``predict`` scores files without one).
 
 Writes ``evaluation.json`` into ``output`` (default ``<run dir>/evaluation/<checkpoint>-<split or
 file>``): the loss and accuracy, per class the precision, recall, F1 and support, the confusion
@@ -22,7 +24,7 @@ import hashlib
 import json
 import logging
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +33,7 @@ import numpy as np
 from mlptrain import commands, outputs
 from mlptrain.checkpoint import CHECKPOINT_DIR
 from mlptrain.commands import REQUIRED, arg
-from mlptrain.errors import CheckpointError, DatasetError, OutputError
+from mlptrain.errors import CheckpointError, ConfigError, DatasetError, OutputError
 from mlptrain.inference import DEFAULT_BATCH, Predictor
 from mlptrain.predict import read_inputs
 
@@ -45,6 +47,7 @@ REPORT, FIGURE = "evaluation.json", "confusion.png"
 class EvaluateArgs:
     ckpt: str = arg(REQUIRED, "a checkpoint (.npz), or a run directory (its checkpoints/best.npz)")
     data: str | None = arg(None, "a file of labelled rows to score; null: a split of the checkpoint's own dataset")
+    target: str | None = arg(None, "with data: the column of the true labels; null: the checkpoint's (else label)")
     split: str = arg("test", "without data: the split of the checkpoint's dataset (train, val or test)")
     output: str | None = arg(None, "folder for evaluation.json and confusion.png; null: <run dir>/evaluation/...")
     batch_size: int = arg(DEFAULT_BATCH, "rows per batch")
@@ -104,14 +107,22 @@ def _own_split(p: Predictor, split: str) -> tuple[np.ndarray, np.ndarray, str]:
 
     from mlptrain.config import DataConfig
     from mlptrain.data import load_dataset
+    from mlptrain.restore import literal
 
     if split not in SPLITS:
         raise DatasetError(f"split={split!r}; expected one of {', '.join(SPLITS)}")
-    saved = (p.meta.get("config") or {}).get("data")
-    try:
-        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(DataConfig), saved or {}))
+    saved = (p.meta.get("config") or {}).get("data") or {}
+    unknown = [k for k in saved if k not in {f.name for f in fields(DataConfig)}]
+    if unknown:  # a checkpoint of another mlptrain version, or edited
+        raise CheckpointError(
+            f"checkpoint {p.path}: its data config has the key data.{unknown[0]}, which this mlptrain does not know; "
+            "pass data=<a labelled file> to score the model on it"
+        )
+    try:  # literal: a stored config's values are resolved already; a ${...} in one is text (mlptrain.restore)
+        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(DataConfig), literal(saved)))
     except OmegaConfBaseException as exc:
-        raise CheckpointError(f"checkpoint {p.path}: its data config cannot be read ({exc}); use data=FILE") from exc
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"checkpoint {p.path}: its data config cannot be read ({first}); use data=FILE") from exc
     if cfg.name == "file" and not cfg.path:  # type: ignore[union-attr]  # fitted from Python (mlptrain.sklearn)
         raise DatasetError(f"checkpoint {p.path} records no data file to split; pass data=<a labelled file>")
     ds = load_dataset(cfg)  # type: ignore[arg-type]
@@ -132,16 +143,14 @@ def evaluate(args: EvaluateArgs, p: Predictor | None = None) -> tuple[dict[str, 
     p = p or Predictor(args.ckpt, device=args.device, precision=args.precision, batch_size=args.batch_size)
     log.info("%s", p.describe())
     if args.data is None:
+        if args.target is not None:
+            raise ConfigError(f"target={args.target} names a column of data=FILE; pass data=<a labelled file> with it")
         x, y, what = _own_split(p, args.split)
         logits = p.logits(x, normalised=True)
     else:
         path = Path(args.data).expanduser()
-        x, y_read, _ = read_inputs(p, path)
-        if y_read is None:
-            raise DatasetError(
-                f"data={path} has no target column {', '.join(map(repr, p.target_columns))}; evaluation needs the "
-                "true labels (python -m mlptrain.predict scores a file without them)"
-            )
+        x, y_read, _ = read_inputs(p, path, target=args.target, setting="data", need_targets=True)
+        assert y_read is not None  # need_targets: read_inputs raised otherwise
         y, what = y_read, f"file {path}"
         logits = p.logits(x)
     if p.classification:

@@ -250,7 +250,8 @@ class Predictor:
             if not np.isfinite(x).all():
                 row, col = np.argwhere(~np.isfinite(x))[0]
                 name = self.feature_names[col] if self.feature_names else f"column {col}"
-                raise DatasetError(f"inputs row {row}, {name} holds {x[row, col]}; features must be finite numbers")
+                at = f"row {row} (0-based)"
+                raise DatasetError(f"inputs {at}, {name} holds {x[row, col]}; features must be finite numbers")
         return x
 
     # --- files: matched to the model by mlptrain.columns ----------------------------------------
@@ -265,10 +266,10 @@ class Predictor:
         (:func:`mlptrain.columns.check_columns`)."""
         columns.check_columns(names, where, self.feature_names, self.target_columns)
 
-    def labels(self, y: np.ndarray, where: str) -> np.ndarray:
+    def labels(self, y: np.ndarray, where: str, place: Callable[[int], str] | None = None) -> np.ndarray:
         """Class indices of a target column: by class name, or an integer class index
-        (:func:`mlptrain.columns.labels`)."""
-        return columns.labels(y, where, self.class_names or [str(i) for i in range(self.num_outputs)])
+        (:func:`mlptrain.columns.labels`; ``place(row)`` names a row's place in its file)."""
+        return columns.labels(y, where, self.class_names or [str(i) for i in range(self.num_outputs)], place)
 
 
 def softmax(z: np.ndarray) -> np.ndarray:

@@ -1,17 +1,20 @@
 """``python -m mlptrain.predict ckpt=PATH input=FILE output=FILE``: score a file of raw inputs.
 
 The input is any file ``data=file`` reads (CSV/TSV with a header, ``.gz``, NPZ, Parquet). Its
-feature columns are matched to the checkpoint's by name, in any order; a missing or unknown
-feature column is an error naming both. A target column, if the file has one, is not a feature:
-its labels are compared with the predictions and the accuracy is reported. The output is
+feature columns are matched to the checkpoint's by name, in any order; a missing feature column is
+an error naming it (and the file's other columns). A column the model does not take (an id) is
+ignored, and named in one log line. A target column, if the file has one, is not a feature: its
+labels are compared with the predictions and the accuracy is reported, over the rows that have a
+label (a column with no values is no labels: one log line, no score). The output is
 
 * ``.csv`` / ``.tsv`` (``.gz`` too): ``class_id,class_name`` per row, with ``p_<class>`` columns
-  when ``probabilities=true``; a regression: one column per target;
+  when ``probabilities=true``; a regression: one column per target; a text cell that a spreadsheet
+  would run as a formula gets a leading ``'`` (:mod:`mlptrain.predictions`);
 * ``.npy``: the class ids ``(N,)`` (``probabilities=true``: the ``(N, C)`` probabilities; a
   regression: the ``(N, T)`` outputs);
 * ``.npz``: ``class_id``, ``class_name`` and (when asked) ``probabilities``, or ``values``.
 
-``keep=id,name`` copies input columns that are not features (an id) into the output, before the
+``keep=id,name`` copies input columns (an id; a feature too) into the output, before the
 predictions (CSV and NPZ).
 
 It is written atomically once every row is scored: a failed or interrupted run leaves any
@@ -26,31 +29,29 @@ In Python, ``mlptrain.predict(ckpt, x)`` scores an array (this module is callabl
 from __future__ import annotations
 
 import csv
-import gzip
-import io
 import logging
 import sys
 import time
 import types
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
 
 from mlptrain import commands, outputs
+from mlptrain.columns import listed
 from mlptrain.commands import REQUIRED, arg
+from mlptrain.data import labels
 from mlptrain.data.csv_reader import lines as file_lines
 from mlptrain.data.files import columns, file_kind, read_table
 from mlptrain.errors import ConfigError, DatasetError, OutputError
-from mlptrain.inference import DEFAULT_BATCH, Outputs, Predictor, predict
+from mlptrain.inference import DEFAULT_BATCH, Predictor, predict
+from mlptrain.predictions import OUTPUT_SUFFIXES, is_predictions, output_kind, write_outputs
 
 log = logging.getLogger(__name__)
 
 __all__ = ["predict", "main", "PredictArgs", "read_inputs", "write_outputs"]
-
-OUTPUT_SUFFIXES = (".csv", ".csv.gz", ".tsv", ".tsv.gz", ".npy", ".npz")
 
 
 @dataclass
@@ -68,49 +69,146 @@ class PredictArgs:
     overwrite: bool = arg(False, "replace an existing output that is not a predictions file (never an input)")
 
 
-def output_kind(path: Path) -> str:
-    name = path.name.lower()
-    for suffix in OUTPUT_SUFFIXES:
-        if name.endswith(suffix):
-            return suffix
-    raise ConfigError(f"output={path}: unknown format; expected a file ending in {', '.join(OUTPUT_SUFFIXES)}")
-
-
 def read_inputs(
-    p: Predictor, path: Path, keep: list[str] | None = None
+    p: Predictor,
+    path: Path,
+    keep: list[str] | None = None,
+    *,
+    target: str | None = None,
+    setting: str = "input",
+    need_targets: bool = False,
 ) -> tuple[np.ndarray, np.ndarray | None, dict[str, np.ndarray]]:
     """What an input file holds for the model.
 
     Returns the raw feature rows in the model's column order; the targets if the file has them
-    (class indices ``(N,)``; a regression's ``(N, T)`` float64, NaN in the columns of targets the
-    file lacks) or None; and the ``keep`` columns (an id, say: not features, written beside the
-    predictions) as the file has them, text as text. An NPZ file's targets are its ``y``.
+    (class indices ``(N,)``, -1 where the label cell is empty; a regression's ``(N, T)`` float64, NaN
+    where the file has no value for a target) or None (no target column, or one without a value);
+    and the ``keep`` columns (an id, say, written beside the predictions) as the file has them, text
+    as text. An NPZ file's targets are its ``y``. A column that is neither a feature, nor a target,
+    nor kept is ignored, and named in one log line. A kept feature stays a feature.
+
+    Args:
+        target: the file's column(s) holding the targets (comma-separated for a regression's, in the
+            model's order); default the checkpoint's (:attr:`Predictor.target_columns`).
+        setting: the argument that named ``path`` (``input``, ``data``), for the messages.
+        need_targets: every row must have its targets (``evaluate``): a missing or empty target column,
+            or an empty cell, is an error.
     """
     keep = list(keep or [])
-    where = f"input file {path}"
+    where = f"{'input' if setting == 'input' else 'data'} file {path}"
     kind, _ = file_kind(path)
-    names = columns(path, setting="input")
-    present = [t for t in p.target_columns if t in names and t not in keep]
+    names = columns(path, setting=setting)
+    wanted = target_map(p, target, names, where, need_targets and kind != "npz")
+    features = p.feature_names or []
+    present = [t for t in wanted if t in names and t not in features]
+    others = [k for k in keep if k not in features and k not in present]  # kept, not read as features
     if kind == "npz":  # x, and y if the file has it; keep names other arrays of the file
-        table, _ = read_table(path, [], setting="input")
+        table, _ = read_table(path, [], setting=setting)
         cells = None if table.y is None else np.asarray(table.y).reshape(len(table.x), -1)
-        present = list(p.target_columns) if cells is not None else []
+        present = list(wanted) if cells is not None else []
     else:  # the header first: a file of another model is named so, not by a cell that is not a number
-        p.check_columns([n for n in names if n not in present and n not in keep], where)
-        table, _ = read_table(path, present + keep, setting="input", target_setting="keep")
-        cells = np.asarray(table.y).reshape(len(table.x), -1) if present else None
+        others += ignored_columns(p, names, present + others, where)
+        p.check_columns([n for n in names if n not in present and n not in others], where)
+        table, _ = read_table(path, present + others, setting=setting, target_setting="keep")
+        cells = np.asarray(table.y).reshape(len(table.x), -1)[:, : len(present)] if present else None
     x = p.arrange(table.feature_names, table.x, where, named=table.named)
-    y = None
-    if cells is not None and p.classification:
-        y = p.labels(cells[:, 0], where)
-    elif cells is not None:
-        y = np.full((len(x), p.num_outputs), np.nan)
-        for i, t in enumerate(present[: cells.shape[1]]):
-            try:
-                y[:, p.target_columns.index(t)] = cells[:, i].astype(np.float64)
-            except ValueError:
-                raise DatasetError(f"{where}: the target column {t!r} holds values that are not numbers") from None
+    check_finite(x, p.feature_names, table, where)
+    y = None if cells is None else targets_of(p, table, cells, present, wanted, where, need_targets)
+    if y is None and need_targets:
+        raise DatasetError(
+            f"{where} has no target column {', '.join(map(repr, wanted))}; evaluation needs the true "
+            "labels (set target=COLUMN; python -m mlptrain.predict scores a file without them)"
+        )
     return x, y, kept_columns(path, keep, len(x))
+
+
+def target_map(p: Predictor, target: str | None, names: list[str], where: str, must_exist: bool) -> dict[str, int]:
+    """The file's target columns, each with the index of the model's output it holds."""
+    if target is None:
+        return {t: i for i, t in enumerate(p.target_columns)}
+    given = [t.strip() for t in target.split(",") if t.strip()]
+    count = 1 if p.classification else p.num_outputs
+    if len(given) != count:
+        what = "the label column" if p.classification else f"{count} target columns, in the order {p.target_columns}"
+        raise ConfigError(f"target={target}: the model {p.path.name} takes {what}; expected {count} column name(s)")
+    lacking = [t for t in given if t not in names]
+    if lacking and must_exist:
+        columns_are = f"its columns are {', '.join(map(repr, names))}"
+        raise DatasetError(f"{where} has no column {', '.join(map(repr, lacking))} (target={target}); {columns_are}")
+    return {t: i for i, t in enumerate(given)}
+
+
+def ignored_columns(p: Predictor, names: list[str], taken: list[str], where: str) -> list[str]:
+    """The columns of a file that the model does not take (an id), once it has all of the model's: ignored,
+    and named in one log line. None where a feature is missing (the columns' error names both)."""
+    features = p.feature_names
+    if features is None or any(f not in names for f in features):
+        return []
+    extra = [n for n in names if n not in features and n not in taken]
+    if extra:
+        what = "%s: ignoring the column(s) %s, which are not features of the model; keep=%s copies them into the output"
+        log.info(what, where, listed(extra), ",".join(extra))
+    return extra
+
+
+def check_finite(x: np.ndarray, names: list[str] | None, table: Any, where: str) -> None:
+    """Refuse a feature cell that is NaN or infinite, naming the file's line (or its 1-based row) and column."""
+    bad = ~np.isfinite(x)
+    if bad.any():
+        row, col = (int(i) for i in np.argwhere(bad)[0])
+        at = f"{table.where(row)} (the header is line 1)" if table.text else f"row {row + 1} (counting from 1)"
+        name = repr(names[col]) if names else f"{col + 1} (counting from 1)"
+        raise DatasetError(f"{where} {at}, column {name} holds {x[row, col]}; features must be finite numbers")
+
+
+def targets_of(
+    p: Predictor,
+    table: Any,
+    cells: np.ndarray,
+    present: list[str],
+    wanted: dict[str, int],
+    where: str,
+    need: bool,
+) -> np.ndarray | None:
+    """The targets of ``cells (N, len(present))``, as :func:`read_inputs` returns them; None where no cell
+    has a value (an empty label column is no labels)."""
+    empty = empty_cells(table, present)  # (N, len(present)) bool
+    if empty.all():
+        if need:
+            raise DatasetError(
+                f"{where}: the target column(s) {listed(present)} hold no values; evaluation needs labels"
+            )
+        log.info("%s: the column(s) %s hold no values: no labels, no score", where, listed(present))
+        return None
+    if need and empty.any():
+        rows = np.flatnonzero(empty.any(axis=1))
+        raise DatasetError(
+            f"{where} {table.where_rows(rows)}: no value in the target column(s) {listed(present)}; evaluation "
+            "needs a label on every row (fill or remove those rows)"
+        )
+    if p.classification:
+        y = np.full(len(cells), -1, dtype=np.int64)
+        rows = np.flatnonzero(~empty[:, 0])
+        y[rows] = p.labels(cells[rows, 0], where, place=lambda r: table.where(int(rows[r])))
+        return y
+    y = np.full((len(cells), p.num_outputs), np.nan)
+    for i, t in enumerate(present):
+        try:
+            y[:, wanted[t]] = np.where(empty[:, i], np.nan, cells[:, i].astype(np.float64))
+        except ValueError:
+            raise DatasetError(f"{where}: the target column {t!r} holds values that are not numbers") from None
+    return y
+
+
+def empty_cells(table: Any, present: list[str]) -> np.ndarray:
+    """``(N, len(present))`` bool: the cells of the target columns that hold no value (empty, NA, NaN)."""
+    n = len(table.x)
+    if table.missing is None:
+        return np.zeros((n, len(present)), dtype=bool)
+    if len(present) == 1 and table.y.ndim == 1:  # the row mask is this column's
+        return table.missing.reshape(n, 1)
+    cells = kept_columns(table.path, present, n)  # the columns' own cells, as text
+    return np.stack([labels.text_column(np.asarray(cells[t]).astype(str))[1] for t in present], axis=1)
 
 
 def kept_columns(path: Path, keep: list[str], rows: int) -> dict[str, np.ndarray]:
@@ -145,83 +243,6 @@ def kept_columns(path: Path, keep: list[str], rows: int) -> dict[str, np.ndarray
             f"its columns are {', '.join(columns(path))}"
         )
     return out
-
-
-def write_outputs(p: Predictor, out: Outputs, path: Path, kept: dict[str, np.ndarray] | None = None) -> None:
-    """Write ``out`` (and the ``kept`` input columns before it) to ``path`` (format by suffix), atomically."""
-    try:
-        _write(p, out, path, kept or {})
-    except OSError as exc:
-        raise OutputError(f"cannot write {path} ({type(exc).__name__}: {exc}); nothing was written there") from exc
-
-
-def _write(p: Predictor, out: Outputs, path: Path, kept: dict[str, np.ndarray]) -> None:
-    kind = output_kind(path)
-    if kind == ".npy":
-        array = next(a for a in (out.values, out.probabilities, out.class_id) if a is not None)
-        outputs.write_together([(path, lambda f: np.save(f, array))])
-    elif kind == ".npz":
-        arrays: dict[str, Any] = dict(kept)
-        arrays.update({"values": out.values} if out.values is not None else {"class_id": out.class_id})
-        if out.class_id is not None:
-            arrays["class_name"] = np.array(p.class_name(out.class_id))
-        if out.probabilities is not None:
-            arrays["probabilities"] = out.probabilities
-        outputs.write_together([(path, lambda f: np.savez(f, **arrays))])
-    else:
-        delimiter = "\t" if kind.startswith(".tsv") else ","
-        outputs.write_together([(path, lambda f: _write_csv(p, out, kept, f, delimiter, kind))])
-
-
-def _write_csv(
-    p: Predictor, out: Outputs, kept: dict[str, np.ndarray], f: IO[bytes], delimiter: str, kind: str
-) -> None:
-    # filename="": the header names no file (it would name the temp file, whose name is the writer's own)
-    raw: Any = gzip.GzipFile(filename="", fileobj=f, mode="wb", mtime=0) if kind.endswith(".gz") else f
-    text = io.TextIOWrapper(raw, encoding="utf-8", newline="")
-    w = csv.writer(text, delimiter=delimiter, lineterminator="\n")
-    first = [list(kept)]  # the kept input columns come first, row by row
-    lead = list(zip(*(c.tolist() for c in kept.values()), strict=True)) if kept else None
-    if out.values is not None:
-        w.writerow(first[0] + (p.target_names or [f"y{i}" for i in range(p.num_outputs)]))
-        rows: Any = out.values.tolist()
-    else:
-        names = p.class_name(np.arange(p.num_outputs))
-        probs = out.probabilities
-        w.writerow(first[0] + ["class_id", "class_name", *((f"p_{n}" for n in names) if probs is not None else ())])
-        ids = out.class_id.tolist()  # type: ignore[union-attr]
-        if probs is None:
-            rows = ([i, names[i]] for i in ids)
-        else:
-            rows = ([i, names[i], *(f"{v:.6g}" for v in row)] for i, row in zip(ids, probs.tolist(), strict=True))
-    if lead is None:
-        w.writerows(rows)
-    else:
-        w.writerows([*k, *r] for k, r in zip(lead, rows, strict=True))
-    text.flush()
-    text.detach()
-    if raw is not f:
-        raw.close()
-
-
-def is_predictions(p: Predictor, path: Path) -> bool:
-    """Whether ``path`` holds what this command writes for ``p``'s model (so it may be replaced)."""
-    kind = output_kind(path)
-    try:
-        if kind == ".npy":  # class ids (N,) int64, or (N, outputs) float32 probabilities or values
-            a = np.load(path, mmap_mode="r", allow_pickle=False)
-            return (a.dtype == np.int64 and a.ndim == 1) or (a.dtype == np.float32 and a.shape[1:] == (p.num_outputs,))
-        if kind == ".npz":
-            with np.load(path, allow_pickle=False) as npz:  # the zip's names only
-                names = set(npz.files)
-            return bool(names & {"class_id", "values"}) and not names & {"x", "meta"}
-        opened: Any = gzip.open(path, "rt", encoding="utf-8") if kind.endswith(".gz") else open(path, encoding="utf-8")
-        with opened as f:
-            header = next(csv.reader([f.readline()], delimiter="\t" if kind.startswith(".tsv") else ","), [])
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile):  # not a file of its suffix's format
-        return False
-    predicted = ["class_id", "class_name"] if p.classification else p.target_names or ["y0"]
-    return set(predicted) <= set(header) and not set(header) & set(p.feature_names or [])
 
 
 def run(args: PredictArgs) -> int:
@@ -261,8 +282,12 @@ def run(args: PredictArgs) -> int:
     write_outputs(p, out, out_path, kept)
     line = f"predicted {len(x):,} rows in {seconds:.2f} s ({len(x) / max(seconds, 1e-9):,.0f} rows/s) -> {out_path}"
     if y is not None:
-        if out.class_id is not None:
-            line += f" | accuracy {np.mean(out.class_id == y):.4f} against the file's {p.target_columns[0]!r} column"
+        if out.class_id is not None:  # over the rows with a label (-1: an empty cell)
+            labelled = y >= 0
+            line += f" | accuracy {np.mean(out.class_id[labelled] == y[labelled]):.4f} against the file's "
+            line += f"{p.target_columns[0]!r} column"
+            if not labelled.all():
+                line += f" ({int(labelled.sum()):,} rows with a label; {int((~labelled).sum()):,} empty)"
         elif out.values is not None:  # over the targets the file has (the others are NaN in y)
             mse = float(np.nanmean((out.values - y) ** 2))
             line += f" | mse {mse:.6g} against the file's targets"

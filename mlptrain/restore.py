@@ -6,12 +6,17 @@ resume=last`` alone continues it. A setting the user set that contradicts the ru
 naming the run's value, except those of :data:`MAY_CHANGE` (honoured, and logged) and
 :data:`LAUNCH_KEYS` (this process's: how it is launched and shown, never taken from the run).
 What counts as set: the CLI's overrides; from Python, what differs from ``TrainConfig()``.
+
+A stored config holds resolved values (written from the dataclass, after OmegaConf resolved the
+command line): a ``${...}`` in one read back is text, never an interpolation to resolve on the
+reading machine (``${oc.env:HOME}`` stays those characters; :func:`literal`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -154,12 +159,28 @@ def _key(override: str) -> str:
     return override.lstrip("+~").split("=", 1)[0].strip()
 
 
+def literal(value: Any) -> Any:
+    """``value`` (a stored config's, nested dicts and lists too) escaped so that OmegaConf reads every string
+    as the text it is: ``${oc.env:HOME}`` -> ``\\${oc.env:HOME}``, which OmegaConf gives back as ``${oc.env:HOME}``
+    (backslashes before a ``${`` doubled, as its grammar reads them)."""
+    if isinstance(value, str):
+        return re.sub(r"(\\*)\$\{", lambda m: m.group(1) * 2 + "\\${", value)
+    if isinstance(value, dict):
+        return {k: literal(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [literal(v) for v in value]
+    return value
+
+
 def from_flat(flat: dict[str, Any]) -> TrainConfig:
-    """A :class:`TrainConfig` from flat plain values (enums by their values), checked against the schema."""
+    """A :class:`TrainConfig` from flat plain values (enums by their values), checked against the schema.
+
+    The values are resolved ones (a stored config's, or this run's): a ``${`` in them is text (:func:`literal`).
+    """
     from omegaconf import OmegaConf
 
     nested: dict[str, Any] = {}
-    for key, value in flat.items():
+    for key, value in literal(flat).items():
         *path, last = key.split(".")
         node = nested
         for p in path:

@@ -281,13 +281,14 @@ def _predict_killed_mid_write(model: dict, out: Path, kill: str) -> subprocess.C
     script = (
         "import os, signal, sys\n"
         "import mlptrain.predict as m\n"
-        "write = m._write_csv\n"
+        "import mlptrain.predictions as w\n"  # the CSV writer of predict's output
+        "write = w._write_csv\n"
         "def killed(*a):\n"
         "    a[3].write(b'class_id,class_name\\n0,')\n"
         "    a[3].flush()\n"
         f"    {kill}\n"
         "    write(*a)\n"
-        "m._write_csv = killed\n"
+        "w._write_csv = killed\n"
         "sys.exit(m.main(sys.argv[1:]))\n"
     )
     args = [f"ckpt={model['run']}", f"input={model['input']}", f"output={out}", "device=cpu"]
