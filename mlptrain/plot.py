@@ -108,7 +108,7 @@ def confusion_png(confusion: np.ndarray, names: list[str], title: str) -> bytes 
     """
     plt = _pyplot()
     if plt is None:
-        log.warning("confusion.png needs matplotlib: pip install 'mlptrain[plot]' (evaluation.json has the matrix)")
+        log.warning("confusion.png needs matplotlib: pip install -e '.[plot]' (evaluation.json has the matrix)")
         return None
     c, names, title = len(names), [plain(n) for n in names], plain(title)
     rates = confusion / np.maximum(confusion.sum(axis=1, keepdims=True), 1)  # each true class's row sums to 1
@@ -169,7 +169,7 @@ def curves_figure(target: Path, out: Path | None = None) -> Path:
     """Draw ``curves.png`` for a run or a sweep (default: into ``target``); returns its path."""
     plt = _pyplot()
     if plt is None:
-        raise OutputError("plotting needs matplotlib: pip install 'mlptrain[plot]'")
+        raise OutputError("plotting needs matplotlib: pip install -e '.[plot]' in mlptrain's clone")
     runs = runs_of(target)
     path = Path(out) if out else Path(target) / "curves.png"
     check_out(path, runs)

@@ -135,6 +135,8 @@ def test_keep_of_a_feature_keeps_it_a_feature_and_copies_it(trained: dict, tmp_p
     assert predict_main([f"ckpt={trained['best']}", f"input={src}", f"output={out}", "keep=f0", "device=cpu"]) == 0
     rows = _read(out)
     assert list(rows[0]) == ["f0", "class_id", "class_name"]
+    assert predict_main([f"ckpt={trained['best']}", f"input={src}", f"output={out}", "keep=f0", "device=cpu"]) == 0
+    assert predict_main([f"ckpt={trained['best']}", f"input={src}", f"output={src}", "device=cpu"]) == 2  # the input
     assert [float(r["f0"]) for r in rows] == [r[0] for r in x]
     p = Predictor(trained["best"], device="cpu")
     xs, _, kept = read_inputs(p, src, ["f0"])
@@ -273,3 +275,35 @@ def test_messages_name_the_setting_the_file_line_and_the_key(trained: dict, tmp_
         f"error: checkpoint {ckpt}: its data config has the key data.shuffle_bufer, which this mlptrain "
         "does not know; pass data=<a labelled file> to score the model on it"
     ]
+
+
+def test_evaluate_target_of_a_regression_names_its_columns_in_the_models_order(tmp_path: Path) -> None:
+    from helpers import make_cfg
+
+    from mlptrain.config import DatasetName
+    from mlptrain.errors import ConfigError
+    from mlptrain.run import train
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((200, 3))
+    t = np.stack([x @ [1.0, 2.0, 0.0], x @ [0.0, -1.0, 3.0]], axis=1)
+    _csv(tmp_path / "r.csv", ["a", "b", "c", "t1", "t2"], np.hstack([x, t]).tolist())
+    path, target = str(tmp_path / "r.csv"), ["t1", "t2"]
+    cfg = make_cfg(
+        data__name=DatasetName.file,
+        data__path=path,
+        data__target=target,
+        data__cache=False,
+        model__loss="mse",
+        epochs=1,
+    )
+    train(cfg, tmp_path / "run")
+    renamed = _csv(tmp_path / "u.csv", ["a", "b", "c", "price", "rent"], np.hstack([x, t]).tolist())
+    args = EvaluateArgs(ckpt=str(tmp_path / "run"), data=str(renamed), target="price,rent", device="cpu")
+    report, _ = evaluate(args)
+    out = Predictor(tmp_path / "run", device="cpu").run(x).values.astype(np.float64)
+    assert list(report["mse"]) == ["t1", "t2"]
+    assert report["mse"]["t2"] == pytest.approx(np.mean((out[:, 1] - t[:, 1]) ** 2), rel=1e-12)
+    args.target = "price"
+    with pytest.raises(ConfigError, match=r"target=price: the model best.npz takes 2 target columns"):
+        evaluate(args)
