@@ -131,6 +131,9 @@ def target_map(p: Predictor, target: str | None, names: list[str], where: str, m
     if len(given) != count:
         what = "the label column" if p.classification else f"{count} target columns, in the order {p.target_columns}"
         raise ConfigError(f"target={target}: the model {p.path.name} takes {what}; expected {count} column name(s)")
+    features = [t for t in given if t in (p.feature_names or [])]
+    if features:
+        raise ConfigError(f"target={target}: {features[0]!r} is a feature of the model; name the column of the labels")
     lacking = [t for t in given if t not in names]
     if lacking and must_exist:
         columns_are = f"its columns are {', '.join(map(repr, names))}"

@@ -212,6 +212,9 @@ def test_evaluate_target_names_the_label_column_of_the_file(trained: dict, tmp_p
         f"error: data file {src} has no target column 'animal'; evaluation needs the true labels (set "
         "target=COLUMN; python -m mlptrain.predict scores a file without them)"
     ]
+    assert evaluate_main([f"ckpt={trained['best']}", f"data={src}", "target=f2", "device=cpu"]) == 2
+    said = capsys.readouterr().err.strip()
+    assert said == "error: target=f2: 'f2' is a feature of the model; name the column of the labels"
     assert evaluate_main([f"ckpt={trained['best']}", f"data={src}", "target=zebra", "device=cpu"]) == 2
     assert capsys.readouterr().err.strip() == (
         f"error: data file {src} has no column 'zebra' (target=zebra); its columns are 'f0', 'f1', 'f2', 'f3', 'f4', "
