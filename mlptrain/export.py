@@ -171,7 +171,7 @@ def onnx_model(p: Predictor) -> Any:
         import onnx
         from onnx import TensorProto, helper, numpy_helper
     except ImportError as exc:
-        raise ConfigError("format=onnx needs the onnx package: pip install 'mlptrain[onnx]'") from exc
+        raise ConfigError("format=onnx needs the onnx package: pip install -e '.[onnx]' in mlptrain's clone") from exc
     f32 = np.float32
     inits = [
         numpy_helper.from_array(p.shift.astype(f32), "shift"),
