@@ -126,6 +126,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     command = "python scripts/fault_campaign.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    commit = report.tree()  # at the start: the tree that ran
     root = Path(tempfile.mkdtemp(prefix="mlptrain-faults-"))
     scenarios = args.scenarios.split(",")
     if "stream" in scenarios:
@@ -140,13 +141,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.replay is not None or (len(trials) >= args.trials and hits >= args.interruptions):
             break
     summaries = [report.scenario_summary(s, [t for t in trials if t["scenario"] == s]) for s in scenarios]
-    lines = report.markdown(command, summaries, time.perf_counter() - t0, args.lost)
+    lines = report.markdown(command, commit, summaries, time.perf_counter() - t0, args.lost)
     print("\n".join(lines))
     if args.out:
         out_dir = Path(args.out)
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "campaign.md").write_text("\n".join(lines) + "\n")
-        doc = {"command": command, "tree": report.tree(), "summaries": summaries, "trials": trials}
+        doc = {"command": command, "tree": commit, "summaries": summaries, "trials": trials}
         (out_dir / "campaign.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
     failed = any(t["problems"] for t in trials)
     if not failed:

@@ -45,10 +45,10 @@ def scenario_summary(name: str, trials: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def markdown(command: str, summaries: list[dict[str, Any]], wall: float, lost_mode: str) -> list[str]:
+def markdown(command: str, commit: str, summaries: list[dict[str, Any]], wall: float, lost_mode: str) -> list[str]:
     total = sum(s["interruptions"] for s in summaries)
     lines = [
-        f"Command: `{command}` on tree {tree()}; {sum(s['trials'] for s in summaries)} trials, "
+        f"Command: `{command}` on tree {commit}; {sum(s['trials'] for s in summaries)} trials, "
         f"{sum(s['starts'] for s in summaries)} starts, {total} interruptions in {wall:.0f} s.",
         "",
         "| scenario | trials | starts | interruptions (SIGINT / SIGTERM / SIGKILL) | exit statuses | equal to "
