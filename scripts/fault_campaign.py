@@ -46,10 +46,8 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
-
-from fault_injection import partial, report, runs, trial  # noqa: E402
+# scripts/ is on sys.path when this file runs: its own modules are scripts/fault_injection/
+from fault_injection import partial, report, runs, trial
 
 OLD = "plain,early stopping,tensorboard,sweep"
 

@@ -202,6 +202,5 @@ def one_run(run: Path, ref: Path, span: float, rng: np.random.Generator, budget:
     return []
 
 
-if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if __name__ == "__main__":  # the worker: mlptrain is found through PYTHONPATH (start sets it)
     worker(Path(sys.argv[1]), "--keep-all" in sys.argv[2:])
