@@ -92,7 +92,7 @@ def one_trial(root: Path, args: argparse.Namespace, number: int, refs: dict[str,
         if tb and not all(tb):
             problems.append(f"{run}: TensorBoard would show other scalars than the uninterrupted run's")
     if args.lost == "check":
-        problems += [f"a SIGKILL lost {e['lost']} steps" for e in log if e.get("lost", 0) > report.PROMISE]
+        problems += [f"{report.LOST}{e['lost']} steps" for e in log if e.get("lost", 0) > report.PROMISE]
     if not problems and not args.keep:
         shutil.rmtree(run, ignore_errors=True)
     return {"trial": number, "scenario": scenario, "seed": args.seed, "log": log, "problems": problems}
@@ -110,6 +110,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--smoke", action="store_true", help="one trial per scenario, two interruptions each")
     ap.add_argument("--keep", action="store_true", help="keep every trial's folder (failed ones are always kept)")
     ap.add_argument("--out", default=None, help="folder for campaign.json and campaign.md")
+    ap.add_argument("--render", default=None, help="write campaign.md again from this campaign.json; run nothing")
     args = ap.parse_args(argv)
     unknown = set(args.scenarios.split(",")) - {*runs.SCENARIOS, "partial_fit"}
     if unknown:
@@ -121,8 +122,23 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def render(path: Path, out: str | None, lost_mode: str) -> int:
+    """``campaign.md`` again from a ``campaign.json`` (its trials' logs): the report of a campaign already run."""
+    doc = json.loads(path.read_text())
+    scenarios = list(dict.fromkeys(t["scenario"] for t in doc["trials"]))
+    summaries = [report.scenario_summary(s, [t for t in doc["trials"] if t["scenario"] == s]) for s in scenarios]
+    lines = report.markdown(doc["command"], doc["tree"], summaries, doc.get("wall_s"), lost_mode)
+    print("\n".join(lines))
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "campaign.md").write_text("\n".join(lines) + "\n")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    if args.render:
+        return render(Path(args.render), args.out, args.lost)
     command = "python scripts/fault_campaign.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     commit = report.tree()  # at the start: the tree that ran
     root = Path(tempfile.mkdtemp(prefix="mlptrain-faults-"))
@@ -145,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         out_dir = Path(args.out)
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "campaign.md").write_text("\n".join(lines) + "\n")
-        doc = {"command": command, "tree": commit, "summaries": summaries, "trials": trials}
+        doc = {"command": command, "tree": commit, "wall_s": time.perf_counter() - t0, "summaries": summaries}
+        doc["trials"] = trials
         (out_dir / "campaign.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
     failed = any(t["problems"] for t in trials)
     if not failed:

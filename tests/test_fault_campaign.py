@@ -66,6 +66,16 @@ def test_the_partial_fit_loop_keeps_every_reported_save_and_ends_as_uninterrupte
     checked = [e for e in doc["trials"][0]["log"] if "calls_saved" in e]
     assert all(e["reported"] <= e["calls_saved"] <= e["reported"] + 1 and e["lost"] == 0 for e in checked)
     assert doc["trials"][0]["log"][-1]["finished"]
+    # --render writes the same report again from campaign.json, running nothing
+    render = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "fault_campaign.py"), "--render", str(tmp_path / "campaign.json")]
+        + ["--out", str(tmp_path / "again")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert render.returncode == 0, render.stderr
+    assert (tmp_path / "again" / "campaign.md").read_text() == report
 
 
 def test_a_failed_trial_is_reported_with_its_replay(tmp_path: Path) -> None:

@@ -91,7 +91,8 @@ def reference(root: Path) -> tuple[Path, float]:
     calls took, from its ``loaded`` line to its end (the range of the ``calls`` moment)."""
     folder = root / "reference-partial_fit"
     folder.mkdir()
-    proc, lines = start(folder / "model.npz", keep_all=True), []
+    proc = start(folder / "model.npz", keep_all=True)
+    lines: list[str] = []
     pump = read_lines(proc, lines)
     while not lines and proc.poll() is None:
         time.sleep(0.002)
@@ -127,7 +128,7 @@ def reach(proc: subprocess.Popen[str], lines: list[str], moment: str, rng: np.ra
     time.sleep(float(rng.uniform(0.0, span)))
     if moment == "calls":
         return proc.poll() is None
-    save = Path(proc.args[2])  # type: ignore[index]
+    save = Path(str(proc.args[2]))  # type: ignore[index]
     while proc.poll() is None:
         if any(p.name.startswith(save.name) and p.name.endswith(".tmp") for p in save.parent.iterdir()):
             return True
@@ -138,7 +139,8 @@ def reach(proc: subprocess.Popen[str], lines: list[str], moment: str, rng: np.ra
 def attempt(save: Path, rng: np.random.Generator, span: float, hit_allowed: bool) -> dict[str, Any]:
     """One start of the worker, interrupted at a random moment (if ``hit_allowed``); its log entry."""
     sig, moment = str(rng.choice(list(SIGNALS))), str(rng.choice(MOMENTS))
-    proc, lines = start(save), []
+    proc = start(save)
+    lines: list[str] = []
     pump = read_lines(proc, lines)
     hit = hit_allowed and reach(proc, lines, moment, rng, span)
     if hit:
@@ -152,7 +154,7 @@ def attempt(save: Path, rng: np.random.Generator, span: float, hit_allowed: bool
         "signal": sig if hit else None,
         "moment": moment if hit else None,
     }
-    entry.update(exit=proc.returncode, reported=reported if reported is not None else (loaded or [None])[0])
+    entry.update(exit=proc.returncode, reported=reported if reported is not None else next(iter(loaded), None))
     entry["finished"] = proc.returncode == 0
     if proc.returncode != 0 and not hit:
         entry["problems"] = [f"the loop failed uninterrupted (exit {proc.returncode}): {err[-2000:]}"]

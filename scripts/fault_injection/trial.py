@@ -130,7 +130,7 @@ def one_run(trial: Trial, run: Path) -> tuple[list[str], list[bool]]:
         return found, [] if tb is None else [tb]
     if attempt(trial, run, None, False) == "failed":
         return [f"{run}: the sweep failed: {trial.log[-1]}"], []
-    found: list[str] = []
+    found = []
     for job in range(2):  # the jobs' folders: hydra.sweep.subdir=<job number>; job n has seed=n
         job_run = run / str(job)
         job_run.mkdir(parents=True, exist_ok=True)
