@@ -110,6 +110,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--smoke", action="store_true", help="one trial per scenario, two interruptions each")
     ap.add_argument("--keep", action="store_true", help="keep every trial's folder (failed ones are always kept)")
     ap.add_argument("--out", default=None, help="folder for campaign.json and campaign.md")
+    ap.add_argument("--work", default=None, help="where the runs' folder is made (default: the temp folder)")
     ap.add_argument("--render", default=None, help="write campaign.md again from this campaign.json; run nothing")
     args = ap.parse_args(argv)
     unknown = set(args.scenarios.split(",")) - {*runs.SCENARIOS, "partial_fit"}
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         return render(Path(args.render), args.out, args.lost)
     command = "python scripts/fault_campaign.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     commit = report.tree()  # at the start: the tree that ran
-    root = Path(tempfile.mkdtemp(prefix="mlptrain-faults-"))
+    root = Path(tempfile.mkdtemp(prefix="mlptrain-faults-", dir=args.work))
     scenarios = args.scenarios.split(",")
     if "stream" in scenarios:
         runs.write_stream_table(root)

@@ -21,7 +21,8 @@ HEADER = "| scenario | trials | starts | interruptions (SIGINT / SIGTERM / SIGKI
 
 def campaign(tmp_path: Path, *args: str) -> tuple[str, dict]:
     proc = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "fault_campaign.py"), *args, "--out", str(tmp_path)],
+        [sys.executable, str(REPO / "scripts" / "fault_campaign.py"), *args, "--out", str(tmp_path)]
+        + ["--work", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=600,
@@ -82,7 +83,7 @@ def test_a_failed_trial_is_reported_with_its_replay(tmp_path: Path) -> None:
     # checked (the default), the steps a SIGKILL loses beyond checkpoint_steps=1 fail the trial, named for replay
     proc = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "fault_campaign.py"), "--smoke", "--seed", "0"]
-        + ["--scenarios", "ckpt1", "--out", str(tmp_path)],
+        + ["--scenarios", "ckpt1", "--out", str(tmp_path), "--work", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=600,
@@ -95,3 +96,4 @@ def test_a_failed_trial_is_reported_with_its_replay(tmp_path: Path) -> None:
     assert proc.returncode == 1
     assert "- ckpt1, trial 0 (replay: `--replay 0`): " in proc.stdout
     assert f"a SIGKILL lost {max(lost)} steps" in proc.stdout and "Failures: 1." in proc.stdout
+    assert f"the failed trials' folders are kept under {tmp_path}" in proc.stdout  # the test's own folder
