@@ -14,12 +14,14 @@ commands (``predict``, ``evaluate``, ``export``) remove those of their output wh
 from __future__ import annotations
 
 import contextlib
+import errno
 import glob
 import hashlib
 import logging
 import os
 import re
 import secrets
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO
@@ -116,12 +118,43 @@ def fsync_dir(folder: Path) -> None:
 
 
 def sha256_file(path: Path) -> str:
-    """The SHA-256 of a file's bytes (hex), read in 4 MiB chunks."""
+    """The SHA-256 of a regular file's bytes (hex), read in 4 MiB chunks, at most the size it had when opened.
+
+    A FIFO, a device (``/dev/zero``) or a socket would be read forever, on whatever thread hashes it,
+    and would keep the process from exiting: it is refused before a byte is read (opened without
+    blocking, so a FIFO with no writer does not block the open either).
+
+    Raises:
+        OSError: the file cannot be read, or is not a regular file (``EINVAL``, naming its kind).
+    """
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    with open(fd, "rb", closefd=True) as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, f"{file_type(st.st_mode)}, not a regular file", str(path))
+        left = st.st_size
+        while left > 0:
+            chunk = f.read(min(left, 1 << 22))
+            if not chunk:
+                break
             h.update(chunk)
+            left -= len(chunk)
     return h.hexdigest()
+
+
+def file_type(mode: int) -> str:
+    """What a ``stat`` mode says a file is, for a message: ``a FIFO``, ``a directory``, ``a character device``..."""
+    kinds = [
+        (stat.S_ISREG, "a regular file"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISLNK, "a symbolic link"),
+    ]
+    return next((name for test, name in kinds if test(mode)), "not a regular file")
 
 
 def cache_root() -> Path:

@@ -225,7 +225,7 @@ def _bad(tmp_path: Path, kind: str) -> tuple[Path, dict[str, Any], list[str]]:
     if kind == "directory":
         p = tmp_path / "dir.csv"
         p.mkdir()
-        return p, over, ["is not a regular file"]
+        return p, over, ["is a directory, not a regular file"]
     raise AssertionError(kind)
 
 

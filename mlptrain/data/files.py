@@ -28,8 +28,9 @@ from mlptrain.data.csv_reader import header_names, read_csv_numpy
 from mlptrain.data.npz_reader import read_npz
 from mlptrain.data.table import Table
 from mlptrain.errors import DatasetError
+from mlptrain.files import file_type
 
-__all__ = ["FORMATS", "Table", "arrow_available", "columns", "file_kind", "read_table", "write_csv"]
+__all__ = ["FORMATS", "Table", "arrow_available", "check_file", "columns", "file_kind", "read_table", "write_csv"]
 
 # suffix -> (kind, delimiter)
 FORMATS = {
@@ -79,7 +80,7 @@ def read_table(
         target_setting: the setting that named ``target`` (``predict`` passes ``keep``).
     """
     path = Path(path).expanduser()
-    _check_file(path, setting)
+    check_file(path, setting)
     kind, delimiter = file_kind(path)
     targets = [target] if isinstance(target, str) else list(target)
     twice = sorted({t for t in targets if targets.count(t) > 1})
@@ -95,13 +96,18 @@ def read_table(
     return read_csv_numpy(path, delimiter or ",", targets, target_setting), None
 
 
-def _check_file(path: Path, setting: str = "data.path") -> None:
+def check_file(path: Path, setting: str = "data.path") -> None:
+    """Raise DatasetError unless ``path`` is a non-empty regular file (or a link to one): a FIFO or a device
+    (``/dev/zero``) would be read forever, so it is refused before anything opens it."""
     try:
         st = path.stat()
     except OSError:
         raise DatasetError(f"data file {path} does not exist; set {setting} to an existing file") from None
     if not stat.S_ISREG(st.st_mode):
-        raise DatasetError(f"data file {path} is not a regular file (a directory or a device)")
+        raise DatasetError(
+            f"{setting}={path} is {file_type(st.st_mode)}, not a regular file; set {setting} to a data file (CSV, "
+            "TSV, NPZ or Parquet)"
+        )
     if st.st_size == 0:
         raise DatasetError(f"data file {path} is empty; expected a header row and data rows")
 
@@ -109,7 +115,7 @@ def _check_file(path: Path, setting: str = "data.path") -> None:
 def columns(path: str | Path, *, setting: str = "data.path") -> list[str]:
     """The column names of a data file; an NPZ file's ``feature_names`` (or ``x0 ...``), then ``y`` with targets."""
     path = Path(path).expanduser()
-    _check_file(path, setting)
+    check_file(path, setting)
     kind, delimiter = file_kind(path)
     if kind == "csv":
         return header_names(path, delimiter or ",")

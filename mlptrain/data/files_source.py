@@ -23,6 +23,7 @@ import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 
@@ -30,7 +31,7 @@ from mlptrain.config import DataConfig
 from mlptrain.data import cache, labels
 from mlptrain.data.chunks import log_phase, max_abs, timed
 from mlptrain.data.dataset import Raw, first_nonfinite
-from mlptrain.data.files import Table, read_table
+from mlptrain.data.files import Table, check_file, read_table
 from mlptrain.data.npz_reader import in_place
 from mlptrain.errors import DatasetError
 
@@ -51,6 +52,8 @@ def load_file(cfg: DataConfig, rng: np.random.Generator) -> Raw:
     """
     target = cfg.target if isinstance(cfg.target, str) else list(cfg.target)
     files = [str(cfg.path), *([str(cfg.test_path)] if cfg.test_path else [])]
+    for f, setting in zip(files, ("data.path", "data.test_path"), strict=False):
+        check_file(Path(f).expanduser(), setting)  # before a thread hashes it: a FIFO would be read forever
     worker = ThreadPoolExecutor(1, thread_name_prefix="mlptrain-data-file")  # the hashes, then the cache writes
     try:
         hashes = [cache.SourceHash(f, worker) if cfg.cache and not _in_place(f) else None for f in files]
