@@ -7,7 +7,10 @@ with one line before anything is written, or found and rebuilt, never trained on
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -27,10 +30,10 @@ def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path / "cache"
 
 
-def write_csv(path: Path, n: int = DATA_ROWS, features: int = 3, seed: int = 0) -> Path:
+def write_csv(path: Path, n: int = DATA_ROWS, features: int = 3, seed: int = 0, names: tuple = ("cat", "dog")) -> Path:
     x = np.random.default_rng(seed).standard_normal((n, features))
     lines = [",".join([*(f"f{j}" for j in range(features)), "label"])]
-    lines += [",".join([*(repr(v) for v in row), "cat" if i % 3 else "dog"]) for i, row in enumerate(x.tolist())]
+    lines += [",".join([*(repr(v) for v in row), names[i % 3 == 0]]) for i, row in enumerate(x.tolist())]
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -66,3 +69,134 @@ def test_the_cache_never_hashes_a_fifo_or_a_device(tmp_path: Path) -> None:
     assert cache.source_of("/dev/zero") is None
     with pytest.raises(OSError, match="a character device, not a regular file"):
         cache.sha256_file(Path("/dev/zero"))
+
+
+# --- 4. no partial cache entry is left behind --------------------------------------------------------
+
+
+def temps(cache_dir: Path) -> list[str]:
+    return sorted(p.name for p in (cache_dir / "tables").glob("*.tmp"))
+
+
+def test_a_cache_write_over_ulimit_f_leaves_no_temporary_entry(tmp_path: Path, cache_dir: Path) -> None:
+    path = write_csv(tmp_path / "d.csv", n=3000, features=20)  # x: 480 kB, over the 64 kB limit
+    code = (
+        "import resource, sys\n"
+        "from mlptrain.data import cache\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (65536, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))\n"
+        f"table, _ = cache.read_cached({str(path)!r}, 'label')\n"
+        "print(table.x.shape)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MLPTRAIN_DATA": str(cache_dir)}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout == "(3000, 20)\n", proc.stdout + proc.stderr
+    assert "could not cache the parsed data file" in proc.stderr, proc.stderr  # EFBIG: Python ignores SIGXFSZ
+    assert temps(cache_dir) == [] and list((cache_dir / "tables").iterdir()) == []
+
+
+def test_a_failed_rename_leaves_no_temporary_entry(
+    tmp_path: Path, cache_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="mlptrain.data")
+    path = write_csv(tmp_path / "d.csv")
+    real_rename, real_replace = os.rename, os.replace
+
+    def refuse(move):  # a rename of a temporary entry into place fails (EXDEV, EACCES, ENOSPC...)
+        def rename(src, dst, *a, **k):
+            if str(src).endswith(".tmp") and Path(src).parent == cache_dir / "tables":
+                raise OSError(13, "Permission denied (test)")
+            return move(src, dst, *a, **k)
+
+        return rename
+
+    monkeypatch.setattr(os, "rename", refuse(real_rename))
+    monkeypatch.setattr(os, "replace", refuse(real_replace))
+    table, _ = cache.read_cached(path, "label")
+    assert table.x.shape == (DATA_ROWS, 3)
+    assert "Permission denied (test)" in caplog.text
+    assert temps(cache_dir) == [] and list((cache_dir / "tables").iterdir()) == []
+
+
+def test_the_temporary_entries_of_dead_writers_are_swept_and_a_live_writers_kept(
+    tmp_path: Path, cache_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="mlptrain.data")
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(dead.stdout)
+    tables = cache_dir / "tables"
+    key = "0123456789abcdef01234567"
+    left = {
+        f"{key}.{dead_pid}.tmp": ["train_x.npy"],  # SIGKILL mid-write (the names of mlptrain before #47 too)
+        f"{key}.{dead_pid}.deadbeef.tmp": ["train_x.npy", "meta.json"],
+        f"{key}.{dead_pid}.feedf00d.old.tmp": ["train_y.npy"],  # killed between the two renames
+        f"{key}.{os.getpid()}.cafebabe.tmp": ["train_x.npy"],  # a writer alive now
+        f"{key}.{dead_pid}.0badf00d.tmp": ["train_x.npy", "notes.txt"],  # holds something the cache never writes
+    }
+    for name, files in left.items():
+        (tables / name).mkdir(parents=True)
+        for f in files:
+            (tables / name / f).write_bytes(b"partial")
+    old = tables / f"{key}.{os.getpid()}.0000beef.tmp"  # alive (a reused pid?) but older than the bound
+    old.mkdir()
+    os.utime(old, (0, 0))
+    cache.read_cached(write_csv(tmp_path / "d.csv"), "label")
+    assert temps(cache_dir) == sorted([f"{key}.{dead_pid}.0badf00d.tmp", f"{key}.{os.getpid()}.cafebabe.tmp"])
+    assert sorted(p.name for p in (tables / f"{key}.{dead_pid}.0badf00d.tmp").iterdir()) == ["notes.txt"]
+    assert caplog.text.count("left half-written by a writer that died") == 4, caplog.text
+
+
+# --- 5. the metadata is under a checksum, and belongs to the file ------------------------------------
+
+
+def test_swapped_feature_names_in_meta_json_are_found_and_the_entry_rebuilt(
+    tmp_path: Path, cache_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="mlptrain.data")
+    path = write_csv(tmp_path / "d.csv")
+    first, _ = cache.read_cached(path, "label")
+    (folder,) = [p for p in (cache_dir / "tables").iterdir()]
+    meta = json.loads((folder / "meta.json").read_text())
+    meta["parts"]["train"]["features"] = ["f2", "f1", "f0"]
+    (folder / "meta.json").write_text(json.dumps(meta))
+    table, _ = cache.read_cached(path, "label")
+    assert table.feature_names == ["f0", "f1", "f2"]
+    np.testing.assert_array_equal(table.x, first.x)
+    assert "meta.json fails its checksum" in caplog.text and "rebuilt" in caplog.text, caplog.text
+    assert json.loads((folder / "meta.json").read_text())["parts"]["train"]["features"] == ["f0", "f1", "f2"]
+
+
+def test_the_entry_of_another_target_in_its_place_is_not_trained_on(
+    tmp_path: Path, cache_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="mlptrain.data")
+    path = write_csv(tmp_path / "d.csv", names=("1", "2"))  # numbers: the label column can be a feature too
+    cache.read_cached(path, "label")
+    (label_entry,) = [p for p in (cache_dir / "tables").iterdir()]
+    f2, _ = cache.read_cached(path, "f2")  # the same file, another target: another entry
+    (f2_entry,) = [p for p in (cache_dir / "tables").iterdir() if p != label_entry]
+    for f in label_entry.iterdir():  # the label entry, whole and consistent, where f2's was
+        shutil.copy(f, f2_entry / f.name)
+    table, _ = cache.read_cached(path, "f2")
+    assert table.target_names == ["f2"] and table.feature_names == ["f0", "f1", "label"]
+    np.testing.assert_array_equal(table.y, f2.y)
+    assert "meta.json fails its checksum" in caplog.text, caplog.text
+
+
+# --- 3. a rebuild removes only what the cache wrote ----------------------------------------------------
+
+
+def test_a_rebuild_never_deletes_a_folder_put_in_the_entry(
+    tmp_path: Path, cache_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="mlptrain.data")
+    path = write_csv(tmp_path / "d.csv")
+    cache.read_cached(path, "label")
+    (folder,) = [p for p in (cache_dir / "tables").iterdir()]
+    (folder / "run").mkdir()
+    (folder / "run" / "metrics.jsonl").write_text('{"kind": "step"}\n')
+    write_csv(path, seed=1)  # changed: the entry is stale and would be rebuilt
+    table, _ = cache.read_cached(path, "label")
+    np.testing.assert_array_equal(table.x, np.random.default_rng(1).standard_normal((DATA_ROWS, 3)))
+    assert (folder / "run" / "metrics.jsonl").read_text() == '{"kind": "step"}\n'
+    assert "holds run, which the cache did not write; the entry is left as it is" in caplog.text, caplog.text
+    assert temps(cache_dir) == []

@@ -16,6 +16,7 @@ module           what it owns
 ``labels``       target cells as every reader normalises them: stripped, missing, numbers typed
 ``files_source`` a file's table as the data of a run: labels or regression targets, checked
 ``cache``        a parsed file as NumPy arrays, keyed by its content, checked on every read
+``cache_entry``  an entry's folder: renamed into place, removed file by file, stale temporaries swept
 ``chunks``       passes over a table in row chunks on every core: finiteness, gather and normalise,
                  the phases' timing in the log
 ``stats``        per-column mean, variance, min and max in one chunked pass (Chan et al.'s merge)

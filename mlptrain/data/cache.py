@@ -14,7 +14,17 @@ entry is keyed by the file's path and the target columns, and trusts nothing it 
   unchanged. Hashing costs a fraction of a parse (docs/benchmarks.md, "The data cache's checks");
 * every array by its shape, dtype and a checksum (:func:`checksum`, a vectorised position-weighted
   sum, linear in the size), on every read: an array overwritten, truncated or of another shape
-  is found.
+  is found;
+* the metadata by its own checksum (:func:`seal`: the SHA-256 of ``meta.json``'s record with the
+  file's path and target columns), on every read: feature names swapped, another entry's
+  ``meta.json`` (another file's, or another target's) or an edited identity is found.
+
+An entry is written whole into a temporary folder of its writer's (``<key>.<pid>.<hex>.tmp``) and
+renamed into place; every failure (a full disk, ``ulimit -f``'s ``EFBIG``, a failed rename) removes
+the temporary folder, and those of writers that died (SIGKILL) are removed by the next look-up
+(:func:`mlptrain.data.cache_entry.sweep`: only where the writer's process is gone, or after a day).
+Removing an entry removes only the files an entry is made of: a folder that holds anything else (a
+run directory put there) is never rebuilt or removed; its file is parsed each time instead.
 
 A stale or damaged entry is logged and rebuilt from the file; which way a look-up went (identity
 trusted, hashed and equal, hashed and changed) is logged too. The cache lives in
@@ -28,7 +38,7 @@ import hashlib
 import json
 import logging
 import os
-import shutil
+import secrets
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
@@ -37,13 +47,13 @@ from typing import Any
 
 import numpy as np
 
-from mlptrain.data import chunks
+from mlptrain.data import cache_entry, chunks
 from mlptrain.data.files import Table, read_table
-from mlptrain.files import atomic_write, cache_root, fsync_dir, sha256_file
+from mlptrain.files import atomic_write, cache_root, sha256_file
 
 log = logging.getLogger(__name__)
 
-VERSION = 3  # entries of another layout (3: NPZ features kept in their float dtype, not float64) are rebuilt
+VERSION = 4  # entries of another layout (4: meta.json under its own checksum, the seal) are rebuilt
 _BLOCK = 1 << 17  # words per block of the checksum: the weights and a product stay in the CPU's cache
 _WEIGHTS = np.random.default_rng(0x5EED).integers(1, 2**63, size=_BLOCK, dtype=np.uint64) | np.uint64(1)
 
@@ -72,6 +82,17 @@ def checksum(a: np.ndarray) -> str:
             s1 = s1 * np.uint64(0x9E3779B97F4A7C15) + b1  # the block's place
             s2 = s2 * np.uint64(0xC2B2AE3D27D4EB4F) + b2
     return f"{int(s1):016x}{int(s2):016x}"
+
+
+def seal(meta: dict[str, Any], path: Path, target: str | list[str]) -> str:
+    """The checksum of an entry's metadata (all of ``meta`` but its ``seal``), bound to the file and target columns
+    it was cached for: another entry's ``meta.json`` in its place fails it."""
+    body = {k: v for k, v in meta.items() if k != "seal"}
+    return hashlib.sha256(json.dumps([str(path), target, body], sort_keys=True).encode()).hexdigest()
+
+
+def _sealed(meta: dict[str, Any], path: Path, target: str | list[str]) -> dict[str, Any]:
+    return {**meta, "seal": seal(meta, path, target)}
 
 
 def _entry(path: Path, target: str | list[str]) -> Path:
@@ -169,6 +190,7 @@ def load(
     """
     path = Path(path).expanduser().resolve()
     folder = _entry(path, target)
+    cache_entry.sweep(folder.parent)
     try:
         meta = json.loads((folder / "meta.json").read_text())
     except FileNotFoundError:
@@ -178,6 +200,14 @@ def load(
         return None
     if not isinstance(meta, dict) or meta.get("version") != VERSION:
         log.info("data file %s: its cache entry %s is of an older mlptrain; parsing the file", path, folder)
+        return None
+    if meta.get("seal") != seal(meta, path, target):
+        log.warning(
+            "data file %s: its cache entry %s is damaged (meta.json fails its checksum: edited, or another entry's); "
+            "parsing the file",
+            path,
+            folder,
+        )
         return None
     now = identity_of(path)
     if now is None:
@@ -205,7 +235,7 @@ def load(
         log.warning("data file %s: its cache entry %s is damaged (%s); parsing the file", path, folder, exc)
         return None
     if why is not None:
-        _refresh(folder, {**meta, "source": source}, path)
+        _refresh(folder, _sealed({**meta, "source": source}, path, target), path)
     log.info("data file %s: read from its cache %s (content and arrays verified)", path, folder)
     return tables
 
@@ -232,9 +262,20 @@ def store(
     if source is None:
         return
     try:
+        cache_entry.sweep(folder.parent)
+        foreign = cache_entry.foreign(folder)
+        if foreign:
+            log.warning(
+                "data file %s: its cache entry %s holds %s, which the cache did not write; the entry is left as it is "
+                "(and the file parsed each time): move them out of the cache",
+                path,
+                folder,
+                ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else ""),
+            )
+            return
         rebuilt = folder.exists()
         with chunks.timed("cache write", sum(np.asarray(t.x).nbytes for t in tables if t is not None)):
-            _store(folder, tables, source)
+            _store(folder, tables, {"version": VERSION, "source": source}, target)
         log.info("data file %s: cache entry %s %s", path, folder, "rebuilt" if rebuilt else "written")
     except OSError as exc:
         log.warning("could not cache the parsed data file %s in %s (%s)", path, folder, exc)
@@ -256,10 +297,20 @@ def _arrays(table: Table) -> dict[str, np.ndarray]:
     return out if table.missing is None else {**out, "missing": table.missing}
 
 
-def _store(folder: Path, tables: tuple[Table, Table | None], source: dict[str, Any]) -> None:
-    tmp = folder.with_name(f"{folder.name}.{os.getpid()}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+def _store(folder: Path, tables: tuple[Table, Table | None], head: dict[str, Any], target: str | list[str]) -> None:
+    """Write the entry into a temporary folder of this writer's, then rename it into place; on any failure
+    (a full disk, ``EFBIG`` under ``ulimit -f``, a failed rename) the temporary folder is removed."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = folder.with_name(f"{folder.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    tmp.mkdir()
+    try:
+        _write_entry(tmp, tables, head, target)
+        cache_entry.replace(folder, tmp)
+    finally:
+        cache_entry.remove(tmp)  # gone already when it was renamed into place
+
+
+def _write_entry(tmp: Path, tables: tuple[Table, Table | None], head: dict[str, Any], target: str | list[str]) -> None:
     parts = {}
     for split, table in zip(("train", "test"), tables, strict=True):
         if table is None:
@@ -270,11 +321,8 @@ def _store(folder: Path, tables: tuple[Table, Table | None], source: dict[str, A
             arrays[name] = {"shape": list(a.shape), "dtype": a.dtype.str, "checksum": checksum(a)}
         names = {"features": table.feature_names, "targets": table.target_names}
         parts[split] = {**names, "text": table.text, "named": table.named, "arrays": arrays}
-    meta = {"version": VERSION, "source": source, "parts": parts}
-    (tmp / "meta.json").write_text(json.dumps(meta))
-    shutil.rmtree(folder, ignore_errors=True)
-    os.replace(tmp, folder)  # a whole entry or none
-    fsync_dir(folder.parent)
+    path = Path(head["source"]["path"])
+    (tmp / "meta.json").write_text(json.dumps(_sealed({**head, "parts": parts}, path, target)))
 
 
 def _load(folder: Path, meta: dict, path: Path) -> tuple[Table, Table | None]:
