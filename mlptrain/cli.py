@@ -41,14 +41,14 @@ from omegaconf.errors import OmegaConfBaseException
 from mlptrain.checks import validate
 from mlptrain.config import TrainConfig, register_configs
 from mlptrain.errors import ConfigError, Interrupted, MlptrainError, OutputError
-from mlptrain.files import atomic_write
+from mlptrain.files import atomic_write, log_file_handler
 from mlptrain.hydra_errors import hydra_errors_raised, one_line
 from mlptrain.sweep import register_resolvers
 from mlptrain.timeline import PROCESS, Timeline
 
 log = logging.getLogger(__name__)
 
-LOG_FILE = "mlptrain.log"
+LOG_FILE = "mlptrain.log"  # mlptrain.rundir.LOG_FILE (not imported: cli starts light)
 LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"
 
 
@@ -174,7 +174,7 @@ def _accepted(cfg: DictConfig, out_dir: Path) -> logging.Handler:
         hydra_dir.mkdir(exist_ok=True)
         for name, text in _hydra_files(cfg).items():
             atomic_write(out_dir / name, text)
-        handler = logging.FileHandler(out_dir / LOG_FILE, encoding="utf-8")
+        handler = log_file_handler(out_dir / LOG_FILE)
     except OSError as exc:
         if made:
             shutil.rmtree(hydra_dir, ignore_errors=True)

@@ -24,7 +24,7 @@ import secrets
 import stat
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 log = logging.getLogger(__name__)
 
@@ -92,9 +92,27 @@ def atomic_write(path: Path, content: bytes | str | Callable[[IO[bytes]], None])
             tmp.unlink(missing_ok=True)
 
 
+def open_nofollow(path: Path, mode: str = "a", **kwargs: Any) -> IO[Any]:
+    """``open(path, mode)`` for appending (``a``) or rewriting in place (``w``), never through a symbolic link.
+
+    A link planted where a run appends (``mlptrain.log``, ``metrics.jsonl``) would have the run write
+    into the file it points to, outside the run directory: ``O_NOFOLLOW`` makes that open fail
+    (``ELOOP``) instead.
+    """
+    flags = os.O_WRONLY | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | (os.O_APPEND if "a" in mode else os.O_TRUNC)
+    return open(path, mode, opener=lambda p, _: os.open(p, flags, 0o666), **kwargs)
+
+
+def log_file_handler(path: Path) -> logging.FileHandler:
+    """A logging handler appending to ``path`` (UTF-8), opened now with :func:`open_nofollow`."""
+    handler = logging.FileHandler(path, encoding="utf-8", delay=True)
+    handler.stream = open_nofollow(path, "a", encoding="utf-8")  # type: ignore[assignment]
+    return handler
+
+
 def write_temp(tmp: Path, content: bytes | str | Callable[[IO[bytes]], None]) -> None:
     """Write ``content`` to the new file ``tmp``, flushed and fsynced (the first half of :func:`atomic_write`)."""
-    with open(tmp, "wb") as f:
+    with open(tmp, "xb") as f:  # a new file: never one planted under the name (nor a link)
         if callable(content):
             content(f)
         else:

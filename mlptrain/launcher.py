@@ -261,12 +261,12 @@ def _picklable(exc: BaseException) -> bool:
 
 def _writer(files: dict[str, str] | None) -> Any:
     def accept(out: Path) -> None:
-        from mlptrain.files import atomic_write
+        from mlptrain.files import atomic_write, log_file_handler
 
         for name, text in (files or {}).items():
             (out / name).parent.mkdir(parents=True, exist_ok=True)
             atomic_write(out / name, text)
-        handler = logging.FileHandler(out / "mlptrain.log", encoding="utf-8")
+        handler = log_file_handler(out / "mlptrain.log")
         handler.setFormatter(logging.getLogger().handlers[0].formatter)
         logging.getLogger().addHandler(handler)
 

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from mlptrain.errors import OutputError
-from mlptrain.files import atomic_write
+from mlptrain.files import atomic_write, open_nofollow
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class MetricsWriter:
         self.records = records
         self.sinks = list(sinks or [])  # metrics.csv, TensorBoard (mlptrain.sinks): they get every record too
         try:
-            self._f = open(self.path, "a", encoding="utf-8")
+            self._f = open_nofollow(self.path, "a", encoding="utf-8")
         except OSError as exc:
             raise OutputError(f"cannot open {self.path} for writing ({exc}); choose a writable hydra.run.dir") from exc
 
@@ -184,7 +184,7 @@ class MetricsPrefix:
         corrupt = path.with_name(path.name + CORRUPT_SUFFIX)
         try:
             if self.damaged:
-                with open(corrupt, "ab") as f:
+                with open_nofollow(corrupt, "ab") as f:
                     f.writelines(raw.rstrip(b"\n") + b"\n" for _, raw in self.damaged)
                     f.flush()
                 log.warning(

@@ -27,7 +27,7 @@ from typing import Any
 from mlptrain import __version__, build, checkpoint, faults
 from mlptrain.backend import get_backend
 from mlptrain.checks import validate
-from mlptrain.config import TrainConfig, to_plain
+from mlptrain.config import DatasetName, TrainConfig, to_plain
 from mlptrain.data import Dataset
 from mlptrain.distributed.comm import Communicator
 from mlptrain.errors import MlptrainError
@@ -111,11 +111,19 @@ def _train(
     created = run_dir.create()
     try:
         with run_dir.lock():
+            run_dir.refuse_unsafe(_inputs(cfg) if dataset is None else [])  # before the data is read
             return _train_locked(cfg, run_dir, dataset, on_accept, comm)
     except MlptrainError:
         if created:
             run_dir.remove_if_empty()  # refused before it wrote anything: leave no trace
         raise
+
+
+def _inputs(cfg: TrainConfig) -> list[Path]:
+    """The run's data files (``data=file``): a run directory never holds them."""
+    if cfg.data.name != DatasetName.file:
+        return []
+    return [Path(p) for p in (cfg.data.path, cfg.data.test_path) if p]
 
 
 def _train_follower(cfg: TrainConfig, out_dir: Path, dataset: Dataset | None, comm: Communicator) -> dict[str, Any]:

@@ -10,6 +10,15 @@ A run directory holds ``run.json``, ``metrics.jsonl``, ``checkpoints/last.npz`` 
 * **Nothing changes before a run is accepted.** Everything that inspects the directory
   (:meth:`holds_run`, :meth:`newer_last`, :meth:`temp_files`) only reads; the files are written
   by the run after every check passed (:func:`mlptrain.run.train`).
+* **Nothing is written outside the folder or over a file that is not the run's** (:meth:`refuse_unsafe`,
+  before anything is read or written): a folder inside mlptrain's cache (a rebuilt entry would take
+  it), one that holds the run's own data file, a non-empty folder that holds no mlptrain run (a data
+  folder: its ``metrics.csv`` would be overwritten), a ``metrics.csv`` or ``run.json`` that mlptrain did
+  not write, and a symbolic link in place of any file or folder the run writes (``mlptrain.log``,
+  ``metrics.csv``, ``checkpoints``...: the run would write through it, outside the folder) are each
+  refused with one line; the appends open their files with ``O_NOFOLLOW`` (:func:`mlptrain.files.open_append`)
+  all the same, and every rewrite renames a new file over the old name, which replaces a link, never
+  follows it.
 * **A stray temp file** left by a writer that was killed mid-write is removed, and reported, at
   the next start (:meth:`remove_temp_files`).
 * **Messages name the settings of whoever started the run** (:class:`FrontEnd`): ``hydra.run.dir``
@@ -35,12 +44,20 @@ from typing import Any
 from mlptrain import checkpoint, shell
 from mlptrain.checkpoint import CHECKPOINT_DIR, Position
 from mlptrain.errors import CheckpointError, OutputError
-from mlptrain.files import TEMP_GLOB, atomic_write
+from mlptrain.files import TEMP_GLOB, atomic_write, cache_root
 
 log = logging.getLogger(__name__)
 
 METRICS = "metrics.jsonl"
 RUN_RECORD = "run.json"
+CSV_NAME = "metrics.csv"  # mlptrain.sinks
+TENSORBOARD_DIR = "tensorboard"  # mlptrain.sinks
+LOG_FILE = "mlptrain.log"  # written by the CLI (mlptrain.cli) and the launcher's ranks
+HYDRA_DIR = ".hydra"
+CORRUPT = METRICS + ".corrupt"  # mlptrain.metrics: damaged lines set aside on resume
+# every name the run writes in its folder (and in checkpoints/): none may be a symbolic link
+WRITTEN = (METRICS, RUN_RECORD, CSV_NAME, TENSORBOARD_DIR, LOG_FILE, HYDRA_DIR, CORRUPT, CHECKPOINT_DIR)
+CHECKPOINTS_WRITTEN = ("last.npz", "best.npz")
 FOLLOWER_PREFIX = "mlptrain-rank"  # <temp dir>/mlptrain-rank<rank>-pid<pid>-<random>/
 
 
@@ -178,6 +195,60 @@ class RunDirectory:
                 f"{self.front.resume_command(None, str(path))}"
             )
 
+    def refuse_unsafe(self, inputs: list[Path] | tuple[Path, ...] = ()) -> None:
+        """Raise OutputError if the run would write outside the folder or over a file that is not its own.
+
+        ``inputs``: the run's data files. Reads only; called before anything is written (and before the
+        data is read). What is refused is listed in the module's docstring.
+        """
+        here = self.path.resolve()
+        fix = f"choose another {self.front.dir_arg} (nothing was changed)"
+        cache = cache_root().expanduser().resolve()
+        if here == cache or cache in here.parents:
+            raise OutputError(
+                f"output directory {self.path} is inside mlptrain's cache {cache} ($MLPTRAIN_DATA, $XDG_CACHE_HOME), "
+                f"whose entries are rebuilt and removed; {fix}"
+            )
+        for data in inputs:
+            resolved = Path(data).expanduser().resolve()
+            if here in resolved.parents:
+                raise OutputError(
+                    f"output directory {self.path} holds the run's data file {data}; a run writes into a folder of its "
+                    f"own, never beside (or over) its input: {fix}"
+                )
+        for rel in self._links():
+            raise OutputError(
+                f"output directory {self.path}: {rel} is a symbolic link (to {os.readlink(self.path / rel)}); a run "
+                f"writes only its own files there, never through a link: remove the link, or {fix}"
+            )
+        names = sorted(p.name for p in self.path.iterdir()) if self.path.is_dir() else []
+        if names and not self.is_run():
+            shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+            raise OutputError(
+                f"output directory {self.path} is not empty ({shown}) and holds no mlptrain run; a run writes into an "
+                f"empty directory or its own run's, never over other files: {fix}"
+            )
+        for name, own in ((CSV_NAME, _own_csv), (RUN_RECORD, _own_record)):
+            if (self.path / name).exists() and not own(self.path / name):
+                raise OutputError(
+                    f"output directory {self.path} holds {name}, which is not mlptrain's; the run would overwrite "
+                    f"it: move it away, or {fix}"
+                )
+
+    def _links(self) -> list[str]:
+        """The names the run writes (:data:`WRITTEN`, :data:`CHECKPOINTS_WRITTEN`) that are symbolic links."""
+        found = [name for name in WRITTEN if (self.path / name).is_symlink()]
+        if CHECKPOINT_DIR not in found:
+            found += [f"{CHECKPOINT_DIR}/{n}" for n in CHECKPOINTS_WRITTEN if (self.checkpoints / n).is_symlink()]
+        return found
+
+    def is_run(self) -> bool:
+        """Whether the folder holds an mlptrain run (or the start of one): its metrics, checkpoints, run record
+        or the CLI's ``.hydra/``."""
+        return any((self.path / n).exists() for n in (METRICS, CHECKPOINT_DIR, HYDRA_DIR)) or _own_record(
+            self.path / RUN_RECORD
+        )
+
     def temp_files(self) -> list[Path]:
         """Temporary files of writers that died mid-write (``*.tmp``), in the run and its checkpoints."""
         return sorted([*self.path.glob(TEMP_GLOB), *self.checkpoints.glob(TEMP_GLOB)])
@@ -211,6 +282,25 @@ class RunDirectory:
             raise OutputError(
                 f"cannot write {path} ({type(exc).__name__}: {exc}); choose a writable {self.front.dir_arg}"
             ) from exc
+
+
+def _own_csv(path: Path) -> bool:
+    """Whether ``path`` is a ``metrics.csv`` of mlptrain's (its header: ``kind,epoch,step,train/loss``), or empty."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            head = f.readline()
+    except OSError:
+        return False
+    return head == "" or head.startswith("kind,epoch,step,train/loss")
+
+
+def _own_record(path: Path) -> bool:
+    """Whether ``path`` is a ``run.json`` of mlptrain's (a JSON object naming the mlptrain version)."""
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(record, dict) and "mlptrain" in record
 
 
 def _lock_holder(path: Path) -> int | None:

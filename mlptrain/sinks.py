@@ -19,13 +19,13 @@ from pathlib import Path
 from typing import Any
 
 from mlptrain.errors import ConfigError, OutputError
+from mlptrain.files import open_nofollow
 from mlptrain.metrics import read_metrics
-from mlptrain.rundir import METRICS
+from mlptrain.rundir import CSV_NAME, METRICS, TENSORBOARD_DIR
 
 log = logging.getLogger(__name__)
 
-CSV_NAME = "metrics.csv"
-TENSORBOARD_DIR = "tensorboard"
+__all__ = ["CSV_NAME", "TENSORBOARD_DIR", "CsvSink", "TensorBoardSink", "csv_columns"]
 
 
 def csv_columns(classification: bool, splits: list[str], loss_scale: bool) -> list[str]:
@@ -46,7 +46,7 @@ class CsvSink:
         self._f: Any = None
         try:
             rows = read_metrics(jsonl) if Path(jsonl).is_file() else []
-            self._f = open(self.path, "w", encoding="utf-8", newline="")  # rebuilt: it follows metrics.jsonl
+            self._f = open_nofollow(self.path, "w", encoding="utf-8", newline="")  # rebuilt: it follows metrics.jsonl
             self._w = csv.DictWriter(self._f, fieldnames=columns, extrasaction="ignore")
             self._w.writeheader()
             for row in rows:

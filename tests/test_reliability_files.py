@@ -7,6 +7,7 @@ with one line before anything is written, or found and rebuilt, never trained on
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -18,8 +19,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from mlptrain import files
+from mlptrain.config import DatasetName
 from mlptrain.data import cache
-from tests.test_reliability import REPO
+from mlptrain.errors import OutputError
+from mlptrain.metrics import MetricsWriter
+from mlptrain.run import train
+from tests.helpers import make_cfg
+from tests.test_reliability import REPO, snapshot
 
 DATA_ROWS = 60
 
@@ -41,7 +48,7 @@ def write_csv(path: Path, n: int = DATA_ROWS, features: int = 3, seed: int = 0, 
 def run_cli(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", "HYDRA_MAIN_MODULE")}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
-    cmd = [sys.executable, "-m", "mlptrain", "device=cpu", "progress=false", "model.hidden=[8]", *args]
+    cmd = [sys.executable, "-m", "mlptrain", "device=cpu", "progress=false", *args]
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -132,9 +139,9 @@ def test_the_temporary_entries_of_dead_writers_are_swept_and_a_live_writers_kept
         f"{key}.{os.getpid()}.cafebabe.tmp": ["train_x.npy"],  # a writer alive now
         f"{key}.{dead_pid}.0badf00d.tmp": ["train_x.npy", "notes.txt"],  # holds something the cache never writes
     }
-    for name, files in left.items():
+    for name, names in left.items():
         (tables / name).mkdir(parents=True)
-        for f in files:
+        for f in names:
             (tables / name / f).write_bytes(b"partial")
     old = tables / f"{key}.{os.getpid()}.0000beef.tmp"  # alive (a reused pid?) but older than the bound
     old.mkdir()
@@ -200,3 +207,134 @@ def test_a_rebuild_never_deletes_a_folder_put_in_the_entry(
     assert (folder / "run" / "metrics.jsonl").read_text() == '{"kind": "step"}\n'
     assert "holds run, which the cache did not write; the entry is left as it is" in caplog.text, caplog.text
     assert temps(cache_dir) == []
+
+
+# --- 1. never through a link planted in the run folder -----------------------------------------------
+
+
+@pytest.fixture
+def finished(tmp_path: Path) -> Path:
+    """A run of 1 epoch (digits), to resume with epochs=2."""
+    run = tmp_path / "run"
+    train(make_cfg(epochs=1), run)
+    return run
+
+
+LINKED = ["metrics.csv", "metrics.jsonl", "run.json", "mlptrain.log", "checkpoints", "checkpoints/last.npz",
+          "tensorboard", ".hydra"]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", LINKED)
+def test_a_link_planted_in_the_run_folder_is_refused_before_anything_is_written(
+    tmp_path: Path, finished: Path, name: str
+) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    planted = finished / name
+    if name in ("checkpoints", "tensorboard", ".hydra"):
+        target = outside / "folder"
+        shutil.copytree(planted, target) if planted.exists() else target.mkdir()
+    else:
+        target = outside / "precious"
+        target.write_bytes(planted.read_bytes() if planted.exists() else b"precious\n")
+    shutil.rmtree(planted) if planted.is_dir() else planted.unlink(missing_ok=True)
+    planted.symlink_to(target)
+    before, outside_before = snapshot(finished), snapshot(outside)
+    with pytest.raises(OutputError) as err:
+        train(make_cfg(epochs=2, resume="last"), finished)
+    assert str(err.value) == (
+        f"output directory {finished}: {name} is a symbolic link (to {target}); a run writes only its own files "
+        "there, never through a link: remove the link, or choose another out_dir (nothing was changed)"
+    )
+    assert snapshot(finished) == before and snapshot(outside) == outside_before
+
+
+def test_the_cli_resume_never_appends_to_a_linked_mlptrain_log(tmp_path: Path, finished: Path) -> None:
+    outside = tmp_path / "precious.txt"
+    outside.write_text("precious\n")
+    (finished / "mlptrain.log").symlink_to(outside)
+    proc = run_cli("resume=last", "epochs=2", f"hydra.run.dir={finished}", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.splitlines()[-1] == (
+        f"error: output directory {finished}: mlptrain.log is a symbolic link (to {outside}); a run writes only its "
+        "own files there, never through a link: remove the link, or choose another hydra.run.dir (nothing was "
+        "changed)"
+    )
+    assert "Traceback" not in proc.stderr and proc.stderr.count("error:") == 1, proc.stderr
+    assert outside.read_text() == "precious\n" and not (finished / ".hydra").exists()
+
+
+def test_the_appends_never_follow_a_link_whatever_was_checked_before(tmp_path: Path) -> None:
+    outside = tmp_path / "precious.txt"
+    outside.write_text("precious\n")
+    (tmp_path / "metrics.jsonl").symlink_to(outside)
+    with pytest.raises(OutputError, match="Too many levels of symbolic links"):
+        MetricsWriter(tmp_path / "metrics.jsonl")
+    (tmp_path / "mlptrain.log").symlink_to(outside)
+    with pytest.raises(OSError) as err:
+        files.log_file_handler(tmp_path / "mlptrain.log")
+    assert err.value.errno == errno.ELOOP and outside.read_text() == "precious\n"
+    from mlptrain import cli, rundir
+
+    assert cli.LOG_FILE == rundir.LOG_FILE
+
+
+# --- 2. and 3. a run folder that is not the run's: a data folder, the cache ----------------------------
+
+
+def test_a_run_folder_that_holds_its_data_file_is_refused(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    path = write_csv(data / "d.csv")
+    (data / "metrics.csv").write_text("id,score\n1,0.5\n")
+    cfg = make_cfg(epochs=1)
+    cfg.data.name, cfg.data.path = DatasetName.file, str(path)
+    before = snapshot(data)
+    with pytest.raises(OutputError) as err:
+        train(cfg, data)
+    assert str(err.value) == (
+        f"output directory {data} holds the run's data file {path}; a run writes into a folder of its own, never "
+        "beside (or over) its input: choose another out_dir (nothing was changed)"
+    )
+    assert snapshot(data) == before
+
+
+def test_a_non_empty_folder_that_holds_no_run_is_refused(tmp_path: Path) -> None:
+    folder = tmp_path / "results"
+    folder.mkdir()
+    (folder / "metrics.csv").write_text("id,score\n1,0.5\n")
+    (folder / "notes.txt").write_text("mine\n")
+    before = snapshot(folder)
+    with pytest.raises(OutputError) as err:
+        train(make_cfg(epochs=1), folder)
+    assert str(err.value) == (
+        f"output directory {folder} is not empty (metrics.csv, notes.txt) and holds no mlptrain run; a run writes "
+        "into an empty directory or its own run's, never over other files: choose another out_dir (nothing was "
+        "changed)"
+    )
+    assert snapshot(folder) == before
+
+
+def test_a_metrics_csv_that_is_not_mlptrains_is_never_overwritten(tmp_path: Path, finished: Path) -> None:
+    (finished / "metrics.csv").write_text("id,score\n1,0.5\n")  # a file of the user's, under the run's name
+    with pytest.raises(OutputError, match=r"holds metrics.csv, which is not mlptrain's; the run would overwrite it"):
+        train(make_cfg(epochs=2, resume="last"), finished)
+    assert (finished / "metrics.csv").read_text() == "id,score\n1,0.5\n"
+
+
+def test_a_run_folder_with_files_of_the_users_resumes(tmp_path: Path, finished: Path) -> None:
+    (finished / "notes.txt").write_text("mine\n")  # a plot, a note, predictions: the run never writes them
+    summary = train(make_cfg(epochs=2, resume="last"), finished)
+    assert summary["epochs"] == 2 and (finished / "notes.txt").read_text() == "mine\n"
+    assert (finished / "metrics.csv").read_text().startswith("kind,epoch,step,train/loss")
+
+
+def test_a_run_folder_inside_the_cache_is_refused(tmp_path: Path, cache_dir: Path) -> None:
+    run = cache_dir / "tables" / "0123456789abcdef01234567" / "run"
+    with pytest.raises(OutputError) as err:
+        train(make_cfg(epochs=1), run)
+    assert str(err.value) == (
+        f"output directory {run} is inside mlptrain's cache {cache_dir} ($MLPTRAIN_DATA, $XDG_CACHE_HOME), whose "
+        "entries are rebuilt and removed; choose another out_dir (nothing was changed)"
+    )
+    assert not run.exists()
