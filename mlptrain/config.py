@@ -126,7 +126,11 @@ class DataConfig:
     batch_size: int = _f(64, "training batch size")
     eval_batch_size: int = _f(1024, "batch size of evaluation")
     drop_last: bool = _f(False, "drop the last, short training batch of an epoch")
-    normalize: Normalize = _f(Normalize.standard, "feature scaling, from the train split's statistics")
+    normalize: Normalize = _f(
+        Normalize.standard,
+        "feature scaling from the train split's statistics (in float64): standard (x - mean) / std, minmax or none; "
+        "every column that varies is scaled whatever its spread, a constant one becomes 0",
+    )
     target_scaling: TargetScaling = _f(
         TargetScaling.standard,
         "regression: targets standardised with the train split's mean and std for training (outputs and losses "

@@ -12,7 +12,8 @@ standardised units: ``y = z * scale + shift``).
 
 **ONNX** (the ``onnx`` extra): the whole inference path as one graph, normalisation included::
 
-    x (N, F) float32 -> Sub(shift) -> Mul(1/scale) -> [Gemm(W^T, b) -> Relu] ... -> Gemm -> logits (N, C)
+    x (N, F) float32 -> (float64) Sub(shift), Mul(1/scale) -> float32
+        -> [Gemm(W^T, b) -> Relu] ... -> Gemm -> logits (N, C)
     classification: probabilities = Softmax(logits), class_id = ArgMax(logits) (int64)
     regression: ... -> Gemm -> Mul(target_scale) -> Add(target_shift) -> logits (N, T), in the targets' units
 
@@ -174,15 +175,17 @@ def onnx_model(p: Predictor) -> Any:
         raise ConfigError("format=onnx needs the onnx package: pip install -e '.[onnx]' in mlptrain's clone") from exc
     f32 = np.float32
     inits = [
-        numpy_helper.from_array(p.shift.astype(f32), "shift"),
-        numpy_helper.from_array((1.0 / p.scale).astype(f32), "inv_scale"),
+        numpy_helper.from_array(p.shift.astype(np.float64), "shift"),  # in float64, as mlptrain normalises
+        numpy_helper.from_array(1.0 / p.scale.astype(np.float64), "inv_scale"),
     ]
     if _activation(p) == "gelu":
         consts = {"gelu_k": 0.044715, "gelu_c": np.sqrt(2 / np.pi), "gelu_one": 1.0, "gelu_half": 0.5}
         inits += [numpy_helper.from_array(np.array(v, f32), name) for name, v in consts.items()]
     nodes = [
-        helper.make_node("Sub", ["x", "shift"], ["x_shifted"]),
-        helper.make_node("Mul", ["x_shifted", "inv_scale"], ["h0"]),
+        helper.make_node("Cast", ["x"], ["x64"], to=TensorProto.DOUBLE),
+        helper.make_node("Sub", ["x64", "shift"], ["x_shifted"]),
+        helper.make_node("Mul", ["x_shifted", "inv_scale"], ["x_normalised"]),
+        helper.make_node("Cast", ["x_normalised"], ["h0"], to=TensorProto.FLOAT),  # rounded once
     ]
     for i, layer in enumerate(p.model.layers):
         w, b = (np.ascontiguousarray(p.backend.to_host(t.value), dtype=f32) for t in (layer.weight, layer.bias))

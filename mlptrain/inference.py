@@ -226,8 +226,8 @@ class Predictor:
     def _normalise(self, x: Any) -> Any:
         """``(x - shift) / scale`` as the training data was normalised, in the compute dtype."""
         xp = self.backend.xp
-        shift32, inv32 = self.shift.astype(np.float32), (1.0 / self.scale).astype(np.float32)
-        z = (xp.asarray(x, dtype=xp.float32) - xp.asarray(shift32)) * xp.asarray(inv32)
+        z = (xp.asarray(x, dtype=xp.float64) - xp.asarray(self.shift)) * xp.asarray(1.0 / self.scale)  # float64
+        z = z.astype(xp.float32)  # rounded once, as mlptrain.data.chunks.normalise_into does
         return xp.ascontiguousarray(z.astype(self.precision.compute_dtype, copy=False))
 
     def _cast(self, x: Any) -> Any:

@@ -76,10 +76,11 @@ def test_safetensors_loads_into_torch_sequential_with_the_same_logits(run_dir: P
     p = Predictor(run_dir, device="cpu")
     info = json.loads(load_safetensors(out)[1]["mlptrain"])
     x = _raw(p)
-    shift, scale = (torch.tensor(info["normalization"][k], dtype=torch.float32) for k in ("shift", "scale"))
-    with torch.no_grad():
-        logits = model((torch.tensor(x, dtype=torch.float32) - shift) * (1 / scale)).numpy()
-    np.testing.assert_allclose(logits, p.logits(x), rtol=1e-5, atol=1e-5)
+    shift, scale = (torch.tensor(info["normalization"][k], dtype=torch.float64) for k in ("shift", "scale"))
+    with torch.no_grad():  # normalised in float64 and rounded once, as mlptrain does
+        logits = model(((torch.tensor(x, dtype=torch.float64) - shift) * (1 / scale)).float()).numpy()
+    # float32 GEMMs summed in another order than mlptrain's: logits of tens differ by a few 1e-5
+    np.testing.assert_allclose(logits, p.logits(x), rtol=1e-5, atol=1e-4)
     np.testing.assert_array_equal(logits.argmax(1), p.logits(x).argmax(1))
 
 
@@ -110,8 +111,9 @@ def test_onnx_of_a_linear_model(tmp_path: Path) -> None:
     session = ort.InferenceSession(str(export(ExportArgs(ckpt=str(d), format="onnx"))))
     p = Predictor(d, device="cpu")
     x = _raw(p)
+    # random pixels 0..16 on nearly constant pixels (scaled since #47) make logits of ~100: float32 GEMM orders
     np.testing.assert_allclose(session.run(["logits"], {"x": x.astype(np.float32)})[0], p.logits(x), rtol=1e-5,
-                               atol=1e-5)  # fmt: skip
+                               atol=1e-4)  # fmt: skip
 
 
 def test_a_gelu_model_trains_on_the_cpu_and_exports_to_onnx_and_torch(tmp_path: Path) -> None:

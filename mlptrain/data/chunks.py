@@ -6,8 +6,9 @@ cache while it is cast and reduced, so no temporary the size of the table is mad
 the GIL inside its loops, so chunks run on a pool of threads (one per core this process may use).
 
 :func:`gather_normalised` writes a split straight into its float32 array: ``(x[rows] - shift) *
-(1 / scale)`` chunk by chunk, the same arithmetic as :meth:`mlptrain.data.Normalization.apply` (so
-the same bits) without the raw split or the normalised table ever held whole.
+(1 / scale)`` chunk by chunk, in float64 and rounded once (:func:`normalise_into`, the arithmetic of
+:meth:`mlptrain.data.Normalization.apply`, so the same bits) without the raw split or the normalised
+table ever held whole.
 """
 
 from __future__ import annotations
@@ -94,29 +95,42 @@ def aligned(block: np.ndarray) -> np.ndarray:
     return block if block.flags.aligned else np.array(block)
 
 
+def normalise_into(raw: np.ndarray, shift: np.ndarray, inv: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """``out[:] = (raw - shift) * inv``: ``raw (n, F)`` any real dtype, ``shift``, ``inv = 1 / scale`` ``(F,)``
+    float64, ``out (n, F)`` float32 (or a compute dtype).
+
+    The one normalisation arithmetic (made splits, streamed rows, :meth:`Normalization.apply`): the raw values
+    in float64, the shift subtracted and the scale applied in float64, then rounded once to ``out``'s dtype, so
+    a column of ``1e8 + noise`` keeps its noise (in float32 the values round to steps of 8 before the shift).
+    """
+    x64 = np.array(raw, np.float64)  # (n, F) a copy, ours to overwrite
+    np.subtract(x64, shift, out=x64)
+    np.multiply(x64, inv, out=x64)
+    np.copyto(out, x64, casting="unsafe")
+    return out
+
+
 def gather_normalised(
     x: np.ndarray, rows: np.ndarray | None, shift: np.ndarray, scale: np.ndarray, chunk: int | None = None
 ) -> np.ndarray:
     """``(x[rows] - shift) / scale`` as a new float32 C-contiguous ``(len(rows), F)`` array, chunk by chunk.
 
-    ``rows`` None takes every row. The arithmetic is :meth:`Normalization.apply`'s: the raw values
-    rounded to float32, minus ``shift`` rounded to float32, times ``1 / scale`` rounded to float32.
+    ``rows`` None takes every row. The arithmetic is :func:`normalise_into`'s (float64, rounded once to float32),
+    so the splits equal :meth:`Normalization.apply` of the same rows bit for bit.
     """
     n, f = (len(x) if rows is None else len(rows)), x.shape[1]
-    shift32, inv32 = np.asarray(shift).astype(np.float32), (1.0 / np.asarray(scale)).astype(np.float32)  # (F,)
+    shift64, inv64 = np.asarray(shift, np.float64), 1.0 / np.asarray(scale, np.float64)  # (F,)
     out = np.empty((n, f), np.float32)  # (n, F)
 
     def fill(part: tuple[int, int]) -> None:
         a, b = part
-        dest = out[a:b]  # (b - a, F) a view: written in place
         if rows is None:
-            dest[...] = x[a:b]  # the cast to float32
+            raw = x[a:b]
         elif x.dtype == np.float32 and x.flags.aligned:  # (np.take from unaligned items: 1000x slower)
-            take_into(x, rows[a:b], dest)  # the gather, into the split
+            raw = take_into(x, rows[a:b], np.empty((b - a, f), np.float32))  # the gather
         else:
-            dest[...] = x[rows[a:b]]
-        np.subtract(dest, shift32, out=dest)
-        np.multiply(dest, inv32, out=dest)
+            raw = x[rows[a:b]]
+        normalise_into(raw, shift64, inv64, out[a:b])
 
     run(fill, ranges(n, chunk_rows(f, chunk)))
     return out

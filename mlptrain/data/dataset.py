@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from mlptrain.data.chunks import first_nonfinite
+from mlptrain.data.chunks import first_nonfinite, normalise_into
 from mlptrain.errors import DatasetError
 
 __all__ = ["TASKS", "Dataset", "Normalization", "Raw", "first_nonfinite"]
@@ -44,9 +44,11 @@ class Normalization:
         return cls("none", np.zeros(features), np.ones(features), "train split")
 
     def apply(self, x: np.ndarray) -> np.ndarray:
-        """``x (N, F)`` raw -> float32 C-contiguous, normalised as the training data was."""
-        shift32, inv32 = self.shift.astype(np.float32), (1.0 / self.scale).astype(np.float32)
-        return np.ascontiguousarray((np.asarray(x, dtype=np.float32) - shift32) * inv32)
+        """``x (N, F)`` raw -> float32 C-contiguous, normalised as the training data was (in float64, rounded once:
+        :func:`mlptrain.data.chunks.normalise_into`)."""
+        x = np.asarray(x)
+        inv = 1.0 / np.asarray(self.scale, np.float64)
+        return normalise_into(x, np.asarray(self.shift, np.float64), inv, np.empty(x.shape, np.float32))
 
     def undo(self, z: np.ndarray) -> np.ndarray:
         """``z (N, T)`` scaled -> ``z * scale + shift`` float32: a regression's outputs in the target's units.

@@ -24,17 +24,11 @@ from mlptrain.data import chunks
 from mlptrain.data.dataset import Dataset, Normalization, Raw
 from mlptrain.data.rows import NormalisedRows, host_memory_available, memory_mapped
 from mlptrain.data.sources import SOURCES
-from mlptrain.data.stats import column_stats
+from mlptrain.data.stats import ColumnStats, column_stats
 from mlptrain.errors import ConfigError, DatasetError
 
 log = logging.getLogger(__name__)
 
-# A feature whose train spread (std, or range for minmax) is below REL_FLOOR times the typical
-# (median) spread is only centred, not scaled: dividing a nearly constant feature by its tiny spread
-# turns the rare sample that differs into an outlier of tens of standard deviations (digits: |x| = 51
-# on the validation split, three samples carrying 98% of its loss). STD_FLOOR guards all-constant data.
-REL_FLOOR = 0.1
-STD_FLOOR = 1e-6
 DATASETS = tuple(SOURCES)
 # data.residency=auto or host streams the splits (mlptrain.data.rows) from a memory-mapped table whose
 # normalised float32 splits would take more than this share of the host memory available.
@@ -83,7 +77,7 @@ def normalization(method: str, x: np.ndarray, rows: np.ndarray | None = None, wh
         return Normalization.identity(f)
     if method not in ("standard", "minmax"):
         raise ConfigError(f"data.normalize={method!r} is not a normalisation; expected standard, minmax or none")
-    st = column_stats(x, rows, extremes=method == "minmax")  # (F,) each, float64
+    st = column_stats(x, rows, extremes=True)  # (F,) each, float64
     if st.nonfinite is not None:
         row, col = st.nonfinite
         value = x[row if rows is None else rows[row], col]
@@ -91,29 +85,33 @@ def normalization(method: str, x: np.ndarray, rows: np.ndarray | None = None, wh
             f"{where}: row {row}, column {col} holds {value}; features must be finite numbers (remove or fill the "
             "missing values)"
         )
+    return Normalization(method, *_shift_scale(method, st), "train split")
+
+
+def _shift_scale(method: str, st: ColumnStats) -> tuple[np.ndarray, np.ndarray]:
+    """``(shift, scale)`` ``(F,)`` float64: every column that varies is scaled, whatever its spread (no floor,
+    none relative to the other columns); a constant column (min == max) is shifted by its value and not
+    scaled, so it becomes exactly 0."""
+    assert st.low is not None and st.high is not None  # asked for: extremes=True
+    constant = st.low == st.high  # (F,)
     if method == "standard":
-        shift, scale = st.mean, st.std
+        shift, scale = np.where(constant, st.low, st.mean), st.std
     else:
-        assert st.low is not None and st.high is not None  # asked for: extremes=True
         shift, scale = st.low, st.high - st.low
-    floor = max(STD_FLOOR, REL_FLOOR * float(np.median(scale)))
-    return Normalization(method, shift, np.where(scale < floor, 1.0, scale), "train split")  # centre below the floor
+    return shift, np.where(constant | ~(scale > 0), 1.0, scale)
 
 
 def target_scaling(method: str, y_train: np.ndarray) -> Normalization:
     """A regression's targets standardised from the train split: ``(y - mean) / std`` per target, ``y_train (N, T)``.
 
-    Each target on its own (no floor relative to the others: a price and a rate are both scaled);
-    a constant target is only centred.
+    Each target on its own, in float64, whatever its spread (no floor, none relative to the others: a price
+    and a rate are both scaled); a constant target is shifted to exactly 0 and not scaled.
     """
     if method == "none":
         return Normalization.identity(y_train.shape[1])
     if method != "standard":
         raise ConfigError(f"data.target_scaling={method!r} is not a target scaling; expected standard or none")
-    shift = y_train.mean(axis=0, dtype=np.float64)  # (T,)
-    scale = y_train.std(axis=0, dtype=np.float64)  # (T,)
-    floor = STD_FLOOR * np.maximum(1.0, np.abs(shift))  # (T,)
-    return Normalization(method, shift, np.where(scale > floor, scale, 1.0), "train split")
+    return Normalization(method, *_shift_scale(method, column_stats(y_train, extremes=True)), "train split")
 
 
 def _methods(cfg: DataConfig, name: str, task: str) -> tuple[str, str]:

@@ -8,7 +8,7 @@ memory map (the page cache, or the disk where the table is larger than memory) a
 into its pinned slot::
 
     batch rows idx (B,) of the split    ->  table rows  rows[idx]            (B,) int64
-    x32 = table[rows[idx]] as float32   ->  (x32 - shift32) * inv_scale32    (B, F) float32
+    raw = table[rows[idx]]              ->  (raw - shift) * inv_scale in float64, rounded once  (B, F)
     -> cast to the compute dtype, into the slot
 
 which is the arithmetic of :func:`mlptrain.data.chunks.gather_normalised` row for row, so a streamed
@@ -71,8 +71,8 @@ class NormalisedRows:
             raise ValueError(f"NormalisedRows: table of shape {table.shape}; expected (N, F)")
         self.table, self.rows = table, (None if rows is None else np.asarray(rows, np.int64))
         self.shift, self.scale = np.asarray(shift), np.asarray(scale)
-        self.shift32 = self.shift.astype(np.float32)  # (F,) as gather_normalised rounds them
-        self.inv32 = (1.0 / self.scale).astype(np.float32)  # (F,)
+        self.shift64 = self.shift.astype(np.float64)  # (F,) as gather_normalised takes them
+        self.inv64 = 1.0 / self.scale.astype(np.float64)  # (F,)
         self.dtype = np.dtype(dtype)
         n = len(table) if self.rows is None else len(self.rows)
         self.shape = (n, int(table.shape[1]))
@@ -98,17 +98,17 @@ class NormalisedRows:
         return NormalisedRows(self.table, rows, self.shift, self.scale, self.dtype)
 
     def take(self, idx: np.ndarray, out: np.ndarray) -> np.ndarray:
-        """``out[:] = self[idx]``: the table's rows gathered, normalised in float32 and cast to ``out``'s dtype."""
+        """``out[:] = self[idx]``: the table's rows gathered, normalised in float64, rounded to float32 and cast to
+        ``out``'s dtype."""
         if out.shape != (len(idx), self.shape[1]):
             raise ValueError(f"NormalisedRows.take: out {out.shape} for {len(idx)} rows of {self.shape[1]} features")
         at = idx if self.rows is None else self.rows[idx]  # (B,) rows of the table
-        x32 = out if out.dtype == np.float32 else np.empty(out.shape, np.float32)  # (B, F)
         if self.table.dtype == np.float32 and self.table.flags.aligned:
-            chunks.take_into(self.table, at, x32)
+            raw = chunks.take_into(self.table, at, np.empty(out.shape, np.float32))
         else:
-            x32[...] = self.table[at]  # the rows, rounded to float32
-        np.subtract(x32, self.shift32, out=x32)
-        np.multiply(x32, self.inv32, out=x32)
+            raw = self.table[at]  # (B, F) the rows as stored
+        x32 = out if out.dtype == np.float32 else np.empty(out.shape, np.float32)  # (B, F)
+        chunks.normalise_into(raw, self.shift64, self.inv64, x32)
         if x32 is not out:
             np.copyto(out, x32, casting="unsafe")
         return out
