@@ -4,6 +4,8 @@ stop a run is asked for: :mod:`mlptrain.stopping`).
 * :func:`nonfinite_error` and :func:`check_scaler`: inf/NaN in a loss, a gradient or a parameter
   stops the run naming the step and the tensors; in fp16 only a persistent overflow does.
 * :func:`out_of_memory`: a :class:`~mlptrain.errors.ResourceError` naming the sizes to lower.
+* :func:`stop_if_data_changed`: a streamed split's file (``data.residency=stream``) changed under the run:
+  ``last`` saved, and a :class:`~mlptrain.errors.DatasetError` naming the file and the change.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ from typing import Any
 import numpy as np
 
 from mlptrain.backend import Backend
+from mlptrain.checkpoint import Position
 from mlptrain.config import TrainConfig
-from mlptrain.errors import NonFiniteError, ResourceError
+from mlptrain.errors import DatasetError, NonFiniteError, ResourceError
 from mlptrain.trainer import Trainer
 
 
@@ -175,3 +178,21 @@ def out_of_memory(
         f"data.batch_size={d.batch_size}, data.eval_batch_size={d.eval_batch_size}, {model}, "
         f"precision={cfg.precision.name}, execution={cfg.execution.mode.value}; {lower}{note}"
     )
+
+
+def stop_if_data_changed(loop: Any, pos: Position) -> None:
+    """At an epoch's start (``pos``): if a file a split streams from changed since it was read (its size, mtime or
+    inode, :meth:`mlptrain.data.rows.NormalisedRows.check_source`), save ``last`` at ``pos`` as any stop does and
+    raise the :class:`DatasetError` that names the file and the change (``loop``: the :class:`mlptrain.loop.Loop`)."""
+    tr = loop.tr
+    try:
+        for ld in [tr.train_loader, *tr.eval_loaders.values()]:
+            check = getattr(ld.x, "check_source", None)  # a streamed split's (a host array has none)
+            if check is not None:
+                check()
+    except DatasetError as exc:
+        last = loop.run_dir.checkpoint("last")
+        if loop.last_saved != (last, pos.step):
+            loop.save("last", pos)
+        loop.writer.wait()  # on disk before the message says so
+        raise DatasetError(f"{exc}; the last checkpoint, {last} (step {pos.step}), is saved") from None

@@ -56,7 +56,7 @@ class Loop:
         stop: Stop,
         start: Start,
     ) -> None:
-        self.tr, self.cfg, self.run_dir, self.metrics = tr, tr.cfg, run_dir, metrics
+        self.tr, self.cfg, self.run_dir, self.metrics, self.stop = tr, tr.cfg, run_dir, metrics, stop
         self.start, self.best = start.position, start.best
         resumed_from = start.resumed_from
         self.interval = Interval(tr, tr.cfg.log_every)
@@ -66,7 +66,6 @@ class Loop:
         self.in_flight: Closed | None = None  # the interval closed last, not yet written (lagged)
         self.writer = Writer()  # checkpoints written on a thread while the steps go on
         self.last_saved: tuple[Path, int] | None = (resumed_from, self.start.step) if resumed_from is not None else None
-        self.stop = stop
         self.progress_disable = None if self.cfg.progress is None else not self.cfg.progress
         self.record: dict[str, Any] = {}
         self.stopped_early: int | None = start.stopped_early  # set: the run stopped early, its summary unwritten
@@ -102,8 +101,9 @@ class Loop:
                 position=0,
                 disable=self.progress_disable,
             )
-            epoch = self.start.epoch
+            epoch, here = self.start.epoch, self.start
             for epoch in epochs:
+                faults.stop_if_data_changed(self, here)  # a streamed file rewritten or truncated: saved, stopped
                 t_epoch = time.perf_counter()
                 pos, done = self.train_epoch(epoch)
                 here, stop_early = self.end_epoch(epoch, pos, done, t_epoch)

@@ -3,16 +3,25 @@ complex features, the task a regression loss asks for, and the messages of the r
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+from helpers import make_cfg
 from numpy.testing import assert_allclose, assert_array_equal
 from sklearn.preprocessing import StandardScaler
 
-from mlptrain.data import chunks
+from mlptrain import checkpoint, faults
+from mlptrain.config import DatasetName
+from mlptrain.data import chunks, load_dataset
 from mlptrain.data.prepare import normalization, target_scaling
 from mlptrain.data.rows import NormalisedRows
+from mlptrain.errors import DatasetError
+from mlptrain.run import train
 from mlptrain.sklearn import MLPClassifier, MLPRegressor
 
 pytestmark = pytest.mark.filterwarnings("ignore::sklearn.exceptions.ConvergenceWarning")
@@ -89,3 +98,99 @@ def test_an_offset_of_1e8_normalises_as_offset_0(method: str) -> None:
     norm = normalization(method, x + 1e8)
     made = chunks.gather_normalised(x + 1e8, np.arange(0, 1000, 3), norm.shift, norm.scale)
     assert_array_equal(made, b[::3])
+
+
+# ------------------------------------------------------------------ 2. a streamed file that changes under a run
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _stream_npz(path: Path, n: int = 2000, seed: int = 0) -> Path:
+    rng = np.random.default_rng(seed)
+    y = rng.integers(0, 3, n)
+    x = (rng.normal(size=(n, 9)) + y[:, None] * 0.7).astype(np.float32)
+    np.savez(path, x=x, y=y)  # uncompressed: its x is memory-mapped where it lies, and streamed from there
+    return path
+
+
+def _stream_cfg(path: Path, **overrides: Any) -> Any:
+    return make_cfg(
+        data__name=DatasetName.file, data__path=str(path), data__residency="stream", data__batch_size=64, **overrides
+    )
+
+
+def test_a_streamed_file_rewritten_during_the_run_stops_it_with_last_saved(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = _stream_npz(tmp_path / "table.npz")
+    check, starts = faults.stop_if_data_changed, []
+
+    def rewrite_then_check(loop: Any, pos: Any) -> None:
+        starts.append(pos.step)
+        if len(starts) == 2:  # the second epoch's start: another table of the same size, written in place
+            _stream_npz(path, seed=1)
+        check(loop, pos)
+
+    monkeypatch.setattr(faults, "stop_if_data_changed", rewrite_then_check)
+    with pytest.raises(DatasetError) as info:
+        train(_stream_cfg(path, epochs=3), tmp_path / "run")
+    msg = str(info.value)
+    assert f"data file {path} changed while the run streamed it (data.residency=stream): it was modified" in msg
+    assert f"the last checkpoint, {tmp_path / 'run' / 'checkpoints' / 'last.npz'} (step {starts[1]}), is saved" in msg
+    assert "\n" not in msg and starts[1] > 0
+    assert checkpoint.load(tmp_path / "run" / "checkpoints" / "last.npz").meta["position"]["step"] == starts[1]
+
+
+def test_a_file_truncated_under_a_streamed_split_is_an_error_not_a_sigbus(tmp_path: Path) -> None:
+    path = _stream_npz(tmp_path / "table.npz")
+    ds = load_dataset(_stream_cfg(path).data)
+    rows = ds.x_train
+    assert isinstance(rows, NormalisedRows) and rows.source is not None
+    idx = np.arange(len(rows))[::-1].copy()
+    whole = rows.take(idx, np.empty((len(idx), 9), np.float32))
+    os.truncate(path, 4096)  # a memory map's read past the end: SIGBUS
+    with pytest.raises(DatasetError, match=rf"data file {path} changed while the run streamed it .*: it is 4096 bytes"):
+        rows.take(idx, np.empty_like(whole))
+    rows.source.identity = rows.source._identity(os.stat(path))  # truncated between the check and the read
+    with pytest.raises(DatasetError, match=r"a read at byte \d+ found the end of the file .*: the file was truncated"):
+        rows.take(idx, np.empty_like(whole))
+
+
+_TRUNCATE_LATER = """
+import os, sys
+from mlptrain import faults
+from mlptrain.data import rows
+path, check, read, state = sys.argv[1], faults.stop_if_data_changed, rows.StreamSource.read, {"starts": 0, "reads": 0}
+race = "--race" in sys.argv
+def arm(loop, pos):
+    state["starts"] += 1
+    check(loop, pos)
+def truncate_then_read(self, at, out):
+    state["reads"] += state["starts"] >= 2
+    if state["reads"] == 5:  # the fifth batch of the second epoch
+        os.truncate(path, 4096)
+        if race:  # as if between the size check and the read
+            self.identity = self._identity(os.stat(path))
+    return read(self, at, out)
+faults.stop_if_data_changed, rows.StreamSource.read = arm, truncate_then_read
+sys.argv = ["mlptrain", *[a for a in sys.argv[2:] if a != "--race"]]
+from mlptrain.cli import main
+main()
+"""
+
+
+@pytest.mark.parametrize("race", [False, True])
+def test_a_run_whose_streamed_file_is_truncated_says_so_and_keeps_last(tmp_path: Path, race: bool) -> None:
+    path = _stream_npz(tmp_path / "table.npz")
+    run = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MLPTRAIN_DATA": str(tmp_path / "cache")}
+    args = ["data=file", f"data.path={path}", "data.residency=stream", "device=cpu", "model.hidden=[16]"]
+    args += ["epochs=3", "progress=false", f"hydra.run.dir={run}"] + (["--race"] if race else [])
+    got = subprocess.run([sys.executable, "-c", _TRUNCATE_LATER, str(path), *args], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert got.returncode > 0, f"killed by signal {-got.returncode}: {got.stderr[-2000:]}"  # SIGBUS: -7
+    errors = [line for line in got.stderr.splitlines() if line.startswith("error")]
+    assert len(errors) == 1 and f"data file {path} changed while the run streamed it" in errors[0], got.stderr
+    assert ("found the end of the file" if race else "it is 4096 bytes") in errors[0]
+    assert "Traceback" not in got.stderr
+    assert (run / "checkpoints" / "last.npz").is_file()  # the first epoch's

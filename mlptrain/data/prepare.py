@@ -22,7 +22,7 @@ import numpy as np
 from mlptrain.config import DataConfig
 from mlptrain.data import chunks
 from mlptrain.data.dataset import Dataset, Normalization, Raw
-from mlptrain.data.rows import NormalisedRows, host_memory_available, memory_mapped
+from mlptrain.data.rows import NormalisedRows, StreamSource, host_memory_available, memory_mapped
 from mlptrain.data.sources import SOURCES
 from mlptrain.data.stats import ColumnStats, column_stats
 from mlptrain.errors import ConfigError, DatasetError
@@ -193,7 +193,8 @@ def load_dataset(cfg: DataConfig, seed: int | None = None) -> Dataset:
     split_bytes = sum(4 * len(r if r is not None else xs) * xs.shape[1] for xs, r, _ in parts)  # as float32
     xs: list[Any]  # (n, F) float32 splits, made or streamed
     if _streams(cfg, name, parts, split_bytes):
-        xs = [NormalisedRows(xs, r, norm.shift, norm.scale) for xs, r, _ in parts]  # read as the batches need them
+        sources = {id(t): StreamSource.of(t) for t, _, _ in parts}  # one per file: its identity, one descriptor
+        xs = [NormalisedRows(t, r, norm.shift, norm.scale, source=sources[id(t)]) for t, r, _ in parts]  # as needed
     else:
         with chunks.timed("normalise", split_bytes):
             xs = [chunks.gather_normalised(xs, r, norm.shift, norm.scale) for xs, r, _ in parts]  # the float32 splits
