@@ -22,8 +22,26 @@ import numpy as np
 from mlptrain.data.chunks import first_nonfinite, normalise_into
 from mlptrain.errors import DatasetError
 
-__all__ = ["TASKS", "Dataset", "Normalization", "Raw", "first_nonfinite"]
+__all__ = ["TASKS", "Dataset", "Normalization", "Raw", "check_real", "first_nonfinite"]
 TASKS = ("classification", "regression")
+
+
+def check_real(a: Any, where: str, error: type[Exception] = DatasetError) -> None:
+    """Raise ``error`` (one line naming ``where``) if ``a`` (an array, a DataFrame, a list) holds complex numbers:
+    cast to float they would lose their imaginary parts with only NumPy's warning."""
+    dtypes = getattr(a, "dtypes", None)  # a DataFrame's, per column
+    if dtypes is not None and not isinstance(dtypes, np.dtype):
+        found = [np.dtype(d) for d in dtypes if getattr(d, "kind", "") == "c"]
+        dtype = found[0] if found else None
+    else:
+        dtype = getattr(a, "dtype", None)
+        if dtype is None and isinstance(a, (list, tuple)):  # (other objects: as scikit-learn's checks read them)
+            dtype = np.asarray(a).dtype
+    if dtype is not None and np.dtype(dtype).kind == "c":
+        raise error(
+            f"{where} holds complex numbers ({np.dtype(dtype).name}); Complex data not supported: expected real "
+            "numbers (pass .real, or abs(), if that is what is meant)"
+        )
 
 
 @dataclass
@@ -112,6 +130,8 @@ class Dataset:
             raise DatasetError(
                 f"{where}: x {x.shape} and y {y.shape} are not (N, F) and {shape} with F={f} as in the train split"
             )
+        check_real(x, f"{where}: x")
+        check_real(y, f"{where}: y")
         bad = None if getattr(x, "checked_finite", False) else first_nonfinite(x)  # streamed: its table was checked
         if bad is not None:
             raise DatasetError(

@@ -21,6 +21,7 @@ from typing import NamedTuple
 import numpy as np
 
 from mlptrain.data import labels
+from mlptrain.data.dataset import check_real
 from mlptrain.data.table import Table
 from mlptrain.errors import DatasetError
 
@@ -150,6 +151,8 @@ def read_npz(path: Path, need_y: bool = True) -> tuple[Table, Table | None]:
                 f"data file {path}: {xk} is {x.dtype} {x.shape} and {yk} is {y.dtype} {y.shape}; expected numbers "
                 "(N, features) and (N,) or (N, targets)"
             )
+        for k, a in ((xk, x), (yk, y)):
+            check_real(a, f"data file {path}: {k}")
         if 0 in x.shape:
             raise DatasetError(f"data file {path}: {xk} has the shape {x.shape}; expected at least one row and column")
         if tables and x.shape[1] != tables[0].x.shape[1]:

@@ -25,7 +25,8 @@ from sklearn.utils.validation import check_is_fitted, validate_data
 
 from mlptrain import build
 from mlptrain.checkpoint import Checkpoint
-from mlptrain.errors import DatasetError
+from mlptrain.data.dataset import check_real
+from mlptrain.errors import ConfigError, DatasetError
 from mlptrain.inference import Predictor, softmax
 from mlptrain.sklearn import persist
 from mlptrain.sklearn.fitting import Stopping, make_dataset, outputs, run_epoch
@@ -128,6 +129,8 @@ class _BaseMLP(BaseEstimator):
         check(name, params)
         fresh = not hasattr(self, "state_") or not (incremental or self.warm_start)
         regression = self._task == "regression"
+        for name_, a in (("X", X), ("y", y)):  # complex numbers: refused, not cast to real with a warning
+            check_real(a, name_, ConfigError)
         if not fresh:  # before anything changes: the fitted network and optimizer state must fit the parameters
             check_continuation(name, "partial_fit" if incremental else "warm_start=True", params, self.state_)
         columns = persist.target_columns(y)
@@ -241,6 +244,7 @@ class _BaseMLP(BaseEstimator):
     def _outputs(self, X: Any) -> np.ndarray:
         """The network's outputs ``(N, C)`` float32 for raw rows ``X (N, F)`` (normalised as the train split)."""
         check_is_fitted(self)
+        check_real(X, "X", ConfigError)
         X = validate_data(self, X, reset=False, dtype=np.float64)
         p = self.predictor_
         flops = build.step_flops(p.widths, min(len(X), p.batch_size)) // 3  # a chunk's forward: one GEMM per layer
