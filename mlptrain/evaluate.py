@@ -105,7 +105,7 @@ def _own_split(p: Predictor, split: str) -> tuple[np.ndarray, np.ndarray, str]:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from mlptrain.config import DataConfig
+    from mlptrain.config import DataConfig, Task
     from mlptrain.data import load_dataset
     from mlptrain.restore import literal
 
@@ -125,6 +125,8 @@ def _own_split(p: Predictor, split: str) -> tuple[np.ndarray, np.ndarray, str]:
         raise CheckpointError(f"checkpoint {p.path}: its data config cannot be read ({first}); use data=FILE") from exc
     if cfg.name == "file" and not cfg.path:  # type: ignore[union-attr]  # fitted from Python (mlptrain.sklearn)
         raise DatasetError(f"checkpoint {p.path} records no data file to split; pass data=<a labelled file>")
+    if str(getattr(cfg.task, "value", cfg.task)) == "auto":  # type: ignore[union-attr]  # the task it was trained as
+        cfg.task = Task(p.task)  # type: ignore[union-attr]  # (a regression loss makes whole numbers a regression)
     ds = load_dataset(cfg)  # type: ignore[arg-type]
     norm = ds.normalization
     if norm is not None and not (np.array_equal(norm.shift, p.shift) and np.array_equal(norm.scale, p.scale)):

@@ -36,6 +36,7 @@ from mlptrain.backend import Backend, get_backend
 from mlptrain.config import TrainConfig
 from mlptrain.cuda_source import Job
 from mlptrain.data import Dataset, load_dataset, preprocess
+from mlptrain.data.prepare import task_for_loss
 from mlptrain.losses import mse_in_units
 from mlptrain.runtime import Runtime, device_runtime
 from mlptrain.schedule import StepClock
@@ -81,7 +82,8 @@ class Trainer:
             graph=cfg.graph is not False,
             autotune=cfg.execution.autotune,
         )
-        self.dataset = load_dataset(cfg.data) if dataset is None else preprocess(dataset, cfg.data)  # one path
+        data_cfg = task_for_loss(cfg.data, cfg.model.loss)  # a regression loss makes a file's task a regression
+        self.dataset = load_dataset(data_cfg) if dataset is None else preprocess(dataset, cfg.data)  # one path
         mark("data")
         self.widths = build.widths(cfg.model, self.dataset)
         # Independent host streams for init and data order, from one seed.

@@ -4,6 +4,7 @@ complex features, the task a regression loss asks for, and the messages of the r
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,13 +17,17 @@ from numpy.testing import assert_allclose, assert_array_equal
 from sklearn.preprocessing import StandardScaler
 
 from mlptrain import checkpoint, faults
-from mlptrain.config import DatasetName
-from mlptrain.data import chunks, load_dataset
+from mlptrain.config import DatasetName, Task
+from mlptrain.data import Dataset, chunks, load_dataset
+from mlptrain.data.files import write_csv
 from mlptrain.data.prepare import normalization, target_scaling
 from mlptrain.data.rows import NormalisedRows
 from mlptrain.errors import DatasetError
+from mlptrain.evaluate import EvaluateArgs, evaluate
+from mlptrain.inference import Predictor
 from mlptrain.run import train
 from mlptrain.sklearn import MLPClassifier, MLPRegressor
+from mlptrain.trainer import Trainer
 
 pytestmark = pytest.mark.filterwarnings("ignore::sklearn.exceptions.ConvergenceWarning")
 
@@ -194,3 +199,71 @@ def test_a_run_whose_streamed_file_is_truncated_says_so_and_keeps_last(tmp_path:
     assert ("found the end of the file" if race else "it is 4096 bytes") in errors[0]
     assert "Traceback" not in got.stderr
     assert (run / "checkpoints" / "last.npz").is_file()  # the first epoch's
+
+
+# ------------------------------------------------------------------ 3. complex features
+
+
+def test_complex_features_are_refused_not_cast_to_real(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(60, 3)) + 0.5j, np.arange(60) % 2
+    np.savez(tmp_path / "c.npz", x=x, y=y)
+    np.savez(tmp_path / "cy.npz", x=x.real, y=y + 1j)
+    one = "holds complex numbers (complex128); Complex data not supported: expected real numbers"
+    for name, what in (("c.npz", "x"), ("cy.npz", "y")):
+        cfg = make_cfg(data__name=DatasetName.file, data__path=str(tmp_path / name)).data
+        with pytest.raises(DatasetError) as info:
+            load_dataset(cfg)
+        assert str(info.value).startswith(f"data file {tmp_path / name}: {what} {one}")
+    with pytest.raises(DatasetError, match=re.escape(f"dataset 'd' split train: x {one}")):
+        Dataset("d", x, y, x[:5], y[:5], x[:5], y[:5], 2)
+    for est in (MLPClassifier(max_iter=2), MLPRegressor(max_iter=2)):
+        with pytest.raises(
+            ValueError, match="^" + re.escape(f"X {one}")
+        ) as caught:  # a ConfigError: sklearn's checks want ValueError
+            est.fit(x, y)
+        assert "\n" not in str(caught.value)
+    fitted = MLPClassifier(max_iter=2, random_state=0).fit(x.real, y)
+    with pytest.raises(ValueError, match="^" + re.escape(f"X {one}")):
+        fitted.predict(x)
+
+
+# ------------------------------------------------------------------ 4. a regression loss makes the task a regression
+
+
+def _whole_numbers(path: Path, n: int, seed: int, target: Any = None) -> None:
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 3))
+    y = np.round(200 + 60 * x[:, 0] - 30 * x[:, 1]) if target is None else target(n)  # whole numbers, ~200 values
+    write_csv(path, x, y, ["a", "b", "c"], target="price")
+
+
+def test_a_whole_number_target_with_mse_is_a_regression(tmp_path: Path) -> None:
+    _whole_numbers(tmp_path / "train.csv", 400, 0)
+    _whole_numbers(tmp_path / "test.csv", 100, 1)  # values the training file lacks: were "not among the labels"
+    cfg = make_cfg(
+        data__name=DatasetName.file,
+        data__path=str(tmp_path / "train.csv"),
+        data__test_path=str(tmp_path / "test.csv"),
+        data__target="price",
+        model__loss="mse",
+        epochs=5,
+    )
+    summary = train(cfg, tmp_path / "run")
+    y_test = np.loadtxt(tmp_path / "test.csv", delimiter=",", skiprows=1, usecols=3)
+    assert "test/acc" not in summary and summary["test/loss"] < 0.5 * np.var(y_test)  # it learnt the numbers
+    p = Predictor(tmp_path / "run", device="cpu")
+    assert p.task == "regression" and p.widths[-1] == 1  # was a 194-class classifier ("test acc 0.0000")
+    scored, _ = evaluate(EvaluateArgs(ckpt=str(tmp_path / "run"), split="test", device="cpu"))
+    assert scored["loss"] == pytest.approx(summary["best/test/loss"], rel=1e-5)
+    cfg.model.loss, cfg.data.test_path = "cross_entropy", None  # a classification loss: its whole numbers are classes
+    assert Trainer(cfg).dataset.task == "classification"
+
+
+def test_text_targets_with_a_regression_loss_are_refused_naming_the_way_to_one_hot_classes(tmp_path: Path) -> None:
+    (tmp_path / "t.csv").write_text("a,b,label\n" + "".join(f"{i},{i % 3},{'xyz'[i % 3]}\n" for i in range(30)))
+    cfg = make_cfg(data__name=DatasetName.file, data__path=str(tmp_path / "t.csv"), model__loss="mse")
+    with pytest.raises(DatasetError, match=r"target \['x'\] is not a number; .*set data.task=classification\)$"):
+        train(cfg, tmp_path / "run")
+    cfg.data.task = Task.classification  # mse on one-hot classes, as asked
+    assert Trainer(cfg).dataset.num_classes == 3

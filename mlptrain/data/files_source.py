@@ -200,7 +200,8 @@ def _regression_targets(table: Table) -> np.ndarray:
         row = next(i for i, v in enumerate(y.reshape(len(y), -1)) if not _all_numbers(v))
         raise DatasetError(
             f"data file {table.path} {table.where(row)}: target {y.reshape(len(y), -1)[row].tolist()} is not a number; "
-            f"a regression needs numeric targets in {', '.join(table.target_names)}"
+            f"a regression needs numeric targets in {', '.join(table.target_names)} (data.task=regression, or auto "
+            "with a regression loss such as model.loss=mse; for mse on one-hot classes set data.task=classification)"
         )
     y = y.astype(np.float32).reshape(len(y), -1)  # (N, T)
     _check_finite(table, y, table.target_names, "targets")

@@ -114,6 +114,21 @@ def target_scaling(method: str, y_train: np.ndarray) -> Normalization:
     return Normalization(method, *_shift_scale(method, column_stats(y_train, extremes=True)), "train split")
 
 
+def task_for_loss(cfg: DataConfig, loss: str) -> DataConfig:
+    """``cfg`` with the task that ``model.loss`` asks for: a file of ``data.task=auto`` trained with a regression loss
+    (``mse``, any loss registered with ``regression=True``) is a regression, whatever its target holds (a column of
+    whole numbers was taken for class labels: a 194-class classifier trained with ``mse``). Text targets are then
+    refused, naming the way to one-hot classes (``data.task=classification``)."""
+    from mlptrain.config import Task
+    from mlptrain.losses import LOSSES
+
+    name, task = (str(getattr(v, "value", v)) for v in (cfg.name, cfg.task))
+    if name != "file" or task != "auto" or loss not in LOSSES or not LOSSES[loss].regression:
+        return cfg
+    log.info("data file %s: a regression (model.loss=%s, data.task=auto)", cfg.path, loss)
+    return dataclasses.replace(cfg, task=Task.regression)
+
+
 def _methods(cfg: DataConfig, name: str, task: str) -> tuple[str, str]:
     """``(data.normalize, data.target_scaling)`` as strings; a target scaling for a classification is refused."""
     method, scaling = (str(getattr(v, "value", v)) for v in (cfg.normalize, cfg.target_scaling))
