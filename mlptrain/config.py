@@ -151,7 +151,9 @@ class DataConfig:
     path: Optional[str] = _f(None, "file: the training data (CSV/TSV with a header, .gz, NPZ, Parquet)")
     test_path: Optional[str] = _f(None, "file: a test file with the same columns; null: split from path")
     target: Any = _f("label", "file: the target column, or a list of columns (regression)")
-    task: Task = _f(Task.auto, "file: classification or regression; auto: from the target columns")
+    task: Task = _f(
+        Task.auto, "file: classification or regression; auto: a regression loss (mse) or the target columns decide"
+    )
     cache: bool = _f(True, "file: keep a binary copy of a parsed file, memory-mapped by the next run")
     missing: str = _f("error", "file: rows whose target is empty, NA, null or NaN: error (names them) or drop")
     residency: Residency = _f(
