@@ -161,8 +161,27 @@ def _hydra_files(cfg: DictConfig) -> dict[str, str]:
     return {f".hydra/{name}": OmegaConf.to_yaml(node) for name, node in files.items()}
 
 
-def _accepted(cfg: DictConfig, out_dir: Path) -> logging.Handler:
-    """The run is accepted: write Hydra's ``.hydra/`` files, and log into ``mlptrain.log`` from now on.
+class EarlyWarnings(logging.Handler):
+    """The warnings logged before the run is accepted (the data's, read before anything is written: ``data.missing=
+    drop``'s rows), kept until ``mlptrain.log`` is opened and then written into it (:meth:`replay`)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.records: list[logging.LogRecord] | None = []  # None: replayed, nothing more is kept
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.records is not None:
+            self.records.append(record)
+
+    def replay(self, handler: logging.Handler) -> None:
+        for record in self.records or []:
+            handler.handle(record)
+        self.records = None
+
+
+def _accepted(cfg: DictConfig, out_dir: Path, early: EarlyWarnings | None = None) -> logging.Handler:
+    """The run is accepted: write Hydra's ``.hydra/`` files, and log into ``mlptrain.log`` from now on (``early``'s
+    warnings first).
 
     Raises:
         OutputError: the folder is read-only or full; a ``.hydra/`` made here is removed again (each
@@ -183,6 +202,8 @@ def _accepted(cfg: DictConfig, out_dir: Path) -> logging.Handler:
             "writable hydra.run.dir"
         ) from exc
     handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    if early is not None:
+        early.replay(handler)
     logging.getLogger().addHandler(handler)
     return handler
 
@@ -209,13 +230,15 @@ def _run(cfg: DictConfig) -> float:
 
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     handlers: list[logging.Handler] = []
+    early = EarlyWarnings()  # said before mlptrain.log exists: written into it once it does
+    logging.getLogger().addHandler(early)
     # The process's first job carries its start-up (mlptrain.timeline); a multirun's later jobs start afresh.
     timeline = PROCESS if "config" not in PROCESS.phases else Timeline()
     try:
         config = to_train_config(cfg)
         timeline.mark("config")
         with logging_redirect_tqdm():
-            summary = _train_job(cfg, config, out_dir, handlers, timeline)
+            summary = _train_job(cfg, config, out_dir, handlers, timeline, early)
         return sweep_value(summary, config.optimized_metric)
     except MlptrainError as exc:
         _report(exc)
@@ -223,13 +246,18 @@ def _run(cfg: DictConfig) -> float:
             RunDirectory(out_dir).remove_if_empty()
         return float("nan")
     finally:
-        for handler in handlers:
+        for handler in [early, *handlers]:
             logging.getLogger().removeHandler(handler)
             handler.close()
 
 
 def _train_job(
-    cfg: DictConfig, config: TrainConfig, out_dir: Path, handlers: list[logging.Handler], timeline: Timeline
+    cfg: DictConfig,
+    config: TrainConfig,
+    out_dir: Path,
+    handlers: list[logging.Handler],
+    timeline: Timeline,
+    early: EarlyWarnings,
 ) -> dict[str, Any]:
     """One run: here, on ``distributed.gpus`` GPUs of this host (one process each), or as one rank
     that torchrun or mpirun started (:mod:`mlptrain.distributed`)."""
@@ -256,14 +284,14 @@ def _train_job(
         return train(
             config,
             out_dir,
-            on_accept=lambda path: handlers.append(_accepted(cfg, path)),
+            on_accept=lambda path: handlers.append(_accepted(cfg, path, early)),
             overrides=overrides,
             timeline=timeline,
         )
     from mlptrain.launcher import join
 
     comm = join(env)
-    accept = (lambda path: handlers.append(_accepted(cfg, path))) if env.rank == 0 else None
+    accept = (lambda path: handlers.append(_accepted(cfg, path, early))) if env.rank == 0 else None
     summary = train(config, out_dir, on_accept=accept, comm=comm, overrides=overrides, timeline=timeline)
     if env.rank != 0 and out_dir.absolute() in _created:  # Hydra's directory of this rank: unused
         from mlptrain.rundir import RunDirectory

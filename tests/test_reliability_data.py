@@ -191,8 +191,8 @@ def test_a_run_whose_streamed_file_is_truncated_says_so_and_keeps_last(tmp_path:
     env = {**os.environ, "PYTHONPATH": str(REPO), "MLPTRAIN_DATA": str(tmp_path / "cache")}
     args = ["data=file", f"data.path={path}", "data.residency=stream", "device=cpu", "model.hidden=[16]"]
     args += ["epochs=3", "progress=false", f"hydra.run.dir={run}"] + (["--race"] if race else [])
-    got = subprocess.run([sys.executable, "-c", _TRUNCATE_LATER, str(path), *args], env=env, cwd=tmp_path,
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    command = [sys.executable, "-c", _TRUNCATE_LATER, str(path), *args]
+    got = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert got.returncode > 0, f"killed by signal {-got.returncode}: {got.stderr[-2000:]}"  # SIGBUS: -7
     errors = [line for line in got.stderr.splitlines() if line.startswith("error")]
     assert len(errors) == 1 and f"data file {path} changed while the run streamed it" in errors[0], got.stderr
@@ -267,3 +267,26 @@ def test_text_targets_with_a_regression_loss_are_refused_naming_the_way_to_one_h
         train(cfg, tmp_path / "run")
     cfg.data.task = Task.classification  # mse on one-hot classes, as asked
     assert Trainer(cfg).dataset.num_classes == 3
+
+
+# ------------------------------------------------------------------ 5-8. what the messages say, and where
+
+
+def _cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MLPTRAIN_DATA": str(tmp_path / "cache")}
+    command = [sys.executable, "-m", "mlptrain", "device=cpu", "progress=false", *args]
+    return subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+
+
+def test_the_warning_of_dropped_rows_is_in_the_runs_log(tmp_path: Path) -> None:
+    lines = ["a,b,label"] + [f"{i % 7},{i % 5},{'' if i % 17 == 0 else i % 2}" for i in range(120)]
+    (tmp_path / "t.csv").write_text("\n".join(lines) + "\n")
+    run = tmp_path / "run"
+    args = ["data=file", f"data.path={tmp_path / 't.csv'}", "data.missing=drop", "epochs=1", f"hydra.run.dir={run}"]
+    got = _cli(tmp_path, *args)
+    assert got.returncode == 0, got.stderr
+    said = f"data file {tmp_path / 't.csv'}: 8 of 120 rows dropped, lines 2, 19, 36, 53, 70 and 3 more: no target"
+    assert said in got.stderr  # on the terminal, as before
+    log_lines = (run / "mlptrain.log").read_text().splitlines()
+    assert [line for line in log_lines if said in line and "[WARNING]" in line]  # was missing: logged before the file
+    assert said in log_lines[0]  # in the order it was said: before the run's first line
