@@ -19,7 +19,7 @@ from sklearn.preprocessing import StandardScaler
 from mlptrain import checkpoint, faults
 from mlptrain.config import DatasetName, Task
 from mlptrain.data import Dataset, chunks, load_dataset
-from mlptrain.data.files import write_csv
+from mlptrain.data.files import read_table, write_csv
 from mlptrain.data.prepare import normalization, target_scaling
 from mlptrain.data.rows import NormalisedRows
 from mlptrain.errors import DatasetError
@@ -290,3 +290,18 @@ def test_the_warning_of_dropped_rows_is_in_the_runs_log(tmp_path: Path) -> None:
     log_lines = (run / "mlptrain.log").read_text().splitlines()
     assert [line for line in log_lines if said in line and "[WARNING]" in line]  # was missing: logged before the file
     assert said in log_lines[0]  # in the order it was said: before the run's first line
+
+
+@pytest.mark.parametrize("reader", ["numpy", "arrow"])
+def test_a_line_of_spaces_is_refused_by_its_line_number(tmp_path: Path, reader: str) -> None:
+    path = tmp_path / "sp.csv"
+    path.write_text("a,b,label\n1,2,0\n3,4,1\n   \n5,6,0\n\n7,8,1\n")  # line 4: spaces; line 6: empty (skipped)
+    with pytest.raises(DatasetError) as info:
+        read_table(path, "label", reader=reader)  # Arrow: "CSV parse error: Expected 3 columns, got 1", no line
+    assert str(info.value) == (
+        f"data file {path} line 4 holds only whitespace ('   '); remove the line, or give it a value for each of the "
+        "3 columns"
+    )
+    path.write_text("a,b,label\n1,2,0\n3,4,1\n\n5,6,0\n")  # an empty line is skipped, as it was
+    table, _ = read_table(path, "label", reader=reader)
+    assert_array_equal(table.x, [[1, 2], [3, 4], [5, 6]])

@@ -63,11 +63,18 @@ def header(
 
 
 def check_rows(path: Path, delimiter: str, fields: int) -> int:
-    """Every data line has ``fields`` fields (blank lines aside); returns the number of rows."""
+    """Every data line has ``fields`` fields (empty lines aside, as both readers skip them); returns the number of
+    rows. A line of spaces or tabs is no empty line to the readers: it is refused by its number."""
     rows = 0
     for line_no, line in enumerate(lines(path), start=1):
-        if line_no == 1 or not line.strip():
+        if line_no == 1 or _empty(line):
             continue
+        if not line.strip():
+            shown = line.rstrip("\r\n")
+            raise DatasetError(
+                f"data file {path} line {line_no} holds only whitespace ({shown!r}); remove the line, or give it a "
+                f"value for each of the {fields} columns"
+            )
         n = len(next(csv.reader([line], delimiter=delimiter))) if '"' in line else line.count(delimiter) + 1
         if n != fields:
             raise DatasetError(
@@ -80,11 +87,16 @@ def check_rows(path: Path, delimiter: str, fields: int) -> int:
     return rows
 
 
+def _empty(line: str) -> bool:
+    """Whether ``line`` is empty (its line break aside): the lines NumPy and Arrow skip."""
+    return not line.rstrip("\r\n")
+
+
 def line_of_row(path: Path, row: int) -> int:
-    """The file line of data row ``row`` (blank lines skipped, as NumPy skips them)."""
+    """The file line of data row ``row`` (empty lines skipped, as NumPy skips them)."""
     seen = -1
     for line_no, line in enumerate(lines(path), start=1):
-        if line_no > 1 and line.strip():
+        if line_no > 1 and not _empty(line):
             seen += 1
             if seen == row:
                 return line_no
