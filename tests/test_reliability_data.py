@@ -305,3 +305,15 @@ def test_a_line_of_spaces_is_refused_by_its_line_number(tmp_path: Path, reader: 
     path.write_text("a,b,label\n1,2,0\n3,4,1\n\n5,6,0\n")  # an empty line is skipped, as it was
     table, _ = read_table(path, "label", reader=reader)
     assert_array_equal(table.x, [[1, 2], [3, 4], [5, 6]])
+
+
+def test_a_target_beyond_float32s_range_is_named_as_such(tmp_path: Path) -> None:
+    path = tmp_path / "big.csv"
+    path.write_text("a,b,price\n1,2,3.5\n3,4,1e39\n5,6,2.5\n7,8,-1.5\n")
+    cfg = make_cfg(data__name=DatasetName.file, data__path=str(path), data__target="price", model__loss="mse").data
+    with pytest.raises(DatasetError) as info:
+        load_dataset(cfg)  # was "inf is not a finite number; targets must be finite"
+    assert str(info.value) == (
+        f"data file {path} line 3, column 'price': 1e+39 is beyond float32's range (+-3.4e+38), in which targets are "
+        "scaled and trained; rescale the column"
+    )

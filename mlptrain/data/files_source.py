@@ -9,8 +9,8 @@ is split off the training rows. Then, naming the file, the line and the column o
 * classification: the classes are the training labels, sorted (their names are kept: ``cat``,
   ``dog``, or ``3``, ``7``); one class only is refused, and so is a test label never seen in training;
 * regression: the targets must be numbers;
-* features and targets must be finite (features within float32's range, where they are
-  normalised); a test file must have the training file's columns;
+* features and targets must be finite and within float32's range, where they are normalised (or
+  scaled) and trained; a test file must have the training file's columns;
 * a missing target (an empty cell, ``NA``, ``null``, ``NaN``: :mod:`mlptrain.data.labels`) is an
   error naming the rows, or with ``data.missing=drop`` the row is dropped (counted in the log);
   a target column that mixes numbers and text is an error; whole-number labels must be exact.
@@ -186,11 +186,12 @@ def _check_finite(table: Table, values: np.ndarray, names: list[str], what: str)
             f"{what} must be finite (fill or remove missing values)"
         )
     wide = flat.dtype.kind == "f" and flat.dtype.itemsize > 4  # finite narrower values are within float32's range
-    if what == "features" and len(flat) and wide and max_abs(flat) > FLOAT32_MAX:
+    if len(flat) and wide and max_abs(flat) > FLOAT32_MAX:
         at = np.unravel_index(int(np.argmax(np.abs(flat))), flat.shape)
+        how = "features are normalised and trained" if what == "features" else "targets are scaled and trained"
         raise DatasetError(
             f"data file {table.path} {table.where(int(at[0]))}, column {names[int(at[1])]!r}: {flat[at]:g} is beyond "
-            f"float32's range (+-{FLOAT32_MAX:.3g}), in which features are normalised and trained; rescale the column"
+            f"float32's range (+-{FLOAT32_MAX:.3g}), in which {how}; rescale the column"
         )
 
 
@@ -203,9 +204,9 @@ def _regression_targets(table: Table) -> np.ndarray:
             f"a regression needs numeric targets in {', '.join(table.target_names)} (data.task=regression, or auto "
             "with a regression loss such as model.loss=mse; for mse on one-hot classes set data.task=classification)"
         )
-    y = y.astype(np.float32).reshape(len(y), -1)  # (N, T)
+    y = y.reshape(len(y), -1)  # (N, T) as read: a value beyond float32's range is named as such, not as inf
     _check_finite(table, y, table.target_names, "targets")
-    return y
+    return y.astype(np.float32)
 
 
 def _all_numbers(values: np.ndarray) -> bool:
