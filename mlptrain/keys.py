@@ -19,7 +19,7 @@ from dataclasses import fields, is_dataclass
 from typing import Any
 
 from mlptrain.config import TrainConfig
-from mlptrain.shell import override
+from mlptrain.shell import hydra_value, override
 
 # Names of other frameworks (and plain English) for mlptrain's settings, by the key's last part.
 ALIASES: dict[str, str] = {
@@ -79,10 +79,12 @@ _NO_VALUE = object()
 
 def suggest(key: str, value: Any = _NO_VALUE) -> str:
     """What to write instead of ``key``, to end a message: ``; use optimizer.lr=0.1`` (sure),
-    ``; did you mean optimizer.lr=0.1?`` (a near miss; without ``value``: ``; did you mean optimizer.lr?``),
-    else where the settings are listed."""
+    ``; did you mean optimizer.lr=0.1?`` (a near miss; without ``value``, or with one that Hydra reads only in
+    quotes such as ``none``: ``; did you mean data.normalize?``), else where the settings are listed."""
     real, sure = real_key(key)
     if real is None:
         return "; python -m mlptrain --help lists the settings"
-    fix = real if value is _NO_VALUE else override(real, value)
+    # A value Hydra reads only in its own quotes ('none') would be quoted again for the shell ('"'"'): the key alone
+    quoted = value is _NO_VALUE or hydra_value(value).startswith("'")
+    fix = real if quoted else override(real, value)
     return f"; use {fix}" if sure else f"; did you mean {fix}?"

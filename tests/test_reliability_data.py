@@ -25,6 +25,7 @@ from mlptrain.data.rows import NormalisedRows
 from mlptrain.errors import DatasetError
 from mlptrain.evaluate import EvaluateArgs, evaluate
 from mlptrain.inference import Predictor
+from mlptrain.keys import suggest
 from mlptrain.run import train
 from mlptrain.sklearn import MLPClassifier, MLPRegressor
 from mlptrain.trainer import Trainer
@@ -317,3 +318,14 @@ def test_a_target_beyond_float32s_range_is_named_as_such(tmp_path: Path) -> None
         f"data file {path} line 3, column 'price': 1e+39 is beyond float32's range (+-3.4e+38), in which targets are "
         "scaled and trained; rescale the column"
     )
+
+
+@pytest.mark.parametrize(
+    ("value", "want"),
+    [("none", "did you mean data.normalize?"), ("minmax", "did you mean data.normalize=minmax?")],
+)
+def test_the_normalise_typo_gets_a_suggestion_that_reads_cleanly(tmp_path: Path, value: str, want: str) -> None:
+    got = _cli(tmp_path, f"data.normalise={value}", f"hydra.run.dir={tmp_path / 'run'}")
+    assert got.returncode == 2
+    assert got.stderr.strip().splitlines()[-1] == f"error: data.normalise is not a setting; {want}"
+    assert suggest("data.normalise", value) == f"; {want}"  # was "'data.normalize='"'"'none'"'"''" for none
