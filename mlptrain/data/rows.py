@@ -69,7 +69,6 @@ class StreamSource:
         self.path = str(table.filename)
         self.offset = int(table.offset)  # the table's first byte in the file
         self.row_bytes = table.dtype.itemsize * int(table.shape[1])
-        self.end = self.offset + self.row_bytes * len(table)  # the file must hold at least this many bytes
         self.fd = os.open(self.path, os.O_RDONLY)
         self.identity = self._identity(os.fstat(self.fd))
 
