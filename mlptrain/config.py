@@ -255,7 +255,9 @@ class TrainConfig:
     log_every: int = _f(10, "read the metrics back from the device every this many steps (one sync)")
     progress: Optional[bool] = _f(None, "progress bars; null: when stderr is a terminal")
     checkpoint_every: int = _f(1, "save checkpoints/last.npz every this many epochs (0: only at the end)")
-    checkpoint_steps: int = _f(0, "also save last every this many steps (0: off)")
+    checkpoint_steps: int = _f(
+        0, "also save last every this many steps (0: off); a kill loses at most 2x this many (one write at a time)"
+    )
     resume: Optional[str] = _f(None, "continue a run: last, best, or the path of a checkpoint or run directory")
     graph: Optional[bool] = _f(None, "GPU: replay the step as a CUDA graph; null: on")
     max_steps: Optional[int] = _f(None, "stop after this many steps (null: all epochs)")

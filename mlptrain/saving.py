@@ -3,6 +3,11 @@
 Writing a checkpoint (:func:`mlptrain.checkpoint.save`: SHA-256, zip, fsync, rename) took 48 ms a
 save for a 1.3 M-parameter model on the H200 host, twice an epoch (``best`` and ``last``), in a run
 whose epochs took 0.1 s of steps; the steps need not wait for it.
+
+One write at a time: a save waits for the one before to be on disk. So the memory held is one
+checkpoint's host copies at most (a queue of them grew to 797 MB for a 2048-2048 Adam model with
+``checkpoint_steps=1``), and a run killed at any moment has on disk the checkpoint before the one
+being written: it loses at most ``2 × checkpoint_steps`` steps (docs/reliability.md, promise 3).
 """
 
 from __future__ import annotations
@@ -21,8 +26,9 @@ class Writer:
     """Checkpoints written by :func:`mlptrain.checkpoint.save` on a thread, in order, while training goes on.
 
     A checkpoint's host copies are taken before :meth:`submit` (the caller's ``state_dict()``: the
-    state at that moment, which later steps do not touch); the SHA-256, the zip and the fsync happen
-    on the thread (hashlib, zlib and file writes release the GIL). A write that failed raises its
+    state at that moment, which later steps do not touch); :meth:`submit` first waits for the write
+    before it (at most one write is pending); the SHA-256, the zip and the fsync happen on the thread
+    (hashlib, zlib and file writes release the GIL). A write that failed raises its
     :class:`~mlptrain.errors.CheckpointError` at the next :meth:`submit` or :meth:`wait`, before
     anything else is written, so the checkpoint before it stays the last one on disk. :meth:`wait`
     before reading a checkpoint back, before reporting one as saved, and at the end of the run.
@@ -34,15 +40,20 @@ class Writer:
         self._failed: BaseException | None = None  # the first write that failed; nothing is written after it
 
     def submit(self, path: Path, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
-        """Queue ``save(path, arrays, meta)`` (``meta`` copied now); raise an earlier write's error first."""
-        self._raise_failed()
+        """Write ``save(path, arrays, meta)`` on the thread (``meta`` copied now) once the write before it is
+        done; raise an earlier write's error first."""
+        self.wait()  # one write at a time: bounded memory, and the one before is on disk (or its error raised)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="mlptrain-checkpoint")
-        self._pending = [f for f in self._pending if not f.done()]
         self._pending.append(self._pool.submit(self._write, Path(path), arrays, copy.deepcopy(meta)))
 
+    @property
+    def pending(self) -> int:
+        """The writes submitted and not yet waited for (0 or 1)."""
+        return len(self._pending)
+
     def wait(self) -> None:
-        """Wait for every queued write; raise the first failed one's error."""
+        """Wait for the pending write; raise the first failed one's error."""
         pending, self._pending = self._pending, []
         for future in pending:
             future.exception()  # waits (the error itself is kept in _failed)
