@@ -32,6 +32,8 @@ from mlptrain.precision import PRECISIONS, SETTINGS
 from mlptrain.registry import joined
 
 Uses = dict[str, tuple[Callable[[TrainConfig], bool], str]]
+MAX_LOG_EVERY = 1_000_000  # 28 MB of ring on the device (StepLog), and as much on the host
+SEEDS = 2**32  # seeds are below this: NumPy's legacy seeding and scikit-learn's random_state take no more
 _OPTIMIZER_FIELDS = {f.name for f in fields(OptimizerConfig)}
 
 
@@ -220,7 +222,7 @@ def _ranges(cfg: TrainConfig) -> list[str]:
         (0.0 < d.test_fraction < 1.0, f"data.test_fraction={d.test_fraction} must be in (0, 1)"),
         (d.val_fraction + d.test_fraction < 1.0, "data.val_fraction + data.test_fraction must be below 1"),
         (d.missing in ("error", "drop"), f"data.missing={d.missing!r} must be error or drop"),
-        (d.split_seed >= 0, f"data.split_seed={d.split_seed} must be a non-negative integer"),
+        (0 <= d.split_seed < SEEDS, f"data.split_seed={d.split_seed} must be an integer in [0, 2**32)"),
         (d.samples is None or d.samples >= 2, f"data.samples={d.samples} must be at least 2 or null"),
         (d.name.value != "mnist1d" or not mnist1d_samples_problem(d.samples), str(mnist1d_samples_problem(d.samples))),
         (d.features >= 1, f"data.features={d.features} must be positive"),
@@ -229,9 +231,12 @@ def _ranges(cfg: TrainConfig) -> list[str]:
         (_target_ok(d.target), f"data.target={d.target!r} must be a column name or a list of column names"),
         (o.warmup_steps >= 0, f"optimizer.warmup_steps={o.warmup_steps} must be >= 0"),
         (0.0 <= o.min_lr_ratio <= 1.0, f"optimizer.min_lr_ratio={o.min_lr_ratio} must be in [0, 1]"),
-        (cfg.seed >= 0, f"seed={cfg.seed} must be a non-negative integer"),
+        (0 <= cfg.seed < SEEDS, f"seed={cfg.seed} must be an integer in [0, 2**32)"),
         (cfg.epochs >= 1, f"epochs={cfg.epochs} must be a positive integer"),
-        (cfg.log_every >= 1, f"log_every={cfg.log_every} must be a positive integer"),
+        (
+            1 <= cfg.log_every <= MAX_LOG_EVERY,  # the step metrics' ring holds log_every slots on the device
+            f"log_every={cfg.log_every} must be in [1, {MAX_LOG_EVERY}] (its steps' metrics are held until read)",
+        ),
         (cfg.checkpoint_every >= 0, f"checkpoint_every={cfg.checkpoint_every} must be >= 0"),
         (cfg.checkpoint_steps >= 0, f"checkpoint_steps={cfg.checkpoint_steps} must be >= 0 (0: off)"),
         (cfg.max_steps is None or cfg.max_steps >= 1, f"max_steps={cfg.max_steps} must be positive or null"),

@@ -91,6 +91,9 @@ def _dynamic(p: PrecisionSpec) -> bool:
     return p.loss_scaling == "dynamic"
 
 
+MAX_AMAX_HISTORY = 1024  # precision.amax_history: steps of amax each FP8 tensor keeps (on the device)
+MAX_MARGIN = 8  # precision.margin: the largest value scales to fp8_max / 2^margin (E4M3: 448 / 256 = 1.75)
+
 # precision.<key>: (whether a row reads it, what those rows are, the setting's range)
 SETTINGS: dict[str, tuple[Callable[[PrecisionSpec], bool], str, Range | None]] = {
     "init_scale": (_dynamic, "dynamic loss scaling", POSITIVE),
@@ -102,8 +105,18 @@ SETTINGS: dict[str, tuple[Callable[[PrecisionSpec], bool], str, Range | None]] =
         "the precisions that skip a step with an inf/NaN gradient",
         AT_LEAST_ONE,
     ),
-    "amax_history": (lambda p: p.gemm_scales, "delayed scaling", Range(1, words="a positive number of steps")),
-    "margin": (lambda p: p.gemm_scales, "delayed scaling", Range(0, note="a power of two of headroom")),
+    # Transformer Engine's longest default history; the GPU's scale update shifts it in one thread at every cast
+    "amax_history": (
+        lambda p: p.gemm_scales,
+        "delayed scaling",
+        Range(1, MAX_AMAX_HISTORY, words="in [1, 1024] steps"),
+    ),
+    # E4M3 has 15 binades of normal numbers below its max (448 down to 2^-6): 2^8 of headroom leaves 7 of them
+    "margin": (
+        lambda p: p.gemm_scales,
+        "delayed scaling",
+        Range(0, MAX_MARGIN, note="2^margin of headroom below the FP8 max; 8 leaves 7 of E4M3's 15 binades"),
+    ),
     "compute_copy": (
         lambda p: p.compute != p.storage,
         "the other precisions compute in the parameters' dtype",

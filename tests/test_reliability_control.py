@@ -14,11 +14,14 @@ from typing import Any
 
 import numpy as np
 import pytest
+from helpers import make_cfg
 from test_checkpoint import _arrays, _meta
 from test_reliability import start_cli, step_lines, wait_for
 
 from mlptrain import checkpoint, saving
+from mlptrain.errors import ConfigError
 from mlptrain.metrics import read_metrics
+from mlptrain.run import train
 from mlptrain.saving import Writer
 
 # ------------------------------------------------------------------ 1. at most one checkpoint write pending
@@ -74,3 +77,40 @@ def test_sigkill_with_checkpoint_steps_1_loses_at_most_two_steps(tmp_path: Path)
         proc.communicate(timeout=60)
         done, saved = _steps_done(run), checkpoint.load(last).position.step
         assert 0 <= done - saved <= 2, f"kill {attempt}: {done} steps done, last.npz at step {saved}"
+
+
+# ------------------------------------------------------------------ 7, 8. bounds of seeds and sizes
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"seed": 2**64}, "seed=18446744073709551616 must be an integer in [0, 2**32)"),
+        ({"data__split_seed": 2**32}, "data.split_seed=4294967296 must be an integer in [0, 2**32)"),
+        ({"precision__name": "fp8", "precision__margin": 100}, "precision.margin=100 must be in [0, 8]"),
+        (
+            {"precision__name": "fp8", "precision__amax_history": 10**9},
+            "precision.amax_history=1000000000 must be in [1, 1024] steps",
+        ),
+        ({"log_every": 10**9}, "log_every=1000000000 must be in [1, 1000000]"),
+    ],
+)
+def test_seeds_and_sizes_out_of_bounds_are_refused_in_one_line(
+    tmp_path: Path, overrides: dict[str, Any], message: str
+) -> None:
+    """seed=2**64 was a TypeError traceback on resume; margin=100 trained to 19 %; amax_history=1e9 took 23 GB."""
+    with pytest.raises(ConfigError) as err:
+        train(make_cfg(**overrides), tmp_path / "run")
+    assert message in str(err.value) and "\n" not in str(err.value)
+    assert not (tmp_path / "run").exists(), "a refused run writes nothing"
+
+
+def test_the_cli_refuses_seed_2_64_in_one_line(tmp_path: Path) -> None:
+    proc = start_cli(
+        "seed=18446744073709551616", "progress=false", "device=cpu", f"hydra.run.dir={tmp_path / 'r'}", cwd=tmp_path
+    )
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in err, err
+    assert err.strip().splitlines() == [
+        "error: invalid configuration: seed=18446744073709551616 must be an integer in [0, 2**32)"
+    ]
