@@ -49,7 +49,7 @@ class StopRequest:
     before they kill. Installed in the main thread only; restored on exit.
 
     Until :meth:`defer` (before the run is accepted, when nothing has been written) a signal raises
-    :class:`Interrupted` at once. From then on the first one only sets ``requested``: the loop saves
+    :class:`Interrupted` at once (and :meth:`defer` raises it again, should it have been swallowed). From then on the first one only sets ``requested``: the loop saves
     ``last`` and stops after the current step; a second raises :class:`Interrupted` at once. The
     handler itself only sets a flag or raises: printing from a signal handler can re-enter a stream.
     """
@@ -60,10 +60,19 @@ class StopRequest:
         self.requested = False
         self.deferred = False
         self.signum = int(signal.SIGINT)  # the signal that asked to stop
+        self.early: int | None = None  # a signal before defer(): raised at once, and again at defer()
         self._previous: dict[int, Any] = {}
 
     def defer(self) -> None:
-        """From now on a first signal asks the run to stop at the next step, after saving ``last``."""
+        """From now on a first signal asks the run to stop at the next step, after saving ``last``.
+
+        A signal that came before and whose :class:`Interrupted` was swallowed on its way (it can land inside a
+        log call, whose handler catches what a ``finally`` raised after it: tqdm's logging redirect does) stops
+        the run here, still before anything was written."""
+        if self.early is not None:
+            raise Interrupted(
+                f"stopped by {signal.Signals(self.early).name} before training started; nothing was written", self.early
+            )
         self.deferred = True
 
     def beat(self) -> None:
@@ -87,6 +96,7 @@ class StopRequest:
     def _handle(self, signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name
         if not self.deferred:
+            self.early = signum  # the exception below may be swallowed (a log handler): defer() raises it again
             raise Interrupted(f"stopped by {name} before training started; nothing was written", signum)
         if self.requested:
             raise Interrupted(f"stopped at once by a second {name}", signum)

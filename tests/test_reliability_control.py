@@ -5,8 +5,11 @@ Each test fails on the code before its fix; docs/reliability.md lists them.
 
 from __future__ import annotations
 
+import os
 import random
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -16,7 +19,7 @@ import numpy as np
 import pytest
 from helpers import make_cfg
 from test_checkpoint import _arrays, _meta
-from test_reliability import start_cli, step_lines, wait_for
+from test_reliability import REPO, start_cli, step_lines, wait_for
 
 from mlptrain import checkpoint, saving
 from mlptrain.errors import ConfigError
@@ -114,3 +117,55 @@ def test_the_cli_refuses_seed_2_64_in_one_line(tmp_path: Path) -> None:
     assert err.strip().splitlines() == [
         "error: invalid configuration: seed=18446744073709551616 must be an integer in [0, 2**32)"
     ]
+
+
+# ------------------------------------------------------------------ 2. a stop swallowed by a log call
+
+# The CLI, with a log handler on mlptrain's logger that sends this process SIGINT in its first record while the run
+# is set up (the stop request installed, not yet deferred) and swallows what is raised in its emit, as tqdm's
+# logging redirect does when the Interrupted lands inside its lock's creation and its finally raises AttributeError.
+SWALLOWING_RUN = """
+import logging, os, signal, sys
+from mlptrain.cli import main
+from mlptrain.stopping import StopRequest
+
+class Swallowing(logging.Handler):
+    fired = False
+    def emit(self, record):
+        stop = getattr(signal.getsignal(signal.SIGINT), "__self__", None)
+        if Swallowing.fired or not isinstance(stop, StopRequest) or stop.deferred:
+            return
+        Swallowing.fired = True
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(1000):  # the handler runs here, between two bytecodes
+                pass
+        except BaseException:
+            sys.stderr.write("swallowed\\n")
+
+logging.getLogger("mlptrain").addHandler(Swallowing())
+sys.argv = ["mlptrain", *sys.argv[1:]]
+main()
+"""
+
+
+def test_a_stop_swallowed_inside_a_log_call_still_stops_the_run(tmp_path: Path) -> None:
+    """It printed "--- Logging error --- ... stopped by SIGINT before training started", trained on and exited 0."""
+    run = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", "HYDRA_MAIN_MODULE")}
+    env["PYTHONPATH"] = str(REPO)
+    args = ["model.hidden=[8]", "epochs=2", "progress=false", "device=cpu", f"hydra.run.dir={run}"]
+    proc = subprocess.run(
+        [sys.executable, "-c", SWALLOWING_RUN, *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    lines = [line for line in proc.stderr.splitlines() if line.strip() and not line.startswith("[")]
+    assert lines == ["swallowed", "mlptrain: stopped by SIGINT before training started; nothing was written"], (
+        proc.stderr
+    )
+    assert proc.returncode == 130 and "mlptrain:" not in proc.stdout
+    assert not run.exists() or not any(run.iterdir()), "nothing was written"
