@@ -75,6 +75,13 @@ class Position:
     correct: int = 0
     samples: int = 0
 
+    def describe(self) -> str:
+        """Where the run stands, counted from 1 as the epoch lines count: ``epoch 16, after its batch 6``,
+        ``after epoch 15`` (a whole epoch done), ``at the start``. The interrupt and the resume say it alike."""
+        if self.batch:
+            return f"epoch {self.epoch + 1}, after its batch {self.batch}"
+        return f"after epoch {self.epoch}" if self.epoch else "at the start"
+
 
 @dataclass
 class Best:

@@ -2,7 +2,9 @@
 stop a run is asked for: :mod:`mlptrain.stopping`).
 
 * :func:`nonfinite_error` and :func:`check_scaler`: inf/NaN in a loss, a gradient or a parameter
-  stops the run naming the step and the tensors; in fp16 only a persistent overflow does.
+  stops the run naming the step and the tensors (a regression's loss beyond float32 names the targets'
+  scale); with loss scaling (fp16, bf16, fp8) only a persistent overflow does, or one still going on
+  at a checkpoint or the run's end (:func:`skipped_error`).
 * :func:`out_of_memory`: a :class:`~mlptrain.errors.ResourceError` naming the sizes to lower.
 * :func:`stop_if_data_changed`: a streamed split's file (``data.residency=stream``) changed under the run:
   ``last`` saved, and a :class:`~mlptrain.errors.DatasetError` naming the file and the change.
@@ -126,9 +128,50 @@ def nonfinite_error(
     what = [f"the training loss is {losses[j]}"] if bad else []
     if tensors:
         what.append(f"inf/NaN{after} in " + ", ".join(tensors))
+    fix = f"lower optimizer.lr (now {lrs[j]:.3g}) or use warm-up (optimizer.warmup_steps)"
+    if bad and (top := targets_beyond_float32(tr)) is not None:
+        fix = (
+            f"it overflowed float32 (max {F32_MAX:.3g}) because of the targets' scale: they reach |y| = {top:.3g}, "
+            "whose square is beyond it, and the loss is in the targets' units; normalise the targets (express "
+            "them in larger units, divided by a power of ten) so that their squares fit"
+        )
     return NonFiniteError(
-        f"non-finite values {where} (epoch {epoch}, {tr.precision.name}): {'; '.join(what)}; lower "
-        f"optimizer.lr (now {lrs[j]:.3g}) or use warm-up (optimizer.warmup_steps){saved}"
+        f"non-finite values {where} (epoch {epoch + 1}, {tr.precision.name}): {'; '.join(what)}; {fix}{saved}"
+    )
+
+
+F32_MAX = float(np.finfo(np.float32).max)
+
+
+def targets_beyond_float32(tr: Trainer) -> float | None:
+    """A regression's largest ``|y|`` (in the targets' units) when its square overflows float32, else None:
+    the loss (in the targets' units) then overflows whatever the learning rate."""
+    ds = tr.dataset
+    if ds.task != "regression" or len(ds.y_train) == 0:
+        return None
+    y = np.asarray(ds.y_train, dtype=np.float64)
+    if ds.target_scaling is not None:  # standardised: back to the targets' units
+        y = y * ds.target_scaling.scale + ds.target_scaling.shift
+    top = float(np.max(np.abs(y)))
+    return top if top * top > F32_MAX else None
+
+
+def skipped_error(tr: Trainer, last_loss: float, saved: str) -> NonFiniteError | None:
+    """Loss scaling (fp16, bf16, fp8): the error for a checkpoint, or the run's end, reached while the steps
+    are being skipped with an inf/NaN loss. Skipping waits out a transient overflow; a run that ends or
+    checkpoints inside a run of them (too short to reach ``max_consecutive_skips``) has diverged, and stops
+    as fp32 does: the model's forward overflows, so nothing of it is saved (the last checkpoint stays)."""
+    if not tr.scaler.enabled or math.isfinite(last_loss):
+        return None
+    skips = int(tr.scaler.consecutive_skips)  # syncs the device (the checkpoint does anyway)
+    if skips == 0:
+        return None
+    step = tr.step_count - 1
+    return NonFiniteError(
+        f"non-finite values at step {step} (epoch {step // tr.steps_per_epoch + 1}, {tr.precision.name}): the "
+        f"training loss is {last_loss} and the last {skips} steps were skipped (inf/NaN gradients), so no "
+        f"checkpoint is written; lower optimizer.lr (now {tr.lr_at(step):.3g}) or use warm-up "
+        f"(optimizer.warmup_steps){saved}"
     )
 
 

@@ -4,6 +4,7 @@ The step records its metrics on the device (:class:`~mlptrain.steplog.StepLog`);
 once per ``log_every`` steps. :class:`Interval` counts the steps of the interval on the host;
 :meth:`Interval.close` queues what the records need behind the interval's steps and returns a
 :class:`Closed`; :meth:`Interval.write` waits for it and writes one ``step`` record per step.
+:func:`epoch_line` is the log line of an epoch's record.
 """
 
 from __future__ import annotations
@@ -124,3 +125,18 @@ class Closed:
     @property
     def last(self) -> int:
         return self.first + self.n - 1
+
+
+def epoch_line(rec: dict[str, Any], epochs: int, tr: Trainer, samples_per_s: float) -> str:
+    """One line per epoch, as Keras' ``verbose=2`` prints (also when no progress bar is shown)."""
+    parts = [f"epoch {rec['epoch'] + 1}/{epochs}"]
+    for split in ("train", "val", "test"):
+        scores = [f"{k} {rec[f'{split}/{k}']:.4f}" for k in ("loss", "acc") if f"{split}/{k}" in rec]
+        if scores:
+            parts.append(f"{split} " + " ".join(scores))
+    parts.append(f"lr {tr.lr_at(max(tr.step_count - 1, 0)):.3g}")
+    parts.append(f"{samples_per_s:,.0f} samples/s")
+    if tr.scaler.enabled:
+        parts.append(f"loss scale {float(tr.scaler.scale):.3g}")
+    parts.append(f"{rec['time_s']:.1f} s")
+    return " | ".join(parts)

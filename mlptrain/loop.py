@@ -29,7 +29,7 @@ from mlptrain import checkpoint, faults
 from mlptrain.checkpoint import Position
 from mlptrain.config import to_plain
 from mlptrain.errors import TrainingInterrupted
-from mlptrain.interval import Closed, Interval
+from mlptrain.interval import Closed, Interval, epoch_line
 from mlptrain.metrics import MetricsWriter, read_metrics
 from mlptrain.resume import Start
 from mlptrain.rundir import RunDirectory
@@ -69,6 +69,7 @@ class Loop:
         self.progress_disable = None if self.cfg.progress is None else not self.cfg.progress
         self.record: dict[str, Any] = {}
         self.stopped_early: int | None = start.stopped_early  # set: the run stopped early, its summary unwritten
+        self.last_loss = 0.0  # the training loss of the last step written (inf/NaN: skipped_error at a save)
 
     def run(self) -> dict[str, Any]:
         """Train to the end (or a stop request); returns the summary record."""
@@ -303,6 +304,7 @@ class Loop:
             if not self.each_step:
                 self.check(losses, lrs, epoch, closed=c)
             faults.check_scaler(self.tr, c.checks, c.last)
+            self.last_loss = float(losses[-1])
         self.stop.agree()
         if self.tr.grad_sync is not None and self.cfg.distributed.verify:  # every rank still holds the same bytes
             from mlptrain.distributed.control import check_replicas
@@ -353,6 +355,9 @@ class Loop:
             self._save(name, pos)
 
     def _save(self, name: str, pos: Position) -> None:
+        if (error := faults.skipped_error(self.tr, self.last_loss, self.saved_note())) is not None:
+            self.writer.wait()  # the checkpoint the message names is on disk
+            raise error
         arrays, meta = self.tr.state_dict()
         meta.update(
             position=pos.__dict__,
@@ -378,23 +383,8 @@ class Loop:
         name = signal.Signals(signum).name
         self.metrics.write(kind="interrupted", step=pos.step, epoch=pos.epoch, checkpoint=str(last), signal=name)
         message = (  # the run's settings are in its checkpoint: the directory alone continues it
-            f"interrupted at step {pos.step} (epoch {pos.epoch + 1}, {name}); checkpoint saved to {last}; "
+            f"interrupted at step {pos.step} ({pos.describe()}, {name}); checkpoint saved to {last}; "
             f"continue with: {self.run_dir.front.resume_command(self.run_dir.path)}"
         )
         log.warning(message)
         raise TrainingInterrupted(message, last, pos.step, signum)
-
-
-def epoch_line(rec: dict[str, Any], epochs: int, tr: Trainer, samples_per_s: float) -> str:
-    """One line per epoch, as Keras' ``verbose=2`` prints (also when no progress bar is shown)."""
-    parts = [f"epoch {rec['epoch'] + 1}/{epochs}"]
-    for split in ("train", "val", "test"):
-        scores = [f"{k} {rec[f'{split}/{k}']:.4f}" for k in ("loss", "acc") if f"{split}/{k}" in rec]
-        if scores:
-            parts.append(f"{split} " + " ".join(scores))
-    parts.append(f"lr {tr.lr_at(max(tr.step_count - 1, 0)):.3g}")
-    parts.append(f"{samples_per_s:,.0f} samples/s")
-    if tr.scaler.enabled:
-        parts.append(f"loss scale {float(tr.scaler.scale):.3g}")
-    parts.append(f"{rec['time_s']:.1f} s")
-    return " | ".join(parts)

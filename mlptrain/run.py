@@ -223,7 +223,9 @@ def _sinks(tr: Trainer, run_dir: RunDirectory, start: Start) -> list[Any]:
     columns = csv_columns(tr.dataset.task == "classification", list(tr.eval_loaders), tr.scaler.enabled)
     out: list[Any] = [CsvSink(run_dir.path / CSV_NAME, columns, run_dir.metrics)]
     if tr.cfg.logger.value == "tensorboard":  # a resume purges what the killed run logged past its checkpoint
-        purge = start.position.step if start.resumed_from is not None else None
+        # (also a run that starts again at step 0 over the events of one killed before its first checkpoint)
+        again = start.resumed_from is not None or any((run_dir.path / TENSORBOARD_DIR).glob("events.*"))
+        purge = start.position.step if again else None
         out.append(TensorBoardSink(run_dir.path / TENSORBOARD_DIR, purge_step=purge))
     return out
 
@@ -265,7 +267,7 @@ def _accept(tr: Trainer, run_dir: RunDirectory, start: Start, on_accept: Callabl
     )
     if start.resumed_from is not None:
         p = start.position
-        log.info("resuming from %s at step %d (epoch %d, batch %d)", start.resumed_from, p.step, p.epoch, p.batch)
+        log.info("resuming from %s at step %d (%s)", start.resumed_from, p.step, p.describe())
     for note in start.notes:
         log.warning(note)
 

@@ -117,12 +117,20 @@ class TensorBoardSink:
 
         A run killed after that checkpoint resumes from it and purges from its step: whatever the
         event files lack below that step would be lost for good. tensorboardX's own ``flush`` writes
-        only what its worker thread has taken from its queue; ``close`` drains the queue. So the
-        writer is closed (its file complete) and the next records go to a new file of the folder,
-        which TensorBoard reads as one run.
+        only what its worker thread has taken from its queue, and ``close`` ends the file (reopening
+        made one event file per checkpoint, 31 for 30 epochs). So the worker is stopped, which drains
+        the queue into the file, the file flushed, and a new worker started on the same queue and file.
         """
-        self.writer.close()
-        self.writer = self._open(None)
+        events = self.writer._get_file_writer().event_writer  # tensorboardX's EventFileWriter
+        worker = getattr(events, "_worker", None)
+        if worker is None or not hasattr(events, "_ev_writer"):  # another tensorboardX: a new file, as before
+            self.writer.close()
+            self.writer = self._open(None)
+            return
+        worker.stop()  # puts its end behind every queued event and joins: the queue is drained
+        events._ev_writer.flush()
+        events._worker = type(worker)(events._event_queue, events._ev_writer, events._flush_secs)
+        events._worker.start()
 
     def write(self, record: dict[str, Any]) -> None:
         kind, step = record.get("kind"), record.get("step")

@@ -88,7 +88,7 @@ def test_a_fault_is_named_one_interval_later(tmp_path: Path, monkeypatch: pytest
         train(make_cfg(log_every=10), tmp_path)
     msg = str(err.value)
     assert msg.startswith(
-        "non-finite values at step 26 (epoch 1, fp32): the training loss is nan; inf/NaN after step 30 in"
+        "non-finite values at step 26 (epoch 2, fp32): the training loss is nan; inf/NaN after step 30 in"
     )
     assert "layer1.weight" in msg and "lower optimizer.lr" in msg
     steps = [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl") if r["kind"] == "step"]
@@ -99,7 +99,7 @@ def test_a_checkpoint_waits_for_the_checks(tmp_path: Path, monkeypatch: pytest.M
     # checkpoint_steps=30: the checkpoint after step 29 writes and checks every interval first, so the fault of
     # step 25 stops the run there and last.npz keeps the state of the epoch before (step 21), not a NaN one.
     inject_inf_grad(monkeypatch, 25)
-    with pytest.raises(NonFiniteError, match=r"^non-finite values at step 26 \(epoch 1, fp32\)"):
+    with pytest.raises(NonFiniteError, match=r"^non-finite values at step 26 \(epoch 2, fp32\)"):
         train(make_cfg(log_every=10, checkpoint_steps=30), tmp_path)
     steps = [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl") if r["kind"] == "step"]
     assert steps == list(range(30))

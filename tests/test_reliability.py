@@ -225,7 +225,7 @@ def test_inf_gradient_stops_naming_step_and_tensor(tmp_path: Path, monkeypatch: 
         train(make_cfg(checkpoint_steps=10), tmp_path)
     msg = str(err.value)
     assert msg.startswith(
-        "non-finite values at step 25 (epoch 1, fp32): inf/NaN in layer1.weight gradient, layer1.weight;"
+        "non-finite values at step 25 (epoch 2, fp32): inf/NaN in layer1.weight gradient, layer1.weight;"
     )
     assert "the training loss" not in msg, "the loss of step 25 was still finite"
     assert "lower optimizer.lr (now 0.0" in msg
@@ -237,7 +237,7 @@ def test_inf_gradient_stops_naming_step_and_tensor(tmp_path: Path, monkeypatch: 
 
 def test_inf_parameter_stops_naming_the_parameter(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _inject(monkeypatch, "param", 3, "layer0.bias")
-    with pytest.raises(NonFiniteError, match=r"at step 3 \(epoch 0, fp32\): inf/NaN in layer0.bias; lower"):
+    with pytest.raises(NonFiniteError, match=r"at step 3 \(epoch 1, fp32\): inf/NaN in layer0.bias; lower"):
         train(make_cfg(), tmp_path)
 
 
@@ -246,7 +246,7 @@ def test_diverging_learning_rate_stops_with_the_loss_and_step(tmp_path: Path) ->
     with pytest.raises(NonFiniteError) as err:
         train(make_cfg(optimizer__lr=1e6, optimizer__momentum=0.0, optimizer__schedule=Schedule.constant), tmp_path)
     msg = str(err.value)
-    assert "non-finite values at step " in msg and "(epoch 0, fp32)" in msg
+    assert "non-finite values at step " in msg and "(epoch 1, fp32)" in msg
     assert "lower optimizer.lr (now 1e+06) or use warm-up (optimizer.warmup_steps)" in msg
     bad = int(msg.split("at step ")[1].split(" ")[0])
     losses = [r["train/loss"] for r in read_metrics(tmp_path / "metrics.jsonl") if r["kind"] == "step"]
@@ -285,7 +285,7 @@ def test_gpu_inf_gradient_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         train(make_cfg(device=Device.gpu, graph=False, execution__bgrad=Bgrad.drelu_bgrad), tmp_path)
     msg = str(err.value)
     # On the GPU the check runs at the log interval's sync: the loss of step 13 is the first non-finite one.
-    assert "at step 13 (epoch 0, fp32): the training loss is " in msg, msg
+    assert "at step 13 (epoch 1, fp32): the training loss is " in msg, msg
     assert "layer1.weight" in msg
 
 
@@ -431,7 +431,7 @@ def test_divergence_is_one_error_line_without_numpy_warnings(tmp_path: Path) -> 
 @pytest.mark.parametrize(
     ("override", "phrase"),
     [
-        ("seed=-1", "seed=-1 must be a non-negative integer"),
+        ("seed=-1", "seed=-1 must be an integer in [0, 2**32)"),
         ("optimizer.eps=inf", "optimizer.eps=inf must be a finite number"),
         ("optimizer.lr=nan", "optimizer.lr=nan must be a finite number"),
         ("precision.init_scale=inf", "precision.init_scale=inf must be a finite number"),

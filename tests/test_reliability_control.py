@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -19,13 +20,16 @@ import numpy as np
 import pytest
 from helpers import make_cfg
 from test_checkpoint import _arrays, _meta
+from test_follow import _shown
 from test_reliability import REPO, start_cli, step_lines, wait_for
 
 from mlptrain import checkpoint, saving
-from mlptrain.errors import ConfigError
+from mlptrain.config import DatasetName, Logger, Task
+from mlptrain.errors import ConfigError, NonFiniteError
 from mlptrain.metrics import read_metrics
 from mlptrain.run import train
 from mlptrain.saving import Writer
+from mlptrain.trainer import Trainer
 
 # ------------------------------------------------------------------ 1. at most one checkpoint write pending
 
@@ -169,3 +173,124 @@ def test_a_stop_swallowed_inside_a_log_call_still_stops_the_run(tmp_path: Path) 
     )
     assert proc.returncode == 130 and "mlptrain:" not in proc.stdout
     assert not run.exists() or not any(run.iterdir()), "nothing was written"
+
+
+# ------------------------------------------------------------------ 3. skipped steps at a checkpoint
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_fp8_with_a_diverging_lr_stops_and_saves_no_checkpoint(tmp_path: Path) -> None:
+    """precision=fp8 optimizer.lr=1e10 skipped 38 of 42 steps, exited 0 with "loss nan" and saved checkpoints."""
+    run = tmp_path / "run"
+    with pytest.raises(NonFiniteError) as err:
+        train(make_cfg(precision__name="fp8", optimizer__lr=1e10, epochs=2, log_every=1), run)
+    msg = str(err.value)
+    assert msg.startswith("non-finite values at step 20 (epoch 1, fp8): the training loss is nan and the last "), msg
+    assert "steps were skipped (inf/NaN gradients), so no checkpoint is written; lower optimizer.lr" in msg
+    assert not (run / "checkpoints" / "last.npz").exists() and not (run / "checkpoints" / "best.npz").exists()
+    assert not any(r["kind"] == "summary" for r in read_metrics(run / "metrics.jsonl"))
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_fp8_diverging_after_a_checkpoint_keeps_that_checkpoint(tmp_path: Path) -> None:
+    """The state saved before the divergence stays the last checkpoint, and the message names it."""
+    run = tmp_path / "run"
+    original = Trainer.step
+
+    def step(self: Trainer, x: Any, y: Any) -> Any:
+        if self.step_count == 25:  # blown up in epoch 2: its forward overflows from here on
+            self.model.params[0].value *= np.float32(1e30)
+        return original(self, x, y)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Trainer, "step", step)
+        with pytest.raises(NonFiniteError) as err:
+            train(make_cfg(precision__name="fp8", epochs=3, log_every=1), run)
+    pattern = r"^non-finite values at step 41 \(epoch 2, fp8\): the training loss is nan and the last \d+ steps were"
+    assert re.match(pattern, str(err.value)), err.value
+    last = run / "checkpoints" / "last.npz"
+    assert f"the last checkpoint, {last} (step 21), is intact" in str(err.value)
+    ckpt = checkpoint.load(last)
+    assert ckpt.position.step == 21 and all(np.isfinite(a).all() for a in ckpt.arrays.values())
+
+
+# ------------------------------------------------------------------ 9. epochs counted alike, from 1
+
+
+def test_the_interrupt_and_the_resume_name_the_same_epoch(tmp_path: Path) -> None:
+    """The interrupt said epoch 16 and the resume "epoch 15, batch 6"."""
+    from mlptrain.checkpoint import Position
+
+    assert Position(15, 6, 321).describe() == "epoch 16, after its batch 6"
+    assert Position(16, 0, 336).describe() == "after epoch 16"
+    assert Position().describe() == "at the start"
+    run = tmp_path / "run"
+    cpu = ["model.hidden=[32]", "progress=false", "device=cpu", f"hydra.run.dir={run}"]
+    proc = start_cli(*cpu, "epochs=100000", cwd=tmp_path)
+    wait_for(proc, lambda: step_lines(run) >= 30)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    stop = read_metrics(run / "metrics.jsonl")[-1]
+    where = checkpoint.load(run / "checkpoints" / "last.npz").position.describe()
+    assert f"interrupted at step {stop['step']} ({where}, SIGINT)" in err, err
+    proc = start_cli(*cpu, f"max_steps={stop['step'] + 1}", "resume=last", cwd=tmp_path)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert f"at step {stop['step']} ({where})" in err, err
+
+
+# ------------------------------------------------------------------ 10. a loss beyond float32 names the targets
+
+
+def test_targets_whose_squares_overflow_float32_are_named(tmp_path: Path) -> None:
+    """Regression targets near 1e25 said "lower optimizer.lr" where the loss overflows float32 whatever the rate."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((200, 3))
+    y = 1e25 * (1 + x[:, 0])
+    path = tmp_path / "big.csv"
+    path.write_text("a,b,c,y\n" + "".join(f"{r[0]},{r[1]},{r[2]},{t}\n" for r, t in zip(x, y, strict=True)))
+    cfg = make_cfg(data__name=DatasetName.file, data__path=str(path), data__target="y", data__task=Task.regression)
+    cfg.model.loss = "mse"
+    with pytest.raises(NonFiniteError) as err:
+        train(cfg, tmp_path / "run")
+    msg = str(err.value)
+    assert msg.startswith("non-finite values at step 0 (epoch 1, fp32): the training loss is inf; it overflowed "), msg
+    assert re.search(r"because of the targets' scale: they reach \|y\| = [1-4]\.\d+e\+25, whose square", msg), msg
+    assert "normalise the targets" in msg and "optimizer.lr" not in msg
+
+
+# ------------------------------------------------------------------ 4. TensorBoard: one file, no step twice
+
+
+def test_tensorboard_writes_one_event_file_for_a_run(tmp_path: Path) -> None:
+    """It wrote one event file per checkpoint (31 for 30 epochs): the writer was reopened to flush."""
+    pytest.importorskip("tensorboardX")
+    run = tmp_path / "run"
+    train(make_cfg(epochs=5, log_every=7, checkpoint_steps=10, logger=Logger.tensorboard), run)
+    assert len(list((run / "tensorboard").glob("events.out.tfevents.*"))) == 1
+    steps = [r["step"] for r in read_metrics(run / "metrics.jsonl") if r["kind"] == "step"]
+    assert _shown(run / "tensorboard")["train/loss"] == steps, "every step on disk, once"
+
+
+def test_tensorboard_after_a_kill_during_the_first_checkpoint_shows_each_step_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run killed while writing its first checkpoint starts again from step 0 on resume=last: its first steps
+    were shown twice (no purge_step, since it resumed from no checkpoint)."""
+    pytest.importorskip("tensorboardX")
+    run = tmp_path / "run"
+    real_save = checkpoint.save
+
+    def killed(path: Path, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
+        raise RuntimeError("killed while writing the first checkpoint")
+
+    monkeypatch.setattr(saving.checkpoint, "save", killed)
+    with pytest.raises(RuntimeError, match="killed"):
+        train(make_cfg(epochs=2, log_every=1, checkpoint_steps=5, logger=Logger.tensorboard), run)
+    killed_steps = _shown(run / "tensorboard")["train/loss"]
+    assert not (run / "checkpoints" / "last.npz").exists() and killed_steps[:6] == [0, 1, 2, 3, 4, 5]
+    monkeypatch.setattr(saving.checkpoint, "save", real_save)
+    train(make_cfg(epochs=2, log_every=1, checkpoint_steps=5, logger=Logger.tensorboard, resume="last"), run)
+    shown = _shown(run / "tensorboard")
+    assert shown["train/loss"] == list(range(42)), "each step once"
+    assert shown["epoch/val/acc"] == [21, 42]
