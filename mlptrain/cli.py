@@ -69,6 +69,8 @@ _failures: list[str] = []
 _created: set[Path] = set()
 # The folder of this process's multirun (RunDirectoryCheck): its summary is written if the sweep is stopped.
 _sweep_dirs: list[Path] = []
+# The runs accepted in this process: once a run's stop request is gone (its end), its files are complete.
+_accepted_runs: list[Path] = []
 
 
 class NotPrinted(logging.Filter):
@@ -187,6 +189,7 @@ def _accepted(cfg: DictConfig, out_dir: Path, early: EarlyWarnings | None = None
         OutputError: the folder is read-only or full; a ``.hydra/`` made here is removed again (each
             file is written whole or not at all), so a failed start leaves the folder as it was.
     """
+    _accepted_runs.append(out_dir)
     hydra_dir = out_dir / ".hydra"
     made = not hydra_dir.is_dir()
     try:
@@ -238,6 +241,7 @@ def _run(cfg: DictConfig) -> float:
         config = to_train_config(cfg)
         timeline.mark("config")
         with logging_redirect_tqdm():
+            _signals_after_the_line()
             summary = _train_job(cfg, config, out_dir, handlers, timeline, early)
         return sweep_value(summary, config.optimized_metric)
     except MlptrainError as exc:
@@ -249,6 +253,21 @@ def _run(cfg: DictConfig) -> float:
         for handler in [early, *handlers]:
             logging.getLogger().removeHandler(handler)
             handler.close()
+
+
+def _signals_after_the_line() -> None:
+    """Ctrl-C or SIGTERM during a console log line reaches the run once the line is written
+    (:func:`mlptrain.stopping.after_the_block`: tqdm's handler would swallow the stop, with a traceback)."""
+    from mlptrain.stopping import after_the_block
+
+    for handler in logging.getLogger().handlers:
+        if type(handler).__module__ == "tqdm.contrib.logging":
+
+            def held(record: logging.LogRecord, emit: Any = handler.emit) -> None:
+                with after_the_block():
+                    emit(record)
+
+            handler.emit = held  # type: ignore[method-assign]
 
 
 def _train_job(
@@ -321,7 +340,16 @@ def _exit_now(signum: int, frame: Any) -> None:
     nothing of a run is being written, so exit at once, with one line and ``128 + signal``. Raising in
     the middle of Hydra's or OmegaConf's code could leave a half-built object to fail on (a traceback).
     A run installs its own handlers (:class:`mlptrain.stopping.StopRequest`)."""
-    os.write(2, f"error: stopped by {signal.Signals(signum).name} before training; nothing was written\n".encode())
+    name = signal.Signals(signum).name
+    if _accepted_runs:  # outside a run's stop request, after one: its end, or between two jobs
+        n = len(_accepted_runs)
+        runs = (
+            f"the run in {_accepted_runs[-1]} is" if n == 1 else f"the {n} runs (the last in {_accepted_runs[-1]}) are"
+        )
+        line = f"error: stopped by {name} after training; {runs} complete as written\n"
+    else:
+        line = f"error: stopped by {name} before training; nothing was written\n"
+    os.write(2, line.encode())
     os._exit(128 + signum)
 
 
@@ -376,6 +404,7 @@ def main() -> None:
     register_resolvers()
     _failures.clear()
     _sweep_dirs.clear()
+    _accepted_runs.clear()
     try:
         with hydra_errors_raised():
             _run()

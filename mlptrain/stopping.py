@@ -9,8 +9,10 @@ every rank stops after the same step, and a watchdog hears of the progress the l
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
+from collections.abc import Iterator
 from typing import Any, Protocol, runtime_checkable
 
 from mlptrain.errors import Interrupted
@@ -49,9 +51,10 @@ class StopRequest:
     before they kill. Installed in the main thread only; restored on exit.
 
     Until :meth:`defer` (before the run is accepted, when nothing has been written) a signal raises
-    :class:`Interrupted` at once (and :meth:`defer` raises it again, should it have been swallowed). From then on the first one only sets ``requested``: the loop saves
-    ``last`` and stops after the current step; a second raises :class:`Interrupted` at once. The
-    handler itself only sets a flag or raises: printing from a signal handler can re-enter a stream.
+    :class:`Interrupted` at once (and :meth:`defer` raises it again, should it have been swallowed).
+    From then on the first one only sets ``requested``: the loop saves ``last`` and stops after the
+    current step; a second raises :class:`Interrupted` at once. The handler itself only sets a flag
+    or raises: printing from a signal handler can re-enter a stream.
     """
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -102,3 +105,23 @@ class StopRequest:
             raise Interrupted(f"stopped at once by a second {name}", signum)
         self.requested = True
         self.signum = signum
+
+
+@contextlib.contextmanager
+def after_the_block() -> Iterator[None]:
+    """SIGINT and SIGTERM that come during the block reach their handlers after it, each one (a second
+    Ctrl-C stays a second). For code that would swallow what a handler raises in it: tqdm's console log
+    handler catches what its lock's ``finally`` raises after an interrupt, and logging prints
+    "--- Logging error ---" with a traceback instead of stopping. The main thread only."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = {s: signal.signal(s, lambda signum, frame: caught.append(signum)) for s in StopRequest.SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)
+        for signum in caught:
+            signal.raise_signal(signum)

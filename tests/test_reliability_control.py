@@ -294,3 +294,105 @@ def test_tensorboard_after_a_kill_during_the_first_checkpoint_shows_each_step_on
     shown = _shown(run / "tensorboard")
     assert shown["train/loss"] == list(range(42)), "each step once"
     assert shown["epoch/val/acc"] == [21, 42]
+
+
+# ------------------------------------------------------------------ 5. a stop inside a console log line
+
+# The CLI where signals land inside tqdm's console handler (logging_redirect_tqdm), in its lock, as a Ctrl-C
+# pressed while a line is written does: `when` is the start of the line, `first_at` the step of a first SIGINT
+# sent from the step (-1: none), `signals` how many are sent inside the line.
+IN_THE_LINE_RUN = """
+import os, signal, sys
+import tqdm.std
+from mlptrain.cli import main
+from mlptrain.trainer import Trainer
+
+when, first_at, signals = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+fired = []
+get_lock = tqdm.std.tqdm.get_lock.__func__
+
+def in_the_lock(cls):
+    if fired == ["line"]:
+        fired.append("sent")
+        for _ in range(signals):
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(1000):  # the handler runs here, between two bytecodes
+                pass
+    return get_lock(cls)
+
+tqdm.std.tqdm.get_lock = classmethod(in_the_lock)
+emit = tqdm.std.tqdm.write.__func__
+
+def write(cls, s, *args, **kwargs):
+    if not fired and when in s:
+        fired.append("line")
+    return emit(cls, s, *args, **kwargs)
+
+tqdm.std.tqdm.write = classmethod(write)
+step = Trainer.step
+
+def stepped(self, x, y):
+    if self.step_count == first_at:
+        os.kill(os.getpid(), signal.SIGINT)
+    return step(self, x, y)
+
+Trainer.step = stepped
+sys.argv = ["mlptrain", *sys.argv[4:]]
+main()
+"""
+
+
+@pytest.mark.parametrize(
+    ("when", "first_at", "signals", "args", "stop"),
+    [  # a double Ctrl-C with checkpoint_steps=1; two at an fp8 run's end (its result line, the run complete)
+        (
+            "interrupted at step",
+            30,
+            1,
+            ["checkpoint_steps=1", "epochs=100000"],
+            "mlptrain: stopped at once by a second SIGINT",
+        ),
+        (
+            "mlptrain: digits",
+            -1,
+            2,
+            ["precision=fp8", "epochs=2"],
+            "error: stopped by SIGINT after training; the run in {run} is complete as written",
+        ),
+    ],
+    ids=["double-ctrl-c", "fp8-end"],
+)
+def test_a_stop_inside_a_log_line_stops_with_one_line(
+    tmp_path: Path, when: str, first_at: int, signals: int, args: list[str], stop: str
+) -> None:
+    """The double Ctrl-C printed "--- Logging error ---" with a traceback; at the fp8 run's end, "before training;
+    nothing was written" (the run was complete)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", "HYDRA_MAIN_MODULE")}
+    env["PYTHONPATH"] = str(REPO)
+    cli = ["model.hidden=[32]", "progress=false", "device=cpu", f"hydra.run.dir={tmp_path / 'run'}", *args]
+    proc = subprocess.run(
+        [sys.executable, "-c", IN_THE_LINE_RUN, when, str(first_at), str(signals), *cli],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert "Traceback" not in proc.stderr and "Logging error" not in proc.stderr, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip() and not line.startswith("[")]
+    assert lines == [stop.format(run=tmp_path / "run")], proc.stderr
+    assert proc.returncode == 130
+
+
+def test_a_stop_after_a_run_does_not_say_nothing_was_written(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Ctrl-C between a finished run and the process's end said "before training; nothing was written"."""
+    from mlptrain import cli
+
+    written: list[bytes] = []
+    monkeypatch.setattr(cli.os, "write", lambda fd, data: written.append(data))
+    monkeypatch.setattr(cli.os, "_exit", lambda status: (_ for _ in ()).throw(SystemExit(status)))
+    monkeypatch.setattr(cli, "_accepted_runs", [Path("run")])
+    with pytest.raises(SystemExit) as exit_:
+        cli._exit_now(signal.SIGINT, None)
+    assert exit_.value.code == 130
+    assert written == [b"error: stopped by SIGINT after training; the run in run is complete as written\n"]
