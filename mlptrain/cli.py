@@ -43,6 +43,7 @@ from mlptrain.config import TrainConfig, register_configs
 from mlptrain.errors import ConfigError, Interrupted, MlptrainError, OutputError
 from mlptrain.files import atomic_write, log_file_handler
 from mlptrain.hydra_errors import hydra_errors_raised, one_line
+from mlptrain.runlog import EarlyWarnings, hold_signals_in_log_lines
 from mlptrain.sweep import register_resolvers
 from mlptrain.timeline import PROCESS, Timeline
 
@@ -163,24 +164,6 @@ def _hydra_files(cfg: DictConfig) -> dict[str, str]:
     return {f".hydra/{name}": OmegaConf.to_yaml(node) for name, node in files.items()}
 
 
-class EarlyWarnings(logging.Handler):
-    """The warnings logged before the run is accepted (the data's, read before anything is written: ``data.missing=
-    drop``'s rows), kept until ``mlptrain.log`` is opened and then written into it (:meth:`replay`)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.records: list[logging.LogRecord] | None = []  # None: replayed, nothing more is kept
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if self.records is not None:
-            self.records.append(record)
-
-    def replay(self, handler: logging.Handler) -> None:
-        for record in self.records or []:
-            handler.handle(record)
-        self.records = None
-
-
 def _accepted(cfg: DictConfig, out_dir: Path, early: EarlyWarnings | None = None) -> logging.Handler:
     """The run is accepted: write Hydra's ``.hydra/`` files, and log into ``mlptrain.log`` from now on (``early``'s
     warnings first).
@@ -241,7 +224,7 @@ def _run(cfg: DictConfig) -> float:
         config = to_train_config(cfg)
         timeline.mark("config")
         with logging_redirect_tqdm():
-            _signals_after_the_line()
+            hold_signals_in_log_lines()
             summary = _train_job(cfg, config, out_dir, handlers, timeline, early)
         return sweep_value(summary, config.optimized_metric)
     except MlptrainError as exc:
@@ -253,21 +236,6 @@ def _run(cfg: DictConfig) -> float:
         for handler in [early, *handlers]:
             logging.getLogger().removeHandler(handler)
             handler.close()
-
-
-def _signals_after_the_line() -> None:
-    """Ctrl-C or SIGTERM during a console log line reaches the run once the line is written
-    (:func:`mlptrain.stopping.after_the_block`: tqdm's handler would swallow the stop, with a traceback)."""
-    from mlptrain.stopping import after_the_block
-
-    for handler in logging.getLogger().handlers:
-        if type(handler).__module__ == "tqdm.contrib.logging":
-
-            def held(record: logging.LogRecord, emit: Any = handler.emit) -> None:
-                with after_the_block():
-                    emit(record)
-
-            handler.emit = held  # type: ignore[method-assign]
 
 
 def _train_job(

@@ -218,6 +218,7 @@ ENGINES_MAY_IMPORT = {
     "mlptrain.backend",  # device selection
     "mlptrain.files",  # atomic_write, the cache folder
     "mlptrain.cuda_source",  # pieces of CUDA source and the Job a component declares to compile ahead
+    "mlptrain.errors",  # the user-facing exceptions (imports nothing)
 }
 # Today's exceptions, each to go once its module is given what it needs instead of importing it:
 ENGINE_EXCEPTIONS = {
