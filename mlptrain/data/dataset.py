@@ -29,15 +29,13 @@ TASKS = ("classification", "regression")
 def check_real(a: Any, where: str, error: type[Exception] = DatasetError) -> None:
     """Raise ``error`` (one line naming ``where``) if ``a`` (an array, a DataFrame, a list) holds complex numbers:
     cast to float they would lose their imaginary parts with only NumPy's warning."""
-    dtypes = getattr(a, "dtypes", None)  # a DataFrame's, per column
-    if dtypes is not None and not isinstance(dtypes, np.dtype):
-        found = [np.dtype(d) for d in dtypes if getattr(d, "kind", "") == "c"]
-        dtype = found[0] if found else None
-    else:
+    if hasattr(a, "columns"):  # a DataFrame: each column's dtype (pandas' own dtypes have a kind too)
+        dtypes = list(a.dtypes)
+    else:  # an array or a Series (one dtype, which may be pandas' str); a list as scikit-learn's checks read it
         dtype = getattr(a, "dtype", None)
-        if dtype is None and isinstance(a, (list, tuple)):  # (other objects: as scikit-learn's checks read them)
-            dtype = np.asarray(a).dtype
-    if dtype is not None and np.dtype(dtype).kind == "c":
+        dtypes = [np.asarray(a).dtype if dtype is None and isinstance(a, (list, tuple)) else dtype]
+    dtype = next((d for d in dtypes if getattr(d, "kind", "") == "c"), None)
+    if dtype is not None:
         raise error(
             f"{where} holds complex numbers ({np.dtype(dtype).name}); Complex data not supported: expected real "
             "numbers (pass .real, or abs(), if that is what is meant)"
