@@ -66,6 +66,25 @@ def test_save_replaces_a_checkpoint_and_writes_a_new_or_empty_file(tmp_path: Pat
 
 
 @pytest.mark.filterwarnings("ignore::sklearn.exceptions.ConvergenceWarning")
+def test_save_removes_the_temp_file_a_killed_save_left(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A save killed mid-write (SIGKILL, or SIGTERM with Python's default handler: the fault campaign's
+    partial_fit scenario) leaves ``model.npz.<pid>.<hex>.tmp``; the next save to that path removes it, and
+    keeps the temp file of a process that is still alive."""
+    import os
+
+    from mlptrain.files import TEMP_SUFFIX
+
+    path = tmp_path / "model.npz"
+    dead = tmp_path / f"model.npz.4194000.0badf00d{TEMP_SUFFIX}"  # no process has that pid (beyond pid_max)
+    alive = tmp_path / f"model.npz.{os.getpid()}.0123abcd{TEMP_SUFFIX}"
+    for tmp in (dead, alive):
+        tmp.write_bytes(b"half a checkpoint")
+    _fitted().save(path)
+    assert not dead.exists() and alive.exists() and MLPClassifier.load(path).n_iter_ > 0
+    assert f"removed {dead}" in caplog.text
+
+
+@pytest.mark.filterwarnings("ignore::sklearn.exceptions.ConvergenceWarning")
 def test_partial_fit_with_other_classes_is_scikit_learns_error() -> None:
     """Before: the classes of a later call were ignored without a word."""
     x, y = _blobs()

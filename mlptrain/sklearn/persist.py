@@ -20,6 +20,7 @@ from mlptrain.checkpoint import Checkpoint, Position
 from mlptrain.config import to_plain
 from mlptrain.data.dataset import Normalization
 from mlptrain.errors import CheckpointError
+from mlptrain.files import remove_stale_temps
 from mlptrain.inference import Predictor
 from mlptrain.outputs import is_checkpoint
 from mlptrain.trainer import Trainer
@@ -80,6 +81,7 @@ def layers(ckpt: Checkpoint, kind: str) -> list[np.ndarray]:
 def save(ckpt: Checkpoint, path: Any) -> Path:
     """Write ``ckpt`` to ``path`` atomically; an existing file there is replaced only when it is an mlptrain
     checkpoint (or empty): never a data file or anything else (the path through a symlink is what counts).
+    The temp files of earlier saves to ``path`` whose process is gone are removed first, and logged.
 
     Raises:
         CheckpointError: ``path`` is a folder or a file that is not a checkpoint (nothing is written).
@@ -92,6 +94,7 @@ def save(ckpt: Checkpoint, path: Any) -> Path:
             f"save path {path} exists and is not an mlptrain checkpoint; save replaces only a checkpoint: "
             "choose another path (nothing was written)"
         )
+    remove_stale_temps(path)  # a save killed mid-write (SIGKILL, or SIGTERM without a handler) left its temp file
     checkpoint.save(path, ckpt.arrays, ckpt.meta)
     return path
 
