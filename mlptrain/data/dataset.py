@@ -29,7 +29,7 @@ TASKS = ("classification", "regression")
 def check_real(a: Any, where: str, error: type[Exception] = DatasetError) -> None:
     """Raise ``error`` (one line naming ``where``) if ``a`` (an array, a DataFrame, a list) holds complex numbers:
     cast to float they would lose their imaginary parts with only NumPy's warning."""
-    if hasattr(a, "columns"):  # a DataFrame: each column's dtype (pandas' own dtypes have a kind too)
+    if hasattr(a, "columns") and hasattr(a, "dtypes"):  # a DataFrame: each column's dtype (pandas' have a kind)
         dtypes = list(a.dtypes)
     else:  # an array or a Series (one dtype, which may be pandas' str); a list as scikit-learn's checks read it
         dtype = getattr(a, "dtype", None)
