@@ -91,46 +91,42 @@ class TensorBoardSink:
 
     def __init__(self, folder: Path, purge_step: int | None = None, jsonl: Path | None = None) -> None:
         try:
-            from tensorboardX import SummaryWriter
+            from tensorboardX.event_file_writer import EventsWriter
+            from tensorboardX.proto.event_pb2 import Event, SessionLog
+            from tensorboardX.summary import scalar
         except ImportError as exc:
             raise ConfigError(
-                "logger=tensorboard needs tensorboardX (pip install 'mlptrain[tensorboard]'), or use logger=none"
+                "logger=tensorboard needs tensorboardX (pip install -e '.[tensorboard]'), or use logger=none"
             ) from exc
-        self._summary_writer = SummaryWriter
+        self._event, self._scalar = Event, scalar
         self.folder = Path(folder)
-        self.writer = self._open(purge_step)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        # tensorboardX names the file events.out.tfevents.<second>.<host><suffix>, and TensorBoard reads a
+        # folder's files in the order of their names (a step lower than one read before drops the points
+        # above it): the suffix keeps two files of one second apart and in the order they were opened
+        suffix = f".{time.time_ns():020d}.{os.getpid()}"
+        self.events = EventsWriter(str(self.folder / "events"), filename_suffix=suffix)
+        if purge_step is not None:  # what SummaryWriter(purge_step=) writes: TensorBoard drops the points from here
+            now = time.time()
+            self.events.write_event(Event(wall_time=now, step=purge_step, file_version="brain.Event:2"))
+            start = SessionLog(status=SessionLog.START)
+            self.events.write_event(Event(wall_time=now, step=purge_step, session_log=start))
         jsonl = self.folder.parent / METRICS if jsonl is None else Path(jsonl)
         if purge_step is not None and jsonl.is_file():
             for record in read_metrics(jsonl):
                 if (record.get("step") or 0) >= purge_step:
                     self.write(record)
 
-    def _open(self, purge_step: int | None) -> Any:
-        # tensorboardX names the file events.out.tfevents.<second>.<host><suffix>, and TensorBoard reads a
-        # folder's files in the order of their names (a step lower than one read before drops the points
-        # above it): the suffix keeps two files of one second apart and in the order they were opened
-        suffix = f".{time.time_ns():020d}.{os.getpid()}"
-        return self._summary_writer(str(self.folder), purge_step=purge_step, filename_suffix=suffix)
-
     def flush(self) -> None:
         """Every record written so far on disk; the loop calls this before it writes ``last.npz``.
 
-        A run killed after that checkpoint resumes from it and purges from its step: whatever the
-        event files lack below that step would be lost for good. tensorboardX's own ``flush`` writes
-        only what its worker thread has taken from its queue, and ``close`` ends the file (reopening
-        made one event file per checkpoint, 31 for 30 epochs). So the worker is stopped, which drains
-        the queue into the file, the file flushed, and a new worker started on the same queue and file.
+        A run killed after that checkpoint resumes from it and purges from its step: whatever the event
+        file lacks below that step would be lost for good. The events are written as they come, into one
+        file a run (tensorboardX's ``SummaryWriter`` queues them for a thread of its own, whose ``flush``
+        writes only what that thread has taken, and whose ``close`` ends the file), so a flush of the
+        file is all it takes.
         """
-        events = self.writer._get_file_writer().event_writer  # tensorboardX's EventFileWriter
-        worker = getattr(events, "_worker", None)
-        if worker is None or not hasattr(events, "_ev_writer"):  # another tensorboardX: a new file, as before
-            self.writer.close()
-            self.writer = self._open(None)
-            return
-        worker.stop()  # puts its end behind every queued event and joins: the queue is drained
-        events._ev_writer.flush()
-        events._worker = type(worker)(events._event_queue, events._ev_writer, events._flush_secs)
-        events._worker.start()
+        self.events.flush()
 
     def write(self, record: dict[str, Any]) -> None:
         kind, step = record.get("kind"), record.get("step")
@@ -140,7 +136,8 @@ class TensorBoardSink:
         for key, value in record.items():
             scalar = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
             if scalar and ("/" in key or key in ("lr", "loss_scale", "samples_per_s")):
-                self.writer.add_scalar(prefix + key, value, step)
+                summary = self._scalar(prefix + key, value)
+                self.events.write_event(self._event(wall_time=time.time(), step=step, summary=summary))
 
     def close(self) -> None:
-        self.writer.close()
+        self.events.close()
