@@ -92,7 +92,7 @@ def one_trial(root: Path, args: argparse.Namespace, number: int, refs: dict[str,
         if tb and not all(tb):
             problems.append(f"{run}: TensorBoard would show other scalars than the uninterrupted run's")
     if args.lost == "check":
-        problems += [f"{report.LOST}{e['lost']} steps" for e in log if e.get("lost", 0) > report.PROMISE]
+        problems += [f"{report.LOST}{e['lost']} steps" for e in log if e.get("lost", 0) > report.promise(scenario)]
     if not problems and not args.keep:
         shutil.rmtree(run, ignore_errors=True)
     return {"trial": number, "scenario": scenario, "seed": args.seed, "log": log, "problems": problems}

@@ -16,13 +16,14 @@ What is promised, and checked after every kill and at the end:
    ``n_iter_``, ``t_``, ``loss_curve_``): so continuing from the last save ends where the uninterrupted
    sequence of ``partial_fit`` calls ends, bit for bit; the final save is compared too.
 
-A temporary file left beside the save by a kill is counted (``stray``), not a failure: nothing promises
-that the estimators clean up after a killed process.
+A temporary file left beside the save by a kill is counted (``stray``), not a failure: the next save to
+that path removes it (:func:`mlptrain.sklearn.persist.save`), so it lasts until the loop saves again.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -104,6 +105,11 @@ def reference(root: Path) -> tuple[Path, float]:
     return folder / "model.npz", max(0.05, time.perf_counter() - t0)
 
 
+def counts(lines: list[str], word: str) -> list[int]:
+    """The numbers of the worker's whole ``<word> <k>`` lines (a line cut by the kill is not one)."""
+    return [int(m.group(1)) for line in lines if (m := re.fullmatch(word + r" (\d+)", line))]
+
+
 def read_lines(proc: subprocess.Popen[str], lines: list[str]) -> threading.Thread:
     def pump() -> None:
         assert proc.stdout is not None
@@ -147,8 +153,8 @@ def attempt(save: Path, rng: np.random.Generator, span: float, hit_allowed: bool
         proc.send_signal(SIGNALS[sig])
     _, err = proc.communicate(timeout=300)
     pump.join(timeout=10)
-    reported = max([int(line.split()[1]) for line in lines if line.startswith("saved ")], default=None)
-    loaded = [int(line.split()[1]) for line in lines if line.startswith("loaded ")]
+    reported = max(counts(lines, "saved"), default=None)
+    loaded = counts(lines, "loaded")
     entry: dict[str, Any] = {
         "scenario": "partial_fit",
         "signal": sig if hit else None,
