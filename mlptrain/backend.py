@@ -38,7 +38,7 @@ BLAS_ONE_THREAD_BELOW = 1e10
 
 GPU_INSTALL_HINT = (
     "install the GPU extra on a machine with an NVIDIA GPU "
-    "(pip install 'mlptrain[cu12]', or 'mlptrain[cu13]' for CUDA 13 drivers), or run with device=cpu"
+    "(pip install -e '.[cu12]', or '.[cu13]' for CUDA 13 drivers), or run with device=cpu"
 )
 
 

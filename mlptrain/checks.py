@@ -256,7 +256,7 @@ def _ranges(cfg: TrainConfig) -> list[str]:
         ),
         (
             cfg.logger.value != "tensorboard" or _importable("tensorboardX"),
-            "logger=tensorboard needs tensorboardX: pip install 'mlptrain[tensorboard]', or use logger=none",
+            "logger=tensorboard needs tensorboardX: pip install -e '.[tensorboard]', or use logger=none",
         ),
     ]
     return [msg for ok, msg in rules if not ok] + _registered(cfg)

@@ -61,7 +61,7 @@ def one_line(exc: BaseException) -> str:
 
 # Group options that a plugin brings: the install command for each (mlptrain's extra where it has one).
 EXTRAS = {
-    "hydra/sweeper/optuna": "the Optuna sweeper is an extra: pip install 'mlptrain[optuna]'",
+    "hydra/sweeper/optuna": "the Optuna sweeper is an extra: pip install -e '.[optuna]'",
     "hydra/sweeper/nevergrad": "the Nevergrad sweeper is a Hydra plugin: pip install hydra-nevergrad-sweeper",
     "hydra/sweeper/ax": "the Ax sweeper is a Hydra plugin: pip install hydra-ax-sweeper",
     "hydra/launcher/joblib": "the joblib launcher is a Hydra plugin: pip install hydra-joblib-launcher",

@@ -246,7 +246,7 @@ def test_a_sweeper_that_is_not_installed_names_the_extra(tmp_path: Path) -> None
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert proc.returncode == 2, output(proc)
     (line,) = proc.stderr.splitlines()
-    assert "Could not find 'hydra/sweeper/optuna'" in line and line.endswith("pip install 'mlptrain[optuna]'")
+    assert "Could not find 'hydra/sweeper/optuna'" in line and line.endswith("pip install -e '.[optuna]'")
 
 
 def test_an_optuna_sweep_prints_no_alembic_plugin_lines(tmp_path: Path) -> None:

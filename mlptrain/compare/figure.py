@@ -22,7 +22,7 @@ def plot(pairs: dict[int, dict[str, Run]], s: dict[str, Any], path: Path) -> Any
     try:
         import matplotlib
     except ImportError:
-        raise CompareError("mlptrain.compare needs matplotlib for the figure: pip install 'mlptrain[plot]'") from None
+        raise CompareError("mlptrain.compare needs matplotlib for the figure: pip install -e '.[plot]'") from None
     matplotlib.use("Agg")  # headless, whatever the environment says
     import matplotlib.pyplot as plt
 

@@ -1,4 +1,4 @@
-"""CSV parsed by Arrow's multi-threaded reader, and Parquet files (``pip install 'mlptrain[arrow]'``).
+"""CSV parsed by Arrow's multi-threaded reader, and Parquet files (``pip install -e '.[arrow]'``).
 
 The header is read and checked as the NumPy reader reads it (:mod:`mlptrain.data.csv_reader`): its
 names stripped, so a header ``f0, f1, label`` names the column ``label``; the target cells go
@@ -41,9 +41,7 @@ def read_arrow(path: Path, kind: str, delimiter: str, targets: list[str], settin
         import pyarrow.csv as pcsv
         import pyarrow.parquet as pq
     except ImportError as exc:
-        raise DatasetError(
-            f"data file {path}: reading {kind} files needs pyarrow (pip install 'mlptrain[arrow]')"
-        ) from exc
+        raise DatasetError(f"data file {path}: reading {kind} files needs pyarrow (pip install -e '.[arrow]')") from exc
     if kind == "parquet":
         try:
             unique_names(path, pq.read_schema(path).names)  # before reading: Arrow's own error lists the schema

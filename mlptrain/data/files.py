@@ -4,7 +4,7 @@
 and the target column(s) normalised the same by every reader (:mod:`mlptrain.data.labels`: numbers
 or text, missing cells marked); :mod:`mlptrain.data.files_source` turns them into labels or
 regression targets. NumPy alone reads CSV, TSV and NPZ (:mod:`~mlptrain.data.csv_reader`,
-:mod:`~mlptrain.data.npz_reader`); with ``pyarrow`` installed (``pip install 'mlptrain[arrow]'``) CSV
+:mod:`~mlptrain.data.npz_reader`); with ``pyarrow`` installed (``pip install -e '.[arrow]'``) CSV
 is read by Arrow's multi-threaded parser and Parquet can be read too (:mod:`~mlptrain.data.arrow_reader`).
 
 Every problem is one :class:`~mlptrain.errors.DatasetError` naming the file, the line (or row) and
@@ -125,7 +125,7 @@ def columns(path: str | Path, *, setting: str = "data.path") -> list[str]:
     try:
         import pyarrow.parquet as pq
     except ImportError as exc:
-        hint = "pip install 'mlptrain[arrow]'"
+        hint = "pip install -e '.[arrow]'"
         raise DatasetError(f"data file {path}: reading Parquet files needs pyarrow ({hint})") from exc
     try:
         return list(pq.read_schema(path).names)

@@ -94,7 +94,7 @@ def _load_mnist1d(cfg: DataConfig, rng: np.random.Generator) -> Raw:
         except ImportError as exc:
             raise DatasetError(
                 f"dataset 'mnist1d' needs the optional package mnist1d ({exc}); "
-                "pip install mnist1d, or pip install 'mlptrain[datasets]'"
+                "pip install mnist1d, or pip install -e '.[datasets]'"
             ) from exc
         args = get_dataset_args()  # its own seed (42) and train_split (0.8) stay: the same draw on every call
         args.num_samples = n

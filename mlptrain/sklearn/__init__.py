@@ -1,4 +1,4 @@
-"""scikit-learn estimators on mlptrain: ``MLPClassifier`` and ``MLPRegressor`` (``pip install 'mlptrain[sklearn]'``).
+"""scikit-learn estimators on mlptrain: ``MLPClassifier`` and ``MLPRegressor`` (``pip install -e '.[sklearn]'``).
 
 ::
 

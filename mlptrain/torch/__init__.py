@@ -17,7 +17,7 @@ module          what it owns
 ``engines``     the NumPy engine (CPU) and the torch engine (CUDA, over mlptrain.gpu.torch_gemm)
 =============== ===============================================================================
 
-Needs PyTorch (``pip install 'mlptrain[torch]'``); ``import mlptrain`` does not.
+Needs PyTorch (``pip install -e '.[torch]'``); ``import mlptrain`` does not.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ try:
     import torch  # noqa: F401
 except ImportError as exc:  # pragma: no cover - the CPU suite runs with torch installed
     raise ImportError(
-        f"mlptrain.torch needs PyTorch, which is not importable ({exc}); install it with pip install 'mlptrain[torch]'"
+        f"mlptrain.torch needs PyTorch, which is not importable ({exc}); install it with pip install -e '.[torch]'"
     ) from exc
 
 from mlptrain.torch.modules import FusedLinear, FusedMLP
