@@ -365,7 +365,7 @@ def test_mnist1d_missing_package_names_the_install(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(sources, "_MNIST1D_CACHE", {})
     monkeypatch.setitem(sys.modules, "mnist1d", None)
     monkeypatch.setitem(sys.modules, "mnist1d.data", None)
-    with pytest.raises(DatasetError, match=r"pip install mnist1d.*mlptrain\[datasets\]"):
+    with pytest.raises(DatasetError, match=r"pip install mnist1d.*pip install -e '\.\[datasets\]'"):
         load_dataset(DataConfig(name="mnist1d"), seed=0)
 
 
