@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 from _device import gemm_engine, parse_device
 
-from mlptrain.epilogs import Epilog, relu_aux_shape, unpack_relu_mask
+from mlptrain.nn.epilogs import Epilog, relu_aux_shape, unpack_relu_mask
 
 be = parse_device(__doc__.splitlines()[0])
 xp, gemm = be.xp, gemm_engine(be)

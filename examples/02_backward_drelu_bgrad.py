@@ -14,8 +14,8 @@ from __future__ import annotations
 import numpy as np
 from _device import gemm_engine, parse_device
 
-from mlptrain.epilogs import Epilog
-from mlptrain.execution import FusedExecution
+from mlptrain.nn.epilogs import Epilog
+from mlptrain.nn.execution import FusedExecution
 
 be = parse_device(__doc__.splitlines()[0])
 xp, gemm = be.xp, gemm_engine(be)

@@ -15,7 +15,7 @@ import numpy as np
 from _device import parse_device
 
 from mlptrain import Trainer
-from mlptrain.config import Device, Schedule, TrainConfig
+from mlptrain.config.schema import Device, Schedule, TrainConfig
 
 be = parse_device(__doc__.splitlines()[0])
 cfg = TrainConfig()  # the default dataset: digits, 64 features, 10 classes, shipped with mlptrain

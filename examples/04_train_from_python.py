@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 import mlptrain
-from mlptrain.config import Device, TrainConfig
+from mlptrain.config.schema import Device, TrainConfig
 from mlptrain.data.sources import DIGITS_PATH
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

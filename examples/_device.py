@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from mlptrain.backend import Backend, get_backend
-from mlptrain.execution import NumpyGemm
+from mlptrain.base.backend import Backend, get_backend
+from mlptrain.nn.execution import NumpyGemm
 
 
 def parse_device(description: str) -> Backend:
@@ -23,7 +23,7 @@ def parse_device(description: str) -> Backend:
 def gemm_engine(be: Backend) -> Any:
     """A planned nvmath ``Matmul`` per call site on the GPU (cuBLASLt epilogs); the NumPy contract on the CPU."""
     if be.is_gpu:
-        from mlptrain.gpu.gemm import NvmathGemm
+        from mlptrain.nn.cuda.gemm import NvmathGemm
 
         return NvmathGemm()
     return NumpyGemm()

@@ -1,17 +1,25 @@
-"""``python -m mlptrain``: the Hydra command line of :mod:`mlptrain.cli`."""
+"""``python -m mlptrain``: the Hydra command line of :mod:`mlptrain.cli.main`."""
 
 import os
 import signal
 import sys
 
-from mlptrain import timeline as _timeline
+from mlptrain.base import timeline as _timeline
 
-_timeline.PROCESS.mark("python")  # the interpreter's start-up, until this line (mlptrain.timeline)
+_timeline.PROCESS.mark("python")  # the interpreter's start-up, until this line (mlptrain.base.timeline)
+
+
+# python -m mlptrain predict|evaluate|export|plot|compare|bench ...: as python -m mlptrain.<command> runs it
+if len(sys.argv) > 1 and sys.argv[1] in ("predict", "evaluate", "export", "plot", "compare", "bench"):
+    import runpy
+
+    runpy.run_module(f"mlptrain.{sys.argv.pop(1)}", run_name="__main__", alter_sys=True)
+    sys.exit(0)
 
 
 def _stop(signum: int, frame: object) -> None:
     """Ctrl-C or SIGTERM while Python imports Hydra and mlptrain: nothing has been written, so stop at
-    once, with one line and the status a shell expects (as :func:`mlptrain.cli._exit_now` later)."""
+    once, with one line and the status a shell expects (as :func:`mlptrain.cli.main._exit_now` later)."""
     os.write(2, f"error: stopped by {signal.Signals(signum).name} before training; nothing was written\n".encode())
     os._exit(128 + signum)
 
@@ -23,7 +31,7 @@ for _sig in (signal.SIGINT, signal.SIGTERM):
 _DISTRIBUTIONS = {"hydra": "hydra-core", "yaml": "pyyaml", "omegaconf": "omegaconf", "numpy": "numpy", "tqdm": "tqdm"}
 
 try:
-    from mlptrain.cli import main
+    from mlptrain.cli.main import main
 except ModuleNotFoundError as exc:  # a Python without mlptrain's dependencies: the .venv was not activated
     missing = (exc.name or "").split(".")[0]
     if missing == "mlptrain" or not missing:

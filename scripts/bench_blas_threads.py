@@ -4,7 +4,7 @@
 
 For each size, the median over ``--repeats`` of the mean step time of ``--steps`` steps (after 5
 warm-up steps), with ``threadpoolctl.threadpool_limits(1, "blas")`` and without; the rule of
-:func:`mlptrain.backend.blas_threads` was chosen from these numbers (docs/benchmarks.md). Run a CPU
+:func:`mlptrain.base.backend.blas_threads` was chosen from these numbers (docs/benchmarks.md). Run a CPU
 hog beside it (``python -c 'while True: pass' &``) to see a busy machine.
 
 Run with mlptrain installed (``make install``) or with ``PYTHONPATH=.`` at the repository's root.
@@ -18,9 +18,9 @@ import time
 
 from threadpoolctl import threadpool_info, threadpool_limits
 
-from mlptrain import build
-from mlptrain.config import DatasetName, Device, TrainConfig
-from mlptrain.trainer import Trainer
+from mlptrain.config.schema import DatasetName, Device, TrainConfig
+from mlptrain.step import build
+from mlptrain.step.trainer import Trainer
 
 # (features, hidden, batch): the default digits run, then larger steps
 SIZES = [

@@ -3,12 +3,12 @@
 Stores a cache entry of ``--rows x --features`` float64 features (default 600,000 x 256, 1.2 GB)
 and integer labels, then times, on this machine, each the median of ``--repeats``:
 
-* :func:`mlptrain.data.cache.checksum` of ``x`` (NumPy, vectorised) in GB/s;
-* SHA-256 (``mlptrain.files.sha256_file``, what keys the source) and BLAKE2b of a file of the same
+* :func:`mlptrain.data.files.cache.checksum` of ``x`` (NumPy, vectorised) in GB/s;
+* SHA-256 (``mlptrain.base.fs.sha256_file``, what keys the source) and BLAKE2b of a file of the same
   bytes, in GB/s (warm page cache): the source's hash costs ``its size / this rate`` per read;
 * ``cache.load`` of the entry: every array's shape, dtype and checksum verified (the source here is
   a small file, so this is the arrays' share), against ``np.load(mmap_mode="r")`` alone;
-* what normalising ``--rows`` target cells costs a parse (:mod:`mlptrain.data.labels`): integer
+* what normalising ``--rows`` target cells costs a parse (:mod:`mlptrain.data.files.labels`): integer
   labels, float targets and text labels, as the NumPy reader hands them over (text) and as the
   Arrow reader does (an Arrow string column, with pyarrow installed).
 
@@ -31,9 +31,9 @@ from pathlib import Path
 
 import numpy as np
 
-from mlptrain.data import cache, labels
-from mlptrain.data.table import Table
-from mlptrain.files import sha256_file
+from mlptrain.base.fs import sha256_file
+from mlptrain.data.files import cache, labels
+from mlptrain.data.files.table import Table
 
 
 def median_seconds(fn, repeats: int) -> float:
@@ -107,7 +107,7 @@ def time_targets(cells: np.ndarray, repeats: int) -> list[float]:
     try:
         import pyarrow as pa
 
-        from mlptrain.data.arrow_reader import target_cells
+        from mlptrain.data.files.arrow_reader import target_cells
     except ImportError:
         return out + [float("nan")]
     col = pa.chunked_array([pa.array(cells.tolist(), pa.string())])

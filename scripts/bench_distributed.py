@@ -42,9 +42,9 @@ def _rank(rank: int, world: int, uid: bytes, widths: list, rows: int, precision:
     import cupy as cp
     import numpy as np
 
-    from mlptrain.bench.step_trainer import step_trainer
-    from mlptrain.gpu.nccl import NcclComm
-    from mlptrain.gpu.timing import cuda_time_ms
+    from mlptrain.base.cuda.timing import cuda_time_ms
+    from mlptrain.distributed.cuda.nccl import NcclComm
+    from mlptrain.tools.bench.step_trainer import step_trainer
 
     comm = NcclComm(rank, world, uid, device=rank) if world > 1 else None
     tr = step_trainer(widths, rows * world, precision, comm=comm)
@@ -61,7 +61,7 @@ def _rank(rank: int, world: int, uid: bytes, widths: list, rows: int, precision:
 
 
 def mlptrain_run(world: int, widths: list, rows: int, precision: str, reps: int) -> dict:
-    from mlptrain.gpu.nccl import NcclComm
+    from mlptrain.distributed.cuda.nccl import NcclComm
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()

@@ -32,8 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
-from mlptrain.data import cache
-from mlptrain.data.files import arrow_available, read_table
+from mlptrain.data.files import cache
+from mlptrain.data.files.readers import arrow_available, read_table
 
 
 def write_csv(path: Path, rows: int, features: int, seed: int = 0) -> None:

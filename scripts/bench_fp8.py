@@ -31,9 +31,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from mlptrain.backend import probe_gpu
-from mlptrain.bench.step_timing import bench_step_mlptrain
-from mlptrain.bench.timing import CHAIN, median
+from mlptrain.base.backend import probe_gpu
+from mlptrain.tools.bench.medians import CHAIN, median
+from mlptrain.tools.bench.step_timing import bench_step_mlptrain
 
 MODELS = [("4096 x 4", [4096] * 5, 8192), ("8192 x 4", [8192] * 5, 16384)]
 MLPTRAIN = [  # (variant, precision, execution, precision.compute_copy: None for the precision's own)
@@ -56,7 +56,7 @@ def torch_step(widths: list[int], batch: int, reps: int, float8: str | None) -> 
         return None
     import cupy as cp
 
-    from mlptrain.gpu.timing import cuda_time_ms
+    from mlptrain.base.cuda.timing import cuda_time_ms
 
     torch.manual_seed(0)
     mods: list[Any] = []

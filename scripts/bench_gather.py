@@ -1,4 +1,4 @@
-"""The data loader's batch gather: mlptrain.gpu.gather.take_rows against cupy.take.
+"""The data loader's batch gather: mlptrain.data.cuda.gather.take_rows against cupy.take.
 
 For each case (a dataset resident on the GPU, a batch of random rows gathered into fixed buffers, as
 the training loop does every step), times both with CUDA events after a warm-up: 50 gathers back to
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mlptrain.backend import probe_gpu
+from mlptrain.base.backend import probe_gpu
 
 # (rows in the dataset, row shape, dtype, batch): digits, MNIST-sized, a wide fp16 set, labels, targets
 CASES = (
@@ -58,7 +58,7 @@ def main(argv=None) -> int:
         return 1
     import cupy as cp
 
-    from mlptrain.gpu.gather import take_rows
+    from mlptrain.data.cuda.gather import take_rows
 
     rng = np.random.default_rng(0)
     lines = [

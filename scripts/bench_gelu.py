@@ -29,9 +29,9 @@ import platform
 import sys
 from pathlib import Path
 
-from mlptrain.backend import probe_gpu
-from mlptrain.bench.layer_timing import GRID, bench_layer
-from mlptrain.bench.step_timing import bench_step_mlptrain, bench_step_torch
+from mlptrain.base.backend import probe_gpu
+from mlptrain.tools.bench.layer_timing import GRID, bench_layer
+from mlptrain.tools.bench.step_timing import bench_step_mlptrain, bench_step_torch
 
 STEP_MODELS = [("784-1024-1024-10", [784, 1024, 1024, 10], 256), ("4096 x 4", [4096] * 5, 8192)]
 

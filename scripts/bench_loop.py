@@ -22,10 +22,10 @@ from pathlib import Path
 
 import cupy as cp
 
-from mlptrain.cli import compose_config
-from mlptrain.metrics import read_metrics
-from mlptrain.run import train
-from mlptrain.trainer import Trainer
+from mlptrain.cli.main import compose_config
+from mlptrain.run.metrics import read_metrics
+from mlptrain.run.run import train
+from mlptrain.step.trainer import Trainer
 
 MODELS = {  # name: (features, hidden, batch)
     "256-1024-1024-10, batch 1024": (256, [1024, 1024], 1024),

@@ -5,7 +5,7 @@ the same random weights score the same 1,000,000 raw float32 rows, resident on t
 of 8192. The work per batch is the same in every variant: normalise ``(x - shift) * (1 / scale)``
 and cast, the MLP, the argmax; the class ids of all rows come back to the host at the end.
 
-* mlptrain: :class:`mlptrain.inference.Predictor` (one normalise kernel, then a CUDA graph of the
+* mlptrain: :class:`mlptrain.inference.predictor.Predictor` (one normalise kernel, then a CUDA graph of the
   RELU_BIAS/BIAS GEMMs and the argmax);
 * PyTorch eager: ``nn.Sequential(Linear, ReLU, ...)`` in the dtype, under ``torch.inference_mode``;
 * ``torch.compile`` (inductor, default mode) of the same function.
@@ -17,7 +17,7 @@ differently at near-ties). mlptrain from host (NumPy) rows is timed too, transfe
 
 Usage: python scripts/bench_predict.py [--out DIR] [--rows N] [--batch B] [--reps R] [--models NAME]
 (with mlptrain installed, or ``PYTHONPATH=.`` at the repository's root; the timing helpers are
-:mod:`mlptrain.bench.predict_timing`)
+:mod:`mlptrain.tools.bench.predict_timing`)
 """
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ from pathlib import Path
 
 import numpy as np
 
-from mlptrain import checkpoint
-from mlptrain.backend import probe_gpu
-from mlptrain.bench.predict_timing import cupy_events, forward_floor, random_checkpoint, time_passes
-from mlptrain.inference import Predictor
+from mlptrain.base.backend import probe_gpu
+from mlptrain.inference.predictor import Predictor
+from mlptrain.run import checkpoint
+from mlptrain.tools.bench.predict_timing import cupy_events, forward_floor, random_checkpoint, time_passes
 
 MODELS = [("784-1024-1024-10", [784, 1024, 1024, 10]), ("4096 x 4", [4096] * 5)]
 

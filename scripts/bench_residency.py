@@ -3,7 +3,7 @@
 For each model, two runs of the same config through ``mlptrain.train`` in one process:
 ``data.residency=device`` (the splits copied to the GPU once, batches gathered there) and
 ``data.residency=host`` (the splits in host memory; each batch gathered on host threads into a
-pinned slot and copied on a stream of its own, a few batches ahead: ``mlptrain/host_loader.py``).
+pinned slot and copied on a stream of its own, a few batches ahead: ``mlptrain/data/host_loader.py``).
 Reported per model:
 
 * the loop's median ``step_time_ms`` of each run and their ratio (the host run's step rate over the
@@ -37,12 +37,12 @@ import cupy as cp
 import ml_dtypes
 import numpy as np
 
-from mlptrain.cli import compose_config
-from mlptrain.data import chunks
-from mlptrain.gpu.prefetch import pinned_empty
-from mlptrain.host_loader import TAKE_THREADS, take_rows
-from mlptrain.metrics import read_metrics
-from mlptrain.run import train
+from mlptrain.cli.main import compose_config
+from mlptrain.data.cuda.host_loader import pinned_empty
+from mlptrain.data.files import chunks
+from mlptrain.data.host_loader import TAKE_THREADS, take_rows
+from mlptrain.run.metrics import read_metrics
+from mlptrain.run.run import train
 
 # name: (features, hidden, classes, batch, samples, epochs); 70% of the samples train (11 and 43 batches an epoch)
 MODELS = {

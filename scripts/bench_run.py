@@ -54,7 +54,7 @@ VARIANTS = (
 )
 PEERS = ("torch-loop", "lightning-resident", "lightning-loader")
 HIDDEN, BATCH, LR, CLASSES = (1024, 1024), 1024, 1e-3, 10
-STARTUP = ("python", "imports", "config", "backend")  # mlptrain.timeline's phases that any run pays first
+STARTUP = ("python", "imports", "config", "backend")  # mlptrain.base.timeline's phases that any run pays first
 
 
 def make_table(path: Path, rows: int, features: int, test_rows: int, seed: int = 0) -> None:
@@ -138,7 +138,7 @@ def mlptrain_run(table: Path, epochs: int, caches: Path, run_dir: Path, extra: t
         "step_ms_median": statistics.median(step_ms),
         "epochs_time_s": evaluation,
         "outside_loop_s": wall - summary["wall_s"],
-        "timeline": timeline,  # mlptrain.timeline: the run's phases and the loop's parts, as run.json has them
+        "timeline": timeline,  # mlptrain.base.timeline: the run's phases and the loop's parts, as run.json has them
     }
 
 
@@ -336,7 +336,7 @@ def timeline_md(results: dict) -> list[str]:
         "wall / that",
     ]
     lines = [
-        "Where each mlptrain run's wall went, s (`run.json`'s `timeline`, mlptrain/timeline.py; "
+        "Where each mlptrain run's wall went, s (`run.json`'s `timeline`, mlptrain/base/timeline.py; "
         "'after the loop': the wall less the timeline's total, the process's exit included):",
         "",
         "| " + " | ".join(head) + " |",

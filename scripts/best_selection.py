@@ -24,9 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from mlptrain.cli import compose_config
-from mlptrain.metrics import read_metrics
-from mlptrain.run import train
+from mlptrain.cli.main import compose_config
+from mlptrain.run.metrics import read_metrics
+from mlptrain.run.run import train
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -125,7 +125,7 @@ def _report(table: dict[str, dict[str, list[float]]], args: argparse.Namespace) 
         lines.append(f"| {rule} | " + " | ".join(cells) + " |")
     return lines + [
         "",
-        "What mlptrain does since #27.4: a tie goes to the later epoch (`mlptrain.checkpoint.Best.matches`): "
+        "What mlptrain does since #27.4: a tie goes to the later epoch (`mlptrain.run.checkpoint.Best.matches`): "
         "`best.npz` holds the last epoch that reached the best validation score, which has trained longer at "
         "the same score; early stopping's patience still counts from the last epoch that improved by more "
         "than `early_stopping.min_delta` (`Best.improved`). Picking the first of a tie (mlptrain before) "

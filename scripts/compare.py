@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from mlptrain.compare import main
+from mlptrain.tools.compare import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -145,7 +145,7 @@ for name, why in [("mlptrain", "the repository on PYTHONPATH"), ("hydra", "hydra
     except Exception as exc:  # noqa: BLE001 - any import failure is reported the same way
         missing.append(f"{name} ({type(exc).__name__}: {exc}; {why})")
 if not missing and os.environ["COMPARE_FP8_SMOKE"] != "1":
-    from mlptrain.backend import probe_gpu
+    from mlptrain.base.backend import probe_gpu
 
     available, reason = probe_gpu()
     if not available:
@@ -182,7 +182,7 @@ made_by="scripts/compare_fp8.sh OUT_DIR"
 [ "$SMOKE" = 1 ] && made_by+=" --smoke"
 [ "$TASKS" != "mnist1d wide" ] && made_by+=" --tasks '$TASKS'"
 [ ${#EXTRA[@]} -gt 0 ] && made_by+=" -- ${EXTRA[*]}"
-step "results" "$PY" -m mlptrain.compare.results docs/compare-fp8 --made-by "$made_by"
+step "results" "$PY" -m mlptrain.tools.compare.results docs/compare-fp8 --made-by "$made_by"
 
 say "finished in $((SECONDS - START)) s; ${#FAILED[@]} part(s) failed${FAILED[*]:+: ${FAILED[*]}}"
 if [ -n "$TAR" ]; then

@@ -127,7 +127,7 @@ for name, why in [("mlptrain", "the repository on PYTHONPATH"), ("hydra", "hydra
     except Exception as exc:  # noqa: BLE001 - any import failure is reported the same way
         missing.append(f"{name} ({type(exc).__name__}: {exc}; {why})")
 if not missing and os.environ["COMPARE_GPU_SMOKE"] != "1":
-    from mlptrain.backend import probe_gpu
+    from mlptrain.base.backend import probe_gpu
 
     available, reason = probe_gpu()
     if not available:

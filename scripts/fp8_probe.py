@@ -7,9 +7,9 @@ What it checks (each one independent: a failure is printed with its exception an
 
 * the machine: GPU, compute capability (8.9+ for FP8), cuBLASLt, CuPy, nvmath;
 * the cast kernels (e4m3, e5m2; straight and transposed) and the delayed-scaling update, bit for bit
-  against :class:`mlptrain.fp8.Fp8Scaling`;
-* each FP8 GEMM of :class:`mlptrain.gpu.fp8_gemm.GpuFp8Gemm` (plain, C-order, every forward and
-  backward epilog, BGRADB's separate bias gradient, fast accumulation) against :class:`mlptrain.fp8.Fp8Gemm`;
+  against :class:`mlptrain.nn.fp8.Fp8Scaling`;
+* each FP8 GEMM of :class:`mlptrain.nn.cuda.fp8_gemm.GpuFp8Gemm` (plain, C-order, every forward and
+  backward epilog, BGRADB's separate bias gradient, fast accumulation) against :class:`mlptrain.nn.fp8.Fp8Gemm`;
 * that BGRADB itself is refused in FP8 (as measured on the H200 with nvmath);
 * one GEMM captured in a CUDA graph and replayed, bit for bit against the same GEMM run eagerly;
 * a few fp8 training steps on digits, with and without a graph;
@@ -32,10 +32,10 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from mlptrain.epilogs import Epilog, gelu_aux_shape, pack_relu_mask, unpack_relu_mask
-from mlptrain.epilogs_fp8 import FORMATS
-from mlptrain.execution import NumpyGemm
-from mlptrain.fp8 import Fp8Call, Fp8Gemm, Fp8Scaling
+from mlptrain.nn.epilogs import Epilog, gelu_aux_shape, pack_relu_mask, unpack_relu_mask
+from mlptrain.nn.epilogs_fp8 import FORMATS
+from mlptrain.nn.execution import NumpyGemm
+from mlptrain.nn.fp8 import Fp8Call, Fp8Gemm, Fp8Scaling
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 TOL = 2 * 2.0**-8  # two bfloat16 roundings, relative to the largest value of the contract
@@ -85,7 +85,7 @@ def machine() -> str:
 def casts(fmt: str, order: str) -> str:
     import cupy as cp
 
-    from mlptrain.gpu.fp8_kernels import GpuFp8Scaling
+    from mlptrain.nn.cuda.fp8_kernels import GpuFp8Scaling
 
     x = bf16((96, 160), 1, 40.0)
     x[1, 2], x[3, 4], x[5, 6] = np.inf, np.nan, 1e7
@@ -108,9 +108,9 @@ def gemm(role: str, epilog: Epilog | None, mode: str = "fused", fast_accum: bool
     """One FP8 GEMM of ``role`` through both engines, twice (scale 1, then the recorded scales)."""
     import cupy as cp
 
-    from mlptrain.gpu.fp8_gemm import GpuFp8Gemm
-    from mlptrain.gpu.fp8_kernels import GpuFp8Scaling
-    from mlptrain.gpu.gemm import NvmathGemm
+    from mlptrain.nn.cuda.fp8_gemm import GpuFp8Gemm
+    from mlptrain.nn.cuda.fp8_kernels import GpuFp8Scaling
+    from mlptrain.nn.cuda.gemm import NvmathGemm
 
     gpu = GpuFp8Gemm(NvmathGemm(), GpuFp8Scaling(), mode, fast_accum=fast_accum)
     cpu = Fp8Gemm(NumpyGemm(), Fp8Scaling(np), mode)
@@ -165,7 +165,7 @@ def operands(role: str, epilog: Epilog | None, mode: str) -> tuple[np.ndarray, n
 
 
 def bgradb_refused() -> str:
-    from mlptrain.gpu.fp8_gemm import Fp8Matmul
+    from mlptrain.nn.cuda.fp8_gemm import Fp8Matmul
 
     mm = Fp8Matmul(128, 256, 64, ("e4m3", "e5m2"), Epilog.BGRADB, workspace_bytes=2**25)
     try:
@@ -180,10 +180,10 @@ def bgradb_refused() -> str:
 def graph_replay() -> str:
     import cupy as cp
 
-    from mlptrain.gpu.fp8_gemm import GpuFp8Gemm
-    from mlptrain.gpu.fp8_kernels import GpuFp8Scaling
-    from mlptrain.gpu.gemm import NvmathGemm
-    from mlptrain.gpu.timing import capture_graph
+    from mlptrain.base.cuda.timing import capture_graph
+    from mlptrain.nn.cuda.fp8_gemm import GpuFp8Gemm
+    from mlptrain.nn.cuda.fp8_kernels import GpuFp8Scaling
+    from mlptrain.nn.cuda.gemm import NvmathGemm
 
     a, b, inputs = operands("fwd", Epilog.RELU_AUX_BIAS, "fused")
     args = (_to_gpu(a), _to_gpu(b), Epilog.RELU_AUX_BIAS)
@@ -205,7 +205,7 @@ def graph_replay() -> str:
 def training(graph: bool) -> str:
     import cupy as cp
 
-    from mlptrain.bench.step_trainer import graph_run
+    from mlptrain.tools.bench.step_trainer import graph_run
 
     tr, losses = graph_run(graph, 84, **{"precision.name": "fp8"})
     cp.cuda.Device().synchronize()
@@ -219,10 +219,10 @@ def timing(size: int) -> str:
     casts alone (straight, transposed), and the bare FP8 GEMM: where the FP8 step's time goes."""
     import cupy as cp
 
-    from mlptrain.gpu.fp8_gemm import GpuFp8Gemm
-    from mlptrain.gpu.fp8_kernels import GpuFp8Scaling
-    from mlptrain.gpu.gemm import NvmathGemm
-    from mlptrain.gpu.timing import cuda_time_ms
+    from mlptrain.base.cuda.timing import cuda_time_ms
+    from mlptrain.nn.cuda.fp8_gemm import GpuFp8Gemm
+    from mlptrain.nn.cuda.fp8_kernels import GpuFp8Scaling
+    from mlptrain.nn.cuda.gemm import NvmathGemm
 
     W, x, bias = (cp.asarray(bf16(shape, i, 0.05)) for i, shape in enumerate([(size, size), (size, size), (size,)]))
     bf, f8, cast = NvmathGemm(), GpuFp8Gemm(NvmathGemm(), GpuFp8Scaling()), GpuFp8Scaling()

@@ -31,7 +31,7 @@ def time_candidates(W, XT, epilog, bias, limit: int) -> list[tuple]:
     import cupy as cp
     from nvmath.linalg.advanced import Matmul, MatmulPlanPreferences
 
-    from mlptrain.gpu.timing import capture_graph, cuda_time_ms
+    from mlptrain.base.cuda.timing import capture_graph, cuda_time_ms
 
     mm = Matmul(W, XT)
     kw = {} if epilog is None else {"epilog": epilog, "epilog_inputs": {"bias": bias}}

@@ -3,7 +3,7 @@
 Times, each alone and replayed from a CUDA graph (20 launches back to back, median of 15
 replays, and one launch on an idle GPU):
 
-* ``mlptrain_head_dgrad`` (:mod:`mlptrain.gpu.head_kernel`) for several (columns per block, threads);
+* ``mlptrain_head_dgrad`` (:mod:`mlptrain.nn.cuda.head`) for several (columns per block, threads);
 * the GEMM it replaces: ``FusedExecution.input_grad`` with DRELU_BGRAD through nvmath/cuBLASLt;
 * an empty kernel of the same launch shape (the launch floor) and the loss kernel.
 
@@ -22,7 +22,7 @@ import sys
 
 import numpy as np
 
-from mlptrain.backend import probe_gpu
+from mlptrain.base.backend import probe_gpu
 
 SHAPES = ((8, 512), (8, 256), (16, 512), (32, 256), (4, 512))  # (columns per block, threads)
 EMPTY = "if (threadIdx.x == 0 && B < 0) db[0] = (T)0.0f;"
@@ -42,12 +42,12 @@ def main(argv=None):
     import cupy as cp
     import ml_dtypes
 
-    from mlptrain.epilogs import pack_relu_mask
-    from mlptrain.execution import FusedExecution
-    from mlptrain.gpu import head_kernel as head
-    from mlptrain.gpu.gemm import NvmathGemm
-    from mlptrain.gpu.timing import capture_graph, cuda_time_ms
-    from mlptrain.losses import softmax_cross_entropy
+    from mlptrain.base.cuda.timing import capture_graph, cuda_time_ms
+    from mlptrain.nn.cuda import head
+    from mlptrain.nn.cuda.gemm import NvmathGemm
+    from mlptrain.nn.epilogs import pack_relu_mask
+    from mlptrain.nn.execution import FusedExecution
+    from mlptrain.nn.losses import softmax_cross_entropy
 
     B, C, H = args.batch, args.classes, args.hidden
     dtype = {"fp16": np.float16, "bf16": np.dtype(ml_dtypes.bfloat16)}.get(args.precision, np.float32)

@@ -5,7 +5,7 @@ steps) of mlptrain's fused trainer, ``graph=false`` so that each allocation is a
 tagged by phase: ``forward``, ``head+backward`` (the loss), ``head+backward/model.backward`` (the
 layers' GEMMs), ``optimizer``, ``scaler.check``. At the peak it lists what the step had allocated
 and still held, grouped by phase and call site, beside the live bytes by category of
-:mod:`mlptrain.gpu.memory`. The arrays alive before the step (parameters, optimizer state, the
+:mod:`mlptrain.step.cuda.memory`. The arrays alive before the step (parameters, optimizer state, the
 dataset, the previous step's saved inputs and gradients) are the base; what the step frees of
 them counts down from it.
 
@@ -13,7 +13,7 @@ them counts down from it.
 whose private pool receives everything the step allocates): every block the pool reserves from
 the device (``cudaMalloc``), with its size, phase, call site and stream, beside the bytes the pool
 has in use then. Where the pool reserves more than the step's arrays need at their peak
-(:func:`mlptrain.step_memory.expected_step_peak`), these lines say which allocation found no free
+(:func:`mlptrain.step.memory.expected_step_peak`), these lines say which allocation found no free
 block to reuse.
 
 Needs a GPU. Usage: python scripts/memory_trace.py [--graph] [--out DIR]
@@ -118,8 +118,8 @@ def make_reserve_trace():
 
 def trace_graph_case(widths, batch, precision) -> dict:
     """Reservations of the step's graph pool through its warm-up steps and capture."""
-    from mlptrain.bench.step_trainer import step_trainer
-    from mlptrain.gpu.memory import account, expected_step_peak
+    from mlptrain.step.cuda.memory import account, expected_step_peak
+    from mlptrain.tools.bench.step_trainer import step_trainer
 
     tr = step_trainer(widths, batch, precision, graph=True, bgrad="bgradb")
     tag(tr.model, "forward", "forward")
@@ -152,8 +152,8 @@ def trace_graph_case(widths, batch, precision) -> dict:
 def trace_case(widths, batch, precision) -> dict:
     import cupy as cp
 
-    from mlptrain.bench.step_trainer import step_trainer
-    from mlptrain.gpu.memory import account
+    from mlptrain.step.cuda.memory import account
+    from mlptrain.tools.bench.step_trainer import step_trainer
 
     pool = cp.get_default_memory_pool()
     tr = step_trainer(widths, batch, precision, graph=False, bgrad="bgradb")

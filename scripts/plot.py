@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from mlptrain.plot import main
+from mlptrain.cli.plot import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -53,9 +53,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import cupy as cp
 
-    from mlptrain.bench.predict_timing import cupy_events, forward_floor, random_checkpoint, time_passes
-    from mlptrain.gpu.infer_kernels import normalise
-    from mlptrain.inference import Predictor
+    from mlptrain.inference.cuda.infer_kernels import normalise
+    from mlptrain.inference.predictor import Predictor
+    from mlptrain.tools.bench.predict_timing import cupy_events, forward_floor, random_checkpoint, time_passes
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

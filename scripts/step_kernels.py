@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mlptrain.backend import probe_gpu
+from mlptrain.base.backend import probe_gpu
 
 
 def main(argv=None):
@@ -52,10 +52,10 @@ def main(argv=None):
     import cupy as cp
     import ml_dtypes
 
-    from mlptrain.bench.step_timing import step_gemm_floor
-    from mlptrain.bench.step_trainer import step_trainer
-    from mlptrain.bench.timing import CHAIN, median
-    from mlptrain.gpu.timing import cuda_time_ms
+    from mlptrain.base.cuda.timing import cuda_time_ms
+    from mlptrain.tools.bench.medians import CHAIN, median
+    from mlptrain.tools.bench.step_timing import step_gemm_floor
+    from mlptrain.tools.bench.step_trainer import step_trainer
 
     widths = [int(w) for w in args.widths.split(",")]
     tr = step_trainer(

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from mlptrain.backend import probe_gpu
+from mlptrain.base.backend import probe_gpu
 
 # tests/gpu/ imports the helpers that live here
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from mlptrain.backend import probe_gpu
+from mlptrain.base.backend import probe_gpu
 
 HAS_GPU = probe_gpu()[0]
 if HAS_GPU:  # imported only where it exists: the modules are collected everywhere
@@ -45,8 +45,8 @@ def close(actual: Any, expected: Any, name: str, what: str) -> None:
 
 def gpu_trainer(**overrides: Any) -> Any:
     """A Trainer on the GPU for digits; ``{"a.b": v}`` sets ``cfg.a.b`` (enum fields from their values)."""
-    from mlptrain.config import TrainConfig
-    from mlptrain.trainer import Trainer
+    from mlptrain.config.schema import TrainConfig
+    from mlptrain.step.trainer import Trainer
 
     cfg = TrainConfig()
     cfg.device = type(cfg.device)("gpu")

@@ -7,9 +7,9 @@ from typing import Any
 
 import numpy as np
 
-from mlptrain.config import Device, TrainConfig
-from mlptrain.metrics import read_metrics
-from mlptrain.precision import Precision
+from mlptrain.config.schema import Device, TrainConfig
+from mlptrain.run.metrics import read_metrics
+from mlptrain.step.precision import Precision
 
 # Keys of metrics records that measure time, and so differ between any two runs.
 TIMING = ("samples_per_s", "step_time_ms", "time_s", "wall_s")
@@ -47,7 +47,7 @@ def emulate_fp16(monkeypatch: Any) -> None:
     The NumPy engine computes float16 GEMMs in float32 and rounds once, so the whole fp16 path
     (loss scaling, skipped steps, master and compute copies) runs without a GPU.
     """
-    from mlptrain import build
+    from mlptrain.step import build
 
     fp16 = Precision("fp16", np.float32, np.float16, loss_scaling=True)
     monkeypatch.setattr(build, "get_precision", lambda name, backend: fp16)

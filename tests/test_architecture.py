@@ -90,33 +90,39 @@ def test_the_cycle_finder_finds_a_cycle() -> None:
 
 def test_no_import_cycle_between_modules() -> None:
     graph = import_graph()
-    assert len(graph) > 30 and graph["mlptrain.run"], "the import graph was not read"
+    assert len(graph) > 30 and graph["mlptrain.run.run"], "the import graph was not read"
     assert find_cycle(graph) is None, f"import cycle: {' -> '.join(find_cycle(graph) or [])}"
 
 
 def test_the_checkpoint_format_knows_nothing_of_trainers_or_runs() -> None:
     graph = import_graph()
-    reach, todo = set(), ["mlptrain.checkpoint"]
+    reach, todo = set(), ["mlptrain.run.checkpoint"]
     while todo:
         for m in graph[todo.pop()] - reach:
             reach.add(m)
             todo.append(m)
-    assert not reach & {"mlptrain.trainer", "mlptrain.run", "mlptrain.loop", "mlptrain.network"}, sorted(reach)
+    assert not reach & {"mlptrain.step.trainer", "mlptrain.run.run", "mlptrain.run.loop", "mlptrain.nn.network"}, (
+        sorted(reach)
+    )
 
 
-def test_cupy_and_nvmath_are_imported_only_by_the_backend_and_mlptrain_gpu() -> None:
+def in_cuda(name: str) -> bool:
+    """Whether module ``name`` lives in a ``cuda/`` folder (each concept's GPU half)."""
+    return ".cuda." in name
+
+
+def test_cupy_and_nvmath_are_imported_only_under_cuda_folders_torch_and_the_backend() -> None:
     known = set(modules())
     offenders = {
         name: sorted(m for m in imports(path, known) if m.split(".")[0] in ("cupy", "cupyx", "nvmath"))
         for name, path in modules().items()
-        if not name.startswith("mlptrain.gpu.") and name != "mlptrain.backend"
+        if not in_cuda(name) and not name.startswith("mlptrain.torch.") and name != "mlptrain.base.backend"
     }
     assert {k: v for k, v in offenders.items() if v} == {}
-    gpu = [name for name in modules() if name.startswith("mlptrain.gpu.")]
-    # (gpu.torch_gemm drives nvmath on torch tensors: nvmath, not CuPy, is what puts it there)
-    assert len(gpu) >= 8 and all(
+    gpu = [name for name, path in modules().items() if in_cuda(name) and path.name != "__init__.py"]
+    assert len(gpu) >= 20 and all(
         any(m.split(".")[0] in ("cupy", "nvmath") for m in imports(modules()[name], known)) for name in gpu
-    ), "every module of mlptrain.gpu imports CuPy or nvmath (that is what puts it there)"
+    ), "every module of a cuda/ folder imports CuPy or nvmath (that is what puts it there)"
 
 
 def _directives(src: str) -> list[tuple[int, int, int]]:
@@ -209,35 +215,33 @@ def reach(graph: dict[str, set[str]], start: str) -> set[str]:
     return found
 
 
-# What an engine of mlptrain.gpu may import from the rest of the package: the contracts it carries out
-# and plain helpers. Never the step, the network, the builders or the precision policy.
+# What an engine (a module of a cuda/ folder) may import outside the cuda/ folders: the contracts it
+# carries out and plain helpers. Never the step, the network, the builders or the precision policy.
 ENGINES_MAY_IMPORT = {
-    "mlptrain.epilogs",  # the epilog contract the GEMM engines run
-    "mlptrain.epilogs_fp8",
-    "mlptrain.fp8",  # the FP8 scaling contract
-    "mlptrain.backend",  # device selection
-    "mlptrain.files",  # atomic_write, the cache folder
-    "mlptrain.cuda_source",  # pieces of CUDA source and the Job a component declares to compile ahead
-    "mlptrain.errors",  # the user-facing exceptions (imports nothing)
+    "mlptrain.nn.epilogs",  # the epilog contract the GEMM engines run
+    "mlptrain.nn.epilogs_fp8",
+    "mlptrain.nn.fp8",  # the FP8 scaling contract
+    "mlptrain.base.backend",  # device selection
+    "mlptrain.base.fs",  # atomic_write, the cache folder
+    "mlptrain.base.cuda_source",  # pieces of CUDA source and the Job a component declares to compile ahead
+    "mlptrain.base.errors",  # the user-facing exceptions (imports nothing)
 }
 # Today's exceptions, each to go once its module is given what it needs instead of importing it:
 ENGINE_EXCEPTIONS = {
     # starts compiling the dtype kernels (the parameters' cast) from the config, before the trainer exists,
     # so it builds the run's precision policy itself (the components' own jobs come from the trainer)
-    "mlptrain.gpu.precompile": {"mlptrain.precision"},
-    # compares the pools with the step's memory formula (#29: the device runtime apart from the step)
-    "mlptrain.gpu.memory": {"mlptrain.step_memory"},
-    # the torch front end's bgrad probe reads the trainer's rule and builds a FusedExecution to time
-    "mlptrain.gpu.torch_gemm": {"mlptrain.bgrad", "mlptrain.build", "mlptrain.execution"},
+    "mlptrain.step.cuda.precompile": {"mlptrain.step.precision"},
+    # compares the pools with the step's memory formula, its CPU twin (#29: the device runtime apart from the step)
+    "mlptrain.step.cuda.memory": {"mlptrain.step.memory"},
 }
 
 
 def engine_imports_outside(graph: dict[str, set[str]]) -> dict[str, set[str]]:
-    """Each module of mlptrain.gpu -> what it imports of the package beyond gpu/ and ENGINES_MAY_IMPORT."""
+    """Each module of a cuda/ folder -> what it imports of the package beyond cuda/ and ENGINES_MAY_IMPORT."""
     return {
-        name: {m for m in deps if not m.startswith("mlptrain.gpu")} - ENGINES_MAY_IMPORT
+        name: {m for m in deps if not in_cuda(m) and not m.endswith(".cuda")} - ENGINES_MAY_IMPORT
         for name, deps in graph.items()
-        if name.startswith("mlptrain.gpu.")
+        if in_cuda(name)
     }
 
 
@@ -247,15 +251,25 @@ def test_gpu_modules_are_engines_that_never_import_the_step_the_network_or_the_p
 
 
 def test_the_engine_rule_refuses_an_engine_that_imports_the_network() -> None:
-    graph = {"mlptrain.gpu.x": {"mlptrain.network", "mlptrain.epilogs", "mlptrain.gpu.y"}, "mlptrain.gpu.y": set()}
-    assert engine_imports_outside(graph) == {"mlptrain.gpu.x": {"mlptrain.network"}, "mlptrain.gpu.y": set()}
+    graph = {"mlptrain.nn.cuda.x": {"mlptrain.nn.network", "mlptrain.nn.epilogs", "mlptrain.step.cuda.y"}}
+    graph["mlptrain.step.cuda.y"] = set()
+    assert engine_imports_outside(graph) == {
+        "mlptrain.nn.cuda.x": {"mlptrain.nn.network"},
+        "mlptrain.step.cuda.y": set(),
+    }
 
 
 def test_the_launcher_is_above_the_run_and_data_parallelism_below_it() -> None:
     graph = import_graph()
-    assert "mlptrain.run" in graph["mlptrain.launcher"], "the launcher's workers call run.train"
-    assert {name for name, deps in graph.items() if "mlptrain.launcher" in deps} == {"mlptrain.cli"}
-    above = {"mlptrain.launcher", "mlptrain.cli", "mlptrain.run", "mlptrain.loop", "mlptrain.trainer"}
+    assert "mlptrain.run.run" in graph["mlptrain.cli.launcher"], "the launcher's workers call run.train"
+    assert {name for name, deps in graph.items() if "mlptrain.cli.launcher" in deps} == {"mlptrain.cli.main"}
+    above = {
+        "mlptrain.cli.launcher",
+        "mlptrain.cli.main",
+        "mlptrain.run.run",
+        "mlptrain.run.loop",
+        "mlptrain.step.trainer",
+    }
     distributed = [name for name in graph if name.startswith("mlptrain.distributed")]
     assert len(distributed) >= 4 and {n: sorted(reach(graph, n) & above) for n in distributed} == {
         n: [] for n in distributed
@@ -263,10 +277,108 @@ def test_the_launcher_is_above_the_run_and_data_parallelism_below_it() -> None:
 
 
 def test_every_module_is_named_where_the_package_is_described() -> None:
-    """docs/architecture.md names every top-level module (``x.py``); gpu/__init__'s table every GPU module."""
+    """docs/architecture.md names every folder (``nn/cuda/``) and every module (``nn/cuda/losses.py``)."""
     doc = (ROOT / "docs" / "architecture.md").read_text()
-    top = [p.stem for p in PKG.glob("*.py") if not p.stem.startswith("__")]
-    assert len(top) > 30 and [m for m in top if f"`{m}.py`" not in doc] == []
-    table = (PKG / "gpu" / "__init__.py").read_text()
-    gpu = [p.stem for p in (PKG / "gpu").glob("*.py") if p.stem != "__init__"]
-    assert len(gpu) > 10 and [m for m in gpu if f"``{m}``" not in table] == []
+    mods = [p.relative_to(PKG).as_posix() for p in PKG.rglob("*.py") if p.stem not in ("__init__", "__main__")]
+    folders = [p.parent.relative_to(PKG).as_posix() + "/" for p in PKG.rglob("*/__init__.py")]
+    assert len(mods) > 100 and [m for m in mods + folders if f"`{m}`" not in doc] == []
+
+
+MAX_ENTRIES = 14  # files and subfolders of one folder of the package, __init__.py and __main__.py included
+
+
+def entries(folder: Path) -> list[str]:
+    """What a folder of the package holds: its files and subfolders, caches and hidden files left out."""
+    return sorted(p.name for p in folder.iterdir() if p.name != "__pycache__" and not p.name.startswith("."))
+
+
+def crowded(root: Path) -> dict[str, int]:
+    """Each folder under ``root`` (``root`` included) that holds more than MAX_ENTRIES entries."""
+    folders = [root, *(p for p in root.rglob("*") if p.is_dir() and p.name != "__pycache__")]
+    return {str(f.relative_to(root.parent)): n for f in folders if (n := len(entries(f))) > MAX_ENTRIES}
+
+
+def test_no_folder_of_the_package_holds_more_than_14_entries() -> None:
+    assert len(entries(PKG)) >= 10 and crowded(PKG) == {}
+
+
+def test_the_entries_rule_refuses_a_15th_entry(tmp_path: Path) -> None:
+    (tmp_path / "pkg" / "sub").mkdir(parents=True)
+    for i in range(MAX_ENTRIES):
+        (tmp_path / "pkg" / "sub" / f"m{i}.py").write_text("")
+    assert crowded(tmp_path / "pkg") == {}
+    (tmp_path / "pkg" / "sub" / "one_more.py").write_text("")
+    assert crowded(tmp_path / "pkg") == {"pkg/sub": MAX_ENTRIES + 1}
+
+
+def same_names(paths: list[str]) -> dict[str, list[str]]:
+    """Module file names that more than one module of ``paths`` has, a CUDA twin left out: ``a/cuda/x.py``
+    beside ``a/x.py`` is the GPU half of ``x``. ``__init__.py`` and ``__main__.py`` are no module names."""
+    by_name: dict[str, list[str]] = {}
+    for path in sorted(paths):
+        folder, _, name = path.rpartition("/")
+        if name in ("__init__.py", "__main__.py"):
+            continue
+        if folder.endswith("cuda") and f"{folder[: -len('cuda')]}{name}" in paths:
+            continue
+        by_name.setdefault(name, []).append(path)
+    return {name: found for name, found in by_name.items() if len(found) > 1}
+
+
+def test_module_names_are_unique_but_cuda_twins() -> None:
+    paths = [p.relative_to(PKG).as_posix() for p in PKG.rglob("*.py")]
+    assert len(paths) > 100 and same_names(paths) == {}
+
+
+# The package-level import order (house.md): a package imports its own modules and those of lower floors only.
+FLOORS = [
+    ["base", "config"],
+    ["nn", "distributed"],
+    ["data"],
+    ["step"],
+    ["torch", "run"],
+    ["inference"],
+    ["cli", "sklearn"],
+    ["tools"],
+]
+# Today's exceptions (module -> what it imports from its own floor or above), each to go with its concept's change:
+PACKAGE_ORDER_EXCEPTIONS = {
+    "mlptrain.config.schema": {"mlptrain.step.choices"},
+}
+
+
+def package_order_violations(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Each module -> the modules it imports from another package on its own floor or above (FLOORS)."""
+    floor = {package: i for i, group in enumerate(FLOORS) for package in group}
+    found = {}
+    for name, deps in graph.items():
+        own = name.split(".")[1] if name.count(".") else ""
+        if own not in floor:
+            continue  # mlptrain/__init__.py and __main__.py stand above every floor
+        up = {
+            m for m in deps if m.count(".") and m.split(".")[1] != own and floor.get(m.split(".")[1], -1) >= floor[own]
+        }
+        if up:
+            found[name] = up
+    return found
+
+
+def test_packages_import_only_their_own_floor_and_below() -> None:
+    graph = import_graph()
+    assert {m.split(".")[1] for m in graph if m.count(".")} >= {p for group in FLOORS for p in group}
+    assert package_order_violations(graph) == PACKAGE_ORDER_EXCEPTIONS  # a fixed exception leaves the set too
+
+
+def test_the_order_rule_refuses_the_network_importing_the_trainer() -> None:
+    graph = {"mlptrain.nn.network": {"mlptrain.step.trainer", "mlptrain.nn.layers", "mlptrain.base.errors"}}
+    graph["mlptrain.torch.ops"] = {"mlptrain.run.checkpoint"}  # a sibling on the same floor
+    assert package_order_violations(graph) == {
+        "mlptrain.nn.network": {"mlptrain.step.trainer"},
+        "mlptrain.torch.ops": {"mlptrain.run.checkpoint"},
+    }
+
+
+def test_the_name_rule_refuses_a_second_name_and_keeps_a_twin() -> None:
+    assert same_names(["nn/losses.py", "nn/cuda/losses.py", "base/__init__.py", "nn/__init__.py"]) == {}
+    assert same_names(["base/fs.py", "data/fs.py"]) == {"fs.py": ["base/fs.py", "data/fs.py"]}
+    assert same_names(["nn/cuda/losses.py", "step/losses.py"]) != {}  # a cuda/ module away from its twin

@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
-from mlptrain.backend import get_array_module, get_backend, probe_gpu, scalar
-from mlptrain.errors import ConfigError, DeviceError
+from mlptrain.base.backend import get_array_module, get_backend, probe_gpu, scalar
+from mlptrain.base.errors import ConfigError, DeviceError
 
 
 def test_cpu_backend_is_numpy():

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from mlptrain.bench import largest_model
-from mlptrain.bench.step_trainer import digits_overrides, step_config, step_overrides
-from mlptrain.bench.timing import fmt
-from mlptrain.cli import compose_config
-from mlptrain.config import TrainConfig, flatten
+from mlptrain.cli.main import compose_config
+from mlptrain.config.schema import TrainConfig, flatten
+from mlptrain.tools.bench import largest_model
+from mlptrain.tools.bench.medians import fmt
+from mlptrain.tools.bench.step_trainer import digits_overrides, step_config, step_overrides
 
 
 def _flat(cfg: TrainConfig) -> dict:
@@ -58,7 +58,7 @@ def test_step_config_sets_what_the_benchmark_asks_and_keeps_the_defaults(widths,
 
 
 def test_step_config_is_checked_as_a_command_line_is() -> None:
-    from mlptrain.errors import ConfigError
+    from mlptrain.base.errors import ConfigError
 
     with pytest.raises(ConfigError, match="execution.bgrad=bgradb is not used with execution=naive"):
         step_config([64, 10], 128, "fp32", mode="naive", bgrad="bgradb")

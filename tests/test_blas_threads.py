@@ -10,9 +10,9 @@ import pytest
 from helpers import make_cfg
 from threadpoolctl import threadpool_info, threadpool_limits
 
-from mlptrain.backend import BLAS_ONE_THREAD_BELOW, Backend, get_backend
-from mlptrain.run import train
-from mlptrain.trainer import Trainer
+from mlptrain.base.backend import BLAS_ONE_THREAD_BELOW, Backend, get_backend
+from mlptrain.run.run import train
+from mlptrain.step.trainer import Trainer
 
 
 def _blas_threads() -> set[int]:

@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 from numpy.testing import assert_array_equal
 
-from mlptrain.config import DataConfig, DatasetName
-from mlptrain.data import cache, load_dataset
+from mlptrain.config.schema import DataConfig, DatasetName
+from mlptrain.data import load_dataset
+from mlptrain.data.files import cache
 
 
 @pytest.fixture(autouse=True)
@@ -67,7 +68,7 @@ def test_a_file_changed_in_place_with_its_time_restored_is_parsed_again(
     write(path, x, flipped)
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert path.stat().st_size == st.st_size and path.stat().st_mtime_ns == st.st_mtime_ns
-    with caplog.at_level(logging.INFO, logger="mlptrain.data.cache"):
+    with caplog.at_level(logging.INFO, logger="mlptrain.data.files.cache"):
         second, _ = cache.read_cached(path, "label")
     assert second.y.tolist() == flipped
     assert "changed since it was cached" in caplog.text and "rebuilt" in caplog.text, caplog.text
@@ -95,7 +96,7 @@ def test_an_unchanged_file_is_not_hashed_again(
     path, x, labels = source(tmp_path)
     first, _ = cache.read_cached(path, "label")
     assert hashes == [path]
-    with caplog.at_level(logging.INFO, logger="mlptrain.data.cache"):
+    with caplog.at_level(logging.INFO, logger="mlptrain.data.files.cache"):
         second, _ = cache.read_cached(path, "label")
     assert hashes == [path], "the recorded identity holds: the file is not read"
     assert "its SHA-256 is not taken again" in caplog.text, caplog.text
@@ -110,7 +111,7 @@ def test_a_file_hashed_just_after_it_was_written_is_hashed_again(
     trusted until the file is older than RACY_NS at a look-up (git's "racily clean" entries)."""
     path, _, labels = source(tmp_path)
     cache.read_cached(path, "label")
-    with caplog.at_level(logging.INFO, logger="mlptrain.data.cache"):
+    with caplog.at_level(logging.INFO, logger="mlptrain.data.files.cache"):
         table, _ = cache.read_cached(path, "label")
     assert hashes == [path, path] and table.y.tolist() == labels
     assert "changed within" in caplog.text and "the bytes that were cached" in caplog.text, caplog.text
@@ -123,7 +124,7 @@ def test_a_touched_file_is_hashed_once_and_then_trusted(
     path, _, labels = source(tmp_path)
     cache.read_cached(path, "label")
     os.utime(path, ns=(10**18, 10**18))  # another time, the same bytes
-    with caplog.at_level(logging.INFO, logger="mlptrain.data.cache"):
+    with caplog.at_level(logging.INFO, logger="mlptrain.data.files.cache"):
         cache.read_cached(path, "label")
     assert "mtime_ns and ctime_ns differ" in caplog.text and "the bytes that were cached" in caplog.text, caplog.text
     assert "rebuilt" not in caplog.text and "written" not in caplog.text, "the entry is kept, its identity updated"
@@ -153,7 +154,7 @@ def test_a_file_rewritten_is_hashed_and_its_stale_entry_not_used(
     now = path.stat()
     assert (now.st_size == st.st_size) == (change != "another size")
     assert (now.st_mtime_ns == st.st_mtime_ns) == (change in ("the same size and time", "replaced"))
-    with caplog.at_level(logging.INFO, logger="mlptrain.data.cache"):
+    with caplog.at_level(logging.INFO, logger="mlptrain.data.files.cache"):
         table, _ = cache.read_cached(path, "label")
     assert hashes == [path, path]  # the first entry; the look-up, whose hash the rebuilt entry records
     assert "changed since it was cached" in caplog.text and "rebuilt" in caplog.text, caplog.text
@@ -211,7 +212,7 @@ def test_a_damaged_entry_is_found_logged_and_rebuilt(
         cache.read_cached(other, "label")
         (other_folder,) = [p for p in (cache_dir / "tables").iterdir() if p.is_dir() and p != folder]
         shutil.copy(other_folder / "train_x.npy", folder / "train_x.npy")
-    with caplog.at_level(logging.INFO, logger="mlptrain.data.cache"):
+    with caplog.at_level(logging.INFO, logger="mlptrain.data.files.cache"):
         table, _ = cache.read_cached(path, "label")
     assert_array_equal(table.x, x)
     assert table.y.tolist() == labels

@@ -16,14 +16,15 @@ import pytest
 from helpers import FP16, emulate_fp16, make_cfg, records
 from numpy.testing import assert_allclose, assert_array_equal
 
-from mlptrain import checkpoint, files
-from mlptrain.checkpoint import Best, Position
-from mlptrain.config import Device, TrainConfig
-from mlptrain.errors import CheckpointError, ConfigError, OutputError, TrainingInterrupted
-from mlptrain.metrics import read_metrics
-from mlptrain.run import train
-from mlptrain.saving import Writer
-from mlptrain.trainer import Trainer
+from mlptrain.base import fs as files
+from mlptrain.base.errors import CheckpointError, ConfigError, OutputError, TrainingInterrupted
+from mlptrain.config.schema import Device, TrainConfig
+from mlptrain.run import checkpoint
+from mlptrain.run.checkpoint import Best, Position
+from mlptrain.run.metrics import read_metrics
+from mlptrain.run.run import train
+from mlptrain.run.saving import Writer
+from mlptrain.step.trainer import Trainer
 
 
 def interrupt_at(monkeypatch: pytest.MonkeyPatch, step: int, times: int = 1) -> None:

@@ -118,7 +118,7 @@ def test_error_during_training_exits_2_without_traceback(tmp_path: Path) -> None
 
 
 def test_gpu_request_without_gpu_exits_2(tmp_path: Path) -> None:
-    from mlptrain.backend import probe_gpu
+    from mlptrain.base.backend import probe_gpu
 
     if probe_gpu()[0]:
         pytest.skip("this machine has a usable GPU")
@@ -153,16 +153,22 @@ def test_wheel_contains_configs_and_data(wheel: Path) -> None:
     assert group_files
     for path in group_files:
         assert f"mlptrain/conf/{path.relative_to(REPO / 'conf').as_posix()}" in names
-    assert "mlptrain/cli.py" in names and "mlptrain/__main__.py" in names
+    assert "mlptrain/cli/main.py" in names and "mlptrain/__main__.py" in names
     assert not any(n.startswith("conf/") for n in names), "conf/ must not be a top-level package"
     assert "mlptrain/data/digits.csv.gz" in names  # the bundled default dataset
     assert "mlptrain/conf/hydra/job_logging/mlptrain.yaml" in names
     # a wheel user draws a sweep and runs the benchmark with python -m; scripts/ stays in the repository
-    for module in ("compare/__main__.py", "compare/report.py", "plot.py", "bench/__main__.py", "bench/timing.py"):
+    for module in (
+        "tools/compare/__main__.py",
+        "tools/compare/report.py",
+        "cli/plot.py",
+        "tools/bench/__main__.py",
+        "tools/bench/medians.py",
+    ):
         assert f"mlptrain/{module}" in names
     assert not any(n.startswith("mlptrain/scripts/") for n in names)
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
-    assert "mlptrain = mlptrain.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+    assert "mlptrain = mlptrain.cli.main:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
 
 
 def test_installed_wheel_finds_its_configs(wheel: Path, tmp_path: Path) -> None:
@@ -239,7 +245,7 @@ def test_a_sweeper_that_is_not_installed_names_the_extra(tmp_path: Path) -> None
     code = (
         "import sys; from hydra.core.plugins import Plugins; from hydra.core.config_store import ConfigStore; "
         "Plugins.instance(); ConfigStore.instance().repo['hydra']['sweeper'].pop('optuna.yaml', None); "
-        "sys.argv = ['mlptrain', '-m', 'hydra/sweeper=optuna', 'epochs=1']; from mlptrain.cli import main; main()"
+        "sys.argv = ['mlptrain', '-m', 'hydra/sweeper=optuna', 'epochs=1']; from mlptrain.cli.main import main; main()"
     )
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
     env["PYTHONPATH"] = str(REPO)
@@ -298,7 +304,7 @@ def test_make_run_installs_the_cuda_extra_that_the_driver_supports(
 
 FULL_DISK = """
 import errno, pathlib, sys
-import mlptrain.cli as cli
+import mlptrain.cli.main as cli
 real_write, real_mkdir, calls = cli.atomic_write, pathlib.Path.mkdir, []
 def write(path, text):  # the disk fills up under the second of Hydra's files
     calls.append(path)

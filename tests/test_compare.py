@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from mlptrain import compare
+from mlptrain.tools import compare
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -413,7 +413,7 @@ def test_index_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture
 
 
 def test_gpu_comparison_configs_compose() -> None:
-    from mlptrain.cli import compose_config
+    from mlptrain.cli.main import compose_config
 
     cfg = compose_config(["model.activation=gelu", "precision=fp16"], config_name="compare_gpu")
     assert (cfg.data.name.value, cfg.model.hidden, cfg.model.activation) == ("mnist1d", [256, 256], "gelu")
@@ -428,7 +428,7 @@ def test_gpu_comparison_configs_compose() -> None:
 def test_gpu_recipe_steps_are_as_documented() -> None:
     """conf/compare_gpu.yaml says 28 steps an epoch (840 in all), compare_gpu_speed.yaml 95."""
     pytest.importorskip("mnist1d")
-    from mlptrain.cli import compose_config
+    from mlptrain.cli.main import compose_config
     from mlptrain.data import load_dataset
 
     cfg = compose_config(["device=cpu", "graph=null", "precision=fp32"], config_name="compare_gpu")
@@ -459,7 +459,7 @@ def test_gpu_script_usage_errors(tmp_path: Path) -> None:
 
 
 def test_gpu_script_stops_at_once_without_a_gpu(tmp_path: Path) -> None:
-    from mlptrain.backend import probe_gpu
+    from mlptrain.base.backend import probe_gpu
 
     if probe_gpu()[0]:
         pytest.skip("a GPU is present: the script would run the whole recipe")
@@ -511,7 +511,7 @@ def _run(mode: str, losses: list[float | None], ms: list[float | None], summary:
 
 
 def test_loss_differences_of_hand_made_pairs() -> None:
-    from mlptrain.compare.summary import loss_differences
+    from mlptrain.tools.compare.summary import loss_differences
 
     ms = [None] * 6
     pairs = {
@@ -537,7 +537,7 @@ def test_loss_differences_of_hand_made_pairs() -> None:
 
 
 def test_mode_numbers_pool_the_timed_intervals_and_average_the_seeds() -> None:
-    from mlptrain.compare.summary import mode_numbers
+    from mlptrain.tools.compare.summary import mode_numbers
 
     # steps 0-3 epoch 0, 4-7 epoch 1, timed every 2 steps: the first interval (9 ms) is warm-up and left
     # out, the other three (2, 3, 4 ms) of each seed are pooled

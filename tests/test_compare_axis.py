@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from mlptrain import compare
-from mlptrain.compare.results import results_markdown
+from mlptrain.tools import compare
+from mlptrain.tools.compare.results import results_markdown
 
 REPO = Path(__file__).resolve().parent.parent
 LOSSES = [1.0, 0.5, 0.25, 0.125]
@@ -191,7 +191,7 @@ def test_a_fused_vs_naive_report_gets_no_new_row(tmp_path: Path) -> None:
 def test_fp8_configs_sweep_the_precision_and_hold_the_execution() -> None:
     from omegaconf import OmegaConf
 
-    from mlptrain.cli import compose_config
+    from mlptrain.cli.main import compose_config
 
     for name, data, hidden in (("compare_fp8", "mnist1d", [256, 256]), ("compare_fp8_wide", "synthetic", [4096] * 3)):
         params = OmegaConf.load(REPO / "conf" / f"{name}.yaml").hydra.sweeper.params
@@ -244,7 +244,7 @@ def test_fp8_script_runs_end_to_end_on_the_cpu(tmp_path: Path) -> None:
 def test_the_large_mnist1d_task_is_the_mnist1d_recipe_on_50000_samples() -> None:
     from omegaconf import OmegaConf
 
-    from mlptrain.cli import compose_config
+    from mlptrain.cli.main import compose_config
 
     params = OmegaConf.load(REPO / "conf" / "compare_fp8_mnist1d_50k.yaml").hydra.get("sweeper")
     assert params is None  # the sweep lists are compare_fp8.yaml's

@@ -10,12 +10,12 @@ import pytest
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf import OmegaConf
 
-from mlptrain.checks import validate
-from mlptrain.cli import CONF_DIR, compose_config
-from mlptrain.config import DatasetName, Mode, TrainConfig
-from mlptrain.errors import ConfigError, MlptrainError
-from mlptrain.optim import OPTIMIZERS
-from mlptrain.precision import PRECISIONS
+from mlptrain.base.errors import ConfigError, MlptrainError
+from mlptrain.cli.main import CONF_DIR, compose_config
+from mlptrain.config.schema import DatasetName, Mode, TrainConfig
+from mlptrain.step.checks import validate
+from mlptrain.step.optim import OPTIMIZERS
+from mlptrain.step.precision import PRECISIONS
 
 GROUPS = ("model", "data", "optimizer", "execution", "precision")
 GROUP_FILES = sorted(CONF_DIR.glob("*/*.yaml"))
@@ -251,6 +251,6 @@ def test_an_attribute_set_from_python_is_checked_too() -> None:
     ],
 )
 def test_an_unknown_key_is_answered_with_the_real_key_to_paste(key: str, value: object, fix: str) -> None:
-    from mlptrain.keys import suggest
+    from mlptrain.config.keys import suggest
 
     assert suggest(key, value) == fix

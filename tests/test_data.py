@@ -13,10 +13,10 @@ import pytest
 from numpy.testing import assert_allclose, assert_array_equal
 
 from mlptrain import data
-from mlptrain.config import DataConfig, DatasetName, Normalize
+from mlptrain.base.errors import ConfigError, DatasetError
+from mlptrain.base.fs import cache_root
+from mlptrain.config.schema import DataConfig, DatasetName, Normalize
 from mlptrain.data import Dataset, FileSpec, load_dataset, read_idx, sources, stratified_split, write_idx
-from mlptrain.errors import ConfigError, DatasetError
-from mlptrain.files import cache_root
 
 # ------------------------------------------------------------------------------------------- digits
 

@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 from helpers import make_cfg
 
-from mlptrain.config import DataConfig, DatasetName
+from mlptrain.base.errors import DatasetError
+from mlptrain.cli.predict import main as predict_main
+from mlptrain.config.schema import DataConfig, DatasetName
 from mlptrain.data import load_dataset
-from mlptrain.data.files import arrow_available, read_table, write_csv
-from mlptrain.errors import DatasetError
-from mlptrain.predict import main as predict_main
-from mlptrain.run import train
+from mlptrain.data.files.readers import arrow_available, read_table, write_csv
+from mlptrain.run.run import train
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -97,7 +97,7 @@ def test_evaluate_of_a_checkpoint_without_a_data_file_asks_for_data(
     """#27: a checkpoint fitted from Python (mlptrain.sklearn) records no data file; evaluate without
     ``data=`` said "data file None does not exist; set data.path to an existing file"."""
     pytest.importorskip("sklearn")
-    from mlptrain.evaluate import main as evaluate_main
+    from mlptrain.cli.evaluate import main as evaluate_main
     from mlptrain.sklearn import MLPClassifier
 
     x, y = blobs()

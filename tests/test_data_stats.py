@@ -12,12 +12,13 @@ import numpy as np
 import pytest
 from numpy.testing import assert_allclose, assert_array_equal
 
-from mlptrain.config import DataConfig, DatasetName
-from mlptrain.data import cache, chunks, load_dataset
+from mlptrain.base.errors import DatasetError
+from mlptrain.config.schema import DataConfig, DatasetName
+from mlptrain.data import load_dataset
 from mlptrain.data.dataset import Normalization
+from mlptrain.data.files import cache, chunks
+from mlptrain.data.files.column_stats import column_stats
 from mlptrain.data.prepare import normalization, stratified_split
-from mlptrain.data.stats import column_stats
-from mlptrain.errors import DatasetError
 
 
 def reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from helpers import make_cfg
 
+from mlptrain.base.errors import ConfigError
+from mlptrain.data.loader import DataLoader
 from mlptrain.distributed.comm import LocalGroup
 from mlptrain.distributed.dp import shard_rows
-from mlptrain.errors import ConfigError
-from mlptrain.loader import DataLoader
-from mlptrain.trainer import Trainer
+from mlptrain.step.trainer import Trainer
 
 
 @pytest.mark.parametrize(("n", "world"), [(64, 2), (65, 2), (10, 3), (7, 7), (100, 8)])
@@ -356,7 +356,7 @@ def test_launcher_variables_on_a_machine_without_a_gpu_are_one_line_and_leave_no
 
     from test_cli import REPO
 
-    from mlptrain.backend import probe_gpu
+    from mlptrain.base.backend import probe_gpu
 
     if probe_gpu()[0]:
         pytest.skip("this machine has a GPU")

@@ -15,13 +15,14 @@ import numpy as np
 import pytest
 from helpers import make_cfg, records
 
-from mlptrain import checkpoint, launcher
-from mlptrain.config import Device
+from mlptrain.base.errors import ConfigError, TrainingInterrupted
+from mlptrain.base.stopping import Stop, StopRequest
+from mlptrain.cli import launcher
+from mlptrain.config.schema import Device
 from mlptrain.distributed.comm import LocalGroup
 from mlptrain.distributed.control import EXIT_HUNG, AgreedStop, Watchdog
-from mlptrain.errors import ConfigError, TrainingInterrupted
-from mlptrain.run import train
-from mlptrain.stopping import Stop, StopRequest
+from mlptrain.run import checkpoint
+from mlptrain.run.run import train
 
 
 def _cfg(**kw):
@@ -98,7 +99,7 @@ def test_a_stop_asked_of_one_rank_stops_both_at_the_same_step_and_resumes_on_one
     there, and a one-rank resume of that checkpoint finishes with the uninterrupted run's numbers."""
     full = train(_cfg(), tmp_path / "full")
     stops = iter([_AskOnce(3), _AskOnce(3)])
-    monkeypatch.setattr("mlptrain.run.StopRequest", lambda: next(stops))
+    monkeypatch.setattr("mlptrain.run.run.StopRequest", lambda: next(stops))
     res = _ranks(2, _cfg(), tmp_path / "run")
     assert all(isinstance(r, TrainingInterrupted) for r in res), res
     assert res[0].step == res[1].step == 15  # the third flush: log_every=5
@@ -134,7 +135,7 @@ def test_agreement_is_an_all_reduce_of_the_flags():
 
 def test_one_process_and_a_rank_stop_through_the_same_protocol():
     """The loop calls ``beat`` and ``agree`` on any stop: a no-op and ``requested`` in one process, the
-    watchdog's heart and the all-reduce of the flags for a rank (``mlptrain.stopping.Stop``)."""
+    watchdog's heart and the all-reduce of the flags for a rank (``mlptrain.base.stopping.Stop``)."""
     one = StopRequest()
     rank = AgreedStop(one, LocalGroup(1).communicator(0))
     assert isinstance(one, Stop) and isinstance(rank, Stop)
@@ -265,7 +266,7 @@ def test_ranks_that_do_not_stop_are_killed_after_the_timeout_or_at_a_second_ctrl
 
 
 def test_rank_0s_error_is_the_runs_error():
-    from mlptrain.errors import DatasetError
+    from mlptrain.base.errors import DatasetError
 
     err = DatasetError("data.path=x.csv: no such file")
     with pytest.raises(DatasetError, match="no such file"):
@@ -290,8 +291,8 @@ def test_adams_per_parameter_state_stays_identical_on_every_rank(tmp_path):
 
 
 def test_replicas_that_differ_by_one_bit_are_caught():
+    from mlptrain.base.errors import MlptrainError
     from mlptrain.distributed.control import check_replicas
-    from mlptrain.errors import MlptrainError
 
     group = LocalGroup(2)
     w = np.linspace(-1, 1, 12).reshape(3, 4)

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from mlptrain.epilogs import Epilog, matmul, pack_relu_mask, relu_aux_shape, unpack_relu_mask
+from mlptrain.nn.epilogs import Epilog, matmul, pack_relu_mask, relu_aux_shape, unpack_relu_mask
 
 
 @pytest.mark.parametrize(("m", "mb"), [(1, 16), (8, 16), (30, 16), (129, 32), (256, 32), (1000, 128), (65536, 8192)])

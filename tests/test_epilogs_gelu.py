@@ -1,6 +1,6 @@
 """The GELU epilogs of the NumPy contract against independent float64 formulas (issue #17).
 
-The references here do not share code with mlptrain.epilogs: GELU through the logistic function
+The references here do not share code with mlptrain.nn.epilogs: GELU through the logistic function
 (``0.5 (1 + tanh(u)) = 1 / (1 + exp(-2u))``) and its derivative by central differences.
 """
 
@@ -8,7 +8,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from mlptrain.epilogs import Epilog, gelu_aux_shape, matmul
+from mlptrain.nn.epilogs import Epilog, gelu_aux_shape, matmul
 
 C = np.sqrt(2.0 / np.pi)
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -80,7 +80,7 @@ def test_dgelu_epilogs_apply_the_derivative_at_the_saved_pre_activation(dtype):
 
 
 def test_gelu_derivative_formula_against_central_differences_over_a_wide_range():
-    from mlptrain.epilogs import gelu, gelu_grad
+    from mlptrain.nn.epilogs import gelu, gelu_grad
 
     z = np.linspace(-12, 12, 4001)
     np.testing.assert_allclose(gelu(z), ref_gelu(z), rtol=1e-14, atol=1e-14)

@@ -11,7 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from mlptrain.epilogs import Epilog, matmul, pack_relu_mask, relu_aux_shape, unpack_relu_mask
+from mlptrain.nn.epilogs import Epilog, matmul, pack_relu_mask, relu_aux_shape, unpack_relu_mask
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 HALF = [np.dtype(np.float16), BF16]
@@ -86,7 +86,7 @@ def test_bias_epilogs_round_twice_in_half_precision_as_the_h200_does(dtype, tiny
 
 def test_relu_derivative_at_exactly_zero_is_one_on_the_cpu_engines():
     """relu'(0) = 1 (the mask is Z >= 0, as cuBLASLt's); PyTorch's is 0. Both CPU paths agree."""
-    from mlptrain.execution import FusedExecution, NaiveExecution, NumpyGemm
+    from mlptrain.nn.execution import FusedExecution, NaiveExecution, NumpyGemm
 
     W = np.array([[1.0, -1.0], [2.0, 0.5]])  # (out 2, in 2)
     b = np.zeros(2)

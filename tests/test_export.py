@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from helpers import make_cfg
 
-from mlptrain.errors import ConfigError
-from mlptrain.export import ExportArgs, export, load_safetensors, main, safetensors_bytes
-from mlptrain.inference import Predictor
-from mlptrain.run import train
+from mlptrain.base.errors import ConfigError
+from mlptrain.cli.export import ExportArgs, export, load_safetensors, main, safetensors_bytes
+from mlptrain.inference.predictor import Predictor
+from mlptrain.run.run import train
 
 
 @pytest.fixture(scope="module")

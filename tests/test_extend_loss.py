@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 
 from mlptrain import train
-from mlptrain.cli import compose_config
-from mlptrain.config import settings_help
-from mlptrain.errors import ConfigError
-from mlptrain.losses import LOSSES, LossSpec
-from mlptrain.metrics import read_metrics
+from mlptrain.base.errors import ConfigError
+from mlptrain.cli.main import compose_config
+from mlptrain.config.schema import settings_help
+from mlptrain.nn.losses import LOSSES, LossSpec
+from mlptrain.run.metrics import read_metrics
 
 CALLS: list[tuple[np.ndarray, np.ndarray, float]] = []  # (logits, labels, loss) of every call
 

@@ -13,14 +13,15 @@ from typing import Any
 import numpy as np
 import pytest
 
-from mlptrain import checkpoint, train
-from mlptrain.cli import compose_config
-from mlptrain.config import settings_help
-from mlptrain.errors import ConfigError
-from mlptrain.layers import Param
-from mlptrain.metrics import read_metrics
-from mlptrain.optim import OPTIMIZERS, Optimizer, register_optimizer
-from mlptrain.registry import POSITIVE
+from mlptrain import train
+from mlptrain.base.errors import ConfigError
+from mlptrain.base.registry import POSITIVE
+from mlptrain.cli.main import compose_config
+from mlptrain.config.schema import settings_help
+from mlptrain.nn.layers import Param
+from mlptrain.run import checkpoint
+from mlptrain.run.metrics import read_metrics
+from mlptrain.step.optim import OPTIMIZERS, Optimizer, register_optimizer
 
 
 class Adagrad(Optimizer):

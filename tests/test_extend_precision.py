@@ -12,12 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from mlptrain import checkpoint, train
-from mlptrain.cli import compose_config
-from mlptrain.config import settings_help
-from mlptrain.errors import ConfigError
-from mlptrain.metrics import read_metrics
-from mlptrain.precision import PRECISIONS, PrecisionSpec
+from mlptrain import train
+from mlptrain.base.errors import ConfigError
+from mlptrain.cli.main import compose_config
+from mlptrain.config.schema import settings_help
+from mlptrain.run import checkpoint
+from mlptrain.run.metrics import read_metrics
+from mlptrain.step.precision import PRECISIONS, PrecisionSpec
 
 
 @pytest.fixture

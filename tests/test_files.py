@@ -15,14 +15,14 @@ import pytest
 from helpers import make_cfg
 from numpy.testing import assert_array_equal
 
-from mlptrain import checkpoint
-from mlptrain.config import DataConfig, DatasetName, Task
-from mlptrain.data import cache as data_cache
+from mlptrain.base.errors import ConfigError, DatasetError
+from mlptrain.config.schema import DataConfig, DatasetName, Task
 from mlptrain.data import load_dataset
-from mlptrain.data.files import arrow_available, read_table, write_csv
-from mlptrain.errors import ConfigError, DatasetError
-from mlptrain.metrics import read_metrics
-from mlptrain.run import train
+from mlptrain.data.files import cache as data_cache
+from mlptrain.data.files.readers import arrow_available, read_table, write_csv
+from mlptrain.run import checkpoint
+from mlptrain.run.metrics import read_metrics
+from mlptrain.run.run import train
 
 REPO = Path(__file__).resolve().parent.parent
 needs_arrow = pytest.mark.skipif(not arrow_available(), reason="pyarrow is not installed (the arrow extra)")
@@ -129,7 +129,7 @@ def test_regression_on_two_target_columns(tmp_path: Path) -> None:
 @pytest.mark.parametrize("bgrad", ["drelu_bgrad", "bgradb"])
 def test_regression_on_one_target_column_trains_fused_as_naive(tmp_path: Path, bgrad: str) -> None:
     """One output: the output layer's input-gradient GEMM has K = 1, which the dReLU epilogs reject."""
-    from mlptrain.config import Bgrad, Mode
+    from mlptrain.config.schema import Bgrad, Mode
 
     rng = np.random.default_rng(0)
     x = rng.standard_normal((300, 4))
@@ -240,7 +240,7 @@ def test_a_bad_file_is_one_clear_error_and_nothing_is_written(
 ) -> None:
     if reader == "arrow" and not arrow_available():
         pytest.skip("pyarrow is not installed")
-    monkeypatch.setattr("mlptrain.data.files.arrow_available", lambda: reader == "arrow")
+    monkeypatch.setattr("mlptrain.data.files.readers.arrow_available", lambda: reader == "arrow")
     path, over, phrases = _bad(tmp_path, kind)
     cfg = file_cfg(path)
     for key, value in over.items():
@@ -310,8 +310,8 @@ def test_digits_written_to_csv_and_npz_train_to_the_same_test_accuracy(tmp_path:
 
 
 def test_a_dataset_too_large_for_the_device_names_its_size_and_the_free_memory() -> None:
-    from mlptrain.build import check_device_memory
-    from mlptrain.errors import ResourceError
+    from mlptrain.base.errors import ResourceError
+    from mlptrain.step.build import check_device_memory
 
     ds = load_dataset(DataConfig(name=DatasetName.synthetic, samples=1000, features=100))
     check_device_memory(ds, np.dtype(np.float32), free=10**9, total=2 * 10**9)  # 0.4 MB: fits

@@ -11,12 +11,12 @@ import pytest
 from helpers import make_cfg, records
 from test_cli import output, run_cli
 
-from mlptrain import checkpoint
-from mlptrain.cli import sweep_value
-from mlptrain.config import Logger
-from mlptrain.keys import all_keys
-from mlptrain.metrics import read_metrics
-from mlptrain.run import train
+from mlptrain.cli.main import sweep_value
+from mlptrain.config.keys import all_keys
+from mlptrain.config.schema import Logger
+from mlptrain.run import checkpoint
+from mlptrain.run.metrics import read_metrics
+from mlptrain.run.run import train
 
 # --- early stopping ------------------------------------------------------------------------------
 
@@ -55,7 +55,7 @@ def test_summary_reports_the_best_checkpoints_test_scores(tmp_path: Path) -> Non
     summary = train(cfg, tmp_path / "run")
     best = checkpoint.load(tmp_path / "run" / "checkpoints" / "best.npz")
     # Evaluate best.npz independently: a fresh trainer loading its parameters.
-    from mlptrain.trainer import Trainer
+    from mlptrain.step.trainer import Trainer
 
     tr = Trainer(cfg)
     tr.model.load_state_dict({k[6:]: v for k, v in best.arrays.items() if k.startswith("param/")})
@@ -67,7 +67,7 @@ def test_summary_reports_the_best_checkpoints_test_scores(tmp_path: Path) -> Non
 def test_a_best_checkpoint_of_the_last_epoch_takes_that_epochs_test_scores(tmp_path: Path, monkeypatch) -> None:
     """best.npz holds the parameters the last epoch evaluated: its test scores are that epoch's, not evaluated
     again; a best of an earlier epoch is evaluated from best.npz (the test above)."""
-    from mlptrain.trainer import Trainer
+    from mlptrain.step.trainer import Trainer
 
     evaluated = []
     real = Trainer.evaluate
@@ -200,7 +200,7 @@ def test_tensorboard_holds_every_record_on_disk_when_last_is_written(
     """A run SIGKILLed right after ``last.npz`` resumes from it and purges TensorBoard from its step: the event
     files must already hold every step below it (tensorboardX flushes its queue every two minutes)."""
     pytest.importorskip("tensorboardX")
-    from mlptrain import loop
+    from mlptrain.run import loop
 
     run_dir, seen = tmp_path / "run", []
     real_save = loop.checkpoint.save
@@ -235,7 +235,7 @@ def test_the_task_function_returns_a_float(tmp_path: Path, monkeypatch: pytest.M
     """What Hydra's sweepers receive: ``_run`` returns ``float``, the optimized metric."""
     import sys
 
-    from mlptrain import cli
+    from mlptrain.cli import main as cli
 
     seen: list[object] = []
     monkeypatch.setattr(sys, "argv", ["mlptrain", "epochs=1", "device=cpu", "model.hidden=[8]", "progress=false",

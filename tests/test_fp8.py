@@ -1,4 +1,4 @@
-"""precision=fp8: delayed scaling (mlptrain.fp8), the FP8 GEMM engine, and FP8 training on the CPU."""
+"""precision=fp8: delayed scaling (mlptrain.nn.fp8), the FP8 GEMM engine, and FP8 training on the CPU."""
 
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ import pytest
 from helpers import make_cfg
 from test_checkpoint import assert_same_state, interrupt_at
 
-from mlptrain import checkpoint
-from mlptrain.epilogs import Epilog
-from mlptrain.epilogs_fp8 import FP8_MAX, matmul_fp8, quantize
-from mlptrain.errors import CheckpointError, TrainingInterrupted
-from mlptrain.execution import NumpyGemm
-from mlptrain.fp8 import Fp8Gemm, Fp8Scaling
-from mlptrain.run import train
-from mlptrain.trainer import Trainer
+from mlptrain.base.errors import CheckpointError, TrainingInterrupted
+from mlptrain.nn.epilogs import Epilog
+from mlptrain.nn.epilogs_fp8 import FP8_MAX, matmul_fp8, quantize
+from mlptrain.nn.execution import NumpyGemm
+from mlptrain.nn.fp8 import Fp8Gemm, Fp8Scaling
+from mlptrain.run import checkpoint
+from mlptrain.run.run import train
+from mlptrain.step.trainer import Trainer
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 FP8 = {"precision__name": "fp8"}
@@ -166,8 +166,8 @@ def test_fp8_without_a_weight_copy_takes_the_steps_of_the_kept_copy(mode: str):
     that read the float32 master, would not agree."""
     from test_trainer import step_losses_of
 
-    from mlptrain.config import ComputeCopy
-    from mlptrain.step_memory import expected_bytes
+    from mlptrain.config.schema import ComputeCopy
+    from mlptrain.step.memory import expected_bytes
 
     runs = {}
     for copy in ("kept", "auto"):
@@ -262,8 +262,8 @@ def test_a_non_finite_gradient_skips_the_fp8_step():
 
 
 def test_an_fp8_checkpoint_predicts_in_bf16_on_a_gpu_and_fp32_on_the_cpu():
-    from mlptrain.backend import Backend
-    from mlptrain.inference import _precision
+    from mlptrain.base.backend import Backend
+    from mlptrain.inference.predictor import _precision
 
     # a GPU backend over NumPy: enough for the choice, which must not ask the device for FP8
     assert _precision(None, "fp8", Backend("gpu", np)).name == "bf16"
@@ -274,9 +274,9 @@ def test_an_fp8_checkpoint_predicts_in_bf16_on_a_gpu_and_fp32_on_the_cpu():
 def test_fp8_on_a_gpu_without_fp8_tensor_cores_is_a_device_error(capability, ok):
     from types import SimpleNamespace
 
-    from mlptrain.backend import Backend
-    from mlptrain.errors import DeviceError
-    from mlptrain.precision import get_precision
+    from mlptrain.base.backend import Backend
+    from mlptrain.base.errors import DeviceError
+    from mlptrain.step.precision import get_precision
 
     # a GPU backend whose device reports ``capability`` (NumPy stands in for CuPy: only the check runs)
     device = SimpleNamespace(compute_capability=capability)
@@ -291,8 +291,8 @@ def test_fp8_on_a_gpu_without_fp8_tensor_cores_is_a_device_error(capability, ok)
 
 @pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")
 def test_consecutive_non_finite_fp8_steps_stop_the_run_naming_fp8():
-    from mlptrain import faults
-    from mlptrain.errors import NonFiniteError
+    from mlptrain.base.errors import NonFiniteError
+    from mlptrain.run import faults
 
     tr = Trainer(make_cfg(**FP8, precision__max_consecutive_skips=2))
     x, y = next(iter(tr.train_loader.epoch(0)))
@@ -307,7 +307,7 @@ def test_consecutive_non_finite_fp8_steps_stop_the_run_naming_fp8():
 def test_the_naive_fp8_twin_takes_the_fused_steps_on_the_cpu():
     """Naive runs the same FP8 GEMMs (its own operand order: dZ @ W casts dZ as A) with bias, ReLU and the
     reductions apart; on the CPU both issue the same products, so they agree bit for bit, as in 16-bit."""
-    from mlptrain.config import Mode
+    from mlptrain.config.schema import Mode
 
     losses = {}
     for mode in ("fused", "naive"):

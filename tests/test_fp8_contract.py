@@ -1,11 +1,11 @@
-"""The FP8 epilog contract (mlptrain.epilogs_fp8) against float64 formulas applied to the rounded operands."""
+"""The FP8 epilog contract (mlptrain.nn.epilogs_fp8) against float64 formulas applied to the rounded operands."""
 
 import ml_dtypes
 import numpy as np
 import pytest
 
-from mlptrain.epilogs import Epilog, gelu, gelu_aux_shape, gelu_grad, pack_relu_mask, unpack_relu_mask
-from mlptrain.epilogs_fp8 import FP8_EPILOGS, FP8_MAX, amax, dequantize, fits_fp8, matmul_fp8, quantize
+from mlptrain.nn.epilogs import Epilog, gelu, gelu_aux_shape, gelu_grad, pack_relu_mask, unpack_relu_mask
+from mlptrain.nn.epilogs_fp8 import FP8_EPILOGS, FP8_MAX, amax, dequantize, fits_fp8, matmul_fp8, quantize
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 BF16_EPS = 2.0**-8  # bfloat16 keeps 8 significant bits: one rounding is within half of this, relative

@@ -28,11 +28,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from mlptrain.config import Mode
-from mlptrain.errors import TrainingInterrupted
-from mlptrain.metrics import read_metrics
-from mlptrain.run import train
-from mlptrain.trainer import Trainer
+from mlptrain.base.errors import TrainingInterrupted
+from mlptrain.config.schema import Mode
+from mlptrain.run.metrics import read_metrics
+from mlptrain.run.run import train
+from mlptrain.step.trainer import Trainer
 from tests.helpers import make_cfg
 
 GOLDEN = Path(__file__).resolve().parent / "data" / "golden_losses.json"

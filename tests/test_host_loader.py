@@ -1,7 +1,7 @@
 """Host-resident splits (data.residency=host): HostLoader gives the resident loader's batches, the pipe's order.
 
-mlptrain.host_loader.HostLoader keeps a split in host memory and gathers each batch on a producer thread
-(mlptrain.prefetch.Pipe) a few batches ahead of the loop; on the GPU each batch is then copied to the device
+mlptrain.data.host_loader.HostLoader keeps a split in host memory and gathers each batch on a producer thread
+(mlptrain.data.prefetch.Pipe) a few batches ahead of the loop; on the GPU each batch is then copied to the device
 (tests/gpu/test_host_loader_gpu.py). Here, on the CPU, the same loader and pipe must give the batches of
 DataLoader bit for bit (order, shards, the last batch, a resumed epoch), and so the same run.
 """
@@ -17,13 +17,13 @@ import pytest
 from helpers import make_cfg, records
 from numpy.testing import assert_array_equal
 
-from mlptrain import build
-from mlptrain.errors import ConfigError, ResourceError
-from mlptrain.host_loader import HostLoader, host_table, take_rows
-from mlptrain.loader import DataLoader
-from mlptrain.prefetch import Pipe
-from mlptrain.run import train
-from mlptrain.trainer import Trainer
+from mlptrain.base.errors import ConfigError, ResourceError
+from mlptrain.data.host_loader import HostLoader, host_table, take_rows
+from mlptrain.data.loader import DataLoader
+from mlptrain.data.prefetch import Pipe
+from mlptrain.run.run import train
+from mlptrain.step import build
+from mlptrain.step.trainer import Trainer
 
 
 def _data(n: int = 1003, f: int = 5, targets: int = 0) -> tuple[np.ndarray, np.ndarray]:

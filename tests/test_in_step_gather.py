@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from helpers import make_cfg
 
-from mlptrain.trainer import Trainer
+from mlptrain.step.trainer import Trainer
 
 
 def losses(tr: Trainer, epochs: int, start: tuple[int, int] = (0, 0), own: bool = False) -> list[float]:

@@ -14,16 +14,16 @@ from helpers import make_cfg
 from test_cli import REPO
 
 import mlptrain
-from mlptrain import checkpoint
-from mlptrain.config import DatasetName
-from mlptrain.data.files import write_csv
-from mlptrain.errors import CheckpointError, ConfigError, DatasetError
-from mlptrain.evaluate import EvaluateArgs, classification_report, evaluate
-from mlptrain.inference import Predictor, softmax
-from mlptrain.predict import PredictArgs, read_inputs
-from mlptrain.predict import main as predict_main
-from mlptrain.run import train
-from mlptrain.trainer import Trainer
+from mlptrain.base.errors import CheckpointError, ConfigError, DatasetError
+from mlptrain.cli.evaluate import EvaluateArgs, classification_report, evaluate
+from mlptrain.cli.predict import PredictArgs, read_inputs
+from mlptrain.cli.predict import main as predict_main
+from mlptrain.config.schema import DatasetName
+from mlptrain.data.files.readers import write_csv
+from mlptrain.inference.predictor import Predictor, softmax
+from mlptrain.run import checkpoint
+from mlptrain.run.run import train
+from mlptrain.step.trainer import Trainer
 
 CLASSES = ["cat", "dog", "emu"]
 FEATURES = [f"f{i}" for i in range(6)]
@@ -206,7 +206,7 @@ def test_classification_report_on_a_constructed_case() -> None:
 
 def test_evaluate_command_writes_json_and_png(trained: dict, tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
-    from mlptrain.evaluate import main
+    from mlptrain.cli.evaluate import main
 
     assert main([f"ckpt={trained['best']}", f"output={tmp_path / 'ev'}", "device=cpu"]) == 0
     report = json.loads((tmp_path / "ev" / "evaluation.json").read_text())
@@ -217,7 +217,7 @@ def test_evaluate_command_writes_json_and_png(trained: dict, tmp_path: Path) -> 
 
 
 def test_predict_args_reject_unknown_and_missing_keys() -> None:
-    from mlptrain.commands import parse
+    from mlptrain.cli.commands import parse
 
     with pytest.raises(ConfigError, match="missing input=..., output=..."):
         parse(PredictArgs, ["ckpt=x"])

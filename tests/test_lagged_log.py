@@ -2,7 +2,7 @@
 
 On a GPU the loop closes a log interval (its metrics, inf/NaN checks and time mark queued behind its
 steps) and writes it at the next interval's end, so the device never waits for the host's records
-(:class:`mlptrain.loop.Interval`). Here the same path runs on the CPU, turned on by hand: the records
+(:class:`mlptrain.run.loop.Interval`). Here the same path runs on the CPU, turned on by hand: the records
 must be those of the loop that writes each interval at once, and a fault must still stop the run,
 naming the step that made it, with every record up to the interval it fell in.
 """
@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 from helpers import FP16, emulate_fp16, make_cfg, records
 
-from mlptrain import checkpoint
-from mlptrain.errors import NonFiniteError
-from mlptrain.loop import Loop
-from mlptrain.metrics import read_metrics
-from mlptrain.network import MLP
-from mlptrain.run import train
+from mlptrain.base.errors import NonFiniteError
+from mlptrain.nn.network import MLP
+from mlptrain.run import checkpoint
+from mlptrain.run.loop import Loop
+from mlptrain.run.metrics import read_metrics
+from mlptrain.run.run import train
 
 
 @pytest.fixture

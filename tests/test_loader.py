@@ -1,4 +1,4 @@
-"""Tests of mlptrain.loader.DataLoader: coverage, order, resume, layout and validation."""
+"""Tests of mlptrain.data.loader.DataLoader: coverage, order, resume, layout and validation."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from numpy.testing import assert_array_equal
 
-from mlptrain.errors import ConfigError
-from mlptrain.loader import DataLoader
+from mlptrain.base.errors import ConfigError
+from mlptrain.data.loader import DataLoader
 
 
 def _data(n: int = 103, f: int = 5) -> tuple[np.ndarray, np.ndarray]:
@@ -195,13 +195,13 @@ def test_buffers_of_the_wrong_shape_or_dtype_are_refused() -> None:
         next(loader.epoch(0, out=lambda rows: (np.zeros((rows, 5), np.float32), np.zeros(rows, np.int32))))
 
 
-# --- the copy to the device in chunks through two staging buffers (mlptrain.gpu.upload, host half) ----
+# --- the copy to the device in chunks through two staging buffers (mlptrain.data.cuda.upload, host half) ----
 
 
 def _staged_copy(x: np.ndarray, dtype: object, chunk_bytes: int, buffers: int = 2) -> tuple[np.ndarray, list]:
     """copy_in_chunks against a stand-in device whose copies read their buffer only later (a DMA): a
     buffer refilled before its copy was waited for would deliver the next chunk's rows."""
-    from mlptrain.gpu.upload import copy_in_chunks, plan
+    from mlptrain.data.cuda.upload import copy_in_chunks, plan
 
     dtype = np.dtype(dtype)
     out = np.full(x.shape, 99, dtype)
@@ -253,7 +253,7 @@ def test_the_staged_copy_equals_a_whole_cast(dtype: object, layout: str, chunk_b
 
 
 def test_the_plan_covers_every_row_in_chunks_of_at_most_the_buffer() -> None:
-    from mlptrain.gpu.upload import plan
+    from mlptrain.data.cuda.upload import plan
 
     assert plan(10, 4, 12) == [(0, 3), (3, 6), (6, 9), (9, 10)]
     assert plan(3, 100, 10) == [(0, 1), (1, 2), (2, 3)]  # a row larger than the buffer: one per chunk

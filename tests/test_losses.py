@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from mlptrain.losses import mse, softmax_cross_entropy
+from mlptrain.nn.losses import mse, softmax_cross_entropy
 
 
 def reference_ce(z, y):

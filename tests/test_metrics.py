@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 from helpers import make_cfg, records
 
-from mlptrain.errors import OutputError, TrainingInterrupted
-from mlptrain.metrics import MetricsWriter, plan_prefix, read_metrics
-from mlptrain.run import train
-from mlptrain.trainer import Trainer
+from mlptrain.base.errors import OutputError, TrainingInterrupted
+from mlptrain.run.metrics import MetricsWriter, plan_prefix, read_metrics
+from mlptrain.run.run import train
+from mlptrain.step.trainer import Trainer
 
 
 def _lines(n: int) -> list[bytes]:
@@ -95,7 +95,7 @@ def test_a_full_disk_is_one_output_error_not_two(tmp_path: Path) -> None:
 
 
 def test_a_run_that_cannot_write_its_metrics_stops_with_one_clear_error(tmp_path: Path, monkeypatch: Any) -> None:
-    from mlptrain import metrics
+    from mlptrain.run import metrics
 
     real = metrics.MetricsWriter.write
     calls = {"n": 0}

@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 from numpy.testing import assert_allclose, assert_array_equal
 
-from mlptrain.checks import validate
-from mlptrain.cli import compose_config
-from mlptrain.config import DataConfig
+from mlptrain.base.errors import ConfigError
+from mlptrain.cli.main import compose_config
+from mlptrain.config.schema import DataConfig
 from mlptrain.data import load_dataset, sources
 from mlptrain.data.dataset import Raw
-from mlptrain.errors import ConfigError
+from mlptrain.step.checks import validate
 
 REPO = Path(__file__).resolve().parent.parent
 # The standard draw as the loader gave it before data.samples applied to MNIST-1D (tree 55c0a0c):

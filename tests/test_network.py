@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 from gpu_helpers import close, cp, gpu_trainer
 
-from mlptrain.execution import FusedExecution, NaiveExecution, NumpyGemm
-from mlptrain.head import OutputHead
-from mlptrain.losses import mse, softmax_cross_entropy
-from mlptrain.network import MLP
+from mlptrain.nn.execution import FusedExecution, NaiveExecution, NumpyGemm
+from mlptrain.nn.head import OutputHead
+from mlptrain.nn.losses import mse, softmax_cross_entropy
+from mlptrain.nn.network import MLP
 
 
 def make_execution(mode):
@@ -328,7 +328,7 @@ class _LiveBytes(FusedExecution):
 
 
 class _InlineSide:
-    """Stands in for mlptrain.gpu.streams.SideStream on the CPU: runs the work at once, and holds what it
+    """Stands in for mlptrain.nn.cuda.streams.SideStream on the CPU: runs the work at once, and holds what it
     read until retired or joined, as the real one does (which arrays are alive does not depend on when
     the GPU runs the work)."""
 
@@ -358,7 +358,7 @@ class _InlineSide:
 def test_the_steps_peak_is_the_formulas(widths, two_streams):
     """expected_step_peak (the figure the GPU tests hold a real step to) is the peak of the arrays the
     backward's schedule keeps alive, for one stream and for two, to the byte."""
-    from mlptrain.step_memory import expected_step_peak
+    from mlptrain.step.memory import expected_step_peak
 
     ex = _LiveBytes()
     net = MLP(widths, execution=ex, xp=np, rng=np.random.default_rng(0), param_dtype=np.float32,
@@ -430,7 +430,7 @@ def test_on_weight_grad_follows_each_side_stream_weight_gradient():
 
 def test_torch_init_draws_as_nn_linear_does_every_layer_and_its_bias():
     """model.init=torch: U(-1/sqrt(in), 1/sqrt(in)) for the weights and biases of every layer, output included."""
-    from mlptrain.layers import initial
+    from mlptrain.nn.layers import initial
 
     rng = np.random.default_rng(0)
     w, b = initial("torch", 400, 300, rng)

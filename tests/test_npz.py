@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 from helpers import make_cfg
 
-from mlptrain.config import DataConfig, DatasetName
+from mlptrain.base.errors import DatasetError
+from mlptrain.cli.predict import main as predict_main
+from mlptrain.config.schema import DataConfig, DatasetName
 from mlptrain.data import load_dataset
-from mlptrain.data.npz_reader import in_place, read_npz, stored_member
-from mlptrain.errors import DatasetError
-from mlptrain.predict import main as predict_main
-from mlptrain.run import train
+from mlptrain.data.files.npz_reader import in_place, read_npz, stored_member
+from mlptrain.run.run import train
 
 
 @pytest.fixture(autouse=True)

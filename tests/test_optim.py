@@ -5,10 +5,10 @@ import math
 import numpy as np
 import pytest
 
-from mlptrain.errors import ConfigError
-from mlptrain.layers import Param
-from mlptrain.optim import SGD, Adam
-from mlptrain.schedule import lr_at
+from mlptrain.base.errors import ConfigError
+from mlptrain.nn.layers import Param
+from mlptrain.step.optim import SGD, Adam
+from mlptrain.step.schedule import lr_at
 
 
 def one_param(value=1.0, grad=0.5):

@@ -1,5 +1,5 @@
 """What predict, evaluate and export write: never over an input or a checkpoint, temp files cleaned up,
-evaluate's pair written as one unit (mlptrain.outputs), and the checks a Predictor makes of a checkpoint."""
+evaluate's pair written as one unit (mlptrain.inference.outputs), and the checks a Predictor makes of a checkpoint."""
 
 from __future__ import annotations
 
@@ -17,16 +17,17 @@ import pytest
 from helpers import make_cfg
 from test_cli import REPO
 
-from mlptrain import checkpoint, outputs
-from mlptrain.config import DatasetName
-from mlptrain.data.files import write_csv
-from mlptrain.errors import CheckpointError, ConfigError, DatasetError, OutputError
-from mlptrain.evaluate import EvaluateArgs, evaluate
-from mlptrain.evaluate import main as evaluate_main
-from mlptrain.export import main as export_main
-from mlptrain.inference import Predictor
-from mlptrain.predict import main as predict_main
-from mlptrain.run import train
+from mlptrain.base.errors import CheckpointError, ConfigError, DatasetError, OutputError
+from mlptrain.cli.evaluate import EvaluateArgs, evaluate
+from mlptrain.cli.evaluate import main as evaluate_main
+from mlptrain.cli.export import main as export_main
+from mlptrain.cli.predict import main as predict_main
+from mlptrain.config.schema import DatasetName
+from mlptrain.data.files.readers import write_csv
+from mlptrain.inference import outputs
+from mlptrain.inference.predictor import Predictor
+from mlptrain.run import checkpoint
+from mlptrain.run.run import train
 
 FEATURES = ["a", "b", "c", "d"]
 CLASSES = np.array(["cat", "dog", "emu"])
@@ -281,7 +282,7 @@ def _predict_killed_mid_write(model: dict, out: Path, kill: str) -> subprocess.C
     script = (
         "import os, signal, sys\n"
         "import mlptrain.predict as m\n"
-        "import mlptrain.predictions as w\n"  # the CSV writer of predict's output
+        "import mlptrain.cli.predictions as w\n"  # the CSV writer of predict's output
         "write = w._write_csv\n"
         "def killed(*a):\n"
         "    a[3].write(b'class_id,class_name\\n0,')\n"

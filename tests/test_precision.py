@@ -1,9 +1,9 @@
 import numpy as np
 import pytest
 
-from mlptrain.backend import get_backend
-from mlptrain.errors import DeviceError
-from mlptrain.precision import LossScaler, get_precision
+from mlptrain.base.backend import get_backend
+from mlptrain.base.errors import DeviceError
+from mlptrain.step.precision import LossScaler, get_precision
 
 
 def test_loss_scaler_follows_gradscaler_rules():

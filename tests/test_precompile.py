@@ -1,4 +1,4 @@
-"""Kernels compiled ahead on threads (mlptrain.gpu.precompile), the parts that need no GPU.
+"""Kernels compiled ahead on threads (mlptrain.step.cuda.precompile), the parts that need no GPU.
 
 Which kernels are planned for which precision and which trainer; that jobs run at once on several
 threads, that one that fails only warns, that waiting for a stage waits for that stage alone; and
@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 from helpers import FP16, emulate_fp16, make_cfg
 
-from mlptrain.config import Device
-from mlptrain.gpu import precompile as pc
-from mlptrain.head import OutputHead
-from mlptrain.loader import DataLoader
-from mlptrain.precision import Precision
-from mlptrain.trainer import Trainer
+from mlptrain.config.schema import Device
+from mlptrain.data.loader import DataLoader
+from mlptrain.nn.head import OutputHead
+from mlptrain.step.cuda import precompile as pc
+from mlptrain.step.precision import Precision
+from mlptrain.step.trainer import Trainer
 
 FP32 = Precision("fp32", np.float32, np.float32)
 BF16 = Precision("bf16", np.float32, np.dtype(ml_dtypes.bfloat16))
@@ -116,7 +116,7 @@ def test_a_failing_job_only_warns(caplog):
         raise RuntimeError("no NVRTC here")
 
     pre = pool()
-    with caplog.at_level(logging.WARNING, logger="mlptrain.gpu.precompile"):
+    with caplog.at_level(logging.WARNING, logger="mlptrain.step.cuda.precompile"):
         pre.submit([pc.Job("bad", "loss", broken), pc.Job("good", "loss", lambda: None)])
         pre.close()  # raises nothing
     assert pre.failed == ["bad"] and pre.done == ["good"]

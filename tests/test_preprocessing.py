@@ -12,17 +12,17 @@ import pytest
 from helpers import make_cfg
 
 import mlptrain
-from mlptrain import checkpoint
-from mlptrain.checks import validate
-from mlptrain.config import DatasetName, TargetScaling
+from mlptrain.base.errors import CheckpointError, ConfigError, DatasetError
+from mlptrain.cli.evaluate import EvaluateArgs, evaluate
+from mlptrain.cli.export import ExportArgs, export, load_safetensors
+from mlptrain.config.schema import DatasetName, TargetScaling
 from mlptrain.data import Dataset, load_dataset
 from mlptrain.data.dataset import Normalization
-from mlptrain.data.files import write_csv
-from mlptrain.errors import CheckpointError, ConfigError, DatasetError
-from mlptrain.evaluate import EvaluateArgs, evaluate
-from mlptrain.export import ExportArgs, export, load_safetensors
-from mlptrain.inference import Predictor
-from mlptrain.run import train
+from mlptrain.data.files.readers import write_csv
+from mlptrain.inference.predictor import Predictor
+from mlptrain.run import checkpoint
+from mlptrain.run.run import train
+from mlptrain.step.checks import validate
 
 FEATURES = ["f0", "f1", "f2", "f3"]
 
@@ -287,9 +287,9 @@ def test_target_scaling_is_a_regression_setting(tmp_path: Path) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
 def test_the_gpus_regression_losses_are_in_the_targets_units_as_the_cpus(tmp_path: Path, precision: str) -> None:
-    """The step's weighted mse (mlptrain.losses.mse_in_units) inside the GPU's CUDA graph, and its evaluation."""
-    from mlptrain.config import Device
-    from mlptrain.metrics import read_metrics
+    """The step's weighted mse (mlptrain.nn.losses.mse_in_units) inside the GPU's CUDA graph, and its evaluation."""
+    from mlptrain.config.schema import Device
+    from mlptrain.run.metrics import read_metrics
 
     data = _write(tmp_path, _houses, "price")
     runs = {}

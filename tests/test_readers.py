@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 from numpy.testing import assert_array_equal
 
-from mlptrain.config import DataConfig, DatasetName, Task
+from mlptrain.base.errors import DatasetError
+from mlptrain.config.schema import DataConfig, DatasetName, Task
 from mlptrain.data import load_dataset
-from mlptrain.data.files import arrow_available, read_table
-from mlptrain.errors import DatasetError
+from mlptrain.data.files.readers import arrow_available, read_table
 
 READERS = ["numpy", pytest.param("arrow", marks=pytest.mark.skipif(not arrow_available(), reason="no pyarrow"))]
 
@@ -26,7 +26,7 @@ READERS = ["numpy", pytest.param("arrow", marks=pytest.mark.skipif(not arrow_ava
 @pytest.fixture(params=READERS)
 def reader(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Every test of this module runs once with each CSV reader."""
-    monkeypatch.setattr("mlptrain.data.files.arrow_available", lambda: request.param == "arrow")
+    monkeypatch.setattr("mlptrain.data.files.readers.arrow_available", lambda: request.param == "arrow")
     return request.param
 
 
@@ -64,7 +64,7 @@ def test_integer_labels_with_an_empty_cell_are_an_error_and_dropped_when_asked(
     path = csv_file(tmp_path / "d.csv", cells)
     with pytest.raises(DatasetError, match="line 8: 1 of 40 rows has no target"):
         dataset(path)
-    with caplog.at_level(logging.WARNING, logger="mlptrain.data.files_source"):
+    with caplog.at_level(logging.WARNING, logger="mlptrain.data.user_source"):
         ds = dataset(path, missing="drop")
     assert ds.class_names == ["0", "1"]  # integer classes, not the text classes '', '0', '1'
     assert len(ds.x_train) + len(ds.x_val) + len(ds.x_test) == 39

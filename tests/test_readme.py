@@ -143,10 +143,10 @@ def test_the_readmes_regression_example_beats_predicting_the_mean(
 ) -> None:
     from omegaconf import OmegaConf
 
-    from mlptrain import checkpoint
-    from mlptrain.config import DataConfig
+    from mlptrain.config.schema import DataConfig
     from mlptrain.data import load_dataset
-    from mlptrain.metrics import read_metrics
+    from mlptrain.run import checkpoint
+    from mlptrain.run.metrics import read_metrics
 
     command = next(c for c in COMMANDS if REGRESSION in c)
     proc = workspace.run(command, quick=False)  # its own epochs, as written

@@ -10,19 +10,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mlptrain.backend import get_backend
-from mlptrain.checks import uses, validate
-from mlptrain.choices import REGISTRIES
-from mlptrain.cli import CONF_DIR
-from mlptrain.config import OptimizerConfig, PrecisionConfig, TrainConfig, settings_help
-from mlptrain.epilogs import EPILOG_INPUTS
-from mlptrain.errors import ConfigError, DeviceError
-from mlptrain.execution import ACTIVATIONS
-from mlptrain.layers import Param
-from mlptrain.losses import LOSSES
-from mlptrain.optim import OPTIMIZERS, Optimizer, OptimizerSpec, setting_ranges
-from mlptrain.precision import PRECISIONS, SETTINGS, get_precision
-from mlptrain.registry import Range
+from mlptrain.base.backend import get_backend
+from mlptrain.base.errors import ConfigError, DeviceError
+from mlptrain.base.registry import Range
+from mlptrain.cli.main import CONF_DIR
+from mlptrain.config.schema import OptimizerConfig, PrecisionConfig, TrainConfig, settings_help
+from mlptrain.nn.epilogs import EPILOG_INPUTS
+from mlptrain.nn.execution import ACTIVATIONS
+from mlptrain.nn.layers import Param
+from mlptrain.nn.losses import LOSSES
+from mlptrain.step.checks import uses, validate
+from mlptrain.step.choices import REGISTRIES
+from mlptrain.step.optim import OPTIMIZERS, Optimizer, OptimizerSpec, setting_ranges
+from mlptrain.step.precision import PRECISIONS, SETTINGS, get_precision
 
 SCHEDULE_KEYS = {"schedule", "warmup_steps", "min_lr_ratio"}  # the learning-rate schedule's, not an optimizer's
 
@@ -49,7 +49,8 @@ def test_the_schema_names_each_registry_once_and_its_defaults_are_registered() -
 
 @pytest.mark.parametrize(("group", "registry"), [("optimizer", OPTIMIZERS), ("precision", PRECISIONS)])
 def test_conf_has_one_file_per_registered_name(group: str, registry: object) -> None:
-    assert sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml")) == sorted(registry.names())  # type: ignore[attr-defined]
+    assert sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml")) == sorted(registry.names())  # type:
+    # ignore[attr-defined]
 
 
 def test_help_lists_the_registered_names_as_it_always_did() -> None:

@@ -19,15 +19,16 @@ import numpy as np
 import pytest
 from helpers import FP16, emulate_fp16, make_cfg, records
 
-from mlptrain import checkpoint, files
-from mlptrain.config import Bgrad, Device, Schedule
+from mlptrain.base import fs as files
+from mlptrain.base.errors import CheckpointError, DatasetError, Interrupted, NonFiniteError, OutputError, ResourceError
+from mlptrain.config.schema import Bgrad, Device, Schedule
 from mlptrain.data import sources
-from mlptrain.errors import CheckpointError, DatasetError, Interrupted, NonFiniteError, OutputError, ResourceError
-from mlptrain.metrics import read_metrics
-from mlptrain.network import MLP
-from mlptrain.optim import Optimizer
-from mlptrain.run import train
-from mlptrain.trainer import Trainer
+from mlptrain.nn.network import MLP
+from mlptrain.run import checkpoint
+from mlptrain.run.metrics import read_metrics
+from mlptrain.run.run import train
+from mlptrain.step.optim import Optimizer
+from mlptrain.step.trainer import Trainer
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -451,7 +452,7 @@ def test_values_that_cannot_train_are_refused_in_one_line(tmp_path: Path, overri
 
 @pytest.mark.parametrize("kind", ["directory", "link to /dev/zero"])
 def test_an_mnist_cache_entry_that_is_not_a_file_is_refused(tmp_path: Path, kind: str) -> None:
-    from mlptrain.config import DataConfig, DatasetName
+    from mlptrain.config.schema import DataConfig, DatasetName
     from mlptrain.data import IDX_FILES, load_dataset
 
     folder = tmp_path / "mnist"

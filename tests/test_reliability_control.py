@@ -23,13 +23,13 @@ from test_checkpoint import _arrays, _meta
 from test_follow import _shown
 from test_reliability import REPO, start_cli, step_lines, wait_for
 
-from mlptrain import checkpoint, saving
-from mlptrain.config import DatasetName, Logger, Task
-from mlptrain.errors import ConfigError, NonFiniteError
-from mlptrain.metrics import read_metrics
-from mlptrain.run import train
-from mlptrain.saving import Writer
-from mlptrain.trainer import Trainer
+from mlptrain.base.errors import ConfigError, NonFiniteError
+from mlptrain.config.schema import DatasetName, Logger, Task
+from mlptrain.run import checkpoint, saving
+from mlptrain.run.metrics import read_metrics
+from mlptrain.run.run import train
+from mlptrain.run.saving import Writer
+from mlptrain.step.trainer import Trainer
 
 # ------------------------------------------------------------------ 1. at most one checkpoint write pending
 
@@ -130,8 +130,8 @@ def test_the_cli_refuses_seed_2_64_in_one_line(tmp_path: Path) -> None:
 # logging redirect does when the Interrupted lands inside its lock's creation and its finally raises AttributeError.
 SWALLOWING_RUN = """
 import logging, os, signal, sys
-from mlptrain.cli import main
-from mlptrain.stopping import StopRequest
+from mlptrain.cli.main import main
+from mlptrain.base.stopping import StopRequest
 
 class Swallowing(logging.Handler):
     fired = False
@@ -219,7 +219,7 @@ def test_fp8_diverging_after_a_checkpoint_keeps_that_checkpoint(tmp_path: Path) 
 
 def test_the_interrupt_and_the_resume_name_the_same_epoch(tmp_path: Path) -> None:
     """The interrupt said epoch 16 and the resume "epoch 15, batch 6"."""
-    from mlptrain.checkpoint import Position
+    from mlptrain.run.checkpoint import Position
 
     assert Position(15, 6, 321).describe() == "epoch 16, after its batch 6"
     assert Position(16, 0, 336).describe() == "after epoch 16"
@@ -305,8 +305,8 @@ def test_tensorboard_after_a_kill_during_the_first_checkpoint_shows_each_step_on
 IN_THE_LINE_RUN = """
 import os, signal, sys
 import tqdm.std
-from mlptrain.cli import main
-from mlptrain.trainer import Trainer
+from mlptrain.cli.main import main
+from mlptrain.step.trainer import Trainer
 
 when, first_at, signals = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 fired = []
@@ -387,7 +387,7 @@ def test_a_stop_inside_a_log_line_stops_with_one_line(
 
 def test_a_stop_after_a_run_does_not_say_nothing_was_written(monkeypatch: pytest.MonkeyPatch) -> None:
     """A Ctrl-C between a finished run and the process's end said "before training; nothing was written"."""
-    from mlptrain import cli
+    from mlptrain.cli import main as cli
 
     written: list[bytes] = []
     monkeypatch.setattr(cli.os, "write", lambda fd, data: written.append(data))

@@ -16,19 +16,20 @@ from helpers import make_cfg
 from numpy.testing import assert_allclose, assert_array_equal
 from sklearn.preprocessing import StandardScaler
 
-from mlptrain import checkpoint, faults
-from mlptrain.config import DatasetName, Task
-from mlptrain.data import Dataset, chunks, load_dataset
-from mlptrain.data.files import read_table, write_csv
+from mlptrain.base.errors import DatasetError
+from mlptrain.cli.evaluate import EvaluateArgs, evaluate
+from mlptrain.config.keys import suggest
+from mlptrain.config.schema import DatasetName, Task
+from mlptrain.data import Dataset, load_dataset
+from mlptrain.data.files import chunks
+from mlptrain.data.files.readers import read_table, write_csv
 from mlptrain.data.prepare import normalization, target_scaling
 from mlptrain.data.rows import NormalisedRows
-from mlptrain.errors import DatasetError
-from mlptrain.evaluate import EvaluateArgs, evaluate
-from mlptrain.inference import Predictor
-from mlptrain.keys import suggest
-from mlptrain.run import train
+from mlptrain.inference.predictor import Predictor
+from mlptrain.run import checkpoint, faults
+from mlptrain.run.run import train
 from mlptrain.sklearn import MLPClassifier, MLPRegressor
-from mlptrain.trainer import Trainer
+from mlptrain.step.trainer import Trainer
 
 pytestmark = pytest.mark.filterwarnings("ignore::sklearn.exceptions.ConvergenceWarning")
 
@@ -180,7 +181,7 @@ def truncate_then_read(self, at, out):
     return read(self, at, out)
 faults.stop_if_data_changed, rows.StreamSource.read = arm, truncate_then_read
 sys.argv = ["mlptrain", *[a for a in sys.argv[2:] if a != "--race"]]
-from mlptrain.cli import main
+from mlptrain.cli.main import main
 main()
 """
 

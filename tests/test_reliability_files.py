@@ -19,12 +19,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mlptrain import files
-from mlptrain.config import DatasetName
-from mlptrain.data import cache
-from mlptrain.errors import OutputError
-from mlptrain.metrics import MetricsWriter
-from mlptrain.run import train
+from mlptrain.base import fs as files
+from mlptrain.base.errors import OutputError
+from mlptrain.config.schema import DatasetName
+from mlptrain.data.files import cache
+from mlptrain.run.metrics import MetricsWriter
+from mlptrain.run.run import train
 from tests.helpers import make_cfg
 from tests.test_reliability import REPO, snapshot
 
@@ -274,7 +274,8 @@ def test_the_appends_never_follow_a_link_whatever_was_checked_before(tmp_path: P
     with pytest.raises(OSError) as err:
         files.log_file_handler(tmp_path / "mlptrain.log")
     assert err.value.errno == errno.ELOOP and outside.read_text() == "precious\n"
-    from mlptrain import cli, rundir
+    from mlptrain.cli import main as cli
+    from mlptrain.run import rundir
 
     assert cli.LOG_FILE == rundir.LOG_FILE
 

@@ -13,15 +13,15 @@ import pytest
 from test_inference import CLASSES, FEATURES
 from test_inference import trained as trained  # the model these tests score with (a fixture)
 
-from mlptrain import checkpoint
-from mlptrain.evaluate import EvaluateArgs, evaluate
-from mlptrain.evaluate import main as evaluate_main
-from mlptrain.inference import Outputs, Predictor
-from mlptrain.plot import main as plot_main
-from mlptrain.predict import main as predict_main
-from mlptrain.predict import read_inputs
-from mlptrain.predictions import spreadsheet_text, write_outputs
-from mlptrain.restore import from_flat
+from mlptrain.cli.evaluate import EvaluateArgs, evaluate
+from mlptrain.cli.evaluate import main as evaluate_main
+from mlptrain.cli.plot import main as plot_main
+from mlptrain.cli.predict import main as predict_main
+from mlptrain.cli.predict import read_inputs
+from mlptrain.cli.predictions import spreadsheet_text, write_outputs
+from mlptrain.inference.predictor import Outputs, Predictor
+from mlptrain.run import checkpoint
+from mlptrain.run.restore import from_flat
 
 
 def _run_dir(folder: Path) -> Path:
@@ -283,9 +283,9 @@ def test_messages_name_the_setting_the_file_line_and_the_key(trained: dict, tmp_
 def test_evaluate_target_of_a_regression_names_its_columns_in_the_models_order(tmp_path: Path) -> None:
     from helpers import make_cfg
 
-    from mlptrain.config import DatasetName
-    from mlptrain.errors import ConfigError
-    from mlptrain.run import train
+    from mlptrain.base.errors import ConfigError
+    from mlptrain.config.schema import DatasetName
+    from mlptrain.run.run import train
 
     rng = np.random.default_rng(0)
     x = rng.standard_normal((200, 3))

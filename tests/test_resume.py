@@ -1,4 +1,5 @@
-"""Resume with the run's own settings (mlptrain.resume): restored from the checkpoint, refused where they contradict.
+"""Resume with the run's own settings (mlptrain.run.resume): restored from the checkpoint, refused where they
+contradict.
 
 A resume reads what the run was from its checkpoint: ``hydra.run.dir=<run> resume=last`` alone
 continues it; a setting that was set and contradicts the run's is refused with the run's value,
@@ -22,11 +23,11 @@ from helpers import make_cfg, records
 from test_checkpoint import interrupt_at, snapshot_of
 from test_cli import REPO, output, run_cli
 
-from mlptrain import checkpoint
-from mlptrain.config import DatasetName, Device, Task, TrainConfig
-from mlptrain.errors import CheckpointError, ConfigError, OutputError, TrainingInterrupted
-from mlptrain.metrics import read_metrics
-from mlptrain.run import train
+from mlptrain.base.errors import CheckpointError, ConfigError, OutputError, TrainingInterrupted
+from mlptrain.config.schema import DatasetName, Device, Task, TrainConfig
+from mlptrain.run import checkpoint
+from mlptrain.run.metrics import read_metrics
+from mlptrain.run.run import train
 
 # A run whose settings all differ from the defaults that a bare resume composes.
 RUN = {"model__hidden": [16], "optimizer__lr": 0.1, "epochs": 2, "data__batch_size": 32, "seed": 3}
@@ -318,7 +319,7 @@ def test_an_early_stopped_run_killed_before_its_summary_only_writes_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Killed after its final last.npz, before its summary: the resume trains no further epoch (#28.2)."""
-    from mlptrain.loop import Loop
+    from mlptrain.run.loop import Loop
 
     cfg = dict(early_stopping__patience=1, epochs=12)
     straight = tmp_path / "straight"
@@ -348,7 +349,7 @@ def test_an_early_stopped_run_killed_before_its_summary_only_writes_it(
 
 def scripted_val_acc(monkeypatch: pytest.MonkeyPatch, accs: list[float]) -> None:
     """The validation accuracy of epoch ``e`` is ``accs[e]`` (the rest of evaluation as it is)."""
-    from mlptrain.trainer import Trainer
+    from mlptrain.step.trainer import Trainer
 
     original = Trainer.evaluate
 

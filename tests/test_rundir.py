@@ -14,12 +14,12 @@ import pytest
 from helpers import make_cfg, records
 from test_reliability import ENDLESS, start_cli, step_lines, wait_for
 
-from mlptrain import checkpoint
-from mlptrain.errors import OutputError, TrainingInterrupted
-from mlptrain.metrics import read_metrics
-from mlptrain.run import train
-from mlptrain.rundir import RunDirectory
-from mlptrain.trainer import Trainer
+from mlptrain.base.errors import OutputError, TrainingInterrupted
+from mlptrain.run import checkpoint
+from mlptrain.run.metrics import read_metrics
+from mlptrain.run.run import train
+from mlptrain.run.rundir import RunDirectory
+from mlptrain.step.trainer import Trainer
 
 
 def snapshot(run: Path) -> dict[str, bytes]:
@@ -211,7 +211,7 @@ from pathlib import Path
 sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
 from helpers import make_cfg
 from mlptrain import files
-from mlptrain.run import train
+from mlptrain.run.run import train
 real = files.atomic_write
 seen = {{"best": 0}}
 def atomic_write(path, content):
@@ -224,8 +224,8 @@ def atomic_write(path, content):
             os._exit(9)
     real(path, content)
 files.atomic_write = atomic_write
-import mlptrain.checkpoint
-mlptrain.checkpoint.atomic_write = atomic_write
+import mlptrain.run.checkpoint
+mlptrain.run.checkpoint.atomic_write = atomic_write
 train(make_cfg(epochs=8, optimizer__lr=0.01), Path({str(run)!r}))
 """
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent.parent)])}
@@ -288,7 +288,7 @@ def _dead_pid() -> int:
 def test_follower_dirs_of_killed_ranks_are_removed_and_live_ones_kept(tmp_path):
     import os
 
-    from mlptrain.rundir import RunDirectory, _host, follower_dir
+    from mlptrain.run.rundir import RunDirectory, _host, follower_dir
 
     dead, me, host = _dead_pid(), os.getpid(), _host()
     stale = tmp_path / f"mlptrain-rank1-{host}-pid{dead}-abc123"

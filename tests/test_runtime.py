@@ -1,4 +1,4 @@
-"""The device runtime apart from the step (mlptrain.runtime), and components that own their kernels.
+"""The device runtime apart from the step (mlptrain.step.runtime), and components that own their kernels.
 
 The CPU runtime does nothing but run the step; the GPU's has the same interface. Precompilation
 only schedules: each component declares its jobs beside its CUDA source, the trainer collects the
@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 from helpers import make_cfg
 
-from mlptrain import runtime as rt
-from mlptrain.backend import Backend
-from mlptrain.cuda_source import Job
-from mlptrain.gpu import precompile as pc
-from mlptrain.precision import LossScaler
-from mlptrain.trainer import Trainer
+from mlptrain.base.backend import Backend
+from mlptrain.base.cuda_source import Job
+from mlptrain.step import runtime as rt
+from mlptrain.step.cuda import precompile as pc
+from mlptrain.step.precision import LossScaler
+from mlptrain.step.trainer import Trainer
 
 PKG = Path(__file__).resolve().parent.parent / "mlptrain"
 
@@ -192,12 +192,12 @@ def test_a_components_job_writes_only_to_its_own_copies():
 
 
 def test_the_trainer_has_no_device_branch():
-    src = (PKG / "trainer.py").read_text()
+    src = (PKG / "step" / "trainer.py").read_text()
     assert "is_gpu" not in src and "cupy" not in src and "precompile import" not in src
 
 
 def test_precompile_assigns_no_attribute_of_another_object():
-    tree = ast.parse((PKG / "gpu" / "precompile.py").read_text())
+    tree = ast.parse((PKG / "step" / "cuda" / "precompile.py").read_text())
     for node in ast.walk(tree):
         targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
         for t in targets:

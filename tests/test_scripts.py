@@ -49,7 +49,7 @@ def test_the_rule_finds_what_it_forbids() -> None:
         "line 6: imports gpu_helpers",
         "line 7: sys.path.append",
     ]
-    good = "import sys\nimport numpy\nfrom mlptrain.bench.step_trainer import step_trainer\nsys.exit(0)\n"
+    good = "import sys\nimport numpy\nfrom mlptrain.tools.bench.step_trainer import step_trainer\nsys.exit(0)\n"
     assert offences(good, local) == []
 
 

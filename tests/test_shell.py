@@ -1,4 +1,4 @@
-"""Suggested commands are what a shell passes to Hydra unchanged (mlptrain.shell)."""
+"""Suggested commands are what a shell passes to Hydra unchanged (mlptrain.config.shell)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import shlex
 import pytest
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
-from mlptrain.shell import command, hydra_value, override
+from mlptrain.config.shell import command, hydra_value, override
 
 
 @pytest.mark.parametrize(

@@ -26,10 +26,10 @@ from sklearn.pipeline import make_pipeline  # noqa: E402
 from sklearn.preprocessing import StandardScaler  # noqa: E402
 
 import mlptrain  # noqa: E402
-from mlptrain import checkpoint  # noqa: E402
-from mlptrain.data.files import write_csv  # noqa: E402
+from mlptrain.base.errors import ConfigError, MlptrainError  # noqa: E402
+from mlptrain.data.files.readers import write_csv  # noqa: E402
 from mlptrain.data.prepare import normalization  # noqa: E402
-from mlptrain.errors import ConfigError, MlptrainError  # noqa: E402
+from mlptrain.run import checkpoint  # noqa: E402
 from mlptrain.sklearn import MLPClassifier, MLPRegressor  # noqa: E402
 from tests.helpers import make_cfg  # noqa: E402
 
@@ -117,7 +117,7 @@ def test_the_classifier_takes_the_clis_steps_on_the_same_file(tmp_path: Path) ->
 
 def test_the_regressor_takes_train_s_steps_with_two_targets_and_nesterov(tmp_path: Path) -> None:
     """``mlptrain.train`` on a two-target file (SGD, Nesterov, a short last batch) and ``MLPRegressor``."""
-    from mlptrain.config import DatasetName, Schedule, Task
+    from mlptrain.config.schema import DatasetName, Schedule, Task
 
     x, y = make_regression(n_samples=90, n_features=4, n_targets=2, noise=0.1, random_state=1)
     y = y / 100.0
@@ -223,7 +223,7 @@ def test_raw_rows_in_raw_rows_scored_normalised_by_the_train_split() -> None:
 def test_save_load_and_the_cli_tools_read_the_estimators_checkpoint(tmp_path: Path) -> None:
     """``save`` writes a checkpoint that ``load``, ``mlptrain.predict``, ``.evaluate`` and ``.export`` read."""
     pa = pytest.importorskip("pyarrow")
-    from mlptrain import evaluate, export
+    from mlptrain.cli import evaluate, export
 
     x, y = _blobs(120)
     names = ["f0", "f1", "f2", "f3", "f4"]
@@ -240,7 +240,8 @@ def test_save_load_and_the_cli_tools_read_the_estimators_checkpoint(tmp_path: Pa
     order = [3, 0, 4, 1, 2]
     write_csv(tmp_path / "rows.csv", x[:, order], y, [names[i] for i in order])
     assert (
-        mlptrain.predict.main([f"ckpt={path}", f"input={tmp_path / 'rows.csv'}", f"output={tmp_path / 'p.csv'}"]) == 0
+        mlptrain.cli.predict.main([f"ckpt={path}", f"input={tmp_path / 'rows.csv'}", f"output={tmp_path / 'p.csv'}"])
+        == 0
     )
     predicted = [line.split(",")[-1] for line in (tmp_path / "p.csv").read_text().splitlines()[1:]]
     assert predicted == clf.predict(table).tolist()

@@ -14,12 +14,13 @@ pytest.importorskip("sklearn")
 
 from threadpoolctl import threadpool_info, threadpool_limits  # noqa: E402
 
-from mlptrain import build, checkpoint  # noqa: E402
-from mlptrain.backend import Backend  # noqa: E402
-from mlptrain.errors import CheckpointError, ConfigError  # noqa: E402
-from mlptrain.inference import Predictor  # noqa: E402
+from mlptrain.base.backend import Backend  # noqa: E402
+from mlptrain.base.errors import CheckpointError, ConfigError  # noqa: E402
+from mlptrain.inference.predictor import Predictor  # noqa: E402
+from mlptrain.run import checkpoint  # noqa: E402
 from mlptrain.sklearn import MLPClassifier, MLPRegressor  # noqa: E402
-from mlptrain.trainer import Trainer  # noqa: E402
+from mlptrain.step import build
+from mlptrain.step.trainer import Trainer  # noqa: E402
 
 
 def _blobs(n: int = 90, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -72,7 +73,7 @@ def test_save_removes_the_temp_file_a_killed_save_left(tmp_path: Path, caplog: p
     keeps the temp file of a process that is still alive."""
     import os
 
-    from mlptrain.files import TEMP_SUFFIX
+    from mlptrain.base.fs import TEMP_SUFFIX
 
     path = tmp_path / "model.npz"
     dead = tmp_path / f"model.npz.4194000.0badf00d{TEMP_SUFFIX}"  # no process has that pid (beyond pid_max)

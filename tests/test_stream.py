@@ -13,15 +13,16 @@ import pytest
 from helpers import make_cfg, records
 from numpy.testing import assert_array_equal
 
-from mlptrain import build
-from mlptrain.config import DataConfig, DatasetName
-from mlptrain.data import chunks, load_dataset, prepare
+from mlptrain.base.errors import ConfigError
+from mlptrain.config.schema import DataConfig, DatasetName
+from mlptrain.data import load_dataset, prepare
+from mlptrain.data.files import chunks
+from mlptrain.data.host_loader import HostLoader
+from mlptrain.data.loader import DataLoader
 from mlptrain.data.rows import NormalisedRows, memory_mapped
-from mlptrain.errors import ConfigError
-from mlptrain.host_loader import HostLoader
-from mlptrain.loader import DataLoader
-from mlptrain.run import train
-from mlptrain.trainer import Trainer
+from mlptrain.run.run import train
+from mlptrain.step import build
+from mlptrain.step.trainer import Trainer
 
 
 def _table(dtype: str, n: int = 3001, f: int = 13) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -135,7 +136,7 @@ def test_a_streamed_run_writes_the_resident_runs_records(tmp_path: Path) -> None
 
 
 def test_a_streamed_runs_checkpoint_scores_its_own_split_as_the_run_did(tmp_path: Path) -> None:
-    from mlptrain.evaluate import EvaluateArgs, evaluate
+    from mlptrain.cli.evaluate import EvaluateArgs, evaluate
 
     summary = train(make_cfg(epochs=1, data__residency="stream"), tmp_path / "run")
     report, _ = evaluate(EvaluateArgs(ckpt=str(tmp_path / "run" / "checkpoints" / "last.npz"), device="cpu"))

@@ -12,8 +12,8 @@ from test_cli import QUICK, output, run_cli
 from test_readme import python_on_path
 from test_reliability import start_cli, step_lines, wait_for
 
-from mlptrain.metrics import read_metrics
-from mlptrain.sweep import continue_command, job_folder
+from mlptrain.cli.sweep import continue_command, job_folder
+from mlptrain.run.metrics import read_metrics
 
 
 def _iris_csv(path: Path, rows: int = 60) -> None:

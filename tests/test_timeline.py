@@ -1,4 +1,4 @@
-"""Where a run's wall clock goes (mlptrain.timeline, #31): the phases in run.json, and what they add up to."""
+"""Where a run's wall clock goes (mlptrain.base.timeline, #31): the phases in run.json, and what they add up to."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from mlptrain.run import train
-from mlptrain.timeline import Timeline, active, mark, part, timed
+from mlptrain.base.timeline import Timeline, active, mark, part, timed
+from mlptrain.run.run import train
 from tests.helpers import make_cfg
 from tests.test_cli import QUICK, output, run_cli
 
-# The phases of python -m mlptrain, in the order they end (mlptrain/timeline.py's docstring).
+# The phases of python -m mlptrain, in the order they end (mlptrain/base/timeline.py's docstring).
 CLI_PHASES = ["python", "imports", "config", "backend", "data", "model", "bgrad", "accept", "loop"]
 
 
@@ -32,7 +32,7 @@ class Clock:
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
     c = Clock()
-    monkeypatch.setattr("mlptrain.timeline.time.perf_counter", c)
+    monkeypatch.setattr("mlptrain.base.timeline.time.perf_counter", c)
     return c
 
 
@@ -120,7 +120,7 @@ def test_the_process_start_is_before_the_interpreter_runs_any_line() -> None:
     if sys.platform != "linux":
         pytest.skip("the process start is read from /proc (Linux)")
     code = (
-        "import time; time.sleep(0.3); from mlptrain.timeline import PROCESS; "
+        "import time; time.sleep(0.3); from mlptrain.base.timeline import PROCESS; "
         "print(PROCESS.from_process_start, time.perf_counter() - PROCESS.start)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()

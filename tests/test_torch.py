@@ -11,8 +11,8 @@ import pytest
 torch = pytest.importorskip("torch")
 nn = torch.nn
 
-from mlptrain.epilogs import Epilog, gelu_grad, unpack_relu_mask  # noqa: E402
-from mlptrain.errors import ConfigError, DeviceError  # noqa: E402
+from mlptrain.base.errors import ConfigError, DeviceError  # noqa: E402
+from mlptrain.nn.epilogs import Epilog, gelu_grad, unpack_relu_mask  # noqa: E402
 from mlptrain.torch import FusedLinear, FusedMLP, engines  # noqa: E402
 
 TOL = {torch.float64: 1e-12, torch.float32: 2e-6}
@@ -358,16 +358,16 @@ def test_ddp_of_one_process_takes_the_fused_parameters(tmp_path: object) -> None
 
 
 def test_importing_mlptrain_does_not_import_torch() -> None:
-    code = "import sys, mlptrain, mlptrain.epilogs, mlptrain.execution; print('torch' in sys.modules)"
+    code = "import sys, mlptrain, mlptrain.nn.epilogs, mlptrain.nn.execution; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
 
-# --- the cuBLASLt engine's host side (mlptrain.gpu.torch_lt, torch_gemm.TorchCublasLtGemm), without a GPU ---
+# --- the cuBLASLt engine's host side (mlptrain.torch.torch_lt, torch_gemm.TorchCublasLtGemm), without a GPU ---
 
 
 def test_operand_layouts_follow_nvmaths_rules() -> None:
-    from mlptrain.gpu.torch_lt import Layout, operand_layout, transposed
+    from mlptrain.torch.torch_lt import Layout, operand_layout, transposed
 
     w = torch.empty(5, 7)  # (out, in) C-order: ORDER_ROW, rows 7 apart
     assert operand_layout(w.shape, w.stride()) == Layout(5, 7, 7, True)
@@ -385,7 +385,7 @@ def test_operand_layouts_follow_nvmaths_rules() -> None:
 
 
 def test_gemm_spec_of_the_chains_gemms() -> None:
-    from mlptrain.gpu.torch_lt import gemm_spec
+    from mlptrain.torch.torch_lt import gemm_spec
 
     W, h, dz = torch.empty(30, 20), torch.empty(11, 20), torch.empty(11, 30)  # (out, in), (B, in), (B, out)
     fwd = gemm_spec(W.shape, W.stride(), h.T.shape, h.T.stride(), Epilog.RELU_AUX_BIAS)  # (30, 20) @ (20, 11)
@@ -411,7 +411,7 @@ def test_gemm_spec_of_the_chains_gemms() -> None:
 
 
 def test_check_inputs_refuses_what_nvmath_refuses() -> None:
-    from mlptrain.gpu.torch_lt import check_inputs, gemm_spec
+    from mlptrain.torch.torch_lt import check_inputs, gemm_spec
 
     spec = gemm_spec((20, 30), (1, 20), (30, 11), (1, 30), Epilog.DRELU)  # M = 20 -> relu_aux (16, 11)
     check_inputs(spec, Epilog.DRELU, {"relu_aux": torch.empty(11, 16, dtype=torch.uint8).T}, torch.float32)
@@ -425,23 +425,23 @@ def test_check_inputs_refuses_what_nvmath_refuses() -> None:
 
 
 class ContractPlan:
-    """A stand-in for :class:`mlptrain.gpu.torch_lt.LtPlan` on the CPU: the engine's outputs allocated as the
-    real plan allocates them (:func:`~mlptrain.gpu.torch_lt.allocate`), then filled with the NumPy contract."""
+    """A stand-in for :class:`mlptrain.torch.torch_lt.LtPlan` on the CPU: the engine's outputs allocated as the
+    real plan allocates them (:func:`~mlptrain.torch.torch_lt.allocate`), then filled with the NumPy contract."""
 
     made: list = []
 
     def __init__(
         self, key: str, spec: object, a: object, b: object, epilog: object, inputs: dict, **kw: object
     ) -> None:
-        from mlptrain.gpu.torch_lt import check_inputs
+        from mlptrain.torch.torch_lt import check_inputs
 
         check_inputs(spec, epilog, inputs, a.dtype)  # type: ignore[arg-type, attr-defined]
         self.spec, self.epilog = spec, epilog
         ContractPlan.made.append((key, epilog, kw))
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, inputs: dict) -> tuple:
-        from mlptrain.execution import NumpyGemm
-        from mlptrain.gpu.torch_lt import allocate
+        from mlptrain.nn.execution import NumpyGemm
+        from mlptrain.torch.torch_lt import allocate
 
         d, aux = allocate(self.spec, a.dtype, a.device)  # type: ignore[arg-type]
         out, ref = NumpyGemm()("k", a.numpy(), b.numpy(), self.epilog, **{k: v.numpy() for k, v in inputs.items()})
@@ -455,7 +455,7 @@ class ContractPlan:
 
 @pytest.fixture
 def lt_engine(monkeypatch: pytest.MonkeyPatch) -> object:
-    from mlptrain.gpu.torch_gemm import TorchCublasLtGemm
+    from mlptrain.torch.torch_gemm import TorchCublasLtGemm
 
     gemm = TorchCublasLtGemm(0)
     gemm.make_plan = ContractPlan

@@ -8,7 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 nn = torch.nn
 
-from mlptrain.errors import ConfigError  # noqa: E402
+from mlptrain.base.errors import ConfigError  # noqa: E402
 from mlptrain.torch import FusedLinear, FusedMLP, ops  # noqa: E402
 from mlptrain.torch.ops import SecondOrderError  # noqa: E402
 

@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 from gpu_helpers import cp, gpu_trainer, train_losses
 
-from mlptrain.config import Device, Mode, TrainConfig
-from mlptrain.run import train
-from mlptrain.trainer import Trainer
+from mlptrain.config.schema import Device, Mode, TrainConfig
+from mlptrain.run.run import train
+from mlptrain.step.trainer import Trainer
 
 
 def make_cfg(mode: str, precision: str, **kw) -> TrainConfig:
@@ -49,7 +49,7 @@ def test_fused_and_naive_give_the_same_losses_step_by_step(precision, rtol, opti
 
 def test_a_wrong_mask_would_be_caught():
     """The comparison above can fail: a naive path with a ReLU mask of z > 0.5 diverges at once."""
-    import mlptrain.execution as ex
+    import mlptrain.nn.execution as ex
 
     fused = step_losses(make_cfg("fused", "fp64"), epochs=1)
     original = ex.NaiveExecution.forward
@@ -83,7 +83,7 @@ def test_compute_copy_cast_takes_the_steps_of_the_kept_copy(monkeypatch, hidden)
     agree bit for bit; a buffer holding another layer's weight, or a stale one, would not."""
     from helpers import emulate_fp16
 
-    from mlptrain.config import ComputeCopy
+    from mlptrain.config.schema import ComputeCopy
 
     emulate_fp16(monkeypatch)
     runs = {}
@@ -98,7 +98,7 @@ def test_compute_copy_cast_takes_the_steps_of_the_kept_copy(monkeypatch, hidden)
     widths = [64, *hidden, 10]
     largest_weight = max(a * b for a, b in zip(widths, widths[1:], strict=False))
     assert cast.model.cast_buffer.nbytes == 2 * (largest_weight + max(widths[1:]))  # float16
-    from mlptrain.step_memory import expected_bytes
+    from mlptrain.step.memory import expected_bytes
 
     formula = expected_bytes(widths, 64, np.float32, np.float16, 1, compute_copy="cast")["compute_copies"]
     assert formula == cast.model.cast_buffer.nbytes
@@ -109,7 +109,7 @@ def test_compute_copy_cast_takes_the_steps_of_the_kept_copy(monkeypatch, hidden)
 
 
 def test_cast_buffer_refuses_to_reuse_a_parameter_cast_over():
-    from mlptrain.layers import CastBuffer
+    from mlptrain.nn.layers import CastBuffer
 
     buf = CastBuffer(np, np.float16, {"weight": 12})
     a, b = np.full((3, 4), 1.0 / 3, np.float32), np.full((2, 5), 2.0, np.float32)
@@ -197,7 +197,7 @@ def test_the_weight_gradients_stream_is_chosen_by_the_steps_size_unless_set():
     TWO_STREAMS_MAX_FLOPS) and data-parallel runs, one stream where the GEMMs fill the GPU."""
     from types import SimpleNamespace
 
-    from mlptrain.build import TWO_STREAMS_MAX_FLOPS, step_flops, wgrad_stream
+    from mlptrain.step.build import TWO_STREAMS_MAX_FLOPS, step_flops, wgrad_stream
 
     small, big = ([784, 1024, 1024, 10], 256), ([4096] * 5, 8192)
     assert step_flops(*small) == 6 * 256 * (784 * 1024 + 1024 * 1024 + 1024 * 10)

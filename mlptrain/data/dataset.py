@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from mlptrain.data.chunks import first_nonfinite, normalise_into
-from mlptrain.errors import DatasetError
+from mlptrain.base.errors import DatasetError
+from mlptrain.data.files.chunks import first_nonfinite, normalise_into
 
 __all__ = ["TASKS", "Dataset", "Normalization", "Raw", "check_real", "first_nonfinite"]
 TASKS = ("classification", "regression")
@@ -61,7 +61,7 @@ class Normalization:
 
     def apply(self, x: np.ndarray) -> np.ndarray:
         """``x (N, F)`` raw -> float32 C-contiguous, normalised as the training data was (in float64, rounded once:
-        :func:`mlptrain.data.chunks.normalise_into`)."""
+        :func:`mlptrain.data.files.chunks.normalise_into`)."""
         x = np.asarray(x)
         inv = 1.0 / np.asarray(self.scale, np.float64)
         return normalise_into(x, np.asarray(self.shift, np.float64), inv, np.empty(x.shape, np.float32))

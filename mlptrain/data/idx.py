@@ -1,7 +1,7 @@
 """MNIST and Fashion-MNIST: the IDX file format, and a downloader that verifies what it fetches.
 
 The downloader tries mirrors in order and checks size and SHA-256 before a file takes its final
-name in the cache folder (:func:`mlptrain.files.cache_root`); with no network the error names the
+name in the cache folder (:func:`mlptrain.base.fs.cache_root`); with no network the error names the
 four files, their SHA-256 and the folder to put them in.
 """
 
@@ -21,8 +21,8 @@ from typing import NamedTuple
 import numpy as np
 from tqdm import tqdm
 
-from mlptrain.errors import DatasetError
-from mlptrain.files import sha256_file
+from mlptrain.base.errors import DatasetError
+from mlptrain.base.fs import sha256_file
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ targets are standardised as ``data.target_scaling`` says, unless the dataset bri
 
 All randomness comes from a ``numpy.random.Generator`` seeded by ``data.split_seed``, so the
 splits (and synthetic data) depend on nothing else: the run's ``seed`` changes the initial weights
-and the data order, not the test set. This package never imports CuPy: :mod:`mlptrain.loader`
+and the data order, not the test set. This package never imports CuPy: :mod:`mlptrain.data.loader`
 moves the arrays to the device.
 """
 
@@ -19,13 +19,13 @@ from typing import Any
 
 import numpy as np
 
-from mlptrain.config import DataConfig
-from mlptrain.data import chunks
+from mlptrain.base.errors import ConfigError, DatasetError
+from mlptrain.config.schema import DataConfig
 from mlptrain.data.dataset import Dataset, Normalization, Raw
+from mlptrain.data.files import chunks
+from mlptrain.data.files.column_stats import ColumnStats, column_stats
 from mlptrain.data.rows import NormalisedRows, StreamSource, host_memory_available, memory_mapped
 from mlptrain.data.sources import SOURCES
-from mlptrain.data.stats import ColumnStats, column_stats
-from mlptrain.errors import ConfigError, DatasetError
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ def stratified_split(y: np.ndarray, fraction: float, rng: np.random.Generator) -
 
 def normalization(method: str, x: np.ndarray, rows: np.ndarray | None = None, where: str = "") -> Normalization:
     """The normalisation of ``method`` from the train split's statistics: ``x[rows]`` (``x (N, F)``;
-    ``rows`` None: all of ``x``), in one chunked pass (:func:`mlptrain.data.stats.column_stats`).
+    ``rows`` None: all of ``x``), in one chunked pass (:func:`mlptrain.data.files.column_stats.column_stats`).
 
     Raises:
         DatasetError: an inf or NaN among those rows (``where`` names them: ``dataset 'x' split train``).
@@ -119,8 +119,8 @@ def task_for_loss(cfg: DataConfig, loss: str) -> DataConfig:
     (``mse``, any loss registered with ``regression=True``) is a regression, whatever its target holds (a column of
     whole numbers was taken for class labels: a 194-class classifier trained with ``mse``). Text targets are then
     refused, naming the way to one-hot classes (``data.task=classification``)."""
-    from mlptrain.config import Task
-    from mlptrain.losses import LOSSES
+    from mlptrain.config.schema import Task
+    from mlptrain.nn.losses import LOSSES
 
     name, task = (str(getattr(v, "value", v)) for v in (cfg.name, cfg.task))
     if name != "file" or task != "auto" or loss not in LOSSES or not LOSSES[loss].regression:

@@ -3,7 +3,7 @@
 ``data.residency=stream`` (or ``auto``/``host`` where the normalised splits would not fit host memory):
 :func:`mlptrain.data.prepare.load_dataset` keeps each split as a :class:`NormalisedRows` over the table
 it read (a cache entry or an uncompressed NPZ, memory-mapped), so a table larger than host memory
-trains: the host-resident loader (:mod:`mlptrain.host_loader`) gathers each batch's rows through the
+trains: the host-resident loader (:mod:`mlptrain.data.host_loader`) gathers each batch's rows through the
 memory map (the page cache, or the disk where the table is larger than memory) and normalises them
 into its pinned slot::
 
@@ -11,7 +11,7 @@ into its pinned slot::
     raw = table[rows[idx]]              ->  (raw - shift) * inv_scale in float64, rounded once  (B, F)
     -> cast to the compute dtype, into the slot
 
-which is the arithmetic of :func:`mlptrain.data.chunks.gather_normalised` row for row, so a streamed
+which is the arithmetic of :func:`mlptrain.data.files.chunks.gather_normalised` row for row, so a streamed
 run's batches, and its losses, are those of a run whose splits were materialised
 (``tests/test_stream.py``).
 
@@ -21,7 +21,7 @@ short, which is an error naming the file, where a memory map's missing page is a
 the process without a word. The file's identity (size, mtime_ns, inode) is taken when the split is
 made and checked before each batch (``fstat``, about a microsecond) and at each epoch's start
 (:meth:`NormalisedRows.check_source`, also the path's ``stat``: a file replaced by another): a
-table that changed under a run stops it (:class:`~mlptrain.errors.DatasetError`) instead of
+table that changed under a run stops it (:class:`~mlptrain.base.errors.DatasetError`) instead of
 training on other rows than its statistics were taken from.
 """
 
@@ -33,8 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from mlptrain.data import chunks
-from mlptrain.errors import DatasetError
+from mlptrain.base.errors import DatasetError
+from mlptrain.data.files import chunks
 
 
 def memory_mapped(a: Any) -> bool:
@@ -216,7 +216,7 @@ class NormalisedRows:
         return out
 
     def check_source(self) -> None:
-        """Raise :class:`~mlptrain.errors.DatasetError` if the file streamed from changed since the split was made
+        """Raise :class:`~mlptrain.base.errors.DatasetError` if the file streamed from changed since the split was made
         (its size, mtime or inode; the path's too). Nothing to check for a table in memory."""
         if self.source is not None:
             self.source.check(full=True)

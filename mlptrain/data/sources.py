@@ -18,12 +18,12 @@ from pathlib import Path
 
 import numpy as np
 
-from mlptrain.config import DataConfig
+from mlptrain.base.errors import ConfigError, DatasetError
+from mlptrain.base.fs import cache_root
+from mlptrain.config.schema import DataConfig
 from mlptrain.data.dataset import Raw
-from mlptrain.data.files_source import load_file
 from mlptrain.data.idx import IDX_FILES, ensure_idx_files, read_idx
-from mlptrain.errors import ConfigError, DatasetError
-from mlptrain.files import cache_root
+from mlptrain.data.user_source import load_file
 
 DIGITS_PATH = Path(__file__).resolve().parent / "digits.csv.gz"
 DIGITS_SHA256 = "09f66e6debdee2cd2b5ae59e0d6abbb73fc2b0e0185d2e1957e9ebb51e23aa22"

@@ -11,7 +11,7 @@ A rank that dies or hangs leaves the others waiting inside NCCL, where no Python
 :class:`Watchdog` thread of each rank notices that the loop has made no progress for
 ``distributed.timeout_s``, aborts the rank's NCCL communicator (which ends the waiting kernels) and
 exits the process with a clear error: never a silent hang. The launcher of ``distributed.gpus``
-then stops the other ranks (:mod:`mlptrain.launcher`); torchrun and mpirun do the same.
+then stops the other ranks (:mod:`mlptrain.cli.launcher`); torchrun and mpirun do the same.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from mlptrain.base.stopping import Stop
 from mlptrain.distributed.comm import Communicator
-from mlptrain.stopping import Stop
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +37,8 @@ EXIT_HUNG = 3  # the exit status of a rank that its watchdog stopped
 
 
 class AgreedStop:
-    """A rank's :class:`~mlptrain.stopping.Stop`: this process's stop request (``inner``,
-    a :class:`~mlptrain.stopping.StopRequest`) whose ``requested`` changes only when every rank agrees.
+    """A rank's :class:`~mlptrain.base.stopping.Stop`: this process's stop request (``inner``,
+    a :class:`~mlptrain.base.stopping.StopRequest`) whose ``requested`` changes only when every rank agrees.
 
     :meth:`agree` (at each log interval's sync) all-reduces this rank's flag: when any rank was asked
     to stop, every rank sees ``requested`` from then on. It also beats the watchdog's heart.
@@ -145,6 +145,6 @@ def check_replicas(comm: Communicator, arrays: dict[str, np.ndarray], step: int)
     sums = np.concatenate([parts, parts**2])  # and so are world x (2^16)^2 and (world x 2^16)^2 for any world < 2^10
     comm.all_reduce([sums])
     if any(sums[4 + i] * comm.world != sums[i] ** 2 for i in range(4)):
-        from mlptrain.errors import MlptrainError
+        from mlptrain.base.errors import MlptrainError
 
         raise MlptrainError(f"rank {comm.rank}: after step {step} the parameters differ between the ranks")

@@ -64,7 +64,7 @@ class GradientSync:
         self._early: list[Any] = []  # the gradients this step reduced already (:meth:`weight_grad_ready`)
 
     def overlap(self, model: Any) -> None:
-        """Buckets: the weight gradients the side stream made (:attr:`mlptrain.network.MLP.on_weight_grad`)
+        """Buckets: the weight gradients the side stream made (:attr:`mlptrain.nn.network.MLP.on_weight_grad`)
         are all-reduced there as soon as they reach ``bucket_bytes``, while the backward goes on below;
         the rest (a bucket not filled, the bottom layer's, the biases, the step's statistics) at the end.
         Every collective runs on that one stream, in the same order on every rank (NCCL's rule for one

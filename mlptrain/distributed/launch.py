@@ -24,7 +24,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from mlptrain.errors import ConfigError
+from mlptrain.base.errors import ConfigError
 
 _TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 _OPENMPI = ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK")

@@ -5,7 +5,7 @@ NaN/inf, the number and names of the features), splits and normalises them as th
 ``data=file`` does (:mod:`mlptrain.sklearn.fitting`), and trains the network the CLI would build
 (:mod:`mlptrain.sklearn.params`) on the GPU when there is one, writing nothing to disk. The fitted
 state is a checkpoint held in memory (:mod:`mlptrain.sklearn.persist`): ``predict`` scores raw rows
-through a :class:`~mlptrain.inference.Predictor` of it, with the train split's normalisation, and
+through a :class:`~mlptrain.inference.predictor.Predictor` of it, with the train split's normalisation, and
 ``save(path)`` writes it as a checkpoint file that ``python -m mlptrain.predict``, ``.evaluate`` and
 ``.export`` read.
 """
@@ -23,15 +23,15 @@ from sklearn.utils import check_random_state
 from sklearn.utils.multiclass import check_classification_targets, unique_labels
 from sklearn.utils.validation import check_is_fitted, validate_data
 
-from mlptrain import build
-from mlptrain.checkpoint import Checkpoint
+from mlptrain.base.errors import ConfigError, DatasetError
 from mlptrain.data.dataset import check_real
-from mlptrain.errors import ConfigError, DatasetError
-from mlptrain.inference import Predictor, softmax
+from mlptrain.inference.predictor import Predictor, softmax
+from mlptrain.run.checkpoint import Checkpoint
 from mlptrain.sklearn import persist
 from mlptrain.sklearn.fitting import Stopping, make_dataset, outputs, run_epoch
 from mlptrain.sklearn.params import batch_rows, check, check_continuation, train_config
-from mlptrain.trainer import Trainer
+from mlptrain.step import build
+from mlptrain.step.trainer import Trainer
 
 
 class TargetError(DatasetError, ValueError):

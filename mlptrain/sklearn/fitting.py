@@ -7,9 +7,9 @@ compares every step's loss):
 * :func:`make_dataset` splits as :func:`mlptrain.data.prepare.load_dataset` does for a file with a
   test file of its own: one stratified ``val_fraction`` of the rows, drawn by a generator seeded
   ``[split_seed, 0xDA7A]``, and the normalisation from the train split alone (kept with the model);
-* :func:`run_epoch` takes the steps :class:`mlptrain.loop.Loop` takes (the same data order, from
+* :func:`run_epoch` takes the steps :class:`mlptrain.run.loop.Loop` takes (the same data order, from
   ``(seed, epoch)``), with no run directory: the per-step losses come back in memory, read from the
-  device once per epoch (:class:`~mlptrain.steplog.StepLog`, one host sync).
+  device once per epoch (:class:`~mlptrain.step.steplog.StepLog`, one host sync).
 
 What ends the fit is scikit-learn's rule (:class:`Stopping`), not the CLI's ``early_stopping``.
 """
@@ -21,10 +21,10 @@ from typing import Any
 
 import numpy as np
 
-from mlptrain import faults
 from mlptrain.data.dataset import Dataset, Normalization
 from mlptrain.data.prepare import normalization, stratified_split
-from mlptrain.trainer import Trainer
+from mlptrain.run import faults
+from mlptrain.step.trainer import Trainer
 
 # The seed stream of load_dataset's splits ([split_seed, SPLIT_STREAM]): the same rows held out as the CLI's
 SPLIT_STREAM = 0xDA7A

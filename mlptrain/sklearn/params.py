@@ -35,9 +35,9 @@ from typing import Any
 
 import numpy as np
 
-from mlptrain.config import Device, Mode, Schedule, TrainConfig
-from mlptrain.errors import ConfigError
-from mlptrain.precision import PRECISIONS
+from mlptrain.base.errors import ConfigError
+from mlptrain.config.schema import Device, Mode, Schedule, TrainConfig
+from mlptrain.step.precision import PRECISIONS
 
 ACTIVATIONS = {"relu": "relu", "identity": "none", "gelu": "gelu"}
 SOLVERS = ("sgd", "adam")

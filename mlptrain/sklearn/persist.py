@@ -1,7 +1,7 @@
 """A fitted estimator's state: an mlptrain checkpoint, in memory until ``save`` writes it.
 
-The state is what :meth:`mlptrain.loop.Loop.save` would write at the end of the same run (the
-trainer's :meth:`~mlptrain.trainer.Trainer.state_dict`: parameters, optimizer state, the train
+The state is what :meth:`mlptrain.run.loop.Loop.save` would write at the end of the same run (the
+trainer's :meth:`~mlptrain.step.trainer.Trainer.state_dict`: parameters, optimizer state, the train
 split's normalisation, names), plus, in ``meta["config"]["sklearn"]``, the estimator's parameters
 and fitted attributes, so that :func:`load` gives back the estimator and the CLI's tools read the file
 as any run's checkpoint.
@@ -15,15 +15,15 @@ from typing import Any
 
 import numpy as np
 
-from mlptrain import checkpoint
-from mlptrain.checkpoint import Checkpoint, Position
-from mlptrain.config import to_plain
+from mlptrain.base.errors import CheckpointError
+from mlptrain.base.fs import remove_stale_temps
+from mlptrain.config.schema import to_plain
 from mlptrain.data.dataset import Normalization
-from mlptrain.errors import CheckpointError
-from mlptrain.files import remove_stale_temps
-from mlptrain.inference import Predictor
-from mlptrain.outputs import is_checkpoint
-from mlptrain.trainer import Trainer
+from mlptrain.inference.outputs import is_checkpoint
+from mlptrain.inference.predictor import Predictor
+from mlptrain.run import checkpoint
+from mlptrain.run.checkpoint import Checkpoint, Position
+from mlptrain.step.trainer import Trainer
 
 IN_MEMORY = Path("<in memory>")
 

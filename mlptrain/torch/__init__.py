@@ -14,7 +14,7 @@ module          what it owns
 ``ops``         the registered operators (``mlptrain::fused_mlp`` and its backward), fake-tensor rules,
                 and the eager ``autograd.Function`` that calls the same bodies without their dispatch
 ``chain``       the fused forward and backward of a chain of layers, over either engine
-``engines``     the NumPy engine (CPU) and the torch engine (CUDA, over mlptrain.gpu.torch_gemm)
+``engines``     the NumPy engine (CPU) and the torch engine (CUDA, over mlptrain.torch.torch_gemm)
 =============== ===============================================================================
 
 Needs PyTorch (``pip install -e '.[torch]'``); ``import mlptrain`` does not.

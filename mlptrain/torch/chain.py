@@ -3,8 +3,8 @@
 This is the math of :class:`mlptrain.torch.FusedMLP` (and of :class:`~mlptrain.torch.FusedLinear`, a
 chain of one), written once for both engines: NumPy arrays through the epilog contract on the CPU
 (:class:`~mlptrain.torch.engines.NumpyEngine`), torch tensors through cuBLASLt on a GPU
-(:class:`~mlptrain.torch.engines.TorchEngine` over :mod:`mlptrain.gpu.torch_gemm`). The
-layout is the trainer's (:mod:`mlptrain.execution`): activations ``(B, features)`` C-contiguous,
+(:class:`~mlptrain.torch.engines.TorchEngine` over :mod:`mlptrain.torch.torch_gemm`). The
+layout is the trainer's (:mod:`mlptrain.nn.execution`): activations ``(B, features)`` C-contiguous,
 which is the column-major ``(features, B)`` matrix cuBLASLt's bias and aux epilogs write, so every
 ``.T`` below is a free view and no copy runs between layers.
 
@@ -21,7 +21,7 @@ weight grad BGRADB (or plain)                 dW^T (in, out) = h^T @ dZ, plus db
 =========== ================================= =============================================
 
 A hidden layer's bias gradient comes from the layer above's DRELU_BGRAD (``drelu_bgrad``) or from its
-own BGRADB (``bgradb``): both exact, their speed depends on the shape (:mod:`mlptrain.gpu.probe`).
+own BGRADB (``bgradb``): both exact, their speed depends on the shape (:mod:`mlptrain.step.cuda.bgrad`).
 
 Fallbacks, where an epilog does not fit:
 
@@ -32,7 +32,7 @@ Fallbacks, where an epilog does not fit:
   apply its derivative, so ``dZ = dY * act'(Z)`` is one element-wise pass (:meth:`Engine.act_grad`).
 * a layer with one output (K = 1 in the input-gradient GEMM, which DRELU and DGELU reject, and N = 1
   in the weight gradient, which nvmath's tests leave out for BGRADB): plain GEMMs and the derivative
-  and the column sums element-wise, as :class:`~mlptrain.execution.FusedExecution` does.
+  and the column sums element-wise, as :class:`~mlptrain.nn.execution.FusedExecution` does.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from mlptrain.epilogs import Epilog
-from mlptrain.execution import FusedExecution, Gemm
+from mlptrain.nn.epilogs import Epilog
+from mlptrain.nn.execution import FusedExecution, Gemm
 
 # (activation, has bias, keep aux) -> the forward epilog; the aux output's name per activation
 _FORWARD = {
@@ -60,7 +60,7 @@ class Engine(Protocol):
 
     @property
     def gemm(self) -> Gemm:
-        """The GEMMs, with their epilogs (:class:`~mlptrain.execution.Gemm`)."""
+        """The GEMMs, with their epilogs (:class:`~mlptrain.nn.execution.Gemm`)."""
 
     def zero_bias(self, m: int, like: Any) -> Any:
         """A bias of ``m`` zeros in ``like``'s dtype and memory (RELU_AUX_BIAS standing in for RELU_AUX)."""

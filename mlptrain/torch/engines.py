@@ -1,13 +1,13 @@
 """The two engines the fused chain (:mod:`mlptrain.torch.chain`) runs on, and which one a tensor gets.
 
 * :class:`NumpyEngine` (CPU tensors): the tensors' own memory as NumPy arrays (``tensor.numpy()``
-  views, no copy) through :class:`~mlptrain.execution.NumpyGemm`, the epilog contract that the GPU
+  views, no copy) through :class:`~mlptrain.nn.execution.NumpyGemm`, the epilog contract that the GPU
   is tested against. float16, float32 and float64 (NumPy has no bfloat16).
 * :class:`TorchEngine` (CUDA tensors): torch tensors straight into planned cuBLASLt GEMMs on torch's
   current stream; its element-wise fallbacks are torch operations. The GEMMs are one of two engines of
-  :mod:`mlptrain.gpu.torch_gemm`, which give the same bits: ``"cublaslt"`` (the default,
-  :class:`~mlptrain.gpu.torch_gemm.TorchCublasLtGemm`: raw cuBLASLt calls, a few microseconds of
-  Python each) or ``"nvmath"`` (:class:`~mlptrain.gpu.torch_gemm.TorchNvmathGemm`: nvmath's stateful
+  :mod:`mlptrain.torch.torch_gemm`, which give the same bits: ``"cublaslt"`` (the default,
+  :class:`~mlptrain.torch.torch_gemm.TorchCublasLtGemm`: raw cuBLASLt calls, a few microseconds of
+  Python each) or ``"nvmath"`` (:class:`~mlptrain.torch.torch_gemm.TorchNvmathGemm`: nvmath's stateful
   ``Matmul``), chosen by the environment variable ``MLPTRAIN_TORCH_GEMM`` or :func:`use_gemm_engine`.
 """
 
@@ -20,18 +20,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from mlptrain.epilogs import gelu_aux_shape, gelu_grad, reduce_sum, relu_aux_shape, unpack_relu_mask
-from mlptrain.errors import ConfigError, DeviceError
+from mlptrain.base.errors import ConfigError, DeviceError
+from mlptrain.nn.epilogs import gelu_aux_shape, gelu_grad, reduce_sum, relu_aux_shape, unpack_relu_mask
 
 CPU_DTYPES = (torch.float16, torch.float32, torch.float64)
 _GELU_C = 0.7978845608028654  # sqrt(2 / pi)
 
 
 class NumpyEngine:
-    """The CPU engine: NumPy arrays through the epilog contract (:func:`mlptrain.epilogs.matmul`)."""
+    """The CPU engine: NumPy arrays through the epilog contract (:func:`mlptrain.nn.epilogs.matmul`)."""
 
     def __init__(self) -> None:
-        from mlptrain.execution import NumpyGemm
+        from mlptrain.nn.execution import NumpyGemm
 
         self.gemm = NumpyGemm()
 
@@ -50,7 +50,7 @@ class NumpyEngine:
 class TorchEngine:
     """The GPU engine: cuBLASLt GEMMs on torch tensors (``gemm``); the element-wise fallbacks as torch operations.
 
-    The fallbacks compute what the contract computes (:mod:`mlptrain.epilogs`): the relu_aux bits
+    The fallbacks compute what the contract computes (:mod:`mlptrain.nn.epilogs`): the relu_aux bits
     unpacked, gelu' in float32 (float64 for float64 data), column sums in a float32 accumulator for
     half precision. They run on any device, so the CPU tests check them against the contract.
     """
@@ -85,7 +85,7 @@ def relu_mask(aux_t: torch.Tensor, m: int) -> torch.Tensor:
 
 
 def gelu_grad_torch(z: torch.Tensor) -> torch.Tensor:
-    """``d gelu / dz`` of the tanh approximation, as :func:`mlptrain.epilogs.gelu_grad` writes it
+    """``d gelu / dz`` of the tanh approximation, as :func:`mlptrain.nn.epilogs.gelu_grad` writes it
     (``s`` the logistic function of ``2u``, no cancellation in the tails), in z's dtype."""
     u = _GELU_C * (z + 0.044715 * z**3)
     s = torch.sigmoid(2.0 * u)
@@ -141,7 +141,7 @@ def engine_for(x: torch.Tensor) -> NumpyEngine | TorchEngine:
     name = _check_gemm_engine(key[0], "MLPTRAIN_TORCH_GEMM")
     with _LOCK:  # forward (main thread) and backward (autograd's device thread) may both ask first
         if key not in _CUDA:
-            from mlptrain.gpu.torch_gemm import TorchCublasLtGemm, TorchNvmathGemm
+            from mlptrain.torch.torch_gemm import TorchCublasLtGemm, TorchNvmathGemm
 
             gemm = TorchCublasLtGemm(index) if name == "cublaslt" else TorchNvmathGemm(index)
             _CUDA[key] = TorchEngine(gemm)

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from mlptrain.errors import ConfigError
+from mlptrain.base.errors import ConfigError
 from mlptrain.torch.ops import BGRAD_CHOICES, fused_mlp_apply
 
 ACTIVATIONS = ("relu", "gelu", None)

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mlptrain.errors import MlptrainError
+from mlptrain.base.errors import MlptrainError
 from mlptrain.torch import chain
 from mlptrain.torch.engines import aux_shape_t, engine_for, to_arrays, to_tensors
 

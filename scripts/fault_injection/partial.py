@@ -71,7 +71,7 @@ def start(save: Path, keep_all: bool = False) -> subprocess.Popen[str]:
 
 def fitted(path: Path) -> dict[str, Any]:
     """What a save holds: its arrays and the fitted counters, to compare bit for bit."""
-    from mlptrain import checkpoint
+    from mlptrain.run import checkpoint
     from mlptrain.sklearn import MLPClassifier
 
     est = MLPClassifier.load(path)

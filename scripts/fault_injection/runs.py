@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from mlptrain import checkpoint
+from mlptrain.run import checkpoint
 
 REPO = Path(__file__).resolve().parent.parent.parent
 

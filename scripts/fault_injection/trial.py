@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from fault_injection import check, runs
-from mlptrain.errors import CheckpointError
+from mlptrain.base.errors import CheckpointError
 
 
 @dataclass

@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 from gpu_helpers import HAS_GPU
 
-from mlptrain.config import TrainConfig
-from mlptrain.metrics import read_metrics
+from mlptrain.config.schema import TrainConfig
+from mlptrain.run.metrics import read_metrics
 
 pytestmark = pytest.mark.gpu
 
 if HAS_GPU:
-    from mlptrain.gpu.nccl import device_count
+    from mlptrain.distributed.cuda.nccl import device_count
 
     TWO = device_count() >= 2
 else:
@@ -49,7 +49,7 @@ def _steps(run: Path) -> list[dict]:
 
 
 def _two(cfg: TrainConfig, out: Path) -> dict:
-    from mlptrain.launcher import launch
+    from mlptrain.cli.launcher import launch
 
     cfg = copy.deepcopy(cfg)
     cfg.distributed.gpus = 2
@@ -61,7 +61,7 @@ def _two(cfg: TrainConfig, out: Path) -> dict:
 def test_two_gpus_take_the_steps_of_one_gpu_with_the_global_batch_in_fp32(tmp_path):
     """100 steps across epoch boundaries (short last batches: unequal shards): per-step losses within
     1e-5 relative of one GPU's, and the parameters on both ranks bit-identical after every step."""
-    from mlptrain.run import train
+    from mlptrain.run.run import train
 
     one = train(_cfg("fp32"), tmp_path / "one")
     two = _two(_cfg("fp32"), tmp_path / "two")
@@ -77,7 +77,7 @@ def test_two_gpus_take_the_steps_of_one_gpu_with_the_global_batch_in_fp32(tmp_pa
 @two_gpus
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_half_precision_on_two_gpus_skips_the_same_steps_and_learns_as_one(tmp_path, precision):
-    from mlptrain.run import train
+    from mlptrain.run.run import train
 
     one = train(_cfg(precision), tmp_path / "one")
     two = _two(_cfg(precision), tmp_path / "two")
@@ -93,7 +93,7 @@ def test_half_precision_on_two_gpus_skips_the_same_steps_and_learns_as_one(tmp_p
 def test_a_two_gpu_run_resumes_on_one_gpu_and_a_one_gpu_run_on_two(tmp_path):
     """The checkpoint does not depend on the number of GPUs: stop at step 50 (max_steps), continue
     with the other count, and end where an uninterrupted one-GPU run ends (fp32, to 1e-5)."""
-    from mlptrain.run import train
+    from mlptrain.run.run import train
 
     full = train(_cfg("fp32"), tmp_path / "full")
     _two(_cfg("fp32", max_steps=50), tmp_path / "a")

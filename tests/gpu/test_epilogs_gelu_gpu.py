@@ -1,4 +1,4 @@
-"""cuBLASLt's GELU epilogs (through mlptrain.gpu.gemm) against the NumPy epilog contract, the oracle
+"""cuBLASLt's GELU epilogs (through mlptrain.nn.cuda.gemm) against the NumPy epilog contract, the oracle
 cases of issue #17 on the hardware, and GELU models trained on the GPU."""
 
 import copy
@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 from gpu_helpers import DTYPES, HAS_GPU, close, cp, f64, graph_run, np_dtype, rand
 
-from mlptrain.epilogs import Epilog, gelu, gelu_aux_shape, gelu_grad, matmul, pack_relu_mask, unpack_relu_mask
+from mlptrain.nn.epilogs import Epilog, gelu, gelu_aux_shape, gelu_grad, matmul, pack_relu_mask, unpack_relu_mask
 
 pytestmark = pytest.mark.gpu
 
 if HAS_GPU:
-    from mlptrain.gpu.gemm import NvmathGemm
+    from mlptrain.nn.cuda.gemm import NvmathGemm
 
 SHAPES = [(37, 19, 23), (128, 256, 64), (1000, 784, 256), (9, 130, 8)]  # (M, K, N): M not a multiple of 8 too
 # cuBLASLt's GELU is held to the same tolerances as its ReLU epilogs (gpu_helpers.TOL: 1e-5 of the
@@ -118,7 +118,7 @@ def test_drelu_bgrad_of_3000_ones_in_float16_is_3000_on_the_h200():
 def test_a_gelu_model_trains_fused_on_the_gpu_as_the_naive_path_and_the_cpu():
     """fp32, 40 steps of digits: GPU fused (GELU_AUX_BIAS, DGELU_BGRAD/BGRADB), GPU naive and the CPU
     contract give the same losses (fp32 GEMMs on different hardware: to about 1e-5)."""
-    from mlptrain.trainer import Trainer
+    from mlptrain.step.trainer import Trainer
 
     common = {"precision.name": "fp32", "model.activation": "gelu", "execution.bgrad": "drelu_bgrad"}
     fused, lf = graph_run(True, 40, **common)
@@ -156,7 +156,7 @@ def test_a_gelu_model_replays_its_graph_bit_for_bit_in_half_precision(precision)
 def test_the_naive_gpu_gelu_kernels_compute_the_formula(dtype):
     """execution=naive on the GPU: GELU and dX * gelu'(Z) as one element-wise kernel each (float32
     inside for the narrower dtypes, float64 for float64), against the float64 formulas."""
-    from mlptrain.execution import NaiveExecution
+    from mlptrain.nn.execution import NaiveExecution
 
     rng = np.random.default_rng(5)
     z = rand(rng, (300, 70), dtype) * np_dtype(dtype).type(4)  # (B, out): the tails of GELU too

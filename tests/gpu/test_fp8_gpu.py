@@ -1,4 +1,4 @@
-"""precision=fp8 on the GPU (mlptrain.gpu.fp8_kernels, fp8_gemm) against the NumPy FP8 contract (mlptrain.fp8).
+"""precision=fp8 on the GPU (mlptrain.nn.cuda.fp8_kernels, fp8_gemm) against the NumPy FP8 contract (mlptrain.nn.fp8).
 
 Needs compute capability 8.9+ (Hopper): every test here is skipped on an older GPU.
 """
@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from gpu_helpers import HAS_GPU, cp, f64, graph_run
 
-from mlptrain.epilogs import Epilog, pack_relu_mask, unpack_relu_mask
-from mlptrain.epilogs_fp8 import FORMATS, quantize
-from mlptrain.execution import NumpyGemm
-from mlptrain.fp8 import Fp8Gemm, Fp8Scaling
+from mlptrain.nn.epilogs import Epilog, pack_relu_mask, unpack_relu_mask
+from mlptrain.nn.epilogs_fp8 import FORMATS, quantize
+from mlptrain.nn.execution import NumpyGemm
+from mlptrain.nn.fp8 import Fp8Gemm, Fp8Scaling
 
 pytestmark = pytest.mark.gpu
 
@@ -20,9 +20,9 @@ FP8_GPU = HAS_GPU and int(cp.cuda.Device().compute_capability) >= 89
 needs_fp8 = pytest.mark.skipif(not FP8_GPU, reason="FP8 needs compute capability 8.9 or higher")
 
 if HAS_GPU:
-    from mlptrain.gpu.fp8_gemm import GpuFp8Gemm
-    from mlptrain.gpu.fp8_kernels import GpuFp8Scaling
-    from mlptrain.gpu.gemm import NvmathGemm
+    from mlptrain.nn.cuda.fp8_gemm import GpuFp8Gemm
+    from mlptrain.nn.cuda.fp8_kernels import GpuFp8Scaling
+    from mlptrain.nn.cuda.gemm import NvmathGemm
 
 
 def _bf16(shape, seed, scale=1.0, order="C"):
@@ -236,7 +236,7 @@ def test_the_contract_of_the_first_cast_is_plain_quantisation():
 def test_the_drelu_bgrad_kernel_masks_exactly_and_sums_in_float32(m, n):
     """mlptrain_fp8_drelu_partial / _bgrad_finish: rows not a multiple of a block's 256, slabs that do not
     divide N. D masked bit for bit; db within a float32 sum and one bfloat16 rounding of the float64 sum."""
-    from mlptrain.gpu.fp8_dgrad import drelu_bgrad
+    from mlptrain.nn.cuda.fp8_dgrad import drelu_bgrad
 
     rng = np.random.default_rng(m + n)
     d = np.asarray(rng.standard_normal((m, n)).astype(BF16), order="F")
@@ -270,7 +270,7 @@ def test_the_own_drelu_bgrad_equals_cublaslts_epilogue_within_its_roundings():
 @pytest.mark.parametrize("k, n", [(8, 16), (1000, 272), (8192, 4096)])
 def test_the_column_sums_of_a_weight_gradient_operand(k, n):
     """BGRADB's bias gradient in FP8 (fp8_dgrad.column_sums): the sum over K of a C-order (K, N)."""
-    from mlptrain.gpu.fp8_dgrad import column_sums
+    from mlptrain.nn.cuda.fp8_dgrad import column_sums
 
     b = _bf16((k, n), k + n)
     before = b.copy()
@@ -293,7 +293,7 @@ def test_fp8_without_a_weight_copy_takes_the_kept_copys_steps_in_less_memory(wgr
 
     from gpu_helpers import gpu_trainer, train_losses
 
-    from mlptrain.gpu.memory import account, expected_bytes
+    from mlptrain.step.cuda.memory import account, expected_bytes
 
     runs = {}
     for copy in ("kept", "auto"):
@@ -340,7 +340,7 @@ def test_fp8_without_a_weight_copy_takes_the_kept_copys_steps_in_less_memory(wgr
 @needs_fp8
 def test_a_16_class_head_read_as_the_master_by_the_head_kernel_takes_the_kept_copys_steps():
     """16 classes: the output layer's widths fit FP8, so its weight is a master too (Param.gemm_casts), and the
-    head kernel (mlptrain.head, mode kernel), which reads W in 16 bits, gets it cast: the kept copy's steps."""
+    head kernel (mlptrain.nn.head, mode kernel), which reads W in 16 bits, gets it cast: the kept copy's steps."""
     from gpu_helpers import gpu_trainer, train_losses
 
     runs = {}

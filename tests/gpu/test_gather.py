@@ -1,4 +1,4 @@
-"""mlptrain.gpu.gather: the loader's batch gather, whole rows of any dtype, against NumPy's take."""
+"""mlptrain.data.cuda.gather: the loader's batch gather, whole rows of any dtype, against NumPy's take."""
 
 import numpy as np
 import pytest
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.gpu
     ],
 )
 def test_take_rows_equals_numpy_take(shape, dtype):
-    from mlptrain.gpu.gather import take_rows
+    from mlptrain.data.cuda.gather import take_rows
 
     rng = np.random.default_rng(1)
     host = (rng.standard_normal(shape) * 100).astype(dtype)
@@ -34,7 +34,7 @@ def test_take_rows_equals_numpy_take(shape, dtype):
 
 
 def test_rows_at_odd_addresses_use_narrower_units():
-    from mlptrain.gpu.gather import take_rows
+    from mlptrain.data.cuda.gather import take_rows
 
     raw = cp.arange(4 * 65, dtype=cp.float32)
     src = raw[4:].reshape(64, 4)  # 16-byte rows starting 16 bytes in: still aligned
@@ -50,7 +50,7 @@ def test_rows_at_odd_addresses_use_narrower_units():
 
 
 def test_bad_buffers_are_refused():
-    from mlptrain.gpu.gather import take_rows
+    from mlptrain.data.cuda.gather import take_rows
 
     src, idx = cp.zeros((10, 4), cp.float32), cp.arange(3, dtype=cp.int64)
     with pytest.raises(ValueError, match="out float64 must be"):
@@ -67,7 +67,7 @@ def test_bad_buffers_are_refused():
 @pytest.mark.parametrize(("shape", "dtype"), [((1294, 64), np.float32), ((1294,), np.int64), ((500, 7), np.float16)])
 def test_take_rows_at_reads_the_batch_of_the_device_step_count(shape, dtype):
     """The gather of a step that gathers its own batch: rows order[(step - base) * batch + offset + r]."""
-    from mlptrain.gpu.gather import take_rows_at
+    from mlptrain.data.cuda.gather import take_rows_at
 
     rng = np.random.default_rng(2)
     host = (rng.standard_normal(shape) * 100).astype(dtype)
@@ -83,7 +83,7 @@ def test_take_rows_at_reads_the_batch_of_the_device_step_count(shape, dtype):
 
 
 def test_take_rows_at_wraps_past_the_end_of_the_order():
-    from mlptrain.gpu.gather import take_rows_at
+    from mlptrain.data.cuda.gather import take_rows_at
 
     host = np.arange(10 * 3, dtype=np.float32).reshape(10, 3)
     order = np.arange(10)[::-1].astype(np.int64)

@@ -1,16 +1,16 @@
-"""The nvmath GEMM engine (mlptrain.gpu.gemm) against the NumPy epilog contract; plans, plan cache, autotune."""
+"""The nvmath GEMM engine (mlptrain.nn.cuda.gemm) against the NumPy epilog contract; plans, plan cache, autotune."""
 
 import numpy as np
 import pytest
 from gpu_helpers import DTYPES, HAS_GPU, TOL, close, cp, f64, rand
 
-from mlptrain.epilogs import Epilog, matmul, pack_relu_mask, relu_aux_shape, unpack_relu_mask
+from mlptrain.nn.epilogs import Epilog, matmul, pack_relu_mask, relu_aux_shape, unpack_relu_mask
 
 pytestmark = pytest.mark.gpu
 
 if HAS_GPU:
-    from mlptrain.gpu.gemm import NvmathGemm
-    from mlptrain.gpu.plan_cache import PlanCache
+    from mlptrain.nn.cuda.gemm import NvmathGemm
+    from mlptrain.nn.cuda.plan_cache import PlanCache
 
 SHAPES = [(37, 19, 23), (128, 256, 64), (1000, 784, 256), (9, 130, 8)]  # (M, K, N), odd sizes included
 

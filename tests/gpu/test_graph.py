@@ -1,4 +1,4 @@
-"""CUDA graph capture of a step (mlptrain.gpu.graph): a toy step function, and the training step itself."""
+"""CUDA graph capture of a step (mlptrain.step.cuda.graph): a toy step function, and the training step itself."""
 
 import numpy as np
 import pytest
@@ -7,7 +7,7 @@ from gpu_helpers import HAS_GPU, cp, gpu_trainer, graph_run, train_losses
 pytestmark = pytest.mark.gpu
 
 if HAS_GPU:
-    from mlptrain.gpu.graph import GraphedStep
+    from mlptrain.step.cuda.graph import GraphedStep
 
 
 def test_a_toy_step_function_is_warmed_up_captured_and_replayed():

@@ -1,17 +1,17 @@
-"""The head kernel (mlptrain.gpu.head_kernel): the output layer's input gradient against the DRELU_BGRAD contract."""
+"""The head kernel (mlptrain.nn.cuda.head): the output layer's input gradient against the DRELU_BGRAD contract."""
 
 import numpy as np
 import pytest
 from gpu_helpers import DTYPES, HAS_GPU, close, cp, f64, graph_run, rand
 
-from mlptrain.epilogs import Epilog, matmul, pack_relu_mask
-from mlptrain.losses import softmax_cross_entropy
+from mlptrain.nn.epilogs import Epilog, matmul, pack_relu_mask
+from mlptrain.nn.losses import softmax_cross_entropy
 
 pytestmark = pytest.mark.gpu
 
 if HAS_GPU:
-    from mlptrain.gpu.gemm import NvmathGemm
-    from mlptrain.gpu.head_kernel import head_input_grad
+    from mlptrain.nn.cuda.gemm import NvmathGemm
+    from mlptrain.nn.cuda.head import head_input_grad
 
 
 def cross_entropy_head(z, y, scale, W, aux, bias_grad_below=True):
@@ -71,7 +71,7 @@ def test_head_kernel_matches_loss_then_drelu_bgrad_contract(B, C, H, dtype, want
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_head_kernel_matches_cublaslt_drelu_bgrad(dtype):
     """The kernel against the GEMM it replaces: nvmath's DRELU_BGRAD at K = 10 on the same operands."""
-    from mlptrain.execution import FusedExecution
+    from mlptrain.nn.execution import FusedExecution
 
     z, y, W, mask, aux, aux_dev = _head_inputs(256, 10, 1024, dtype, seed=1)
     Wc = cp.asarray(W)

@@ -1,7 +1,7 @@
 """Host-resident splits on the GPU (#31, data.residency=host): the resident loader's batches, the same run.
 
-mlptrain.host_loader.HostLoader gathers each batch into a pinned slot on a producer thread and copies it on a
-stream of its own (mlptrain.gpu.prefetch.DeviceStaging), a few batches ahead; the loop's stream waits for
+mlptrain.data.host_loader.HostLoader gathers each batch into a pinned slot on a producer thread and copies it on a
+stream of its own (mlptrain.data.cuda.host_loader.DeviceStaging), a few batches ahead; the loop's stream waits for
 the slot's copy, copies it into the step's buffers and records that it is done with the slot. A missing
 wait would show here as a batch of the wrong rows (the tests queue many batches without synchronising).
 """
@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from helpers import make_cfg, records
 
-from mlptrain.config import Bgrad, Device
-from mlptrain.host_loader import HostLoader
-from mlptrain.loader import DataLoader
-from mlptrain.run import train
+from mlptrain.config.schema import Bgrad, Device
+from mlptrain.data.host_loader import HostLoader
+from mlptrain.data.loader import DataLoader
+from mlptrain.run.run import train
 
 pytestmark = pytest.mark.gpu
 

@@ -1,4 +1,5 @@
-"""Inference on the GPU (mlptrain.gpu.infer): RELU_BIAS, one graph per batch size, the CPU's predictions."""
+"""Inference on the GPU (mlptrain.inference.cuda.predictor): RELU_BIAS, one graph per batch size, the CPU's
+predictions."""
 
 from pathlib import Path
 
@@ -7,8 +8,8 @@ import pytest
 from gpu_helpers import cp
 from helpers import make_cfg
 
-from mlptrain.inference import Predictor
-from mlptrain.run import train
+from mlptrain.inference.predictor import Predictor
+from mlptrain.run.run import train
 
 pytestmark = pytest.mark.gpu
 
@@ -67,8 +68,8 @@ def test_device_inputs_equal_host_inputs(ckpt: Path) -> None:
 
 
 def test_regression_outputs_on_the_gpu(tmp_path: Path) -> None:
-    from mlptrain.config import DatasetName
-    from mlptrain.data.files import write_csv
+    from mlptrain.config.schema import DatasetName
+    from mlptrain.data.files.readers import write_csv
 
     rng = np.random.default_rng(0)
     x = rng.standard_normal((400, 5)) * 10
@@ -86,7 +87,7 @@ def test_regression_outputs_on_the_gpu(tmp_path: Path) -> None:
 def test_normalise_kernel_rounds_as_numpy(name: str, f: int) -> None:
     from gpu_helpers import np_dtype
 
-    from mlptrain.gpu.infer_kernels import normalise
+    from mlptrain.inference.cuda.infer_kernels import normalise
 
     rng = np.random.default_rng(f)
     x = (rng.standard_normal((37, f)) * 50 + 10).astype(np.float32)
@@ -106,7 +107,7 @@ def test_normalise_kernel_rounds_as_numpy(name: str, f: int) -> None:
 def test_argmax_kernel_takes_the_first_maximum(name: str, c: int) -> None:
     from gpu_helpers import np_dtype
 
-    from mlptrain.gpu.infer_kernels import argmax
+    from mlptrain.inference.cuda.infer_kernels import argmax
 
     rng = np.random.default_rng(c)
     z = rng.standard_normal((1000, c)).astype(np_dtype(name))
@@ -132,7 +133,7 @@ def test_calls_of_many_sizes_share_a_few_graphs(ckpt: Path) -> None:
 def test_argmax_kernel_takes_the_first_nan_as_numpy_does(name: str) -> None:
     from gpu_helpers import np_dtype
 
-    from mlptrain.gpu.infer_kernels import argmax
+    from mlptrain.inference.cuda.infer_kernels import argmax
 
     z = np.random.default_rng(1).standard_normal((200, 50)).astype(np_dtype(name))
     z[3, 7] = z[3, 40] = np.nan  # the first NaN wins
@@ -145,7 +146,7 @@ def test_argmax_kernel_takes_the_first_nan_as_numpy_does(name: str) -> None:
 
 
 def test_normalise_kernel_refuses_operands_by_shape_and_dtype() -> None:
-    from mlptrain.gpu.infer_kernels import normalise
+    from mlptrain.inference.cuda.infer_kernels import normalise
 
     x = cp.ones((4, 8), cp.float32)
     with pytest.raises(ValueError, match=r"got x float32\(4, 8\), shift float32\(7,\)"):

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 from helpers import make_cfg, records
 
-from mlptrain import checkpoint
-from mlptrain.config import Bgrad, Device
-from mlptrain.loop import Loop
-from mlptrain.metrics import read_metrics
-from mlptrain.run import train
+from mlptrain.config.schema import Bgrad, Device
+from mlptrain.run import checkpoint
+from mlptrain.run.loop import Loop
+from mlptrain.run.metrics import read_metrics
+from mlptrain.run.run import train
 
 pytestmark = pytest.mark.gpu
 

@@ -1,4 +1,4 @@
-"""GPU memory of the training step (mlptrain.gpu.memory): the live-byte account and the step's peak hold
+"""GPU memory of the training step (mlptrain.step.cuda.memory): the live-byte account and the step's peak hold
 to their formulas (no second copy of anything), a replay allocates nothing, and the bgrad probe leaves
 nothing behind."""
 
@@ -57,7 +57,7 @@ def _peak_hook():
 @pytest.mark.parametrize(("hidden", "batch", "precision", "optimizer"), CASES)
 @pytest.mark.parametrize("wgrad_stream", [True, False])
 def test_live_bytes_and_the_steps_peak_follow_the_formulas(hidden, batch, precision, optimizer, wgrad_stream):
-    from mlptrain.gpu.memory import account, expected_bytes, expected_step_peak
+    from mlptrain.step.cuda.memory import account, expected_bytes, expected_step_peak
 
     tr = gpu_trainer(**{
         "model.hidden": hidden, "data.batch_size": batch, "precision.name": precision, "optimizer.name": optimizer,
@@ -122,7 +122,7 @@ def test_a_replayed_step_allocates_nothing():
 def test_compute_copy_cast_takes_the_steps_of_the_kept_copy_in_less_memory(precision, wgrad_stream, head_kernel):
     """precision.compute_copy=cast: no half-precision copy kept, one shared buffer the size of the largest
     weight (and bias); the same steps, bit for bit: the cast kernel rounds as the optimizer's refresh does."""
-    from mlptrain.gpu.memory import account, expected_bytes
+    from mlptrain.step.cuda.memory import account, expected_bytes
 
     runs = {}
     for copy in ("kept", "cast"):
@@ -149,8 +149,8 @@ def test_compute_copy_cast_takes_the_steps_of_the_kept_copy_in_less_memory(preci
 
 
 def test_the_bgrad_probe_leaves_no_plan_workspace_or_cached_block(monkeypatch):
-    from mlptrain import bgrad as bgrad_module
-    from mlptrain.gpu.memory import PeakTracker, expected_bytes, expected_step_peak
+    from mlptrain.step import bgrad as bgrad_module
+    from mlptrain.step.cuda.memory import PeakTracker, expected_bytes, expected_step_peak
 
     monkeypatch.setattr(bgrad_module, "PROBE_MIN_FLOPS", 1.0)  # probe this small model
     probe_pools = []
@@ -183,7 +183,7 @@ def test_the_bgrad_probe_leaves_no_plan_workspace_or_cached_block(monkeypatch):
     # (the probe runs the step's forward and backward): a second copy of an activation would not fit.
     step = expected_step_peak(tr.widths, 1024, tr.precision.compute_dtype, tr.model.uses_wgrad_stream,
                               tr.head.mode == "kernel")  # fmt: skip
-    assert len(probe_pools) == 3 + 1  # both ways per hidden layer, no model twice (mlptrain.gpu.probe)
+    assert len(probe_pools) == 3 + 1  # both ways per hidden layer, no model twice (mlptrain.step.cuda.bgrad)
     _steps(tr, 3)  # two warm-up steps and the capture, in the graph's pool
     graph_pool = tr.graphed.pool_bytes()
     assert step <= graph_pool

@@ -1,4 +1,4 @@
-"""One kernel over every parameter (mlptrain.gpu.multitensor): the optimizer update, the overflow check,
+"""One kernel over every parameter (mlptrain.step.cuda.multitensor): the optimizer update, the overflow check,
 the loss-scaler update and the end-of-step bookkeeping, against their NumPy versions."""
 
 import numpy as np
@@ -12,9 +12,9 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("compute", ["float32", "float16", "bfloat16"])
 def test_multi_tensor_optimizer_kernel_matches_numpy(name, compute):
     """One kernel over tensors of very different sizes (one element to many blocks), with a skipped step."""
-    from mlptrain.build import optimizer as make_optimizer
-    from mlptrain.config import OptimizerConfig
-    from mlptrain.layers import Param
+    from mlptrain.config.schema import OptimizerConfig
+    from mlptrain.nn.layers import Param
+    from mlptrain.step.build import optimizer as make_optimizer
 
     rng = np.random.default_rng(11)
     shapes = [(37, 5), (1,), (300, 70), (3,)]
@@ -42,7 +42,7 @@ def test_multi_tensor_optimizer_kernel_matches_numpy(name, compute):
 
 
 def test_nonfinite_check_and_scaler_update_kernels():
-    from mlptrain.precision import LossScaler
+    from mlptrain.step.precision import LossScaler
 
     s = LossScaler(cp, enabled=True, init_scale=1024.0, growth_interval=2)
     half = cp.ones(1000, cp.float16)
@@ -66,8 +66,8 @@ def test_nonfinite_check_finds_one_bad_element_anywhere(where, aligned, dtype):
     """One launch over many blocks: a single inf or NaN in any tensor, in a 16-byte vector or a
     tensor's scalar tail (77 = 9 vectors of 8 + 5), first or last element. Arrays that do not start
     on a 16-byte boundary take the element-by-element kernel, with the same answers."""
-    from mlptrain.gpu.multitensor import NonfiniteScan
-    from mlptrain.precision import LossScaler
+    from mlptrain.step.cuda.multitensor import NonfiniteScan
+    from mlptrain.step.precision import LossScaler
 
     s = LossScaler(cp, enabled=True)
     grads = [cp.ones(n + 1, np_dtype(dtype))[0 if aligned else 1 :][:n] for n in (5, 1, 2_000_000, 77)]
@@ -84,9 +84,9 @@ def test_nonfinite_check_finds_one_bad_element_anywhere(where, aligned, dtype):
 
 def test_end_of_step_kernel_matches_numpy_bookkeeping():
     """StepLog.end_step on the GPU (one kernel) against the same bookkeeping in NumPy."""
-    from mlptrain.precision import LossScaler
-    from mlptrain.schedule import LRSchedule, StepClock
-    from mlptrain.steplog import StepLog
+    from mlptrain.step.precision import LossScaler
+    from mlptrain.step.schedule import LRSchedule, StepClock
+    from mlptrain.step.steplog import StepLog
 
     logs = {}
     for xp in (np, cp):
@@ -115,12 +115,12 @@ def test_end_of_step_kernel_matches_numpy_bookkeeping():
 
 def _end_of_step_as_optimizer_tail(expected):
     """The same bookkeeping run by the last block of the optimizer kernel, as the training step runs it."""
-    from mlptrain.build import optimizer as make_optimizer
-    from mlptrain.config import OptimizerConfig
-    from mlptrain.layers import Param
-    from mlptrain.precision import LossScaler
-    from mlptrain.schedule import LRSchedule, StepClock
-    from mlptrain.steplog import StepLog
+    from mlptrain.config.schema import OptimizerConfig
+    from mlptrain.nn.layers import Param
+    from mlptrain.step.build import optimizer as make_optimizer
+    from mlptrain.step.precision import LossScaler
+    from mlptrain.step.schedule import LRSchedule, StepClock
+    from mlptrain.step.steplog import StepLog
 
     scaler = LossScaler(cp, enabled=True, init_scale=256.0, growth_interval=3)
     sched = LRSchedule(cp, StepClock(cp), base_lr=0.1, total_steps=12, schedule="cosine", warmup_steps=3, min_ratio=0.1)
@@ -144,6 +144,6 @@ def _end_of_step_as_optimizer_tail(expected):
 
 
 def lr_at_ref(k):
-    from mlptrain.schedule import lr_at
+    from mlptrain.step.schedule import lr_at
 
     return lr_at(k, base_lr=0.1, total_steps=12, schedule="cosine", warmup_steps=3, min_ratio=0.1)

@@ -1,4 +1,4 @@
-"""mlptrain.gpu.nonfinite: per-tensor inf/NaN flags from the exponent bits, every dtype in one module."""
+"""mlptrain.step.cuda.nonfinite: per-tensor inf/NaN flags from the exponent bits, every dtype in one module."""
 
 import numpy as np
 import pytest
@@ -9,7 +9,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.parametrize("name", ["float16", "bfloat16", "float32", "float64"])
 def test_flags_exactly_the_tensors_with_inf_or_nan(name: str) -> None:
-    from mlptrain.gpu.nonfinite import nonfinite_flags
+    from mlptrain.step.cuda.nonfinite import nonfinite_flags
 
     dt = np_dtype(name)
     rng = np.random.default_rng(0)
@@ -26,7 +26,7 @@ def test_flags_exactly_the_tensors_with_inf_or_nan(name: str) -> None:
 
 
 def test_mixed_dtypes_keep_their_order() -> None:
-    from mlptrain.gpu.nonfinite import nonfinite_flags
+    from mlptrain.step.cuda.nonfinite import nonfinite_flags
 
     a = cp.ones(10, cp.float32)
     b = cp.full(10, cp.nan, cp.float16)

@@ -1,4 +1,4 @@
-"""Kernels compiled ahead on threads (mlptrain.gpu.precompile), on the GPU.
+"""Kernels compiled ahead on threads (mlptrain.step.cuda.precompile), on the GPU.
 
 A run from an empty kernel cache compiles every kernel on the precompile threads and none at its
 first launch on the main thread; the threads are joined before the first CUDA graph is captured;
@@ -43,8 +43,8 @@ def spy(source, *args, **kwargs):
 
 
 compiler._compile_using_nvrtc_no_warning = spy
-from mlptrain.config import TrainConfig
-from mlptrain.run import train
+from mlptrain.config.schema import TrainConfig
+from mlptrain.run.run import train
 
 cfg = TrainConfig()
 cfg.device = type(cfg.device)("gpu")
@@ -75,11 +75,11 @@ def test_a_cold_run_compiles_every_kernel_ahead_and_none_at_first_use(tmp_path, 
     want = {"mlptrain_xent_small", "mlptrain_head_dgrad", "mlptrain_sgd_step"}
     want |= {"mlptrain_check_nonfinite"} if precision == "fp16" else set()
     assert want <= kernels, f"not compiled: {sorted(want - kernels)} (compiled: {sorted(kernels)})"
-    # the batch gather: one header-free module for every dtype (mlptrain.gpu.gather), not cupy.take's kernels
+    # the batch gather: one header-free module for every dtype (mlptrain.data.cuda.gather), not cupy.take's kernels
     assert "mlptrain_gather_4" in kernels and not any(k.startswith("cupy_take") for k in kernels), sorted(kernels)
     plain = [c for c in compiles if "mlptrain_nonfinite_float32" in c["kernels"]]  # one NVRTC call for the set
     assert len(plain) == 1 and "mlptrain_gather_16" in plain[0]["kernels"], compiles
-    # the step count, rate and loss scale are copied from the host (mlptrain.backend.scalar): no fill
+    # the step count, rate and loss scale are copied from the host (mlptrain.base.backend.scalar): no fill
     assert not any(k.startswith("cupy_fill") for k in kernels), sorted(kernels)
     casts = [k for k in kernels if k.startswith("cupy_copy")]  # the parameters' cast to the compute dtype
     assert bool(casts) == (precision != "fp32"), sorted(kernels)
@@ -91,8 +91,9 @@ def test_the_bgrad_probe_starts_only_once_every_job_is_done(monkeypatch):
     compile: had the trainer not waited, it would still be running when the probe starts."""
     import time
 
-    from mlptrain import bgrad as bgrad_module
-    from mlptrain.gpu import precompile, probe
+    from mlptrain.step import bgrad as bgrad_module
+    from mlptrain.step.cuda import bgrad as probe
+    from mlptrain.step.cuda import precompile
 
     made = []
     init = precompile.Precompiler.__init__
@@ -121,7 +122,7 @@ def test_the_bgrad_probe_starts_only_once_every_job_is_done(monkeypatch):
 
 
 def test_every_thread_is_joined_before_the_first_capture(monkeypatch):
-    import mlptrain.gpu.graph as graph
+    import mlptrain.step.cuda.graph as graph
 
     alive = []
 
@@ -158,15 +159,15 @@ def test_compiling_ahead_changes_no_number(monkeypatch, precision):
 
 
 def test_a_failing_job_leaves_its_kernel_to_its_first_launch(monkeypatch, caplog):
-    from mlptrain.cuda_source import Job
-    from mlptrain.optim import Optimizer
+    from mlptrain.base.cuda_source import Job
+    from mlptrain.step.optim import Optimizer
 
     def broken() -> None:
         raise RuntimeError("broken on purpose")
 
     # the optimizer's kernel, declared by the optimizer: its job fails, so it compiles at the first update
     monkeypatch.setattr(Optimizer, "precompile_jobs", lambda self, *a, **k: [Job("the update", "update", broken)])
-    with caplog.at_level(logging.WARNING, logger="mlptrain.gpu.precompile"):
+    with caplog.at_level(logging.WARNING, logger="mlptrain.step.cuda.precompile"):
         tr, losses = graph_run(True, 30)
     assert "ahead failed (RuntimeError: broken on purpose)" in caplog.text
     monkeypatch.setenv("MLPTRAIN_PRECOMPILE", "0")
@@ -174,9 +175,9 @@ def test_a_failing_job_leaves_its_kernel_to_its_first_launch(monkeypatch, caplog
 
 
 def test_train_hands_the_trainer_what_it_started_before_the_backend(monkeypatch, tmp_path):
-    from mlptrain.config import TrainConfig
-    from mlptrain.gpu import precompile as pc
-    from mlptrain.run import train
+    from mlptrain.config.schema import TrainConfig
+    from mlptrain.run.run import train
+    from mlptrain.step.cuda import precompile as pc
 
     started = []
     early = pc.early

@@ -1,4 +1,4 @@
-"""The measured bias-gradient strategy (mlptrain.gpu.probe, execution.bgrad=auto)."""
+"""The measured bias-gradient strategy (mlptrain.step.cuda.bgrad, execution.bgrad=auto)."""
 
 import json
 
@@ -9,7 +9,7 @@ pytestmark = pytest.mark.gpu
 
 
 def test_bgrad_probe_times_the_step_and_remembers_its_choice(tmp_path):
-    from mlptrain.gpu.probe import choose_bgrad
+    from mlptrain.step.cuda.bgrad import choose_bgrad
 
     tr = gpu_trainer(**{"execution.bgrad": "bgradb", "precision.name": "fp16"})
     x, y = next(iter(tr.train_loader.epoch(0)))
@@ -41,8 +41,8 @@ def test_bgrad_probe_times_the_step_and_remembers_its_choice(tmp_path):
 def test_bgrad_auto_probes_only_models_whose_step_is_worth_timing(monkeypatch):
     """PROBE_MIN_FLOPS: the default digits model (10 MFLOP per step) takes bgradb untimed; 784-wide layers
     at batch 256 (GFLOPs per step) are timed."""
-    from mlptrain import bgrad as bgrad_module
-    from mlptrain.gpu import probe
+    from mlptrain.step import bgrad as bgrad_module
+    from mlptrain.step.cuda import bgrad as probe
 
     timed = []
     real = probe.choose_bgrad
@@ -56,8 +56,8 @@ def test_bgrad_auto_probes_only_models_whose_step_is_worth_timing(monkeypatch):
 
 def test_bgrad_auto_takes_drelu_bgrad_untimed_in_fp8(monkeypatch):
     """precision=fp8: the mask kernel sums the bias gradient, BGRADB would be a pass of its own: no probe."""
-    from mlptrain import bgrad as bgrad_module
-    from mlptrain.gpu import probe
+    from mlptrain.step import bgrad as bgrad_module
+    from mlptrain.step.cuda import bgrad as probe
 
     if int(cp.cuda.Device().compute_capability) < 89:
         pytest.skip("FP8 needs compute capability 8.9 or higher")

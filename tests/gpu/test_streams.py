@@ -1,4 +1,4 @@
-"""The weight gradients on a second stream (mlptrain.gpu.streams): the same bits as one stream."""
+"""The weight gradients on a second stream (mlptrain.nn.cuda.streams): the same bits as one stream."""
 
 import re
 from collections import Counter

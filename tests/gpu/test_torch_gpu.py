@@ -214,7 +214,7 @@ BACKWARD = ["DRELU", "DRELU_BGRAD", "DGELU", "DGELU_BGRAD", None]
 
 
 def both_gemms() -> tuple:
-    from mlptrain.gpu.torch_gemm import TorchCublasLtGemm, TorchNvmathGemm
+    from mlptrain.torch.torch_gemm import TorchCublasLtGemm, TorchNvmathGemm
 
     return TorchCublasLtGemm(0), TorchNvmathGemm(0)
 
@@ -242,7 +242,7 @@ def assert_same_gemm(lt_out: tuple, nv_out: tuple, m: int, what: str) -> None:
 def test_the_cublaslt_engine_is_nvmath_bit_for_bit(shape: tuple, dtype: torch.dtype, tf32: bool) -> None:
     """Every GEMM of the chain, laid out as the chain lays it out: forward ``W @ h^T`` (and ``h @ W^T``),
     input gradient ``W^T @ dZ^T`` with the aux of a forward of that shape, weight gradient ``h^T @ dZ``."""
-    from mlptrain.epilogs import Epilog
+    from mlptrain.nn.epilogs import Epilog
 
     if tf32 and dtype != torch.float32:
         pytest.skip("TF32 is float32's")

@@ -1,4 +1,4 @@
-"""mlptrain.gpu.upload: the split copied to the device through two pinned staging buffers, against
+"""mlptrain.data.cuda.upload: the split copied to the device through two pinned staging buffers, against
 ``cupy.asarray`` of the whole cast, byte for byte (odd sizes, dtypes, layouts, chunk sizes)."""
 
 import logging
@@ -33,7 +33,7 @@ def _host(layout: str, rng: np.random.Generator) -> np.ndarray:
 @pytest.mark.parametrize("layout", ["C", "F", "strided", "1-D", "3-D"])
 @pytest.mark.parametrize("chunk_bytes", [1, 4099, 1 << 20, 64 << 20])  # a row each, odd chunks, one chunk
 def test_to_device_equals_cupy_asarray_byte_for_byte(dtype: str, layout: str, chunk_bytes: int) -> None:
-    from mlptrain.gpu.upload import to_device
+    from mlptrain.data.cuda.upload import to_device
 
     dt = _dtype(dtype)
     x = _host(layout, np.random.default_rng(7))
@@ -44,7 +44,7 @@ def test_to_device_equals_cupy_asarray_byte_for_byte(dtype: str, layout: str, ch
 
 
 def test_a_memory_map_a_large_table_and_an_empty_one(tmp_path) -> None:
-    from mlptrain.gpu.upload import to_device
+    from mlptrain.data.cuda.upload import to_device
 
     x = np.random.default_rng(1).standard_normal((300_001, 64)).astype(np.float32)  # 77 MB: two chunks
     np.save(tmp_path / "x.npy", x)
@@ -56,7 +56,7 @@ def test_a_memory_map_a_large_table_and_an_empty_one(tmp_path) -> None:
 
 def test_work_queued_on_the_current_stream_comes_first() -> None:
     """The memory pool may reuse a block that work on the current stream still writes: the copies wait."""
-    from mlptrain.gpu.upload import to_device
+    from mlptrain.data.cuda.upload import to_device
 
     host = np.arange(1 << 20, dtype=np.float32)
     with cp.cuda.Stream(non_blocking=True):
@@ -69,11 +69,11 @@ def test_work_queued_on_the_current_stream_comes_first() -> None:
 
 
 def test_the_loader_copies_its_splits_through_the_staged_upload(caplog: pytest.LogCaptureFixture) -> None:
-    from mlptrain.loader import DataLoader
+    from mlptrain.data.loader import DataLoader
 
     x = np.random.default_rng(2).standard_normal((5003, 17))  # float64 host, bfloat16 on the device
     y = np.arange(5003, dtype=np.int32)
-    with caplog.at_level(logging.INFO, logger="mlptrain.data.chunks"):
+    with caplog.at_level(logging.INFO, logger="mlptrain.data.files.chunks"):
         loader = DataLoader(x, y, 64, xp=cp, dtype=_dtype("bfloat16"), shuffle=False, drop_last=False, seed=0)
     assert "data copy to the device:" in caplog.text, caplog.text
     assert cp.asnumpy(loader.x).tobytes() == np.array(x, dtype=_dtype("bfloat16")).tobytes()

@@ -1,10 +1,10 @@
-"""The softmax cross-entropy kernels (mlptrain.gpu.xent) against the NumPy loss."""
+"""The softmax cross-entropy kernels (mlptrain.nn.cuda.losses) against the NumPy loss."""
 
 import numpy as np
 import pytest
 from gpu_helpers import DTYPES, close, cp, f64, rand
 
-from mlptrain.losses import softmax_cross_entropy
+from mlptrain.nn.losses import softmax_cross_entropy
 
 pytestmark = pytest.mark.gpu
 

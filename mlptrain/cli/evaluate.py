@@ -1,0 +1,251 @@
+"""``python -m mlptrain.evaluate ckpt=PATH [data=FILE]``: a checkpoint's scores, without training.
+
+Without ``data``, the checkpoint is scored on a split (``split=test`` by default) of its own
+dataset, rebuilt from the config saved in it (the same files and ``split_seed`` give the same
+split; a warning says so if the normalisation no longer matches). With ``data=FILE`` it is scored
+on that file's rows, which must hold the target column: ``target=COLUMN`` (default: the column the
+checkpoint was trained on, ``data.target`` of its config, else ``label``; a regression's, comma-separated,
+in the model's order), with a value on every row (``predict`` scores files without one).
+
+Writes ``evaluation.json`` into ``output`` (default ``<run dir>/evaluation/<checkpoint>-<split or
+file>``): the loss and accuracy, per class the precision, recall, F1 and support, the confusion
+matrix (rows: the true class, columns: the predicted one), and their macro averages; a
+regression gets the mean squared error overall and per target. ``confusion.png`` shows the
+matrix (with the ``plot`` extra, matplotlib). The two are written as one unit once the work is
+done (:func:`mlptrain.inference.outputs.write_together`): the figure is drawn first, then the figure and the
+report are renamed into place together, the report last, recording the figure's SHA-256 (``figure``).
+An interrupt or a failure leaves both earlier files as they were. Neither replaces an input, a
+checkpoint or a file of another kind (``overwrite=true`` replaces the latter).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import sys
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mlptrain.base.errors import CheckpointError, ConfigError, DatasetError, OutputError
+from mlptrain.cli import commands
+from mlptrain.cli.commands import REQUIRED, arg
+from mlptrain.cli.predict import read_inputs
+from mlptrain.inference import outputs
+from mlptrain.inference.predictor import DEFAULT_BATCH, Predictor
+from mlptrain.run.checkpoint import CHECKPOINT_DIR
+
+log = logging.getLogger(__name__)
+
+SPLITS = ("train", "val", "test")
+REPORT, FIGURE = "evaluation.json", "confusion.png"
+
+
+@dataclass
+class EvaluateArgs:
+    ckpt: str = arg(REQUIRED, "a checkpoint (.npz), or a run directory (its checkpoints/best.npz)")
+    data: str | None = arg(None, "a file of labelled rows to score; null: a split of the checkpoint's own dataset")
+    target: str | None = arg(None, "with data: the column of the true labels; null: the checkpoint's (else label)")
+    split: str = arg("test", "without data: the split of the checkpoint's dataset (train, val or test)")
+    output: str | None = arg(None, "folder for evaluation.json and confusion.png; null: <run dir>/evaluation/...")
+    batch_size: int = arg(DEFAULT_BATCH, "rows per batch")
+    device: str = arg("auto", "auto (the GPU when there is one), cpu or gpu")
+    precision: str | None = arg(None, "GEMM precision; null: the checkpoint's (fp32 on the CPU)")
+    overwrite: bool = arg(False, "replace an evaluation.json or confusion.png that is not one (never an input)")
+
+
+def classification_report(logits: np.ndarray, y: np.ndarray, names: list[str]) -> dict[str, Any]:
+    """Loss, accuracy, per-class precision/recall/F1/support and the confusion matrix of ``logits (N, C)``."""
+    z = logits.astype(np.float64)
+    zmax = z.max(axis=1, keepdims=True)
+    log_p = z - zmax - np.log(np.exp(z - zmax).sum(axis=1, keepdims=True))  # log-softmax, (N, C)
+    pred = z.argmax(axis=1)
+    c = len(names)
+    confusion = np.zeros((c, c), dtype=np.int64)
+    np.add.at(confusion, (y, pred), 1)  # rows: true class, columns: predicted
+    tp = np.diag(confusion).astype(np.float64)
+    predicted, support = confusion.sum(axis=0), confusion.sum(axis=1)
+    precision = np.divide(tp, predicted, out=np.zeros(c), where=predicted > 0)
+    recall = np.divide(tp, support, out=np.zeros(c), where=support > 0)
+    f1 = np.divide(2 * precision * recall, precision + recall, out=np.zeros(c), where=precision + recall > 0)
+    per_class = {
+        name: {"precision": precision[i], "recall": recall[i], "f1": f1[i], "support": int(support[i])}
+        for i, name in enumerate(names)
+    }
+    present = support > 0
+    return {
+        "samples": int(len(y)),
+        "loss": float(-log_p[np.arange(len(y)), y].mean()) if len(y) else float("nan"),
+        "acc": float(tp.sum() / max(len(y), 1)),
+        "macro": {
+            k: float(v[present].mean()) if present.any() else float("nan")
+            for k, v in (("precision", precision), ("recall", recall), ("f1", f1))
+        },
+        "per_class": {n: {k: (float(v) if k != "support" else v) for k, v in d.items()} for n, d in per_class.items()},
+        "class_names": names,
+        "confusion": confusion.tolist(),
+    }
+
+
+def regression_report(outputs: np.ndarray, y: np.ndarray, names: list[str]) -> dict[str, Any]:
+    """Mean squared error per target and over them; a target whose column is all NaN (absent from the
+    file) is left out."""
+    err = outputs.astype(np.float64) - y.astype(np.float64)  # (N, T)
+    present = np.asarray(~np.isnan(err).all(axis=0))  # (T,) bool
+    mse = np.nanmean(err[:, present] ** 2, axis=0) if len(y) else np.full(int(present.sum()), np.nan)
+    scored = [n for n, ok in zip(names, present.tolist(), strict=True) if ok]
+    return {"samples": int(len(y)), "loss": float(mse.mean()), "mse": dict(zip(scored, map(float, mse), strict=True))}
+
+
+def _own_split(p: Predictor, split: str) -> tuple[np.ndarray, np.ndarray, str]:
+    """The rows of ``split`` of the checkpoint's dataset, normalised by the dataset (the check compares),
+    and their labels or targets (a regression's in the targets' units)."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from mlptrain.config.schema import DataConfig, Task
+    from mlptrain.data import load_dataset
+    from mlptrain.run.restore import literal
+
+    if split not in SPLITS:
+        raise DatasetError(f"split={split!r}; expected one of {', '.join(SPLITS)}")
+    saved = (p.meta.get("config") or {}).get("data") or {}
+    unknown = [k for k in saved if k not in {f.name for f in fields(DataConfig)}]
+    if unknown:  # a checkpoint of another mlptrain version, or edited
+        raise CheckpointError(
+            f"checkpoint {p.path}: its data config has the key data.{unknown[0]}, which this mlptrain does not know; "
+            "pass data=<a labelled file> to score the model on it"
+        )
+    try:  # literal: a stored config's values are resolved already; a ${...} in one is text (mlptrain.run.restore)
+        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(DataConfig), literal(saved)))
+    except OmegaConfBaseException as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"checkpoint {p.path}: its data config cannot be read ({first}); use data=FILE") from exc
+    if cfg.name == "file" and not cfg.path:  # type: ignore[union-attr]  # fitted from Python (mlptrain.sklearn)
+        raise DatasetError(f"checkpoint {p.path} records no data file to split; pass data=<a labelled file>")
+    if str(getattr(cfg.task, "value", cfg.task)) == "auto":  # type: ignore[union-attr]  # the task it was trained as
+        cfg.task = Task(p.task)  # type: ignore[union-attr]  # (a regression loss makes whole numbers a regression)
+    ds = load_dataset(cfg)  # type: ignore[arg-type]
+    norm = ds.normalization
+    if norm is not None and not (np.array_equal(norm.shift, p.shift) and np.array_equal(norm.scale, p.scale)):
+        log.warning("the dataset is normalised differently than when %s was saved (the data changed)", p.path.name)
+    source = ds.name
+    if ds.name == "file":  # the file the split came from
+        source = Path(cfg.test_path if split == "test" and cfg.test_path else cfg.path).name  # type: ignore[union-attr]
+    y = getattr(ds, f"y_{split}")
+    if ds.target_scaling is not None:  # a regression: the targets in their own units, as the model's outputs are
+        y = ds.target_scaling.undo(y)
+    return getattr(ds, f"x_{split}"), y, f"{split} split of {source}"
+
+
+def evaluate(args: EvaluateArgs, p: Predictor | None = None) -> tuple[dict[str, Any], Path]:
+    """Score the checkpoint (``p``, loaded from ``args.ckpt`` if not given); returns the report and its folder."""
+    p = p or Predictor(args.ckpt, device=args.device, precision=args.precision, batch_size=args.batch_size)
+    log.info("%s", p.describe())
+    if args.data is None:
+        if args.target is not None:
+            raise ConfigError(f"target={args.target} names a column of data=FILE; pass data=<a labelled file> with it")
+        x, y, what = _own_split(p, args.split)
+        logits = p.logits(x, normalised=True)
+    else:
+        path = Path(args.data).expanduser()
+        x, y_read, _ = read_inputs(p, path, target=args.target, setting="data", need_targets=True)
+        assert y_read is not None  # need_targets: read_inputs raised otherwise
+        y, what = y_read, f"file {path}"
+        logits = p.logits(x)
+    if p.classification:
+        report = classification_report(logits, np.asarray(y), p.class_name(np.arange(p.num_outputs)))
+    else:
+        report = regression_report(logits, np.asarray(y), p.target_names or [f"y{i}" for i in range(p.num_outputs)])
+    report = {"checkpoint": str(p.path), "data": what, "task": p.task, **report}
+    return report, output_folder(p, args)
+
+
+def output_folder(p: Predictor, args: EvaluateArgs) -> Path:
+    """``output``, or ``<run dir>/evaluation/<checkpoint>-<split>`` (``-<file name>-<digest of its path>``)."""
+    if args.output:
+        return Path(args.output).expanduser()
+    stem = args.split
+    if args.data is not None:  # the file's whole name and a digest of where it is: other files never share a folder
+        path = Path(args.data).expanduser()
+        stem = f"{path.name}-{hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:8]}"
+    run_dir = p.path.parent.parent if p.path.parent.name == CHECKPOINT_DIR else p.path.parent
+    return run_dir / "evaluation" / f"{p.path.stem}-{stem}"
+
+
+def check_outputs(p: Predictor, args: EvaluateArgs, folder: Path) -> None:
+    """Refuse the report's folder before any work: the rules of :func:`mlptrain.inference.outputs.check_output`."""
+    if folder.exists() and not folder.is_dir():
+        raise OutputError(f"output={folder} is a file; expected a folder for {REPORT} and {FIGURE}")
+    inputs = {"the checkpoint": p.path, **({"the data file": Path(args.data).expanduser()} if args.data else {})}
+    for name, kind, same_kind in ((REPORT, "an evaluation report", _is_report), (FIGURE, "a PNG image", _is_png)):
+        outputs.check_output(folder / name, inputs=inputs, kind=kind, same_kind=same_kind, overwrite=args.overwrite)
+
+
+def _is_report(path: Path) -> bool:
+    try:
+        report = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(report, dict) and {"checkpoint", "data", "task"} <= set(report)
+
+
+def _is_png(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(8) == b"\x89PNG\r\n\x1a\n"
+    except OSError:
+        return False
+
+
+def write_report(report: dict[str, Any], folder: Path) -> list[Path]:
+    """``evaluation.json`` (and ``confusion.png`` where matplotlib is installed) in ``folder``, as one unit.
+
+    The figure is drawn before anything is written; the report names the figure's SHA-256 (``figure``),
+    so that a reader can tell the two belong together.
+    """
+    png = None
+    if "confusion" in report:
+        from mlptrain.cli.plot import confusion_png
+
+        title = f"{Path(report['checkpoint']).name} on the {report['data']}: acc {report['acc']:.4f}"
+        png = confusion_png(np.array(report["confusion"]), report["class_names"], title)
+    figure = {"file": FIGURE, "sha256": hashlib.sha256(png).hexdigest()} if png else None
+    items: list[tuple[Path, outputs.Content]] = [(folder / FIGURE, png)] if png else []
+    items.append((folder / REPORT, json.dumps({**report, "figure": figure}, indent=1) + "\n"))  # the report last
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        outputs.write_together(items)
+    except OSError as exc:
+        hint = "choose output=<a writable folder>"
+        raise OutputError(f"cannot write the evaluation into {folder} ({exc}); {hint}") from exc
+    return [path for path, _ in reversed(items)]
+
+
+def run(args: EvaluateArgs) -> int:
+    p = Predictor(args.ckpt, device=args.device, precision=args.precision, batch_size=args.batch_size)
+    folder = output_folder(p, args)
+    check_outputs(p, args, folder)
+    outputs.prepare([folder / REPORT, folder / FIGURE])
+    report, _ = evaluate(args, p)
+    written = write_report(report, folder)
+    scores = f"loss {report['loss']:.4f}" + (f" acc {report['acc']:.4f}" if "acc" in report else "")
+    print(
+        f"{Path(report['checkpoint']).name} on the {report['data']} ({report['samples']:,} rows): {scores} -> "
+        f"{', '.join(map(str, written))}"
+    )
+    return 0
+
+
+ABOUT = "Score a trained mlptrain checkpoint on its test split or a labelled file: evaluation.json, confusion.png."
+
+
+def main(argv: list[str] | None = None) -> int:
+    return commands.main(EvaluateArgs, "mlptrain.evaluate", ABOUT, run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

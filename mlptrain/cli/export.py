@@ -1,0 +1,299 @@
+"""``python -m mlptrain.export ckpt=PATH format=safetensors|onnx output=FILE``: the model for other tools.
+
+**safetensors** (written here, no dependency; the format is an 8-byte little-endian header length,
+a JSON header naming each tensor's dtype, shape and byte range, then the bytes): the parameters
+under the names and layout of PyTorch's ``nn.Sequential(Linear, ReLU, ..., Linear)`` state dict
+(``0.weight`` ``(out, in)``, ``0.bias``, ``2.weight`` ...; without ReLU the indices run 0, 1, 2),
+so that ``model.load_state_dict(safetensors.torch.load_file(path))`` works. The header's
+``__metadata__`` holds what scoring raw inputs needs besides (:func:`preprocessing`, as JSON
+under ``mlptrain``): the widths, the normalisation ``(x - shift) / scale``, the feature, class
+and target names, and for a regression its ``target_scaling`` (the network's output ``z`` is in
+standardised units: ``y = z * scale + shift``).
+
+**ONNX** (the ``onnx`` extra): the whole inference path as one graph, normalisation included::
+
+    x (N, F) float32 -> (float64) Sub(shift), Mul(1/scale) -> float32
+        -> [Gemm(W^T, b) -> Relu] ... -> Gemm -> logits (N, C)
+    classification: probabilities = Softmax(logits), class_id = ArgMax(logits) (int64)
+    regression: ... -> Gemm -> Mul(target_scale) -> Add(target_shift) -> logits (N, T), in the targets' units
+
+with the same float32 arithmetic as :class:`mlptrain.inference.predictor.Predictor` on the CPU, so
+ONNX Runtime gives the same predictions (tests/test_export.py).
+
+The output ends in ``.<format>`` (default: ``<run dir>/<checkpoint name>.<format>``); it never
+replaces the checkpoint, another checkpoint or anything in ``checkpoints/``, and an existing file
+only when it is an export of mlptrain (or with ``overwrite=true``): :mod:`mlptrain.inference.outputs`.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mlptrain.base.errors import ConfigError, OutputError
+from mlptrain.cli import commands
+from mlptrain.cli.commands import REQUIRED, arg
+from mlptrain.inference import outputs
+from mlptrain.inference.predictor import Predictor
+from mlptrain.run.checkpoint import CHECKPOINT_DIR
+
+FORMATS = ("safetensors", "onnx")
+DTYPES = {"fp32": np.float32, "fp16": np.float16}
+_ST_DTYPES = {"float32": "F32", "float16": "F16", "float64": "F64", "int64": "I64"}
+ONNX_OPSET = 17
+
+
+@dataclass
+class ExportArgs:
+    ckpt: str = arg(REQUIRED, "a checkpoint (.npz), or a run directory (its checkpoints/best.npz)")
+    format: str = arg(REQUIRED, "safetensors (PyTorch nn.Sequential names) or onnx (normalisation included)")
+    output: str | None = arg(None, "the file to write (.<format>); null: <run dir>/<checkpoint name>.<format>")
+    dtype: str = arg("fp32", "safetensors: the parameters' dtype, fp32 or fp16 (ONNX: fp32)")
+    overwrite: bool = arg(False, "replace an existing output that is not an mlptrain export (never a checkpoint)")
+
+
+def sequential_state_dict(p: Predictor, dtype: Any = np.float32) -> dict[str, np.ndarray]:
+    """The parameters as ``nn.Sequential(Linear, ReLU, ..., Linear).state_dict()`` names them
+    (``nn.GELU(approximate="tanh")`` in place of ReLU for a GELU model)."""
+    step = 2 if _activation(p) != "none" else 1  # Linear, ReLU, Linear, ...: every other module is a Linear
+    out = {}
+    for i, layer in enumerate(p.model.layers):
+        # W (out, in) and b (out,): the layout of torch.nn.Linear
+        out[f"{step * i}.weight"] = np.ascontiguousarray(p.backend.to_host(layer.weight.value), dtype=dtype)
+        out[f"{step * i}.bias"] = np.ascontiguousarray(p.backend.to_host(layer.bias.value), dtype=dtype)  # (out,)
+    return out
+
+
+def _activation(p: Predictor) -> str:
+    """The hidden layers' activation: relu, gelu or none."""
+    return p.model.layers[0].activation if len(p.model.layers) > 1 else "none"
+
+
+def _onnx_gelu(z: str, out: str, i: int) -> list[Any]:
+    """GELU's tanh form as basic ONNX operators (``Gelu`` needs opset 20):
+    ``0.5 z (1 + tanh(sqrt(2/pi) (z + 0.044715 z^3)))``, with the constants as ``gelu_*`` initializers."""
+    from onnx import helper
+
+    t = f"gelu{i}_"
+    return [
+        helper.make_node("Mul", [z, z], [t + "z2"]),
+        helper.make_node("Mul", [t + "z2", z], [t + "z3"]),
+        helper.make_node("Mul", [t + "z3", "gelu_k"], [t + "kz3"]),
+        helper.make_node("Add", [z, t + "kz3"], [t + "inner"]),
+        helper.make_node("Mul", [t + "inner", "gelu_c"], [t + "u"]),
+        helper.make_node("Tanh", [t + "u"], [t + "t"]),
+        helper.make_node("Add", [t + "t", "gelu_one"], [t + "1pt"]),
+        helper.make_node("Mul", [z, t + "1pt"], [t + "z1pt"]),
+        helper.make_node("Mul", [t + "z1pt", "gelu_half"], [out]),
+    ]
+
+
+def preprocessing(p: Predictor) -> dict[str, Any]:
+    """What scoring raw inputs needs besides the parameters, as JSON-ready values."""
+    return {
+        "format": "mlptrain-model",
+        "widths": p.widths,
+        "activation": _activation(p),  # gelu: the tanh form, nn.GELU(approximate="tanh")
+        "task": p.task,
+        "normalization": {"shift": p.shift.tolist(), "scale": p.scale.tolist(), "formula": "(x - shift) / scale"},
+        "feature_names": p.feature_names,
+        "class_names": p.class_names,
+        "target_names": p.target_names,
+        **_target_scaling(p),
+        "checkpoint": str(p.path),
+    }
+
+
+def _target_scaling(p: Predictor) -> dict[str, Any]:
+    """A regression's ``target_scaling``: how the network's outputs become the targets' units."""
+    if p.classification:
+        return {}
+    t = p.targets
+    formula = "y = output * scale + shift"
+    return {
+        "target_scaling": {"method": t.method, "shift": t.shift.tolist(), "scale": t.scale.tolist(), "formula": formula}
+    }
+
+
+def _onnx_target_units(p: Predictor, z: str) -> tuple[list[Any], list[Any]]:
+    """``(nodes, initializers)``: a regression's ``logits = z * target_scale + target_shift`` (N, T), float32
+    as :class:`~mlptrain.inference.predictor.Predictor` computes it."""
+    from onnx import helper, numpy_helper
+
+    t = p.targets
+    inits = [
+        numpy_helper.from_array(a.astype(np.float32), name)
+        for name, a in (("target_scale", t.scale), ("target_shift", t.shift))
+    ]
+    nodes = [helper.make_node("Mul", [z, "target_scale"], ["z_scaled"])]
+    nodes.append(helper.make_node("Add", ["z_scaled", "target_shift"], ["logits"]))
+    return nodes, inits
+
+
+def safetensors_bytes(tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> bytes:
+    """A safetensors file: header length (u64 LE), JSON header, then each tensor's C-order bytes."""
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset, blobs = 0, []
+    for name, a in tensors.items():
+        data = np.ascontiguousarray(a).astype(a.dtype.newbyteorder("<"), copy=False).tobytes()
+        span = [offset, offset + len(data)]
+        header[name] = {"dtype": _ST_DTYPES[a.dtype.name], "shape": list(a.shape), "data_offsets": span}
+        offset += len(data)
+        blobs.append(data)
+    text = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+    return struct.pack("<Q", len(text)) + text + b"".join(blobs)
+
+
+def load_safetensors(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """Read a safetensors file into NumPy arrays and its metadata (PyTorch not needed)."""
+    raw = Path(path).read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    meta = header.pop("__metadata__", {})
+    names = {v: k for k, v in _ST_DTYPES.items()}
+    body = raw[8 + n :]
+    tensors = {}
+    for k, v in header.items():
+        begin, end = v["data_offsets"]
+        dtype = np.dtype(names[v["dtype"]]).newbyteorder("<")
+        tensors[k] = np.frombuffer(body[begin:end], dtype=dtype).reshape(v["shape"])
+    return tensors, meta
+
+
+def onnx_model(p: Predictor) -> Any:
+    """The inference path of ``p`` as an ONNX ModelProto (normalisation, layers, softmax and argmax)."""
+    try:
+        import onnx
+        from onnx import TensorProto, helper, numpy_helper
+    except ImportError as exc:
+        raise ConfigError("format=onnx needs the onnx package: pip install -e '.[onnx]' in mlptrain's clone") from exc
+    f32 = np.float32
+    inits = [
+        numpy_helper.from_array(p.shift.astype(np.float64), "shift"),  # in float64, as mlptrain normalises
+        numpy_helper.from_array(1.0 / p.scale.astype(np.float64), "inv_scale"),
+    ]
+    if _activation(p) == "gelu":
+        consts = {"gelu_k": 0.044715, "gelu_c": np.sqrt(2 / np.pi), "gelu_one": 1.0, "gelu_half": 0.5}
+        inits += [numpy_helper.from_array(np.array(v, f32), name) for name, v in consts.items()]
+    nodes = [
+        helper.make_node("Cast", ["x"], ["x64"], to=TensorProto.DOUBLE),
+        helper.make_node("Sub", ["x64", "shift"], ["x_shifted"]),
+        helper.make_node("Mul", ["x_shifted", "inv_scale"], ["x_normalised"]),
+        helper.make_node("Cast", ["x_normalised"], ["h0"], to=TensorProto.FLOAT),  # rounded once
+    ]
+    for i, layer in enumerate(p.model.layers):
+        w, b = (np.ascontiguousarray(p.backend.to_host(t.value), dtype=f32) for t in (layer.weight, layer.bias))
+        inits += [numpy_helper.from_array(w, f"layer{i}.weight"), numpy_helper.from_array(b, f"layer{i}.bias")]
+        last = "logits" if p.classification else "z_out"  # a regression's units come after the last Gemm
+        out = last if i == len(p.model.layers) - 1 else f"z{i + 1}"
+        # Gemm: h @ W^T + b, W (out, in) as mlptrain and PyTorch store it
+        nodes.append(helper.make_node("Gemm", [f"h{i}", f"layer{i}.weight", f"layer{i}.bias"], [out], transB=1))
+        if layer.relu:
+            nodes.append(helper.make_node("Relu", [out], [f"h{i + 1}"]))
+        elif layer.activation == "gelu":
+            nodes += _onnx_gelu(out, f"h{i + 1}", i)
+        elif out != last:
+            nodes.append(helper.make_node("Identity", [out], [f"h{i + 1}"]))
+    if not p.classification:
+        units, unit_inits = _onnx_target_units(p, last)
+        nodes, inits = nodes + units, inits + unit_inits
+    n, c = "N", p.num_outputs
+    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [n, c])]
+    if p.classification:
+        nodes += [
+            helper.make_node("Softmax", ["logits"], ["probabilities"], axis=1),
+            helper.make_node("ArgMax", ["logits"], ["class_id"], axis=1, keepdims=0),
+        ]
+        outputs += [
+            helper.make_tensor_value_info("probabilities", TensorProto.FLOAT, [n, c]),
+            helper.make_tensor_value_info("class_id", TensorProto.INT64, [n]),
+        ]
+    graph = helper.make_graph(
+        nodes, "mlptrain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [n, p.num_features])], outputs, inits
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", ONNX_OPSET)], producer_name="mlptrain")
+    model.ir_version = min(model.ir_version, 8)  # readable by older ONNX Runtime releases too
+    helper.set_model_props(model, {"mlptrain": json.dumps(preprocessing(p))})
+    onnx.checker.check_model(model)
+    return model
+
+
+def export(args: ExportArgs) -> Path:
+    if args.format not in FORMATS:
+        raise ConfigError(f"format={args.format!r}; expected one of {', '.join(FORMATS)}")
+    if args.dtype not in DTYPES or (args.format == "onnx" and args.dtype != "fp32"):
+        raise ConfigError(f"dtype={args.dtype!r}; expected {'fp32' if args.format == 'onnx' else 'fp32 or fp16'}")
+    p = Predictor(args.ckpt, device="cpu", precision="fp32")  # host arrays, master weights
+    out = output_path(p, args)
+    outputs.check_output(
+        out,
+        inputs={"the checkpoint": p.path},
+        kind=f"an mlptrain {args.format} export",
+        same_kind=lambda f: is_export(f, args.format),
+        overwrite=args.overwrite,
+    )
+    outputs.prepare([out])
+    if args.format == "safetensors":
+        meta = {"format": "pt", "mlptrain": json.dumps(preprocessing(p))}
+        content: bytes = safetensors_bytes(sequential_state_dict(p, DTYPES[args.dtype]), meta)
+    else:
+        content = onnx_model(p).SerializeToString()
+    try:
+        outputs.write_together([(out, content)])
+    except OSError as exc:
+        raise OutputError(f"cannot write {out} ({exc})") from exc
+    return out
+
+
+def output_path(p: Predictor, args: ExportArgs) -> Path:
+    """``output``, which must end in ``.<format>``; by default ``<name>.<format>`` in the checkpoint's run
+    directory (never in its ``checkpoints/``, which holds checkpoints only), else beside the checkpoint."""
+    suffix = f".{args.format}"
+    if args.output is None:
+        beside = p.path.parent.parent if p.path.parent.name == CHECKPOINT_DIR else p.path.parent
+        return beside / (p.path.stem + suffix)
+    out = Path(args.output).expanduser()
+    if out.suffix.lower() != suffix:
+        raise ConfigError(f"output={out}: format={args.format} writes a {suffix} file; name it {out.stem}{suffix}")
+    if not out.parent.is_dir():
+        raise OutputError(f"output={out}: the folder {out.parent} does not exist")
+    return out
+
+
+def is_export(path: Path, fmt: str) -> bool:
+    """Whether ``path`` is an export of mlptrain in ``fmt`` (so that exporting again may replace it)."""
+    try:
+        if fmt == "onnx":
+            import onnx
+
+            return onnx.load(str(path), load_external_data=False).producer_name == "mlptrain"
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(min(n, 1 << 26)))  # safetensors: the JSON header after its length
+        return "mlptrain" in header.get("__metadata__", {})
+    except Exception:  # whatever the bytes (onnx raises protobuf's own errors): not an export
+        return False
+
+
+def run(args: ExportArgs) -> int:
+    out = export(args)
+    print(f"wrote {out} ({out.stat().st_size:,} bytes, {args.format})")
+    return 0
+
+
+ABOUT = "Export a trained mlptrain checkpoint as safetensors (PyTorch nn.Sequential) or ONNX (with normalisation)."
+
+
+def main(argv: list[str] | None = None) -> int:
+    return commands.main(ExportArgs, "mlptrain.export", ABOUT, run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,7 +1,0 @@
-"""``python -m mlptrain.compare SWEEP_DIR [--out DIR]`` or ``--index DIR``: see :mod:`mlptrain.compare`."""
-
-import sys
-
-from mlptrain.compare.cli import main
-
-sys.exit(main())

@@ -1,0 +1,24 @@
+"""The GPU half of :mod:`mlptrain.nn`: the GEMM engine, its plans, and the kernels of the loss, head and FP8.
+
+=================== ================================================================
+module              what it owns
+=================== ================================================================
+``gemm``            :class:`NvmathGemm`: one planned nvmath ``Matmul`` per call site, epilogs
+``plan_cache``      cuBLASLt algorithms kept on disk per GPU model and library version
+``streams``         the second stream that the weight gradients run on
+``losses``          the softmax cross-entropy kernels (the twin of :mod:`mlptrain.nn.losses`)
+``head``            the output layer's input gradient as one small kernel: in the head's ``kernel``
+                    mode it replaces the output layer's DRELU_BGRAD GEMM (:mod:`mlptrain.nn.head`)
+``fp8_gemm``        precision=fp8: FP8 GEMMs with epilogs through the raw cuBLASLt bindings
+``fp8_kernels``     precision=fp8: the FP8 casts (straight, transposed), amaxes and scale updates
+``fp8_dgrad``       precision=fp8: DRELU_BGRAD after the plain FP8 GEMM (the mask, the bias gradient)
+=================== ================================================================
+
+Every module here imports CuPy (or nvmath) when it is imported. The CPU modules never import CuPy
+or nvmath themselves: they compute with the array module ``xp`` they are given (:mod:`mlptrain.base.backend`)
+and reach a ``cuda/`` folder only through imports inside their GPU branches, so ``import mlptrain`` and
+the whole CPU path work without a GPU. These modules are engines: outside the ``cuda/`` folders they
+import only the contracts they carry out (:mod:`mlptrain.nn.epilogs`, :mod:`mlptrain.nn.epilogs_fp8`,
+:mod:`mlptrain.nn.fp8`) and plain helpers of :mod:`mlptrain.base`, never the step, the network, the
+builders or the precision policy (``tests/test_architecture.py`` lists today's exceptions).
+"""

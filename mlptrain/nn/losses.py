@@ -1,0 +1,141 @@
+"""Losses: value, gradient of the logits, and the count of correct predictions, in one pass.
+
+Written once with ``xp`` for NumPy and CuPy; on the GPU the cross-entropy of fp16, bf16 and fp32
+logits runs as mlptrain's own kernels instead (:mod:`mlptrain.nn.cuda.losses`), with the same results.
+Every function returns device arrays (0-d for scalars) and never reads them back to the host,
+so a training step stays free of synchronisation. Half-precision logits are upcast to float32
+for the loss; the gradient is cast back to the logits' dtype after multiplying by
+``grad_scale`` (the dynamic loss scale in fp16, else 1).
+
+:data:`LOSSES` registers each loss as a :class:`LossSpec`, named by ``model.loss``: a new loss is a
+function with the signature of :func:`mse` (``bias_grad`` and ``inplace`` included), added there.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from mlptrain.base.backend import get_array_module
+from mlptrain.base.registry import Registry
+
+
+def _loss_dtype(xp: Any, dtype: Any) -> Any:
+    return xp.float64 if dtype == xp.float64 else xp.float32
+
+
+def softmax_cross_entropy(
+    logits: Any, y: Any, grad_scale: Any = 1.0, *, bias_grad: bool = False, inplace: bool = False
+) -> tuple:
+    """Mean softmax cross-entropy of ``logits (B, C)`` against integer labels ``y (B,)``.
+
+    Stable: ``log softmax(z) = z - max(z) - log(sum(exp(z - max(z))))``.
+
+    Args:
+        bias_grad: also return ``dlogits`` summed over the batch, ``(C,)`` in the logits' dtype:
+            the output layer's bias gradient, which then needs no BGRADB epilog (on the GPU the
+            loss kernel's reduction pass computes it; worthwhile for small ``B * C``, see
+            :class:`mlptrain.nn.head.OutputHead`).
+        inplace: write ``dlogits`` over ``logits`` and return that array: the training step needs the
+            logits no more once the loss has read them, so their memory holds their gradient (a
+            ``(B, C)`` array less at the step's peak; 0.25 GiB for 8192 classes at batch 16384 in fp16).
+
+    Returns:
+        ``(loss, dlogits, correct)``: loss 0-d (float32 or float64), ``dlogits (B, C)`` =
+        ``(softmax(z) - onehot(y)) * grad_scale / B`` in the logits' dtype, and the 0-d count of
+        rows whose argmax equals the label; with ``bias_grad`` the sums as a fourth element.
+    """
+    xp = get_array_module(logits)
+    if xp is not np and logits.dtype != xp.float64:  # fp16/bf16/fp32 on the GPU: one or two kernels
+        from mlptrain.nn.cuda.losses import softmax_cross_entropy_gpu
+
+        return softmax_cross_entropy_gpu(logits, y, grad_scale, bias_grad, inplace)
+    B, C = logits.shape
+    z = logits.astype(_loss_dtype(xp, logits.dtype))  # (B, C), a copy we may overwrite
+    z -= z.max(axis=1, keepdims=True)
+    e = xp.exp(z)
+    s = e.sum(axis=1, keepdims=True)  # (B, 1)
+    onehot = xp.arange(C)[None, :] == y[:, None]  # (B, C) bool
+    z_y = (z * onehot).sum(axis=1)  # (B,) the label's shifted logit
+    loss = (xp.log(s[:, 0]) - z_y).mean()
+    correct = (logits.argmax(axis=1) == y).sum()
+    e /= s  # softmax
+    e -= onehot
+    e *= grad_scale / B if isinstance(grad_scale, float) else grad_scale * (1.0 / B)
+    return _with_gradient(loss, e, correct, logits, bias_grad, inplace)
+
+
+def _with_gradient(loss: Any, g: Any, correct: Any, logits: Any, bias_grad: bool, inplace: bool) -> tuple:
+    """``(loss, dlogits, correct[, db])`` with ``dlogits``, ``g`` in the logits' dtype (written over the logits
+    when ``inplace``), and ``db`` its sum over the batch."""
+    if inplace:
+        logits[...] = g  # the same rounding as astype
+        d = logits
+    else:
+        d = g.astype(logits.dtype, copy=False)
+    if bias_grad:
+        return loss, d, correct, g.sum(axis=0).astype(logits.dtype, copy=False)
+    return loss, d, correct
+
+
+def mse(
+    logits: Any, y: Any, grad_scale: Any = 1.0, *, bias_grad: bool = False, inplace: bool = False, weight: Any = None
+) -> tuple:
+    """Mean squared error of ``logits (B, C)`` against regression targets ``y (B, C)``, or against
+    the one-hot encoding of class labels ``y (B,)``. ``bias_grad`` and ``inplace`` as for
+    :func:`softmax_cross_entropy`.
+
+    ``loss = mean over B and C of (z - t)^2``; ``dlogits = 2 (z - t) / (B C)``. ``correct`` counts
+    the rows whose argmax is the label (classification); it is 0 for a regression.
+
+    ``weight``: ``(C,)`` float32, the reported loss is ``mean of weight * (z - t)^2`` while the
+    gradient stays that of the unweighted loss. With standardised targets (``t = (y - shift) /
+    scale``) and ``weight = scale^2`` the loss is the MSE in the targets' own units,
+    ``mean((z * scale + shift - y)^2)``, and the model still trains on the standardised problem.
+    """
+    xp = get_array_module(logits)
+    B, C = logits.shape
+    z = logits.astype(_loss_dtype(xp, logits.dtype))
+    if y.ndim == 2:  # regression targets
+        z -= y  # residual (B, C)
+        correct = xp.zeros((), dtype=xp.int64)
+    else:
+        z -= xp.arange(C)[None, :] == y[:, None]  # residual (B, C)
+        correct = (logits.argmax(axis=1) == y).sum()
+    loss = (z * z).mean() if weight is None else (z * z * weight).mean()  # (B, C) * (C,): in the targets' units
+    z *= 2.0 * grad_scale / (B * C) if isinstance(grad_scale, float) else grad_scale * (2.0 / (B * C))
+    return _with_gradient(loss, z, correct, logits, bias_grad, inplace)
+
+
+def mse_in_units(scale: Any) -> Callable[..., tuple]:
+    """:func:`mse` of standardised targets reported in their units: ``scale (C,)`` the targets' standard
+    deviations on the device (``weight = scale^2``), the gradient that of the standardised loss."""
+    return functools.partial(mse, weight=scale * scale)
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """A registered loss: ``fn(logits, y, grad_scale, *, bias_grad, inplace) -> (loss, dlogits, correct[, db])``.
+
+    ``regression``: it trains on regression targets ``(B, C)`` too (a regression dataset needs such a
+    loss). ``head_kernel``: the GPU's head kernel follows it (:mod:`mlptrain.nn.cuda.head`, the
+    cross-entropy kernel only); any loss runs in the head's ``gemm`` and ``loss_bias`` modes.
+    """
+
+    fn: Callable[..., tuple]
+    regression: bool = False
+    head_kernel: bool = False
+
+
+LOSSES: Registry[LossSpec] = Registry("model.loss")
+LOSSES.add("cross_entropy", LossSpec(softmax_cross_entropy, head_kernel=True), "classification")
+LOSSES.add("mse", LossSpec(mse, regression=True), "regression, or one-hot")
+
+
+def regression_losses() -> list[str]:
+    """The losses that take regression targets."""
+    return [name for name, spec in LOSSES.items() if spec.regression]

@@ -1,0 +1,275 @@
+"""The multilayer perceptron: a chain of :class:`~mlptrain.nn.layers.Linear` layers.
+
+``in -> hidden[0] -> ... -> hidden[-1] -> out``: every hidden layer is one GEMM with bias and the
+model's activation (``model.activation``: ReLU by default, fused RELU_AUX_BIAS; GELU, fused
+GELU_AUX_BIAS; or none, a deep linear model, BIAS), the output layer one GEMM with bias (fused:
+BIAS). Activations flow between layers as C-contiguous ``(B, features)`` arrays with no copies.
+
+The backward pass starts from the gradient of the logits that the output head computed
+(:class:`mlptrain.nn.head.OutputHead`), together with whatever else of the output layer's backward
+the head already did (:class:`HeadGrads`): the network computes the rest, layer by layer from the
+top, and on the GPU runs the weight gradients on a second stream (:mod:`mlptrain.nn.cuda.streams`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from mlptrain.nn.epilogs_fp8 import FP8_MULTIPLE
+from mlptrain.nn.execution import FusedExecution, NaiveExecution
+from mlptrain.nn.layers import CastBuffer, Linear, Param
+
+BGRAD_STRATEGIES = ("drelu_bgrad", "bgradb")
+
+
+@dataclass
+class HeadGrads:
+    """What the output head computed of the output layer's backward, beyond ``dlogits``.
+
+    Attributes:
+        bias_grad: ``dlogits`` summed over the batch (``(out,)``): the output layer's bias gradient,
+            when the loss kernel reduced it (then the weight-gradient GEMM runs without BGRADB).
+        input_grad: ``dZ_below (B, H)``, the output layer's input gradient with the ReLU derivative
+            of the layer below applied, when the head kernel computed it (then that GEMM is not run).
+        input_bias_grad: ``input_grad`` summed over the batch: the layer below's bias gradient, when
+            that layer takes it from above (``drelu_bgrad``) and the head kernel reduced it.
+    """
+
+    bias_grad: Any = None
+    input_grad: Any = None
+    input_bias_grad: Any = None
+
+
+class MLP:
+    """A multilayer perceptron over an execution object.
+
+    Args:
+        widths: ``[in, hidden..., out]``, at least two entries.
+        execution: fused or naive execution (decides how each GEMM is done).
+        xp: the array module the parameters live in.
+        rng: host Generator for the initial weights.
+        param_dtype, compute_dtype: master and GEMM dtypes (equal except for fp16/bf16).
+        activation: of the hidden layers: ``"relu"``, ``"gelu"`` or ``"none"`` (a deep linear model).
+        init: ``"he"``, ``"lecun"`` (the output layer: LeCun either way), or ``"torch"`` (every layer as
+            PyTorch's ``nn.Linear`` starts, biases included).
+        bgrad: per hidden layer, where its bias gradient is reduced (``drelu_bgrad``, DGELU_BGRAD for GELU: by the
+            input-gradient GEMM of the layer above; ``bgradb``: by its own weight-gradient GEMM);
+            one string for all.
+        compute_copy: ``"kept"``: each parameter keeps a copy in the compute dtype (fp16/bf16), which
+            the optimizer refreshes; ``"cast"``: none is kept, each layer's parameters are cast into one
+            shared :class:`~mlptrain.nn.layers.CastBuffer` just before its GEMMs read them.
+        fp8_weights: ``precision=fp8``: with ``compute_copy="cast"``, the weights of the layers whose
+            widths FP8 takes (multiples of 16) are handed to the GEMM engine as the master, which it
+            casts straight to FP8 (:attr:`mlptrain.nn.layers.Param.gemm_casts`); only the other weights
+            (a 10-class head's) and the biases share the cast buffer.
+    """
+
+    def __init__(
+        self,
+        widths: Sequence[int],
+        *,
+        execution: FusedExecution | NaiveExecution,
+        xp: Any,
+        rng: np.random.Generator,
+        param_dtype: Any,
+        compute_dtype: Any,
+        activation: str = "relu",
+        init: str = "he",
+        bgrad: str | Sequence[str] = "bgradb",
+        compute_copy: str = "kept",
+        fp8_weights: bool = False,
+    ) -> None:
+        if len(widths) < 2:
+            raise ValueError(f"an MLP needs at least input and output widths; got {list(widths)}")
+        self.widths = list(widths)
+        self.execution = execution
+        self.xp = xp
+        n = len(widths) - 1
+        if compute_copy not in ("kept", "cast"):
+            raise ValueError(f"compute_copy must be 'kept' or 'cast'; got {compute_copy!r}")
+        self.cast_buffer = None
+        cast = compute_copy == "cast" and np.dtype(param_dtype) != np.dtype(compute_dtype)
+        pairs = list(zip(widths, widths[1:], strict=False))  # (in, out) of each layer
+        # per layer: its weight goes to the GEMM engine as the master (the FP8 cast reads it), or through the buffer
+        gemm_casts = [cast and fp8_weights and a % FP8_MULTIPLE == 0 and b % FP8_MULTIPLE == 0 for a, b in pairs]
+        if cast:
+            buffered = [a * b for (a, b), own in zip(pairs, gemm_casts, strict=True) if not own]
+            largest = {"weight": max(buffered, default=0), "bias": max(widths[1:])}
+            self.cast_buffer = CastBuffer(xp, compute_dtype, largest)
+        self.layers = [
+            Linear(
+                f"layer{i}",
+                widths[i],
+                widths[i + 1],
+                activation=activation if i < n - 1 else "none",
+                rng=rng,
+                xp=xp,
+                param_dtype=param_dtype,
+                compute_dtype=compute_dtype,
+                init=init if init == "torch" or (activation != "none" and i < n - 1) else "lecun",
+                cast_buffer=self.cast_buffer,
+                weight_gemm_casts=gemm_casts[i],
+            )
+            for i in range(n)
+        ]
+        self.set_bgrad(bgrad)
+        self._side: Any = None  # GPU: the weight gradients' stream (use_wgrad_stream)
+        # Called with a layer's weight Param as soon as its gradient is enqueued on the side stream
+        # (data parallel: mlptrain.distributed.dp.GradientSync starts its all-reduce there)
+        self.on_weight_grad: Callable[[Any], None] | None = None
+
+    def set_bgrad(self, bgrad: str | Sequence[str]) -> None:
+        """Choose, per hidden layer, where its bias gradient is reduced (see class docstring)."""
+        hidden = [layer for layer in self.layers if layer.nonlinear]
+        choices = [bgrad] * len(hidden) if isinstance(bgrad, str) else list(bgrad)
+        if len(choices) != len(hidden) or any(c not in BGRAD_STRATEGIES for c in choices):
+            raise ValueError(
+                f"bgrad must be one of {BGRAD_STRATEGIES} or one per hidden layer ({len(hidden)}); got {bgrad!r}"
+            )
+        for layer, choice in zip(hidden, choices, strict=True):
+            layer.bias_grad_in_wgrad = choice == "bgradb"
+
+    @property
+    def bgrad(self) -> list[str]:
+        return ["bgradb" if layer.bias_grad_in_wgrad else "drelu_bgrad" for layer in self.layers if layer.nonlinear]
+
+    @property
+    def params(self) -> list[Param]:
+        return [p for layer in self.layers for p in layer.params]
+
+    @property
+    def num_params(self) -> int:
+        return sum(int(p.value.size) for p in self.params)
+
+    def forward(self, x: Any, keep: bool = True) -> Any:
+        """``x (B, in) -> logits (B, out)``; ``keep=False`` for inference (RELU_BIAS, nothing kept for a backward)."""
+        for layer in self.layers:
+            x = layer.forward(self.execution, x, keep)
+        return x
+
+    def backward(self, dlogits: Any, head: HeadGrads | None = None) -> None:
+        """Fill every ``param.grad`` from ``dlogits (B, out)``, the loss gradient of the logits.
+
+        ``head``: the parts of the output layer's backward the output head already computed;
+        the rest is computed here (``head.input_grad`` is taken: set to None, so that it can go
+        once read). On the GPU, with :meth:`use_wgrad_stream`, each layer's weight
+        gradient (all but the bottom layer's) runs on the side stream, forked when its ``dZ`` is
+        ready, and the side stream is joined before returning.
+
+        Memory: what a layer's backward reads (its saved input ``X_l``, ``dZ_l``, the mask of the
+        layer below) goes as soon as its readers are done (:meth:`_free_layer`). On one stream that is
+        exact: ``X_l`` goes after the weight gradient, before the input gradient allocates
+        ``dZ_{l-1}``, and ``dZ_l`` before the layer below allocates anything; two ``dZ`` are alive at
+        most. (With the head kernel the output layer's ``dZ_below`` is made with the loss, before the
+        backward starts: there it is alive beside the top layer's input.) With the weight gradients
+        on the side stream, layer ``l`` goes once the input gradient of the layer below is enqueued:
+        the main stream then waits for ``dW_l``, which ran beside ``dX_l`` and is done by then, so the
+        chain never stalls on it (for a small, latency-bound step, where two streams pay, that
+        matters more than the layer input and ``dZ`` held the longer). ``dlogits`` handed over as a
+        one-element list (``[dlogits]``, emptied here) goes the same way; an array is kept by the
+        caller's reference.
+        """
+        head = head or HeadGrads()
+        ex, layers, top = self.execution, self.layers, len(self.layers) - 1
+        dz = dlogits.pop() if isinstance(dlogits, list) else dlogits
+        del dlogits
+        one_stream = self._side is None
+        for i in reversed(range(len(layers))):
+            layer = layers[i]
+            if one_stream and i < top:  # the layer above is done: its dZ goes before this layer allocates
+                self._free_layer(i + 1)
+            bias_grad = head.bias_grad if i == top else None
+            if one_stream or i == 0:  # the bottom layer's dW ends the chain: nothing to overlap
+                layer.param_grads(ex, dz, bias_grad)
+                if one_stream:  # X_i had its last reader: it goes before dZ_below is allocated
+                    self._free_layer(i)
+            else:
+                hook = self.on_weight_grad  # data parallel: the all-reduce, after dW_i on the side stream
+                then = None if hook is None else functools.partial(hook, layer.weight)
+                self._side.run(i, functools.partial(self._param_grads, layer, dz, bias_grad), reads=dz, then=then)
+            if i == top and head.input_grad is not None:
+                if head.input_bias_grad is not None:
+                    layers[i - 1].bias.grad = head.input_bias_grad
+                dz, head.input_grad = head.input_grad, None
+            else:
+                # (the output layer's weight is still in the cast buffer, if any: the forward cast it last)
+                dz = layer.grad_below(ex, dz, layers[i - 1] if i > 0 else None, cast=i != top)
+            if not one_stream and i < top:  # the layer above's dW ran beside its dX and, by now, is done
+                self._free_layer(i + 1)
+        if self._side is not None:
+            self._side.join()
+        self._free_layer(0)  # the bottom layer's weight gradient, the last reader of X_0 and dZ_0, is enqueued
+
+    def _free_layer(self, i: int) -> None:
+        """Let the memory of layer ``i``'s backward inputs go: its saved input and mask, and every
+        reference the GEMM plans keep to their last operands (``X_i``, ``dZ_i``, the mask below).
+
+        With the weight gradients on the side stream, the current stream first waits for layer
+        ``i``'s (:meth:`SideStream.retire`): CuPy's pool hands freed blocks to the stream that
+        allocated them, here the main stream, which must not overwrite ``X_i`` or ``dZ_i`` while the
+        side stream's GEMM still reads them. By the time the main stream gets there the side stream
+        has usually finished that GEMM: it ran beside the main stream's input-gradient GEMM.
+        """
+        if self._side is not None:
+            self._side.retire(i)
+        layer = self.layers[i]
+        layer.release_saved()
+        self.execution.release(layer.name)
+
+    def _param_grads(self, layer: Linear, dz: Any, bias_grad: Any) -> None:
+        """On the side stream: layer's weight gradient. ``on_weight_grad`` follows it there (data parallel:
+        its all-reduce starts while the main stream goes on down the chain), after the event that
+        :meth:`_free_layer` waits for, so the chain never waits for the all-reduce."""
+        with self._side.allocating_on_main():  # dW from the blocks the main stream freed (nn/cuda/streams.py)
+            layer.param_grads(self.execution, dz, bias_grad)
+
+    @property
+    def side_stream(self) -> Any:
+        """The weight gradients' stream (:meth:`use_wgrad_stream`), or None."""
+        return self._side.stream if self._side is not None else None
+
+    def use_wgrad_stream(self, enabled: bool = True) -> None:
+        """GPU: run the weight-gradient GEMMs on a second stream, concurrent with the input-gradient chain."""
+        if enabled:
+            from mlptrain.nn.cuda.streams import SideStream
+
+            self._side = SideStream(len(self.layers))
+        else:
+            self._side = None
+
+    @property
+    def uses_wgrad_stream(self) -> bool:
+        return self._side is not None
+
+    # --- what a step leaves behind, and the parameters' state -------------------------------
+
+    def step_arrays(self) -> list[Any]:
+        """The gradients of the last step (for a CUDA graph to keep; the backward freed everything else)."""
+        return [p.grad for p in self.params]
+
+    def restore_step_arrays(self, grads: list[Any]) -> None:
+        """Point the parameters at ``grads`` again (after a replayed step rewrote them)."""
+        for p, g in zip(self.params, grads, strict=True):
+            p.grad = g
+
+    def release_step_arrays(self) -> None:
+        """Drop the gradients, saved inputs and masks of the last step (their memory can go)."""
+        for layer in self.layers:
+            layer.weight.grad = layer.bias.grad = None
+            layer.release_saved()
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """The master copy of every parameter, as host arrays by name (``layer0.weight``, ...)."""
+        to_host = np.array if self.xp is np else (lambda a: a.get())  # copies: the state at this moment
+        return {p.name: to_host(p.value) for p in self.params}
+
+    def load_state_dict(self, arrays: dict[str, Any]) -> None:
+        """Copy ``arrays`` (by parameter name, shapes already checked) into the parameters and their compute copies."""
+        for p in self.params:
+            p.value[...] = self.xp.asarray(arrays[p.name])
+            p.sync_compute()

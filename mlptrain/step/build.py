@@ -1,0 +1,309 @@
+"""One builder per config group: where each part of the configuration becomes its object.
+
+============== ===================================== =========================================
+config group   builder                               object
+============== ===================================== =========================================
+``device``     :func:`mlptrain.base.backend.get_backend`  :class:`~mlptrain.base.backend.Backend`
+``precision``  :func:`precision`                     :class:`~mlptrain.step.precision.Precision`,
+               :func:`scaler`                        :class:`~mlptrain.step.precision.LossScaler`
+``execution``  :func:`gemm`, :func:`execution`       the GEMM engine, fused or naive execution
+``model``      :func:`widths`, :func:`model`,        :class:`~mlptrain.nn.network.MLP`,
+               :func:`head`                          :class:`~mlptrain.nn.head.OutputHead`
+``data``       :func:`loaders`                       :class:`~mlptrain.data.loader.DataLoader` per split
+``optimizer``  :func:`optimizer`, :func:`schedule`   the optimizer, the learning-rate schedule
+============== ===================================== =========================================
+
+The builders take the config group they build from (typed, already validated) and the objects
+they need; :class:`mlptrain.step.trainer.Trainer` calls them in order. The options of ``optimizer``,
+``precision``, ``model.loss`` and ``model.activation`` are rows of their registries
+(:mod:`mlptrain.base.registry`): the builders look the row up, so a registered option needs no branch
+here. Adding a setting means adding it to the schema (:mod:`mlptrain.config.schema`), its range or the
+options it applies to (:mod:`mlptrain.step.checks`, or the registry row), and the builder of its group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import numpy as np
+
+from mlptrain.base.backend import Backend
+from mlptrain.base.errors import ConfigError, ResourceError
+from mlptrain.config.schema import (
+    DataConfig,
+    ExecutionConfig,
+    ModelConfig,
+    OptimizerConfig,
+    PrecisionConfig,
+    TrainConfig,
+)
+from mlptrain.data import Dataset
+from mlptrain.data.loader import DataLoader
+from mlptrain.data.rows import NormalisedRows
+from mlptrain.distributed.dp import shard_rows
+from mlptrain.nn.execution import FusedExecution, NaiveExecution, NumpyGemm
+from mlptrain.nn.head import OutputHead
+from mlptrain.nn.losses import LOSSES
+from mlptrain.nn.network import MLP
+from mlptrain.step.optim import OPTIMIZERS, Optimizer
+from mlptrain.step.precision import LossScaler, Precision, get_precision
+from mlptrain.step.schedule import LRSchedule, StepClock
+
+log = logging.getLogger(__name__)
+
+
+def precision(cfg: PrecisionConfig, backend: Backend) -> Precision:
+    """``precision.name`` on ``backend`` (half precision and TF32 need the GPU), and its ``compute_copy``
+    (``auto``: the precision's own)."""
+    base = get_precision(cfg.name, backend)
+    return dataclasses.replace(
+        base,
+        compute_copy=base.compute_copy if cfg.compute_copy.value == "auto" else cfg.compute_copy.value,
+        amax_history=cfg.amax_history,
+        margin=cfg.margin,
+    )
+
+
+def scaler(cfg: PrecisionConfig, xp: Any, prec: Precision) -> LossScaler:
+    """Dynamic loss scaling for fp16; fp8: a scale of 1 that never changes, checked every step (an inf/NaN
+    gradient skips the step); a scale of 1 that is never checked otherwise."""
+    if prec.checked:
+        return LossScaler(xp, enabled=True, init_scale=1.0, growth_factor=1.0, backoff_factor=1.0)
+    return LossScaler(
+        xp,
+        enabled=prec.loss_scaling,
+        init_scale=cfg.init_scale,
+        growth_factor=cfg.growth_factor,
+        backoff_factor=cfg.backoff_factor,
+        growth_interval=cfg.growth_interval,
+    )
+
+
+def gemm(cfg: ExecutionConfig, backend: Backend, prec: Precision) -> Any:
+    """The GEMM engine: planned nvmath Matmuls on the GPU, the NumPy epilog contract on the CPU; fp8: FP8
+    casts and GEMMs around it (:class:`mlptrain.nn.fp8.Fp8Gemm`), which stays for what FP8 cannot run."""
+    if not backend.is_gpu:
+        engine: Any = NumpyGemm()
+    else:
+        from mlptrain.nn.cuda.gemm import NvmathGemm
+        from mlptrain.nn.cuda.plan_cache import PlanCache
+
+        cache = PlanCache(PlanCache.default_path()) if cfg.plan_cache else None
+        engine = NvmathGemm(tf32=prec.tf32, autotune=cfg.autotune, plan_cache=cache, workspace_mib=cfg.workspace_mib)
+    return fp8_gemm(cfg, backend, prec, engine) if prec.fp8 else engine
+
+
+def fp8_gemm(cfg: ExecutionConfig, backend: Backend, prec: Precision, engine: Any) -> Any:
+    """``precision=fp8``: cuBLASLt's FP8 GEMMs on the GPU (:mod:`mlptrain.nn.cuda.fp8_gemm`), the FP8 contract
+    emulated on the CPU; either casts each operand with its delayed scale."""
+    from mlptrain.nn.fp8 import Fp8Gemm, Fp8Scaling
+
+    if backend.is_gpu:
+        from mlptrain.nn.cuda.fp8_gemm import GpuFp8Gemm
+        from mlptrain.nn.cuda.fp8_kernels import GpuFp8Scaling
+
+        on_gpu = GpuFp8Scaling(amax_history=prec.amax_history, margin=prec.margin)
+        mode = cfg.mode.value
+        return GpuFp8Gemm(engine, on_gpu, mode, dtype=prec.compute_dtype, workspace_mib=cfg.workspace_mib)
+    scaling = Fp8Scaling(backend.xp, amax_history=prec.amax_history, margin=prec.margin)
+    return Fp8Gemm(engine, scaling, mode=cfg.mode.value, dtype=prec.compute_dtype)
+
+
+def execution(cfg: ExecutionConfig, engine: Any, xp: Any) -> FusedExecution | NaiveExecution:
+    """``execution.mode``: epilogs in the GEMMs, or plain GEMMs and separate array operations."""
+    return FusedExecution(engine) if cfg.mode.value == "fused" else NaiveExecution(engine, xp)
+
+
+def widths(cfg: ModelConfig, dataset: Dataset) -> list[int]:
+    """``[in, hidden..., out]``, checking configured widths and the loss against the dataset."""
+    in_f, out_f = dataset.num_features, dataset.num_outputs
+    if dataset.task == "regression" and not LOSSES[cfg.loss].regression:
+        raise ConfigError(
+            f"dataset {dataset.name!r} is a regression (targets {', '.join(dataset.target_names or [])}) but "
+            f"model.loss={cfg.loss}; set model.loss=mse"
+        )
+    if cfg.in_features is not None and cfg.in_features != in_f:
+        raise ConfigError(
+            f"model.in_features={cfg.in_features} does not match dataset {dataset.name!r}, which has {in_f} "
+            f"features per sample; set model.in_features={in_f} or null (taken from the dataset)"
+        )
+    if cfg.out_features is not None and cfg.out_features != out_f:
+        raise ConfigError(
+            f"model.out_features={cfg.out_features} does not match dataset {dataset.name!r}, which has "
+            f"{out_f} {'classes' if dataset.task == 'classification' else 'targets'}; set model.out_features={out_f} "
+            "or null"
+        )
+    return [in_f, *cfg.hidden, out_f]
+
+
+def model(
+    cfg: ModelConfig,
+    sizes: list[int],
+    ex: FusedExecution | NaiveExecution,
+    backend: Backend,
+    prec: Precision,
+    rng: np.random.Generator,
+) -> MLP:
+    """The MLP of ``sizes``, initialised from ``rng`` (the trainer decides its streams: :func:`wgrad_stream`)."""
+    net = MLP(
+        sizes,
+        execution=ex,
+        xp=backend.xp,
+        rng=rng,
+        param_dtype=prec.param_dtype,
+        compute_dtype=prec.compute_dtype,
+        activation=cfg.activation,
+        init=cfg.init.value,
+        compute_copy=prec.compute_copy,
+        fp8_weights=prec.fp8,
+    )
+    return net
+
+
+# Below this many GEMM FLOPs per step, execution.wgrad_stream=null runs the weight gradients on a second
+# stream: a small step's GEMMs leave the GPU idle enough for two streams to overlap, while a large
+# step's GEMMs fill it and one stream peaks lower (docs/benchmarks.md, "Figures moved out of the code").
+TWO_STREAMS_MAX_FLOPS = 1e11
+
+
+def wgrad_stream(ex_cfg: Any, sizes: list[int], batch: int, data_parallel: bool) -> bool:
+    """Whether the weight-gradient GEMMs run on a second stream, concurrent with the input-gradient chain.
+
+    ``execution.wgrad_stream`` when set; by default where the step is latency-bound (small GEMMs leave
+    the GPU room for a second one) or data parallel (each layer's all-reduce starts on that stream).
+    """
+    if ex_cfg.wgrad_stream is not None:
+        return bool(ex_cfg.wgrad_stream)
+    return data_parallel or step_flops(sizes, batch) < TWO_STREAMS_MAX_FLOPS
+
+
+def step_flops(sizes: list[int], batch: int) -> int:
+    """GEMM FLOPs of one training step: three GEMMs of ``2 x batch x in x out`` per layer."""
+    return 6 * batch * sum(a * b for a, b in zip(sizes, sizes[1:], strict=False))
+
+
+def head(cfg: TrainConfig, backend: Backend, sizes: list[int]) -> OutputHead:
+    """How the loss and the output layer's gradients are computed (:mod:`mlptrain.nn.head`)."""
+    return OutputHead.choose(
+        loss=cfg.model.loss,
+        gpu=backend.is_gpu,
+        fused=cfg.execution.mode.value == "fused",
+        relu=cfg.model.activation == "relu",
+        widths=sizes,
+        batch_size=cfg.data.batch_size,
+        head_kernel=cfg.execution.head_kernel,
+    )
+
+
+def loaders(
+    cfg: DataConfig, dataset: Dataset, xp: Any, dtype: Any, seed: int, shard: tuple[int, int] | None = None
+) -> tuple[DataLoader, dict]:
+    """The shuffled training loader (order from ``seed``; ``shard``: this rank's rows of each batch)
+    and an ordered loader per evaluation split.
+
+    Where the splits live is :func:`residency`'s choice: on the device (:class:`DataLoader`, copied once)
+    or in host memory (:class:`~mlptrain.data.host_loader.HostLoader`, each batch copied ahead of its step).
+    """
+    kind: type[DataLoader] = DataLoader
+    if residency(cfg, dataset, xp, np.dtype(dtype)) == "host":
+        from mlptrain.data.host_loader import HostLoader
+
+        kind = HostLoader
+    train = kind(
+        dataset.x_train,
+        dataset.y_train,
+        cfg.batch_size,
+        xp=xp,
+        dtype=dtype,
+        shuffle=True,
+        drop_last=cfg.drop_last,
+        seed=seed,
+        shard=shard,
+    )
+    evaluation = {}
+    for split, x, y in (("val", dataset.x_val, dataset.y_val), ("test", dataset.x_test, dataset.y_test)):
+        if len(x) == 0:
+            continue
+        if shard is not None:  # data parallel: this rank's contiguous rows of the split (maybe none)
+            rows = shard_rows(len(x), *shard)
+            x, y = (x.subset(rows) if isinstance(x, NormalisedRows) else x[rows]), y[rows]
+        evaluation[split] = kind(x, y, cfg.eval_batch_size, xp=xp, dtype=dtype, shuffle=False, drop_last=False, seed=0)
+    return train, evaluation
+
+
+def residency(cfg: DataConfig, dataset: Dataset, xp: Any, dtype: np.dtype) -> str:
+    """``"device"`` or ``"host"``: where the splits of ``dataset`` in ``dtype`` live (``data.residency``).
+
+    Streamed splits (``stream``, or ``auto``/``host`` where :func:`mlptrain.data.prepare.load_dataset` found
+    the normalised splits too large for host memory) are host-resident: read from the table batch by batch.
+
+    ``auto`` keeps them on the device where they take at most 90% of its free memory, else in host memory
+    (logged); ``device`` raises :class:`ResourceError` where they do not fit. On the CPU both are host memory:
+    ``host`` then gathers each batch from the dataset's array instead of a copy of the split.
+    """
+    asked = str(getattr(cfg.residency, "value", cfg.residency))
+    if asked not in ("auto", "device", "host", "stream"):
+        raise ConfigError(f"data.residency={asked!r}; expected auto, device, host or stream")
+    if isinstance(dataset.x_train, NormalisedRows):  # streamed (mlptrain.data.rows): read as the batches need it
+        if asked == "device":
+            raise ConfigError(
+                f"data.residency=device, but dataset {dataset.name}'s splits are streamed from its table "
+                "(mlptrain.data.rows.NormalisedRows); use data.residency=host, stream or auto"
+            )
+        return "host"
+    if asked in ("host", "stream"):
+        return "host"
+    if xp is np:
+        return "device"
+    free, total = xp.cuda.runtime.memGetInfo()
+    try:
+        check_device_memory(dataset, dtype, free, total)
+    except ResourceError:
+        if asked == "device":
+            raise
+        log.info(
+            "dataset %s: the splits do not fit the GPU's free memory (%s free): kept in host memory, each batch "
+            "copied ahead of its step (data.residency=host)",
+            dataset.name,
+            _size(free),
+        )
+        return "host"
+    return "device"
+
+
+def check_device_memory(dataset: Dataset, dtype: np.dtype, free: int, total: int) -> None:
+    """Raise ResourceError if the splits of ``dataset`` in ``dtype`` take more than 90% of ``free`` bytes."""
+    rows = len(dataset.x_train) + len(dataset.x_val) + len(dataset.x_test)
+    y_bytes = 8 if dataset.task == "classification" else 4 * dataset.num_outputs
+    need = rows * (dataset.num_features * dtype.itemsize + y_bytes)
+    if need > 0.9 * free:
+        raise ResourceError(
+            f"dataset {dataset.name!r} ({rows:,} rows x {dataset.num_features} features in {dtype.name}) needs "
+            f"{_size(need)} on the GPU, more than the {_size(free)} free of {_size(total)}; "
+            "keep the splits in host memory (data.residency=host or auto), use fewer rows, or a half-precision "
+            "run (precision=bf16 or fp16) to halve it"
+        )
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def optimizer(cfg: OptimizerConfig, params: list) -> Optimizer:
+    """``optimizer.name``'s row of :data:`mlptrain.step.optim.OPTIMIZERS` (SGD, Adam, AdamW, or a registered one)."""
+    return OPTIMIZERS[cfg.name].build(cfg, params)
+
+
+def schedule(cfg: OptimizerConfig, xp: Any, clock: StepClock, total_steps: int) -> LRSchedule:
+    """The learning rate of every step, on the device, from the step count of ``clock``."""
+    return LRSchedule(
+        xp,
+        clock,
+        base_lr=cfg.lr,
+        total_steps=total_steps,
+        schedule=cfg.schedule.value,
+        warmup_steps=cfg.warmup_steps,
+        min_ratio=cfg.min_lr_ratio,
+    )

@@ -1,0 +1,98 @@
+"""What a training step holds in memory, by formula: the state after a step and the peak of the step's own arrays.
+
+The GPU tests hold :func:`mlptrain.step.cuda.memory.account` and a real step's allocations to these
+formulas; the CPU tests hold them to the backward's schedule (``tests/test_network.py``, which
+follows every array of a NumPy step by weak reference). No CuPy here: a formula is arithmetic.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from mlptrain.nn.epilogs import relu_aux_shape
+from mlptrain.nn.epilogs_fp8 import FP8_MULTIPLE
+
+
+def expected_bytes(
+    widths: list[int],
+    batch: int,
+    param_dtype: Any,
+    compute_dtype: Any,
+    state_per_param: int,
+    compute_copy: str = "kept",
+    fp8_weights: bool = False,
+) -> dict:
+    """The live bytes of a fused MLP step by the formula (what :func:`account` must find after a step).
+
+    Parameters ``P = sum(w_i w_{i+1} + w_{i+1})``: master weights ``P`` in the parameter dtype,
+    compute copies ``P`` in the compute dtype (when it differs; ``compute_copy="cast"``: the shared
+    buffer instead, the largest weight and the largest bias; with ``fp8_weights``, precision=fp8, the
+    largest weight whose widths FP8 does not take, read through the buffer),
+    gradients ``P`` in the compute dtype, optimizer state ``state_per_param x P`` in the parameter
+    dtype. The saved inputs and the relu_aux masks are gone after a step: the backward frees each
+    layer's once read.
+    """
+    sp, sc = np.dtype(param_dtype).itemsize, np.dtype(compute_dtype).itemsize
+    n = sum(a * b + b for a, b in zip(widths, widths[1:], strict=False))
+    copies = sc * n
+    if compute_copy == "cast":
+        pairs = list(zip(widths, widths[1:], strict=False))
+        fp8 = [fp8_weights and a % FP8_MULTIPLE == 0 and b % FP8_MULTIPLE == 0 for a, b in pairs]
+        buffered = [a * b for (a, b), own in zip(pairs, fp8, strict=True) if not own]
+        copies = sc * (max(buffered, default=0) + max(widths[1:]))
+    return {
+        "master_weights": sp * n,
+        "compute_copies": copies if np.dtype(param_dtype) != np.dtype(compute_dtype) else 0,
+        "gradients": sc * n,
+        "optimizer_state": sp * n * state_per_param,
+        "saved_inputs": 0,
+        "relu_aux": 0,
+    }
+
+
+def expected_step_peak(
+    widths: list[int], batch: int, compute_dtype: Any, two_streams: bool = True, head_kernel: bool = False
+) -> int:
+    """The most bytes a fused ReLU step's own arrays hold at once, by the backward's schedule.
+
+    Layer ``i`` (of ``L``) keeps its input ``X_i (B, w_i)`` (``X_0`` is the batch, held outside the
+    step) and, below the top, its relu_aux mask. The logits ``(B, w_L)`` become their gradient in
+    place. Alive at layer ``i`` of the backward (:meth:`mlptrain.nn.network.MLP.backward`), beside
+    ``dZ_i (B, w_{i+1})`` and the weight gradients of layers ``i..L-1``:
+
+    * one stream: what layers ``0..i`` keep, until the weight gradient has read ``X_i``; then what
+      layers ``0..i-1`` keep and the new ``dZ_{i-1} (B, w_i)``;
+    * two streams: what layers ``0..i+1`` keep, ``dZ_{i+1}``, and ``dZ_{i-1}`` (the layer above
+      goes once ``dZ_{i-1}`` is enqueued, so that the chain never waits for its weight gradient).
+
+    With the head kernel (``head_kernel``: :class:`mlptrain.nn.head.OutputHead` in mode ``kernel``) the
+    top layer's ``dZ_{L-2}`` exists before the backward starts, so on one stream it is alive beside
+    ``X_{L-1}`` too. The peak is the largest of these sums (the forward's end, with the logits, is
+    never larger). The K = 1 input gradient (a single regression output) allocates temporaries of
+    its own that are not counted.
+    Bias-gradient vectors and the loss's per-row scalars are left out.
+    """
+    sc = np.dtype(compute_dtype).itemsize
+    L = len(widths) - 1
+
+    def kept(i: int) -> int:  # X_1..X_i and the masks of layers 0..i
+        x = sum(batch * widths[l] * sc for l in range(1, i + 1))
+        masks = sum(int(np.prod(relu_aux_shape(widths[l + 1], batch))) for l in range(min(i + 1, L - 1)))
+        return x + masks
+
+    def grads(i: int) -> int:
+        return sum((widths[l] * widths[l + 1] + widths[l + 1]) * sc for l in range(i, L))
+
+    def dz(i: int) -> int:  # dZ_i (B, w_{i+1}); none below the bottom or above the top
+        return batch * widths[i + 1] * sc if 0 <= i < L else 0
+
+    sums = []
+    for i in range(L):
+        if two_streams:
+            sums.append(kept(min(i + 1, L - 1)) + dz(i + 1) + dz(i) + dz(i - 1) + grads(i))
+        else:
+            early = dz(i - 1) if head_kernel and i == L - 1 else 0  # the head kernel's dZ_{L-2}
+            sums += [kept(i) + dz(i) + early + grads(i), (kept(i - 1) if i >= 1 else 0) + dz(i) + dz(i - 1) + grads(i)]
+    return max(sums)

@@ -1,0 +1,363 @@
+"""Optimizers: SGD with momentum/Nesterov, Adam, AdamW; :data:`OPTIMIZERS`, the registry of them.
+
+One update rule per optimizer, written twice with the same arithmetic: as NumPy expressions
+for the CPU (one parameter at a time) and as the CUDA body of one element for the GPU, where a
+single multi-tensor kernel (:mod:`mlptrain.step.cuda.multitensor`) applies it to every parameter of the
+model. Per element it reads the gradient, updates the master weight and the optimizer state, and
+writes the half-precision compute copy, in a single pass over memory.
+
+Per-step scalars (learning rate, inverse loss scale, the skip flag of an overflowing fp16 step,
+Adam's step count) are 0-d device arrays read inside the kernel, not host numbers baked into the
+launch, so a step never waits on the host and can be captured into a CUDA graph. Hyperparameters
+(momentum, betas, weight decay) are fixed per optimizer and compiled in as constants.
+
+Semantics follow ``torch.optim``: SGD ``buf = momentum * buf + g`` (buf starts at 0, which equals
+torch's first-step ``buf = g``), Nesterov ``g + momentum * buf``; weight decay adds ``wd * p`` to the
+gradient (L2) in SGD and Adam, and is decoupled in AdamW (``p *= 1 - lr * wd``).
+
+A new optimizer is one class registered with :func:`register_optimizer`, naming the settings of
+``OptimizerConfig`` it reads with their ranges in :attr:`Optimizer.settings`, and one
+``conf/optimizer/<name>.yaml``: the checks (ranges, settings the chosen optimizer does not use),
+``--help`` and :func:`mlptrain.step.build.optimizer` read the registry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+
+from mlptrain.base.backend import get_array_module, scalar
+from mlptrain.base.cuda_source import KernelTail, c_literal
+from mlptrain.base.errors import ConfigError
+from mlptrain.base.registry import NON_NEGATIVE, POSITIVE, UNIT, Range, Registry
+from mlptrain.nn.layers import Param
+
+NESTEROV_NEEDS_MOMENTUM = "optimizer.nesterov=true needs optimizer.momentum > 0"
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """A registered optimizer: its class and the constant keywords it is built with (adamw: ``decoupled``)."""
+
+    cls: type[Optimizer]
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def build(self, cfg: Any, params: list[Param]) -> Optimizer:
+        """The optimizer of ``cfg`` (an ``OptimizerConfig``) over ``params``."""
+        return self.cls.from_config(cfg, params, **self.options)
+
+
+OPTIMIZERS: Registry[OptimizerSpec] = Registry("optimizer.name")
+
+
+def setting_ranges() -> dict[str, Range | None]:
+    """``optimizer.<key>`` -> its range, for every setting a registered optimizer reads (one range per key)."""
+    ranges = dict(Optimizer.COMMON)
+    for name, spec in OPTIMIZERS.items():
+        for key, r in spec.cls.settings.items():
+            if ranges.setdefault(key, r) != r:
+                raise ValueError(f"optimizer={name} declares optimizer.{key} {r}, another optimizer {ranges[key]}")
+    return ranges
+
+
+def users(key: str) -> list[str]:
+    """The registered optimizers that read ``optimizer.<key>`` (beyond :attr:`Optimizer.COMMON`)."""
+    return [name for name, spec in OPTIMIZERS.items() if key in spec.cls.settings]
+
+
+def register_optimizer(name: str, help: str = "", **options: Any) -> Callable[[type[Optimizer]], type[Optimizer]]:
+    """Class decorator: register the optimizer as ``optimizer.name=<name>``, built with ``options``."""
+
+    def add(cls: type[Optimizer]) -> type[Optimizer]:
+        OPTIMIZERS.add(name, OptimizerSpec(cls, dict(options)), help)
+        return cls
+
+    return add
+
+
+class Optimizer:
+    """Base class: per-parameter state, the step counter, and state dicts.
+
+    Subclasses implement :meth:`_update_numpy` (one parameter, NumPy) and :meth:`_cuda_update`
+    (one element, CUDA, run over all parameters in one kernel), and declare in :attr:`settings` the
+    settings of ``OptimizerConfig`` they take as keywords besides :data:`COMMON`'s, each with its range.
+    """
+
+    state_names: tuple[str, ...] = ()
+    # optimizer.<key> -> its range (None: any value), read by every optimizer / by this one
+    COMMON: ClassVar[dict[str, Range | None]] = {"lr": POSITIVE, "weight_decay": NON_NEGATIVE}
+    settings: ClassVar[dict[str, Range | None]] = {}
+
+    @classmethod
+    def from_config(cls, cfg: Any, params: list[Param], **options: Any) -> Optimizer:
+        """The optimizer from ``cfg`` (an ``OptimizerConfig``): ``lr``, ``weight_decay`` and :attr:`settings`."""
+        values = {k: getattr(cfg, k) for k in cls.settings}
+        return cls(params, lr=cfg.lr, weight_decay=cfg.weight_decay, **values, **options)
+
+    @classmethod
+    def config_problems(cls, cfg: Any) -> list[str]:
+        """What the settings of ``cfg`` say wrong together beyond one range each (SGD: Nesterov without momentum)."""
+        return []
+
+    @classmethod
+    def check(cls, **values: Any) -> None:
+        """ConfigError for a value outside its declared range (the wording of :mod:`mlptrain.step.checks`)."""
+        for key, value in values.items():
+            if (r := {**cls.COMMON, **cls.settings}[key]) is not None:
+                r.check(f"optimizer.{key}", value)
+
+    def __init__(self, params: list[Param], *, lr: float, weight_decay: float = 0.0) -> None:
+        Optimizer.check(lr=lr, weight_decay=weight_decay)
+        self.params = params
+        self.lr = lr
+        self.weight_decay = weight_decay
+        self.xp = get_array_module(params[0].value)
+        # Per-parameter state in the master dtype, zero-initialised.
+        self.state: dict[str, dict[str, Any]] = {
+            p.name: {s: self.xp.zeros_like(p.value) for s in self.state_names} for p in params
+        }
+        # Updates applied (skipped fp16 steps excluded), on the device: Adam's t, per-optimizer state as
+        # torch.optim keeps it. Not a step counter of the run: that is mlptrain.step.schedule.StepClock.
+        self.t = self.xp.zeros((), dtype=self.xp.float64)
+        self._one = scalar(self.xp, 1.0, np.float64)
+        self._no_skip = self.xp.zeros((), dtype=self.xp.int32)
+        self._kernels: dict[Any, Any] = {}  # GPU multi-tensor kernels by tail, built at the first step
+
+    def step(self, lr: Any, inv_scale: Any = None, skip: Any = None, tail: KernelTail | None = None) -> None:
+        """Apply one update to every parameter from its ``grad``.
+
+        On the GPU this is one multi-tensor kernel for the whole model (:mod:`mlptrain.step.cuda.multitensor`);
+        on the CPU one NumPy update per parameter.
+
+        Args:
+            lr: 0-d device array, the learning rate of this step.
+            inv_scale: 0-d device array multiplying every gradient (1 / loss scale), or None.
+            skip: 0-d int32 device array; non-zero skips the update (an fp16 overflow), or None.
+            tail: GPU only: work for the kernel's last block, after every parameter is updated
+                (the training step's bookkeeping, :meth:`mlptrain.step.steplog.StepLog.tail`).
+        """
+        xp = self.xp
+        inv_scale = self._one if inv_scale is None else inv_scale
+        skip = self._no_skip if skip is None else skip
+        for p in self.params:
+            if p.grad is None:
+                raise RuntimeError(f"parameter {p.name} has no gradient; run backward before step")
+        if xp is not np:  # t (applied steps) advances in the kernel's last block
+            self._multi_tensor_kernel(tail)(*self._tensors(), lr, inv_scale, skip, self.t, *(tail.args if tail else ()))
+            return
+        if tail is not None:
+            raise ValueError("a kernel tail needs the GPU; on the CPU run the bookkeeping after step()")
+        self.t += skip == 0  # counts applied steps (Adam's bias correction)
+        if skip:
+            return
+        for p in self.params:
+            self._update_numpy(p, self.state[p.name], float(lr), float(inv_scale))
+            p.sync_compute()  # the half-precision copy the GEMMs read (the CuPy kernel writes it too)
+
+    # --- the GPU path: one kernel for all parameters -------------------------------------------
+
+    def _roles(self) -> list[tuple[str, str]]:
+        """Per-tensor arrays of the update: gradient, master weight, state, compute copy."""
+        roles = [("g", "G"), ("p", "P")] + [(s, "P") for s in self.state_names]
+        return roles + ([("pc", "C")] if self.params[0].has_compute_copy else [])
+
+    def _tensors(self) -> list[list[Any]]:
+        lists = [[p.grad for p in self.params], [p.value for p in self.params]]
+        lists += [[self.state[p.name][s] for p in self.params] for s in self.state_names]
+        return lists + ([[p.compute for p in self.params]] if self.params[0].has_compute_copy else [])
+
+    def _multi_tensor_kernel(self, tail: KernelTail | None) -> Any:
+        key = (tail.code, tail.params) if tail else None
+        if key not in self._kernels:
+            from mlptrain.step.cuda.multitensor import MultiTensorKernel
+
+            if len({p.has_compute_copy for p in self.params}) != 1:
+                raise ValueError("all parameters must have a compute copy, or none")
+            loop_prep, body = self._cuda_update()
+            self._kernels[key] = MultiTensorKernel(
+                f"mlptrain_{type(self).__name__.lower()}_step",
+                self._roles(),
+                [p.value.size for p in self.params],
+                body + ("$pc = (C)$p;" if self.params[0].has_compute_copy else ""),
+                extra_params="raw float64 lr, raw float64 inv_scale, raw int32 skip, raw float64 t"
+                + (f", {tail.params}" if tail else ""),
+                loop_prep="const bool skipped = skip[0] != 0;\n"
+                "const P lr_v = (P)lr[0];\n"
+                "const P inv_s = (P)inv_scale[0];\n" + loop_prep,
+                epilogue="if (!skipped) t[0] += 1.0;  // one more applied step\n" + (tail.code if tail else ""),
+                preamble=tail.preamble if tail else "",
+            )
+        return self._kernels[key]
+
+    def _cuda_update(self) -> tuple[str, str]:
+        """``(loop_prep, body)`` of the CUDA update of one element (see :class:`MultiTensorKernel`)."""
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        """Arrays (host NumPy) by ``"<param>/<state>"`` plus ``"t"``; no pickle needed."""
+        to_host = (lambda a: a.get()) if self.xp is not np else np.array
+        out = {f"{name}/{s}": to_host(a) for name, st in self.state.items() for s, a in st.items()}
+        out["t"] = to_host(self.t)
+        return out
+
+    def load_state_dict(self, arrays: dict[str, Any]) -> None:
+        """Inverse of :meth:`state_dict`; shapes and names must match exactly."""
+        for name, st in self.state.items():
+            for s, a in st.items():
+                key = f"{name}/{s}"
+                if key not in arrays:
+                    raise KeyError(f"optimizer state {key!r} is missing")
+                src = arrays[key]
+                if tuple(src.shape) != tuple(a.shape):
+                    raise ValueError(f"optimizer state {key!r} has shape {tuple(src.shape)}, expected {a.shape}")
+                a[...] = self.xp.asarray(src, dtype=a.dtype)
+        self.t[...] = self.xp.asarray(arrays["t"])
+
+    def _update_numpy(self, p: Param, st: dict[str, Any], lr: float, inv_scale: float) -> None:
+        raise NotImplementedError
+
+    # --- compiled ahead (mlptrain.step.cuda.precompile) -----------------------------------------------
+
+    def precompile_jobs(self, grad_dtype: Any, step_args: tuple[Any, Any, Any], tail: Any = None) -> list[Any]:
+        """:meth:`step`'s kernel compiled ahead (a :class:`~mlptrain.base.cuda_source.Job`): the same call, on a copy
+        holding zeros, with its own kernel cache, parameters, gradients (``grad_dtype``), state and count.
+
+        ``step_args``: the step's ``lr, inv_scale, skip`` (zeros of their dtypes are passed); ``tail()``: the
+        step's tail on zeros (:meth:`mlptrain.step.steplog.StepLog.scratch_tail`), or None.
+        """
+        from mlptrain.base.cuda_source import Job
+
+        g = np.dtype(grad_dtype)
+        state = sum(int(a.nbytes) for st in self.state.values() for a in st.values())
+        copies = sum(int(p.value.nbytes) + p.value.size * g.itemsize * (1 + p.has_compute_copy) for p in self.params)
+        name = f"mlptrain_{type(self).__name__.lower()}_step" + (" (and the step log's tail)" if tail else "")
+        return [Job(name, "update", lambda: self._compile_step(g, step_args, tail), state + copies)]
+
+    def _compile_step(self, grad_dtype: Any, step_args: tuple[Any, Any, Any], tail: Any) -> None:
+        import copy
+
+        xp, kernel_tail = self.xp, tail() if tail is not None else None
+        opt = copy.copy(self)
+        opt._kernels = {}  # its own kernel object (its own block counter); the run's finds the compiled code
+        opt.params = []
+        for p in self.params:
+            q = copy.copy(p)
+            q.value = xp.zeros_like(p.value)
+            q.compute = xp.zeros_like(p.compute) if p.has_compute_copy else q.value
+            q.grad = xp.zeros(p.value.shape, grad_dtype)
+            opt.params.append(q)
+        opt.state = {name: {s: xp.zeros_like(a) for s, a in st.items()} for name, st in self.state.items()}
+        opt.t = xp.zeros_like(self.t)
+        lr, inv_scale, skip = (xp.zeros_like(a) for a in step_args)
+        opt.step(lr, inv_scale, skip, tail=kernel_tail)
+
+
+@register_optimizer("sgd")
+class SGD(Optimizer):
+    """SGD with optional (Nesterov) momentum and L2 weight decay."""
+
+    settings = {"momentum": UNIT, "nesterov": None}
+
+    def __init__(
+        self,
+        params: list[Param],
+        *,
+        lr: float,
+        momentum: float = 0.0,
+        nesterov: bool = False,
+        weight_decay: float = 0.0,
+    ) -> None:
+        self.check(momentum=momentum)
+        if nesterov and momentum == 0:
+            raise ConfigError(NESTEROV_NEEDS_MOMENTUM)
+        self.state_names = ("momentum",) if momentum > 0 else ()
+        super().__init__(params, lr=lr, weight_decay=weight_decay)
+        self.momentum = momentum
+        self.nesterov = nesterov
+
+    @classmethod
+    def config_problems(cls, cfg: Any) -> list[str]:
+        return [NESTEROV_NEEDS_MOMENTUM] if cfg.nesterov and not cfg.momentum > 0 else []
+
+    def _update_numpy(self, p: Param, st: dict[str, Any], lr: float, inv_scale: float) -> None:
+        g = p.grad.astype(p.value.dtype) * inv_scale + self.weight_decay * p.value
+        if self.momentum > 0:
+            buf = st["momentum"]
+            buf *= self.momentum
+            buf += g
+            g = g + self.momentum * buf if self.nesterov else buf
+        p.value -= lr * g
+
+    def _cuda_update(self) -> tuple[str, str]:
+        lit = c_literal
+        body = f"if (!skipped) {{ P g = (P)$g * inv_s + (P){lit(self.weight_decay)} * $p;"
+        if self.momentum > 0:
+            body += f"$momentum = (P){lit(self.momentum)} * $momentum + g;"
+            body += f"g = g + (P){lit(self.momentum)} * $momentum;" if self.nesterov else "g = $momentum;"
+        return "", body + "$p = $p - lr_v * g; }"
+
+
+@register_optimizer("adamw", decoupled=True)
+@register_optimizer("adam")
+class Adam(Optimizer):
+    """Adam (``decoupled=False``, L2 weight decay) and AdamW (``decoupled=True``)."""
+
+    state_names = ("exp_avg", "exp_avg_sq")
+    settings = {"beta1": UNIT, "beta2": UNIT, "eps": POSITIVE}
+
+    @classmethod
+    def from_config(cls, cfg: Any, params: list[Param], **options: Any) -> Optimizer:
+        betas = (cfg.beta1, cfg.beta2)
+        return cls(params, lr=cfg.lr, betas=betas, eps=cfg.eps, weight_decay=cfg.weight_decay, **options)
+
+    def __init__(
+        self,
+        params: list[Param],
+        *,
+        lr: float,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        decoupled: bool = False,
+    ) -> None:
+        self.check(beta1=betas[0], beta2=betas[1], eps=eps)
+        super().__init__(params, lr=lr, weight_decay=weight_decay)
+        self.beta1, self.beta2 = betas
+        self.eps = eps
+        self.decoupled = decoupled
+
+    def _update_numpy(self, p: Param, st: dict[str, Any], lr: float, inv_scale: float) -> None:
+        t = float(self.t)
+        g = p.grad.astype(p.value.dtype) * inv_scale
+        if self.decoupled:
+            p.value *= 1 - lr * self.weight_decay
+        else:
+            g = g + self.weight_decay * p.value
+        m, v = st["exp_avg"], st["exp_avg_sq"]
+        m *= self.beta1
+        m += (1 - self.beta1) * g
+        v *= self.beta2
+        v += (1 - self.beta2) * g * g
+        m_hat = m / (1 - self.beta1**t)
+        v_hat = v / (1 - self.beta2**t)
+        p.value -= lr * m_hat / (np.sqrt(v_hat) + self.eps)
+
+    def _cuda_update(self) -> tuple[str, str]:
+        lit = c_literal
+        b1, b2, wd = lit(self.beta1), lit(self.beta2), lit(self.weight_decay)
+        loop_prep = f"""
+        const double t_now = t[0] + 1.0;  // this step is the (t+1)-th applied one
+        const P bc1 = (P)(1.0 - pow({b1}, t_now)), bc2 = (P)(1.0 - pow({b2}, t_now));
+        const P decay = (P)(1.0 - lr[0] * {wd});
+        """
+        body = "if (!skipped) { P g = (P)$g * inv_s;"
+        body += "$p = $p * decay;" if self.decoupled else f"g = g + (P){wd} * $p;"
+        body += f"""
+            $exp_avg = (P){b1} * $exp_avg + (P)(1.0 - {b1}) * g;
+            $exp_avg_sq = (P){b2} * $exp_avg_sq + (P)(1.0 - {b2}) * g * g;
+            const P m_hat = $exp_avg / bc1, v_hat = $exp_avg_sq / bc2;
+            $p = $p - lr_v * m_hat / (sqrt(v_hat) + (P){lit(self.eps)}); }}"""
+        return loop_prep, body

@@ -1,0 +1,59 @@
+"""Whether a checkpoint's training state fits the trainer built for it: checked before anything is loaded.
+
+:meth:`mlptrain.step.trainer.Trainer.load_state_dict` calls :func:`check` first: the architecture, the
+parameters' dtype (the precision) and the optimizer must be the run's, and the arrays exactly those the
+trainer's :meth:`~mlptrain.step.trainer.Trainer.state_dict` writes (names, shapes, parameter dtypes; the
+data's normalisation aside, which is compared elsewhere). Each refusal names the checkpoint and says
+how to resume it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from mlptrain.base.errors import CheckpointError
+from mlptrain.config import shell
+from mlptrain.nn import fp8
+
+
+def check(tr: Any, arrays: dict[str, np.ndarray], m: dict[str, Any], where: str) -> None:
+    """Raise :class:`~mlptrain.base.errors.CheckpointError` unless ``arrays`` and meta ``m`` (of the checkpoint
+    ``where``) fit the trainer ``tr``: its widths, parameter dtype, optimizer and every array it holds."""
+    if m["widths"] != tr.widths:
+        raise CheckpointError(
+            f"{where} is for model {_w(m['widths'])} but this run builds {_w(tr.widths)}; "
+            f"resume with {shell.override('model.hidden', m['widths'][1:-1])} or start a new run"
+        )
+    want_dtype = np.dtype(tr.precision.param_dtype).name
+    if m["param_dtype"] != want_dtype:
+        raise CheckpointError(
+            f"{where} holds {m['param_dtype']} parameters (precision={m['precision']}) but this run uses "
+            f"precision={tr.precision.name} with {want_dtype} parameters; resume with precision={m['precision']}"
+        )
+    if m["optimizer"] != tr.cfg.optimizer.name:
+        raise CheckpointError(
+            f"{where} holds {m['optimizer']} optimizer state but this run uses "
+            f"optimizer={tr.cfg.optimizer.name}; resume with optimizer={m['optimizer']}"
+        )
+    expected = {f"param/{p.name}": (tuple(p.value.shape), want_dtype) for p in tr.model.params}
+    expected.update({f"optim/{k}": (tuple(v.shape), None) for k, v in tr.optimizer.state_dict().items()})
+    expected.update(fp8.expected_arrays(tr.gemm, arrays))
+    for key, (shape, dtype) in expected.items():
+        a = arrays.get(key)
+        if a is None:
+            raise CheckpointError(f"{where} has no {key!r} (optimizer settings such as momentum changed?)")
+        if a.shape != shape or (dtype is not None and a.dtype.name != dtype):
+            raise CheckpointError(
+                f"{where}: {key!r} is {a.dtype.name}{list(a.shape)}, expected {dtype or a.dtype.name}{list(shape)}"
+            )
+    extra = sorted(k for k in set(arrays) - set(expected) if not k.startswith("data/"))
+    if extra:
+        raise CheckpointError(
+            f"{where} has state this run does not use: {', '.join(extra)} (optimizer settings changed?)"
+        )
+
+
+def _w(widths: list[int]) -> str:
+    return "-".join(map(str, widths))

@@ -1,0 +1,395 @@
+"""The training step: the model, its loss, its optimizer, and one step of them on the device.
+
+A :class:`Trainer` is built from a valid config (:mod:`mlptrain.step.build` turns each config group
+into its object) and does one thing: train steps. The run around it (epochs, metrics,
+checkpoints, interruption) is :func:`mlptrain.run.run.train`.
+
+One step (:meth:`Trainer.step`), all on the device, with no host synchronisation, so on the GPU it
+is captured once into a CUDA graph and replayed (``graph=false`` to turn off). Where it runs (the
+stream, the graphs, the pools, the kernels compiling ahead) is the device runtime's
+(:mod:`mlptrain.step.runtime`), apart from the step; the trainer is the step and its state::
+
+    logits = model.forward(x)                            # fused: RELU_AUX_BIAS ... BIAS
+    loss, correct = head.backward(model, logits, y, s)   # the loss kernel (and, small heads, the
+                                                         # head kernel), then the network's backward:
+                                                         # DRELU(_BGRAD), BGRADB
+    skip = scaler.check(grads)                           # fp16 only: 1 kernel over all gradients
+    optimizer.step(lr, 1/s, skip,                        # 1 kernel over all parameters, whose last
+                   tail=log.tail(loss, correct, B))      # block updates the loss scale, the step
+                                                         # count and the lr, and records the metrics
+
+For 784-1024-1024-10 in fp16 that is 7 GEMMs and 4 small kernels (``scripts/step_kernels.py``
+lists them). The host reads the metrics back only every ``log_every`` steps, from the device ring
+of :class:`~mlptrain.step.steplog.StepLog`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from mlptrain.base.backend import Backend, get_backend
+from mlptrain.base.cuda_source import Job
+from mlptrain.base.timeline import mark
+from mlptrain.config.schema import TrainConfig
+from mlptrain.data import Dataset, load_dataset, preprocess
+from mlptrain.data.prepare import task_for_loss
+from mlptrain.nn import fp8
+from mlptrain.nn.losses import mse_in_units
+from mlptrain.step import bgrad, build, state_fit
+from mlptrain.step.runtime import Runtime, device_runtime
+from mlptrain.step.schedule import StepClock
+from mlptrain.step.steplog import StepLog
+
+log = logging.getLogger(__name__)
+
+
+class Trainer:
+    """The step of a run, built from a valid :class:`TrainConfig` (:func:`mlptrain.config.schema.validate`).
+
+    Args:
+        cfg: the configuration.
+        dataset: the data to train on (default: the one ``cfg.data`` names).
+        backend: where to run (default: ``cfg.device``).
+        comm: data parallelism (:mod:`mlptrain.distributed`): this trainer is one rank of
+            ``comm.world``; it takes its shard of every training batch, and its gradients, loss and
+            counts become the global batch's before each update (``distributed.gpus``, torchrun).
+        precompile: GPU: the run's kernels, compiling on threads (:mod:`mlptrain.step.cuda.precompile`) since
+            :func:`mlptrain.run.run.train` started them; by default the trainer starts them.
+    """
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        dataset: Dataset | None = None,
+        backend: Backend | None = None,
+        *,
+        comm: Any = None,
+        precompile: Any = None,
+    ) -> None:
+        self.cfg = cfg
+        self.backend = backend or get_backend(cfg.device.value)
+        xp = self.xp = self.backend.xp
+        self.precision = build.precision(cfg.precision, self.backend)
+        # GPU: the run's CuPy kernels compile on threads from here on, each waited for before its first launch
+        self.runtime: Runtime = device_runtime(
+            self.backend,
+            self.precision,
+            precompile=precompile,
+            resume=cfg.resume is not None,
+            graph=cfg.graph is not False,
+            autotune=cfg.execution.autotune,
+        )
+        data_cfg = task_for_loss(cfg.data, cfg.model.loss)  # a regression loss makes a file's task a regression
+        self.dataset = load_dataset(data_cfg) if dataset is None else preprocess(dataset, cfg.data)  # one path
+        mark("data")
+        self.widths = build.widths(cfg.model, self.dataset)
+        # Independent host streams for init and data order, from one seed.
+        init_seed, data_seed = np.random.SeedSequence(cfg.seed).spawn(2)
+        self.gemm = build.gemm(cfg.execution, self.backend, self.precision)
+        self.execution = build.execution(cfg.execution, self.gemm, xp)
+        self.runtime.wait("setup")  # from here on: the parameters' cast (resuming: CuPy's fill)
+        self.model = build.model(
+            cfg.model,
+            self.widths,
+            self.execution,
+            self.backend,
+            self.precision,
+            np.random.default_rng(init_seed),
+        )
+        two_streams = build.wgrad_stream(cfg.execution, self.widths, cfg.data.batch_size, comm is not None)
+        self.runtime.wgrad_stream(self.model, two_streams)  # GPU: dW GEMMs concurrent with the dX chain
+        self.head = build.head(cfg, self.backend, self.widths)
+        if (units := self.dataset.target_units()) is not None:  # standardised targets (mse): losses in their units
+            self.head.loss_fn = mse_in_units(xp.asarray(units))
+        shard = (comm.rank, comm.world) if comm is not None else None
+        self.train_loader, self.eval_loaders = build.loaders(
+            cfg.data, self.dataset, xp, self.precision.compute_dtype, int(data_seed.generate_state(1)[0]), shard
+        )
+        self.grad_sync: Any = None
+        if comm is not None:
+            from mlptrain.distributed.dp import GradientSync
+
+            self.grad_sync = GradientSync(comm, cfg.data.batch_size, xp, int(cfg.distributed.bucket_mib * 2**20))
+        self.optimizer = build.optimizer(cfg.optimizer, self.model.params)
+        self.scaler = build.scaler(cfg.precision, xp, self.precision)
+        self.steps_per_epoch = len(self.train_loader)
+        self.total_steps = self.steps_per_epoch * cfg.epochs
+        if cfg.max_steps is not None:
+            self.total_steps = min(self.total_steps, cfg.max_steps)
+        self.clock = StepClock(xp)  # the one step counter of the run
+        self.schedule = build.schedule(cfg.optimizer, xp, self.clock, self.total_steps)
+        # Per-step metrics and the end-of-step bookkeeping, on the device (read every log_every steps).
+        self.log = StepLog(xp, cfg.log_every, self.scaler, self.schedule)
+        model = self.model
+        self.runtime.prepare(
+            self._launch, keep=model.step_arrays, restore=model.restore_step_arrays, release=self.release_step
+        )
+        # Each training batch gathered by the step itself (train_batches): where the step is one replayed graph
+        # and one process trains (data parallel ranks gather theirs as they did); tests turn it on, on the CPU.
+        # A host-resident split (data.residency=host) is gathered on the host and copied into the graph's buffers.
+        self.gathers_in_step = self.runtime.graphed is not None and comm is None and self.train_loader.resident
+        self._own_batches: dict[int, tuple[Any, Any]] = {}  # rows -> the buffers such a step gathers into
+        # Batch shapes whose graphs are captured ahead, once the first step's graph exists (train_batches, step).
+        self._ahead: list[int] = []
+        self._ahead_planned = False
+        # The loop writes each log interval's records while the device runs the next (mlptrain.run.loop.Interval)
+        self.writes_metrics_late = self.runtime.queues_work and comm is None
+        mark("model")
+        self._finish_setup()
+        mark("bgrad")
+
+    def _finish_setup(self) -> None:
+        """Once everything the step uses is built: its kernels queued, the bgrad choice, set-up's blocks freed."""
+        # The kernels of the step and of evaluation compile on threads from now on. The bgrad probe waits for
+        # them before it captures (on a first run it would otherwise compile the loss and the head kernel
+        # itself, one after another, on this thread); the head kernel's source is the same for either choice.
+        self.runtime.submit_precompile(self.precompile_jobs)
+        bgrad.choose(self)  # on the GPU it may time the step, so after everything the step uses
+        self.runtime.free_setup_blocks()  # blocks set-up freed (the probe's, the weights' init temporaries)
+        if self.grad_sync is not None:  # after the probe: it times one rank's step alone
+            self.grad_sync.overlap(self.model)  # each weight gradient all-reduced as soon as it is made (GPU)
+
+    @property
+    def stream(self) -> Any:
+        """The runtime's stream: ``with trainer.stream:`` runs steps where the training loop runs them."""
+        return self.runtime.stream
+
+    @property
+    def graphed(self) -> Any:
+        """The runtime's CUDA graphs of the step (:class:`~mlptrain.step.cuda.graph.GraphedStep`), or None."""
+        return self.runtime.graphed
+
+    @property
+    def memory_peak(self) -> Any:
+        """The runtime's high-water mark of the pools (:class:`~mlptrain.step.cuda.memory.PeakTracker`), or None."""
+        return self.runtime.memory_peak
+
+    # --- the step ---------------------------------------------------------------------------
+
+    @property
+    def step_count(self) -> int:
+        """Optimizer steps taken (skipped fp16 steps included): the host half of :attr:`clock`."""
+        return self.clock.n
+
+    def step(self, x: Any, y: Any) -> tuple[Any, Any]:
+        """One optimizer step on batch ``x (B, in)``, ``y (B,)``; returns device ``(loss, correct)``.
+
+        On the GPU (unless ``graph=false``) the step is replayed from a CUDA graph. The returned
+        arrays belong to the step: a replay rewrites them.
+        """
+        tag = "gather" if self._gathers(x) else None
+        out = self.runtime.step(x, y, tag=tag)
+        self.clock.tick()
+        if self._ahead and self.graphed.captured(x, y, tag):
+            self._capture_ahead()
+        return out
+
+    def _capture_ahead(self) -> None:
+        """Capture the graphs of the epoch's other batch shapes (the short last batch) now, before the loop
+        meets them: one the first time inside the timed epochs cost the epoch it fell in a capture's time.
+
+        No step is taken: each shape's warm-up is the forward and backward alone on a batch gathered for it (they
+        plan its GEMMs; :meth:`GraphedStep.precapture`), and the capture runs nothing. What the forward changes
+        under fp8 (the amax histories) is put back. The update and the bookkeeping have run uncaptured in
+        the first shape's warm-up steps, and the tail's batch size is made here, outside the capture.
+        """
+        ld, rows_now = self.train_loader, self._ahead
+        self._ahead = []
+        tag = "gather" if self.gathers_in_step else None  # a host-resident split fills the graph's own buffers
+        fp8_state = fp8.state_dict(self.gemm)
+        for rows in rows_now:
+            x, y = self._own_batches[rows] if tag else self.batch_buffers(rows) or self._host_buffers(rows)
+            if self.graphed.captured(x, y, tag):
+                continue
+            self.log.rows_value(rows)
+            ld.sample_batch(x, y, self.clock.device)  # a valid batch to plan on
+            self.graphed.precapture(x, y, lambda x=x, y=y: self.forward_backward(x, y), tag=tag)
+        fp8.load_state_dict(self.gemm, fp8_state)
+
+    def release_step(self) -> None:
+        """Drop the arrays the last step left: gradients, saved inputs and masks, and the GEMM plans'
+        references to their last operands (their memory returns to the pool for the next step)."""
+        self.model.release_step_arrays()
+        self.gemm.release_operands()  # (the CPU's engine plans nothing: it has none)
+
+    def _launch(self, x: Any, y: Any) -> tuple[Any, Any]:
+        """The step's device work, launched op by op (what a CUDA graph records once)."""
+        sync, rows = self.grad_sync, len(y)
+        if self._gathers(x):  # the batch of this step, read on the device from the step count (train_batches)
+            self.train_loader.gather_in_step(x, y, self.clock.device)
+        lr, inv_scale = self.schedule.lr, self.scaler.inv_scale  # this step's
+        if sync is None:
+            loss, correct = self.forward_backward(x, y)
+        else:  # data parallel (mlptrain.distributed.dp): this rank's share, then the global batch's
+            loss, correct = self.forward_backward(x, y, sync.grad_scale(self.scaler.scale, rows))
+            loss, correct, rows, inv_scale = sync(self.model.params, loss, correct, rows, inv_scale)
+        self.runtime.wait("update")
+        skip = self.scaler.check([p.grad for p in self.model.params])  # fp16: any inf/NaN gradient
+        # the update, then the bookkeeping (scaler update, the step count and lr, the metrics): on the GPU one
+        # kernel, whose last block runs the bookkeeping
+        self.log.after_update(lambda tail: self.optimizer.step(lr, inv_scale, skip, tail=tail), loss, correct, rows)
+        return loss, correct
+
+    def forward_backward(self, x: Any, y: Any, grad_scale: Any = None) -> tuple[Any, Any]:
+        """Forward, loss and backward: every ``param.grad`` set; returns device ``(loss, correct)``.
+
+        ``grad_scale``: what the loss gradient is multiplied by (default: the loss scale)."""
+        # (B, classes), handed over in a list: the loss writes dlogits over it and the backward frees it
+        logits = [self.model.forward(x)]
+        self.runtime.wait("loss")  # (the first time, the forward's GEMMs were planned meanwhile)
+        return self.head.backward(self.model, logits, y, self.scaler.scale if grad_scale is None else grad_scale)
+
+    def rows(self, y: Any) -> int:
+        """The rows of the global batch whose shard ``y`` is (data parallel), else ``len(y)``."""
+        return self.train_loader.global_rows if self.grad_sync is not None else len(y)
+
+    def train_batches(self, epoch: int, start_batch: int = 0) -> Iterator[tuple[Any, Any]]:
+        """The training batches of ``epoch`` from ``start_batch``, as the loop steps through them.
+
+        Where the step is a replayed CUDA graph (:attr:`gathers_in_step`), the loader gathers nothing: it puts
+        the epoch's order on the device once, and each step's first kernels gather its batch into the graph's
+        input buffers, reading the step count on the device (:meth:`DataLoader.gather_in_step`). Replaying a
+        step is then one graph launch, the batch included. Otherwise the loader gathers each batch into the
+        graph's buffers (or fresh arrays) before the step.
+        """
+        ld = self.train_loader
+        if not self.gathers_in_step:
+            if self.graphed is not None and not ld.resident and not self._ahead_planned:  # host-resident batches
+                self._ahead_planned = True  # the other shapes are captured once the first one's graph exists
+                first = next(ld.batch_rows(start_batch), None)
+                self._ahead = [rows for rows in ld.row_counts() if rows != first]
+            yield from ld.epoch(epoch, start_batch, out=self.batch_buffers)
+            return
+        ld.place_order(epoch, start_batch, self.step_count)
+        if not self._own_batches and self.graphed is not None:  # the first epoch: every shape, the last captured ahead
+            for rows in ld.row_counts():
+                self._own_batches[rows] = self.batch_buffers(rows, tag="gather") or self._host_buffers(rows)
+            self._ahead = [rows for rows in ld.row_counts() if rows != next(ld.batch_rows(start_batch), None)]
+        for rows in ld.batch_rows(start_batch):
+            if rows not in self._own_batches:
+                self._own_batches[rows] = self.batch_buffers(rows, tag="gather") or self._host_buffers(rows)
+            yield self._own_batches[rows]
+
+    def _gathers(self, x: Any) -> bool:
+        """Whether the step on ``x`` gathers its own batch: ``x`` is a buffer :meth:`train_batches` yields."""
+        own = self._own_batches.get(len(x))
+        return own is not None and own[0] is x
+
+    def batch_buffers(self, rows: int, tag: str | None = None) -> tuple[Any, Any] | None:
+        """Where the loader should gather a training batch of ``rows``: the CUDA graph's input
+        buffers for that shape (saves the step a copy), or None (fresh arrays) without a graph.
+        ``tag``: the graphs of steps that gather their own batch (:meth:`train_batches`) are others."""
+        self.runtime.wait("batch")  # the loader gathers next
+        return self.runtime.input_buffers(*self.train_loader.batch_spec(rows), tag)
+
+    def _host_buffers(self, rows: int) -> tuple[Any, Any]:
+        """Batch arrays for steps that gather their own batch without a graph (the CPU, in tests)."""
+        x_shape, x_dtype, y_shape, y_dtype = self.train_loader.batch_spec(rows)
+        return self.xp.empty(x_shape, x_dtype), self.xp.empty(y_shape, y_dtype)
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of optimizer step ``step`` (host value, for logs)."""
+        return self.schedule.host(step)
+
+    def evaluate(self, split: str) -> dict[str, float]:
+        """Mean loss (and, for a classification, accuracy) over a whole split (syncs once at the end).
+
+        Each batch's 0-d loss and count stay on the device until the last batch is queued; the sums
+        are then taken on the host (float64, in batch order), so evaluating compiles no kernel of its own.
+        Data parallel: each rank evaluates its rows of the split and the sums are all-reduced.
+        """
+        self.runtime.finish_precompile()
+        loader = self.eval_loaders[split]
+        per_batch = []
+        for x, y in loader.epoch(0):
+            per_batch.append((*self.head.evaluate(self.model.forward(x, keep=False), y), len(y)))
+        self.gemm.release_operands()  # the plans forget the last batch: its memory can go
+        to_host = self.backend.to_host
+        loss_sum = 0.0
+        for loss, _, rows in per_batch:
+            h = to_host(loss)  # 0-d, the loss's dtype
+            loss_sum += np.float64(h * h.dtype.type(rows))  # loss x rows in that dtype, as the device did
+        classification = self.dataset.task == "classification"
+        correct = sum(int(to_host(c)) for _, c, _ in per_batch) if classification else 0
+        sums = np.array([loss_sum, correct, loader.num_samples], dtype=np.float64)
+        if self.grad_sync is not None:
+            self.grad_sync.comm.all_reduce([sums])  # every rank's rows: the whole split
+        out = {f"{split}/loss": float(sums[0]) / sums[2]}
+        if classification:
+            out[f"{split}/acc"] = int(sums[1]) / int(sums[2])
+        return out
+
+    # --- kernels compiled ahead (mlptrain.step.cuda.precompile) --------------------------------------
+
+    def precompile_jobs(self) -> list[Job]:
+        """The kernels of the step and of evaluation, each declared by the component that writes it: the head's
+        losses (and kernel), the optimizer's update with the step log's tail, the scaler's check."""
+        cdt, train = self.precision.compute_dtype, self.train_loader
+        batches = [(r, ld.y, ld is train) for ld in [train, *self.eval_loaders.values()] for r in ld.row_counts()]
+        loss_dtype = np.float64 if np.dtype(cdt) == np.float64 else np.float32  # the loss's 0-d
+        sc, shapes = self.scaler, [p.value.shape for p in self.model.params]
+        return [
+            *self.head.precompile_jobs(self.model, cdt, batches, sc.scale),
+            *self.optimizer.precompile_jobs(
+                cdt,
+                (self.schedule.lr, sc.inv_scale, sc.found_inf),
+                lambda: self.log.scratch_tail(loss_dtype, train.row_counts()[0]),
+            ),
+            *sc.precompile_jobs(cdt, shapes),
+        ]
+
+    # --- state ------------------------------------------------------------------------------
+
+    def state_dict(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """``(arrays, meta)``: the state of training, as host arrays and JSON-ready values (syncs the device).
+
+        Arrays: ``param/<name>`` (master copies), ``optim/<name>/<state>`` and ``optim/t``, and the
+        data's normalisation (``data/shift``, ``data/scale``). Meta: the architecture and dtypes it
+        fits, the bgrad strategies, the loss scaler's state, the data seed and the data's
+        preprocessing. The step count is the run's position (:class:`mlptrain.run.checkpoint.Position`).
+        """
+        arrays = {f"param/{k}": v for k, v in self.model.state_dict().items()}
+        arrays.update({f"optim/{k}": np.asarray(v) for k, v in self.optimizer.state_dict().items()})
+        data_meta, data_arrays = self.dataset.preprocessing()
+        arrays.update({**data_arrays, **fp8.state_dict(self.gemm)})  # precision=fp8: amax histories, scales
+        cfg = self.cfg
+        meta = {
+            "steps_per_epoch": self.steps_per_epoch,
+            "widths": self.widths,
+            "param_dtype": np.dtype(self.precision.param_dtype).name,
+            "compute_dtype": np.dtype(self.precision.compute_dtype).name,
+            "precision": self.precision.name,
+            "execution": cfg.execution.mode.value,
+            "bgrad": self.model.bgrad,
+            "optimizer": cfg.optimizer.name,
+            "scaler": self.scaler.state_dict() if self.scaler.enabled else None,
+            "rng": {"seed": cfg.seed, "data_seed": self.train_loader.seed},
+            "data": data_meta,
+        }
+        return arrays, meta
+
+    def load_state_dict(self, arrays: dict[str, np.ndarray], meta: dict[str, Any], *, step: int, where: str) -> None:
+        """Continue from a state of :meth:`state_dict` at optimizer step ``step``, after checking that it fits.
+
+        Raises:
+            CheckpointError: another architecture, parameter dtype or optimizer, or missing,
+                extra or misshapen arrays (``where`` names the checkpoint in the message).
+        """
+        state_fit.check(self, arrays, meta, where)
+        if self.dataset.preprocessing_differs(arrays, where):
+            log.warning("%s: the data is normalised differently than when the checkpoint was saved", where)
+        self.model.load_state_dict({k[len("param/") :]: v for k, v in arrays.items() if k.startswith("param/")})
+        self.optimizer.load_state_dict({k[len("optim/") :]: v for k, v in arrays.items() if k.startswith("optim/")})
+        if self.scaler.enabled and meta["scaler"] is not None:
+            self.scaler.load_state_dict(meta["scaler"])
+        fp8.load_state_dict(self.gemm, arrays)
+        self.clock.set(step)
+        self.schedule.sync()
+        if meta.get("bgrad") and meta["bgrad"] != self.model.bgrad:
+            # The strategies round differently: continue with the one the run was trained with.
+            log.info("%s: using the checkpoint's bgrad strategies %s", where, meta["bgrad"])
+            self.model.set_bgrad(meta["bgrad"])
