@@ -46,10 +46,12 @@ EPOCHS = 2  # 21 steps an epoch (digits, batch 64): 42 losses a configuration
 
 
 def environment() -> dict[str, str]:
-    """What the bits depend on besides mlptrain: NumPy's release and the BLAS kernels chosen for this CPU."""
+    """What the bits depend on besides mlptrain: NumPy's release and the BLAS kernels NumPy's own OpenBLAS
+    chose for this CPU (libraries other packages load, torch's OpenMP or MKL, do not count)."""
     from threadpoolctl import threadpool_info
 
-    blas = [f"{i['internal_api']} {i['version']} {i.get('architecture')}" for i in threadpool_info()]
+    mine = [i for i in threadpool_info() if i["user_api"] == "blas" and "numpy" in i["filepath"]]
+    blas = [f"{i['internal_api']} {i['version']} {i.get('architecture')}" for i in mine]
     return {"numpy": np.__version__, "blas": "; ".join(sorted(blas))}
 
 
