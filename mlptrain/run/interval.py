@@ -1,7 +1,8 @@
 """A log interval of the training loop: its steps' records, checks and time, collected one interval late on a GPU.
 
 The step records its metrics on the device (:class:`~mlptrain.step.steplog.StepLog`); the loop writes them
-once per ``log_every`` steps. :class:`Interval` counts the steps of the interval on the host;
+once per ``log_every`` steps. :meth:`Interval.steps` takes an epoch's steps (the one step loop of the CLI's
+:class:`~mlptrain.run.loop.Loop` and of the scikit-learn estimators) and counts them on the host;
 :meth:`Interval.close` queues what the records need behind the interval's steps and returns a
 :class:`Closed`; :meth:`Interval.write` waits for it and writes one ``step`` record per step.
 :func:`epoch_line` is the log line of an epoch's record.
@@ -9,12 +10,16 @@ once per ``log_every`` steps. :class:`Interval` counts the steps of the interval
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, NamedTuple
 
 import numpy as np
 
+from mlptrain.base.timeline import FIRST_STEPS, timed
+from mlptrain.run.checkpoint import Position
 from mlptrain.run.faults import IntervalChecks
 from mlptrain.run.metrics import MetricsWriter
 from mlptrain.step.steplog import MetricsRead
@@ -61,10 +66,30 @@ class Interval:
 
         return stream_mark()
 
-    def add(self, batch_size: int, lr: float) -> None:
-        self.size[self.pending] = batch_size
-        self.lr[self.pending] = lr
-        self.pending += 1
+    def steps(self, epoch: int, start: Position | None = None, run_start: int = 0) -> Iterator[Step]:
+        """The steps of ``epoch`` from ``start`` (inside it: its batch and running sums; default its beginning).
+
+        Each takes the next batch (:meth:`~mlptrain.step.trainer.Trainer.train_batches`) at the schedule's
+        learning rate, is counted in this interval (its metrics stay on the device until :meth:`close`) and
+        is yielded; the caller closes the interval (:attr:`full`, or earlier) and stops where it wants.
+        The run's first steps from step ``run_start`` are timed apart (warm-up and capture,
+        :mod:`mlptrain.base.timeline`).
+        """
+        tr, start = self.tr, start or Position(epoch)
+        tr.log.start_epoch(start.loss_sum, start.correct)  # the epoch's running sums, on the device
+        for x, y in tr.train_batches(epoch, start.batch):
+            lr = tr.lr_at(tr.step_count)
+            with timed("first steps") if tr.step_count - run_start < FIRST_STEPS else contextlib.nullcontext():
+                loss, _ = tr.step(x, y)
+            rows = tr.rows(y)  # of the global batch (data parallel: every rank's shard together)
+            self.size[self.pending], self.lr[self.pending] = rows, lr  # host only: the metrics are on the device
+            self.pending += 1
+            yield Step(loss, lr, rows)
+
+    @property
+    def full(self) -> bool:
+        """Whether the interval has its ``log_every`` steps (the step log's ring is full: close it now)."""
+        return self.pending == len(self.size)
 
     def close(self) -> Closed:
         """End the interval: its metrics, checks and end mark queued behind its steps (no wait)."""
@@ -107,6 +132,14 @@ class Interval:
                 rec.update(samples_per_s=self.samples_per_s, step_time_ms=step_ms)
             metrics.write(**rec)
         return got["loss"], closed.lr
+
+
+class Step(NamedTuple):
+    """A training step taken (:meth:`Interval.steps`)."""
+
+    loss: Any  # the step's loss on the device (float() syncs it)
+    lr: float  # its learning rate (host value)
+    rows: int  # the rows of its global batch
 
 
 @dataclasses.dataclass

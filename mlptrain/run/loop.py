@@ -3,9 +3,8 @@
 :meth:`Loop.run` reads like a training script::
 
     for epoch in range(start.epoch, cfg.epochs):
-        for x, y in train_loader.epoch(epoch):     # train_epoch: steps, one sync per log interval
-            loss, correct = trainer.step(x, y)
-            ...                                    # metrics, checks, checkpoints every N steps
+        for step in interval.steps(epoch):         # train_epoch: trainer.step(x, y) on each batch (as sklearn's)
+            ...                                    # metrics (one sync per log interval), checks, checkpoints
         ...                                        # end_epoch: evaluate, epoch record, best, last
 
 Everything else has a name: :class:`~mlptrain.run.interval.Interval` keeps the host side of the steps whose metrics are
@@ -27,7 +26,7 @@ from tqdm.auto import tqdm
 
 from mlptrain.base.errors import TrainingInterrupted
 from mlptrain.base.stopping import Stop
-from mlptrain.base.timeline import FIRST_STEPS, timed
+from mlptrain.base.timeline import timed
 from mlptrain.config.schema import to_plain
 from mlptrain.run import checkpoint, faults
 from mlptrain.run.checkpoint import Position
@@ -192,10 +191,9 @@ class Loop:
         whether the run is done."""
         tr, cfg, interval = self.tr, self.cfg, self.interval
         pos = self.start if epoch == self.start.epoch else Position(epoch, 0, tr.step_count)
-        tr.log.start_epoch(pos.loss_sum, pos.correct)  # the epoch's running sums, on the device
         samples, batch, done = pos.samples, pos.batch, False
         bar = tqdm(
-            tr.train_batches(epoch, batch),
+            interval.steps(epoch, pos, self.start.step),
             initial=batch,
             total=tr.steps_per_epoch,
             desc=f"train {epoch + 1}/{cfg.epochs}",
@@ -204,22 +202,14 @@ class Loop:
             position=1,
             disable=self.progress_disable,
         )
-        for x, y in bar:
-            lr = tr.lr_at(tr.step_count)
-            if tr.step_count - self.start.step < FIRST_STEPS:  # warm-up and capture (mlptrain.base.timeline)
-                with timed("first steps"):
-                    loss, _ = tr.step(x, y)
-            else:
-                loss, _ = tr.step(x, y)
-            rows = tr.rows(y)  # of the global batch (data parallel: every rank's shard together)
-            interval.add(rows, lr)  # host only: the step recorded its metrics on the device
-            samples += rows
+        for step in bar:
+            samples += step.rows
             batch += 1
             done = tr.step_count >= tr.total_steps
             if self.each_step:
-                self.check(np.array([float(loss)]), np.array([lr]), epoch, flush_first=True)
+                self.check(np.array([float(step.loss)]), np.array([step.lr]), epoch, flush_first=True)
             ckpt_due = cfg.checkpoint_steps > 0 and tr.step_count % cfg.checkpoint_steps == 0 and not done
-            if interval.pending == cfg.log_every or done or ckpt_due or self.stop.requested:
+            if interval.full or done or ckpt_due or self.stop.requested:
                 losses = self.flush(epoch, wait=done or ckpt_due or self.stop.requested)
                 if losses is not None:
                     bar.set_postfix(loss=f"{losses[-1]:.4f}", sps=f"{interval.samples_per_s:,.0f}", refresh=False)

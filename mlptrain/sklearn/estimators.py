@@ -27,6 +27,7 @@ from mlptrain.base.errors import ConfigError, DatasetError
 from mlptrain.data.dataset import check_real
 from mlptrain.inference.predictor import Predictor, softmax
 from mlptrain.run.checkpoint import Checkpoint
+from mlptrain.run.interval import Interval
 from mlptrain.sklearn import persist
 from mlptrain.sklearn.fitting import Stopping, make_dataset, outputs, run_epoch
 from mlptrain.sklearn.params import batch_rows, check, check_continuation, train_config
@@ -190,9 +191,10 @@ class _BaseMLP(BaseEstimator):
         self.step_losses_ = [] if not hasattr(self, "step_losses_") or done == 0 else self.step_losses_
         scores: list[float] = []
         converged = False
+        interval = Interval(tr, tr.cfg.log_every)  # the steps' host side, as the CLI's loop keeps it
         with tr.stream, np.errstate(over="ignore", invalid="ignore", divide="ignore"):
             for epoch in range(done, done + epochs):
-                steps, loss = run_epoch(tr, epoch)
+                steps, loss = run_epoch(tr, interval, epoch)
                 self.step_losses_.extend(steps.tolist())
                 self.loss_curve_.append(loss)
                 self.n_iter_, self.t_ = epoch + 1, self.t_ + len(tr.dataset.y_train)

@@ -7,9 +7,10 @@ compares every step's loss):
 * :func:`make_dataset` splits as :func:`mlptrain.data.prepare.load_dataset` does for a file with a
   test file of its own: one stratified ``val_fraction`` of the rows, drawn by a generator seeded
   ``[split_seed, 0xDA7A]``, and the normalisation from the train split alone (kept with the model);
-* :func:`run_epoch` takes the steps :class:`mlptrain.run.loop.Loop` takes (the same data order, from
-  ``(seed, epoch)``), with no run directory: the per-step losses come back in memory, read from the
-  device once per epoch (:class:`~mlptrain.step.steplog.StepLog`, one host sync).
+* :func:`run_epoch` takes the steps :class:`mlptrain.run.loop.Loop` takes, by the same code
+  (:meth:`mlptrain.run.interval.Interval.steps`: the same batches, from ``(seed, epoch)``), with no run
+  directory: the per-step losses come back in memory, read from the device once per epoch (the estimators'
+  log interval is the epoch: one host sync).
 
 What ends the fit is scikit-learn's rule (:class:`Stopping`), not the CLI's ``early_stopping``.
 """
@@ -24,6 +25,7 @@ import numpy as np
 from mlptrain.data.dataset import Dataset, Normalization
 from mlptrain.data.prepare import normalization, stratified_split
 from mlptrain.run import faults
+from mlptrain.run.interval import Closed, Interval
 from mlptrain.step.trainer import Trainer
 
 # The seed stream of load_dataset's splits ([split_seed, SPLIT_STREAM]): the same rows held out as the CLI's
@@ -68,42 +70,41 @@ def make_dataset(
     )
 
 
-def run_epoch(tr: Trainer, epoch: int) -> tuple[np.ndarray, float]:
-    """The steps of ``epoch`` on ``tr``; returns each step's loss ``(S,)`` and the epoch's mean loss.
+def run_epoch(tr: Trainer, interval: Interval, epoch: int) -> tuple[np.ndarray, float]:
+    """The steps of ``epoch`` on ``tr`` (:meth:`Interval.steps`, the CLI's); returns each step's loss ``(S,)`` and
+    the epoch's mean loss.
 
     The CPU checks every step for inf/NaN (as the CLI: the error names the step); the GPU once per
     log interval, when the interval's metrics are read back.
     """
     each_step = not tr.backend.is_gpu
-    tr.log.start_epoch()  # the epoch's running sums, on the device
     losses: list[np.ndarray] = []
-    lrs: list[float] = []
     rows = 0
-    for x, y in tr.train_loader.epoch(epoch, out=tr.batch_buffers):
-        lrs.append(tr.lr_at(tr.step_count))
-        loss, _ = tr.step(x, y)
-        rows += len(y)
+    for step in interval.steps(epoch):
+        rows += step.rows
         if each_step:
-            _check(tr, np.array([float(loss)]), np.array(lrs[-1:]), epoch, each_step=True)
-        if len(lrs) - sum(map(len, losses)) == tr.log.capacity:
-            losses.append(_read(tr, lrs, losses, epoch))
-    if len(lrs) > sum(map(len, losses)):
-        losses.append(_read(tr, lrs, losses, epoch))
+            _check(tr, np.array([float(step.loss)]), np.array([step.lr]), epoch, None)
+        if interval.full:
+            losses.append(_read(tr, interval.close(), epoch))
+    if interval.pending:
+        losses.append(_read(tr, interval.close(), epoch))
     return np.concatenate(losses), float(tr.log.epoch_loss) / max(rows, 1)  # float() syncs the device
 
 
-def _read(tr: Trainer, lrs: list[float], done: list[np.ndarray], epoch: int) -> np.ndarray:
-    """The losses of the steps not read yet (one host sync); the GPU checks them here."""
-    n = len(lrs) - sum(map(len, done))
-    got = tr.log.read(tr.step_count - n, n)["loss"]
+def _read(tr: Trainer, closed: Closed, epoch: int) -> np.ndarray:
+    """The losses of a closed interval's steps (one host sync); the GPU checks them here."""
+    got = closed.read.result()["loss"]
     if tr.backend.is_gpu:
-        _check(tr, got, np.array(lrs[-n:]), epoch, each_step=False)
-    faults.check_scaler(tr)  # fp16: too many overflowing steps in a row
+        _check(tr, got, closed.lr, epoch, closed)
+    faults.check_scaler(tr, closed.checks, closed.last)  # fp16: too many overflowing steps in a row
     return np.asarray(got, dtype=np.float64)
 
 
-def _check(tr: Trainer, losses: np.ndarray, lrs: np.ndarray, epoch: int, *, each_step: bool) -> None:
-    error = faults.nonfinite_error(tr, losses, lrs, epoch, each_step=each_step, saved="")
+def _check(tr: Trainer, losses: np.ndarray, lrs: np.ndarray, epoch: int, closed: Closed | None) -> None:
+    """Raise the inf/NaN error of the last step (``closed`` None: the CPU checks each) or of a closed interval."""
+    checks, last = (None, None) if closed is None else (closed.checks, closed.last)
+    each = closed is None
+    error = faults.nonfinite_error(tr, losses, lrs, epoch, each_step=each, saved="", checks=checks, last_step=last)
     if error is not None:
         raise error
 
