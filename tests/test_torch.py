@@ -499,11 +499,11 @@ def test_the_cublaslt_engine_plans_once_per_signature(lt_engine: object, monkeyp
     gemm("p", x32, w32)
     assert [kw["tf32"] for _, _, kw in ContractPlan.made[-2:]] == [True, False]  # TF32 or not: two plans
     assert gemm.num_plans == 10
-    sent = []
-    monkeypatch.setattr(gemm, "nvmath", lambda *args, **kw: sent.append(args[3]) or (None, {}))
-    gemm("q", x32, aligned(5, 3))  # two dtypes: nvmath's
-    gemm("q", W, h.T, Epilog.BGRADA)  # an epilog it does not plan: nvmath's
-    assert sent == [None, Epilog.BGRADA] and gemm.num_plans == 10
+    with pytest.raises(ValueError, match="got torch.float32 @ torch.float64 with epilog None at call site 'q'"):
+        gemm("q", x32, aligned(5, 3))  # two dtypes: the chain never runs them
+    with pytest.raises(ValueError, match="with epilog Epilog.BGRADA at call site 'q'"):
+        gemm("q", W, h.T, Epilog.BGRADA)  # an epilog it does not plan
+    assert gemm.num_plans == 10
 
 
 @pytest.mark.parametrize("activation", ["relu", "gelu"])
@@ -593,19 +593,3 @@ def test_the_eager_function_under_autocast_and_an_unused_output() -> None:
     z = fused(torch.randn(5, 6))  # only parameters require a gradient: no input gradient is computed
     z.sum().backward()
     assert fused.linears[0].weight.grad.abs().sum() > 0
-
-
-def test_the_gemm_engine_switch() -> None:
-    assert engines.gemm_engine() == "cublaslt"
-    try:
-        engines.use_gemm_engine("nvmath")
-        assert engines.gemm_engine() == "nvmath"
-        with pytest.raises(ConfigError, match="use_gemm_engine 'cutlass' is not a GEMM engine of mlptrain.torch"):
-            engines.use_gemm_engine("cutlass")
-        assert engines.gemm_engine() == "nvmath"
-    finally:
-        engines.use_gemm_engine("cublaslt")
-    code = "from mlptrain.torch import engines; print(engines.gemm_engine())"
-    env = {**__import__("os").environ, "MLPTRAIN_TORCH_GEMM": "nvmath"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
-    assert out.stdout.strip() == "nvmath"

@@ -4,23 +4,19 @@
   views, no copy) through :class:`~mlptrain.nn.execution.NumpyGemm`, the epilog contract that the GPU
   is tested against. float16, float32 and float64 (NumPy has no bfloat16).
 * :class:`TorchEngine` (CUDA tensors): torch tensors straight into planned cuBLASLt GEMMs on torch's
-  current stream; its element-wise fallbacks are torch operations. The GEMMs are one of two engines of
-  :mod:`mlptrain.torch.torch_gemm`, which give the same bits: ``"cublaslt"`` (the default,
-  :class:`~mlptrain.torch.torch_gemm.TorchCublasLtGemm`: raw cuBLASLt calls, a few microseconds of
-  Python each) or ``"nvmath"`` (:class:`~mlptrain.torch.torch_gemm.TorchNvmathGemm`: nvmath's stateful
-  ``Matmul``), chosen by the environment variable ``MLPTRAIN_TORCH_GEMM`` or :func:`use_gemm_engine`.
+  current stream (:class:`~mlptrain.torch.torch_gemm.TorchCublasLtGemm`: raw cuBLASLt calls, a few
+  microseconds of Python each); its element-wise fallbacks are torch operations.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 from typing import Any
 
 import numpy as np
 import torch
 
-from mlptrain.base.errors import ConfigError, DeviceError
+from mlptrain.base.errors import DeviceError
 from mlptrain.nn.epilogs import gelu_aux_shape, gelu_grad, reduce_sum, relu_aux_shape, unpack_relu_mask
 
 CPU_DTYPES = (torch.float16, torch.float32, torch.float64)
@@ -98,28 +94,9 @@ def aux_shape_t(activation: str, m: int, batch: int) -> tuple[int, int]:
     return batch, rows
 
 
-GEMM_ENGINES = ("cublaslt", "nvmath")
 _NUMPY = NumpyEngine()
-_CUDA: dict[tuple[str, int], TorchEngine] = {}  # (GEMM engine, device) -> its engine and plans
+_CUDA: dict[int, TorchEngine] = {}  # device index -> its engine and plans
 _LOCK = threading.Lock()
-_GEMM = {"name": os.environ.get("MLPTRAIN_TORCH_GEMM", "cublaslt")}
-
-
-def use_gemm_engine(name: str) -> None:
-    """Run the CUDA GEMMs from now on through ``name``: ``"cublaslt"`` (the default) or ``"nvmath"``
-    (as ``MLPTRAIN_TORCH_GEMM=name`` does at import). Each keeps plans of its own."""
-    _GEMM["name"] = _check_gemm_engine(name, "use_gemm_engine")
-
-
-def gemm_engine() -> str:
-    """The name of the GEMM engine CUDA tensors get now (:data:`GEMM_ENGINES`)."""
-    return _GEMM["name"]
-
-
-def _check_gemm_engine(name: str, where: str) -> str:
-    if name not in GEMM_ENGINES:
-        raise ConfigError(f"{where} {name!r} is not a GEMM engine of mlptrain.torch; expected one of {GEMM_ENGINES}")
-    return name
 
 
 def engine_for(x: torch.Tensor) -> NumpyEngine | TorchEngine:
@@ -134,18 +111,15 @@ def engine_for(x: torch.Tensor) -> NumpyEngine | TorchEngine:
     if x.device.type != "cuda":
         raise DeviceError(f"mlptrain.torch runs on CPU and CUDA tensors; got a tensor on {x.device}")
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    key = (_GEMM["name"], index)
-    eng = _CUDA.get(key)
+    eng = _CUDA.get(index)
     if eng is not None:
         return eng
-    name = _check_gemm_engine(key[0], "MLPTRAIN_TORCH_GEMM")
     with _LOCK:  # forward (main thread) and backward (autograd's device thread) may both ask first
-        if key not in _CUDA:
-            from mlptrain.torch.torch_gemm import TorchCublasLtGemm, TorchNvmathGemm
+        if index not in _CUDA:
+            from mlptrain.torch.torch_gemm import TorchCublasLtGemm
 
-            gemm = TorchCublasLtGemm(index) if name == "cublaslt" else TorchNvmathGemm(index)
-            _CUDA[key] = TorchEngine(gemm)
-        return _CUDA[key]
+            _CUDA[index] = TorchEngine(TorchCublasLtGemm(index))
+        return _CUDA[index]
 
 
 def to_arrays(eng: Any, tensors: list[torch.Tensor]) -> list[Any]:

@@ -162,7 +162,7 @@ def _fused_mlp_backward_fake(
 
 def resolve_bgrad(eng: object, bgrad: str, widths: list[int], x: Tensor, acts: list[str]) -> list[str]:
     """One strategy per hidden layer: as given, or for ``"auto"`` the choice mlptrain makes for this shape
-    (``bgradb`` on the CPU, where both do the same work; on a GPU :meth:`TorchNvmathGemm.choose_bgrad`)."""
+    (``bgradb`` on the CPU, where both do the same work; on a GPU :meth:`TorchCublasLtGemm.choose_bgrad`)."""
     hidden = len(widths) - 2
     if bgrad != "auto":
         return bgrad.split(",") if hidden else []

@@ -1,22 +1,15 @@
-"""The GPU GEMM engines of :mod:`mlptrain.torch`, on torch tensors and torch's current stream.
+"""The GPU GEMM engine of :mod:`mlptrain.torch`, on torch tensors and torch's current stream.
 
-* :class:`TorchCublasLtGemm` (the default, ``MLPTRAIN_TORCH_GEMM=cublaslt``): raw cuBLASLt calls planned
-  once per signature (:mod:`mlptrain.torch.torch_lt`), the very call nvmath makes, with a few
-  microseconds of Python per GEMM.
-* :class:`TorchNvmathGemm` (``MLPTRAIN_TORCH_GEMM=nvmath``): nvmath-python's stateful ``Matmul``, which
-  takes torch tensors as they are (no copy, no DLPack round trip). One ``Matmul`` is planned per call
-  site (``"2.dgrad"``), thread and signature (shapes, strides, dtype, epilog, pointer alignment, compute
-  type), and reused: a later call with new tensors of the same signature only rebinds the pointers
-  (``reset_operands_unchecked``). Each plan forgets its operands right after it ran
-  (``release_operands``), so that no activation of the last step stays alive through a plan.
-
-Both return D and the aux outputs from torch's caching allocator, on the stream they run on, so a
-``torch.cuda.graph`` capture puts them in its private pool as it does any other op's outputs, and
-both give the same bits (the same algorithm on the same descriptor). :func:`choose_bgrad` is their
+:class:`TorchCublasLtGemm`: raw cuBLASLt calls planned once per signature (:mod:`mlptrain.torch.torch_lt`),
+the very call nvmath's stateful ``Matmul`` makes, with a few microseconds of Python per GEMM (an nvmath
+``Matmul`` call costs about five times a ``torch.matmul``'s host time: docs/benchmarks.md). It returns D
+and the aux outputs from torch's caching allocator, on the stream it runs on, so a ``torch.cuda.graph``
+capture puts them in its private pool as it does any other op's outputs. :func:`choose_bgrad` is its
 measured bias-gradient strategy (``bgrad="auto"``).
 
-nvmath is imported where a plan is made, so that the engines' host-side bookkeeping imports (and is
-tested) on a machine without it; this module never imports CuPy.
+The GPU tests hold it bit for bit to nvmath's ``Matmul`` on the same tensors (the oracle,
+``tests/gpu/torch_nvmath_oracle.py``). This module imports neither CuPy nor nvmath (the cuBLASLt
+bindings are :mod:`~mlptrain.torch.torch_lt`'s, imported where it is).
 """
 
 from __future__ import annotations
@@ -28,7 +21,7 @@ from typing import Any
 import torch
 
 from mlptrain.nn.epilogs import Epilog, gelu_aux_shape, relu_aux_shape
-from mlptrain.torch.torch_lt import DTYPES, PLANNED, LtPlan, alignment, gemm_spec, signature
+from mlptrain.torch.torch_lt import DTYPES, PLANNED, LtPlan, gemm_spec, signature
 
 log = logging.getLogger(__name__)
 
@@ -38,16 +31,17 @@ class TorchCublasLtGemm:
 
     Args:
         device_index: the CUDA device whose tensors this engine takes.
-        workspace_mib: the cap on each plan's workspace (the heuristics' MAX_WORKSPACE_BYTES), as
-            :class:`TorchNvmathGemm`'s; None: nvmath's default, 80% of the memory.
+        workspace_mib: the cap on each plan's workspace (the heuristics' MAX_WORKSPACE_BYTES), mlptrain's
+            default (``execution.workspace_mib``): uncapped, the heuristics pick algorithms that want
+            gigabytes at large shapes. None: nvmath's default, 80% of the memory.
 
-    The same interface and results as :class:`TorchNvmathGemm`: ``(D, aux)`` with D ``(M, N)``
+    The interface and results of nvmath's ``Matmul``: ``(D, aux)`` with D ``(M, N)``
     column-major under an epilog, the aux dict keyed ``relu_aux``, ``gelu_aux``, ``drelu_bgrad``,
     ``dgelu_bgrad``, ``bgradb``. One :class:`~mlptrain.torch.torch_lt.LtPlan` per call site, thread and
     signature (:func:`~mlptrain.torch.torch_lt.signature`: forward and backward run on different threads
     and get plans of their own); float32 follows ``torch.get_float32_matmul_precision()`` (``"high"`` /
     ``"medium"``: COMPUTE_32F_FAST_TF32). No plan holds an operand: nothing to release. Operands of two
-    dtypes and the epilogs it does not plan (BGRADA) go to a :class:`TorchNvmathGemm` of its own.
+    dtypes and the epilogs it does not plan (BGRADA), which the chain never runs, raise ValueError.
     """
 
     def __init__(self, device_index: int, workspace_mib: int | None = 64) -> None:
@@ -58,7 +52,6 @@ class TorchCublasLtGemm:
         # (widths, batch, dtype, activation, fp32 matmul precision) -> one strategy per hidden layer
         self.bgrad_choices: dict[tuple, list[str]] = {}
         self._lock = threading.Lock()
-        self._nvmath: Any = None
 
     def __call__(
         self, key: str, a: torch.Tensor, b: torch.Tensor, epilog: Epilog | None = None, **epilog_inputs: Any
@@ -69,7 +62,10 @@ class TorchCublasLtGemm:
         plan = self._plans.get(sig)
         if plan is None:
             if a.dtype != b.dtype or a.dtype not in DTYPES or epilog not in PLANNED:
-                return self.nvmath(key, a, b, epilog, **inputs)  # what this engine does not plan
+                raise ValueError(
+                    f"TorchCublasLtGemm plans A and B of one dtype among {DTYPES} with an epilog among {PLANNED}; "
+                    f"got {a.dtype} @ {b.dtype} with epilog {epilog} at call site {key!r}"
+                )
             with self._lock:  # the dict is shared by the forward's and the backward's threads
                 plan = self._plans.get(sig)
                 if plan is None:
@@ -82,12 +78,6 @@ class TorchCublasLtGemm:
         if self.workspace_mib is not None:
             return int(self.workspace_mib) * 2**20
         return int(0.8 * torch.cuda.get_device_properties(self.device_index).total_memory)
-
-    def nvmath(self, key: str, a: Any, b: Any, epilog: Epilog | None = None, **inputs: Any) -> tuple[Any, dict]:
-        """The nvmath engine of the same device and cap, for what this one does not plan (made at first need)."""
-        if self._nvmath is None:
-            self._nvmath = TorchNvmathGemm(self.device_index, self.workspace_mib)
-        return self._nvmath(key, a, b, epilog, **inputs)
 
     @property
     def num_plans(self) -> int:
@@ -109,103 +99,10 @@ class TorchCublasLtGemm:
         with self._lock:
             for sig in [sig for sig in self._plans if prefix is None or sig[0].startswith(prefix)]:
                 self._plans.pop(sig).free()
-        if self._nvmath is not None:
-            self._nvmath.free(prefix)
 
     def choose_bgrad(self, eng: Any, widths: list[int], batch: int, dtype: torch.dtype, activation: str) -> list[str]:
         """The measured bias-gradient strategy per hidden layer (``bgrad=auto``), timed on this engine's GEMMs:
         :func:`choose_bgrad`."""
-        return choose_bgrad(self, eng, widths, batch, dtype, activation)
-
-
-class TorchNvmathGemm:
-    """GEMMs through planned nvmath ``Matmul`` objects on torch tensors, enqueued on torch's current stream.
-
-    Args:
-        device_index: the CUDA device whose tensors this engine takes.
-        workspace_mib: cap on each plan's cuBLASLt workspace (nvmath's ``memory_limit``), mlptrain's default
-            (``execution.workspace_mib``): every plan holds a workspace of its own, and uncapped the heuristics
-            pick algorithms that want gigabytes at large shapes. None: nvmath's default, 80% of the memory.
-
-    float32 follows ``torch.get_float32_matmul_precision()``: ``"highest"`` (PyTorch's default) is
-    ``COMPUTE_32F``; ``"high"`` or ``"medium"`` is TF32 (``COMPUTE_32F_FAST_TF32``), as for ``nn.Linear``.
-    """
-
-    def __init__(self, device_index: int, workspace_mib: int | None = 64) -> None:
-        self.device_index = device_index
-        self.workspace_mib = workspace_mib
-        self._plans: dict[tuple, Any] = {}
-        # (widths, batch, dtype, activation, fp32 matmul precision) -> one strategy per hidden layer
-        self.bgrad_choices: dict[tuple, list[str]] = {}
-        self._lock = threading.Lock()
-        # nvmath logs every call at INFO; keep it quiet unless asked for.
-        self._logger = logging.getLogger("mlptrain.nvmath")
-        self._logger.setLevel(logging.WARNING)
-
-    def _options(self, dtype: torch.dtype, tf32: bool) -> dict[str, Any]:
-        import nvmath
-
-        options: dict[str, Any] = {"logger": self._logger, "device_id": self.device_index}
-        if self.workspace_mib is not None:
-            options["memory_limit"] = int(self.workspace_mib) * 2**20
-        if tf32 and dtype == torch.float32:
-            options["compute_type"] = nvmath.linalg.advanced.MatmulComputeType.COMPUTE_32F_FAST_TF32
-        return options
-
-    def __call__(
-        self, key: str, a: torch.Tensor, b: torch.Tensor, epilog: Epilog | None = None, **epilog_inputs: Any
-    ) -> tuple[Any, dict[str, Any]]:
-        inputs = {name: v for name, v in epilog_inputs.items() if v is not None}
-        tf32 = a.dtype == torch.float32 and torch.get_float32_matmul_precision() != "highest"
-        # nvmath's rule, one thread per Matmul, by construction: the forward runs on the caller's thread,
-        # the backward on autograd's thread for the device, and each gets plans of its own.
-        sig: tuple = (key, threading.get_ident(), tuple(a.shape), a.stride(), tuple(b.shape), b.stride(), a.dtype)
-        sig += (epilog, tf32, *(alignment(t) for t in (a, b, *inputs.values())))
-        stream = torch.cuda.current_stream(a.device)
-        with self._lock:  # the dict is shared by those threads
-            mm = self._plans.get(sig)
-            if mm is None:
-                mm = self._plans[sig] = self._plan(key, a, b, epilog, inputs, tf32, stream)
-            else:
-                # Same shapes, strides, dtype and alignment by construction of the key: only the pointers change.
-                mm.reset_operands_unchecked(a=a, b=b, epilog_inputs=inputs or None)
-        out = mm.execute(stream=stream)
-        mm.release_operands()  # the tensors stay alive as long as their callers hold them, not the plan
-        return out if isinstance(out, tuple) else (out, {})
-
-    def _plan(
-        self, key: str, a: torch.Tensor, b: torch.Tensor, epilog: Epilog | None, inputs: dict, tf32: bool, stream: Any
-    ) -> Any:
-        from nvmath.linalg.advanced import Matmul, MatmulEpilog
-
-        mm = Matmul(a, b, options=self._options(a.dtype, tf32), stream=stream)
-        nv_epilog = getattr(MatmulEpilog, epilog.value) if epilog is not None else None
-        mm.plan(epilog=nv_epilog, epilog_inputs=inputs or None, stream=stream)
-        log.info("planned %s: %s @ %s %s epilog=%s", key, tuple(a.shape), tuple(b.shape), a.dtype, epilog)
-        return mm
-
-    @property
-    def num_plans(self) -> int:
-        return len(self._plans)
-
-    def release_operands(self, prefix: str | None = None) -> None:
-        """Nothing to forget: every plan released its operands when it ran."""
-
-    def free(self, prefix: str | None = None) -> None:
-        """Free the plans (``prefix``: of the call sites whose key starts with it) and their workspaces.
-
-        Synchronises the device first: ``free()`` would wait on each plan's last event, and an execute
-        recorded into a CUDA graph left one that cannot be waited on.
-        """
-        torch.cuda.synchronize(self.device_index)
-        with self._lock:
-            for sig in [sig for sig in self._plans if prefix is None or sig[0].startswith(prefix)]:
-                mm = self._plans.pop(sig)
-                mm.last_compute_event = None
-                mm.free()
-
-    def choose_bgrad(self, eng: Any, widths: list[int], batch: int, dtype: torch.dtype, activation: str) -> list[str]:
-        """The measured bias-gradient strategy per hidden layer (``bgrad=auto``): :func:`choose_bgrad`."""
         return choose_bgrad(self, eng, widths, batch, dtype, activation)
 
 

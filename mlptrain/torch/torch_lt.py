@@ -1,7 +1,7 @@
 """Raw cuBLASLt GEMMs on torch tensors: the plans of :class:`mlptrain.torch.torch_gemm.TorchCublasLtGemm` (#33).
 
-:class:`~mlptrain.torch.torch_gemm.TorchNvmathGemm` drives nvmath's stateful ``Matmul``; its per-call
-Python (``reset_operands_unchecked``, ``execute``'s bookkeeping, ``release_operands``) costs about five
+nvmath's stateful ``Matmul`` (now the GPU tests' oracle, ``tests/gpu/torch_nvmath_oracle.py``) costs in
+per-call Python (``reset_operands_unchecked``, ``execute``'s bookkeeping, ``release_operands``) about five
 times a ``torch.matmul``'s host time, and a small MLP's step is host-bound. This engine makes the very
 ``cublasLtMatmul`` call nvmath makes, through the bindings nvmath ships (``nvmath.bindings.cublasLt``,
 as :mod:`mlptrain.nn.cuda.fp8_gemm` does for FP8): the same descriptor, layouts, heuristic preferences and
@@ -27,7 +27,8 @@ What nvmath 1.0 does (``linalg/advanced/matmulmod.py``, ``linalg/_internal/epilo
   A and B alignment of the first call's pointers (at most 256 bytes), the first of 8 algorithms; a
   workspace of the largest of the 8 (plus 16 bytes with an epilog: nvmath's "workaround for library issue").
 
-Epilogs it does not plan (BGRADA: the chain never runs it) and operands of two dtypes stay with nvmath.
+Epilogs it does not plan (BGRADA: the chain never runs it) and operands of two dtypes are refused
+(:class:`~mlptrain.torch.torch_gemm.TorchCublasLtGemm` raises ValueError).
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ AUX_IN = {
 }
 BGRAD_OUT = {Epilog.DRELU_BGRAD: "drelu_bgrad", Epilog.DGELU_BGRAD: "dgelu_bgrad", Epilog.BGRADB: "bgradb"}
 AUX_OUT = {Epilog.RELU_AUX_BIAS: "relu_aux", Epilog.GELU_AUX_BIAS: "gelu_aux", Epilog.GELU_AUX: "gelu_aux"}
-PLANNED = (None, *BIAS_IN, *AUX_IN, *BGRAD_OUT, Epilog.GELU, Epilog.GELU_AUX)  # BGRADA: nvmath's
+PLANNED = (None, *BIAS_IN, *AUX_IN, *BGRAD_OUT, Epilog.GELU, Epilog.GELU_AUX)  # not BGRADA
 
 
 @dataclass(frozen=True)

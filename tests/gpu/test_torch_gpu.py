@@ -206,7 +206,7 @@ def test_ddp_on_two_gpus_averages_the_fused_gradients(tmp_path: Path) -> None:
             assert rel(a, p.grad) < 1e-5, f"rank {r}"
 
 
-# --- the raw cuBLASLt engine (the default) against nvmath's, bit for bit ---
+# --- the raw cuBLASLt engine against nvmath's Matmul (the oracle, torch_nvmath_oracle.py), bit for bit ---
 
 GEMM_SHAPES = [(37, 129, 65), (129, 33, 67), (1024, 784, 256), (8, 16, 3)]  # (M, K, N), odd ones first
 FORWARD = ["BIAS", "RELU_BIAS", "RELU_AUX_BIAS", "GELU_BIAS", "GELU_AUX_BIAS", "GELU", "GELU_AUX", None]
@@ -214,7 +214,9 @@ BACKWARD = ["DRELU", "DRELU_BGRAD", "DGELU", "DGELU_BGRAD", None]
 
 
 def both_gemms() -> tuple:
-    from mlptrain.torch.torch_gemm import TorchCublasLtGemm, TorchNvmathGemm
+    from torch_nvmath_oracle import TorchNvmathGemm
+
+    from mlptrain.torch.torch_gemm import TorchCublasLtGemm
 
     return TorchCublasLtGemm(0), TorchNvmathGemm(0)
 
@@ -278,12 +280,15 @@ def test_the_cublaslt_engine_is_nvmath_bit_for_bit(shape: tuple, dtype: torch.dt
 
 
 @pytest.fixture
-def gemm_engine() -> object:
-    """Runs the test body's FusedMLPs on a GEMM engine by name, then back to the default."""
-    from mlptrain.torch import engines
+def gemm_engine(monkeypatch: pytest.MonkeyPatch) -> object:
+    """Runs the test body's FusedMLPs on the library's engine (``"cublaslt"``) or on the oracle (``"nvmath"``)."""
+    from torch_nvmath_oracle import TorchNvmathGemm
 
-    yield engines.use_gemm_engine
-    engines.use_gemm_engine("cublaslt")
+    from mlptrain.torch import engines, ops
+
+    oracle = engines.TorchEngine(TorchNvmathGemm(0))
+    on = {"cublaslt": engines.engine_for, "nvmath": lambda x: oracle}
+    return lambda name: monkeypatch.setattr(ops, "engine_for", on[name])
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
@@ -291,7 +296,7 @@ def gemm_engine() -> object:
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("bgrad", ["bgradb", "drelu_bgrad"])
 @pytest.mark.parametrize("widths", WIDTHS, ids=lambda w: "-".join(map(str, w)))
-def test_fused_mlp_on_both_engines_is_bit_for_bit_equal(
+def test_fused_mlp_is_the_nvmath_oracles_bit_for_bit(
     gemm_engine: object, widths: list, activation: str, bias: bool, bgrad: str, dtype: torch.dtype
 ) -> None:
     """Forward and backward of FusedMLP, fp32 parameters under autocast for the half types."""
