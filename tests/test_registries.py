@@ -160,6 +160,9 @@ def test_each_activation_names_epilogs_of_the_contract() -> None:
         epilogs = (spec.forward, spec.infer, spec.backward, spec.backward_bgrad)
         assert all(e is None for e in epilogs) if name == "none" else all(e in EPILOG_INPUTS for e in epilogs)
         assert bool(spec.aux) == (name != "none")
+        bias_free = (spec.forward_no_bias, spec.infer_no_bias)  # both or neither; neither: the bias epilogs read zeros
+        assert all(e in EPILOG_INPUTS for e in bias_free) or bias_free == (None, None)
+        assert (spec.forward_no_bias is None) == (name in ("relu", "none"))
 
 
 def test_each_loss_is_callable_with_the_head_s_signature() -> None:

@@ -53,6 +53,10 @@ class ActivationSpec:
     needs, named ``aux``), ``infer`` for inference (no aux), and the input-gradient GEMM of the layer
     above without and with the bias gradient (``backward``, ``backward_bgrad``). None: no activation
     (BIAS forward, a plain GEMM backward). Its naive twin is written in :class:`NaiveExecution`.
+
+    ``forward_no_bias`` and ``infer_no_bias``: the same two forwards for a layer without a bias (the
+    torch front end's ``bias=False``, :mod:`mlptrain.torch.chain`). None: the activation has no bias-free
+    epilog (ReLU: the contract has no RELU_AUX), and ``forward``/``infer`` run with a bias of zeros.
     """
 
     forward: Epilog | None = None
@@ -60,6 +64,8 @@ class ActivationSpec:
     backward: Epilog | None = None
     backward_bgrad: Epilog | None = None
     aux: str = ""
+    forward_no_bias: Epilog | None = None
+    infer_no_bias: Epilog | None = None
 
 
 # model.activation: a new one is its epilogs in mlptrain.nn.epilogs, a row here, and NaiveExecution's branch
@@ -69,7 +75,15 @@ ACTIVATIONS.add(
 )
 ACTIVATIONS.add(
     "gelu",
-    ActivationSpec(Epilog.GELU_AUX_BIAS, Epilog.GELU_BIAS, Epilog.DGELU, Epilog.DGELU_BGRAD, "gelu_aux"),
+    ActivationSpec(
+        Epilog.GELU_AUX_BIAS,
+        Epilog.GELU_BIAS,
+        Epilog.DGELU,
+        Epilog.DGELU_BGRAD,
+        "gelu_aux",
+        forward_no_bias=Epilog.GELU_AUX,
+        infer_no_bias=Epilog.GELU,
+    ),
     "the tanh form",
 )
 ACTIVATIONS.add("none", ActivationSpec())

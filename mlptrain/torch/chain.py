@@ -20,14 +20,18 @@ input grad  DRELU(_BGRAD) / DGELU(_BGRAD)     dZ_below^T (in, B) = W^T @ dZ^T ti
 weight grad BGRADB (or plain)                 dW^T (in, out) = h^T @ dZ, plus db = sum_B dZ
 =========== ================================= =============================================
 
+Each activation's epilogs are the trainer's table's row (:data:`mlptrain.nn.execution.ACTIVATIONS`:
+``forward``/``infer``, ``forward_no_bias``/``infer_no_bias``, and through :class:`FusedExecution` the
+backward's), and its aux output's name is the row's ``aux``.
+
 A hidden layer's bias gradient comes from the layer above's DRELU_BGRAD (``drelu_bgrad``) or from its
 own BGRADB (``bgradb``): both exact, their speed depends on the shape (:mod:`mlptrain.step.cuda.bgrad`).
 
 Fallbacks, where an epilog does not fit:
 
-* no bias (``bias=False``): GELU_AUX / GELU for GELU; for ReLU the contract has no RELU_AUX, so
-  RELU_AUX_BIAS reads a bias of zeros (``out`` elements, made once): Z + 0 is Z, the mask and the
-  output are RELU_AUX's. No bias gradient is computed.
+* no bias (``bias=False``): the row's bias-free epilogs, GELU_AUX / GELU for GELU; for ReLU, which has
+  none (the contract has no RELU_AUX), RELU_AUX_BIAS reads a bias of zeros (``out`` elements, made
+  once): Z + 0 is Z, the mask and the output are RELU_AUX's. No bias gradient is computed.
 * the top layer's own activation (a :class:`FusedLinear` with ``activation``): no GEMM above it can
   apply its derivative, so ``dZ = dY * act'(Z)`` is one element-wise pass (:meth:`Engine.act_grad`).
 * a layer with one output (K = 1 in the input-gradient GEMM, which DRELU and DGELU reject, and N = 1
@@ -41,18 +45,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from mlptrain.nn.epilogs import Epilog
-from mlptrain.nn.execution import FusedExecution, Gemm
-
-# (activation, has bias, keep aux) -> the forward epilog; the aux output's name per activation
-_FORWARD = {
-    ("relu", True, True): Epilog.RELU_AUX_BIAS,
-    ("relu", True, False): Epilog.RELU_BIAS,
-    ("gelu", True, True): Epilog.GELU_AUX_BIAS,
-    ("gelu", True, False): Epilog.GELU_BIAS,
-    ("gelu", False, True): Epilog.GELU_AUX,
-    ("gelu", False, False): Epilog.GELU,
-}
-AUX = {"relu": "relu_aux", "gelu": "gelu_aux"}
+from mlptrain.nn.execution import ACTIVATIONS, FusedExecution, Gemm
 
 
 class Engine(Protocol):
@@ -92,18 +85,19 @@ def forward(
     saved = Saved([], [])
     h = x
     for l, (W, act) in enumerate(zip(weights, acts, strict=True)):
-        b = biases[l] if biases else None
-        if act == "none" and b is None:  # a plain GEMM follows A's order: (B, in) @ (in, out) -> (B, out) C-order
+        spec, b = ACTIVATIONS[act], (biases[l] if biases else None)
+        if spec.forward is None and b is None:  # a plain GEMM follows A's order: (B, in) @ (in, out) -> (B, out)
             y, _ = eng.gemm(f"{l}.fwd", h, W.T)
         else:
-            if act == "relu" and b is None:
+            bias_free = None if b is not None else (spec.forward_no_bias if keep else spec.infer_no_bias)
+            if b is None and bias_free is None:
                 b = eng.zero_bias(W.shape[0], W)  # RELU_AUX_BIAS with zeros is RELU_AUX (the contract has none)
-            epilog = Epilog.BIAS if act == "none" else _FORWARD[(act, b is not None, keep)]
+            epilog = bias_free or (spec.forward if keep else spec.infer) or Epilog.BIAS
             # (out, in) @ (in, B) -> (out, B) column-major == (B, out) C-order
             zt, aux = eng.gemm(f"{l}.fwd", W, h.T, epilog, bias=b)
             y = zt.T
-            if keep and act != "none":
-                saved.aux_t.append(aux[AUX[act]].T)  # (Mb, B) or (Mp, B) column-major -> (B, Mb) C-order
+            if keep and spec.aux:
+                saved.aux_t.append(aux[spec.aux].T)  # (Mb, B) or (Mp, B) column-major -> (B, Mb) C-order
         if keep and l < len(weights) - 1:
             saved.hidden.append(y)
         h = y
