@@ -1,19 +1,22 @@
-"""Parameters and the linear layer: what a layer owns, and the calls it makes per step.
+"""The linear layer, its forward and its backward, and the parameters it owns.
 
-A :class:`Linear` owns its weight ``W (out, in)`` and bias ``b (out,)`` and remembers, between
-forward and backward, its input ``X (B, in)`` and its ReLU mask (fused: the bit-packed
-``relu_aux``; naive: a boolean array). It never branches on the execution mode: the
-execution object (:mod:`mlptrain.nn.execution`) decides whether the work is fused.
+Read :class:`Linear` first: its docstring is the math of one layer, forward and backward, with the
+cuBLASLt epilog that fuses each step and the shape of every array; :meth:`Linear.forward`,
+:meth:`Linear.param_grads` and :meth:`Linear.grad_below` are its three GEMMs, each one call of the
+execution object (:mod:`mlptrain.nn.execution`: fused epilogs, or the same math unfused), so a
+layer never branches on the execution mode. :class:`mlptrain.nn.network.MLP` chains the layers
+(and schedules the backward's GEMMs: memory frees, a side stream).
 
-Mixed precision: a :class:`Param` keeps the master copy ``value`` in the parameter dtype
-(float32 for fp16/bf16 training) and, when the compute dtype differs, a ``compute`` copy that
-the GEMMs read. The optimizer updates ``value`` and refreshes ``compute`` in the same kernel.
-With ``precision.compute_copy=cast`` no copy is kept: a :class:`CastBuffer`, one per model,
-receives each layer's parameters cast just before its GEMMs read them (2 of the 12 bytes a
-parameter costs in fp16/bf16 with SGD momentum; one cast kernel per layer and pass). Under
-``precision=fp8`` the weights whose GEMMs run in FP8 skip that buffer too: the GEMM engine's FP8
-cast reads the float32 master itself (rounded to the compute dtype in registers, so the FP8 bytes
-are those of the kept copy's), and only the other weights (the head's) and the biases are cast into it.
+After it, how the parameters are stored (the engineering the math does not need): a
+:class:`Param` keeps the master copy ``value`` in the parameter dtype (float32 for fp16/bf16
+training) and, when the compute dtype differs, a ``compute`` copy that the GEMMs read. The
+optimizer updates ``value`` and refreshes ``compute`` in the same kernel. With
+``precision.compute_copy=cast`` no copy is kept: a :class:`CastBuffer`, one per model, receives
+each layer's parameters cast just before its GEMMs read them (2 of the 12 bytes a parameter costs
+in fp16/bf16 with SGD momentum; one cast kernel per layer and pass). Under ``precision=fp8`` the
+weights whose GEMMs run in FP8 skip that buffer too: the GEMM engine's FP8 cast reads the float32
+master itself (rounded to the compute dtype in registers, so the FP8 bytes are those of the kept
+copy's), and only the other weights (the head's) and the biases are cast into it.
 """
 
 from __future__ import annotations
@@ -24,6 +27,151 @@ from typing import Any
 import numpy as np
 
 from mlptrain.nn.execution import ACTIVATIONS, FusedExecution, NaiveExecution
+
+
+class Linear:
+    """One layer, ``Y (B, out) = act(X (B, in) @ W^T + b)``: one GEMM forward, two backward.
+
+    ``W (out, in)``, ``b (out,)``; ``act`` is ReLU or GELU (hidden layers) or nothing (the output
+    layer). Fused, each GEMM does its elementwise work and reductions as a cuBLASLt epilog
+    (:mod:`mlptrain.nn.epilogs`); ReLU below, with GELU in brackets::
+
+        forward   Z = X @ W^T + b;  Y = relu(Z)          (B, out)  RELU_AUX_BIAS (GELU_AUX_BIAS): also the
+                                                                   mask Z >= 0, bit-packed (relu_aux; GELU:
+                                                                   Z itself), kept with X for the backward;
+                                                                   BIAS on the output layer
+        backward, given dZ = dL/dZ (B, out):
+          weight  dW = dZ^T @ X                          (out, in) BGRADB: also db = sum_B dZ  (out,)
+          input   dZ_below = (dZ @ W) * relu'(Z_below)   (B, in)   DRELU (DGELU) with the layer below's
+                                                                   relu_aux; DRELU_BGRAD (DGELU_BGRAD):
+                                                                   also db_below = sum_B dZ_below  (in,)
+
+    The two backward GEMMs read the same ``dZ`` and not each other's results, so
+    :meth:`mlptrain.nn.network.MLP.backward` may run them on two streams. A hidden layer's bias
+    gradient comes from one of them (the *bgrad strategy*, :attr:`bias_grad_in_wgrad`): BGRADB of
+    its own weight GEMM, or DRELU_BGRAD of the input GEMM of the layer above. For small heads on
+    the GPU the output layer's input GEMM (DRELU or DRELU_BGRAD at K = classes) is not run: one kernel,
+    :func:`mlptrain.nn.cuda.head.head_input_grad` (``nn/cuda/head.py``), computes the same
+    ``dZ_below`` and ``db_below`` with the loss (:class:`mlptrain.nn.head.OutputHead`, mode ``kernel``).
+
+    Args:
+        name: prefix of the parameter names and of the GEMM call sites.
+        in_features, out_features: ``W`` is ``(out_features, in_features)``.
+        activation: ``"relu"`` or ``"gelu"`` (hidden layers), or ``"none"`` (the output layer).
+        rng: host NumPy Generator; He init ``N(0, 2/in)`` for ReLU layers, LeCun ``N(0, 1/in)``
+            otherwise (or as ``init`` says). Drawn on the host so CPU and GPU runs start from
+            the same weights.
+        cast_buffer: where the parameters are cast on use (``compute_copy=cast``), or None.
+        weight_gemm_casts: the weight is handed to the GEMM engine as the master (:attr:`Param.gemm_casts`).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        in_features: int,
+        out_features: int,
+        *,
+        activation: str,
+        rng: np.random.Generator,
+        xp: Any,
+        param_dtype: Any,
+        compute_dtype: Any,
+        init: str = "he",
+        cast_buffer: CastBuffer | None = None,
+        weight_gemm_casts: bool = False,
+    ) -> None:
+        self.name = name
+        self.in_features = in_features
+        self.out_features = out_features
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation {activation!r} is not one of {ACTIVATIONS.names()}")
+        self.activation = activation
+        w, b = initial(init, in_features, out_features, rng)
+        w_master = xp.asarray(w, dtype=param_dtype)
+        self.weight = Param(f"{name}.weight", w_master, compute_dtype, cast_buffer, "weight", weight_gemm_casts)
+        self.bias = Param(f"{name}.bias", xp.asarray(b, dtype=param_dtype), compute_dtype, cast_buffer, "bias")
+        # Where this layer's bias gradient is computed (see mlptrain.nn.execution): in its own
+        # weight-gradient GEMM (BGRADB), or by the layer above (DRELU_BGRAD). A layer without
+        # ReLU has no relu_aux for the layer above to use, so it always reduces its own.
+        self.bias_grad_in_wgrad = True
+        self.x: Any = None  # (B, in) the input of the last forward, kept for the weight gradient
+        self.mask: Any = None  # what the backward needs of the activation: ReLU: its mask (fused:
+        # relu_aux (Mb, B) uint8; naive: (B, out) bool); GELU: the pre-activation (fused: gelu_aux
+        # (round_up(out, 8), B) column-major; naive: (B, out))
+
+    def forward(self, ex: FusedExecution | NaiveExecution, x: Any, keep: bool = True) -> Any:
+        """``x (B, in) -> y (B, out)``, one GEMM: RELU_AUX_BIAS (GELU_AUX_BIAS; BIAS without activation).
+
+        Keeps ``x`` and the mask for the backward; ``keep=False`` (inference): RELU_BIAS (GELU_BIAS),
+        no mask made, nothing kept. :meth:`mlptrain.nn.execution.FusedExecution.forward` makes the call.
+        """
+        y, mask = ex.forward(self.name, self.weight.for_gemm(), self.bias.for_gemm(), x, self.activation, mask=keep)
+        if keep:
+            self.x, self.mask = x, mask  # X (B, in) and the mask (see __init__)
+        return y
+
+    def param_grads(self, ex: FusedExecution | NaiveExecution, dz: Any, bias_grad: Any = None) -> None:
+        """The weight-gradient GEMM: ``dW (out, in) = dZ^T @ X``, with BGRADB ``db (out,) = sum_B dZ``.
+
+        ``dz (B, out)``: the loss gradient of this layer's pre-activation; ``X``: the input the
+        forward kept. ``bias.grad`` comes from BGRADB when this layer reduces it, or is
+        ``bias_grad`` when the caller already did (the loss kernel sums the logits' gradient).
+        Independent of :meth:`grad_below`, so the two may run on different streams
+        (:class:`mlptrain.nn.cuda.streams.SideStream`).
+        :meth:`mlptrain.nn.execution.FusedExecution.weight_grad` makes the call.
+        """
+        reduce_here = self.bias_grad_in_wgrad and bias_grad is None
+        self.weight.grad, db = ex.weight_grad(self.name, self.x, dz, reduce_here)  # (out, in), (out,) or None
+        if bias_grad is not None:
+            self.bias.grad = bias_grad
+        elif db is not None:
+            self.bias.grad = db
+
+    def grad_below(self, ex: FusedExecution | NaiveExecution, dz: Any, below: Linear | None, cast: bool = True) -> Any:
+        """The input-gradient GEMM: ``dZ_below (B, in) = (dZ @ W) * relu'(Z_below)``, DRELU (DGELU).
+
+        The derivative is that of ``below``'s activation, read from the mask its forward kept.
+        With DRELU_BGRAD (DGELU_BGRAD), when ``below`` takes its bias gradient from above, the same
+        GEMM gives ``below.bias.grad = sum_B dZ_below (in,)``. None at the bottom layer (``below``
+        None): nobody needs the gradient of the data. ``cast=False``: the cast buffer still holds
+        this layer's weight (:meth:`Param.for_gemm`).
+        :meth:`mlptrain.nn.execution.FusedExecution.input_grad` makes the call.
+        """
+        if below is None:
+            return None
+        dz_below, db_below = ex.input_grad(
+            self.name,
+            self.weight.for_gemm(cast),  # W (out, in)
+            dz,  # (B, out)
+            below.mask,
+            bias_grad_below=not below.bias_grad_in_wgrad,
+            activation_below=below.activation,
+        )
+        if db_below is not None:
+            below.bias.grad = db_below  # (in,)
+        return dz_below  # (B, in)
+
+    # --- what the layer holds ------------------------------------------------------------------
+
+    @property
+    def relu(self) -> bool:
+        return self.activation == "relu"
+
+    @property
+    def nonlinear(self) -> bool:
+        """A hidden layer: its activation has a derivative the layer above applies (DRELU, DGELU)."""
+        return self.activation != "none"
+
+    @property
+    def params(self) -> list[Param]:
+        return [self.weight, self.bias]
+
+    def release_saved(self) -> None:
+        """Forget the input and mask kept for the backward (the network's backward does, once they are read)."""
+        self.x = self.mask = None
+
+
+# --- how the parameters are stored: master and compute copies, the cast buffer, the first values ---
 
 
 class CastBuffer:
@@ -124,112 +272,3 @@ def initial(init: str, in_features: int, out_features: int, rng: np.random.Gener
         return w, rng.uniform(-bound, bound, size=out_features)
     gain = 2.0 if init == "he" else 1.0
     return rng.standard_normal((out_features, in_features)) * math.sqrt(gain / in_features), np.zeros(out_features)
-
-
-class Linear:
-    """``y = act(x @ W^T + b)`` for a batch ``x (B, in)``; ``act`` is ReLU, GELU or nothing.
-
-    Args:
-        name: prefix of the parameter names and of the GEMM call sites.
-        in_features, out_features: ``W`` is ``(out_features, in_features)``.
-        activation: ``"relu"`` or ``"gelu"`` (hidden layers), or ``"none"`` (the output layer).
-        rng: host NumPy Generator; He init ``N(0, 2/in)`` for ReLU layers, LeCun ``N(0, 1/in)``
-            otherwise (or as ``init`` says). Drawn on the host so CPU and GPU runs start from
-            the same weights.
-        cast_buffer: where the parameters are cast on use (``compute_copy=cast``), or None.
-        weight_gemm_casts: the weight is handed to the GEMM engine as the master (:attr:`Param.gemm_casts`).
-    """
-
-    def __init__(
-        self,
-        name: str,
-        in_features: int,
-        out_features: int,
-        *,
-        activation: str,
-        rng: np.random.Generator,
-        xp: Any,
-        param_dtype: Any,
-        compute_dtype: Any,
-        init: str = "he",
-        cast_buffer: CastBuffer | None = None,
-        weight_gemm_casts: bool = False,
-    ) -> None:
-        self.name = name
-        self.in_features = in_features
-        self.out_features = out_features
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"activation {activation!r} is not one of {ACTIVATIONS.names()}")
-        self.activation = activation
-        w, b = initial(init, in_features, out_features, rng)
-        w_master = xp.asarray(w, dtype=param_dtype)
-        self.weight = Param(f"{name}.weight", w_master, compute_dtype, cast_buffer, "weight", weight_gemm_casts)
-        self.bias = Param(f"{name}.bias", xp.asarray(b, dtype=param_dtype), compute_dtype, cast_buffer, "bias")
-        # Where this layer's bias gradient is computed (see mlptrain.nn.execution): in its own
-        # weight-gradient GEMM (BGRADB), or by the layer above (DRELU_BGRAD). A layer without
-        # ReLU has no relu_aux for the layer above to use, so it always reduces its own.
-        self.bias_grad_in_wgrad = True
-        self.x: Any = None  # (B, in) the input of the last forward, kept for the weight gradient
-        self.mask: Any = None  # what the backward needs of the activation: ReLU: its mask (fused:
-        # relu_aux (Mb, B) uint8; naive: (B, out) bool); GELU: the pre-activation (fused: gelu_aux
-        # (round_up(out, 8), B) column-major; naive: (B, out))
-
-    @property
-    def relu(self) -> bool:
-        return self.activation == "relu"
-
-    @property
-    def nonlinear(self) -> bool:
-        """A hidden layer: its activation has a derivative the layer above applies (DRELU, DGELU)."""
-        return self.activation != "none"
-
-    @property
-    def params(self) -> list[Param]:
-        return [self.weight, self.bias]
-
-    def release_saved(self) -> None:
-        """Forget the input and mask kept for the backward (the network's backward does, once they are read)."""
-        self.x = self.mask = None
-
-    def forward(self, ex: FusedExecution | NaiveExecution, x: Any, keep: bool = True) -> Any:
-        """``x (B, in) -> y (B, out)``; keeps ``x`` and the ReLU mask for the backward (``keep=False``:
-        inference, no mask made, nothing kept)."""
-        y, mask = ex.forward(self.name, self.weight.for_gemm(), self.bias.for_gemm(), x, self.activation, mask=keep)
-        if keep:
-            self.x, self.mask = x, mask
-        return y
-
-    def param_grads(self, ex: FusedExecution | NaiveExecution, dz: Any, bias_grad: Any = None) -> None:
-        """The weight-gradient GEMM: ``weight.grad`` (and ``bias.grad``), from ``dz (B, out)`` and the saved input.
-
-        ``dz`` is the loss gradient w.r.t. this layer's pre-activation. ``bias.grad`` comes from
-        this GEMM's BGRADB when this layer reduces it, or is ``bias_grad`` when the caller already
-        did (the loss kernel sums the logits' gradient). Independent of :meth:`grad_below`, so the
-        two may run on different streams (:class:`mlptrain.nn.cuda.streams.SideStream`).
-        """
-        reduce_here = self.bias_grad_in_wgrad and bias_grad is None
-        self.weight.grad, db = ex.weight_grad(self.name, self.x, dz, reduce_here)
-        if bias_grad is not None:
-            self.bias.grad = bias_grad
-        elif db is not None:
-            self.bias.grad = db
-
-    def grad_below(self, ex: FusedExecution | NaiveExecution, dz: Any, below: Linear | None, cast: bool = True) -> Any:
-        """The input-gradient GEMM: ``dZ_below (B, in)``, the ReLU derivative of ``below`` applied.
-
-        None at the bottom layer (``below`` None): nobody needs the gradient of the data.
-        ``cast=False``: the cast buffer still holds this layer's weight (:meth:`Param.for_gemm`).
-        """
-        if below is None:
-            return None
-        dz_below, db_below = ex.input_grad(
-            self.name,
-            self.weight.for_gemm(cast),
-            dz,
-            below.mask,
-            bias_grad_below=not below.bias_grad_in_wgrad,
-            activation_below=below.activation,
-        )
-        if db_below is not None:
-            below.bias.grad = db_below
-        return dz_below
