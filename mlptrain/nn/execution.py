@@ -153,26 +153,19 @@ class FusedExecution:
     def input_grad(
         self, key: str, W: Any, dz: Any, mask_below: Any, bias_grad_below: bool, activation_below: str = "relu"
     ) -> tuple[Any, Any]:
-        """``dX = dZ @ W``, through the layer below's activation; returns ``(dZ_below, db_below or None)``.
+        """``dZ_below = (dZ @ W) * act'(Z_below)``; returns ``(dZ_below (B, in), db_below (in,) or None)``.
 
         DRELU applies the derivative of the layer below's ReLU (its relu_aux) to the product, DGELU
         that of its GELU (at its gelu_aux, the pre-activation); DRELU_BGRAD and DGELU_BGRAD also
         return the row sums over the batch: the bias gradient of that layer. With no activation
-        below, a plain GEMM. A layer with one output (a single-target regression) makes this GEMM's
-        K = 1, which cuBLASLt's dReLU and dGELU epilogs reject: then the GEMM is plain and the
-        derivative is applied (and the bias gradient reduced) separately.
+        below, a plain GEMM. A layer with one output makes this GEMM's K = 1, which the epilogs
+        reject: :meth:`_input_grad_k1` then applies the derivative separately.
         """
-        if mask_below is not None and dz.shape[1] == 1:
-            dxt, _ = self.gemm(f"{key}.dgrad", W.T, dz.T)  # (in, 1) @ (1, B): an outer product
-            m = W.shape[1]
-            if activation_below == "gelu":
-                dx = dxt.T * gelu_grad(mask_below[:m].T.astype("float64")).astype(dxt.dtype)  # (B, in)
-            else:
-                dx = dxt.T * unpack_relu_mask(mask_below, m).T  # (B, in), dReLU of the layer below
-            return dx, (reduce_sum(dx, axis=0) if bias_grad_below else None)
-        if mask_below is None:
+        if mask_below is None:  # no activation below: a plain GEMM
             dxt, _ = self.gemm(f"{key}.dgrad", W.T, dz.T)
             return dxt.T, None
+        if dz.shape[1] == 1:
+            return self._input_grad_k1(key, W, dz, mask_below, bias_grad_below, activation_below)
         below = ACTIVATIONS[activation_below]
         epilog = below.backward_bgrad if bias_grad_below else below.backward
         aux_input = {below.aux: mask_below}
@@ -188,6 +181,20 @@ class FusedExecution:
         # (in, B) @ (B, out) -> (in, out) column-major == (out, in) C-order, W's layout
         dwt, aux = self.gemm(f"{key}.wgrad", x.T, dz, Epilog.BGRADB if bias_grad else None)
         return dwt.T, aux.get("bgradb")
+
+    def _input_grad_k1(
+        self, key: str, W: Any, dz: Any, mask_below: Any, bias_grad_below: bool, activation_below: str
+    ) -> tuple[Any, Any]:
+        """:meth:`input_grad` for a layer with one output (a single-target regression): K = 1, which
+        cuBLASLt's dReLU and dGELU epilogs reject. The GEMM runs plain and the derivative is applied
+        (and the bias gradient reduced) separately."""
+        dxt, _ = self.gemm(f"{key}.dgrad", W.T, dz.T)  # (in, 1) @ (1, B): an outer product
+        m = W.shape[1]
+        if activation_below == "gelu":
+            dx = dxt.T * gelu_grad(mask_below[:m].T.astype("float64")).astype(dxt.dtype)  # (B, in)
+        else:
+            dx = dxt.T * unpack_relu_mask(mask_below, m).T  # (B, in), dReLU of the layer below
+        return dx, (reduce_sum(dx, axis=0) if bias_grad_below else None)
 
 
 # u = sqrt(2/pi) (z + 0.044715 z^3), t = tanh(u), du = du/dz; W: float, or double for float64 data
