@@ -7,8 +7,11 @@ BIAS). Activations flow between layers as C-contiguous ``(B, features)`` arrays 
 
 The backward pass starts from the gradient of the logits that the output head computed
 (:class:`mlptrain.nn.head.OutputHead`), together with whatever else of the output layer's backward
-the head already did (:class:`HeadGrads`): the network computes the rest, layer by layer from the
-top, and on the GPU runs the weight gradients on a second stream (:mod:`mlptrain.nn.cuda.streams`).
+the head already did (:class:`HeadGrads`; in head mode ``kernel``, the output layer's DRELU_BGRAD
+GEMM done by ``nn/cuda/head.py``'s kernel): :meth:`MLP.backward` computes the rest, layer by layer
+from the top, with the two GEMMs of :class:`~mlptrain.nn.layers.Linear` (its docstring has the math).
+How they are scheduled, what is freed when and, on the GPU, the weight gradients on a second stream
+(:mod:`mlptrain.nn.cuda.streams`), is in the helpers after it.
 """
 
 from __future__ import annotations
@@ -155,54 +158,87 @@ class MLP:
     def backward(self, dlogits: Any, head: HeadGrads | None = None) -> None:
         """Fill every ``param.grad`` from ``dlogits (B, out)``, the loss gradient of the logits.
 
-        ``head``: the parts of the output layer's backward the output head already computed;
-        the rest is computed here (``head.input_grad`` is taken: set to None, so that it can go
-        once read). On the GPU, with :meth:`use_wgrad_stream`, each layer's weight
-        gradient (all but the bottom layer's) runs on the side stream, forked when its ``dZ`` is
-        ready, and the side stream is joined before returning.
+        The math, from the top layer down, ``dZ = dlogits`` at the top (:class:`~mlptrain.nn.layers.Linear`
+        gives each step with its epilog)::
 
-        Memory: what a layer's backward reads (its saved input ``X_l``, ``dZ_l``, the mask of the
-        layer below) goes as soon as its readers are done (:meth:`_free_layer`). On one stream that is
-        exact: ``X_l`` goes after the weight gradient, before the input gradient allocates
-        ``dZ_{l-1}``, and ``dZ_l`` before the layer below allocates anything; two ``dZ`` are alive at
-        most. (With the head kernel the output layer's ``dZ_below`` is made with the loss, before the
-        backward starts: there it is alive beside the top layer's input.) With the weight gradients
-        on the side stream, layer ``l`` goes once the input gradient of the layer below is enqueued:
-        the main stream then waits for ``dW_l``, which ran beside ``dX_l`` and is done by then, so the
-        chain never stalls on it (for a small, latency-bound step, where two streams pay, that
-        matters more than the layer input and ``dZ`` held the longer). ``dlogits`` handed over as a
-        one-element list (``[dlogits]``, emptied here) goes the same way; an array is kept by the
-        caller's reference.
+            dW_l = dZ_l^T @ X_l,  db_l = sum_B dZ_l              (out, in)  layer.param_grads   BGRADB
+            dZ_{l-1} = (dZ_l @ W_l) * relu'(Z_{l-1})             (B, in)    layer.grad_below    DRELU(_BGRAD)
+
+        ``head``: what the output head already did of the top layer's backward (:class:`HeadGrads`):
+        its bias gradient (the loss kernel's sum), and in head mode ``kernel`` its input gradient
+        ``dZ_{top-1}``, where ``nn/cuda/head.py``'s kernel replaces the DRELU_BGRAD GEMM
+        (:meth:`_input_grad`; ``head.input_grad`` is taken: set to None, so that it can go once read).
+
+        The engineering is in the helpers below: :meth:`_backward_one_stream` lets each array go
+        as soon as its last reader is enqueued (:meth:`_free_layer`), and on the GPU, with
+        :meth:`use_wgrad_stream`, :meth:`_backward_two_streams` runs the weight gradients on a
+        side stream beside the input-gradient chain. ``dlogits`` handed over as a one-element
+        list (``[dlogits]``, emptied here) goes the same way; an array is kept by the caller's reference.
         """
         head = head or HeadGrads()
-        ex, layers, top = self.execution, self.layers, len(self.layers) - 1
-        dz = dlogits.pop() if isinstance(dlogits, list) else dlogits
+        handoff = dlogits if isinstance(dlogits, list) else [dlogits]  # the helper pops it: no reference here
         del dlogits
-        one_stream = self._side is None
-        for i in reversed(range(len(layers))):
-            layer = layers[i]
-            if one_stream and i < top:  # the layer above is done: its dZ goes before this layer allocates
+        if self._side is None:
+            self._backward_one_stream(handoff, head)
+        else:
+            self._backward_two_streams(handoff, head)
+
+    def _input_grad(self, i: int, dz: Any, head: HeadGrads) -> Any:
+        """``dZ_{i-1}`` (None below the bottom layer): layer ``i``'s input-gradient GEMM, or, at the
+        top in head mode ``kernel``, what the head kernel (``nn/cuda/head.py``) computed in its place."""
+        layers, top = self.layers, len(self.layers) - 1
+        if i == top and head.input_grad is not None:
+            if head.input_bias_grad is not None:
+                layers[i - 1].bias.grad = head.input_bias_grad
+            dz_below, head.input_grad = head.input_grad, None
+            return dz_below
+        # (the output layer's weight is still in the cast buffer, if any: the forward cast it last)
+        return layers[i].grad_below(self.execution, dz, layers[i - 1] if i > 0 else None, cast=i != top)
+
+    # --- the engineering of the backward: memory frees, the side stream ---------------------------
+
+    def _backward_one_stream(self, handoff: list[Any], head: HeadGrads) -> None:
+        """:meth:`backward` on one stream, each layer's inputs freed as soon as their last reader is enqueued.
+
+        ``X_l`` goes after the weight gradient, before the input gradient allocates ``dZ_{l-1}``,
+        and ``dZ_l`` before the layer below allocates anything: two ``dZ`` are alive at most. (With
+        the head kernel the output layer's ``dZ_below`` is made with the loss, before the backward
+        starts: there it is alive beside the top layer's input.)
+        """
+        ex, top = self.execution, len(self.layers) - 1
+        dz = handoff.pop()
+        for i in reversed(range(len(self.layers))):
+            if i < top:  # the layer above is done: its dZ goes before this layer allocates
                 self._free_layer(i + 1)
+            self.layers[i].param_grads(ex, dz, head.bias_grad if i == top else None)
+            self._free_layer(i)  # X_i had its last reader: it goes before dZ_below is allocated
+            dz = self._input_grad(i, dz, head)
+        self._free_layer(0)  # (a second time: the loop let layer 0 go at i = 0; the call ends both schedules)
+
+    def _backward_two_streams(self, handoff: list[Any], head: HeadGrads) -> None:
+        """:meth:`backward` with each layer's weight gradient (all but the bottom layer's) on the side
+        stream, forked when its ``dZ`` is ready; the side stream is joined before returning.
+
+        Layer ``l``'s inputs go once the input gradient of the layer below is enqueued: the main
+        stream then waits for ``dW_l``, which ran beside ``dX_l`` and is done by then, so the chain
+        never stalls on it (for a small, latency-bound step, where two streams pay, that matters
+        more than the layer input and ``dZ`` held the longer).
+        """
+        ex, top = self.execution, len(self.layers) - 1
+        dz = handoff.pop()
+        for i in reversed(range(len(self.layers))):
+            layer = self.layers[i]
             bias_grad = head.bias_grad if i == top else None
-            if one_stream or i == 0:  # the bottom layer's dW ends the chain: nothing to overlap
+            if i == 0:  # the bottom layer's dW ends the chain: nothing to overlap
                 layer.param_grads(ex, dz, bias_grad)
-                if one_stream:  # X_i had its last reader: it goes before dZ_below is allocated
-                    self._free_layer(i)
             else:
                 hook = self.on_weight_grad  # data parallel: the all-reduce, after dW_i on the side stream
                 then = None if hook is None else functools.partial(hook, layer.weight)
                 self._side.run(i, functools.partial(self._param_grads, layer, dz, bias_grad), reads=dz, then=then)
-            if i == top and head.input_grad is not None:
-                if head.input_bias_grad is not None:
-                    layers[i - 1].bias.grad = head.input_bias_grad
-                dz, head.input_grad = head.input_grad, None
-            else:
-                # (the output layer's weight is still in the cast buffer, if any: the forward cast it last)
-                dz = layer.grad_below(ex, dz, layers[i - 1] if i > 0 else None, cast=i != top)
-            if not one_stream and i < top:  # the layer above's dW ran beside its dX and, by now, is done
+            dz = self._input_grad(i, dz, head)
+            if i < top:  # the layer above's dW ran beside its dX and, by now, is done
                 self._free_layer(i + 1)
-        if self._side is not None:
-            self._side.join()
+        self._side.join()
         self._free_layer(0)  # the bottom layer's weight gradient, the last reader of X_0 and dZ_0, is enqueued
 
     def _free_layer(self, i: int) -> None:
