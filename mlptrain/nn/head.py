@@ -81,7 +81,11 @@ class OutputHead:
     ) -> tuple[Any, Any, Any, HeadGrads]:
         """``(loss, correct, dlogits (B, C), head grads)``: the loss side of the backward, on the device.
 
-        ``inplace``: ``dlogits`` is written over ``logits`` (the training step's logits are not needed after)."""
+        ``gemm``: the loss only; ``loss_bias``: with the output bias gradient; ``kernel``: also the
+        output layer's input gradient by ``nn/cuda/head.py``'s kernel, in place of its DRELU_BGRAD GEMM.
+
+        ``inplace``: ``dlogits`` is written over ``logits`` (the training step's logits are not needed after).
+        """
         if self.mode == "gemm":
             loss, dlogits, correct = self.loss_fn(logits, y, grad_scale, inplace=inplace)
             return loss, correct, dlogits, HeadGrads()
@@ -100,6 +104,14 @@ class OutputHead:
 
     def backward(self, model: MLP, logits: Any, y: Any, grad_scale: Any) -> tuple[Any, Any]:
         """The loss, then every gradient of ``model``; returns the device ``(loss, correct)``.
+
+        Where the training step's backward starts: :meth:`grads` gives the loss, ``dlogits (B, C)``
+        and what the loss side did of the output layer's backward (:class:`HeadGrads`), then
+        :meth:`MLP.backward <mlptrain.nn.network.MLP.backward>` does the rest, layer by layer
+        (the math of each layer: :class:`mlptrain.nn.layers.Linear`). In mode ``kernel`` the output
+        layer's input-gradient GEMM, ``dZ_below = (dlogits @ W) * relu'(Z_below)`` with DRELU_BGRAD
+        (DRELU), is not run: ``nn/cuda/head.py``'s kernel (:func:`mlptrain.nn.cuda.head.head_input_grad`)
+        computes it, and the layer below's bias gradient, here, and the network takes it as given.
 
         The logits are consumed: their gradient is written over them. Handed over as a one-element
         list (``[logits]``, emptied here), no reference stays behind, and the backward frees
