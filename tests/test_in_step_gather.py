@@ -1,4 +1,4 @@
-"""A step that gathers its own batch (Trainer.train_batches, DataLoader.gather_in_step): the same batches.
+"""A step that gathers its own batch (StepBatches.epoch, DataLoader.gather_in_step): the same batches.
 
 On the GPU a replayed step gathers its batch with its first kernels, reading the step count on the device;
 here the same path runs on the CPU (turned on by hand), and must give the run the batches, and so the per-step
@@ -30,20 +30,20 @@ def test_the_step_gathers_the_batches_the_loader_would(batch_size: int) -> None:
     cfg = make_cfg(data__batch_size=batch_size, epochs=3, optimizer__lr=0.1)
     expected = losses(Trainer(cfg), 3)
     tr = Trainer(cfg)
-    tr.gathers_in_step = True
+    tr.batches.gathers_in_step = True
     got = losses(tr, 3, own=True)
     assert len(got) == 3 * tr.steps_per_epoch and got == expected  # bit for bit, the short batches included
-    assert sorted(tr._own_batches) == sorted({batch_size, len(tr.train_loader.x) % batch_size})
+    assert sorted(tr.batches._own_batches) == sorted({batch_size, len(tr.train_loader.x) % batch_size})
 
 
 def test_from_inside_an_epoch_it_continues_with_the_right_batch() -> None:
     cfg = make_cfg(data__batch_size=64, epochs=2)
     expected = losses(Trainer(cfg), 2)
     tr = Trainer(cfg)
-    tr.gathers_in_step = True
+    tr.batches.gathers_in_step = True
     head = losses(tr, 1, own=True)[:7]  # the first 7 steps, then a new trainer resumes at epoch 0, batch 7
     again = Trainer(cfg)
-    again.gathers_in_step = True
+    again.batches.gathers_in_step = True
     steps = Trainer(cfg)  # the same 7 steps on a third trainer, so that its parameters are those of step 7
     for x, y in list(steps.train_loader.epoch(0))[:7]:
         steps.step(x, y)
@@ -55,7 +55,7 @@ def test_from_inside_an_epoch_it_continues_with_the_right_batch() -> None:
 
 def test_the_order_is_placed_before_the_first_step_of_each_epoch() -> None:
     tr = Trainer(make_cfg(data__batch_size=64))
-    tr.gathers_in_step = True
+    tr.batches.gathers_in_step = True
     ld = tr.train_loader
     batches = tr.train_batches(1, 2)
     x, y = next(batches)

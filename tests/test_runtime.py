@@ -114,6 +114,84 @@ def test_a_trainer_step_through_the_cpu_runtime_is_the_launch_itself():
         np.testing.assert_array_equal(value, b.model.state_dict()[name], err_msg=name)
 
 
+# --- the step's batches (StepBatches): the graph's buffers, gathering in the step, capturing ahead --
+
+
+class Graphs:
+    """A stand-in for :class:`GraphedStep` on the CPU: input buffers per shape and tag, the first shape taken as
+    captured from the start (as after its warm-up steps), any other once :meth:`precapture` ran its warm-up."""
+
+    def __init__(self, first: int) -> None:
+        self.first, self.bufs, self.done, self.warmed = first, {}, set(), []
+
+    def input_buffers(self, x_shape, x_dtype, y_shape, y_dtype, tag=None):
+        key = (x_shape[0], tag)
+        if key not in self.bufs:
+            self.bufs[key] = (np.empty(x_shape, x_dtype), np.empty(y_shape, y_dtype))
+        return self.bufs[key]
+
+    def captured(self, x, y, tag=None) -> bool:
+        return len(x) == self.first or (len(x), tag) in self.done
+
+    def precapture(self, x, y, warm, tag=None) -> None:
+        loss, _ = warm()
+        self.warmed.append((len(x), tag, float(loss)))
+        self.done.add((len(x), tag))
+
+
+def graphed(tr: Trainer) -> Graphs:
+    """``tr`` fed as where its step is a replayed graph of one process (its step still launched op by op)."""
+    tr.runtime.graphed = Graphs(tr.train_loader.batch_size)
+    tr.batches = rt.StepBatches(tr.runtime, tr.train_loader, tr.clock, data_parallel=False)
+    return tr.runtime.graphed
+
+
+def test_without_a_graph_the_batches_are_the_loaders_and_nothing_is_captured_ahead():
+    tr = Trainer(make_cfg(data__batch_size=100))
+    assert not tr.batches.gathers_in_step and tr.batch_buffers(100) is None
+    got, want = list(tr.train_batches(0, 3)), list(tr.train_loader.epoch(0, 3))
+    assert len(got) == len(want) == tr.steps_per_epoch - 3
+    for (x, y), (x2, y2) in zip(got, want, strict=True):
+        np.testing.assert_array_equal(x, x2)
+        np.testing.assert_array_equal(y, y2)
+        assert not tr.batches.gathers(x) and not tr.batches.ahead_due(x, y, None)
+    xb, yb = tr.train_loader.empty_batch(57)
+    assert (xb.shape, xb.dtype, yb.shape, yb.dtype) == tr.train_loader.batch_spec(57)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"precision__name": "fp8", "model__hidden": [64, 64]}, {"data__residency": "host"}],
+    ids=["gathered-in-step", "gathered-in-step-fp8", "host-resident"],
+)
+def test_the_short_batch_captured_ahead_changes_no_step(overrides):
+    """What the GPU's replayed step does around its batches, run on the CPU with a stand-in graph: the step
+    gathers its own batch (a host-resident split: the loader fills the graph's buffers), the short last batch is
+    captured after the first step, ahead of its first batch, by a forward and backward alone; the losses and
+    parameters are those of the loader gathering each batch first. (fp8: on the CPU that forward leaves the amax
+    histories as they were; their restore on the GPU is tests/gpu/test_graph.py's.)"""
+    cfg = make_cfg(data__batch_size=96, epochs=2, optimizer__lr=0.1, **overrides)  # a short last batch of 46
+    plain, tr = Trainer(cfg), Trainer(cfg)
+    graphs = graphed(tr)
+    host = "data__residency" in overrides
+    assert tr.batches.gathers_in_step is not host
+    full, short = tr.train_loader.row_counts()
+    assert full == 96 > short
+    want = [float(plain.step(x, y)[0]) for epoch in range(2) for x, y in plain.train_batches(epoch)]
+    got = []
+    for epoch in range(2):
+        for x, y in tr.train_batches(epoch):
+            assert tr.batches.gathers(x) is not host
+            got.append(float(tr.step(x, y)[0]))
+            if len(got) == 1:  # the first shape's graph exists: the short one is captured ahead
+                assert [(r, tag) for r, tag, _ in graphs.warmed] == [(short, None if host else "gather")]
+    assert len(got) == 2 * tr.steps_per_epoch and got == want and len(graphs.warmed) == 1
+    tags = {tag for _, tag in graphs.bufs}
+    assert tags == ({None} if host else {"gather"})
+    for name, value in plain.model.state_dict().items():
+        np.testing.assert_array_equal(tr.model.state_dict()[name], value, err_msg=name)
+
+
 # --- components own their kernels; precompile only schedules -----------------------------------
 
 

@@ -138,6 +138,12 @@ class DataLoader:
         """``(x shape, x dtype, y shape, y dtype)`` of a batch of ``rows`` on the device."""
         return (rows, self.x.shape[1]), self.dtype, (rows, *self.y.shape[1:]), np.dtype(self.y.dtype)
 
+    def empty_batch(self, rows: int) -> tuple[Any, Any]:
+        """Fresh ``(xb, yb)`` device arrays for a batch of ``rows`` (what :meth:`gather_in_step` fills where no
+        CUDA graph holds buffers of its own: the CPU, in tests)."""
+        x_shape, x_dtype, y_shape, y_dtype = self.batch_spec(rows)
+        return self.xp.empty(x_shape, x_dtype), self.xp.empty(y_shape, y_dtype)
+
     @property
     def num_samples(self) -> int:
         """Number of rows ``N``."""

@@ -12,6 +12,9 @@ the weight gradients' second stream, and the lifecycle of the kernels compiling 
   :class:`~mlptrain.step.cuda.graph.GraphedStep` (unless ``graph=false``), a
   :class:`~mlptrain.step.cuda.memory.PeakTracker`, and the precompiler the run started (or its own).
 
+:class:`StepBatches` feeds the step its training batches on either: into the graph's input buffers, or
+gathered by the replayed step itself, with the graphs of the epoch's other batch shapes captured ahead.
+
 The precompile lifecycle is the same on both; the CPU simply has no precompiler. The trainer waits
 for a stage's kernels before its first launch (:meth:`Runtime.wait`) and the threads are joined
 before any CUDA graph is captured (:meth:`Runtime.finish_precompile`): after the first step, which
@@ -22,10 +25,14 @@ graphs. Only the GPU's half touches CuPy, through the backend's ``xp``: this mod
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from mlptrain.base.backend import Backend
+
+if TYPE_CHECKING:
+    from mlptrain.data.loader import DataLoader
+    from mlptrain.step.schedule import StepClock
 
 StepFn = Callable[[Any, Any], Any]
 
@@ -175,3 +182,92 @@ def device_runtime(
     if not backend.is_gpu:
         return Runtime(autotune=autotune)
     return GpuRuntime(backend.xp, precision, precompile=precompile, resume=resume, graph=graph, autotune=autotune)
+
+
+class StepBatches:
+    """The training batches as the step takes them: into the CUDA graph's input buffers, gathered by the step
+    itself, and the graphs of the epoch's other batch shapes captured ahead of their first batch.
+
+    Where the step is a replayed CUDA graph of one process on a device-resident split (:attr:`gathers_in_step`),
+    the loader gathers nothing: it puts the epoch's order on the device once, and each step's first kernels gather
+    its batch into the graph's input buffers, reading the step count on the device
+    (:meth:`~mlptrain.data.loader.DataLoader.gather_in_step`); data parallel ranks gather theirs as they did, and
+    a host-resident split (``data.residency=host``) is gathered on the host and copied into the graph's buffers.
+    Tests turn it on on the CPU.
+
+    Args:
+        runtime: the step's runtime, prepared (:meth:`Runtime.prepare`): its graphs, if any.
+        loader: the training loader (:class:`~mlptrain.data.loader.DataLoader`).
+        clock: the run's step counter (:class:`~mlptrain.step.schedule.StepClock`).
+        data_parallel: this process is one rank of several.
+    """
+
+    def __init__(self, runtime: Runtime, loader: DataLoader, clock: StepClock, *, data_parallel: bool) -> None:
+        self.runtime, self.loader, self.clock = runtime, loader, clock
+        self.gathers_in_step = runtime.graphed is not None and not data_parallel and loader.resident
+        self._own_batches: dict[int, tuple[Any, Any]] = {}  # rows -> the buffers such a step gathers into
+        # Batch shapes whose graphs are captured ahead, once the first step's graph exists (epoch, capture_ahead).
+        self._ahead: list[int] = []
+        self._ahead_planned = False
+
+    def epoch(self, epoch: int, start_batch: int = 0) -> Iterator[tuple[Any, Any]]:
+        """The training batches of ``epoch`` from ``start_batch``, as the loop steps through them.
+
+        Where the step gathers its own batch (:attr:`gathers_in_step`), each is the graph's input buffers of its
+        shape, the order placed on the device first (:meth:`~mlptrain.data.loader.DataLoader.place_order`):
+        replaying a step is then one graph launch, the batch included. Otherwise the loader gathers each batch
+        into the graph's buffers (or fresh arrays) before the step.
+        """
+        ld, graphed = self.loader, self.runtime.graphed
+        if not self.gathers_in_step:
+            if graphed is not None and not ld.resident and not self._ahead_planned:  # host-resident batches
+                self._ahead_planned = True  # the other shapes are captured once the first one's graph exists
+                first = next(ld.batch_rows(start_batch), None)
+                self._ahead = [rows for rows in ld.row_counts() if rows != first]
+            yield from ld.epoch(epoch, start_batch, out=self.buffers)
+            return
+        ld.place_order(epoch, start_batch, self.clock.n)
+        if not self._own_batches and graphed is not None:  # the first epoch: every shape, the last captured ahead
+            for rows in ld.row_counts():
+                self._own_batches[rows] = self.buffers(rows, tag="gather") or ld.empty_batch(rows)
+            self._ahead = [rows for rows in ld.row_counts() if rows != next(ld.batch_rows(start_batch), None)]
+        for rows in ld.batch_rows(start_batch):
+            if rows not in self._own_batches:
+                self._own_batches[rows] = self.buffers(rows, tag="gather") or ld.empty_batch(rows)
+            yield self._own_batches[rows]
+
+    def gathers(self, x: Any) -> bool:
+        """Whether the step on ``x`` gathers its own batch: ``x`` is a buffer :meth:`epoch` yields."""
+        own = self._own_batches.get(len(x))
+        return own is not None and own[0] is x
+
+    def buffers(self, rows: int, tag: str | None = None) -> tuple[Any, Any] | None:
+        """Where the loader should gather a training batch of ``rows``: the CUDA graph's input
+        buffers for that shape (saves the step a copy), or None (fresh arrays) without a graph.
+        ``tag``: the graphs of steps that gather their own batch (:meth:`epoch`) are others."""
+        self.runtime.wait("batch")  # the loader gathers next
+        return self.runtime.input_buffers(*self.loader.batch_spec(rows), tag)
+
+    def ahead_due(self, x: Any, y: Any, tag: str | None) -> bool:
+        """Whether, the step on ``x``, ``y`` just captured, other shapes wait to be captured ahead."""
+        return bool(self._ahead) and self.runtime.graphed.captured(x, y, tag)
+
+    def capture_ahead(self, batch_rows: Callable[[int], Any], forward_backward: StepFn) -> None:
+        """Capture the graphs of the epoch's other batch shapes (the short last batch) now, before the loop
+        meets them: one the first time inside the timed epochs cost the epoch it fell in a capture's time.
+
+        No step is taken: each shape's warm-up is ``forward_backward`` alone on a batch gathered for it (it plans
+        its GEMMs; :meth:`GraphedStep.precapture`), and the capture runs nothing. The update and the bookkeeping
+        have run uncaptured in the first shape's warm-up steps; ``batch_rows(rows)`` makes the tail's batch size
+        outside the capture.
+        """
+        ld, rows_now, graphed = self.loader, self._ahead, self.runtime.graphed
+        self._ahead = []
+        tag = "gather" if self.gathers_in_step else None  # a host-resident split fills the graph's own buffers
+        for rows in rows_now:
+            x, y = self._own_batches[rows] if tag else self.buffers(rows) or ld.empty_batch(rows)
+            if graphed.captured(x, y, tag):
+                continue
+            batch_rows(rows)
+            ld.sample_batch(x, y, self.clock.device)  # a valid batch to plan on
+            graphed.precapture(x, y, lambda x=x, y=y: forward_backward(x, y), tag=tag)

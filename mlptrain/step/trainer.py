@@ -40,7 +40,7 @@ from mlptrain.data.prepare import task_for_loss
 from mlptrain.nn import fp8
 from mlptrain.nn.losses import mse_in_units
 from mlptrain.step import bgrad, build, state_fit
-from mlptrain.step.runtime import Runtime, device_runtime
+from mlptrain.step.runtime import Runtime, StepBatches, device_runtime
 from mlptrain.step.schedule import StepClock
 from mlptrain.step.steplog import StepLog
 
@@ -128,14 +128,8 @@ class Trainer:
         self.runtime.prepare(
             self._launch, keep=model.step_arrays, restore=model.restore_step_arrays, release=self.release_step
         )
-        # Each training batch gathered by the step itself (train_batches): where the step is one replayed graph
-        # and one process trains (data parallel ranks gather theirs as they did); tests turn it on, on the CPU.
-        # A host-resident split (data.residency=host) is gathered on the host and copied into the graph's buffers.
-        self.gathers_in_step = self.runtime.graphed is not None and comm is None and self.train_loader.resident
-        self._own_batches: dict[int, tuple[Any, Any]] = {}  # rows -> the buffers such a step gathers into
-        # Batch shapes whose graphs are captured ahead, once the first step's graph exists (train_batches, step).
-        self._ahead: list[int] = []
-        self._ahead_planned = False
+        # The batches as the step takes them: the graph's input buffers, or gathered by the step itself
+        self.batches = StepBatches(self.runtime, self.train_loader, self.clock, data_parallel=comm is not None)
         # The loop writes each log interval's records while the device runs the next (mlptrain.run.loop.Interval)
         self.writes_metrics_late = self.runtime.queues_work and comm is None
         mark("model")
@@ -181,33 +175,19 @@ class Trainer:
         On the GPU (unless ``graph=false``) the step is replayed from a CUDA graph. The returned
         arrays belong to the step: a replay rewrites them.
         """
-        tag = "gather" if self._gathers(x) else None
+        tag = "gather" if self.batches.gathers(x) else None
         out = self.runtime.step(x, y, tag=tag)
         self.clock.tick()
-        if self._ahead and self.graphed.captured(x, y, tag):
+        if self.batches.ahead_due(x, y, tag):
             self._capture_ahead()
         return out
 
     def _capture_ahead(self) -> None:
-        """Capture the graphs of the epoch's other batch shapes (the short last batch) now, before the loop
-        meets them: one the first time inside the timed epochs cost the epoch it fell in a capture's time.
-
-        No step is taken: each shape's warm-up is the forward and backward alone on a batch gathered for it (they
-        plan its GEMMs; :meth:`GraphedStep.precapture`), and the capture runs nothing. What the forward changes
-        under fp8 (the amax histories) is put back. The update and the bookkeeping have run uncaptured in
-        the first shape's warm-up steps, and the tail's batch size is made here, outside the capture.
-        """
-        ld, rows_now = self.train_loader, self._ahead
-        self._ahead = []
-        tag = "gather" if self.gathers_in_step else None  # a host-resident split fills the graph's own buffers
+        """The graphs of the epoch's other batch shapes, captured before the loop meets them
+        (:meth:`StepBatches.capture_ahead`): no step is taken, and what the forward changes under fp8 (the amax
+        histories) is put back. The tail's batch size is made outside the capture."""
         fp8_state = fp8.state_dict(self.gemm)
-        for rows in rows_now:
-            x, y = self._own_batches[rows] if tag else self.batch_buffers(rows) or self._host_buffers(rows)
-            if self.graphed.captured(x, y, tag):
-                continue
-            self.log.rows_value(rows)
-            ld.sample_batch(x, y, self.clock.device)  # a valid batch to plan on
-            self.graphed.precapture(x, y, lambda x=x, y=y: self.forward_backward(x, y), tag=tag)
+        self.batches.capture_ahead(self.log.rows_value, self.forward_backward)
         fp8.load_state_dict(self.gemm, fp8_state)
 
     def release_step(self) -> None:
@@ -219,7 +199,7 @@ class Trainer:
     def _launch(self, x: Any, y: Any) -> tuple[Any, Any]:
         """The step's device work, launched op by op (what a CUDA graph records once)."""
         sync, rows = self.grad_sync, len(y)
-        if self._gathers(x):  # the batch of this step, read on the device from the step count (train_batches)
+        if self.batches.gathers(x):  # the batch of this step, read on the device from the step count (train_batches)
             self.train_loader.gather_in_step(x, y, self.clock.device)
         lr, inv_scale = self.schedule.lr, self.scaler.inv_scale  # this step's
         if sync is None:
@@ -248,48 +228,14 @@ class Trainer:
         return self.train_loader.global_rows if self.grad_sync is not None else len(y)
 
     def train_batches(self, epoch: int, start_batch: int = 0) -> Iterator[tuple[Any, Any]]:
-        """The training batches of ``epoch`` from ``start_batch``, as the loop steps through them.
-
-        Where the step is a replayed CUDA graph (:attr:`gathers_in_step`), the loader gathers nothing: it puts
-        the epoch's order on the device once, and each step's first kernels gather its batch into the graph's
-        input buffers, reading the step count on the device (:meth:`DataLoader.gather_in_step`). Replaying a
-        step is then one graph launch, the batch included. Otherwise the loader gathers each batch into the
-        graph's buffers (or fresh arrays) before the step.
-        """
-        ld = self.train_loader
-        if not self.gathers_in_step:
-            if self.graphed is not None and not ld.resident and not self._ahead_planned:  # host-resident batches
-                self._ahead_planned = True  # the other shapes are captured once the first one's graph exists
-                first = next(ld.batch_rows(start_batch), None)
-                self._ahead = [rows for rows in ld.row_counts() if rows != first]
-            yield from ld.epoch(epoch, start_batch, out=self.batch_buffers)
-            return
-        ld.place_order(epoch, start_batch, self.step_count)
-        if not self._own_batches and self.graphed is not None:  # the first epoch: every shape, the last captured ahead
-            for rows in ld.row_counts():
-                self._own_batches[rows] = self.batch_buffers(rows, tag="gather") or self._host_buffers(rows)
-            self._ahead = [rows for rows in ld.row_counts() if rows != next(ld.batch_rows(start_batch), None)]
-        for rows in ld.batch_rows(start_batch):
-            if rows not in self._own_batches:
-                self._own_batches[rows] = self.batch_buffers(rows, tag="gather") or self._host_buffers(rows)
-            yield self._own_batches[rows]
-
-    def _gathers(self, x: Any) -> bool:
-        """Whether the step on ``x`` gathers its own batch: ``x`` is a buffer :meth:`train_batches` yields."""
-        own = self._own_batches.get(len(x))
-        return own is not None and own[0] is x
+        """The training batches of ``epoch`` from ``start_batch``, as the step takes them (:meth:`StepBatches.epoch`:
+        with a CUDA graph, the step gathers its own batch)."""
+        return self.batches.epoch(epoch, start_batch)
 
     def batch_buffers(self, rows: int, tag: str | None = None) -> tuple[Any, Any] | None:
-        """Where the loader should gather a training batch of ``rows``: the CUDA graph's input
-        buffers for that shape (saves the step a copy), or None (fresh arrays) without a graph.
-        ``tag``: the graphs of steps that gather their own batch (:meth:`train_batches`) are others."""
-        self.runtime.wait("batch")  # the loader gathers next
-        return self.runtime.input_buffers(*self.train_loader.batch_spec(rows), tag)
-
-    def _host_buffers(self, rows: int) -> tuple[Any, Any]:
-        """Batch arrays for steps that gather their own batch without a graph (the CPU, in tests)."""
-        x_shape, x_dtype, y_shape, y_dtype = self.train_loader.batch_spec(rows)
-        return self.xp.empty(x_shape, x_dtype), self.xp.empty(y_shape, y_dtype)
+        """Where the loader should gather a training batch of ``rows``: the CUDA graph's input buffers for that
+        shape, or None (fresh arrays) without a graph (:meth:`StepBatches.buffers`)."""
+        return self.batches.buffers(rows, tag)
 
     def lr_at(self, step: int) -> float:
         """The learning rate of optimizer step ``step`` (host value, for logs)."""

@@ -99,13 +99,14 @@ def test_graph_replay_equals_uncaptured_steps(precision):
 
 
 def test_a_step_that_gathers_its_own_batch_replays_the_losses_of_uncaptured_steps():
-    """Trainer.train_batches: the graph gathers its batch from the device step count (one launch a step);
-    the losses equal those of graph=false (the loader gathering each batch first), short last batches included."""
+    """Trainer.train_batches (StepBatches.epoch): the graph gathers its batch from the device step count (one launch
+    a step); the losses equal those of graph=false (the loader gathering each batch first), short last batches
+    included."""
     runs = {}
     for graph in (True, False):
         settings = {"data.batch_size": 100, "optimizer.name": "adam", "optimizer.lr": 1e-3, "epochs": 3}
         tr = gpu_trainer(**settings, **{"execution.bgrad": "bgradb", "graph": graph})
-        assert tr.gathers_in_step is graph
+        assert tr.batches.gathers_in_step is graph
         losses = []
         with tr.stream:
             for epoch in range(3):
@@ -137,7 +138,7 @@ def test_the_short_batch_is_captured_before_it_is_met_and_changes_nothing(precis
             if graph:
                 rows = tr.train_loader.row_counts()
                 assert len(rows) == 2 and rows[1] < rows[0]
-                assert tr.graphed.num_graphs == 2 and tr.graphed.captured(*tr._own_batches[rows[1]], "gather")
+                assert tr.graphed.num_graphs == 2 and tr.graphed.captured(*tr.batches._own_batches[rows[1]], "gather")
             for x, y in batches:
                 losses.append(tr.step(x, y)[0].copy())
             for x, y in tr.train_batches(1):
