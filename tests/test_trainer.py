@@ -206,3 +206,23 @@ def test_the_weight_gradients_stream_is_chosen_by_the_steps_size_unless_set():
     assert wgrad_stream(auto, *small, False) and not wgrad_stream(auto, *big, False)
     assert wgrad_stream(auto, *big, True), "data parallel: the all-reduces start on the side stream"
     assert wgrad_stream(on, *big, False) and not wgrad_stream(off, *small, True)
+
+
+def test_the_trainer_holds_every_part_the_builder_makes_and_builds_none():
+    """build.trainer makes the parts of a trainer, in order; the trainer holds each (a part added to the builder
+    and not to the trainer fails here) and constructs nothing itself: its __init__ calls only the builder, the
+    runtime's prepare, the step's batches and the set-up that needs the whole step."""
+    import ast
+    import dataclasses
+    import inspect
+    import textwrap
+
+    from mlptrain.step import build
+
+    tr = Trainer(make_cfg("fused", "fp32", max_steps=5))
+    fields = [f.name for f in dataclasses.fields(build.TrainerParts)]
+    assert all(getattr(tr, name) is not None for name in fields if name != "grad_sync")
+    assert tr.grad_sync is None and tr.total_steps == 5 and tr.steps_per_epoch == len(tr.train_loader)
+    tree = ast.parse(textwrap.dedent(inspect.getsource(Trainer.__init__)))
+    calls = {ast.unparse(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)}
+    assert calls == {"build.trainer", "self.runtime.prepare", "StepBatches", "mark", "self._finish_setup", "len"}

@@ -13,9 +13,9 @@ config group   builder                               object
 ``optimizer``  :func:`optimizer`, :func:`schedule`   the optimizer, the learning-rate schedule
 ============== ===================================== =========================================
 
-The builders take the config group they build from (typed, already validated) and the objects
-they need; :class:`mlptrain.step.trainer.Trainer` calls them in order. The options of ``optimizer``,
-``precision``, ``model.loss`` and ``model.activation`` are rows of their registries
+The builders take the config group they build from (typed, already validated) and the objects they
+need; :func:`trainer` calls them in order, for :class:`mlptrain.step.trainer.Trainer`. The options of
+``optimizer``, ``precision``, ``model.loss`` and ``model.activation`` are rows of their registries
 (:mod:`mlptrain.base.registry`): the builders look the row up, so a registered option needs no branch
 here. Adding a setting means adding it to the schema (:mod:`mlptrain.config.schema`), its range or the
 options it applies to (:mod:`mlptrain.step.checks`, or the registry row), and the builder of its group.
@@ -29,8 +29,9 @@ from typing import Any
 
 import numpy as np
 
-from mlptrain.base.backend import Backend
+from mlptrain.base.backend import Backend, get_backend
 from mlptrain.base.errors import ConfigError, ResourceError
+from mlptrain.base.timeline import mark
 from mlptrain.config.schema import (
     DataConfig,
     ExecutionConfig,
@@ -39,19 +40,109 @@ from mlptrain.config.schema import (
     PrecisionConfig,
     TrainConfig,
 )
-from mlptrain.data import Dataset
+from mlptrain.data import Dataset, load_dataset, preprocess
 from mlptrain.data.loader import DataLoader
+from mlptrain.data.prepare import task_for_loss
 from mlptrain.data.rows import NormalisedRows
-from mlptrain.distributed.dp import shard_rows
+from mlptrain.distributed.dp import GradientSync, shard_rows
 from mlptrain.nn.execution import FusedExecution, NaiveExecution, NumpyGemm
 from mlptrain.nn.head import OutputHead
-from mlptrain.nn.losses import LOSSES
+from mlptrain.nn.losses import LOSSES, mse_in_units
 from mlptrain.nn.network import MLP
 from mlptrain.step.optim import OPTIMIZERS, Optimizer
 from mlptrain.step.precision import LossScaler, Precision, get_precision
+from mlptrain.step.runtime import Runtime, device_runtime
 from mlptrain.step.schedule import LRSchedule, StepClock
+from mlptrain.step.steplog import StepLog
 
 log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class TrainerParts:
+    """What a :class:`~mlptrain.step.trainer.Trainer` steps with, each built from its config group (:func:`trainer`)."""
+
+    backend: Backend
+    precision: Precision
+    runtime: Runtime  # where the step runs (mlptrain.step.runtime), prepared by the trainer
+    dataset: Dataset
+    widths: list[int]
+    gemm: Any
+    execution: FusedExecution | NaiveExecution
+    model: MLP
+    head: OutputHead
+    train_loader: DataLoader
+    eval_loaders: dict[str, DataLoader]
+    grad_sync: GradientSync | None  # data parallel: this rank's gradients made the global batch's
+    optimizer: Optimizer
+    scaler: LossScaler
+    total_steps: int
+    clock: StepClock  # the one step counter of the run
+    schedule: LRSchedule
+    log: StepLog  # per-step metrics and the end-of-step bookkeeping, on the device (read every log_every steps)
+
+
+def trainer(
+    cfg: TrainConfig, dataset: Dataset | None, backend: Backend | None, *, comm: Any, precompile: Any
+) -> TrainerParts:
+    """The parts of a trainer (its arguments: :class:`~mlptrain.step.trainer.Trainer`), built in order."""
+    backend = backend or get_backend(cfg.device.value)
+    xp, prec = backend.xp, precision(cfg.precision, backend)
+    # GPU: the run's CuPy kernels compile on threads from here on, each waited for before its first launch
+    runtime = device_runtime(
+        backend,
+        prec,
+        precompile=precompile,
+        resume=cfg.resume is not None,
+        graph=cfg.graph is not False,
+        autotune=cfg.execution.autotune,
+    )
+    data_cfg = task_for_loss(cfg.data, cfg.model.loss)  # a regression loss makes a file's task a regression
+    data = load_dataset(data_cfg) if dataset is None else preprocess(dataset, cfg.data)  # one path
+    mark("data")
+    sizes = widths(cfg.model, data)
+    # Independent host streams for init and data order, from one seed.
+    init_seed, data_seed = np.random.SeedSequence(cfg.seed).spawn(2)
+    engine = gemm(cfg.execution, backend, prec)
+    ex = execution(cfg.execution, engine, xp)
+    runtime.wait("setup")  # from here on: the parameters' cast (resuming: CuPy's fill)
+    net = model(cfg.model, sizes, ex, backend, prec, np.random.default_rng(init_seed))
+    two_streams = wgrad_stream(cfg.execution, sizes, cfg.data.batch_size, comm is not None)
+    runtime.wgrad_stream(net, two_streams)  # GPU: dW GEMMs concurrent with the dX chain
+    out = head(cfg, backend, sizes)
+    if (units := data.target_units()) is not None:  # standardised targets (mse): losses in their units
+        out.loss_fn = mse_in_units(xp.asarray(units))
+    shard = (comm.rank, comm.world) if comm is not None else None
+    train, evaluation = loaders(cfg.data, data, xp, prec.compute_dtype, int(data_seed.generate_state(1)[0]), shard)
+    sync = None
+    if comm is not None:  # data parallel: this rank's gradients all-reduced in buckets
+        sync = GradientSync(comm, cfg.data.batch_size, xp, int(cfg.distributed.bucket_mib * 2**20))
+    opt, loss_scaler = optimizer(cfg.optimizer, net.params), scaler(cfg.precision, xp, prec)
+    total_steps = len(train) * cfg.epochs
+    if cfg.max_steps is not None:
+        total_steps = min(total_steps, cfg.max_steps)
+    clock = StepClock(xp)
+    lr = schedule(cfg.optimizer, xp, clock, total_steps)
+    return TrainerParts(
+        backend=backend,
+        precision=prec,
+        runtime=runtime,
+        dataset=data,
+        widths=sizes,
+        gemm=engine,
+        execution=ex,
+        model=net,
+        head=out,
+        train_loader=train,
+        eval_loaders=evaluation,
+        grad_sync=sync,
+        optimizer=opt,
+        scaler=loss_scaler,
+        total_steps=total_steps,
+        clock=clock,
+        schedule=lr,
+        log=StepLog(xp, cfg.log_every, loss_scaler, lr),
+    )
 
 
 def precision(cfg: PrecisionConfig, backend: Backend) -> Precision:
@@ -147,7 +238,7 @@ def model(
     rng: np.random.Generator,
 ) -> MLP:
     """The MLP of ``sizes``, initialised from ``rng`` (the trainer decides its streams: :func:`wgrad_stream`)."""
-    net = MLP(
+    return MLP(
         sizes,
         execution=ex,
         xp=backend.xp,
@@ -159,7 +250,6 @@ def model(
         compute_copy=prec.compute_copy,
         fp8_weights=prec.fp8,
     )
-    return net
 
 
 # Below this many GEMM FLOPs per step, execution.wgrad_stream=null runs the weight gradients on a second

@@ -1,7 +1,7 @@
 """The training step: the model, its loss, its optimizer, and one step of them on the device.
 
-A :class:`Trainer` is built from a valid config (:mod:`mlptrain.step.build` turns each config group
-into its object) and does one thing: train steps. The run around it (epochs, metrics,
+A :class:`Trainer` is built from a valid config (:func:`mlptrain.step.build.trainer` turns each config
+group into its object) and does one thing: train steps. The run around it (epochs, metrics,
 checkpoints, interruption) is :func:`mlptrain.run.run.train`.
 
 One step (:meth:`Trainer.step`), all on the device, with no host synchronisation, so on the GPU it
@@ -31,18 +31,14 @@ from typing import Any
 
 import numpy as np
 
-from mlptrain.base.backend import Backend, get_backend
+from mlptrain.base.backend import Backend
 from mlptrain.base.cuda_source import Job
 from mlptrain.base.timeline import mark
 from mlptrain.config.schema import TrainConfig
-from mlptrain.data import Dataset, load_dataset, preprocess
-from mlptrain.data.prepare import task_for_loss
+from mlptrain.data import Dataset
 from mlptrain.nn import fp8
-from mlptrain.nn.losses import mse_in_units
 from mlptrain.step import bgrad, build, state_fit
-from mlptrain.step.runtime import Runtime, StepBatches, device_runtime
-from mlptrain.step.schedule import StepClock
-from mlptrain.step.steplog import StepLog
+from mlptrain.step.runtime import StepBatches
 
 log = logging.getLogger(__name__)
 
@@ -71,59 +67,13 @@ class Trainer:
         precompile: Any = None,
     ) -> None:
         self.cfg = cfg
-        self.backend = backend or get_backend(cfg.device.value)
-        xp = self.xp = self.backend.xp
-        self.precision = build.precision(cfg.precision, self.backend)
-        # GPU: the run's CuPy kernels compile on threads from here on, each waited for before its first launch
-        self.runtime: Runtime = device_runtime(
-            self.backend,
-            self.precision,
-            precompile=precompile,
-            resume=cfg.resume is not None,
-            graph=cfg.graph is not False,
-            autotune=cfg.execution.autotune,
-        )
-        data_cfg = task_for_loss(cfg.data, cfg.model.loss)  # a regression loss makes a file's task a regression
-        self.dataset = load_dataset(data_cfg) if dataset is None else preprocess(dataset, cfg.data)  # one path
-        mark("data")
-        self.widths = build.widths(cfg.model, self.dataset)
-        # Independent host streams for init and data order, from one seed.
-        init_seed, data_seed = np.random.SeedSequence(cfg.seed).spawn(2)
-        self.gemm = build.gemm(cfg.execution, self.backend, self.precision)
-        self.execution = build.execution(cfg.execution, self.gemm, xp)
-        self.runtime.wait("setup")  # from here on: the parameters' cast (resuming: CuPy's fill)
-        self.model = build.model(
-            cfg.model,
-            self.widths,
-            self.execution,
-            self.backend,
-            self.precision,
-            np.random.default_rng(init_seed),
-        )
-        two_streams = build.wgrad_stream(cfg.execution, self.widths, cfg.data.batch_size, comm is not None)
-        self.runtime.wgrad_stream(self.model, two_streams)  # GPU: dW GEMMs concurrent with the dX chain
-        self.head = build.head(cfg, self.backend, self.widths)
-        if (units := self.dataset.target_units()) is not None:  # standardised targets (mse): losses in their units
-            self.head.loss_fn = mse_in_units(xp.asarray(units))
-        shard = (comm.rank, comm.world) if comm is not None else None
-        self.train_loader, self.eval_loaders = build.loaders(
-            cfg.data, self.dataset, xp, self.precision.compute_dtype, int(data_seed.generate_state(1)[0]), shard
-        )
-        self.grad_sync: Any = None
-        if comm is not None:
-            from mlptrain.distributed.dp import GradientSync
-
-            self.grad_sync = GradientSync(comm, cfg.data.batch_size, xp, int(cfg.distributed.bucket_mib * 2**20))
-        self.optimizer = build.optimizer(cfg.optimizer, self.model.params)
-        self.scaler = build.scaler(cfg.precision, xp, self.precision)
-        self.steps_per_epoch = len(self.train_loader)
-        self.total_steps = self.steps_per_epoch * cfg.epochs
-        if cfg.max_steps is not None:
-            self.total_steps = min(self.total_steps, cfg.max_steps)
-        self.clock = StepClock(xp)  # the one step counter of the run
-        self.schedule = build.schedule(cfg.optimizer, xp, self.clock, self.total_steps)
-        # Per-step metrics and the end-of-step bookkeeping, on the device (read every log_every steps).
-        self.log = StepLog(xp, cfg.log_every, self.scaler, self.schedule)
+        p = build.trainer(cfg, dataset, backend, comm=comm, precompile=precompile)  # each part from its config group
+        self.backend, self.xp, self.precision, self.runtime = p.backend, p.backend.xp, p.precision, p.runtime
+        self.dataset, self.widths, self.gemm, self.execution = p.dataset, p.widths, p.gemm, p.execution
+        self.model, self.head, self.train_loader, self.eval_loaders = p.model, p.head, p.train_loader, p.eval_loaders
+        self.grad_sync, self.optimizer, self.scaler = p.grad_sync, p.optimizer, p.scaler
+        self.steps_per_epoch, self.total_steps = len(self.train_loader), p.total_steps
+        self.clock, self.schedule, self.log = p.clock, p.schedule, p.log
         model = self.model
         self.runtime.prepare(
             self._launch, keep=model.step_arrays, restore=model.restore_step_arrays, release=self.release_step
