@@ -3,12 +3,13 @@
 nvmath's stateful ``Matmul`` (now the GPU tests' oracle, ``tests/gpu/torch_nvmath_oracle.py``) costs in
 per-call Python (``reset_operands_unchecked``, ``execute``'s bookkeeping, ``release_operands``) about five
 times a ``torch.matmul``'s host time, and a small MLP's step is host-bound. This engine makes the very
-``cublasLtMatmul`` call nvmath makes, through the bindings nvmath ships (``nvmath.bindings.cublasLt``,
-as :mod:`mlptrain.nn.cuda.fp8_gemm` does for FP8): the same descriptor, layouts, heuristic preferences and
-algorithm (the first of cuBLASLt's heuristics), so its results are nvmath's bit for bit. Planned once
-per signature; per call it allocates D and the epilog's outputs (``torch.empty_strided``: torch's
-caching allocator on the current stream, so a ``torch.cuda.graph`` capture puts them in its pool),
-sets the pointers on the descriptor and enqueues the GEMM on torch's current stream.
+``cublasLtMatmul`` call nvmath makes, through the bindings nvmath ships (``nvmath.bindings.cublasLt``) and
+the raw plan FP8 runs on too (:class:`mlptrain.nn.cuda.cublaslt.LtMatmul`): the same descriptor, layouts,
+heuristic preferences and algorithm (the first of cuBLASLt's heuristics), so its results are nvmath's bit
+for bit. Planned once per signature; per call it allocates D and the epilog's outputs
+(``torch.empty_strided``: torch's caching allocator on the current stream, so a ``torch.cuda.graph``
+capture puts them in its pool), sets the pointers on the descriptor and enqueues the GEMM on torch's
+current stream.
 
 What nvmath 1.0 does (``linalg/advanced/matmulmod.py``, ``linalg/_internal/epilog_protocol.py``), and
 :func:`gemm_spec` writes down as plain Python (tested without a GPU):
@@ -39,7 +40,6 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from mlptrain.nn.epilogs import EPILOG_INPUTS, Epilog, gelu_aux_shape, relu_aux_shape
@@ -48,11 +48,12 @@ try:  # the layout rules (gemm_spec) are plain Python: the CPU tests read them w
     from nvmath import CudaDataType
     from nvmath.bindings import cublas
     from nvmath.bindings import cublasLt as lt
+
+    from mlptrain.nn.cuda.cublaslt import DESC, PREF, LtMatmul, handle
 except ImportError:  # pragma: no cover - a GPU machine has nvmath
     lt = None  # type: ignore[assignment]
 
 log = logging.getLogger(__name__)
-_DESC: Any = lt.MatmulDescAttribute if lt is not None else None
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 BIAS_IN = (Epilog.BIAS, Epilog.RELU_BIAS, Epilog.RELU_AUX_BIAS, Epilog.GELU_BIAS, Epilog.GELU_AUX_BIAS)
@@ -202,7 +203,7 @@ def allocate(spec: GemmSpec, dtype: torch.dtype, device: torch.device) -> tuple[
 def _handle(device_index: int, thread: int) -> int:
     """One cuBLASLt handle per device and thread, as nvmath keeps them (``linalg/_internal/utils.get_handle``)."""
     with torch.cuda.device(device_index):
-        return int(lt.create())
+        return handle(device_index, thread)
 
 
 def check_inputs(spec: GemmSpec, epilog: Any, inputs: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
@@ -230,7 +231,8 @@ _TYPE_NAMES[torch.float64] = "CUDA_R_64F"
 
 
 class LtPlan:
-    """One planned GEMM: its descriptor, layouts, algorithm and workspace, for one :func:`signature`.
+    """One planned GEMM for one :func:`signature`: a :class:`mlptrain.nn.cuda.cublaslt.LtMatmul` given
+    nvmath's descriptor attributes, layouts and preferences (the module docstring), on torch memory.
 
     Made at the first call of the signature (on that call's tensors: the heuristics see their alignment
     and the epilog inputs' pointers, as nvmath's ``plan`` does); calling it runs the GEMM on new tensors
@@ -251,85 +253,52 @@ class LtPlan:
     ) -> None:
         check_inputs(spec, epilog, inputs, a.dtype)
         self.key, self.spec, self.epilog, self.dtype = key, spec, epilog, a.dtype
-        self.handle = _handle(a.device.index, threading.get_ident())
+        lt_handle = _handle(a.device.index, threading.get_ident())
         dtype = getattr(CudaDataType, _TYPE_NAMES[a.dtype])
         wide = a.dtype == torch.float64  # COMPUTE_64F and float64 scalars; else float32 scalars
         ct = cublas.ComputeType
         compute = ct.COMPUTE_64F if wide else (ct.COMPUTE_32F_FAST_TF32 if tf32 else ct.COMPUTE_32F)
         scale = CudaDataType.CUDA_R_64F if wide else CudaDataType.CUDA_R_32F
-        self.desc = lt.matmul_desc_create(compute, scale)
-        self._pointers: dict[str, tuple[Any, np.ndarray, int]] = {}
-        for which, attr in (("bias", _DESC.BIAS_POINTER), ("aux", _DESC.EPILOGUE_AUX_POINTER)):
-            buf = np.zeros(1, dtype=lt.get_matmul_desc_attribute_dtype(attr))  # set per call: no allocation then
-            self._pointers[which] = (attr, buf, buf.ctypes.data)
-        self._describe(epilog, inputs, dtype)
-        self.layouts = tuple(_layout(dtype, lay) for lay in (spec.a, spec.b, spec.d))  # C is D's layout
-        self.alpha = np.ones(1, np.float64 if wide else np.float32)  # host scalars: the default pointer mode
-        self.beta = np.zeros(1, np.float64 if wide else np.float32)
-        self._head, self._beta = (self.handle, self.desc, self.alpha.ctypes.data), self.beta.ctypes.data
-        self._choose(a, b, cap)
-
-    def _describe(self, epilog: Any, inputs: dict, dtype: Any) -> None:
-        """The descriptor's epilog attributes, as nvmath's epilog handlers set them before the heuristics."""
-        spec = self.spec
-        if spec.transb:  # BGRADB reduces B over K: cuBLASLt takes B transposed for it
-            _set(self.desc, _DESC.TRANSB, cublas.Operation.T)
-        if spec.bias_batch_stride is not None:
-            _set(self.desc, _DESC.BIAS_BATCH_STRIDE, spec.bias_batch_stride)
-        if spec.aux_ld is not None:
-            _set(self.desc, _DESC.EPILOGUE_AUX_LD, spec.aux_ld)
-            _set(self.desc, _DESC.EPILOGUE_AUX_BATCH_STRIDE, spec.aux_batch_stride or 0)
-        if epilog in AUX_OUT:
-            self._pointer("aux", 0x1)  # nvmath's: "to bypass the cuBLAS check"; the real one per call
-            if epilog is not Epilog.RELU_AUX_BIAS and lt.get_version() >= 120800:
-                _set(self.desc, _DESC.EPILOGUE_AUX_DATA_TYPE, dtype)  # gelu_aux in D's type
-        for name, t in inputs.items():
-            self._pointer("bias" if name == "bias" else "aux", t.data_ptr())
-            if t.dtype != self.dtype and name == "bias":
-                _set(self.desc, _DESC.BIAS_DATA_TYPE, getattr(CudaDataType, _TYPE_NAMES[t.dtype]))
-        if epilog is not None:
-            _set(self.desc, _DESC.EPILOGUE, lt.Epilogue[epilog.name])
-
-    def _pointer(self, which: str, value: int) -> None:
-        attr, buf, addr = self._pointers[which]
-        buf[0] = value
-        lt.matmul_desc_set_attribute(self.desc, attr, addr, buf.itemsize)
-
-    def _choose(self, a: torch.Tensor, b: torch.Tensor, cap: int) -> None:
-        """The first of cuBLASLt's 8 heuristic algorithms under nvmath's default preferences, and its workspace."""
-        pref = lt.matmul_preference_create()
-        P = lt.MatmulPreferenceAttribute
+        self._attr = {"bias": DESC.BIAS_POINTER, "aux": DESC.EPILOGUE_AUX_POINTER}
+        layouts = [(dtype, lay.rows, lay.cols, lay.ld, lay.row) for lay in (spec.a, spec.b, spec.d)]  # C is D's
+        self.plan = LtMatmul(lt_handle, compute, scale, self._attributes(epilog, inputs, dtype), layouts)
+        P = PREF
         settings: list[tuple[Any, Any]] = [
             (P.MAX_WORKSPACE_BYTES, cap),
             (P.REDUCTION_SCHEME_MASK, int(lt.ReductionScheme.MASK)),
         ]
         settings += [(P.MAX_WAVES_COUNT, 0.0), (P.IMPL_MASK, 2**64 - 1)]
         settings += [(P.MIN_ALIGNMENT_A_BYTES, alignment(a)), (P.MIN_ALIGNMENT_B_BYTES, alignment(b))]
-        results = lt.MatmulHeuristicResult(8)
-        count = np.zeros(1, dtype=np.int32)
-        la, lb, ld = self.layouts
-        try:
-            for attr, value in settings:
-                buf = np.array([value], dtype=lt.get_matmul_preference_attribute_dtype(attr))
-                lt.matmul_preference_set_attribute(pref, attr, buf.ctypes.data, buf.itemsize)
-            lt.matmul_algo_get_heuristic(
-                self.handle, self.desc, la, lb, ld, ld, pref, 8, results.ptr, count.ctypes.data
-            )
-        except lt.cuBLASLtError as exc:
-            raise RuntimeError(f"{self._what()}: cuBLASLt has no algorithm ({exc})") from exc
-        finally:
-            lt.matmul_preference_destroy(pref)
-        if count[0] == 0:
-            raise RuntimeError(f"{self._what()}: cuBLASLt has no algorithm (NOT_SUPPORTED)")
-        self._results = results[: int(count[0])]  # keeps the algorithm struct alive
-        self._algo = self._results[0]["algo"]
-        self._algo_ptr = self._algo.ctypes.data
-        size = int(np.max(self._results["workspace_size"]))
-        self.workspace_size = size + 16 if size > 0 and self.epilog is not None else size
-        # torch's caching allocator, held by the plan: its address is what a captured graph replays
-        self.workspace = torch.empty(max(self.workspace_size, 1), dtype=torch.uint8, device=a.device)
-        self._tail = (self._algo_ptr, self.workspace.data_ptr(), self.workspace_size)
+
+        def workspace(nbytes: int) -> tuple[torch.Tensor, int]:  # torch's caching allocator, held by the plan
+            t = torch.empty(nbytes, dtype=torch.uint8, device=a.device)
+            return t, t.data_ptr()
+
+        # the first of cuBLASLt's 8 heuristic algorithms under nvmath's default preferences, and its workspace
+        self.plan.choose(settings, 8, self._what(), padded=epilog is not None, workspace=workspace)
         log.info("planned %s, workspace %d bytes", self._what(), self.workspace_size)
+
+    def _attributes(self, epilog: Any, inputs: dict, dtype: Any) -> list[tuple[Any, Any]]:
+        """The descriptor's epilog attributes, in the order nvmath's epilog handlers set them before the heuristics."""
+        spec, attrs = self.spec, []
+        if spec.transb:  # BGRADB reduces B over K: cuBLASLt takes B transposed for it
+            attrs.append((DESC.TRANSB, cublas.Operation.T))
+        if spec.bias_batch_stride is not None:
+            attrs.append((DESC.BIAS_BATCH_STRIDE, spec.bias_batch_stride))
+        if spec.aux_ld is not None:
+            attrs.append((DESC.EPILOGUE_AUX_LD, spec.aux_ld))
+            attrs.append((DESC.EPILOGUE_AUX_BATCH_STRIDE, spec.aux_batch_stride or 0))
+        if epilog in AUX_OUT:
+            attrs.append((DESC.EPILOGUE_AUX_POINTER, 0x1))  # as nvmath: "to bypass the cuBLAS check" (real: per call)
+            if epilog is not Epilog.RELU_AUX_BIAS and lt.get_version() >= 120800:
+                attrs.append((DESC.EPILOGUE_AUX_DATA_TYPE, dtype))  # gelu_aux in D's type
+        for name, t in inputs.items():
+            attrs.append((self._attr["bias" if name == "bias" else "aux"], t.data_ptr()))
+            if t.dtype != self.dtype and name == "bias":
+                attrs.append((DESC.BIAS_DATA_TYPE, getattr(CudaDataType, _TYPE_NAMES[t.dtype])))
+        if epilog is not None:
+            attrs.append((DESC.EPILOGUE, lt.Epilogue[epilog.name]))
+        return attrs
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, inputs: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """``(D, aux)`` for new operands of the plan's signature, enqueued on torch's current stream."""
@@ -337,17 +306,19 @@ class LtPlan:
             with torch.cuda.device(a.device):
                 return self(a, b, inputs)
         d, aux = allocate(self.spec, self.dtype, a.device)
+        plan, attr = self.plan, self._attr
         for out in self.spec.outputs:  # relu_aux / gelu_aux at the aux pointer, a bias gradient at the bias pointer
-            self._pointer(out.pointer, aux[out.name].data_ptr())
+            plan.set(attr[out.pointer], aux[out.name].data_ptr())
         for name, t in inputs.items():
-            self._pointer("bias" if name == "bias" else "aux", t.data_ptr())
-        la, lb, ld = self.layouts
+            plan.set(attr["bias" if name == "bias" else "aux"], t.data_ptr())
         stream = torch.cuda.current_stream(a.device).cuda_stream
-        # (handle, desc, alpha), A, B, beta, C null (beta = 0; C's layout is D's, as nvmath), D, (algo, workspace)
-        lt.matmul(
-            *self._head, a.data_ptr(), la, b.data_ptr(), lb, self._beta, 0, ld, d.data_ptr(), ld, *self._tail, stream
-        )
+        plan.enqueue(a.data_ptr(), b.data_ptr(), d.data_ptr(), stream)
         return d, aux
+
+    @property
+    def workspace_size(self) -> int:
+        """Bytes of the plan's workspace (what :meth:`TorchCublasLtGemm.workspace_bytes` sums)."""
+        return self.plan.workspace_size
 
     def _what(self) -> str:
         s, epilog = self.spec, self.epilog.name if self.epilog else "none"
@@ -355,25 +326,4 @@ class LtPlan:
 
     def free(self) -> None:
         """Destroy the descriptor and layouts and let the workspace go (the device must be idle)."""
-        for layout in self.layouts:
-            lt.matrix_layout_destroy(layout)
-        lt.matmul_desc_destroy(self.desc)
-        self.layouts = ()
-        self.workspace = None  # type: ignore[assignment]
-
-
-def _set(desc: int, attr: Any, value: int) -> None:
-    """``cublasLtMatmulDescSetAttribute`` with the attribute's own C type (as nvmath's MatmulDescInterface)."""
-    buf = np.array([value], dtype=lt.get_matmul_desc_attribute_dtype(attr))
-    lt.matmul_desc_set_attribute(desc, attr, buf.ctypes.data, buf.itemsize)
-
-
-def _layout(dtype: Any, lay: Layout) -> int:
-    """A ``cublasLtMatrixLayout_t`` with nvmath's attributes: its ORDER, one matrix, no batch offset."""
-    ptr = lt.matrix_layout_create(dtype, lay.rows, lay.cols, lay.ld)
-    A = lt.MatrixLayoutAttribute
-    order = lt.Order.ROW if lay.row else lt.Order.COL
-    for attr, value in ((A.ORDER, int(order)), (A.BATCH_COUNT, 1), (A.STRIDED_BATCH_OFFSET, 0)):
-        buf = np.array([value], dtype=lt.get_matrix_layout_attribute_dtype(attr))
-        lt.matrix_layout_set_attribute(ptr, attr, buf.ctypes.data, buf.itemsize)
-    return ptr
+        self.plan.free()

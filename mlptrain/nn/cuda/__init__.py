@@ -5,6 +5,8 @@ module              what it owns
 =================== ================================================================
 ``gemm``            :class:`NvmathGemm`: one planned nvmath ``Matmul`` per call site, epilogs
 ``plan_cache``      cuBLASLt algorithms kept on disk per GPU model and library version
+``cublaslt``        one raw ``cublasLtMatmul`` planned once (descriptor, layouts, heuristics, workspace):
+                    FP8's plans (``fp8_gemm``) and the torch front end's (:mod:`mlptrain.torch.torch_lt`)
 ``streams``         the second stream that the weight gradients run on
 ``losses``          the softmax cross-entropy kernels (the twin of :mod:`mlptrain.nn.losses`)
 ``head``            the output layer's input gradient as one small kernel: in the head's ``kernel``

@@ -14,13 +14,14 @@ every allocation of the step stays in CuPy's pool, as in 16-bit, and torch is no
 One :class:`Fp8Matmul` per call site and shape: ``D (M, N) = (A8 @ B8) * scale_a_inv * scale_b_inv``
 with ``TRANSA = T`` (A row-major (M, K): cuBLASLt's column-major (K, M), transposed), B column-major
 (K, N), D bfloat16 column-major; ``COMPUTE_32F``. The descriptor is made and the algorithm chosen
-(cuBLASLt's heuristics) once, at the first call; every call after sets the pointers and enqueues.
+(cuBLASLt's heuristics) once, at the first call; every call after sets the pointers and enqueues. The
+plan is :class:`mlptrain.nn.cuda.cublaslt.LtMatmul`, the torch front end's too; this module gives it
+FP8's attributes, layouts and scale pointers, a workspace from CuPy's pool and CuPy's stream.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 from typing import Any
 
@@ -31,6 +32,7 @@ from nvmath.bindings import cublas
 from nvmath.bindings import cublasLt as lt
 
 from mlptrain.nn.cuda import fp8_dgrad
+from mlptrain.nn.cuda.cublaslt import DESC, PREF, LayoutArgs, LtMatmul, handle
 from mlptrain.nn.cuda.streams import results_allocator
 from mlptrain.nn.epilogs import Epilog, gelu_aux_shape, relu_aux_shape
 from mlptrain.nn.fp8 import Fp8Call, Fp8Gemm, Fp8Scaling
@@ -39,26 +41,13 @@ log = logging.getLogger(__name__)
 
 _TYPES = {"e4m3": CudaDataType.CUDA_R_8F_E4M3, "e5m2": CudaDataType.CUDA_R_8F_E5M2}
 _BF16 = CudaDataType.CUDA_R_16BF
-_DESC = lt.MatmulDescAttribute
 _BIAS_IN = (Epilog.BIAS, Epilog.RELU_BIAS, Epilog.RELU_AUX_BIAS, Epilog.GELU_BIAS, Epilog.GELU_AUX_BIAS)
 _BGRAD_OUT = {Epilog.DRELU_BGRAD: "drelu_bgrad", Epilog.DGELU_BGRAD: "dgelu_bgrad"}
 _RELU_AUX = (Epilog.RELU_AUX_BIAS, Epilog.DRELU, Epilog.DRELU_BGRAD)
 _GELU_AUX = (Epilog.GELU_AUX_BIAS, Epilog.DGELU, Epilog.DGELU_BGRAD)
 
 
-@functools.cache
-def handle(device: int) -> int:
-    """One cuBLASLt handle per device for the process (a handle only holds the library's context)."""
-    return int(lt.create())
-
-
-def _set(desc: int, attr: Any, value: int) -> None:
-    """``cublasLtMatmulDescSetAttribute`` with the attribute's own C type (as nvmath's MatmulDescInterface)."""
-    buf = np.array([value], dtype=lt.get_matmul_desc_attribute_dtype(attr))
-    lt.matmul_desc_set_attribute(desc, attr, buf.ctypes.data, buf.itemsize)
-
-
-class Fp8Matmul:
+class Fp8Matmul(LtMatmul):
     """One FP8 GEMM shape and epilog, planned once: ``D (M, N) bf16 = A8 (M, K) @ B8 (K, N)``, scaled.
 
     Args:
@@ -82,99 +71,56 @@ class Fp8Matmul:
     ) -> None:
         self.m, self.n, self.k, self.epilog = m, n, k, epilog
         self.workspace_bytes = workspace_bytes
-        self.handle = handle(cp.cuda.Device().id)
-        self.desc = lt.matmul_desc_create(cublas.ComputeType.COMPUTE_32F, CudaDataType.CUDA_R_32F)
-        _set(self.desc, _DESC.TRANSA, cublas.Operation.T)  # A (M, K) row-major is (K, M) column-major
-        _set(self.desc, _DESC.TRANSB, cublas.Operation.N)
-        _set(self.desc, _DESC.EPILOGUE, lt.Epilogue[epilog.name] if epilog is not None else lt.Epilogue.DEFAULT)
+        attributes: list[tuple[Any, Any]] = [
+            (DESC.TRANSA, cublas.Operation.T),  # A (M, K) row-major is (K, M) column-major
+            (DESC.TRANSB, cublas.Operation.N),
+            (DESC.EPILOGUE, lt.Epilogue[epilog.name] if epilog is not None else lt.Epilogue.DEFAULT),
+        ]
         if fast_accum:
-            _set(self.desc, _DESC.FAST_ACCUM, 1)
+            attributes.append((DESC.FAST_ACCUM, 1))
         if epilog in _BIAS_IN or epilog in _BGRAD_OUT:
-            _set(self.desc, _DESC.BIAS_DATA_TYPE, _BF16)  # the bias (or its gradient) in D's type
+            attributes.append((DESC.BIAS_DATA_TYPE, _BF16))  # the bias (or its gradient) in D's type
         if epilog in _RELU_AUX:
-            _set(self.desc, _DESC.EPILOGUE_AUX_LD, relu_aux_shape(m, n)[0] * 8)  # in bits, as nvmath sets it
+            attributes.append((DESC.EPILOGUE_AUX_LD, relu_aux_shape(m, n)[0] * 8))  # in bits, as nvmath sets it
         if epilog in _GELU_AUX:
-            _set(self.desc, _DESC.EPILOGUE_AUX_LD, gelu_aux_shape(m, n)[0])
-            _set(self.desc, _DESC.EPILOGUE_AUX_DATA_TYPE, _BF16)
-        self.layouts: tuple[int, ...] = (
-            lt.matrix_layout_create(_TYPES[formats[0]], k, m, k),  # A^T as cuBLASLt sees it: (K, M), ld K
-            lt.matrix_layout_create(_TYPES[formats[1]], k, n, k),  # B (K, N) column-major, ld K
-            lt.matrix_layout_create(_BF16, m, n, m),  # C and D (M, N) column-major, ld M
-        )
-        self.alpha = np.ones(1, np.float32)  # host scalars (the default pointer mode)
-        self.beta = np.zeros(1, np.float32)
-        self.algo: Any = None
-        self.workspace: Any = None
-        self.workspace_size = 0
+            attributes.append((DESC.EPILOGUE_AUX_LD, gelu_aux_shape(m, n)[0]))
+            attributes.append((DESC.EPILOGUE_AUX_DATA_TYPE, _BF16))
+        layouts: list[LayoutArgs] = [  # as created: column-major, one matrix
+            (_TYPES[formats[0]], k, m, k, None),  # A^T as cuBLASLt sees it: (K, M), ld K
+            (_TYPES[formats[1]], k, n, k, None),  # B (K, N) column-major, ld K
+            (_BF16, m, n, m, None),  # C and D (M, N) column-major, ld M
+        ]
+        device = cp.cuda.Device().id
+        super().__init__(handle(device), cublas.ComputeType.COMPUTE_32F, CudaDataType.CUDA_R_32F, attributes, layouts)
 
     def set_pointers(self, a_inv: Any, b_inv: Any, bias: Any = None, aux: Any = None) -> None:
         """The scale, bias (or bias-gradient) and aux pointers of the next :meth:`run` (host calls only)."""
-        _set(self.desc, _DESC.A_SCALE_POINTER, a_inv.data.ptr)
-        _set(self.desc, _DESC.B_SCALE_POINTER, b_inv.data.ptr)
+        self.set(DESC.A_SCALE_POINTER, a_inv.data.ptr)
+        self.set(DESC.B_SCALE_POINTER, b_inv.data.ptr)
         if bias is not None:
-            _set(self.desc, _DESC.BIAS_POINTER, bias.data.ptr)
+            self.set(DESC.BIAS_POINTER, bias.data.ptr)
         if aux is not None:
-            _set(self.desc, _DESC.EPILOGUE_AUX_POINTER, aux.data.ptr)
+            self.set(DESC.EPILOGUE_AUX_POINTER, aux.data.ptr)
 
     def plan(self, key: str) -> None:
         """cuBLASLt's best algorithm for this GEMM within the workspace cap, and the workspace (outside any capture)."""
-        a, b, d = self.layouts
-        pref = lt.matmul_preference_create()
-        cap = np.array([self.workspace_bytes], dtype=np.uint64)
-        lt.matmul_preference_set_attribute(pref, lt.MatmulPreferenceAttribute.MAX_WORKSPACE_BYTES, cap.ctypes.data, 8)
-        results = lt.MatmulHeuristicResult(1)
-        count = np.zeros(1, dtype=np.int32)
-        try:
-            lt.matmul_algo_get_heuristic(self.handle, self.desc, a, b, d, d, pref, 1, results.ptr, count.ctypes.data)
-        except lt.cuBLASLtError as exc:
-            raise RuntimeError(f"{self._what(key)}: cuBLASLt has no algorithm ({exc})") from exc
-        finally:
-            lt.matmul_preference_destroy(pref)
-        if count[0] == 0:
-            raise RuntimeError(f"{self._what(key)}: cuBLASLt has no algorithm (NOT_SUPPORTED)")
-        self._results = results[: int(count[0])]  # keeps the algorithm struct alive
-        self.algo = self._results[0]["algo"]
-        size = int(np.max(self._results["workspace_size"]))
-        self.workspace_size = size + 16 if size and self.epilog is not None else size  # nvmath's workaround
-        # from the default pool whichever allocator is current, as NvmathGemm's (nn/cuda/gemm.py,
-        # DefaultPoolWorkspaces): long-lived, it must not split the CUDA graph's pool of step arrays
-        self.workspace = cp.get_default_memory_pool().malloc(max(self.workspace_size, 1))
+        prefs = [(PREF.MAX_WORKSPACE_BYTES, self.workspace_bytes)]
+        self.choose(prefs, 1, self._what(key), padded=self.epilog is not None, workspace=_pool_workspace)
         log.info("planned FP8 %s, workspace %d bytes", self._what(key), self.workspace_size)
 
     def run(self, a8: Any, b8: Any, d: Any) -> None:
         """Enqueue the GEMM on the current stream (the pointers as :meth:`set_pointers` left them)."""
-        a, b, dl = self.layouts
-        stream = cp.cuda.get_current_stream().ptr
-        alpha, beta, ws = self.alpha.ctypes.data, self.beta.ctypes.data, self.workspace.ptr
-        # C = null with beta = 0, as nvmath passes it without a C
-        lt.matmul(
-            self.handle,
-            self.desc,
-            alpha,
-            a8.data.ptr,
-            a,
-            b8.data.ptr,
-            b,
-            beta,
-            0,
-            dl,
-            d.data.ptr,
-            dl,
-            self.algo.ctypes.data,
-            ws,
-            self.workspace_size,
-            stream,
-        )
+        self.enqueue(a8.data.ptr, b8.data.ptr, d.data.ptr, cp.cuda.get_current_stream().ptr)
 
     def _what(self, key: str) -> str:
         return f"{key} ({self.m}, {self.k}) @ ({self.k}, {self.n}) epilog={self.epilog.name if self.epilog else 'none'}"
 
-    def free(self) -> None:
-        for layout in self.layouts:
-            lt.matrix_layout_destroy(layout)
-        lt.matmul_desc_destroy(self.desc)
-        self.layouts = ()
-        self.workspace = None
+
+def _pool_workspace(nbytes: int) -> tuple[Any, int]:
+    """A workspace from CuPy's default pool whichever allocator is current, as NvmathGemm's (nn/cuda/gemm.py,
+    DefaultPoolWorkspaces): long-lived, it must not split the CUDA graph's pool of step arrays."""
+    memory = cp.get_default_memory_pool().malloc(nbytes)
+    return memory, memory.ptr
 
 
 class GpuFp8Gemm(Fp8Gemm):
