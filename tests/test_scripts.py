@@ -1,5 +1,6 @@
-"""scripts/ holds thin entry points: no ``sys.path.insert``, and no script imports another script (or a
-test helper); what they share lives in the package (mlptrain.bench, mlptrain.compare)."""
+"""scripts/ holds thin entry points and benchmarks/ the maintained benchmarks: no ``sys.path.insert``, and
+no script imports another script (or a test helper); what scripts share lives in the package
+(mlptrain.tools.bench, mlptrain.tools.compare), what the benchmarks share in ``benchmarks/record.py``."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import ast
 from pathlib import Path
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+BENCHMARKS = SCRIPTS.parent / "benchmarks"
 TESTS = Path(__file__).resolve().parent
 
 
@@ -32,7 +34,8 @@ def offences(source: str, local: set[str]) -> list[str]:
 
 
 def local_names() -> set[str]:
-    return {p.stem for p in SCRIPTS.glob("*.py")} | {p.stem for p in TESTS.rglob("*.py")}
+    folders = (SCRIPTS, BENCHMARKS)
+    return {p.stem for d in folders for p in d.glob("*.py")} | {p.stem for p in TESTS.rglob("*.py")}
 
 
 def test_the_rule_finds_what_it_forbids() -> None:
@@ -55,6 +58,13 @@ def test_the_rule_finds_what_it_forbids() -> None:
 
 def test_scripts_import_nothing_from_each_other_and_leave_sys_path_alone() -> None:
     scripts = sorted(SCRIPTS.glob("*.py"))
-    assert len(scripts) > 20 and "bench" in local_names() and "gpu_helpers" in local_names()
+    assert len(scripts) >= 4 and "bench" in local_names() and "gpu_helpers" in local_names()
     found = {p.name: offences(p.read_text(), local_names() - {p.stem}) for p in scripts}
+    assert {name: what for name, what in found.items() if what} == {}
+
+
+def test_benchmarks_share_only_their_record_module() -> None:
+    benchmarks = sorted(BENCHMARKS.glob("*.py"))
+    assert len(benchmarks) > 8 and "bench_run" in local_names()
+    found = {p.name: offences(p.read_text(), local_names() - {p.stem, "record"}) for p in benchmarks}
     assert {name: what for name, what in found.items() if what} == {}

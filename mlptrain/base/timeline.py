@@ -19,7 +19,7 @@ The loop's parts are what it spent evaluating, saving checkpoints (queuing them 
 writer thread), taking its first steps (the uncaptured warm-up steps and the CUDA graphs' capture:
 :data:`FIRST_STEPS`), and ``training``: the rest, the steps and the host's work between them (log
 intervals, progress bars). The run writes the timeline into ``run.json`` (``timeline``) and logs it
-in one line at the end; ``scripts/bench_run.py`` reads it.
+in one line at the end; ``benchmarks/bench_run.py`` reads it.
 
 ``python -m mlptrain`` marks the process's phases on :data:`PROCESS`; :func:`mlptrain.run.run.train`
 called from Python starts a timeline of its own at the call, and :func:`active` makes it the one

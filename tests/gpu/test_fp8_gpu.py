@@ -288,7 +288,7 @@ def test_fp8_without_a_weight_copy_takes_the_kept_copys_steps_in_less_memory(wgr
     """precision=fp8's own compute_copy (auto: cast): the FP8 casts read the float32 weights; the head's weight
     and the biases share a small cast buffer. Captured and replayed, every loss, weight and scale equals the
     kept bfloat16 copy's run bit for bit, with 2 bytes a hidden weight less in the account and everything
-    else the same (the peaks: scripts/bench_fp8.py, at sizes where the weights are what counts)."""
+    else the same (the peaks: benchmarks/bench_fp8.py, at sizes where the weights are what counts)."""
     import gc
 
     from gpu_helpers import gpu_trainer, train_losses

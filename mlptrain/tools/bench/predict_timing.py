@@ -1,4 +1,4 @@
-"""Timing helpers of the prediction benchmarks (``scripts/bench_predict.py``, ``scripts/predict_clocks.py``):
+"""Timing helpers of the prediction benchmarks (``benchmarks/bench_predict.py``, ``scripts/predict_clocks.py``):
 a random checkpoint, CUDA events on a stream, and the forward GEMMs' floor."""
 
 from __future__ import annotations

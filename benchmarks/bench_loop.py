@@ -6,7 +6,7 @@ then, in the same process, a trainer of the same config whose captured step grap
 back (CUDA events, median of ``--repeats`` chains of ``--steps`` replays). The ratio is what the loop
 adds to the step: Python, the host's launches, the log interval's sync.
 
-Usage: python scripts/bench_loop.py --out DIR [--epochs 5] [--samples 200000]
+Usage: python benchmarks/bench_loop.py --out DIR [--epochs 5] [--samples 200000]
 
 Run with mlptrain installed (``make install``) or with ``PYTHONPATH=.`` at the repository's root.
 """
@@ -14,13 +14,12 @@ Run with mlptrain installed (``make install``) or with ``PYTHONPATH=.`` at the r
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import statistics
 import tempfile
 from pathlib import Path
 
 import cupy as cp
+import record
 
 from mlptrain.cli.main import compose_config
 from mlptrain.run.metrics import read_metrics
@@ -83,7 +82,6 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--repeats", type=int, default=11)
     args = p.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
     rows, lines = {}, []
     for name, (features, hidden, batch) in MODELS.items():
         ov = overrides(features, hidden, batch, args.samples, args.epochs)
@@ -93,9 +91,9 @@ def main() -> None:
         lines.append(f"| {name} | {loop:.4f} | {replay:.4f} | {loop / replay:.2f}x | {summary['steps']} |")
         print(name, rows[name], flush=True)
     md = [
-        f"# The loop's step against its graph replayed back to back ({datetime.date.today().isoformat()})",
+        f"# The loop's step against its graph replayed back to back ({record.today()})",
         "",
-        f"Command: `python scripts/bench_loop.py --out DIR --epochs {args.epochs} --samples {args.samples}`; "
+        f"Command: `python benchmarks/bench_loop.py --out DIR --epochs {args.epochs} --samples {args.samples}`; "
         "data=synthetic, bf16, Adam; the loop's median `step_time_ms` over its step records, the replay's median "
         f"of {args.repeats} chains of {args.steps} back-to-back launches (CUDA events).",
         "",
@@ -103,9 +101,7 @@ def main() -> None:
         "|---|---|---|---|---|",
         *lines,
     ]
-    (args.out / "bench-loop.md").write_text("\n".join(md) + "\n")
-    (args.out / "bench-loop.json").write_text(json.dumps(rows, indent=1))
-    print("\n".join(md))
+    record.write(args.out, "bench-loop", rows, "\n".join(md))
 
 
 if __name__ == "__main__":

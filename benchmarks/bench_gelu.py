@@ -15,7 +15,7 @@ GELU is the tanh form (``model.activation=gelu``; PyTorch ``nn.GELU(approximate=
 Method as ``scripts/bench.py``: random normal data, CUDA events after warm-up, medians; steady =
 20 steps back to back, isolated = one at a time.
 
-Usage: python scripts/bench_gelu.py [--out DIR] [--reps N] [--no-compile]
+Usage: python benchmarks/bench_gelu.py [--out DIR] [--reps N] [--no-compile]
 
 Run with mlptrain installed (``make install``) or with ``PYTHONPATH=.`` at the repository's root.
 """
@@ -23,11 +23,9 @@ Run with mlptrain installed (``make install``) or with ``PYTHONPATH=.`` at the r
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import platform
 import sys
-from pathlib import Path
+
+import record
 
 from mlptrain.base.backend import probe_gpu
 from mlptrain.tools.bench.layer_timing import GRID, bench_layer
@@ -72,8 +70,11 @@ def steps(reps: int, compile: bool) -> list[dict]:
                 bench_step_torch(widths, batch, precision, reps, activation="gelu", compile=True) if compile else None
             )
             rows.append(r)
-            print(f"step {name} {precision}: " + ", ".join(f"{k} {v['ms']:.3f}" for k, v in r.items()
-                                                         if isinstance(v, dict)), flush=True)  # fmt: skip
+            print(
+                f"step {name} {precision}: "
+                + ", ".join(f"{k} {v['ms']:.3f}" for k, v in r.items() if isinstance(v, dict)),
+                flush=True,
+            )
     return rows
 
 
@@ -131,31 +132,19 @@ def main(argv: list[str] | None = None) -> int:
     if not ok:
         print(f"error: needs an NVIDIA GPU ({reason})", file=sys.stderr)
         return 2
-    import cupy as cp
-    import nvmath
-
-    try:
-        import torch
-
-        torch_version = torch.__version__
-    except ImportError:
-        torch_version = None
+    found = record.versions("cupy", "nvmath", "torch")
     rec = {
-        "date": datetime.date.today().isoformat(),
-        "command": "python scripts/bench_gelu.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
-        "cupy": cp.__version__,
-        "nvmath": nvmath.__version__,
-        "torch": torch_version,
-        "python": platform.python_version(),
+        "date": record.today(),
+        "command": record.command(argv),
+        "device": record.gpu_name(),
+        "cupy": found["cupy"],
+        "nvmath": found["nvmath"],
+        "torch": found.get("torch"),
+        "python": found["python"],
         "layers": layers(args.reps),
         "steps": steps(args.reps, not args.no_compile),
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench-gelu.json").write_text(json.dumps(rec, indent=1) + "\n")
-    (out / "bench-gelu.md").write_text(markdown(rec))
-    print(markdown(rec))
+    record.write(args.out, "bench-gelu", rec, markdown(rec))
     return 0
 
 

@@ -1,7 +1,7 @@
 """precision=fp8 against mlptrain's bf16 step and against torchao's float8 training, in one run.
 
-    python scripts/bench_fp8.py --out bench-fp8            # 4096 x 4 (batch 8192) and 8192 x 4 (batch 16384)
-    python scripts/bench_fp8.py --out bench-fp8 --quick    # 4096 x 4 only
+    python benchmarks/bench_fp8.py --out bench-fp8            # 4096 x 4 (batch 8192) and 8192 x 4 (batch 16384)
+    python benchmarks/bench_fp8.py --out bench-fp8 --quick    # 4096 x 4 only
 
 Per model, whole training steps (forward, loss, backward, update; SGD momentum 0.9, lr 1e-3, random
 data, ReLU), each the median of --reps CUDA-event timings of 20 steps back to back after warm-up:
@@ -24,12 +24,11 @@ Run with mlptrain installed (``make install``) or with ``PYTHONPATH=.`` at the r
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import logging
 import sys
-from pathlib import Path
 from typing import Any
+
+import record
 
 from mlptrain.base.backend import probe_gpu
 from mlptrain.tools.bench.medians import CHAIN, median
@@ -131,31 +130,19 @@ def main(argv: list[str] | None = None) -> int:
     if not available:
         print(f"bench_fp8.py needs an NVIDIA GPU with CuPy and nvmath-python: {reason}", file=sys.stderr)
         return 2
-    import cupy as cp
-    import nvmath
-
-    props = cp.cuda.runtime.getDeviceProperties(0)
-    versions = [f"nvmath-python {nvmath.__version__}", f"CuPy {cp.__version__}"]
-    for module in ("torch", "torchao"):
-        try:
-            versions.append(f"{module} {__import__(module).__version__}")
-        except ImportError:
-            pass
+    found = record.versions("nvmath", "cupy", "torch", "torchao")
+    names = {"nvmath": "nvmath-python", "cupy": "CuPy"}
     stack = {
-        "gpu": props["name"].decode() if isinstance(props["name"], bytes) else props["name"],
-        "date": datetime.date.today().isoformat(),
-        "versions": ", ".join(versions),
+        "gpu": record.gpu_name(),
+        "date": record.today(),
+        "versions": ", ".join(f"{names.get(m, m)} {v}" for m, v in found.items() if m != "python"),
         "reps": args.reps,
-        "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+        "command": record.command(argv),
     }
     rows = []
     for name, widths, batch in MODELS[:1] if args.quick else MODELS:
         rows += model_rows(name, widths, batch, args.reps)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_fp8.json").write_text(json.dumps({"stack": stack, "rows": rows}, indent=2))
-    (out / "bench_fp8.md").write_text(markdown(rows, stack))
-    print(markdown(rows, stack))
+    record.write(args.out, "bench_fp8", {"stack": stack, "rows": rows}, markdown(rows, stack))
     return 0
 
 

@@ -1,6 +1,6 @@
-"""PyTorch DistributedDataParallel's training step, the peer of scripts/bench_distributed.py.
+"""PyTorch DistributedDataParallel's training step, the peer of benchmarks/bench_distributed.py.
 
-Run by torchrun (``torchrun --nproc_per_node=N scripts/bench_ddp.py --widths ... --batch B
+Run by torchrun (``torchrun --nproc_per_node=N benchmarks/bench_ddp.py --widths ... --batch B
 --precision fp16``): one process per GPU, NCCL, ``DistributedDataParallel`` over an MLP of
 ``nn.Linear`` and ``nn.ReLU``, autocast with fp32 master weights, SGD with momentum 0.9,
 ``GradScaler`` for fp16, ``B`` rows per GPU of random data. CUDA events around 20 steps back to
@@ -68,8 +68,12 @@ def main() -> None:
     ms = statistics.median(times)
     if dist.get_rank() == 0:
         world = dist.get_world_size()
-        print(json.dumps({"ms": ms, "world": world, "samples_per_s": world * args.batch / ms * 1e3,
-                          "torch": torch.__version__}), flush=True)  # fmt: skip
+        print(
+            json.dumps(
+                {"ms": ms, "world": world, "samples_per_s": world * args.batch / ms * 1e3, "torch": torch.__version__}
+            ),
+            flush=True,
+        )
     dist.destroy_process_group()
 
 

@@ -17,7 +17,7 @@ Reported per model:
 
 784-1024-1024-10 at batch 8192 is bandwidth-bound: its resident step is shorter than its batch's copy.
 
-Usage: python scripts/bench_residency.py --out DIR [--quick]
+Usage: python benchmarks/bench_residency.py --out DIR [--quick]
 
 Run with mlptrain installed (``make install``) or with ``PYTHONPATH=.`` at the repository's root.
 """
@@ -25,8 +25,6 @@ Run with mlptrain installed (``make install``) or with ``PYTHONPATH=.`` at the r
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import statistics
 import tempfile
 import time
@@ -36,6 +34,7 @@ from pathlib import Path
 import cupy as cp
 import ml_dtypes
 import numpy as np
+import record
 
 from mlptrain.cli.main import compose_config
 from mlptrain.data.cuda.host_loader import pinned_empty
@@ -119,7 +118,6 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--quick", action="store_true", help="two epochs instead of four")
     args = p.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
     rows, lines = {}, []
     for name, (features, hidden, classes, batch, samples, epochs) in MODELS.items():
         ov = overrides(features, hidden, classes, batch, samples, 2 if args.quick else epochs)
@@ -150,9 +148,9 @@ def main() -> None:
             f"| {gather_ms:.3f} |"
         )
     md = [
-        f"# Host-resident data against resident data ({datetime.date.today().isoformat()})",
+        f"# Host-resident data against resident data ({record.today()})",
         "",
-        f"Command: `python scripts/bench_residency.py --out DIR{' --quick' if args.quick else ''}`; data=synthetic, "
+        f"Command: `python benchmarks/bench_residency.py --out DIR{' --quick' if args.quick else ''}`; data=synthetic, "
         "bf16, Adam, log_every=2; each row two runs in one process (data.residency=device, then host). Step ms: "
         "the loop's median `step_time_ms`; limits at the same batch: one pinned host-to-device copy (CUDA events, "
         "median of 50) and the host gather of its rows (`take_rows`, median of 30).",
@@ -162,9 +160,7 @@ def main() -> None:
         "|---|---|---|---|---|---|---|---|---|",
         *lines,
     ]
-    (args.out / "bench-residency.md").write_text("\n".join(md) + "\n")
-    (args.out / "bench-residency.json").write_text(json.dumps(rows, indent=1))
-    print("\n".join(md))
+    record.write(args.out, "bench-residency", rows, "\n".join(md))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ into a temporary folder, then times, on this machine:
 Each reader is timed ``--repeats`` times and the median kept (a small machine's timings vary run to run).
 
 Every reader's ``x`` is checked equal to loadtxt's. Usage:
-python scripts/bench_files.py [--rows 1000000] [--features 100] [--out DIR]
+python benchmarks/bench_files.py [--rows 1000000] [--features 100] [--out DIR]
 
 Run with mlptrain installed (``make install``) or with ``PYTHONPATH=.`` at the repository's root.
 """
@@ -21,16 +21,14 @@ Run with mlptrain installed (``make install``) or with ``PYTHONPATH=.`` at the r
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+import record
 
 from mlptrain.data.files import cache
 from mlptrain.data.files.readers import arrow_available, read_table
@@ -67,8 +65,6 @@ def main(argv: list[str] | None = None) -> int:
     if not arrow_available():
         print("bench_files.py needs pyarrow (pip install 'mlptrain[arrow]')", file=sys.stderr)
         return 2
-    import pyarrow
-
     folder = Path(tempfile.mkdtemp(prefix="mlptrain-bench-files-"))
     os.environ["MLPTRAIN_DATA"] = str(folder / "cache")
     path = folder / "big.csv"
@@ -88,15 +84,13 @@ def main(argv: list[str] | None = None) -> int:
     assert isinstance(table.x, np.memmap) and np.isclose(total, x_ref.sum())
     base = results["numpy.loadtxt"]
     stamp = {
-        "date": datetime.date.today().isoformat(),
+        "date": record.today(),
         "rows": args.rows,
         "features": args.features,
         "csv_bytes": size,
         "cores": os.cpu_count(),
-        "python": platform.python_version(),
-        "numpy": np.__version__,
-        "pyarrow": pyarrow.__version__,
-        "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+        **record.versions("numpy", "pyarrow"),
+        "command": record.command(argv),
     }
     lines = [
         f"{stamp['date']}, {args.rows:,} rows x {args.features} float features + an integer label "
@@ -108,12 +102,10 @@ def main(argv: list[str] | None = None) -> int:
         "|---|---|---|",
         *[f"| {k} | {v:.2f} | {base / v:.1f}x |" for k, v in results.items()],
     ]
-    print("\n".join(lines))
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "bench-files.md").write_text("\n".join(lines) + "\n")
-        (out / "bench-files.json").write_text(json.dumps({**stamp, "seconds": results}, indent=1) + "\n")
+        record.write(args.out, "bench-files", {**stamp, "seconds": results}, "\n".join(lines))
+    else:
+        print("\n".join(lines))
     import shutil
 
     shutil.rmtree(folder, ignore_errors=True)

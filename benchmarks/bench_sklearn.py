@@ -1,7 +1,7 @@
 """mlptrain.sklearn against scikit-learn's own MLP on datasets scikit-learn ships: accuracy (R^2) and time.
 
-    python scripts/bench_sklearn.py                       # CPU, seeds 0 1 2, a markdown table on stdout
-    python scripts/bench_sklearn.py --device gpu --out docs/bench/sklearn-gpu.md
+    python benchmarks/bench_sklearn.py                       # CPU, seeds 0 1 2, a markdown table on stdout
+    python benchmarks/bench_sklearn.py --device gpu --out docs/bench/sklearn-gpu.md
 
 Both estimators get scikit-learn's defaults (one hidden layer of 100, ReLU, Adam at 1e-3, batches of
 200, up to 200 epochs, the same ``tol`` and ``n_iter_no_change``) and the same ``random_state``, on

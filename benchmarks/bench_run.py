@@ -22,7 +22,7 @@ time (``wall_s`` of the summary), the sum of its step times (the median ``step_t
 records times the steps) and the time outside the loop (imports, data, planning). Writes
 ``bench-run.md`` and ``bench-run.json`` into ``--out``.
 
-Usage: python scripts/bench_run.py --out DIR [--rows 600000] [--features 256] [--epochs 5] [--repeats 1]
+Usage: python benchmarks/bench_run.py --out DIR [--rows 600000] [--features 256] [--epochs 5] [--repeats 1]
        [--variants mlptrain-first,mlptrain-again,torch-loop,lightning-resident,lightning-loader]
 
 Run with mlptrain installed (``make install``) or with ``PYTHONPATH=.`` at the repository's root.
@@ -42,17 +42,11 @@ import time
 from pathlib import Path
 
 import numpy as np
+import record
 
 REPO = Path(__file__).resolve().parent.parent
-VARIANTS = (
-    "mlptrain-first",
-    "mlptrain-again",
-    "torch-loop",
-    "lightning-resident",
-    "lightning-loader",
-    "mlptrain-init-torch",
-)
 PEERS = ("torch-loop", "lightning-resident", "lightning-loader")
+VARIANTS = ("mlptrain-first", "mlptrain-again", *PEERS, "mlptrain-init-torch")
 HIDDEN, BATCH, LR, CLASSES = (1024, 1024), 1024, 1e-3, 10
 STARTUP = ("python", "imports", "config", "backend")  # mlptrain.base.timeline's phases that any run pays first
 
@@ -275,7 +269,7 @@ def table_md(results: dict, args: argparse.Namespace) -> str:
     lines = [
         f"# A whole run against its peers ({datetime.date.today().isoformat()})",
         "",
-        f"Command: `python scripts/bench_run.py --out DIR --rows {args.rows} --features {args.features} "
+        f"Command: `python benchmarks/bench_run.py --out DIR --rows {args.rows} --features {args.features} "
         f"--epochs {args.epochs} --repeats {args.repeats}`; {args.rows:,} x {args.features} float32 rows as NPZ, "
         f"{args.features}-{HIDDEN[0]}-{HIDDEN[1]}-{CLASSES}, bf16, Adam, batch {BATCH}.",
         "",
@@ -369,7 +363,6 @@ def main() -> None:
         return
     if args.out is None:
         p.error("--out DIR is required")
-    args.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="mlptrain-bench-run-"))
     table = work / "table.npz"
     make_table(table, args.rows, args.features, args.test_rows)
@@ -394,10 +387,9 @@ def main() -> None:
             print(name, r, json.dumps(run), flush=True)
     for name in names:
         results[name] = median_run(runs[name])
-    record = {"args": {**vars(args), "out": str(args.out)}, **results}
-    (args.out / "bench-run.json").write_text(json.dumps(record, indent=1, default=str))
-    (args.out / "bench-run.md").write_text(table_md(results, args))
-    print(table_md(results, args))
+    record.write(
+        args.out, "bench-run", {"args": {**vars(args), "out": str(args.out)}, **results}, table_md(results, args)
+    )
 
 
 if __name__ == "__main__":

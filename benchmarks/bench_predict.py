@@ -15,7 +15,7 @@ compiles); the median of ``--reps`` passes gives rows/s. The predictions are com
 mlptrain's (share of equal class ids: half-precision GEMMs with other algorithms may round
 differently at near-ties). mlptrain from host (NumPy) rows is timed too, transfers included.
 
-Usage: python scripts/bench_predict.py [--out DIR] [--rows N] [--batch B] [--reps R] [--models NAME]
+Usage: python benchmarks/bench_predict.py [--out DIR] [--rows N] [--batch B] [--reps R] [--models NAME]
 (with mlptrain installed, or ``PYTHONPATH=.`` at the repository's root; the timing helpers are
 :mod:`mlptrain.tools.bench.predict_timing`)
 """
@@ -23,15 +23,13 @@ Usage: python scripts/bench_predict.py [--out DIR] [--rows N] [--batch B] [--rep
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import logging
-import platform
 import statistics
 import sys
-from pathlib import Path
 
 import numpy as np
+import record
 
 from mlptrain.base.backend import probe_gpu
 from mlptrain.inference.predictor import Predictor
@@ -131,33 +129,45 @@ def bench(name: str, widths: list[int], precision: str, rows: int, batch: int, r
     for label, fn in variants.items():
         times = time_passes(lambda fn=fn: fn(x_t), torch_events(), reps)
         theirs = fn(x_t)
-        rec[label] = {"s": statistics.median(times), "rows_per_s": rows / statistics.median(times),
-                      "agree": float(np.mean(theirs == ours))}  # fmt: skip
+        rec[label] = {
+            "s": statistics.median(times),
+            "rows_per_s": rows / statistics.median(times),
+            "agree": float(np.mean(theirs == ours)),
+        }
     return rec
 
 
 def table(results: list[dict]) -> list[str]:
-    md = ["| model | dtype | mlptrain | mlptrain, autotune | torch eager | torch.compile | vs eager | vs compile | "
-          "same class id (eager, compile) | forward only: mlptrain, torch | mlptrain from host rows |",
-          "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    md = [
+        "| model | dtype | mlptrain | mlptrain, autotune | torch eager | torch.compile | vs eager | vs compile | "
+        "same class id (eager, compile) | forward only: mlptrain, torch | mlptrain from host rows |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         ours, tuned = r["mlptrain"]["rows_per_s"], r["mlptrain, autotune"]["rows_per_s"]
         e, c, tf = r.get("torch eager"), r.get("torch.compile"), r.get("torch forward only")
         peers = "- | - | - | - | -"
         if e and c:
-            peers = (f"{e['rows_per_s'] / 1e6:.2f} M | {c['rows_per_s'] / 1e6:.2f} M | "
-                     f"{ours / e['rows_per_s']:.2f}x ({tuned / e['rows_per_s']:.2f}x) | "
-                     f"{ours / c['rows_per_s']:.2f}x ({tuned / c['rows_per_s']:.2f}x) | "
-                     f"{e['agree']:.4f}, {c['agree']:.4f}")  # fmt: skip
+            peers = (
+                f"{e['rows_per_s'] / 1e6:.2f} M | {c['rows_per_s'] / 1e6:.2f} M | "
+                f"{ours / e['rows_per_s']:.2f}x ({tuned / e['rows_per_s']:.2f}x) | "
+                f"{ours / c['rows_per_s']:.2f}x ({tuned / c['rows_per_s']:.2f}x) | "
+                f"{e['agree']:.4f}, {c['agree']:.4f}"
+            )
         floor = f"{r['forward GEMMs only']['rows_per_s'] / 1e6:.2f} M, " + (
             f"{tf['rows_per_s'] / 1e6:.2f} M" if tf else "-"
         )
         host = r["mlptrain, host rows"]["rows_per_s"] / 1e6
-        md.append(f"| {r['model']} | {r['precision']} | {ours / 1e6:.2f} M | {tuned / 1e6:.2f} M | {peers} | {floor} | "
-                  f"{host:.2f} M |")  # fmt: skip
-    md += ["", "Rows per second. Ratios: mlptrain's default (autotune in brackets) over the peer. Forward only: the "
-           "model's layers on one batch already in the compute dtype, 20 batches back to back: the ceiling "
-           "that normalising, the argmax and the batching are measured against."]  # fmt: skip
+        md.append(
+            f"| {r['model']} | {r['precision']} | {ours / 1e6:.2f} M | {tuned / 1e6:.2f} M | {peers} | {floor} | "
+            f"{host:.2f} M |"
+        )
+    md += [
+        "",
+        "Rows per second. Ratios: mlptrain's default (autotune in brackets) over the peer. Forward only: the "
+        "model's layers on one batch already in the compute dtype, 20 batches back to back: the ceiling "
+        "that normalising, the argmax and the batching are measured against.",
+    ]
     return md
 
 
@@ -174,19 +184,8 @@ def main(argv=None) -> int:
         print(f"bench_predict.py needs an NVIDIA GPU with CuPy and nvmath-python: {reason}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.WARNING)
-    import cupy as cp
-    import nvmath
-
-    props = cp.cuda.runtime.getDeviceProperties(0)
-    stack = {"gpu": props["name"].decode(), "date": datetime.date.today().isoformat(), "nvmath": nvmath.__version__,
-             "cupy": cp.__version__, "python": platform.python_version(),
-             "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]])}  # fmt: skip
-    try:
-        import torch
-
-        stack["torch"] = torch.__version__
-    except ImportError:
-        pass
+    stack = {"gpu": record.gpu_name(), "date": record.today(), "command": record.command(argv)}
+    stack.update(record.versions("nvmath", "cupy", "torch"))
     results = []
     for name, widths in MODELS:
         if args.models not in ("all", name):
@@ -194,15 +193,16 @@ def main(argv=None) -> int:
         for precision in ("fp16", "bf16"):
             results.append(bench(name, widths, precision, args.rows, args.batch, args.reps))
             print(json.dumps(results[-1]), flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_predict.json").write_text(json.dumps({"stack": stack, "results": results}, indent=1))
-    md = [f"Measured {stack['date']} on {stack['gpu']}: nvmath-python {stack['nvmath']}, CuPy {stack['cupy']}"
-          + (f", PyTorch {stack['torch']}" if "torch" in stack else "") + f". Command: `{stack['command']}`.",
-          f"{args.rows:,} raw float32 rows on the GPU, batch {args.batch}; medians of {args.reps} passes "
-          "(CUDA events, after a warm-up pass).", "", *table(results)]  # fmt: skip
-    (out / "bench_predict.md").write_text("\n".join(md) + "\n")
-    print("\n".join(md))
+    torch_version = f", PyTorch {stack['torch']}" if "torch" in stack else ""
+    md = [
+        f"Measured {stack['date']} on {stack['gpu']}: nvmath-python {stack['nvmath']}, CuPy {stack['cupy']}"
+        f"{torch_version}. Command: `{stack['command']}`.",
+        f"{args.rows:,} raw float32 rows on the GPU, batch {args.batch}; medians of {args.reps} passes "
+        "(CUDA events, after a warm-up pass).",
+        "",
+        *table(results),
+    ]
+    record.write(args.out, "bench_predict", {"stack": stack, "results": results}, "\n".join(md))
     return 0
 
 

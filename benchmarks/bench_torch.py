@@ -18,7 +18,7 @@ Checked before timing: one step of each variant from the same parameters and bat
 and parameter gradients of eager nn.Sequential within half precision's error (norm-wise relative
 error in the table; over 5e-2 marks the row FAILED).
 
-Usage: python scripts/bench_torch.py --out DIR [--reps N] [--chain N] [--warmup N] [--modes eager,compile]
+Usage: python benchmarks/bench_torch.py --out DIR [--reps N] [--chain N] [--warmup N] [--modes eager,compile]
 (``--modes eager,compile,reduce-overhead`` adds ``torch.compile(mode="reduce-overhead")``: CUDA graphs.)
 Writes DIR/bench_torch.md (the table) and DIR/bench_torch.json (every figure and the stack).
 
@@ -29,12 +29,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
-import platform
 import statistics
-import sys
 from pathlib import Path
 from typing import Any
+
+import record
 
 MODELS = [("784-1024-1024-10", [784, 1024, 1024, 10], 256), ("4096 x 4", [4096] * 5, 8192)]
 DTYPES = ("bf16", "fp16")
@@ -184,7 +183,7 @@ def stack() -> dict[str, str]:
         "torch": torch.__version__,
         "cuda": str(torch.version.cuda),
         "nvmath": nvmath.__version__,
-        "python": platform.python_version(),
+        "python": record.versions()["python"],
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
     }
 
@@ -204,14 +203,11 @@ def main() -> None:
         ap.error(f"--modes {','.join(args.modes)}: expected a comma-separated list of {list(MODES)}")
     rows = [bench_case(widths, batch, p, args) for _, widths, batch in MODELS for p in DTYPES]
     info = stack()
-    args.out.mkdir(parents=True, exist_ok=True)
-    command = "python scripts/bench_torch.py " + " ".join(sys.argv[1:])
+    command = record.command()
     where = f"{info['gpu']}, PyTorch {info['torch']} (CUDA {info['cuda']}), nvmath {info['nvmath']}, {info['date']}"
     text = [f"`{command}`, {where}; ms per training step (median)", ""]
     text += table(rows, "steady", args.modes) + table(rows, "isolated", args.modes)[2:]
-    (args.out / "bench_torch.md").write_text("\n".join(text) + "\n")
-    (args.out / "bench_torch.json").write_text(json.dumps({"stack": info, "rows": rows}, indent=1) + "\n")
-    print("\n".join(text))
+    record.write(args.out, "bench_torch", {"stack": info, "rows": rows}, "\n".join(text))
 
 
 if __name__ == "__main__":

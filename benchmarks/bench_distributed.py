@@ -6,7 +6,7 @@ For each model and precision (fp16, bf16), with the same rows per GPU:
 * mlptrain, N GPUs: one process per GPU (spawned, as ``distributed.gpus=N``), NCCL all-reduces
   inside the captured step, each layer's weight gradient reduced on the side stream as soon as
   it is made;
-* PyTorch ``DistributedDataParallel`` through ``torchrun`` on 1 and N GPUs (scripts/bench_ddp.py:
+* PyTorch ``DistributedDataParallel`` through ``torchrun`` on 1 and N GPUs (benchmarks/bench_ddp.py:
   autocast, fp32 master weights, SGD momentum, GradScaler for fp16).
 
 Models: 4096 x 4 at 8192 rows per GPU, and 784-1024-1024-10 at 256 rows per GPU (where the
@@ -15,7 +15,7 @@ global batch: ``world x rows per GPU / step time``. Step time: CUDA events aroun
 to back after warm-up (capture included), median of ``--reps``, on rank 0; random data. After the
 timing every rank reports a digest of its parameters, and the script checks they are identical.
 
-Usage: python scripts/bench_distributed.py [--gpus N] [--out DIR] [--reps N] [--no-torch]
+Usage: python benchmarks/bench_distributed.py [--gpus N] [--out DIR] [--reps N] [--no-torch]
 
 Run with mlptrain installed (``make install``) or with ``PYTHONPATH=.`` at the repository's root.
 """
@@ -23,7 +23,6 @@ Run with mlptrain installed (``make install``) or with ``PYTHONPATH=.`` at the r
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import multiprocessing as mp
 import os
@@ -31,6 +30,8 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+import record
 
 MODELS = [("4096 x 4", [4096] * 5, 8192), ("784-1024-1024-10", [784, 1024, 1024, 10], 256)]
 
@@ -86,8 +87,20 @@ def mlptrain_run(world: int, widths: list, rows: int, precision: str, reps: int)
 
 def ddp_run(world: int, widths: list, rows: int, precision: str, reps: int) -> dict | None:
     script = str(Path(__file__).parent / "bench_ddp.py")
-    cmd = ["torchrun", "--standalone", f"--nproc_per_node={world}", script, "--widths", ",".join(map(str, widths)),
-           "--batch", str(rows), "--precision", precision, "--reps", str(reps)]  # fmt: skip
+    cmd = [
+        "torchrun",
+        "--standalone",
+        f"--nproc_per_node={world}",
+        script,
+        "--widths",
+        ",".join(map(str, widths)),
+        "--batch",
+        str(rows),
+        "--precision",
+        precision,
+        "--reps",
+        str(reps),
+    ]
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=os.environ.copy())
     except (OSError, subprocess.TimeoutExpired) as exc:
@@ -153,18 +166,14 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(r), flush=True)
             rows.append(r)
     rec = {
-        "date": datetime.date.today().isoformat(),
-        "command": "python scripts/bench_distributed.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "date": record.today(),
+        "command": record.command(argv),
         "gpus": args.gpus,
-        "device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
+        "device": record.gpu_name(),
         "stack": f"CuPy {cp.__version__}, nvmath-python {nvmath.__version__}, NCCL {cp.cuda.nccl.get_version()}",
         "rows": rows,
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench-distributed.json").write_text(json.dumps(rec, indent=1) + "\n")
-    (out / "bench-distributed.md").write_text(markdown(rec))
-    print(markdown(rec))
+    record.write(args.out, "bench-distributed", rec, markdown(rec))
     return 0
 
 
