@@ -25,7 +25,7 @@ the forward epilogs BIAS, RELU_BIAS, RELU_AUX_BIAS and GELU(_AUX)_BIAS with e4m3
 DRELU_BGRAD with e4m3 x e5m2. BGRADA and BGRADB are NOT_SUPPORTED: a weight gradient's bias gradient
 comes from a separate reduction of the 16-bit dZ (on the GPU fused into the cast + transpose kernel of
 dZ, as Transformer Engine's ``cast_transpose_dbias``). DGELU(_BGRAD) is in cuBLASLt's FP8 matrix but
-not measured here yet (``scripts/fp8_probe.py`` checks it). e5m2 x e5m2 is refused, and so are
+not measured here yet (``tests/gpu/test_fp8_gpu.py`` checks it). e5m2 x e5m2 is refused, and so are
 dimensions that are not multiples of 16.
 """
 

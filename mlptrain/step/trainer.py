@@ -18,7 +18,7 @@ stream, the graphs, the pools, the kernels compiling ahead) is the device runtim
                    tail=log.tail(loss, correct, B))      # block updates the loss scale, the step
                                                          # count and the lr, and records the metrics
 
-For 784-1024-1024-10 in fp16 that is 7 GEMMs and 4 small kernels (``scripts/step_kernels.py``
+For 784-1024-1024-10 in fp16 that is 7 GEMMs and 4 small kernels (``benchmarks/probes/step_kernels.py``
 lists them). The host reads the metrics back only every ``log_every`` steps, from the device ring
 of :class:`~mlptrain.step.steplog.StepLog`.
 """

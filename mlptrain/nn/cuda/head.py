@@ -6,7 +6,7 @@ For an MNIST-sized head the output layer's input-gradient GEMM is tiny and awkwa
 
 K = C = 10: ten products per element. cuBLASLt has no fused kernel for DRELU_BGRAD at that K: it
 runs a GEMM, a memset and a separate epilogue kernel, on the critical path of the step
-(``scripts/step_kernels.py --gemm-head --profile``; the times are in docs/benchmarks.md, "Figures
+(``benchmarks/probes/step_kernels.py --gemm-head --profile``; the times are in docs/benchmarks.md, "Figures
 moved out of the code").
 
 ``mlptrain_head_dgrad`` does the same work in one launch. Block ``j`` owns hidden

@@ -56,7 +56,7 @@ def softmax_cross_entropy_gpu(logits: Any, y: Any, grad_scale: Any, bias_grad: b
     coalesced, and warp shuffles and a tree give the fixed-order sums. The tile in shared memory is
     faster than each thread reading its row from global memory (30 dependent loads of L2 latency a
     thread) and than holding the row in a 32-wide register array (with 1024 threads a block gets 64
-    registers per thread); one kernel is faster than two (``scripts/step_kernels.py --profile``; the
+    registers per thread); one kernel is faster than two (``benchmarks/probes/step_kernels.py --profile``; the
     times are in docs/benchmarks.md, "Figures moved out of the code").
     """
     rows, mean = _cupy_xent_kernels()

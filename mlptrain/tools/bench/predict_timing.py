@@ -1,5 +1,5 @@
-"""Timing helpers of the prediction benchmarks (``benchmarks/bench_predict.py``, ``scripts/predict_clocks.py``):
-a random checkpoint, CUDA events on a stream, and the forward GEMMs' floor."""
+"""Timing helpers of the prediction benchmark (``benchmarks/bench_predict.py``): a random checkpoint,
+CUDA events on a stream, and the forward GEMMs' floor."""
 
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ record) and the rest (start-up: imports, data, planning, kernel compilation). Wi
 a cold and a warm run are also profiled (cProfile; the top functions by cumulative time go
 into ``cold-profile.txt`` and ``warm-profile.txt``): what the start-up spends its time on.
 
-Usage: python scripts/bench_startup.py [--out DIR] [--profile] [-- overrides ...]
+Usage: python benchmarks/probes/bench_startup.py [--out DIR] [--profile] [-- overrides ...]
 
 Run with mlptrain installed (``make install``) or with ``PYTHONPATH=.`` at the repository's root.
 """
@@ -44,7 +44,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def run_once(
@@ -53,8 +53,14 @@ def run_once(
     env = {**os.environ, **(python_env or {})}
     env.update(CUPY_CACHE_DIR=str(caches / "cupy"), MLPTRAIN_DATA=str(caches / "mlptrain"))
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
-    cmd = [sys.executable, *(["-m", "cProfile", "-o", str(profile)] if profile else []), "-m", "mlptrain",
-           *overrides, f"hydra.run.dir={run_dir}"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        *(["-m", "cProfile", "-o", str(profile)] if profile else []),
+        "-m",
+        "mlptrain",
+        *overrides,
+        f"hydra.run.dir={run_dir}",
+    ]
     os.sync()  # flush other programs' writes now, not in this run's first fsync
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
@@ -63,8 +69,13 @@ def run_once(
         raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     summary = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
     kernels = len(list((caches / "cupy").glob("*"))) if (caches / "cupy").is_dir() else 0
-    return {"wall_s": wall, "loop_s": summary["wall_s"], "startup_s": wall - summary["wall_s"],
-            "test_acc": summary.get("test/acc"), "cached_kernels": kernels}  # fmt: skip
+    return {
+        "wall_s": wall,
+        "loop_s": summary["wall_s"],
+        "startup_s": wall - summary["wall_s"],
+        "test_acc": summary.get("test/acc"),
+        "cached_kernels": kernels,
+    }
 
 
 def main(argv=None) -> int:
@@ -72,8 +83,12 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="bench-startup-out")
     ap.add_argument("--profile", action="store_true", help="also profile a cold run (cProfile)")
     ap.add_argument("--no-prime", action="store_true", help="no untimed priming run first (see above)")
-    ap.add_argument("--bytecode", choices=("prime", "as-is"), default="prime",
-                    help="prime: the priming run writes the bytecode the timed runs read (see above)")  # fmt: skip
+    ap.add_argument(
+        "--bytecode",
+        choices=("prime", "as-is"),
+        default="prime",
+        help="prime: the priming run writes the bytecode the timed runs read (see above)",
+    )
     ap.add_argument("overrides", nargs="*", help="overrides of the run (default: none, the default run)")
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -96,13 +111,18 @@ def main(argv=None) -> int:
         if args.profile:  # a cold run and then a warm one, on caches of their own
             for label in ("cold", "warm"):
                 prof = Path(tmp) / f"{label}.prof"
-                run_once(args.overrides, Path(tmp) / "caches-profiled", Path(tmp) / f"run-{label}-profiled", prof,
-                         python_env=timed_env)  # fmt: skip
+                run_once(
+                    args.overrides,
+                    Path(tmp) / "caches-profiled",
+                    Path(tmp) / f"run-{label}-profiled",
+                    prof,
+                    python_env=timed_env,
+                )
                 with open(out / f"{label}-profile.txt", "w") as f:
                     pstats.Stats(str(prof), stream=f).sort_stats("cumulative").print_stats(80)
     cold, warm = rows[0], min(rows[1:], key=lambda r: r["wall_s"])
     md = [
-        f"Measured {datetime.date.today().isoformat()}, command: `python scripts/bench_startup.py "
+        f"Measured {datetime.date.today().isoformat()}, command: `python benchmarks/probes/bench_startup.py "
         f"{' '.join(sys.argv[1:])}` (overrides: {' '.join(args.overrides) or 'none: the default run'}; "
         f"{'no priming run' if args.no_prime else 'after an untimed priming run on caches of its own'}; "
         f"Python {sys.version.split()[0]}, bytecode writing {'off' if sys.flags.dont_write_bytecode else 'on'} "
@@ -113,7 +133,7 @@ def main(argv=None) -> int:
         *(
             f"| {r['run']} | {r['wall_s']:.2f} | {r['loop_s']:.2f} | {r['startup_s']:.2f} | {r['cached_kernels']} |"
             for r in rows
-        ),  # fmt: skip
+        ),
         "",
         f"cold / warm wall time: {cold['wall_s'] / warm['wall_s']:.2f}x",
     ]

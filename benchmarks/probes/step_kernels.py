@@ -6,7 +6,7 @@ kernels of the captured graph in launch order, and times the step against its GE
 * steady state: 20 steps back to back, per step (what a training run sees);
 * isolated: one step on an idle GPU (latency, host launch work included).
 
-Usage: python scripts/step_kernels.py [--widths 784,1024,1024,10] [--batch 256] [--precision fp16]
+Usage: python benchmarks/probes/step_kernels.py [--widths 784,1024,1024,10] [--batch 256] [--precision fp16]
        [--optimizer sgd] [--out DIR]
 
 Run with mlptrain installed (``make install``) or with ``PYTHONPATH=.`` at the repository's root.
@@ -26,7 +26,7 @@ import numpy as np
 from mlptrain.base.backend import probe_gpu
 
 
-def main(argv=None):
+def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--widths", default="784,1024,1024,10")
     ap.add_argument("--batch", type=int, default=256)
@@ -43,12 +43,25 @@ def main(argv=None):
         help="the output layer's input gradient as a cuBLASLt GEMM (head_kernel=false), not mlptrain_head_dgrad",
     )
     ap.add_argument("--profile", action="store_true", help="GPU time of each kernel (needs PyTorch's profiler)")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
     available, reason = probe_gpu()
     if not available:
         print(f"step_kernels.py needs an NVIDIA GPU with CuPy and nvmath-python: {reason}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.WARNING)
+    rec = measure(args)
+    report(rec, args)
+    if args.out:
+        (Path(args.out) / "kernels.json").write_text(json.dumps(rec, indent=2) + "\n")
+    return 0
+
+
+def measure(args: argparse.Namespace) -> dict:
+    """The step's graph (its kernels in launch order), its times and its GEMMs' floor, as kernels.json holds them."""
     import cupy as cp
     import ml_dtypes
 
@@ -85,12 +98,33 @@ def main(argv=None):
     bf16 = np.dtype(ml_dtypes.bfloat16)  # fp8: the floor is the bf16 GEMMs the FP8 ones replace
     dtype = {"fp16": np.float16, "bf16": bf16, "fp8": bf16}.get(args.precision, np.float32)
     floor = step_gemm_floor(widths, args.batch, dtype, args.reps)
+    return {
+        "widths": widths,
+        "batch": args.batch,
+        "precision": args.precision,
+        "optimizer": args.optimizer,
+        "bgrad": tr.model.bgrad,
+        "autotune": args.autotune,
+        "wgrad_stream": not args.one_stream,
+        "head_kernel": tr.head.mode == "kernel",
+        "kernels": names,
+        "kernel_counts": Counter(names),
+        "step_ms": step,
+        "gemm_floor_ms": floor,
+        "kernel_us": per_kernel,
+        "cupy": cp.__version__,
+    }
+
+
+def report(rec: dict, args: argparse.Namespace) -> None:
+    """What :func:`measure` found, on stdout: the setup, the graph's kernels, their GPU times, step against floor."""
+    names, per_kernel, step, floor = rec["kernels"], rec["kernel_us"], rec["step_ms"], rec["gemm_floor_ms"]
     ours = [n for n in names if n.startswith("mlptrain_")]
-    model = "-".join(map(str, widths))
+    model = "-".join(map(str, rec["widths"]))
     tuned = ", autotuned" if args.autotune else ""
     streams = "one stream" if args.one_stream else "weight gradients on a second stream"
-    head = "head kernel" if tr.head.mode == "kernel" else "head GEMM"
-    setup = f"{args.precision}, {args.optimizer}, bgrad {tr.model.bgrad}{tuned}, {streams}, {head}"
+    head = "head kernel" if rec["head_kernel"] else "head GEMM"
+    setup = f"{args.precision}, {args.optimizer}, bgrad {rec['bgrad']}{tuned}, {streams}, {head}"
     print(f"{model}, batch {args.batch}, {setup}")
     print(f"{len(names)} graph nodes per step: {len(ours)} of mlptrain's kernels, the rest cuBLASLt's (GEMMs, memsets)")
     for n in names:
@@ -103,26 +137,6 @@ def main(argv=None):
     for label, key in (("steady", "ms"), ("isolated", "ms_isolated")):
         t = step[label]
         print(f"{label:>8}: step {t:.4f} ms, GEMMs alone {floor[key]:.4f} ms, ratio {t / floor[key]:.2f}x")
-    if args.out:
-        out = Path(args.out)
-        record = {
-            "widths": widths,
-            "batch": args.batch,
-            "precision": args.precision,
-            "optimizer": args.optimizer,
-            "bgrad": tr.model.bgrad,
-            "autotune": args.autotune,
-            "wgrad_stream": not args.one_stream,
-            "head_kernel": tr.head.mode == "kernel",
-            "kernels": names,
-            "kernel_counts": Counter(names),
-            "step_ms": step,
-            "gemm_floor_ms": floor,
-            "kernel_us": per_kernel,
-            "cupy": cp.__version__,
-        }
-        (out / "kernels.json").write_text(json.dumps(record, indent=2) + "\n")
-    return 0
 
 
 def profile_kernels(fn, reps):
