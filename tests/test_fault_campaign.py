@@ -1,4 +1,4 @@
-"""scripts/fault_campaign.py in small: random SIGINT/SIGTERM/SIGKILL, resumes, a bit-for-bit comparison.
+"""benchmarks/fault_campaign in small: random SIGINT/SIGTERM/SIGKILL, resumes, a bit-for-bit comparison.
 
 The recorded campaigns (docs/reliability.md, docs/bench/fault-campaign*.md) have over 100 interruptions;
 these keep CI quick: the plain run, and one trial of each other scenario (early stopping, TensorBoard, a
@@ -21,7 +21,7 @@ HEADER = "| scenario | trials | starts | interruptions (SIGINT / SIGTERM / SIGKI
 
 def campaign(tmp_path: Path, *args: str) -> tuple[str, dict]:
     proc = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "fault_campaign.py"), *args, "--out", str(tmp_path)]
+        [sys.executable, str(REPO / "benchmarks" / "fault_campaign"), *args, "--out", str(tmp_path)]
         + ["--work", str(tmp_path)],
         capture_output=True,
         text=True,
@@ -69,7 +69,7 @@ def test_the_partial_fit_loop_keeps_every_reported_save_and_ends_as_uninterrupte
     assert doc["trials"][0]["log"][-1]["finished"]
     # --render writes the same report again from campaign.json, running nothing
     render = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "fault_campaign.py"), "--render", str(tmp_path / "campaign.json")]
+        [sys.executable, str(REPO / "benchmarks" / "fault_campaign"), "--render", str(tmp_path / "campaign.json")]
         + ["--out", str(tmp_path / "again")],
         capture_output=True,
         text=True,
@@ -82,7 +82,7 @@ def test_the_partial_fit_loop_keeps_every_reported_save_and_ends_as_uninterrupte
 def test_a_failed_trial_is_reported_with_its_replay(tmp_path: Path) -> None:
     # checked (the default), the steps a SIGKILL loses beyond checkpoint_steps=1 fail the trial, named for replay
     proc = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "fault_campaign.py"), "--smoke", "--seed", "0"]
+        [sys.executable, str(REPO / "benchmarks" / "fault_campaign"), "--smoke", "--seed", "0"]
         + ["--scenarios", "ckpt1", "--out", str(tmp_path), "--work", str(tmp_path)],
         capture_output=True,
         text=True,

@@ -20,7 +20,7 @@ import numpy as np
 
 from mlptrain.run import checkpoint
 
-REPO = Path(__file__).resolve().parent.parent.parent
+REPO = Path(__file__).resolve().parents[3]  # benchmarks/fault_campaign/fault_injection/runs.py
 
 CONFIG = ["device=cpu", "progress=false", "model.hidden=[256,256]", "epochs=6", "checkpoint_steps=5", "log_every=5"]
 # a checkpoint after every step, every step logged: steps lost to a SIGKILL are counted from metrics.jsonl

@@ -26,8 +26,8 @@ each, killed and restarted from its save (what is promised: ``fault_injection/pa
 Each trial has its own random numbers (from ``--seed`` and its number): ``--replay N`` runs trial N
 alone, with the same ``--seed`` and ``--scenarios``.
 
-Usage: python scripts/fault_campaign.py --scenarios ckpt1,fp8,stream,partial_fit --trials 100 --seed 0 --out DIR
-       python scripts/fault_campaign.py --smoke --scenarios ckpt1   (one trial, two interruptions: a test)
+Usage: python benchmarks/fault_campaign --scenarios ckpt1,fp8,stream,partial_fit --trials 100 --seed 0 --out DIR
+       python benchmarks/fault_campaign --smoke --scenarios ckpt1   (one trial, two interruptions: a test)
 
 Run with mlptrain installed (``make install``) or with ``PYTHONPATH=.`` at the repository's root.
 """
@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-# scripts/ is on sys.path when this file runs: its own modules are scripts/fault_injection/
+# python benchmarks/fault_campaign puts this folder first on sys.path: its modules are fault_injection/
 from fault_injection import partial, report, runs, trial
 
 OLD = "plain,early stopping,tensorboard,sweep"
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if args.render:
         return render(Path(args.render), args.out, args.lost)
-    command = "python scripts/fault_campaign.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    command = "python benchmarks/fault_campaign " + shlex.join(sys.argv[1:] if argv is None else argv)
     commit = report.tree()  # at the start: the tree that ran
     root = Path(tempfile.mkdtemp(prefix="mlptrain-faults-", dir=args.work))
     scenarios = args.scenarios.split(",")

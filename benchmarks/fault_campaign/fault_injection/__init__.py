@@ -1,4 +1,4 @@
-"""The random fault-injection campaign behind ``scripts/fault_campaign.py`` (docs/reliability.md).
+"""The random fault-injection campaign behind ``python benchmarks/fault_campaign`` (docs/reliability.md).
 
 ``runs`` starts and watches ``python -m mlptrain`` runs, ``trial`` interrupts one run at random until it
 finishes, ``check`` compares it with the uninterrupted run, ``partial`` does the same for a loop of
