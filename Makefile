@@ -75,14 +75,14 @@ compare: $(STAMP) ## Train fused and naive (same seed and data) and plot them; A
 
 # docs/compare-gpu/ (issue #17): MNIST-1D and a wide speed task, relu/gelu x fp16/bf16, fused vs naive, on a GPU.
 # Everything goes under COMPARE_DIR (default runs/compare-gpu/<date>_<time>); ARGS='--smoke' runs it small on the CPU.
-compare-gpu: $(STAMP) ## The GPU comparison of docs/compare-gpu/ (scripts/compare_gpu.sh); ARGS='--smoke' on a CPU
-	PYTHON=$(BIN)/python bash scripts/compare_gpu.sh "$(or $(COMPARE_DIR),runs/compare-gpu/$$(date +%Y-%m-%d_%H-%M-%S))" $(ARGS)
+compare-gpu: $(STAMP) ## The GPU comparison of docs/compare-gpu/ (scripts/compare.sh --suite gpu); ARGS='--smoke' on a CPU
+	PYTHON=$(BIN)/python bash scripts/compare.sh --suite gpu "$(or $(COMPARE_DIR),runs/compare-gpu/$$(date +%Y-%m-%d_%H-%M-%S))" $(ARGS)
 
 # docs/compare-fp8/ (issue #30): fp8 vs bf16, five seeds, MNIST-1D and a wide synthetic task, on a GPU of
 # compute capability 8.9+. Everything goes under COMPARE_DIR (default runs/compare-fp8/<date>_<time>);
 # ARGS='--smoke' runs it small on the CPU (fp8 emulated, against fp32).
-compare-fp8: $(STAMP) ## The FP8 comparison of docs/compare-fp8/ (scripts/compare_fp8.sh); ARGS='--smoke' on a CPU
-	PYTHON=$(BIN)/python bash scripts/compare_fp8.sh "$(or $(COMPARE_DIR),runs/compare-fp8/$$(date +%Y-%m-%d_%H-%M-%S))" $(ARGS)
+compare-fp8: $(STAMP) ## The FP8 comparison of docs/compare-fp8/ (scripts/compare.sh --suite fp8); ARGS='--smoke' on a CPU
+	PYTHON=$(BIN)/python bash scripts/compare.sh --suite fp8 "$(or $(COMPARE_DIR),runs/compare-fp8/$$(date +%Y-%m-%d_%H-%M-%S))" $(ARGS)
 
 clean: ## Remove run outputs, build files and caches (keeps the venv)
 	rm -rf outputs multirun runs build dist .pytest_cache .ruff_cache .mypy_cache

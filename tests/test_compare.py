@@ -318,7 +318,7 @@ def test_index_links_the_panels_and_says_how_the_modes_differ(tmp_path: Path) ->
         write_run(speed, mode, 0, NAIVE[0], ms, ACC[mode, 0], precision="bf16", device=H200)
     assert compare.main([str(speed), "--out", str(root / "relu-bf16" / "speed")]) == 0
 
-    assert compare.main(["--index", str(root), "--made-by", "scripts/compare_gpu.sh OUT_DIR"]) == 0
+    assert compare.main(["--index", str(root), "--made-by", "scripts/compare.sh --suite gpu OUT_DIR"]) == 0
     md = (root / "README.md").read_text()
     rows = [line for line in md.splitlines() if line.startswith("| [")]
     # relu before gelu, fp16 before bf16
@@ -347,7 +347,7 @@ def test_index_links_the_panels_and_says_how_the_modes_differ(tmp_path: Path) ->
         "as different as two runs of one mode with different seeds",
     ):
         assert fact in md, fact
-    assert "```\nscripts/compare_gpu.sh OUT_DIR\n```" in md
+    assert "```\nscripts/compare.sh --suite gpu OUT_DIR\n```" in md
 
 
 def test_paired_difference_pairs_by_seed_and_uses_students_t() -> None:
@@ -441,20 +441,26 @@ def test_gpu_recipe_steps_are_as_documented() -> None:
     assert (n - test - val) // speed.data.batch_size == 95
 
 
-SCRIPT = REPO / "scripts" / "compare_gpu.sh"
+SCRIPT = REPO / "scripts" / "compare.sh"
 
 
 def _script(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", "HYDRA_MAIN_MODULE")}
     env["PYTHON"] = sys.executable
-    return subprocess.run(["bash", str(SCRIPT), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        ["bash", str(SCRIPT), "--suite", "gpu", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_gpu_script_usage_errors(tmp_path: Path) -> None:
     proc = _script(cwd=tmp_path)
-    assert proc.returncode == 2 and "usage: scripts/compare_gpu.sh OUT_DIR" in proc.stderr
+    assert proc.returncode == 2 and "usage: scripts/compare.sh --suite gpu|fp8 OUT_DIR" in proc.stderr
     proc = _script(str(tmp_path / "out"), "--nope", cwd=tmp_path)
     assert proc.returncode == 2 and "unknown option --nope" in proc.stderr
+    proc = _script(str(tmp_path / "out"), "--tasks", "wide", cwd=tmp_path)  # an option of the other suite
+    assert proc.returncode == 2 and "--tasks is an option of --suite fp8" in proc.stderr
+    proc = _script(str(tmp_path / "out"), "--suite", "cpu", cwd=tmp_path)  # the last --suite given wins
+    assert proc.returncode == 2 and "unknown suite cpu (expected gpu or fp8)" in proc.stderr
     assert not (tmp_path / "out").exists()
 
 
@@ -490,7 +496,7 @@ def test_gpu_script_runs_end_to_end_on_the_cpu(tmp_path: Path) -> None:
     assert "python -m mlptrain.compare runs/compare-gpu/gelu-fp32 --out docs/compare-gpu/gelu-fp32" in md
     index = (docs / "README.md").read_text()
     assert "| [gelu-fp32](gelu-fp32/compare.md) | gelu | fp32 |" in index
-    assert "scripts/compare_gpu.sh OUT_DIR --smoke --activations 'gelu' --precisions 'fp32' -- seed=0" in index
+    assert "scripts/compare.sh --suite gpu OUT_DIR --smoke --activations 'gelu' --precisions 'fp32' -- seed=0" in index
     assert not list((out / "runs").rglob("checkpoints"))
     assert "finished in" in (out / "compare_gpu.log").read_text()
     import tarfile

@@ -1,6 +1,6 @@
 """mlptrain.compare across another axis than the execution mode (issue #30's fp8 vs bf16): the axis
 found in the runs' configs or named, the refusal of ambiguous sweeps, the paired accuracy difference's
-95 % interval against half a point, the report's lines, and scripts/compare_fp8.sh."""
+95 % interval against half a point, the report's lines, and scripts/compare.sh --suite fp8."""
 
 from __future__ import annotations
 
@@ -205,18 +205,20 @@ def test_fp8_configs_sweep_the_precision_and_hold_the_execution() -> None:
     assert test == 40000 and (n - test - val) // wide.data.batch_size * wide.epochs == 273  # as the config says
 
 
-SCRIPT = REPO / "scripts" / "compare_fp8.sh"
+SCRIPT = REPO / "scripts" / "compare.sh"
 
 
 def _script(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", "HYDRA_MAIN_MODULE")}
     env["PYTHON"] = sys.executable
-    return subprocess.run(["bash", str(SCRIPT), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        ["bash", str(SCRIPT), "--suite", "fp8", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_fp8_script_usage_errors(tmp_path: Path) -> None:
     proc = _script(cwd=tmp_path)
-    assert proc.returncode == 2 and "usage: scripts/compare_fp8.sh OUT_DIR" in proc.stderr
+    assert proc.returncode == 2 and "usage: scripts/compare.sh --suite gpu|fp8 OUT_DIR" in proc.stderr
     proc = _script(str(tmp_path / "out"), "--tasks", "mnist", cwd=tmp_path)
     assert proc.returncode == 2 and "unknown task mnist" in proc.stderr
     assert not (tmp_path / "out").exists()

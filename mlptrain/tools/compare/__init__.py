@@ -26,10 +26,10 @@ statistics of :mod:`.stats`), and writes into the sweep directory (or ``--out``)
 A run that is missing or incomplete stops the command with one line ``error: <message>`` naming
 the run directory, and exit status 2 (:class:`CompareError`).
 
-Several comparisons (one folder each, as ``scripts/compare_gpu.sh`` makes them for docs/compare-gpu/)
+Several comparisons (one folder each, as ``scripts/compare.sh --suite gpu`` makes them for docs/compare-gpu/)
 get one index (:mod:`.index`)::
 
-    python -m mlptrain.compare --index docs/compare-gpu [--made-by "scripts/compare_gpu.sh OUT_DIR"] [--note FILE]
+    python -m mlptrain.compare --index docs/compare-gpu [--made-by "scripts/compare.sh ..."] [--note FILE]
 """
 
 from mlptrain.tools.compare.axis import EXECUTION, Axis, choose_axis, differing_keys

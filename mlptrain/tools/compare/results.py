@@ -1,5 +1,5 @@
 """``python -m mlptrain.tools.compare.results DIR``: one table of the comparisons under ``DIR`` that vary
-something other than the execution mode (``<task>/compare.json``, as ``scripts/compare_fp8.sh``
+something other than the execution mode (``<task>/compare.json``, as ``scripts/compare.sh --suite fp8``
 writes them for docs/compare-fp8/), written to ``DIR/results.md`` and printed: per task the final
 accuracies, the paired difference with its 95 % interval, whether that interval lies inside half a
 point, and the time per step."""
