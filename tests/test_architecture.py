@@ -204,6 +204,32 @@ def test_module_and_function_sizes(name: str, formatted: dict[str, str]) -> None
     assert too_long(formatted[name]) == [], f"{modules()[name]} (as ruff format writes it)"
 
 
+# benchmarks/ and scripts/ (#48): the package's limits and its fmt: skip ban; scripts/ only thin entry points
+OUTSIDE_PACKAGE = ("benchmarks", "scripts")
+MAX_SCRIPTS_LINES = 600
+
+
+def outside_package() -> dict[str, Path]:
+    """``benchmarks/x.py`` -> its file, for every Python file of the folders in OUTSIDE_PACKAGE."""
+    return {p.relative_to(ROOT).as_posix(): p for d in OUTSIDE_PACKAGE for p in sorted((ROOT / d).rglob("*.py"))}
+
+
+@pytest.fixture(scope="module")
+def formatted_outside() -> dict[str, str]:
+    return ruff_format({name: without_directives(path.read_text()) for name, path in outside_package().items()})
+
+
+@pytest.mark.parametrize("name", sorted(outside_package()))
+def test_benchmark_and_script_sizes_without_fmt_skip(name: str, formatted_outside: dict[str, str]) -> None:
+    assert formatter_off(outside_package()[name].read_text()) == [], f"{name}: lines with # fmt: skip / # fmt: off"
+    assert too_long(formatted_outside[name]) == [], f"{name} (as ruff format writes it)"
+
+
+def test_scripts_hold_at_most_600_lines_of_python() -> None:
+    found = {p.name: p.read_text().count("\n") for p in (ROOT / "scripts").rglob("*.py")}
+    assert 0 < sum(found.values()) <= MAX_SCRIPTS_LINES, found
+
+
 def reach(graph: dict[str, set[str]], start: str) -> set[str]:
     """Every module ``start`` imports, directly or through others."""
     found: set[str] = set()

@@ -1,4 +1,4 @@
-"""The benchmark harness: what ``scripts/bench*.py`` and ``python -m mlptrain.bench`` share.
+"""The benchmark harness: what ``scripts/bench*.py``, ``benchmarks/`` and ``python -m mlptrain.bench`` share.
 
 * :mod:`.medians`: CUDA-event medians after warm-up, CUDA-graph replays, the tables' number format;
 * :mod:`.step_trainer`: a GPU trainer on random data, its configuration composed through Hydra's
