@@ -80,7 +80,7 @@ def test_the_partial_fit_loop_keeps_every_reported_save_and_ends_as_uninterrupte
 
 
 def test_a_failed_trial_is_reported_with_its_replay(tmp_path: Path) -> None:
-    # checked (the default), the steps a SIGKILL loses beyond checkpoint_steps=1 fail the trial, named for replay
+    # checked (the default), the steps a SIGKILL loses beyond 2 x checkpoint_steps fail the trial, named for replay
     proc = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "fault_campaign"), "--smoke", "--seed", "0"]
         + ["--scenarios", "ckpt1", "--out", str(tmp_path), "--work", str(tmp_path)],
@@ -90,7 +90,7 @@ def test_a_failed_trial_is_reported_with_its_replay(tmp_path: Path) -> None:
     )
     doc = json.loads((tmp_path / "campaign.json").read_text())
     lost = [e["lost"] for e in doc["trials"][0]["log"] if "lost" in e]
-    if max(lost) <= 1:  # the promise holds: nothing fails
+    if max(lost) <= 2:  # the promise holds (at most 2 x checkpoint_steps, docs/reliability.md promise 3): nothing fails
         assert proc.returncode == 0 and "Failures: 0." in (tmp_path / "campaign.md").read_text()
         return
     assert proc.returncode == 1
