@@ -6,6 +6,9 @@
 order) or found: the config key, besides the seed, on which the runs differ. Its two values are the
 arms, *candidate* first and *reference* second; every difference the report gives is candidate minus
 reference (fused - naive, fp8 - bf16).
+
+:class:`CompareError`, the one error of ``python -m mlptrain.compare``, lives here: this is the lowest module
+of the package that raises it (``runs``, ``results`` and the package import it from here).
 """
 
 from __future__ import annotations
@@ -15,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 from mlptrain.config.schema import flatten
-from mlptrain.tools.compare.compare_errors import CompareError
 
 # Keys that differ between the runs of any comparison: the seed, and how progress was shown.
 ALWAYS_SWEPT = ("seed", "progress")
@@ -27,6 +29,11 @@ KNOWN_ORDERS = {
 }
 # A group named alone (--axis precision) means its option's field: precision.name, execution.mode.
 LABEL_FIELDS = ("name", "mode")
+
+
+class CompareError(Exception):
+    """A run is missing, incomplete or not comparable; the message names the run directory (the one error
+    of ``python -m mlptrain.compare``: exit status 2)."""
 
 
 @dataclass(frozen=True)

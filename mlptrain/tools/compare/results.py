@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from mlptrain.tools.compare.arms import arms, equivalence_cell
-from mlptrain.tools.compare.compare_errors import CompareError
+from mlptrain.tools.compare.axis import CompareError
 from mlptrain.tools.compare.report import accuracy_gap, fmt_stat, gap_cell
 
 RESULTS_NAME = "results.md"

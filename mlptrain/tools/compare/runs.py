@@ -19,8 +19,7 @@ import numpy as np
 
 from mlptrain.config.schema import flatten
 from mlptrain.run.metrics import read_metrics
-from mlptrain.tools.compare.axis import ALWAYS_SWEPT, EXECUTION, Axis, choose_axis
-from mlptrain.tools.compare.compare_errors import CompareError
+from mlptrain.tools.compare.axis import ALWAYS_SWEPT, EXECUTION, Axis, CompareError, choose_axis
 
 MODES = EXECUTION.arms
 # Keys that may differ between the runs of a fused-vs-naive comparison; another axis replaces execution.mode.
