@@ -49,12 +49,6 @@ def test_a_run_trains_with_it(registered: list[str], tmp_path: Path) -> None:
     assert meta["scaler"] == {"scale": 1024.0 * 2 ** (21 // 4), "growth_tracker": 21 % 4, "consecutive_skips": 0}
 
 
-def test_the_row_says_what_it_needs(registered: list[str]) -> None:
-    row = PRECISIONS["fp32_scaled"]
-    assert row.exponent_mask == PRECISIONS["fp32"].exponent_mask == 0x7F800000
-    assert PRECISIONS["fp16"].exponent_mask == 0x7C00 and PRECISIONS["bf16"].exponent_mask == 0x7F80
-
-
 def test_help_and_the_checks_know_it(registered: list[str]) -> None:
     line = next(x for x in settings_help().splitlines() if "precision.name =" in x)
     assert "fp64, fp32, tf32, fp16, bf16, fp8 or fp32_scaled (precision=<name>)" in line

@@ -66,13 +66,6 @@ class PrecisionSpec:
     cpu: bool = False
     compute_copy: str = "kept"  # what precision.compute_copy=auto means for this row (when compute != storage)
 
-    @property
-    def exponent_mask(self) -> int:
-        """The exponent bits of ``compute``: a value is inf or NaN exactly when they are all set (the bits
-        of +inf; float16 ``0x7C00``, bfloat16 ``0x7F80``), as the GPU's inf/NaN scans test them."""
-        inf = np.array(np.inf, dtype=_host_dtype(self.compute))
-        return int(inf.view(np.dtype(f"u{inf.itemsize}")))
-
 
 PRECISIONS: Registry[PrecisionSpec] = Registry("precision.name")
 PRECISIONS.add("fp64", PrecisionSpec("float64", "float64", cpu=True))
@@ -166,10 +159,6 @@ def get_precision(name: str, backend: Backend) -> Precision:
 def _dtype(xp: Any, name: str) -> Any:
     """``xp``'s dtype ``name`` (bfloat16: ml_dtypes', which CuPy takes too)."""
     return _bfloat16(xp) if name == "bfloat16" else getattr(xp, name)
-
-
-def _host_dtype(name: str) -> Any:
-    return _bfloat16(np) if name == "bfloat16" else np.dtype(name)
 
 
 def check_fp8_device(backend: Backend) -> None:
