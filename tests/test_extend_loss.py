@@ -15,8 +15,8 @@ import pytest
 
 from mlptrain import train
 from mlptrain.base.errors import ConfigError
+from mlptrain.cli.help import settings_help
 from mlptrain.cli.main import compose_config
-from mlptrain.config.schema import settings_help
 from mlptrain.nn.losses import LOSSES, LossSpec
 from mlptrain.run.metrics import read_metrics
 

@@ -16,8 +16,8 @@ import pytest
 from mlptrain import train
 from mlptrain.base.errors import ConfigError
 from mlptrain.base.registry import POSITIVE
+from mlptrain.cli.help import settings_help
 from mlptrain.cli.main import compose_config
-from mlptrain.config.schema import settings_help
 from mlptrain.nn.layers import Param
 from mlptrain.run import checkpoint
 from mlptrain.run.metrics import read_metrics

@@ -14,8 +14,8 @@ import pytest
 
 from mlptrain import train
 from mlptrain.base.errors import ConfigError
+from mlptrain.cli.help import settings_help
 from mlptrain.cli.main import compose_config
-from mlptrain.config.schema import settings_help
 from mlptrain.run import checkpoint
 from mlptrain.run.metrics import read_metrics
 from mlptrain.step.precision import PRECISIONS, PrecisionSpec

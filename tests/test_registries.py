@@ -13,8 +13,9 @@ import pytest
 from mlptrain.base.backend import get_backend
 from mlptrain.base.errors import ConfigError, DeviceError
 from mlptrain.base.registry import Range
+from mlptrain.cli.help import settings_help
 from mlptrain.cli.main import CONF_DIR
-from mlptrain.config.schema import OptimizerConfig, PrecisionConfig, TrainConfig, settings_help
+from mlptrain.config.schema import OptimizerConfig, PrecisionConfig, TrainConfig
 from mlptrain.nn.epilogs import EPILOG_INPUTS
 from mlptrain.nn.execution import ACTIVATIONS
 from mlptrain.nn.layers import Param

@@ -4,6 +4,7 @@
 module              what it owns
 =================== ================================================================
 ``main``            ``python -m mlptrain``: the Hydra app over the typed schema
+``help``            ``python -m mlptrain --help``: the schema's settings and the registered names
 ``hydra_errors``    Hydra's and OmegaConf's errors as one line
 ``launcher``        ``distributed.gpus=N``: one training process per GPU of this host
 ``sweep``           a multirun's ``summary.md`` and ``summary.csv``

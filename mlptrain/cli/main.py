@@ -41,10 +41,11 @@ from omegaconf.errors import OmegaConfBaseException
 from mlptrain.base.errors import ConfigError, Interrupted, MlptrainError, OutputError
 from mlptrain.base.fs import atomic_write, log_file_handler
 from mlptrain.base.timeline import PROCESS, Timeline
+from mlptrain.cli.help import register_configs
 from mlptrain.cli.hydra_errors import hydra_errors_raised, one_line
 from mlptrain.cli.runlog import EarlyWarnings, hold_signals_in_log_lines
 from mlptrain.cli.sweep import register_resolvers
-from mlptrain.config.schema import TrainConfig, register_configs
+from mlptrain.config.schema import TrainConfig
 from mlptrain.step.checks import validate
 
 log = logging.getLogger(__name__)

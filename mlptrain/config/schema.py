@@ -1,10 +1,11 @@
 """Typed configuration: the dataclass schema Hydra validates against, one help text per key.
 
-The schema is stored in Hydra's ConfigStore as ``train_schema`` and listed first in
-``conf/config.yaml``'s defaults, so Hydra rejects unknown keys, wrong types and unknown enum
-values while composing. :mod:`mlptrain.step.checks` checks what types cannot (ranges, keys that the
+The schema is stored in Hydra's ConfigStore as ``train_schema`` (:func:`mlptrain.cli.help.register_configs`)
+and listed first in ``conf/config.yaml``'s defaults, so Hydra rejects unknown keys, wrong types and unknown
+enum values while composing. :mod:`mlptrain.step.checks` checks what types cannot (ranges, keys that the
 chosen options do not use). Every field carries its help text in ``metadata["help"]``, which
-``python -m mlptrain --help`` lists: the schema is the one place a setting is described.
+``python -m mlptrain --help`` lists (:mod:`mlptrain.cli.help`): the schema is the one place a setting is
+described. It imports nothing of mlptrain.
 
 The settings that name a registered option (``model.activation``, ``model.loss``, ``optimizer.name``,
 ``precision.name``) are ``str``: their options are the entries of a registry, which grows when an
@@ -263,61 +264,6 @@ class TrainConfig:
     max_steps: Optional[int] = _f(None, "stop after this many steps (null: all epochs)")
     logger: Logger = _f(Logger.none, "tensorboard: also write event files into <run dir>/tensorboard")
     optimized_metric: Optional[str] = _f(None, "the summary value returned to a Hydra sweeper; null: the best metric")
-
-
-def settings_help(node: Any = None, prefix: str = "", values: Any = None) -> str:
-    """Every setting of the schema, one line each: ``key = value  description`` (``--help`` shows it).
-
-    ``values``: the composed config whose values to show (the command line's overrides and chosen
-    groups applied); default the schema's defaults.
-    """
-    from dataclasses import MISSING, fields, is_dataclass
-
-    node = TrainConfig if node is None else node
-    lines = []
-    for f in fields(node):
-        default = f.default_factory() if f.default_factory is not MISSING else f.default  # type: ignore[misc]
-        value = default if values is None else values.get(f.name, default)
-        if is_dataclass(default):
-            lines.append(settings_help(default, f"{prefix}{f.name}.", value if values is not None else None))
-            continue
-        shown = value.value if isinstance(value, Enum) else value
-        if hasattr(shown, "_content") or isinstance(shown, (list, tuple)):  # an OmegaConf ListConfig, a list
-            shown = "[" + ", ".join(map(str, shown)) + "]"
-        shown = "null" if shown is None else str(shown).lower() if isinstance(shown, bool) else shown
-        lines.append(f"  {prefix + f.name + ' = ' + str(shown):<36} {_help(f, prefix)}")
-    return "\n".join(lines)
-
-
-def _help(f: Any, prefix: str) -> str:
-    """A field's help, the registered names in place of ``{choices}`` (:mod:`mlptrain.step.choices`)."""
-    text = f.metadata.get("help", "")
-    if not (f.metadata.get("choices") or f.metadata.get("users")):
-        return text
-    from mlptrain.step.choices import help_of, users_of
-
-    if f.metadata.get("users"):
-        return text.format(users=", ".join(users_of(prefix + f.name)))
-    return text.format(choices=help_of(prefix + f.name))
-
-
-def register_configs() -> None:
-    """Store :class:`TrainConfig` in Hydra's ConfigStore as ``train_schema``.
-
-    ``conf/config.yaml`` lists ``train_schema`` first in its defaults, so the group files
-    (``model/``, ``data/``, ...) and command-line overrides merge into typed nodes and a typo
-    fails at compose time. No per-group schemas are stored: each would show up as a selectable
-    group option named after it. Safe to call more than once.
-    """
-    from hydra.core.config_store import ConfigStore
-    from omegaconf import OmegaConf
-
-    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
-    # conf/config.yaml's help template lists the settings from the schema: written once, here
-    # ($ doubled: Hydra fills the template with string.Template)
-    OmegaConf.register_new_resolver(
-        "mlptrain_settings", lambda *, _root_: settings_help(values=_root_).replace("$", "$$"), replace=True
-    )
 
 
 def to_plain(cfg: TrainConfig) -> dict[str, Any]:

@@ -1,0 +1,67 @@
+"""``python -m mlptrain --help``: every setting of the schema, one line each, with its value and help.
+
+The schema (:mod:`mlptrain.config.schema`) holds each setting's help text; this renders it, filling in
+the names each registry holds now (``{choices}``, ``{users}``: :mod:`mlptrain.step.choices`), and stores
+the schema in Hydra's ConfigStore with the resolver that ``conf/config.yaml``'s help template calls.
+Rendering lives here, above the registries, so that the schema imports nothing of mlptrain.
+"""
+
+from __future__ import annotations
+
+from dataclasses import MISSING, fields, is_dataclass
+from enum import Enum
+from typing import Any
+
+from mlptrain.config.schema import TrainConfig
+from mlptrain.step.choices import help_of, users_of
+
+
+def settings_help(node: Any = None, prefix: str = "", values: Any = None) -> str:
+    """Every setting of the schema, one line each: ``key = value  description`` (``--help`` shows it).
+
+    ``values``: the composed config whose values to show (the command line's overrides and chosen
+    groups applied); default the schema's defaults.
+    """
+    node = TrainConfig if node is None else node
+    lines = []
+    for f in fields(node):
+        default = f.default_factory() if f.default_factory is not MISSING else f.default  # type: ignore[misc]
+        value = default if values is None else values.get(f.name, default)
+        if is_dataclass(default):
+            lines.append(settings_help(default, f"{prefix}{f.name}.", value if values is not None else None))
+            continue
+        shown = value.value if isinstance(value, Enum) else value
+        if hasattr(shown, "_content") or isinstance(shown, (list, tuple)):  # an OmegaConf ListConfig, a list
+            shown = "[" + ", ".join(map(str, shown)) + "]"
+        shown = "null" if shown is None else str(shown).lower() if isinstance(shown, bool) else shown
+        lines.append(f"  {prefix + f.name + ' = ' + str(shown):<36} {_help(f, prefix)}")
+    return "\n".join(lines)
+
+
+def _help(f: Any, prefix: str) -> str:
+    """A field's help, the registered names in place of ``{choices}`` (:mod:`mlptrain.step.choices`)."""
+    text = f.metadata.get("help", "")
+    if not (f.metadata.get("choices") or f.metadata.get("users")):
+        return text
+    if f.metadata.get("users"):
+        return text.format(users=", ".join(users_of(prefix + f.name)))
+    return text.format(choices=help_of(prefix + f.name))
+
+
+def register_configs() -> None:
+    """Store :class:`TrainConfig` in Hydra's ConfigStore as ``train_schema``.
+
+    ``conf/config.yaml`` lists ``train_schema`` first in its defaults, so the group files
+    (``model/``, ``data/``, ...) and command-line overrides merge into typed nodes and a typo
+    fails at compose time. No per-group schemas are stored: each would show up as a selectable
+    group option named after it. Safe to call more than once.
+    """
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
+
+    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+    # conf/config.yaml's help template lists the settings from the schema: written once, here
+    # ($ doubled: Hydra fills the template with string.Template)
+    OmegaConf.register_new_resolver(
+        "mlptrain_settings", lambda *, _root_: settings_help(values=_root_).replace("$", "$$"), replace=True
+    )
