@@ -251,6 +251,7 @@ ENGINES_MAY_IMPORT = {
     "mlptrain.base.fs",  # atomic_write, the cache folder
     "mlptrain.base.cuda_source",  # pieces of CUDA source and the Job a component declares to compile ahead
     "mlptrain.base.errors",  # the user-facing exceptions (imports nothing)
+    "mlptrain.config.schema",  # the names a setting takes (BGRAD_STRATEGIES: the probe's options; imports nothing)
 }
 # Today's exceptions, each to go once its module is given what it needs instead of importing it:
 ENGINE_EXCEPTIONS = {

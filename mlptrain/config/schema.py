@@ -99,6 +99,22 @@ class ComputeCopy(str, Enum):
     cast = "cast"
 
 
+def values(enum: type[Enum], *, but: Enum | None = None) -> tuple[str, ...]:
+    """The names ``enum`` accepts, in its order (``but``: one left out, ``auto``, which picks among the others).
+
+    The code that takes these settings as plain strings (the network, the torch front end, the
+    scikit-learn estimators, the benchmarks) checks them against these lists, so each is spelled once.
+    """
+    return tuple(str(m.value) for m in enum if m is not but)
+
+
+BGRAD_STRATEGIES = values(Bgrad, but=Bgrad.auto)  # what one hidden layer takes: drelu_bgrad, bgradb
+COMPUTE_COPIES = values(ComputeCopy, but=ComputeCopy.auto)  # kept, cast
+TASKS = values(Task, but=Task.auto)  # a dataset's task: classification, regression
+SCHEDULES = values(Schedule)
+NORMALIZATIONS = values(Normalize)
+
+
 def _f(default: Any, help: str, factory: Any = None, choices: bool = False, users: bool = False) -> Any:
     """A schema field with its help text (``python -m mlptrain --help`` lists them); ``choices``: the
     setting names a registered option, listed from its registry in place of ``{choices}``; ``users``:

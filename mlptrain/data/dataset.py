@@ -20,10 +20,10 @@ from typing import Any
 import numpy as np
 
 from mlptrain.base.errors import DatasetError
+from mlptrain.config.schema import TASKS
 from mlptrain.data.files.chunks import first_nonfinite, normalise_into
 
 __all__ = ["TASKS", "Dataset", "Normalization", "Raw", "check_real", "first_nonfinite"]
-TASKS = ("classification", "regression")
 
 
 def check_real(a: Any, where: str, error: type[Exception] = DatasetError) -> None:

@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 
 from mlptrain.base.errors import ConfigError, DatasetError
-from mlptrain.config.schema import DataConfig
+from mlptrain.base.registry import joined
+from mlptrain.config.schema import NORMALIZATIONS, DataConfig
 from mlptrain.data.dataset import Dataset, Normalization, Raw
 from mlptrain.data.files import chunks
 from mlptrain.data.files.column_stats import ColumnStats, column_stats
@@ -75,8 +76,8 @@ def normalization(method: str, x: np.ndarray, rows: np.ndarray | None = None, wh
     f = x.shape[1]
     if method == "none":
         return Normalization.identity(f)
-    if method not in ("standard", "minmax"):
-        raise ConfigError(f"data.normalize={method!r} is not a normalisation; expected standard, minmax or none")
+    if method not in NORMALIZATIONS:
+        raise ConfigError(f"data.normalize={method!r} is not a normalisation; expected {joined(NORMALIZATIONS, 'or')}")
     st = column_stats(x, rows, extremes=True)  # (F,) each, float64
     if st.nonfinite is not None:
         row, col = st.nonfinite

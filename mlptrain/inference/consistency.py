@@ -16,9 +16,8 @@ from typing import Any
 import numpy as np
 
 from mlptrain.base.errors import CheckpointError
+from mlptrain.config.schema import TASKS
 from mlptrain.run.checkpoint import Checkpoint
-
-TASKS = ("classification", "regression")
 
 
 def check_for_scoring(ckpt: Checkpoint) -> None:

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from mlptrain.config.schema import Init
 from mlptrain.nn.execution import ACTIVATIONS, FusedExecution, NaiveExecution
 
 
@@ -266,9 +267,10 @@ def initial(init: str, in_features: int, out_features: int, rng: np.random.Gener
     ``he``: ``N(0, 2/in)``, ``lecun``: ``N(0, 1/in)``, zero biases; ``torch``: PyTorch's ``nn.Linear``
     default (``kaiming_uniform_(a=sqrt(5))``), ``U(-1/sqrt(in), 1/sqrt(in))`` for the weights and the biases.
     """
-    if init == "torch":
+    init = Init(init)  # ValueError for a name the schema does not know
+    if init is Init.torch:
         bound = 1.0 / math.sqrt(in_features)
         w = rng.uniform(-bound, bound, size=(out_features, in_features))
         return w, rng.uniform(-bound, bound, size=out_features)
-    gain = 2.0 if init == "he" else 1.0
+    gain = 2.0 if init is Init.he else 1.0
     return rng.standard_normal((out_features, in_features)) * math.sqrt(gain / in_features), np.zeros(out_features)

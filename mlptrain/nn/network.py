@@ -23,11 +23,10 @@ from typing import Any
 
 import numpy as np
 
+from mlptrain.config.schema import BGRAD_STRATEGIES, COMPUTE_COPIES, Init
 from mlptrain.nn.epilogs_fp8 import FP8_MULTIPLE
 from mlptrain.nn.execution import FusedExecution, NaiveExecution
 from mlptrain.nn.layers import CastBuffer, Linear, Param
-
-BGRAD_STRATEGIES = ("drelu_bgrad", "bgradb")
 
 
 @dataclass
@@ -93,8 +92,8 @@ class MLP:
         self.execution = execution
         self.xp = xp
         n = len(widths) - 1
-        if compute_copy not in ("kept", "cast"):
-            raise ValueError(f"compute_copy must be 'kept' or 'cast'; got {compute_copy!r}")
+        if compute_copy not in COMPUTE_COPIES:
+            raise ValueError(f"compute_copy must be {' or '.join(map(repr, COMPUTE_COPIES))}; got {compute_copy!r}")
         self.cast_buffer = None
         cast = compute_copy == "cast" and np.dtype(param_dtype) != np.dtype(compute_dtype)
         pairs = list(zip(widths, widths[1:], strict=False))  # (in, out) of each layer
@@ -114,7 +113,7 @@ class MLP:
                 xp=xp,
                 param_dtype=param_dtype,
                 compute_dtype=compute_dtype,
-                init=init if init == "torch" or (activation != "none" and i < n - 1) else "lecun",
+                init=init if init == Init.torch or (activation != "none" and i < n - 1) else Init.lecun.value,
                 cast_buffer=self.cast_buffer,
                 weight_gemm_casts=gemm_casts[i],
             )

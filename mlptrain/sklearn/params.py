@@ -36,13 +36,11 @@ from typing import Any
 import numpy as np
 
 from mlptrain.base.errors import ConfigError
-from mlptrain.config.schema import Device, Mode, Schedule, TrainConfig
+from mlptrain.config.schema import NORMALIZATIONS, SCHEDULES, Device, Mode, Schedule, TrainConfig, values
 from mlptrain.step.precision import PRECISIONS
 
 ACTIVATIONS = {"relu": "relu", "identity": "none", "gelu": "gelu"}
 SOLVERS = ("sgd", "adam")
-SCHEDULES = ("constant", "cosine")
-NORMALIZE = ("standard", "minmax", "none")
 # Why scikit-learn values that mlptrain refuses are refused (said in the error).
 WHY_NOT = {
     ("activation", "tanh"): " (mlptrain's cuBLASLt epilogs have relu and gelu, and identity without one)",
@@ -105,10 +103,10 @@ def check(owner: str, p: dict[str, Any]) -> None:
     hidden_sizes(owner, p["hidden_layer_sizes"])
     for name, allowed in (("activation", tuple(ACTIVATIONS)), ("solver", SOLVERS), ("learning_rate", SCHEDULES)):
         _choice(owner, name, p[name], allowed, WHY_NOT.get((name, p[name]), ""))
-    _choice(owner, "normalize", p["normalize"], NORMALIZE)
-    _choice(owner, "execution", p["execution"], tuple(m.value for m in Mode))
+    _choice(owner, "normalize", p["normalize"], NORMALIZATIONS)
+    _choice(owner, "execution", p["execution"], values(Mode))
     _choice(owner, "precision", p["precision"], PRECISIONS.names())
-    _choice(owner, "device", p["device"], tuple(m.value for m in Device))
+    _choice(owner, "device", p["device"], values(Device))
     if p["graph"] not in (None, True, False):
         raise ConfigError(f"{owner} graph={p['graph']!r}; expected None (on, on a GPU), True or False")
     _number(owner, "alpha", p["alpha"], 0.0)

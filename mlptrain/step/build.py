@@ -31,6 +31,7 @@ import numpy as np
 
 from mlptrain.base.backend import Backend, get_backend
 from mlptrain.base.errors import ConfigError, ResourceError
+from mlptrain.base.registry import joined
 from mlptrain.base.timeline import mark
 from mlptrain.config.schema import (
     DataConfig,
@@ -38,7 +39,9 @@ from mlptrain.config.schema import (
     ModelConfig,
     OptimizerConfig,
     PrecisionConfig,
+    Residency,
     TrainConfig,
+    values,
 )
 from mlptrain.data import Dataset, load_dataset, preprocess
 from mlptrain.data.loader import DataLoader
@@ -334,8 +337,8 @@ def residency(cfg: DataConfig, dataset: Dataset, xp: Any, dtype: np.dtype) -> st
     ``host`` then gathers each batch from the dataset's array instead of a copy of the split.
     """
     asked = str(getattr(cfg.residency, "value", cfg.residency))
-    if asked not in ("auto", "device", "host", "stream"):
-        raise ConfigError(f"data.residency={asked!r}; expected auto, device, host or stream")
+    if asked not in values(Residency):
+        raise ConfigError(f"data.residency={asked!r}; expected {joined(values(Residency), 'or')}")
     if isinstance(dataset.x_train, NormalisedRows):  # streamed (mlptrain.data.rows): read as the batches need it
         if asked == "device":
             raise ConfigError(

@@ -20,8 +20,7 @@ import numpy as np
 from mlptrain.base.backend import scalar
 from mlptrain.base.cuda_source import c_literal
 from mlptrain.base.errors import ConfigError
-
-SCHEDULES = ("constant", "cosine")
+from mlptrain.config.schema import SCHEDULES
 
 
 class StepClock:

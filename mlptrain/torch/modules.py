@@ -29,7 +29,8 @@ import torch
 from torch import Tensor, nn
 
 from mlptrain.base.errors import ConfigError
-from mlptrain.torch.ops import BGRAD_CHOICES, fused_mlp_apply
+from mlptrain.config.schema import BGRAD_STRATEGIES
+from mlptrain.torch.ops import fused_mlp_apply
 
 ACTIVATIONS = ("relu", "gelu", None)
 
@@ -199,9 +200,9 @@ def _check_bgrad(bgrad: str | Sequence[str], hidden: int) -> str:
     if bgrad == "auto":
         return "auto"
     choices = [bgrad] * hidden if isinstance(bgrad, str) else list(bgrad)
-    if len(choices) != hidden or any(c not in BGRAD_CHOICES for c in choices):
+    if len(choices) != hidden or any(c not in BGRAD_STRATEGIES for c in choices):
         raise ConfigError(
-            f"FusedMLP bgrad {bgrad!r} is not valid; expected 'auto', one of {BGRAD_CHOICES}, "
+            f"FusedMLP bgrad {bgrad!r} is not valid; expected 'auto', one of {BGRAD_STRATEGIES}, "
             f"or a list of those with one entry per hidden layer ({hidden})"
         )
     return ",".join(choices)

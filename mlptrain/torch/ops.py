@@ -32,8 +32,6 @@ from mlptrain.base.errors import MlptrainError
 from mlptrain.torch import chain
 from mlptrain.torch.engines import aux_shape_t, engine_for, to_arrays, to_tensors
 
-BGRAD_CHOICES = ("bgradb", "drelu_bgrad")
-
 
 class SecondOrderError(MlptrainError, RuntimeError):
     """A second-order gradient (double backward) was asked of the fused chain, whose backward has none."""

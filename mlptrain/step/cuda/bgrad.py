@@ -19,6 +19,7 @@ import numpy as np
 
 from mlptrain.base.cuda.timing import capture_graph, cuda_time_ms
 from mlptrain.base.fs import atomic_write
+from mlptrain.config.schema import BGRAD_STRATEGIES
 from mlptrain.nn.epilogs import pack_relu_mask
 
 log = logging.getLogger(__name__)
@@ -70,7 +71,7 @@ def choose_bgrad(
     timed: dict[tuple[str, ...], list[float]] = {}  # each whole-model choice timed once
     for i in reversed(range(len(choices))):
         times: dict[str, list[float]] = {}
-        for option in ("drelu_bgrad", "bgradb"):
+        for option in BGRAD_STRATEGIES:
             choices[i] = option
             # Layer i's first option with the layers above as chosen is often the very model the layer above
             # was last timed as (an L-hidden-layer model: L + 1 captures, not 2L, on a first run).
@@ -99,7 +100,7 @@ def remembered(store: Path | None, key: str, layers: int, known: dict | None = N
     choices = (_read(store) if known is None else known).get(key)
     if not isinstance(choices, list) or len(choices) != layers:
         return None
-    return [str(c) for c in choices] if all(c in ("drelu_bgrad", "bgradb") for c in choices) else None
+    return [str(c) for c in choices] if all(c in BGRAD_STRATEGIES for c in choices) else None
 
 
 def _read(store: Path | None) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from mlptrain.base.backend import get_backend
+from mlptrain.config.schema import COMPUTE_COPIES
 from mlptrain.tools.bench.step_trainer import step_trainer
 
 GIB = 2**30
@@ -161,7 +162,7 @@ def main(argv=None) -> int:
     ap.add_argument("--trial", choices=["mlptrain", "torch"], required=True)
     ap.add_argument("--width", type=int, required=True)
     ap.add_argument("--batch", type=int, default=16384)
-    ap.add_argument("--compute-copy", default="kept", choices=["kept", "cast"], help="mlptrain: precision.compute_copy")
+    ap.add_argument("--compute-copy", default="kept", choices=COMPUTE_COPIES, help="mlptrain: precision.compute_copy")
     args = ap.parse_args(argv)
     np.seterr(all="ignore")
     if args.trial == "mlptrain":

@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from mlptrain.base.backend import get_backend, probe_gpu
+from mlptrain.config.schema import COMPUTE_COPIES
 from mlptrain.tools.bench import largest_model, memory_vs_torch
 from mlptrain.tools.bench.layer_timing import GRID, SEED_SHAPE, bench_layer
 from mlptrain.tools.bench.medians import CHAIN, fmt
@@ -165,7 +166,7 @@ def step_section(args: argparse.Namespace, result: dict[str, Any]) -> list[str]:
 def memory_sections(args: argparse.Namespace, result: dict[str, Any], ap: argparse.ArgumentParser) -> list[str]:
     """Sections m and l: peak memory against PyTorch, and the largest model (l runs first, printed last)."""
     copies = args.compute_copies.split(",")
-    if not set(copies) <= {"kept", "cast"}:
+    if not set(copies) <= set(COMPUTE_COPIES):
         ap.error(f"--compute-copies {args.compute_copies}: expected kept, cast or both, comma-separated")
     md: list[str] = []
     largest_md: list[str] = []
