@@ -18,11 +18,14 @@ import numpy as np
 import pytest
 from helpers import FP16, emulate_fp16, make_cfg
 
+from mlptrain.base.errors import ConfigError
+from mlptrain.cli.main import compose_config
 from mlptrain.config.schema import Device
 from mlptrain.data.loader import DataLoader
 from mlptrain.nn.head import OutputHead
 from mlptrain.step.cuda import precompile as pc
 from mlptrain.step.precision import Precision
+from mlptrain.step.runtime import GpuRuntime
 from mlptrain.step.trainer import Trainer
 
 FP32 = Precision("fp32", np.float32, np.float32)
@@ -173,11 +176,15 @@ def test_earlier_stages_start_first_and_unknown_stages_are_refused():
         pool().submit([pc.Job("x", "soon", lambda: None)])
 
 
-def test_it_can_be_turned_off(monkeypatch):
-    monkeypatch.setenv("MLPTRAIN_PRECOMPILE", "0")
-    assert not pc.enabled()
-    assert pc.start(FP32) is None
-    assert pc.early(make_cfg(device=Device.auto)) is None
+def test_it_can_be_turned_off():
+    """``execution.precompile=false``: nothing starts before the backend, and the GPU runtime starts nothing."""
+    cfg = make_cfg(device=Device.auto)
+    cfg.execution.precompile = False
+    assert pc.early(cfg) is None
+    off = GpuRuntime(np, FP32, precompile=None, ahead=False, resume=False, graph=False, autotune=False)
+    assert off.precompile is None
+    with pytest.raises(ConfigError, match=r"execution\.precompile=false is not used with device=cpu: it applies to"):
+        compose_config(["device=cpu", "execution.precompile=false"])  # a CPU run compiles nothing ahead
 
 
 def test_nothing_is_started_for_a_cpu_run(monkeypatch):

@@ -209,6 +209,11 @@ class ExecutionConfig:
         "small (below 1e11 GEMM FLOPs) or data parallel; one stream needs less memory",
     )
     head_kernel: bool = _f(True, "GPU, fused, small heads: the output layer's input gradient as one kernel")
+    precompile: bool = _f(
+        True,
+        "GPU: compile the run's CuPy kernels on threads during start-up, before their first launch; false: each "
+        "compiles at its first launch (to measure what compiling ahead saves: docs/benchmarks.md)",
+    )
     workspace_mib: Optional[int] = _f(
         64, "GPU: cap on each GEMM's cuBLASLt workspace, MiB; null: nvmath's default (up to 80% of the memory)"
     )

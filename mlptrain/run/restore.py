@@ -39,6 +39,7 @@ LAUNCH_KEYS = (
     "distributed.timeout_s",
     "distributed.verify",
     "distributed.bucket_mib",
+    "execution.precompile",  # when the kernels compile (ahead or at first launch): no number changes
 )
 # Settings that may change on resume: the run's own unless set, and honoured (logged) when set.
 # Where the data is (a moved file), how far to train, how often to log and save, and patience.

@@ -96,6 +96,7 @@ def trainer(
         backend,
         prec,
         precompile=precompile,
+        ahead=cfg.execution.precompile,  # GPU: kernels compile on threads from here, each awaited before its launch
         resume=cfg.resume is not None,
         graph=cfg.graph is not False,
         autotune=cfg.execution.autotune,

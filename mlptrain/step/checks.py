@@ -76,6 +76,7 @@ USES: Uses = {
     "execution.bgrad": (lambda c: c.execution.mode.value == "fused", "execution=fused"),
     "execution.head_kernel": (lambda c: c.execution.mode.value == "fused" and _gpu(c), "execution=fused on a GPU"),
     "execution.autotune": (_gpu, "the GPU"),
+    "execution.precompile": (_gpu, "the GPU"),
     "execution.plan_cache": (_gpu, "the GPU"),
     "execution.wgrad_stream": (_gpu, "the GPU"),
     "execution.workspace_mib": (_gpu, "the GPU"),

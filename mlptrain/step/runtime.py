@@ -127,7 +127,8 @@ class GpuRuntime(Runtime):
         xp: CuPy (the backend's ``xp``).
         precision: the run's :class:`~mlptrain.step.precision.Precision` (the kernels its dtypes decide).
         precompile: the precompiler :func:`mlptrain.run.run.train` started; by default this starts one
-            (:func:`mlptrain.step.cuda.precompile.start`; None where ``MLPTRAIN_PRECOMPILE=0``).
+            (:func:`mlptrain.step.cuda.precompile.start`) unless ``ahead`` is false.
+        ahead: ``execution.precompile``: the kernels compile on threads ahead of their first launch.
         resume: the run resumes (CuPy's fill compiles ahead: a checkpoint's counters).
         graph: the step replayed as CUDA graphs (``graph=false``: launched op by op).
         autotune: see :class:`Runtime`.
@@ -135,8 +136,10 @@ class GpuRuntime(Runtime):
 
     queues_work = True
 
-    def __init__(self, xp: Any, precision: Any, *, precompile: Any, resume: bool, graph: bool, autotune: bool) -> None:
-        if precompile is None:  # the run's CuPy kernels compile on threads from here on
+    def __init__(
+        self, xp: Any, precision: Any, *, precompile: Any, ahead: bool, resume: bool, graph: bool, autotune: bool
+    ) -> None:
+        if precompile is None and ahead:  # the run's CuPy kernels compile on threads from here on
             from mlptrain.step.cuda.precompile import start
 
             precompile = start(precision, resume=resume)
@@ -175,13 +178,21 @@ class GpuRuntime(Runtime):
 
 
 def device_runtime(
-    backend: Backend, precision: Any, *, precompile: Any = None, resume: bool, graph: bool, autotune: bool
+    backend: Backend,
+    precision: Any,
+    *,
+    precompile: Any = None,
+    ahead: bool = True,
+    resume: bool,
+    graph: bool,
+    autotune: bool,
 ) -> Runtime:
     """The runtime of ``backend``: :class:`GpuRuntime` on the GPU, else :class:`Runtime` (a precompiler
     handed to a CPU run is not used: nothing compiles ahead on the CPU)."""
     if not backend.is_gpu:
         return Runtime(autotune=autotune)
-    return GpuRuntime(backend.xp, precision, precompile=precompile, resume=resume, graph=graph, autotune=autotune)
+    xp = backend.xp
+    return GpuRuntime(xp, precision, precompile=precompile, ahead=ahead, resume=resume, graph=graph, autotune=autotune)
 
 
 class StepBatches:

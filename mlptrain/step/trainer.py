@@ -54,7 +54,8 @@ class Trainer:
             ``comm.world``; it takes its shard of every training batch, and its gradients, loss and
             counts become the global batch's before each update (``distributed.gpus``, torchrun).
         precompile: GPU: the run's kernels, compiling on threads (:mod:`mlptrain.step.cuda.precompile`) since
-            :func:`mlptrain.run.run.train` started them; by default the trainer starts them.
+            :func:`mlptrain.run.run.train` started them; by default the trainer starts them (unless
+            ``execution.precompile=false``).
     """
 
     def __init__(

@@ -60,7 +60,6 @@ print("COMPILES " + json.dumps(compiles))
 def test_a_cold_run_compiles_every_kernel_ahead_and_none_at_first_use(tmp_path, precision):
     env = {**os.environ, "CUPY_CACHE_DIR": str(tmp_path / "cupy"), "MLPTRAIN_DATA": str(tmp_path / "mlptrain")}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
-    env.pop("MLPTRAIN_PRECOMPILE", None)
     cmd = [sys.executable, "-c", COLD_RUN, precision, str(tmp_path / "run")]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -147,10 +146,9 @@ def test_every_thread_is_joined_before_the_first_capture(monkeypatch):
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
-def test_compiling_ahead_changes_no_number(monkeypatch, precision):
+def test_compiling_ahead_changes_no_number(precision):
     tr, ahead = graph_run(True, 40, **{"precision.name": precision})
-    monkeypatch.setenv("MLPTRAIN_PRECOMPILE", "0")
-    lazy_tr, lazy = graph_run(True, 40, **{"precision.name": precision})
+    lazy_tr, lazy = graph_run(True, 40, **{"precision.name": precision, "execution.precompile": False})
     assert lazy_tr.runtime.precompile is None
     np.testing.assert_array_equal(ahead, lazy)
     for name, value in tr.model.state_dict().items():
@@ -170,8 +168,7 @@ def test_a_failing_job_leaves_its_kernel_to_its_first_launch(monkeypatch, caplog
     with caplog.at_level(logging.WARNING, logger="mlptrain.step.cuda.precompile"):
         tr, losses = graph_run(True, 30)
     assert "ahead failed (RuntimeError: broken on purpose)" in caplog.text
-    monkeypatch.setenv("MLPTRAIN_PRECOMPILE", "0")
-    np.testing.assert_array_equal(losses, graph_run(True, 30)[1])
+    np.testing.assert_array_equal(losses, graph_run(True, 30, **{"execution.precompile": False})[1])
 
 
 def test_train_hands_the_trainer_what_it_started_before_the_backend(monkeypatch, tmp_path):

@@ -45,7 +45,7 @@ not run: its kernel compiles at its first launch (:attr:`Precompiler.left`). No 
 CUDA graph is captured: the trainer waits for every job before the bgrad probe, and joins the
 threads (:meth:`Precompiler.close`) after the first training step, which is never captured (a graph
 is captured after uncaptured warm-up steps). A job that fails logs a warning and its kernel compiles
-at its first launch, as before. ``MLPTRAIN_PRECOMPILE=0`` turns all of this off (to measure it).
+at its first launch, as before. ``execution.precompile=false`` turns all of this off (to measure it).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ import numpy as np
 from mlptrain.base.cuda import plain_kernels
 from mlptrain.base.cuda_source import Job
 
-__all__ = ["STAGES", "Job", "Precompiler", "dtype_jobs", "early", "enabled", "start"]
+__all__ = ["STAGES", "Job", "Precompiler", "dtype_jobs", "early", "start"]
 
 log = logging.getLogger(__name__)
 
@@ -78,11 +78,6 @@ THREAD_NAME = "mlptrain-precompile"
 # Bytes of zeros a job may allocate to mirror a call (the optimizer's: every parameter, gradient and
 # state once more). A larger model's kernel compiles at its first launch: its run is long anyway.
 SCRATCH_LIMIT = 64 * 2**20
-
-
-def enabled() -> bool:
-    """Whether kernels compile ahead: ``MLPTRAIN_PRECOMPILE=0`` turns it off."""
-    return os.environ.get("MLPTRAIN_PRECOMPILE", "1") != "0"
 
 
 class Precompiler:
@@ -181,12 +176,15 @@ def _on_device(device: int | None) -> Iterator[None]:
 
 
 def early(cfg: Any) -> Precompiler | None:
-    """Start compiling the dtype jobs of the run ``cfg`` describes, or None if it will not run on a GPU.
+    """Start compiling the dtype jobs of the run ``cfg`` describes, or None if it will not run on a GPU
+    (or ``execution.precompile=false``).
 
     :func:`mlptrain.run.run.train` calls this before ``get_backend``, which spends the next half second
     importing nvmath; the threads compile meanwhile (and create the CUDA context).
     """
-    if getattr(cfg.device, "value", cfg.device) == "cpu" or not enabled() or importlib.util.find_spec("nvmath") is None:
+    if getattr(cfg.device, "value", cfg.device) == "cpu" or not cfg.execution.precompile:
+        return None
+    if importlib.util.find_spec("nvmath") is None:
         return None
     try:
         import cupy as cp
@@ -202,10 +200,8 @@ def early(cfg: Any) -> Precompiler | None:
     return start(precision, resume=cfg.resume is not None)
 
 
-def start(precision: Any, *, resume: bool = False) -> Precompiler | None:
-    """A :class:`Precompiler` on the current device running :func:`dtype_jobs` (None when turned off)."""
-    if not enabled():
-        return None
+def start(precision: Any, *, resume: bool = False) -> Precompiler:
+    """A :class:`Precompiler` on the current device running :func:`dtype_jobs`."""
     import cupy as cp
 
     pre = Precompiler(cp.cuda.runtime.getDevice())
