@@ -311,7 +311,7 @@ def test_digits_written_to_csv_and_npz_train_to_the_same_test_accuracy(tmp_path:
 
 def test_a_dataset_too_large_for_the_device_names_its_size_and_the_free_memory() -> None:
     from mlptrain.base.errors import ResourceError
-    from mlptrain.step.build import check_device_memory
+    from mlptrain.data.host_loader import check_device_memory
 
     ds = load_dataset(DataConfig(name=DatasetName.synthetic, samples=1000, features=100))
     check_device_memory(ds, np.dtype(np.float32), free=10**9, total=2 * 10**9)  # 0.4 MB: fits

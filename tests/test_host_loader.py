@@ -18,11 +18,10 @@ from helpers import make_cfg, records
 from numpy.testing import assert_array_equal
 
 from mlptrain.base.errors import ConfigError, ResourceError
-from mlptrain.data.host_loader import HostLoader, host_table, take_rows
+from mlptrain.data.host_loader import HostLoader, host_table, residency, take_rows
 from mlptrain.data.loader import DataLoader
 from mlptrain.data.prefetch import Pipe
 from mlptrain.run.run import train
-from mlptrain.step import build
 from mlptrain.step.trainer import Trainer
 
 
@@ -192,17 +191,17 @@ def test_auto_keeps_the_splits_on_the_device_where_they_fit_and_in_host_memory_w
     cfg = make_cfg()
     ds = Trainer(cfg).dataset  # digits: 1797 rows x 64 features, 0.5 MB in float32
     f32 = np.dtype(np.float32)
-    assert build.residency(cfg.data, ds, _fake_gpu(10**9), f32) == "device"
-    assert build.residency(cfg.data, ds, _fake_gpu(100_000), f32) == "host"
-    assert build.residency(cfg.data, ds, np, f32) == "device"  # the CPU: a copy of each split
+    assert residency(cfg.data, ds, _fake_gpu(10**9), f32) == "device"
+    assert residency(cfg.data, ds, _fake_gpu(100_000), f32) == "host"
+    assert residency(cfg.data, ds, np, f32) == "device"  # the CPU: a copy of each split
     cfg.data.residency = "device"
     with pytest.raises(ResourceError, match=r"data\.residency=host"):
-        build.residency(cfg.data, ds, _fake_gpu(100_000), f32)
+        residency(cfg.data, ds, _fake_gpu(100_000), f32)
     cfg.data.residency = "host"
-    assert build.residency(cfg.data, ds, _fake_gpu(10**9), f32) == "host"
+    assert residency(cfg.data, ds, _fake_gpu(10**9), f32) == "host"
     cfg.data.residency = "disk"
     with pytest.raises(ConfigError, match="data.residency='disk'"):
-        build.residency(cfg.data, ds, np, f32)
+        residency(cfg.data, ds, np, f32)
 
 
 def test_a_host_resident_trainer_takes_the_same_steps() -> None:

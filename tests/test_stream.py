@@ -17,7 +17,7 @@ from mlptrain.base.errors import ConfigError
 from mlptrain.config.schema import DataConfig, DatasetName
 from mlptrain.data import load_dataset, prepare
 from mlptrain.data.files import chunks
-from mlptrain.data.host_loader import HostLoader
+from mlptrain.data.host_loader import HostLoader, residency
 from mlptrain.data.loader import DataLoader
 from mlptrain.data.rows import NormalisedRows, memory_mapped
 from mlptrain.run.run import train
@@ -105,11 +105,11 @@ def test_auto_streams_a_memory_mapped_table_only_where_its_splits_do_not_fit_hos
 def test_streamed_splits_are_host_resident_and_refused_on_the_device(tmp_path: Path) -> None:
     ds = load_dataset(_file_cfg(_npz(tmp_path), "stream"))
     cfg = _file_cfg(tmp_path / "table.npz", "auto")
-    assert build.residency(cfg, ds, np, np.dtype(np.float32)) == "host"
+    assert residency(cfg, ds, np, np.dtype(np.float32)) == "host"
     train_loader, evaluation = build.loaders(cfg, ds, np, np.float32, seed=0)
     assert isinstance(train_loader, HostLoader) and all(isinstance(v, HostLoader) for v in evaluation.values())
     with pytest.raises(ConfigError, match="data.residency=device, but dataset file's splits are streamed"):
-        build.residency(_file_cfg(tmp_path / "table.npz", "device"), ds, np, np.dtype(np.float32))
+        residency(_file_cfg(tmp_path / "table.npz", "device"), ds, np, np.dtype(np.float32))
 
 
 def test_a_streamed_loaders_batches_are_the_resident_loaders(tmp_path: Path) -> None:

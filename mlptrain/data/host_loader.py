@@ -31,7 +31,10 @@ from typing import Any
 
 import numpy as np
 
-from mlptrain.base.errors import ConfigError
+from mlptrain.base.errors import ConfigError, ResourceError
+from mlptrain.base.registry import joined
+from mlptrain.config.schema import DataConfig, Residency, values
+from mlptrain.data.dataset import Dataset
 from mlptrain.data.files import chunks
 from mlptrain.data.loader import DataLoader
 from mlptrain.data.prefetch import Pipe
@@ -182,3 +185,61 @@ class HostLoader(DataLoader):
 
     def gather_in_step(self, xb: Any, yb: Any, step: Any) -> None:
         raise ConfigError("a host-resident split (data.residency=host) is gathered on the host, not by the step")
+
+
+def residency(cfg: DataConfig, dataset: Dataset, xp: Any, dtype: np.dtype) -> str:
+    """``"device"`` or ``"host"``: where the splits of ``dataset`` in ``dtype`` live (``data.residency``).
+
+    Streamed splits (``stream``, or ``auto``/``host`` where :func:`mlptrain.data.prepare.load_dataset` found
+    the normalised splits too large for host memory) are host-resident: read from the table batch by batch.
+
+    ``auto`` keeps them on the device where they take at most 90% of its free memory, else in host memory
+    (logged); ``device`` raises :class:`ResourceError` where they do not fit. On the CPU both are host memory:
+    ``host`` then gathers each batch from the dataset's array instead of a copy of the split.
+    """
+    asked = str(getattr(cfg.residency, "value", cfg.residency))
+    if asked not in values(Residency):
+        raise ConfigError(f"data.residency={asked!r}; expected {joined(values(Residency), 'or')}")
+    if isinstance(dataset.x_train, NormalisedRows):  # streamed (mlptrain.data.rows): read as the batches need it
+        if asked == "device":
+            raise ConfigError(
+                f"data.residency=device, but dataset {dataset.name}'s splits are streamed from its table "
+                "(mlptrain.data.rows.NormalisedRows); use data.residency=host, stream or auto"
+            )
+        return "host"
+    if asked in ("host", "stream"):
+        return "host"
+    if xp is np:
+        return "device"
+    free, total = xp.cuda.runtime.memGetInfo()
+    try:
+        check_device_memory(dataset, dtype, free, total)
+    except ResourceError:
+        if asked == "device":
+            raise
+        log.info(
+            "dataset %s: the splits do not fit the GPU's free memory (%s free): kept in host memory, each batch "
+            "copied ahead of its step (data.residency=host)",
+            dataset.name,
+            _size(free),
+        )
+        return "host"
+    return "device"
+
+
+def check_device_memory(dataset: Dataset, dtype: np.dtype, free: int, total: int) -> None:
+    """Raise ResourceError if the splits of ``dataset`` in ``dtype`` take more than 90% of ``free`` bytes."""
+    rows = len(dataset.x_train) + len(dataset.x_val) + len(dataset.x_test)
+    y_bytes = 8 if dataset.task == "classification" else 4 * dataset.num_outputs
+    need = rows * (dataset.num_features * dtype.itemsize + y_bytes)
+    if need > 0.9 * free:
+        raise ResourceError(
+            f"dataset {dataset.name!r} ({rows:,} rows x {dataset.num_features} features in {dtype.name}) needs "
+            f"{_size(need)} on the GPU, more than the {_size(free)} free of {_size(total)}; "
+            "keep the splits in host memory (data.residency=host or auto), use fewer rows, or a half-precision "
+            "run (precision=bf16 or fp16) to halve it"
+        )
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"

@@ -30,8 +30,7 @@ from typing import Any
 import numpy as np
 
 from mlptrain.base.backend import Backend, get_backend
-from mlptrain.base.errors import ConfigError, ResourceError
-from mlptrain.base.registry import joined
+from mlptrain.base.errors import ConfigError
 from mlptrain.base.timeline import mark
 from mlptrain.config.schema import (
     DataConfig,
@@ -39,11 +38,10 @@ from mlptrain.config.schema import (
     ModelConfig,
     OptimizerConfig,
     PrecisionConfig,
-    Residency,
     TrainConfig,
-    values,
 )
 from mlptrain.data import Dataset, load_dataset, preprocess
+from mlptrain.data.host_loader import HostLoader, residency
 from mlptrain.data.loader import DataLoader
 from mlptrain.data.prepare import task_for_loss
 from mlptrain.data.rows import NormalisedRows
@@ -297,13 +295,12 @@ def loaders(
     """The shuffled training loader (order from ``seed``; ``shard``: this rank's rows of each batch)
     and an ordered loader per evaluation split.
 
-    Where the splits live is :func:`residency`'s choice: on the device (:class:`DataLoader`, copied once)
-    or in host memory (:class:`~mlptrain.data.host_loader.HostLoader`, each batch copied ahead of its step).
+    Where the splits live is :func:`mlptrain.data.host_loader.residency`'s choice: on the device
+    (:class:`DataLoader`, copied once) or in host memory (:class:`~mlptrain.data.host_loader.HostLoader`, each
+    batch copied ahead of its step).
     """
     kind: type[DataLoader] = DataLoader
     if residency(cfg, dataset, xp, np.dtype(dtype)) == "host":
-        from mlptrain.data.host_loader import HostLoader
-
         kind = HostLoader
     train = kind(
         dataset.x_train,
@@ -325,64 +322,6 @@ def loaders(
             x, y = (x.subset(rows) if isinstance(x, NormalisedRows) else x[rows]), y[rows]
         evaluation[split] = kind(x, y, cfg.eval_batch_size, xp=xp, dtype=dtype, shuffle=False, drop_last=False, seed=0)
     return train, evaluation
-
-
-def residency(cfg: DataConfig, dataset: Dataset, xp: Any, dtype: np.dtype) -> str:
-    """``"device"`` or ``"host"``: where the splits of ``dataset`` in ``dtype`` live (``data.residency``).
-
-    Streamed splits (``stream``, or ``auto``/``host`` where :func:`mlptrain.data.prepare.load_dataset` found
-    the normalised splits too large for host memory) are host-resident: read from the table batch by batch.
-
-    ``auto`` keeps them on the device where they take at most 90% of its free memory, else in host memory
-    (logged); ``device`` raises :class:`ResourceError` where they do not fit. On the CPU both are host memory:
-    ``host`` then gathers each batch from the dataset's array instead of a copy of the split.
-    """
-    asked = str(getattr(cfg.residency, "value", cfg.residency))
-    if asked not in values(Residency):
-        raise ConfigError(f"data.residency={asked!r}; expected {joined(values(Residency), 'or')}")
-    if isinstance(dataset.x_train, NormalisedRows):  # streamed (mlptrain.data.rows): read as the batches need it
-        if asked == "device":
-            raise ConfigError(
-                f"data.residency=device, but dataset {dataset.name}'s splits are streamed from its table "
-                "(mlptrain.data.rows.NormalisedRows); use data.residency=host, stream or auto"
-            )
-        return "host"
-    if asked in ("host", "stream"):
-        return "host"
-    if xp is np:
-        return "device"
-    free, total = xp.cuda.runtime.memGetInfo()
-    try:
-        check_device_memory(dataset, dtype, free, total)
-    except ResourceError:
-        if asked == "device":
-            raise
-        log.info(
-            "dataset %s: the splits do not fit the GPU's free memory (%s free): kept in host memory, each batch "
-            "copied ahead of its step (data.residency=host)",
-            dataset.name,
-            _size(free),
-        )
-        return "host"
-    return "device"
-
-
-def check_device_memory(dataset: Dataset, dtype: np.dtype, free: int, total: int) -> None:
-    """Raise ResourceError if the splits of ``dataset`` in ``dtype`` take more than 90% of ``free`` bytes."""
-    rows = len(dataset.x_train) + len(dataset.x_val) + len(dataset.x_test)
-    y_bytes = 8 if dataset.task == "classification" else 4 * dataset.num_outputs
-    need = rows * (dataset.num_features * dtype.itemsize + y_bytes)
-    if need > 0.9 * free:
-        raise ResourceError(
-            f"dataset {dataset.name!r} ({rows:,} rows x {dataset.num_features} features in {dtype.name}) needs "
-            f"{_size(need)} on the GPU, more than the {_size(free)} free of {_size(total)}; "
-            "keep the splits in host memory (data.residency=host or auto), use fewer rows, or a half-precision "
-            "run (precision=bf16 or fp16) to halve it"
-        )
-
-
-def _size(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def optimizer(cfg: OptimizerConfig, params: list) -> Optimizer:
