@@ -165,7 +165,7 @@ def test_a_file_truncated_under_a_streamed_split_is_an_error_not_a_sigbus(tmp_pa
 
 _TRUNCATE_LATER = """
 import os, sys
-from mlptrain import faults
+from mlptrain.run import faults
 from mlptrain.data import rows
 path, check, read, state = sys.argv[1], faults.stop_if_data_changed, rows.StreamSource.read, {"starts": 0, "reads": 0}
 race = "--race" in sys.argv

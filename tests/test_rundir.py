@@ -210,7 +210,7 @@ import os, sys
 from pathlib import Path
 sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
 from helpers import make_cfg
-from mlptrain import files
+from mlptrain.base import fs as files
 from mlptrain.run.run import train
 real = files.atomic_write
 seen = {{"best": 0}}
