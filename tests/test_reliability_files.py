@@ -89,7 +89,7 @@ def test_a_cache_write_over_ulimit_f_leaves_no_temporary_entry(tmp_path: Path, c
     path = write_csv(tmp_path / "d.csv", n=3000, features=20)  # x: 480 kB, over the 64 kB limit
     code = (
         "import resource, sys\n"
-        "from mlptrain.data import cache\n"
+        "from mlptrain.data.files import cache\n"
         "resource.setrlimit(resource.RLIMIT_FSIZE, (65536, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))\n"
         f"table, _ = cache.read_cached({str(path)!r}, 'label')\n"
         "print(table.x.shape)\n"
