@@ -170,8 +170,19 @@ def flip_byte(file: Path, at: int) -> None:
     file.write_bytes(bytes(data))
 
 
-DAMAGES = ["values", "shape", "labels", "meta", "missing file", "missing x", "truncated x", "truncated y",
-           "flipped data byte", "flipped header byte", "another entry's x"]  # fmt: skip
+DAMAGES = [
+    "values",
+    "shape",
+    "labels",
+    "meta",
+    "missing file",
+    "missing x",
+    "truncated x",
+    "truncated y",
+    "flipped data byte",
+    "flipped header byte",
+    "another entry's x",
+]
 
 
 @pytest.mark.parametrize("damage", DAMAGES)

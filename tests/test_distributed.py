@@ -109,8 +109,13 @@ def test_torchrun_and_mpirun_environments_are_read():
     assert DistEnv.from_environ({}) is None  # no launcher: a single process
     tr = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "node0", "MASTER_PORT": "29500"}
     assert DistEnv.from_environ(tr) == DistEnv(1, 4, 1, "node0", 29500, "torchrun")
-    mpi = {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
-           "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "12345"}  # fmt: skip
+    mpi = {
+        "OMPI_COMM_WORLD_RANK": "3",
+        "OMPI_COMM_WORLD_SIZE": "8",
+        "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+        "MASTER_ADDR": "10.0.0.1",
+        "MASTER_PORT": "12345",
+    }
     assert DistEnv.from_environ(mpi) == DistEnv(3, 8, 1, "10.0.0.1", 12345, "mpirun")
 
 
@@ -228,8 +233,10 @@ def test_weight_gradients_are_reduced_by_layer_as_the_side_stream_makes_them_and
     from mlptrain.distributed.dp import GradientSync
 
     comm, side = _Recorder(), object()
-    params = [SimpleNamespace(name=n, grad=np.full(3, i, np.float64)) for i, n in
-              enumerate(["l0.w", "l0.b", "l1.w", "l1.b", "l2.w", "l2.b"])]  # fmt: skip
+    params = [
+        SimpleNamespace(name=n, grad=np.full(3, i, np.float64))
+        for i, n in enumerate(["l0.w", "l0.b", "l1.w", "l1.b", "l2.w", "l2.b"])
+    ]
     model = SimpleNamespace(side_stream=side, on_weight_grad=None)
     sync = GradientSync(comm, batch_size=64, bucket_bytes=1)  # every layer's gradient fills a bucket
     sync.overlap(model)

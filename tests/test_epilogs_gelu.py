@@ -117,7 +117,11 @@ def test_bad_gelu_inputs_are_refused_with_what_was_expected():
     with pytest.raises(ValueError, match="gelu_aux with unit stride along M"):
         matmul(a, b, epilog=Epilog.DGELU, epilog_inputs={"gelu_aux": np.ascontiguousarray(good)})
     with pytest.raises(ValueError, match="K=1"):
-        matmul(np.ones((13, 1), np.float32), np.ones((1, 6), np.float32), epilog=Epilog.DGELU_BGRAD,
-               epilog_inputs={"gelu_aux": good})  # fmt: skip
+        matmul(
+            np.ones((13, 1), np.float32),
+            np.ones((1, 6), np.float32),
+            epilog=Epilog.DGELU_BGRAD,
+            epilog_inputs={"gelu_aux": good},
+        )
     with pytest.raises(ValueError, match="needs epilog_inputs"):
         matmul(a, b, epilog=Epilog.GELU_AUX_BIAS)

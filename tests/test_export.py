@@ -70,8 +70,9 @@ def test_safetensors_loads_into_torch_sequential_with_the_same_logits(run_dir: P
             return {k: torch.from_numpy(v.copy()) for k, v in load_safetensors(Path(path))[0].items()}
 
     out = export(ExportArgs(ckpt=str(run_dir), format="safetensors", output=str(tmp_path / "m.safetensors")))
-    model = torch.nn.Sequential(torch.nn.Linear(64, 24), torch.nn.ReLU(), torch.nn.Linear(24, 16), torch.nn.ReLU(),
-                                torch.nn.Linear(16, 10))  # fmt: skip
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 24), torch.nn.ReLU(), torch.nn.Linear(24, 16), torch.nn.ReLU(), torch.nn.Linear(16, 10)
+    )
     model.load_state_dict(load_file(str(out)))  # strict: every name and shape must match
     p = Predictor(run_dir, device="cpu")
     info = json.loads(load_safetensors(out)[1]["mlptrain"])
@@ -112,8 +113,9 @@ def test_onnx_of_a_linear_model(tmp_path: Path) -> None:
     p = Predictor(d, device="cpu")
     x = _raw(p)
     # random pixels 0..16 on nearly constant pixels (scaled since #47) make logits of ~100: float32 GEMM orders
-    np.testing.assert_allclose(session.run(["logits"], {"x": x.astype(np.float32)})[0], p.logits(x), rtol=1e-5,
-                               atol=1e-4)  # fmt: skip
+    np.testing.assert_allclose(
+        session.run(["logits"], {"x": x.astype(np.float32)})[0], p.logits(x), rtol=1e-5, atol=1e-4
+    )
 
 
 def test_a_gelu_model_trains_on_the_cpu_and_exports_to_onnx_and_torch(tmp_path: Path) -> None:
@@ -137,8 +139,13 @@ def test_a_gelu_model_trains_on_the_cpu_and_exports_to_onnx_and_torch(tmp_path: 
         import torch
     except ImportError:
         return
-    model = torch.nn.Sequential(torch.nn.Linear(64, 24), torch.nn.GELU(approximate="tanh"), torch.nn.Linear(24, 16),
-                                torch.nn.GELU(approximate="tanh"), torch.nn.Linear(16, 10))  # fmt: skip
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 24),
+        torch.nn.GELU(approximate="tanh"),
+        torch.nn.Linear(24, 16),
+        torch.nn.GELU(approximate="tanh"),
+        torch.nn.Linear(16, 10),
+    )
     model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in tensors.items()})
     info = json.loads(meta["mlptrain"])["normalization"]
     shift, scale = (torch.tensor(info[k], dtype=torch.float32) for k in ("shift", "scale"))

@@ -137,8 +137,7 @@ def test_regression_on_one_target_column_trains_fused_as_naive(tmp_path: Path, b
     write(tmp_path / "r.csv", x, y, target="y")
     losses = {}
     for mode in (Mode.fused, Mode.naive):
-        cfg = file_cfg(tmp_path / "r.csv", epochs=4, model__loss="mse",
-                       model__hidden=[16, 8], execution__mode=mode)  # fmt: skip
+        cfg = file_cfg(tmp_path / "r.csv", epochs=4, model__loss="mse", model__hidden=[16, 8], execution__mode=mode)
         cfg.data.target = "y"
         if mode is Mode.fused:
             cfg.execution.bgrad = Bgrad(bgrad)
@@ -229,8 +228,22 @@ def _bad(tmp_path: Path, kind: str) -> tuple[Path, dict[str, Any], list[str]]:
     raise AssertionError(kind)
 
 
-BAD = ["missing", "empty", "no header", "no target", "ragged", "text feature", "nan feature", "inf target",
-       "one class", "test columns", "unseen label", "npz without y", "unknown format", "directory"]  # fmt: skip
+BAD = [
+    "missing",
+    "empty",
+    "no header",
+    "no target",
+    "ragged",
+    "text feature",
+    "nan feature",
+    "inf target",
+    "one class",
+    "test columns",
+    "unseen label",
+    "npz without y",
+    "unknown format",
+    "directory",
+]
 
 
 @pytest.mark.parametrize("reader", ["numpy", "arrow"])
@@ -284,8 +297,9 @@ def test_a_second_read_comes_from_the_memory_mapped_cache(tmp_path: Path, monkey
 
 def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", "mlptrain", *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "mlptrain", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_digits_written_to_csv_and_npz_train_to_the_same_test_accuracy(tmp_path: Path) -> None:
@@ -302,8 +316,15 @@ def test_digits_written_to_csv_and_npz_train_to_the_same_test_accuracy(tmp_path:
     want = json.loads((tmp_path / "builtin" / "metrics.jsonl").read_text().splitlines()[-1])["test/acc"]
     for name, target in (("digits.csv.gz", "digit"), ("digits.npz", "label")):
         run = tmp_path / name.split(".")[1]
-        proc = _cli(*common, "data=file", f"data.path={tmp_path / name}", f"data.target={target}", "data.batch_size=64",
-                    f"hydra.run.dir={run}", cwd=tmp_path)  # fmt: skip
+        proc = _cli(
+            *common,
+            "data=file",
+            f"data.path={tmp_path / name}",
+            f"data.target={target}",
+            "data.batch_size=64",
+            f"hydra.run.dir={run}",
+            cwd=tmp_path,
+        )
         assert proc.returncode == 0, proc.stderr
         summary = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
         assert summary["test/acc"] == want, (name, summary["test/acc"], want)

@@ -238,8 +238,19 @@ def test_the_task_function_returns_a_float(tmp_path: Path, monkeypatch: pytest.M
     from mlptrain.cli import main as cli
 
     seen: list[object] = []
-    monkeypatch.setattr(sys, "argv", ["mlptrain", "epochs=1", "device=cpu", "model.hidden=[8]", "progress=false",
-                                      "optimized_metric=val/loss", f"hydra.run.dir={tmp_path}/run"])  # fmt: skip
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "mlptrain",
+            "epochs=1",
+            "device=cpu",
+            "model.hidden=[8]",
+            "progress=false",
+            "optimized_metric=val/loss",
+            f"hydra.run.dir={tmp_path}/run",
+        ],
+    )
     real = cli.sweep_value
     monkeypatch.setattr(cli, "sweep_value", lambda s, k: seen.append(real(s, k)) or seen[-1])
     monkeypatch.chdir(tmp_path)
@@ -251,8 +262,15 @@ def test_the_task_function_returns_a_float(tmp_path: Path, monkeypatch: pytest.M
 
 def test_a_multirun_writes_its_summary_table(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
-    proc = run_cli("-m", "epochs=1", "device=cpu", "model.hidden=[8],[16]", "optimizer.lr=0.05,1e-9",
-                   f"hydra.sweep.dir={sweep}", cwd=tmp_path)  # fmt: skip
+    proc = run_cli(
+        "-m",
+        "epochs=1",
+        "device=cpu",
+        "model.hidden=[8],[16]",
+        "optimizer.lr=0.05,1e-9",
+        f"hydra.sweep.dir={sweep}",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, output(proc)
     with open(sweep / "summary.csv", newline="") as f:
         rows = list(csv.DictReader(f))
@@ -290,9 +308,18 @@ def test_an_optuna_sweep_gets_each_jobs_value(tmp_path: Path) -> None:
     import yaml
 
     sweep = tmp_path / "sweep"
-    proc = run_cli("-m", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=3", "hydra.sweeper.direction=maximize",
-                   "optimizer.lr=interval(0.01,0.2)", "model.hidden=choice([16],[32])", "epochs=1", "device=cpu",
-                   f"hydra.sweep.dir={sweep}", cwd=tmp_path)  # fmt: skip
+    proc = run_cli(
+        "-m",
+        "hydra/sweeper=optuna",
+        "hydra.sweeper.n_trials=3",
+        "hydra.sweeper.direction=maximize",
+        "optimizer.lr=interval(0.01,0.2)",
+        "model.hidden=choice([16],[32])",
+        "epochs=1",
+        "device=cpu",
+        f"hydra.sweep.dir={sweep}",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, output(proc)
     values = [read_metrics(job / "metrics.jsonl")[-1]["best"]["value"] for job in sweep.glob("*/") if job.is_dir()]
     assert len(values) == 3

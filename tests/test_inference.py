@@ -45,11 +45,25 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict:
     (xtr, ytr), (xte, yte) = _blobs(600, 0), _blobs(200, 1)
     write_csv(d / "train.csv", xtr, np.array(CLASSES)[ytr], FEATURES, target="animal")
     write_csv(d / "test.csv", xte, np.array(CLASSES)[yte], FEATURES, target="animal")
-    cfg = make_cfg(data__name=DatasetName.file, data__path=str(d / "train.csv"), data__test_path=str(d / "test.csv"),
-                   data__target="animal", data__batch_size=32, data__cache=False, epochs=3)  # fmt: skip
+    cfg = make_cfg(
+        data__name=DatasetName.file,
+        data__path=str(d / "train.csv"),
+        data__test_path=str(d / "test.csv"),
+        data__target="animal",
+        data__batch_size=32,
+        data__cache=False,
+        epochs=3,
+    )
     summary = train(cfg, d / "run")
-    return {"dir": d, "cfg": cfg, "run": d / "run", "best": d / "run/checkpoints/best.npz", "summary": summary,
-            "x_test": xte, "y_test": yte}  # fmt: skip
+    return {
+        "dir": d,
+        "cfg": cfg,
+        "run": d / "run",
+        "best": d / "run/checkpoints/best.npz",
+        "summary": summary,
+        "x_test": xte,
+        "y_test": yte,
+    }
 
 
 def test_predict_on_raw_inputs_equals_the_models_test_split_predictions(trained: dict) -> None:
@@ -87,10 +101,12 @@ def test_predict_matches_columns_by_name_in_any_order(trained: dict, tmp_path: P
     ("columns", "message"),
     [
         (FEATURES[:5], "lacks the feature column(s) 'f5'"),
-        ([*FEATURES[:5], "F5"],
-         "lacks the feature column(s) 'f5' and has column(s) the model was not trained on: 'F5' (renamed?)"),
+        (
+            [*FEATURES[:5], "F5"],
+            "lacks the feature column(s) 'f5' and has column(s) the model was not trained on: 'F5' (renamed?)",
+        ),
     ],
-)  # fmt: skip
+)
 def test_missing_extra_or_renamed_columns_are_clear_errors(
     trained: dict, tmp_path: Path, columns: list[str], message: str
 ) -> None:
@@ -123,8 +139,16 @@ def test_checkpoints_of_another_format_version_are_refused_clearly(trained: dict
 
 def test_predict_command_writes_ids_names_and_probabilities(trained: dict, tmp_path: Path, capsys) -> None:
     out = tmp_path / "pred.csv"
-    rc = predict_main([f"ckpt={trained['run']}", f"input={trained['dir'] / 'test.csv'}", f"output={out}",
-                       "probabilities=true", "batch_size=7", "device=cpu"])  # fmt: skip
+    rc = predict_main(
+        [
+            f"ckpt={trained['run']}",
+            f"input={trained['dir'] / 'test.csv'}",
+            f"output={out}",
+            "probabilities=true",
+            "batch_size=7",
+            "device=cpu",
+        ]
+    )
     assert rc == 0
     with open(out, newline="") as f:
         rows = list(csv.DictReader(f))
@@ -137,8 +161,17 @@ def test_predict_command_writes_ids_names_and_probabilities(trained: dict, tmp_p
     np.testing.assert_allclose(probs, mlptrain.predict(p, x, probabilities=True), rtol=1e-5)
     line = capsys.readouterr().out
     assert f"accuracy {np.mean(ids == y):.4f} against the file's 'animal' column" in line
-    assert predict_main([f"ckpt={trained['best']}", f"input={trained['dir'] / 'test.csv'}",
-                         f"output={tmp_path / 'ids.npy'}", "device=cpu"]) == 0  # fmt: skip
+    assert (
+        predict_main(
+            [
+                f"ckpt={trained['best']}",
+                f"input={trained['dir'] / 'test.csv'}",
+                f"output={tmp_path / 'ids.npy'}",
+                "device=cpu",
+            ]
+        )
+        == 0
+    )
     np.testing.assert_array_equal(np.load(tmp_path / "ids.npy"), ids)
 
 
@@ -196,8 +229,12 @@ def test_classification_report_on_a_constructed_case() -> None:
     r = classification_report(logits, y, ["a", "b", "c"])
     assert r["confusion"] == [[2, 1, 0], [0, 1, 1], [0, 0, 1]]
     assert r["acc"] == pytest.approx(4 / 6)
-    assert r["per_class"]["a"] == {"precision": 1.0, "recall": pytest.approx(2 / 3), "f1": pytest.approx(0.8),
-                                   "support": 3}  # fmt: skip
+    assert r["per_class"]["a"] == {
+        "precision": 1.0,
+        "recall": pytest.approx(2 / 3),
+        "f1": pytest.approx(0.8),
+        "support": 3,
+    }
     assert r["per_class"]["b"]["precision"] == 0.5 and r["per_class"]["b"]["recall"] == 0.5
     assert r["per_class"]["c"]["precision"] == 0.5 and r["per_class"]["c"]["recall"] == 1.0
     lse = np.log(np.exp(5.0) + 2.0)
@@ -232,8 +269,13 @@ def test_keep_copies_an_id_column_beside_the_predictions(trained: dict, tmp_path
     order = [5, 4, 3, 2, 1, 0]
     ids = np.arange(100, 120)
     src = tmp_path / "new.csv"
-    write_csv(src, np.column_stack([x[:, order], ids]), np.array(CLASSES)[y], [*(FEATURES[i] for i in order), "id"],
-              target="animal")  # fmt: skip
+    write_csv(
+        src,
+        np.column_stack([x[:, order], ids]),
+        np.array(CLASSES)[y],
+        [*(FEATURES[i] for i in order), "id"],
+        target="animal",
+    )
     p = Predictor(trained["best"], device="cpu")
     np.testing.assert_array_equal(read_inputs(p, src)[0], x)  # not a feature: ignored unless kept (logged)
     out = tmp_path / "pred.csv"
@@ -255,8 +297,12 @@ def test_kept_columns_are_copied_as_the_file_has_them(trained: dict, tmp_path: P
     lines += [",".join([*(repr(v) for v in row), CLASSES[c], i]) for row, c, i in zip(x.tolist(), y, ids, strict=True)]
     (tmp_path / "in.csv").write_text("\n".join(lines) + "\n")
     out = tmp_path / "pred.csv"
-    assert predict_main([f"ckpt={trained['best']}", f"input={tmp_path / 'in.csv'}", f"output={out}", "keep=id",
-                         "device=cpu"]) == 0  # fmt: skip
+    assert (
+        predict_main(
+            [f"ckpt={trained['best']}", f"input={tmp_path / 'in.csv'}", f"output={out}", "keep=id", "device=cpu"]
+        )
+        == 0
+    )
     with open(out, newline="") as f:
         assert [r["id"] for r in csv.DictReader(f)] == ids
 
@@ -282,8 +328,9 @@ def test_a_target_given_as_a_one_element_list_and_npz_targets(trained: dict, tmp
 
 
 def test_a_failed_write_is_one_error_after_the_work(trained: dict, tmp_path: Path, capsys) -> None:
-    rc = predict_main([f"ckpt={trained['best']}", f"input={trained['dir'] / 'test.csv'}", "output=/proc/pred.csv",
-                       "device=cpu"])  # fmt: skip
+    rc = predict_main(
+        [f"ckpt={trained['best']}", f"input={trained['dir'] / 'test.csv'}", "output=/proc/pred.csv", "device=cpu"]
+    )
     assert rc == 2 and "cannot write /proc/pred.csv" in capsys.readouterr().err
 
 
@@ -295,8 +342,14 @@ def test_regression_files_with_some_of_the_targets_are_scored_on_those(tmp_path:
     (tmp_path / "r.csv").write_text(
         "a,b,c,t1,t2\n" + "\n".join(",".join(map(repr, r)) for r in np.hstack([x, t]).tolist())
     )
-    cfg = make_cfg(data__name=DatasetName.file, data__path=str(tmp_path / "r.csv"), data__target=["t1", "t2"],
-                   data__cache=False, model__loss="mse", epochs=2)  # fmt: skip
+    cfg = make_cfg(
+        data__name=DatasetName.file,
+        data__path=str(tmp_path / "r.csv"),
+        data__target=["t1", "t2"],
+        data__cache=False,
+        model__loss="mse",
+        epochs=2,
+    )
     train(cfg, tmp_path / "run")
     p = Predictor(tmp_path / "run", device="cpu")
     only_t2 = tmp_path / "t2.csv"

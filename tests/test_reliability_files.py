@@ -220,8 +220,16 @@ def finished(tmp_path: Path) -> Path:
     return run
 
 
-LINKED = ["metrics.csv", "metrics.jsonl", "run.json", "mlptrain.log", "checkpoints", "checkpoints/last.npz",
-          "tensorboard", ".hydra"]  # fmt: skip
+LINKED = [
+    "metrics.csv",
+    "metrics.jsonl",
+    "run.json",
+    "mlptrain.log",
+    "checkpoints",
+    "checkpoints/last.npz",
+    "tensorboard",
+    ".hydra",
+]
 
 
 @pytest.mark.parametrize("name", LINKED)

@@ -97,8 +97,9 @@ def test_a_resume_while_the_run_is_going_is_refused_and_changes_nothing(tmp_path
 def cli_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A finished CLI run: .hydra/, mlptrain.log, run.json, metrics.jsonl, checkpoints."""
     root = tmp_path_factory.mktemp("cli-run")
-    proc = start_cli("model.hidden=[32]", "epochs=2", "progress=false", "device=cpu", f"hydra.run.dir={root / 'run'}",
-                     cwd=root)  # fmt: skip
+    proc = start_cli(
+        "model.hidden=[32]", "epochs=2", "progress=false", "device=cpu", f"hydra.run.dir={root / 'run'}", cwd=root
+    )
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, out + err
     return root / "run"
@@ -124,8 +125,9 @@ def test_a_refused_cli_run_leaves_the_directory_byte_for_byte(
     shutil.copytree(cli_run, run)
     before = snapshot(run)
     assert ".hydra/config.yaml" in before and "mlptrain.log" in before
-    proc = start_cli("model.hidden=[32]", "epochs=2", "progress=false", "device=cpu", *args, f"hydra.run.dir={run}",
-                     cwd=tmp_path)  # fmt: skip
+    proc = start_cli(
+        "model.hidden=[32]", "epochs=2", "progress=false", "device=cpu", *args, f"hydra.run.dir={run}", cwd=tmp_path
+    )
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 2, out + err
     (line,) = [x for x in err.splitlines() if x.startswith("error: ")]
@@ -137,8 +139,9 @@ def test_a_refused_cli_run_leaves_the_directory_byte_for_byte(
 def test_a_run_directory_that_cannot_be_created_is_one_line(tmp_path: Path) -> None:
     (tmp_path / "afile").write_text("a file\n")
     for key in ("hydra.run.dir", "hydra.sweep.dir"):
-        proc = start_cli(*(["-m"] if "sweep" in key else []), "device=cpu", f"{key}={tmp_path / 'afile' / 'run'}",
-                         cwd=tmp_path)  # fmt: skip
+        proc = start_cli(
+            *(["-m"] if "sweep" in key else []), "device=cpu", f"{key}={tmp_path / 'afile' / 'run'}", cwd=tmp_path
+        )
         out, err = proc.communicate(timeout=120)
         assert proc.returncode == 2, out + err
         assert err.strip().splitlines()[-1].startswith(f"error: cannot create the output directory {tmp_path}/afile")

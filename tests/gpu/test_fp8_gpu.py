@@ -299,11 +299,17 @@ def test_fp8_without_a_weight_copy_takes_the_kept_copys_steps_in_less_memory(wgr
     for copy in ("kept", "auto"):
         gc.collect()
         cp.get_default_memory_pool().free_all_blocks()
-        tr = gpu_trainer(**{
-            "model.hidden": [2048, 2048], "data.batch_size": 256, "precision.name": "fp8",
-            "precision.compute_copy": copy, "execution.bgrad": "bgradb", "execution.plan_cache": False,
-            "execution.wgrad_stream": wgrad_stream,
-        })  # fmt: skip
+        tr = gpu_trainer(
+            **{
+                "model.hidden": [2048, 2048],
+                "data.batch_size": 256,
+                "precision.name": "fp8",
+                "precision.compute_copy": copy,
+                "execution.bgrad": "bgradb",
+                "execution.plan_cache": False,
+                "execution.wgrad_stream": wgrad_stream,
+            }
+        )
         with tr.stream:
             losses = train_losses(tr, 12)  # two warm-up steps, the capture, replays
         assert tr.graphed.num_graphs >= 1
@@ -345,11 +351,20 @@ def test_a_16_class_head_read_as_the_master_by_the_head_kernel_takes_the_kept_co
 
     runs = {}
     for copy in ("kept", "auto"):
-        tr = gpu_trainer(**{
-            "data.name": "synthetic", "data.samples": 4096, "data.features": 32, "data.classes": 16,
-            "data.batch_size": 128, "model.hidden": [64], "precision.name": "fp8", "precision.compute_copy": copy,
-            "execution.bgrad": "bgradb", "execution.plan_cache": False,
-        })  # fmt: skip
+        tr = gpu_trainer(
+            **{
+                "data.name": "synthetic",
+                "data.samples": 4096,
+                "data.features": 32,
+                "data.classes": 16,
+                "data.batch_size": 128,
+                "model.hidden": [64],
+                "precision.name": "fp8",
+                "precision.compute_copy": copy,
+                "execution.bgrad": "bgradb",
+                "execution.plan_cache": False,
+            }
+        )
         with tr.stream:
             losses = train_losses(tr, 10)
         assert tr.head.mode == "kernel"

@@ -75,8 +75,17 @@ def test_regression_outputs_on_the_gpu(tmp_path: Path) -> None:
     x = rng.standard_normal((400, 5)) * 10
     y = x @ rng.standard_normal(5)
     write_csv(tmp_path / "r.csv", x, y, [f"x{i}" for i in range(5)], target="y")
-    train(make_cfg(data__name=DatasetName.file, data__path=str(tmp_path / "r.csv"), data__target="y",
-                   data__cache=False, model__loss="mse", epochs=2), tmp_path / "run")  # fmt: skip
+    train(
+        make_cfg(
+            data__name=DatasetName.file,
+            data__path=str(tmp_path / "r.csv"),
+            data__target="y",
+            data__cache=False,
+            model__loss="mse",
+            epochs=2,
+        ),
+        tmp_path / "run",
+    )
     path = tmp_path / "run" / "checkpoints" / "best.npz"
     cpu, gpu = Predictor(path, device="cpu"), Predictor(path, device="gpu", precision="fp32", batch_size=64)
     np.testing.assert_allclose(gpu.run(x).values, cpu.run(x).values, rtol=1e-4, atol=1e-4)

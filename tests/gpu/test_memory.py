@@ -59,10 +59,17 @@ def _peak_hook():
 def test_live_bytes_and_the_steps_peak_follow_the_formulas(hidden, batch, precision, optimizer, wgrad_stream):
     from mlptrain.step.cuda.memory import account, expected_bytes, expected_step_peak
 
-    tr = gpu_trainer(**{
-        "model.hidden": hidden, "data.batch_size": batch, "precision.name": precision, "optimizer.name": optimizer,
-        "execution.bgrad": "bgradb", "execution.plan_cache": False, "execution.wgrad_stream": wgrad_stream,
-    })  # fmt: skip
+    tr = gpu_trainer(
+        **{
+            "model.hidden": hidden,
+            "data.batch_size": batch,
+            "precision.name": precision,
+            "optimizer.name": optimizer,
+            "execution.bgrad": "bgradb",
+            "execution.plan_cache": False,
+            "execution.wgrad_stream": wgrad_stream,
+        }
+    )
     assert tr.model.uses_wgrad_stream == wgrad_stream
     peak = _peak_hook()
     with tr.stream:
@@ -101,8 +108,9 @@ def test_live_bytes_and_the_steps_peak_follow_the_formulas(hidden, batch, precis
 
 
 def test_a_replayed_step_allocates_nothing():
-    tr = gpu_trainer(**{"model.hidden": [256, 256], "data.batch_size": 128, "precision.name": "fp16",
-                        "execution.bgrad": "bgradb"})  # fmt: skip
+    tr = gpu_trainer(
+        **{"model.hidden": [256, 256], "data.batch_size": 128, "precision.name": "fp16", "execution.bgrad": "bgradb"}
+    )
     x, y = _steps(tr, 3)  # captured
     pool = cp.get_default_memory_pool()
     before = (pool.used_bytes(), pool.total_bytes(), tr.graphed.pool_bytes())
@@ -126,11 +134,18 @@ def test_compute_copy_cast_takes_the_steps_of_the_kept_copy_in_less_memory(preci
 
     runs = {}
     for copy in ("kept", "cast"):
-        tr = gpu_trainer(**{
-            "model.hidden": [1024, 512], "data.batch_size": 256, "precision.name": precision,
-            "precision.compute_copy": copy, "execution.bgrad": "bgradb", "execution.plan_cache": False,
-            "execution.wgrad_stream": wgrad_stream, "execution.head_kernel": head_kernel,
-        })  # fmt: skip
+        tr = gpu_trainer(
+            **{
+                "model.hidden": [1024, 512],
+                "data.batch_size": 256,
+                "precision.name": precision,
+                "precision.compute_copy": copy,
+                "execution.bgrad": "bgradb",
+                "execution.plan_cache": False,
+                "execution.wgrad_stream": wgrad_stream,
+                "execution.head_kernel": head_kernel,
+            }
+        )
         with tr.stream:
             losses = train_losses(tr, 12)  # two warm-up steps, the capture, replays
         assert tr.graphed.num_graphs >= 1
@@ -165,8 +180,15 @@ def test_the_bgrad_probe_leaves_no_plan_workspace_or_cached_block(monkeypatch):
     pool = cp.get_default_memory_pool()
     pool.free_all_blocks()
     base = pool.used_bytes()
-    tr = gpu_trainer(**{"model.hidden": [4096, 4096, 4096], "data.batch_size": 1024, "precision.name": "bf16",
-                        "execution.bgrad": "auto", "execution.plan_cache": False})  # fmt: skip
+    tr = gpu_trainer(
+        **{
+            "model.hidden": [4096, 4096, 4096],
+            "data.batch_size": 1024,
+            "precision.name": "bf16",
+            "execution.bgrad": "auto",
+            "execution.plan_cache": False,
+        }
+    )
     assert tr.gemm.num_plans == 0 and tr.gemm.workspace_bytes() == 0
     # The probe held two sets of plans (one per strategy, each with a workspace of up to 64 MiB) and
     # the step's arrays (over 100 MiB here). What stays cached is a block split around a small array
@@ -181,8 +203,9 @@ def test_the_bgrad_probe_leaves_no_plan_workspace_or_cached_block(monkeypatch):
     assert tr.memory_peak.where == "bgrad probe" and tr.memory_peak.peak > state + data
     # Each candidate's arrays came from a pool of their own, the size of the training step's graph pool
     # (the probe runs the step's forward and backward): a second copy of an activation would not fit.
-    step = expected_step_peak(tr.widths, 1024, tr.precision.compute_dtype, tr.model.uses_wgrad_stream,
-                              tr.head.mode == "kernel")  # fmt: skip
+    step = expected_step_peak(
+        tr.widths, 1024, tr.precision.compute_dtype, tr.model.uses_wgrad_stream, tr.head.mode == "kernel"
+    )
     assert len(probe_pools) == 3 + 1  # both ways per hidden layer, no model twice (mlptrain.step.cuda.bgrad)
     _steps(tr, 3)  # two warm-up steps and the capture, in the graph's pool
     graph_pool = tr.graphed.pool_bytes()

@@ -64,6 +64,12 @@ def test_bgrad_auto_takes_drelu_bgrad_untimed_in_fp8(monkeypatch):
     timed = []
     monkeypatch.setattr(probe, "choose_bgrad", lambda *a, **k: timed.append(a[2]))
     monkeypatch.setattr(bgrad_module, "PROBE_MIN_FLOPS", 1.0)  # worth timing, were it not fp8
-    tr = gpu_trainer(**{"execution.bgrad": "auto", "execution.plan_cache": False, "precision.name": "fp8",
-                        "model.hidden": [256, 256]})  # fmt: skip
+    tr = gpu_trainer(
+        **{
+            "execution.bgrad": "auto",
+            "execution.plan_cache": False,
+            "precision.name": "fp8",
+            "model.hidden": [256, 256],
+        }
+    )
     assert tr.model.bgrad == ["drelu_bgrad", "drelu_bgrad"] and timed == []

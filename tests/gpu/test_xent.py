@@ -30,8 +30,9 @@ def test_cross_entropy_kernels_match_numpy(dtype, B, C):
     close(db, f64(d).sum(axis=0), dtype, "output bias gradient")
     # In place (the training step): the gradient written over the logits, bit for bit the same
     logits = cp.asarray(z)
-    loss2, d2, correct2, db2 = softmax_cross_entropy(logits, cp.asarray(y), cp.asarray(512.0), bias_grad=True,
-                                                     inplace=True)  # fmt: skip
+    loss2, d2, correct2, db2 = softmax_cross_entropy(
+        logits, cp.asarray(y), cp.asarray(512.0), bias_grad=True, inplace=True
+    )
     assert d2 is logits and float(loss2) == float(loss) and int(correct2) == int(correct)
     assert bool((_bits(d2) == _bits(d)).all()) and bool((_bits(db2) == _bits(db)).all())
 
