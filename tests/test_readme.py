@@ -8,7 +8,7 @@ changes, both the README's own: ``<run dir>`` is the folder of the run that the 
 command made, and a training command gets ``epochs=1`` at its end (the README's "Configuration":
 a key given twice takes its last value), which keeps the CPU suite short; the regression example
 runs its own epochs and must beat predicting the train split's mean on its test split. ``make`` lines
-are not run here (tests/test_cli.py checks ``make run``); the GPU and ``torchrun`` commands run in
+are not run here (tests/test_packaging.py checks ``make run``); the GPU and ``torchrun`` commands run in
 :func:`test_the_readmes_gpu_commands_run`, in the GPU suite only.
 """
 

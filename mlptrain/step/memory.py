@@ -1,7 +1,7 @@
 """What a training step holds in memory, by formula: the state after a step and the peak of the step's own arrays.
 
 The GPU tests hold :func:`mlptrain.step.cuda.memory.account` and a real step's allocations to these
-formulas; the CPU tests hold them to the backward's schedule (``tests/test_network.py``, which
+formulas; the CPU tests hold them to the backward's schedule (``tests/test_backward_memory.py``, which
 follows every array of a NumPy step by weak reference). No CuPy here: a formula is arithmetic.
 """
 
