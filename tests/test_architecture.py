@@ -1,34 +1,19 @@
-"""The package's shape, as docs/architecture.md describes it: sizes, the import graph, where CuPy lives.
+"""The package's shape, as docs/architecture.md and README.md's layout describe it: folders and their entries,
+the import graph, where CuPy lives.
 
 Imports are read from the source (every ``import`` anywhere in a module: at the top, inside
 functions, under ``TYPE_CHECKING``), so a cycle or a stray CuPy import cannot hide in a function.
-
-Sizes are counted as ``ruff format`` writes the code, with every comment that turns the formatter
-off removed first, so a limit cannot be met by keeping the formatter away; and a separate test
-refuses those comments (``# fmt: skip``, ``# fmt: off``) anywhere in the package, ``mlptrain/``'s
-whole tree, library code moved out of ``scripts/`` included.
+The sizes and the formatter rules, for every Python file of the repository: tests/test_architecture_sizes.py.
 """
 
 from __future__ import annotations
 
 import ast
-import io
 import re
-import subprocess
-import sys
-import tempfile
-import tokenize
 from pathlib import Path
-
-import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PKG = ROOT / "mlptrain"
-MAX_MODULE_LINES = 400
-MAX_FUNCTION_LINES = 80
-# the comments ruff format obeys to leave code as it is (yapf's are its aliases of fmt: off / on)
-FORMATTER_OFF = re.compile(r"#\s*(fmt:\s*(skip|off)|yapf:\s*disable)\b")
-FORMATTER_ON = re.compile(r"#\s*(fmt:\s*on|yapf:\s*enable)\b")
 
 
 def modules() -> dict[str, Path]:
@@ -125,111 +110,6 @@ def test_cupy_and_nvmath_are_imported_only_under_cuda_folders_torch_and_the_back
     ), "every module of a cuda/ folder imports CuPy or nvmath (that is what puts it there)"
 
 
-def _directives(src: str) -> list[tuple[int, int, int]]:
-    """``(line, column, offset in the comment)`` of each comment of ``src`` that turns the formatter off
-    or on again; read as tokens, so the words inside a string are not a directive."""
-    found = []
-    for tok in tokenize.generate_tokens(io.StringIO(src).readline):
-        if tok.type == tokenize.COMMENT:
-            m = FORMATTER_OFF.search(tok.string) or FORMATTER_ON.search(tok.string)
-            if m:
-                found.append((tok.start[0], tok.start[1], m.start()))
-    return found
-
-
-def formatter_off(src: str) -> list[int]:
-    """The lines of ``src`` whose comment keeps ``ruff format`` away (``# fmt: skip``, ``# fmt: off``)."""
-    lines = src.splitlines()
-    return [n for n, col, at in _directives(src) if FORMATTER_OFF.match(lines[n - 1][col + at :])]
-
-
-def without_directives(src: str) -> str:
-    """``src`` with every formatter directive cut out (a line holding nothing else goes with it)."""
-    lines = src.splitlines(keepends=True)
-    for n, col, at in reversed(_directives(src)):
-        kept = lines[n - 1][: col + at].rstrip()
-        lines[n - 1] = kept + "\n" if kept.strip() else ""
-    return "".join(lines)
-
-
-def ruff_format(sources: dict[str, str]) -> dict[str, str]:
-    """Each source as ``ruff format`` writes it with the project's settings: one run over a temporary copy."""
-    with tempfile.TemporaryDirectory() as tmp:
-        files = {key: Path(tmp, f"m{i}.py") for i, key in enumerate(sources)}
-        for key, path in files.items():
-            path.write_text(sources[key])
-        cmd = [sys.executable, "-m", "ruff", "format", "--quiet", "--config", str(ROOT / "pyproject.toml")]
-        subprocess.run([*cmd, *map(str, files.values())], check=True, capture_output=True)
-        return {key: path.read_text() for key, path in files.items()}
-
-
-def too_long(src: str) -> list[str]:
-    """What of ``src`` is over a limit: the module's lines, each function's lines."""
-    out = [f"{src.count(chr(10))} lines"] if src.count("\n") > MAX_MODULE_LINES else []
-    for node in ast.walk(ast.parse(src)):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            length = (node.end_lineno or node.lineno) - node.lineno + 1
-            if length > MAX_FUNCTION_LINES:
-                out.append(f"line {node.lineno} {node.name} has {length} lines")
-    return out
-
-
-@pytest.fixture(scope="module")
-def formatted() -> dict[str, str]:
-    """Every module as ``ruff format`` writes it once its formatter directives are removed."""
-    return ruff_format({name: without_directives(path.read_text()) for name, path in modules().items()})
-
-
-def test_sizes_are_counted_as_formatted_and_a_fmt_skip_is_refused() -> None:
-    call = "total = combine(" + ", ".join(f"argument_number_{i}" for i in range(12)) + ")"
-    src = f"def f():\n    {call}  # fmt: skip\n    # fmt: off\n    x = [1,\n  2]\n    # fmt: on\n    return x\n"
-    assert formatter_off(src) == [2, 3]
-    assert formatter_off('s = "# fmt: skip"  # a string, not a comment\n') == []
-    assert "fmt" not in without_directives(src) and without_directives(src).count("\n") == 5
-    out = ruff_format({"m": without_directives(src)})["m"]
-    assert out.count("\n") > 12, out  # the long line, formatted, counts as the lines ruff makes of it
-    body = "    " + "\n    ".join(["x = 1"] * (MAX_FUNCTION_LINES - 2)) + "\n"
-    short = f"def g():\n{body}    {call}  # fmt: skip\n"
-    assert too_long(short) == [] and too_long(ruff_format({"m": without_directives(short)})["m"]) != []
-
-
-def test_no_module_turns_the_formatter_off() -> None:
-    found = {str(path.relative_to(ROOT)): formatter_off(path.read_text()) for path in modules().values()}
-    assert len(found) > 30, "the package was not read"
-    assert {path: lines for path, lines in found.items() if lines} == {}, "lines with # fmt: skip / # fmt: off"
-
-
-@pytest.mark.parametrize("name", sorted(modules()))
-def test_module_and_function_sizes(name: str, formatted: dict[str, str]) -> None:
-    assert too_long(formatted[name]) == [], f"{modules()[name]} (as ruff format writes it)"
-
-
-# benchmarks/ and scripts/ (#48): the package's limits and its fmt: skip ban; scripts/ only thin entry points
-OUTSIDE_PACKAGE = ("benchmarks", "scripts")
-MAX_SCRIPTS_LINES = 600
-
-
-def outside_package() -> dict[str, Path]:
-    """``benchmarks/x.py`` -> its file, for every Python file of the folders in OUTSIDE_PACKAGE."""
-    return {p.relative_to(ROOT).as_posix(): p for d in OUTSIDE_PACKAGE for p in sorted((ROOT / d).rglob("*.py"))}
-
-
-@pytest.fixture(scope="module")
-def formatted_outside() -> dict[str, str]:
-    return ruff_format({name: without_directives(path.read_text()) for name, path in outside_package().items()})
-
-
-@pytest.mark.parametrize("name", sorted(outside_package()))
-def test_benchmark_and_script_sizes_without_fmt_skip(name: str, formatted_outside: dict[str, str]) -> None:
-    assert formatter_off(outside_package()[name].read_text()) == [], f"{name}: lines with # fmt: skip / # fmt: off"
-    assert too_long(formatted_outside[name]) == [], f"{name} (as ruff format writes it)"
-
-
-def test_scripts_hold_at_most_600_lines_of_python() -> None:
-    found = {p.name: p.read_text().count("\n") for p in (ROOT / "scripts").rglob("*.py")}
-    assert 0 < sum(found.values()) <= MAX_SCRIPTS_LINES, found
-
-
 def reach(graph: dict[str, set[str]], start: str) -> set[str]:
     """Every module ``start`` imports, directly or through others."""
     found: set[str] = set()
@@ -309,6 +189,45 @@ def test_every_module_is_named_where_the_package_is_described() -> None:
     mods = [p.relative_to(PKG).as_posix() for p in PKG.rglob("*.py") if p.stem not in ("__init__", "__main__")]
     folders = [p.parent.relative_to(PKG).as_posix() + "/" for p in PKG.rglob("*/__init__.py")]
     assert len(mods) > 100 and [m for m in mods + folders if f"`{m}`" not in doc] == []
+
+
+def layout_block(readme: str) -> tuple[list[str], list[str]]:
+    """README's layout block (the first fenced block of its "## Layout" section): the names it gives inside
+    ``mlptrain/`` (the lines indented by two: ``base/``, ``sklearn/, torch/``, ``*/cuda/``) and at the top
+    (``conf/``). A name is the text before the description's column; a line with none continues a description."""
+    section = readme.split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
+    block = section.split("```\n", 2)[1]
+    inside, top = [], []
+    for line in block.splitlines():
+        indent = len(line) - len(line.lstrip(" "))
+        names = [n.strip() for n in re.split(r" {2,}", line.strip())[0].split(",")] if line.strip() else []
+        if indent == 0:
+            top += names
+        elif indent == 2:
+            inside += names
+    return inside, top
+
+
+def layout_errors(readme: str, root: Path) -> dict[str, list[str]]:
+    """What the layout block gets wrong about the repository at ``root``: entries of ``mlptrain/`` it does not
+    name, and names it gives that do not exist (a pattern such as ``*/cuda/`` names at least one folder)."""
+    inside, top = layout_block(readme)
+    pkg = root / "mlptrain"
+    there = [f"{name}/" if (pkg / name).is_dir() else name for name in entries(pkg)]
+    missing = [name for name in inside if not (list(pkg.glob(name)) if "*" in name else name in there)]
+    missing += [name for name in top if not (root / name).exists()]
+    return {"not named": [name for name in there if name not in inside], "not there": missing}
+
+
+def test_the_readmes_layout_names_every_folder_of_the_package_and_nothing_else() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert "mlptrain/" in layout_block(readme)[1] and len(layout_block(readme)[0]) >= 14
+    assert layout_errors(readme, ROOT) == {"not named": [], "not there": []}
+
+
+def test_the_layout_rule_refuses_a_wrong_folder_name() -> None:
+    readme = (ROOT / "README.md").read_text().replace("\n  nn/ ", "\n  nx/ ", 1).replace("\nconf/ ", "\nconfs/ ", 1)
+    assert layout_errors(readme, ROOT) == {"not named": ["nn/"], "not there": ["nx/", "confs/"]}
 
 
 MAX_ENTRIES = 14  # files and subfolders of one folder of the package, __init__.py and __main__.py included
