@@ -110,6 +110,30 @@ def test_cupy_and_nvmath_are_imported_only_under_cuda_folders_torch_and_the_back
     ), "every module of a cuda/ folder imports CuPy or nvmath (that is what puts it there)"
 
 
+# Where torch may be imported besides mlptrain.torch and the cuda/ folders, and why (an exception that is gone
+# is taken out of the set too): torchrun's rendezvous store, and the PyTorch baselines the benchmarks time.
+TORCH_EXCEPTIONS = {
+    "mlptrain.distributed.launch",  # torch.distributed.TCPStore: the store torchrun already started
+    "mlptrain.tools.bench.largest_model",  # the largest model PyTorch fits, beside mlptrain's
+    "mlptrain.tools.bench.memory_vs_torch",
+    "mlptrain.tools.bench.step_timing",  # PyTorch's step, timed as the baseline
+    "mlptrain.tools.bench.suite",
+}
+
+
+def test_torch_is_imported_only_by_the_torch_front_end_cuda_folders_and_named_exceptions() -> None:
+    known = set(modules())
+    found = {
+        name
+        for name, path in modules().items()
+        if any(m.split(".")[0] == "torch" for m in imports(path, known))
+        and not in_cuda(name)
+        and name != "mlptrain.torch"
+        and not name.startswith("mlptrain.torch.")
+    }
+    assert found == TORCH_EXCEPTIONS
+
+
 def reach(graph: dict[str, set[str]], start: str) -> set[str]:
     """Every module ``start`` imports, directly or through others."""
     found: set[str] = set()
