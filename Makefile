@@ -17,7 +17,7 @@ STAMP := $(VENV)/.installed-dev
 GPU_EXTRA ?= $(shell v=$$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -n1 | cut -d. -f1); \
 	if [ -n "$$v" ] && [ "$$v" -ge 580 ] 2>/dev/null; then echo cu13; elif [ -n "$$v" ] && [ "$$v" -ge 525 ] 2>/dev/null; then echo cu12; fi)
 # Only the folders that exist (git does not keep empty ones).
-LINT_PATHS := $(wildcard mlptrain benchmarks scripts tests examples)
+LINT_PATHS := $(wildcard mlptrain benchmarks scripts tests examples .ci)
 
 .DEFAULT_GOAL := help
 .PHONY: help install run test test-gpu lint format typecheck bench compare compare-gpu compare-fp8 clean distclean
