@@ -202,9 +202,11 @@ def test_resume_into_a_new_directory_brings_best_along(tmp_path: Path, monkeypat
     assert checkpoint.load(tmp_path / "b" / "checkpoints" / "last.npz").best == src_best.best
 
 
-def _kill_during_best_write(run: Path, nth: int) -> subprocess.CompletedProcess[str]:
-    """Train in a subprocess that dies (os._exit, as SIGKILL) the moment the ``nth`` write of best.npz has its
-    temp file complete, before the rename."""
+def _kill_during_best_write(
+    run: Path, nth: int, *, renamed: bool = False, cfg: str = "epochs=8, optimizer__lr=0.01"
+) -> subprocess.CompletedProcess[str]:
+    """Train (``make_cfg(cfg)``) in a subprocess that dies (os._exit, as SIGKILL) the moment the ``nth`` write of
+    best.npz has its temp file complete, before the rename (``renamed``: just after it, before last.npz)."""
     import os
     import sys
 
@@ -220,6 +222,9 @@ seen = {{"best": 0}}
 def atomic_write(path, content):
     if Path(path).name == "best.npz":
         seen["best"] += 1
+        if seen["best"] == {nth} and {renamed}:
+            real(path, content)
+            os._exit(9)
         if seen["best"] == {nth}:
             tmp = files.temp_name(Path(path))
             with open(tmp, "wb") as f:
@@ -229,7 +234,7 @@ def atomic_write(path, content):
 files.atomic_write = atomic_write
 import mlptrain.run.checkpoint
 mlptrain.run.checkpoint.atomic_write = atomic_write
-train(make_cfg(epochs=8, optimizer__lr=0.01), Path({str(run)!r}))
+train(make_cfg({cfg}), Path({str(run)!r}))
 """
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent.parent)])}
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
@@ -258,6 +263,29 @@ def test_killed_while_writing_best_then_resumed_keeps_the_best_model(tmp_path: P
         for key in b.arrays:
             np.testing.assert_array_equal(a.arrays[key], b.arrays[key], err_msg=f"{name}: {key}")
     assert not list((run / "checkpoints").glob("*.tmp")), "the stray temp file was removed"
+
+
+def test_killed_between_best_and_the_epochs_last_then_resumed_keeps_the_best_record(tmp_path: Path) -> None:
+    """checkpoint_steps=1: the epoch's last step wrote last.npz (inside the epoch), the epoch's end wrote best.npz,
+    and the kill came before the epoch's own last.npz. best.npz then holds last.npz's step but not its record of
+    the best; the resume evaluates that epoch again and writes best again. (It called the best lost and chose it
+    again, counting patience from there: the fault campaign's stream trial 46, 2026-12-05.)"""
+    cfg = {"epochs": 8, "optimizer__lr": 0.01, "checkpoint_steps": 1}
+    straight = tmp_path / "straight"
+    train(make_cfg(**cfg), straight)
+    run = tmp_path / "run"
+    # val/acc ties at epochs 6, 7 and 8: the 7th write of best.npz moves it to a later epoch of the same score,
+    # and the record keeps the epoch that improved (promise 25); a best called lost would count epoch 7 instead
+    proc = _kill_during_best_write(run, nth=7, renamed=True, cfg="epochs=8, optimizer__lr=0.01, checkpoint_steps=1")
+    assert proc.returncode == 9, proc.stdout + proc.stderr
+    last = checkpoint.load(run / "checkpoints" / "last.npz")
+    on_disk = checkpoint.load(run / "checkpoints" / "best.npz")
+    assert on_disk.position.step == last.position.step != last.best.step
+    train(make_cfg(resume="last", **cfg), run)
+    assert records(run) == records(straight)
+    for name in ("best", "last"):
+        a, b = (checkpoint.load(d / "checkpoints" / f"{name}.npz") for d in (run, straight))
+        assert a.position == b.position and a.best == b.best, name
 
 
 @pytest.mark.parametrize("max_steps", [None, 30], ids=["end-of-epoch", "inside-an-epoch"])

@@ -218,10 +218,13 @@ def plan_best(start: Start, ckpt: Checkpoint, best_path: Path, *, copy: bool) ->
         if copy:
             start.best_file = found
         return
-    if found is not None and found.position.step > pos.step:
+    # Ahead, or at the checkpoint's own step: written at the end of an epoch whose last step the checkpoint
+    # holds (checkpoint_steps saved it inside the epoch), killed before that epoch's last.npz. The resume
+    # evaluates the epoch again and writes it again, with the record of the best the checkpoint keeps.
+    if found is not None and found.position.step >= pos.step:
         start.notes.append(
-            f"{best_path} (step {found.position.step}) is ahead of {ckpt.path} (step {pos.step}): the run stopped "
-            "between writing the two; it is written again when the run gets there"
+            f"{best_path} (step {found.position.step}) is ahead of {ckpt.path} (step {pos.step}, not past its epoch's "
+            "end): the run stopped between writing the two; it is written again when the run gets there"
         )
         return
     if pos.step == recorded.step:  # the best epoch is the checkpoint's own: the same state
