@@ -16,8 +16,16 @@ from typing import Any
 __version__ = "0.1.0"
 
 
+def predict(ckpt: Any, x: Any, **options: Any) -> Any:
+    """Score raw rows ``x (N, F)`` with checkpoint ``ckpt``: :func:`mlptrain.inference.predictor.predict`
+    (class ids ``(N,)``; ``probabilities=True``: ``(N, C)``; a regression's outputs ``(N, T)``)."""
+    from mlptrain.inference.predictor import predict as score
+
+    return score(ckpt, x, **options)
+
+
 def __getattr__(name: str) -> Any:
-    """``train``, ``Trainer``, ``predict``, ``Predictor``: imported on first use (the CLI's --help needs none)."""
+    """``train``, ``Trainer``, ``Predictor``: imported on first use (the CLI's --help needs none)."""
     if name == "train":
         from mlptrain.run.run import train
 
@@ -26,10 +34,6 @@ def __getattr__(name: str) -> Any:
         from mlptrain.step.trainer import Trainer
 
         return Trainer
-    if name == "predict":  # the module mlptrain.predict, which is callable: mlptrain.predict(ckpt, x)
-        import importlib
-
-        return importlib.import_module("mlptrain.predict")
     if name == "Predictor":
         from mlptrain.inference.predictor import Predictor
 
@@ -37,8 +41,10 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'mlptrain' has no attribute {name!r}")
 
 
-# ``python -m mlptrain.predict`` (and ``mlptrain.predict`` itself): the commands live under cli/ and tools/;
-# these names are aliases of those modules (the same module objects, a submodule's name included).
+# ``python -m mlptrain.predict``: the commands live under cli/ and tools/; these names are aliases of those
+# modules (the same module objects, a submodule's name included). ``mlptrain.predict`` is the function above,
+# so its name is an alias only for ``python -m`` (runpy): importing it as a module would replace the function.
+_RUN_ONLY = {"mlptrain.predict"}
 _ALIASES = {
     "mlptrain.predict": "mlptrain.cli.predict",
     "mlptrain.evaluate": "mlptrain.cli.evaluate",
@@ -56,6 +62,8 @@ class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         self.target = target
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name in _RUN_ONLY and not _asked_by_runpy():
+            return None
         for old, new in _ALIASES.items():
             if name == old or name.startswith(old + "."):
                 real = importlib.util.find_spec(new + name[len(old) :])
@@ -76,6 +84,20 @@ class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def get_code(self, name: str) -> Any:  # python -m mlptrain.<command>: runpy runs this code as __main__
         spec = importlib.util.find_spec(self.target)
         return spec.loader.get_code(self.target)  # type: ignore[union-attr]
+
+
+def _asked_by_runpy() -> bool:
+    """Whether the module being looked for is ``python -m``'s: runpy's ``_get_module_details`` asks for its spec
+    (through ``importlib.util.find_spec``) a few frames up, not an import statement (``python -m pytest``, for
+    one, has runpy further down the stack of every import)."""
+    frame = sys._getframe(1)
+    for _ in range(6):
+        if frame is None:
+            return False
+        if frame.f_code.co_name == "_get_module_details" and frame.f_globals.get("__name__") == "runpy":
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
 
 
 sys.meta_path.insert(0, _Alias(""))

@@ -281,7 +281,7 @@ def _predict_killed_mid_write(model: dict, out: Path, kill: str) -> subprocess.C
     output's temp file half written."""
     script = (
         "import os, signal, sys\n"
-        "import mlptrain.predict as m\n"
+        "import mlptrain.cli.predict as m\n"
         "import mlptrain.cli.predictions as w\n"  # the CSV writer of predict's output
         "write = w._write_csv\n"
         "def killed(*a):\n"

@@ -22,7 +22,7 @@ previous output as it was. The output never replaces the input or a checkpoint, 
 file only when it is a predictions file (of this model: ``overwrite=true`` replaces any other
 file); a killed run's temp file is removed at the next run (:mod:`mlptrain.inference.outputs`).
 
-In Python, ``mlptrain.predict(ckpt, x)`` scores an array (this module is callable:
+In Python, ``mlptrain.predict(ckpt, x)`` scores an array (a function of the package:
 :func:`mlptrain.inference.predictor.predict`).
 """
 
@@ -32,7 +32,6 @@ import csv
 import logging
 import sys
 import time
-import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -305,16 +304,6 @@ ABOUT = "Score raw inputs with a trained mlptrain checkpoint (its normalisation 
 def main(argv: list[str] | None = None) -> int:
     return commands.main(PredictArgs, "mlptrain.predict", ABOUT, run, argv)
 
-
-class _CallableModule(types.ModuleType):
-    """``mlptrain.predict(ckpt, x)`` calls :func:`mlptrain.inference.predictor.predict`: the module is also the
-    function."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return predict(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
 
 if __name__ == "__main__":
     sys.exit(main())
