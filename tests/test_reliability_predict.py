@@ -116,7 +116,7 @@ def test_predict_ignores_a_column_the_model_does_not_take_and_says_so(trained: d
         [[*r, n, f"c{i}"] for i, (r, n) in enumerate(zip(x, names, strict=True))],
     )
     out = tmp_path / "pred.csv"
-    with caplog.at_level(logging.INFO, logger="mlptrain.predict"):
+    with caplog.at_level(logging.INFO, logger="mlptrain.cli.predict"):
         assert predict_main([f"ckpt={trained['best']}", f"input={src}", f"output={out}", "device=cpu"]) == 0
     said = [r.getMessage() for r in caplog.records if "ignoring" in r.getMessage()]
     assert said == [
@@ -226,7 +226,7 @@ def test_an_empty_label_column_is_no_labels(trained: dict, tmp_path: Path, capsy
     x, names = _test_rows(trained)
     empty = _csv(tmp_path / "empty.csv", [*FEATURES, "animal"], [[*r, ""] for r in x])
     out = tmp_path / "pred.csv"
-    with caplog.at_level(logging.INFO, logger="mlptrain.predict"):
+    with caplog.at_level(logging.INFO, logger="mlptrain.cli.predict"):
         assert predict_main([f"ckpt={trained['best']}", f"input={empty}", f"output={out}", "device=cpu"]) == 0
     line = capsys.readouterr().out
     assert "accuracy" not in line and f"-> {out}" in line
