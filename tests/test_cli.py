@@ -134,7 +134,11 @@ def test_gpu_request_without_gpu_exits_2(tmp_path: Path) -> None:
         ("optimizer.learning_rate=0.1", "error: optimizer.learning_rate is not a setting; use optimizer.lr=0.1"),
         ("model.hidden_layers=[512, 512]", "error: model.hidden_layers is not a setting; use 'model.hidden=[512,512]'"),
         ("n_epochs=3", "error: n_epochs is not a setting; use epochs=3"),
-        ("data.features=1024", "data.features=1024 is not used with data=digits: it applies to data=synthetic"),
+        (
+            "data.features=1024",
+            "data.features=1024 is not used with data=digits: it applies to data=synthetic (a count) and data=file "
+            "(a list of columns)",
+        ),
     ],
 )
 def test_an_ignored_or_unknown_setting_is_one_line_and_exit_2(tmp_path: Path, override: str, message: str) -> None:

@@ -193,7 +193,11 @@ def test_validate_accepts_defaults_and_returns_its_argument() -> None:
     [
         (["+optimizer.lrr=0.1"], "optimizer.lrr is not a setting; did you mean optimizer.lr=0.1?"),
         (["+model.hiden=[8]"], "model.hiden is not a setting; did you mean 'model.hidden=[8]'?"),
-        (["data.features=1024"], "data.features=1024 is not used with data=digits: it applies to data=synthetic"),
+        (
+            ["data.features=1024"],
+            "data.features=1024 is not used with data=digits: it applies to data=synthetic (a count) and data=file "
+            "(a list of columns)",
+        ),
         (["optimizer=adam", "optimizer.momentum=0.5"], "optimizer.momentum=0.5 is not used with optimizer=adam"),
         (["optimizer.beta2=0.99"], "optimizer.beta2=0.99 is not used with optimizer=sgd: it applies to optimizer=adam"),
         (["execution=naive", "execution.bgrad=bgradb"], "execution.bgrad=bgradb is not used with execution=naive"),

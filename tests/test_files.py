@@ -182,18 +182,21 @@ def _bad(tmp_path: Path, kind: str) -> tuple[Path, dict[str, Any], list[str]]:
         csv[7] = ",".join(csv[7].split(",")[:-2]) + "\n"
         p.write_text("".join(csv))
         return p, over, ["line 8 has 3 fields, the header has 5"]
-    if kind == "text feature":
+    if kind == "text feature":  # a column of numbers in the training file, of text in the test file
+        p.write_text("".join(csv))
         cells = csv[5].split(",")
         cells[2] = "abc"
         csv[5] = ",".join(cells)
-        p.write_text("".join(csv))
-        return p, over, ["line 6, column 'f2': 'abc' is not a number"]
-    if kind == "nan feature":
+        over["data.test_path"] = str(tmp_path / "test.csv")
+        (tmp_path / "test.csv").write_text("".join(csv))
+        return p, over, ["test.csv line 6, column 'f2': 'abc' is not a number; the column was numeric in the training"]
+    if kind == "nan feature":  # refused with data.impute=error (fill: the training median and a _missing column)
         cells = csv[12].split(",")
         cells[1] = "nan"
         csv[12] = ",".join(cells)
         p.write_text("".join(csv))
-        return p, over, ["line 13, column 'f1': nan is not a finite number; features must be finite"]
+        over["data.impute"] = "error"
+        return p, over, ["line 13, column 'f1': an empty cell (1 in the column)"]
     if kind == "inf target":
         rng = np.random.default_rng(0)
         t = rng.standard_normal(30)

@@ -163,7 +163,9 @@ class DataConfig:
         "synthetic, mnist1d: number of samples; null: the dataset's own (synthetic 10000; mnist1d 5000, its standard "
         "draw of 4000 training and 1000 test samples)",
     )
-    features: int = _f(32, "synthetic: number of features")
+    features: Any = _f(
+        32, "synthetic: number of features; file: the only feature columns to keep, a list ([a,b]; null: all)"
+    )
     classes: int = _f(10, "synthetic: number of classes")
     path: Optional[str] = _f(None, "file: the training data (CSV/TSV with a header, .gz, NPZ, Parquet)")
     test_path: Optional[str] = _f(None, "file: a test file with the same columns; null: split from path")
@@ -173,6 +175,18 @@ class DataConfig:
     )
     cache: bool = _f(True, "file: keep a binary copy of a parsed file, memory-mapped by the next run")
     missing: str = _f("error", "file: rows whose target is empty, NA, null or NaN: error (names them) or drop")
+    drop: list[str] = _f(None, "file: columns to leave out (ids, leakage), a list: data.drop=[id]", factory=list)
+    categorical: list[str] = _f(
+        None, "file: numeric columns that are categories (integer codes); any column with text is one already", list
+    )
+    min_frequency: int = _f(
+        1, "file: a category level of fewer training rows is grouped into one <rare> column (1: none grouped)"
+    )
+    impute: str = _f(
+        "fill",
+        "file: empty feature cells: fill (numeric: the training median and a 0/1 <name>_missing column; "
+        "categorical: a level of its own) or error",
+    )
     residency: Residency = _f(
         Residency.auto,
         "where the splits live: device (copied to the GPU once, batches gathered there), host (batches gathered in "

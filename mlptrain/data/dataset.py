@@ -112,6 +112,7 @@ class Dataset:
     target_names: list[str] | None = None
     normalization: Normalization | None = field(default=None, repr=False)
     target_scaling: Normalization | None = field(default=None, repr=False)
+    columns: dict[str, Any] | None = field(default=None, repr=False)  # the column plan (mlptrain.data.files.plan)
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
@@ -174,6 +175,8 @@ class Dataset:
             "normalization_from": norm.origin if self.normalization is not None else "unknown",
             "target_scaling": None,
         }
+        if self.columns is not None:
+            meta["columns"] = self.columns
         arrays = {"data/shift": norm.shift, "data/scale": norm.scale}
         if self.task == "regression":
             ts = self.target_scaling or Normalization.identity(self.num_outputs)
@@ -219,6 +222,7 @@ class Raw:
     feature_names: list[str] | None = None
     target_names: list[str] | None = None
     pending: list[Future] = field(default_factory=list, repr=False)  # cache writes under way: waited for at the end
+    tables: tuple[Any, Any] | None = None  # (train, test) Tables of text cells, encoded by the column plan once split
 
 
 def saved_target_scaling(meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> Normalization:

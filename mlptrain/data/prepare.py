@@ -25,6 +25,7 @@ from mlptrain.config.schema import NORMALIZATIONS, DataConfig
 from mlptrain.data.dataset import Dataset, Normalization, Raw
 from mlptrain.data.files import chunks
 from mlptrain.data.files.column_stats import ColumnStats, column_stats
+from mlptrain.data.files.plan import ColumnPlan, fit_plan, log_empty
 from mlptrain.data.rows import NormalisedRows, StreamSource, host_memory_available, memory_mapped
 from mlptrain.data.sources import SOURCES
 
@@ -203,6 +204,10 @@ def load_dataset(cfg: DataConfig, seed: int | None = None) -> Dataset:
     method, _ = _methods(cfg, name, raw.task)
     with chunks.timed("split", raw.y.nbytes):
         parts = _split(name, cfg, raw, rng)  # [(x, rows, y)] of train, validation, test
+    plan = None
+    if raw.tables is not None:  # text cells: encoded by the column plan of the train split's rows
+        plan, parts = encode_columns(raw, parts, cfg)
+        raw = dataclasses.replace(raw, feature_names=plan.feature_names)
     x, rows = parts[0][0], parts[0][1]
     with chunks.timed("statistics", len(rows) * x.shape[1] * x.itemsize):
         norm = normalization(method, x, rows, where=f"dataset {name!r} split train")
@@ -229,6 +234,7 @@ def load_dataset(cfg: DataConfig, seed: int | None = None) -> Dataset:
         raw.feature_names,
         raw.target_names,
         normalization=norm,
+        columns=None if plan is None else plan.to_meta(),
     )  # normalised features, raw targets
     ds = preprocess(split, cfg)
     for write in raw.pending:  # the cache entry is complete when the dataset is returned
@@ -244,6 +250,37 @@ def load_dataset(cfg: DataConfig, seed: int | None = None) -> Dataset:
         "classes" if raw.task == "classification" else "targets",
     )
     return ds
+
+
+def encode_columns(raw: Raw, parts: list[tuple], cfg: DataConfig) -> tuple[ColumnPlan, list[tuple]]:
+    """The column plan of ``raw.tables`` fitted on the train split's rows (``parts[0]``), and ``parts`` with each
+    table's cells encoded by it (``(N, F)`` float64); the empty cells are counted in the log.
+
+    Raises:
+        ConfigError: ``data.residency=stream``, which reads a table of numbers as it lies on disk.
+    """
+    if str(getattr(cfg.residency, "value", cfg.residency)) == "stream":
+        raise ConfigError(
+            f"data.residency=stream: data file {cfg.path} has columns encoded by the column plan (text, empty cells, "
+            "data.drop or data.features), made in memory, not streamed; set data.residency=auto or host"
+        )
+    assert raw.tables is not None
+    train, test = raw.tables
+    plan = fit_plan(train.cells, parts[0][1], list(cfg.categorical), int(cfg.min_frequency))
+    encoded = {}
+    for table in (t for t in (train, test) if t is not None):
+        log_empty(table.cells, plan, f"data file {table.path}")
+        encoded[id(table)], _ = plan.encode(table.cells, table.where, f"data file {table.path}")
+    kinds = [c.kind for c in plan.columns]
+    log.info(
+        "data file %s: %d numeric and %d categorical columns -> %d features (the column plan, saved with the model)",
+        cfg.path,
+        kinds.count("numeric"),
+        kinds.count("categorical"),
+        len(plan.feature_names),
+    )
+    x, x_test = encoded[id(train)], encoded.get(id(test))
+    return plan, [(x if xs is raw.x else x_test, rows, y) for xs, rows, y in parts]
 
 
 def _streams(cfg: DataConfig, name: str, parts: list[tuple], split_bytes: int) -> bool:

@@ -31,9 +31,12 @@ from mlptrain.base.errors import DatasetError
 from mlptrain.config.schema import DataConfig
 from mlptrain.data.dataset import Raw, first_nonfinite
 from mlptrain.data.files import cache, labels
+from mlptrain.data.files.cells import read_cells, select
 from mlptrain.data.files.chunks import log_phase, max_abs, timed
 from mlptrain.data.files.npz_reader import in_place
-from mlptrain.data.files.readers import Table, check_file, read_table
+from mlptrain.data.files.plan import empty_cells
+from mlptrain.data.files.readers import Table, check_file, file_kind, read_table
+from mlptrain.data.files.table import TextCell
 
 log = logging.getLogger(__name__)
 FLOAT32_MAX = float(np.finfo(np.float32).max)  # features are normalised and trained in float32
@@ -54,6 +57,52 @@ def load_file(cfg: DataConfig, rng: np.random.Generator) -> Raw:
     files = [str(cfg.path), *([str(cfg.test_path)] if cfg.test_path else [])]
     for f, setting in zip(files, ("data.path", "data.test_path"), strict=False):
         check_file(Path(f).expanduser(), setting)  # before a thread hashes it: a FIFO would be read forever
+    if cfg.drop or cfg.categorical or not isinstance(cfg.features, (int, str, type(None))):
+        return load_cells(cfg, files, target)
+    try:
+        return _load_numbers(cfg, files, target)
+    except TextCell as exc:  # text or an empty cell: the column plan reads the table as text
+        log.info("data file %s: %s; the columns are read as text and encoded (docs/data.md)", cfg.path, exc)
+        return load_cells(cfg, files, target)
+
+
+def load_cells(cfg: DataConfig, files: list[str], target: str | list[str]) -> Raw:
+    """The :class:`Raw` data of a table read as text cells (``Raw.tables``), each feature column encoded once the
+    splits are known (:func:`mlptrain.data.prepare.encode_columns`); ``data.drop`` and ``data.features`` applied."""
+    targets = [target] if isinstance(target, str) else list(target)
+    keep = None if cfg.features is None or isinstance(cfg.features, int) else list(cfg.features)
+    tables = []
+    for f in files:
+        path = Path(f).expanduser()
+        kind, delimiter = file_kind(path)
+        if kind == "npz" and _has_test(path):
+            raise DatasetError(f"data file {path}: an NPZ file with x_test is read as numbers only; set data.test_path")
+        table = select(read_cells(path, kind, delimiter, targets), list(cfg.drop), keep)
+        tables.append(_complete(table, str(cfg.missing)))
+    for table in tables:
+        if str(cfg.impute) == "error":
+            refuse_empty(table)
+    train, test = tables[0], (tables[1] if len(tables) > 1 else None)
+    return dataclasses.replace(_raw(cfg, train, test), tables=(train, test))
+
+
+def _has_test(path: Path) -> bool:
+    with np.load(path, allow_pickle=False) as npz:
+        return "x_test" in npz.files
+
+
+def refuse_empty(table: Table) -> None:
+    """``data.impute=error``: an empty feature cell is refused, naming its line and column."""
+    for name, cells in (table.cells or {}).items():
+        rows = np.flatnonzero(empty_cells(cells))
+        if len(rows):
+            raise DatasetError(
+                f"data file {table.path} {table.where(int(rows[0]))}, column {name!r}: an empty cell ({len(rows)} in "
+                "the column); fill them, or let data.impute=fill fill them with the training median"
+            )
+
+
+def _load_numbers(cfg: DataConfig, files: list[str], target: str | list[str]) -> Raw:
     worker = ThreadPoolExecutor(1, thread_name_prefix="mlptrain-data-file")  # the hashes, then the cache writes
     try:
         hashes = [cache.SourceHash(f, worker) if cfg.cache and not _in_place(f) else None for f in files]
@@ -129,7 +178,8 @@ def _complete(table: Table, missing: str) -> Table:
         where,
     )
     y = np.asarray(table.y)[keep]
-    return dataclasses.replace(table, x=np.asarray(table.x)[keep], y=y, missing=None, rows=keep)
+    cells = None if table.cells is None else {k: v[keep] for k, v in table.cells.items()}
+    return dataclasses.replace(table, x=np.asarray(table.x)[keep], y=y, missing=None, rows=keep, cells=cells)
 
 
 def _raw(cfg: DataConfig, train: Table, test: Table | None) -> Raw:
@@ -178,10 +228,13 @@ def _task(task: str, train: Table) -> str:
 
 def _check_finite(table: Table, values: np.ndarray, names: list[str], what: str) -> None:
     flat = values.reshape(len(values), -1)  # (N, columns)
+    if flat.size == 0:  # text cells, not yet encoded (the column plan checks them)
+        return
     bad = first_nonfinite(flat)
     if bad is not None:
         row, col = bad
-        raise DatasetError(
+        error = TextCell if what == "features" and np.isnan(flat[bad]) else DatasetError  # NaN: an empty cell
+        raise error(
             f"data file {table.path} {table.where(row)}, column {names[col]!r}: {flat[bad]} is not a finite number; "
             f"{what} must be finite (fill or remove missing values)"
         )

@@ -24,7 +24,7 @@ from typing import Any
 from mlptrain.base.errors import ConfigError
 from mlptrain.base.registry import joined
 from mlptrain.config.keys import suggest
-from mlptrain.config.schema import OptimizerConfig, TrainConfig, flatten, to_plain
+from mlptrain.config.schema import DataConfig, OptimizerConfig, TrainConfig, flatten, to_plain
 from mlptrain.data.sources import mnist1d_samples_problem
 from mlptrain.nn.losses import regression_losses
 from mlptrain.step import optim
@@ -58,7 +58,7 @@ def _gpu(c: TrainConfig) -> bool:
 # Option-specific settings of the fixed options: key -> (whether the chosen options use it, where it applies).
 USES: Uses = {
     "data.samples": (_data("synthetic", "mnist1d"), "data=synthetic and data=mnist1d"),
-    "data.features": (_data("synthetic"), "data=synthetic"),
+    "data.features": (_data("synthetic", "file"), "data=synthetic (a count) and data=file (a list of columns)"),
     "data.classes": (_data("synthetic"), "data=synthetic"),
     "data.root": (_data("mnist", "fashion_mnist"), "data=mnist and data=fashion_mnist"),
     "data.download": (_data("mnist", "fashion_mnist"), "data=mnist and data=fashion_mnist"),
@@ -68,6 +68,7 @@ USES: Uses = {
     "data.task": (_data("file"), "data=file"),
     "data.cache": (_data("file"), "data=file"),
     "data.missing": (_data("file"), "data=file"),
+    **{f"data.{k}": (_data("file"), "data=file") for k in ("drop", "categorical", "min_frequency", "impute")},
     "data.test_fraction": (
         lambda c: c.data.name.value in ("digits", "synthetic", "file") and not c.data.test_path,
         "datasets without a test split of their own (digits, synthetic, data=file without data.test_path)",
@@ -226,7 +227,11 @@ def _ranges(cfg: TrainConfig) -> list[str]:
         (0 <= d.split_seed < SEEDS, f"data.split_seed={d.split_seed} must be an integer in [0, 2**32)"),
         (d.samples is None or d.samples >= 2, f"data.samples={d.samples} must be at least 2 or null"),
         (d.name.value != "mnist1d" or not mnist1d_samples_problem(d.samples), str(mnist1d_samples_problem(d.samples))),
-        (d.features >= 1, f"data.features={d.features} must be positive"),
+        (d.name.value != "synthetic" or _positive(d.features), f"data.features={d.features} must be positive"),
+        (d.name.value != "file" or _columns(d.features), f"data.features={d.features} must be a list of columns"),
+        (_names(d.drop) and _names(d.categorical), "data.drop and data.categorical must be lists of column names"),
+        (d.impute in ("fill", "error"), f"data.impute={d.impute!r} must be fill or error"),
+        (d.min_frequency >= 1, f"data.min_frequency={d.min_frequency} must be a positive number of rows"),
         (d.classes >= 2, f"data.classes={d.classes} must be at least 2"),
         (d.name.value != "file" or bool(d.path), "data=file needs data.path=<the training file>"),
         (_target_ok(d.target), f"data.target={d.target!r} must be a column name or a list of column names"),
@@ -290,3 +295,20 @@ def _target_ok(target: Any) -> bool:
     if isinstance(target, str):
         return bool(target)
     return isinstance(target, (list, tuple)) and len(target) > 0 and all(isinstance(t, str) and t for t in target)
+
+
+def _positive(n: Any) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and n >= 1
+
+
+def _columns(features: Any) -> bool:
+    """``data.features`` of ``data=file``: a list of columns, or None (all); synthetic's count at its default
+    (a config built in Python keeps the schema's 32) is not one either."""
+    return _names(features, True) or features == DataConfig.features
+
+
+def _names(names: Any, none: bool = False) -> bool:
+    """A list of column names (``none``: or None)."""
+    if names is None:
+        return none
+    return not isinstance(names, (str, int)) and all(isinstance(n, str) and n for n in names)

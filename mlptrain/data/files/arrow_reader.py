@@ -19,7 +19,7 @@ import numpy as np
 from mlptrain.base.errors import DatasetError
 from mlptrain.data.files import labels
 from mlptrain.data.files.csv_reader import check_rows, header, lines
-from mlptrain.data.files.table import Table, no_column
+from mlptrain.data.files.table import Table, TextCell, no_column
 
 
 def first_line(exc: BaseException) -> str:
@@ -81,7 +81,7 @@ def explain_arrow_error(path: Path, delimiter: str, names: list[str], message: s
             if line_no > 1 and line.strip():
                 cell = next(csv.reader([line], delimiter=delimiter))[int(m.group(1))].strip()
                 if cell and not labels.is_number(cell):
-                    raise DatasetError(
+                    raise TextCell(
                         f"data file {path} line {line_no}, column {col!r}: {cell!r} is not a number; features must "
                         "be numbers (fill or remove missing values)"
                     )
@@ -155,7 +155,7 @@ def feature_matrix(path: Path, table: Any, features: list[str], text: bool) -> n
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
             row = next(i for i, v in enumerate(col.to_pylist()) if v is not None and not labels.is_number(str(v)))
             where = f"line {row + 2}" if text else f"row {row}"
-            raise DatasetError(
+            raise TextCell(
                 f"data file {path} {where}, column {name!r}: {col[row].as_py()!r} is not a number; features must be "
                 "numbers (fill or remove missing values)"
             ) from None

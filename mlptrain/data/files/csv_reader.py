@@ -18,7 +18,7 @@ import numpy as np
 
 from mlptrain.base.errors import DatasetError
 from mlptrain.data.files import labels
-from mlptrain.data.files.table import Table, no_column
+from mlptrain.data.files.table import Table, TextCell, no_column
 
 
 def lines(path: Path) -> Iterator[str]:
@@ -117,7 +117,7 @@ def read_csv_numpy(path: Path, delimiter: str, targets: list[str], setting: str 
         if m is None:
             raise DatasetError(f"data file {path} cannot be read: {exc}") from exc
         value, row, col = m.group(1), int(m.group(2)), int(m.group(3))
-        raise DatasetError(
+        raise TextCell(
             f"data file {path} line {line_of_row(path, row)}, column {names[col - 1]!r}: {value!r} is not a number; "
             "features must be numbers (fill or remove missing values)"
         ) from None

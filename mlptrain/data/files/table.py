@@ -30,6 +30,7 @@ class Table:
     missing: np.ndarray | None = None  # (N,) bool: a target cell is empty, NA, null or NaN
     problem: str | None = None  # a target column that mixes numbers and text
     rows: np.ndarray | None = None  # (N,) int64: each row's index in the file, once rows were dropped
+    cells: dict[str, np.ndarray] | None = None  # feature column -> (N,) stripped text, for the column plan (x empty)
 
     def where(self, row: int) -> str:
         """``line 7`` of a text file (row 0 is line 2), ``row 5`` of an NPZ or Parquet file."""
@@ -43,6 +44,10 @@ class Table:
         if len(rows) > shown:
             return f"{word} {', '.join(places)} and {len(rows) - shown} more"
         return f"{word} {' and '.join([', '.join(places[:-1]), places[-1]] if len(places) > 1 else places)}"
+
+
+class TextCell(DatasetError):
+    """A feature cell that is not a number (text, or empty): the table is read again as text for the column plan."""
 
 
 def no_column(path: Path, missing: list[str], names: list[str], setting: str) -> DatasetError:
