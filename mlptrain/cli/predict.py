@@ -43,6 +43,7 @@ from mlptrain.cli import commands
 from mlptrain.cli.commands import REQUIRED, arg
 from mlptrain.cli.predictions import OUTPUT_SUFFIXES, is_predictions, output_kind, write_outputs
 from mlptrain.data.files import labels
+from mlptrain.data.files.cells import read_cells
 from mlptrain.data.files.csv_reader import lines as file_lines
 from mlptrain.data.files.readers import columns, file_kind, read_table
 from mlptrain.inference import outputs
@@ -99,19 +100,27 @@ def read_inputs(
     kind, _ = file_kind(path)
     names = columns(path, setting=setting)
     wanted = target_map(p, target, names, where, need_targets and kind != "npz")
-    features = p.feature_names or []
+    features = p.input_names or []
     present = [t for t in wanted if t in names and t not in features]
     others = [k for k in keep if k not in features and k not in present]  # kept, not read as features
     if kind == "npz":  # x, and y if the file has it; keep names other arrays of the file
         table, _ = read_table(path, [], setting=setting)
         cells = None if table.y is None else np.asarray(table.y).reshape(len(table.x), -1)
         present = list(wanted) if cells is not None else []
+        if p.plan is not None:  # its numbers, as the column plan reads cells (NaN: an empty cell)
+            texts = {n: np.array([repr(v) for v in table.x[:, j].tolist()]) for j, n in enumerate(table.feature_names)}
+            table.x = p.encode(texts, where, table.where)
     else:  # the header first: a file of another model is named so, not by a cell that is not a number
         others += ignored_columns(p, names, present + others, where)
         p.check_columns([n for n in names if n not in present and n not in others], where)
-        table, _ = read_table(path, present + others, setting=setting, target_setting="keep")
+        if p.plan is not None:  # text cells, encoded by the model's column plan
+            table = read_cells(path, kind, file_kind(path)[1], present + others, "keep")
+            assert table.cells is not None
+            table.x = p.encode(table.cells, where, table.where)
+        else:
+            table, _ = read_table(path, present + others, setting=setting, target_setting="keep")
         cells = np.asarray(table.y).reshape(len(table.x), -1)[:, : len(present)] if present else None
-    x = p.arrange(table.feature_names, table.x, where, named=table.named)
+    x = table.x if p.plan is not None else p.arrange(table.feature_names, table.x, where, named=table.named)
     check_finite(x, p.feature_names, table, where)
     y = None if cells is None else targets_of(p, table, cells, present, wanted, where, need_targets)
     if y is None and need_targets:
@@ -131,7 +140,7 @@ def target_map(p: Predictor, target: str | None, names: list[str], where: str, m
     if len(given) != count:
         what = "the label column" if p.classification else f"{count} target columns, in the order {p.target_columns}"
         raise ConfigError(f"target={target}: the model {p.path.name} takes {what}; expected {count} column name(s)")
-    features = [t for t in given if t in (p.feature_names or [])]
+    features = [t for t in given if t in (p.input_names or [])]
     if features:
         raise ConfigError(f"target={target}: {features[0]!r} is a feature of the model; name the column of the labels")
     lacking = [t for t in given if t not in names]
@@ -144,7 +153,7 @@ def target_map(p: Predictor, target: str | None, names: list[str], where: str, m
 def ignored_columns(p: Predictor, names: list[str], taken: list[str], where: str) -> list[str]:
     """The columns of a file that the model does not take (an id), once it has all of the model's: ignored,
     and named in one log line. None where a feature is missing (the columns' error names both)."""
-    features = p.feature_names
+    features = p.input_names
     if features is None or any(f not in names for f in features):
         return []
     extra = [n for n in names if n not in features and n not in taken]

@@ -129,5 +129,5 @@ def is_predictions(p: Predictor, path: Path) -> bool:
     except (OSError, ValueError, EOFError, zipfile.BadZipFile):  # not a file of its suffix's format
         return False
     predicted = ["class_id", "class_name"] if p.classification else p.target_names or ["y0"]
-    features = set(p.feature_names or [])  # an input file has them all; a predictions file only those kept (keep=f0)
+    features = set(p.input_names or [])  # an input file has them all; a predictions file only those kept (keep=f0)
     return set(predicted) <= set(header) and not (features and features <= set(header))

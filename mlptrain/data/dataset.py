@@ -165,7 +165,7 @@ class Dataset:
         (its own), or ``unknown`` (raw features never normalised: a checkpoint then cannot score raw rows).
         """
         norm = self.normalization or Normalization.identity(self.num_features)
-        meta = {
+        meta: dict[str, Any] = {
             "name": self.name,
             "task": self.task,
             "feature_names": self.feature_names,

@@ -34,6 +34,7 @@ from mlptrain.base.backend import Backend, get_backend
 from mlptrain.base.errors import CheckpointError, ConfigError, DatasetError
 from mlptrain.base.registry import joined
 from mlptrain.data.dataset import raw_rows_problem, saved_target_scaling
+from mlptrain.data.files.plan import ColumnPlan
 from mlptrain.inference import columns
 from mlptrain.inference.consistency import check_for_scoring
 from mlptrain.nn.execution import ACTIVATIONS, FusedExecution, NumpyGemm
@@ -108,6 +109,7 @@ class Predictor:
         self.feature_names: list[str] | None = data.get("feature_names")
         self.class_names: list[str] | None = data.get("class_names")
         self.target_names: list[str] | None = data.get("target_names")
+        self.plan = ColumnPlan.from_meta(data.get("columns"))  # raw columns -> the model's inputs, or None
         self.shift = ckpt.arrays["data/shift"].astype(np.float64)  # (F,)
         self.scale = ckpt.arrays["data/scale"].astype(np.float64)  # (F,), > 0
         self.targets = saved_target_scaling(ckpt.meta, ckpt.arrays)  # a regression's outputs -> the targets' units
@@ -262,10 +264,26 @@ class Predictor:
         (:func:`mlptrain.inference.columns.arrange`)."""
         return columns.arrange(names, x, where, self.feature_names, self.num_features, self.target_columns, named=named)
 
+    @property
+    def input_names(self) -> list[str] | None:
+        """The raw columns an input file holds: the column plan's (text and empty cells encoded by it), else the
+        model's features (None: unnamed)."""
+        return self.plan.names if self.plan is not None else self.feature_names
+
+    def encode(self, cells: dict[str, np.ndarray], where: str, place: Callable[[int], str]) -> np.ndarray:
+        """Raw cells (column -> ``(N,)`` text) as the model's features ``(N, F)`` by the column plan; levels never
+        seen in training encode as zeros, counted in one log line."""
+        assert self.plan is not None
+        x, unknown = self.plan.encode(cells, place, where)
+        if unknown:
+            counts = ", ".join(f"{c} ({n})" for c, n in unknown.items())
+            log.info("%s: levels never seen in training, scored as unknown (all zeros): %s", where, counts)
+        return x
+
     def check_columns(self, names: list[str], where: str) -> None:
         """Raise DatasetError if the feature columns ``names`` are not the model's
         (:func:`mlptrain.inference.columns.check_columns`)."""
-        columns.check_columns(names, where, self.feature_names, self.target_columns)
+        columns.check_columns(names, where, self.input_names, self.target_columns)
 
     def labels(self, y: np.ndarray, where: str, place: Callable[[int], str] | None = None) -> np.ndarray:
         """Class indices of a target column: by class name, or an integer class index
@@ -295,7 +313,10 @@ def predict(
     """
     p = ckpt if isinstance(ckpt, Predictor) else Predictor(ckpt, device=device, batch_size=batch_size)
     columns = getattr(x, "columns", None)
-    if columns is not None:  # a DataFrame: by name, the target column ignored
+    if columns is not None and p.plan is not None:  # raw columns: text, empty cells (NaN, None) encoded by the plan
+        cells = {str(c): np.char.strip(np.asarray(x[c]).astype(str)) for c in columns if str(c) in p.plan.names}
+        x = p.encode(cells, "the DataFrame", lambda row: f"row {row}")
+    elif columns is not None:  # a DataFrame: by name, the target column ignored
         features = [c for c in columns if str(c) not in p.target_columns]  # selected before any conversion
         x = p.arrange([str(c) for c in features], np.asarray(x[features], dtype=np.float64), "the DataFrame")
     out = p.run(x, probabilities=probabilities)
