@@ -179,12 +179,13 @@ def _order(level: str) -> tuple[int, float, str]:
 
 
 def log_empty(cells: dict[str, np.ndarray], plan: ColumnPlan, file: str) -> None:
-    """One log line: how many cells are empty in which columns, and what they became."""
+    """One log line: how many cells are empty in which columns, and what they became (a warning, as the rows of
+    ``data.missing=drop`` are: written into the run's ``mlptrain.log`` though said before it is opened)."""
     counts = {c.name: int(empty_cells(cells[c.name]).sum()) for c in plan.columns}
     filled = [f"{c.name} ({counts[c.name]})" for c in plan.columns if counts[c.name] and c.kind == "numeric"]
     level = [f"{c.name} ({counts[c.name]})" for c in plan.columns if counts[c.name] and c.kind == "categorical"]
     if filled or level:
-        log.info(
+        log.warning(
             "%s: %d empty cells: filled with the column's training median in %s; a level of their own in %s "
             "(data.impute=fill)",
             file,
