@@ -155,7 +155,7 @@ def test_drop_and_features_choose_the_columns(tmp_path: Path) -> None:
     assert kept.columns is not None and [c["name"] for c in kept.columns["columns"]] == ["age", "student"]
 
 
-@pytest.mark.parametrize("setting", ["drop", "features"])
+@pytest.mark.parametrize("setting", ["drop", "features", "categorical"])
 def test_an_unknown_column_name_is_one_error_listing_the_files_columns(tmp_path: Path, setting: str) -> None:
     make_table(tmp_path / "t.csv")
     with pytest.raises(DatasetError) as err:

@@ -77,7 +77,7 @@ def load_cells(cfg: DataConfig, files: list[str], target: str | list[str]) -> Ra
         kind, delimiter = file_kind(path)
         if kind == "npz" and _has_test(path):
             raise DatasetError(f"data file {path}: an NPZ file with x_test is read as numbers only; set data.test_path")
-        table = select(read_cells(path, kind, delimiter, targets), list(cfg.drop), keep)
+        table = select(read_cells(path, kind, delimiter, targets), list(cfg.drop), keep, list(cfg.categorical))
         tables.append(_complete(table, str(cfg.missing)))
     for table in tables:
         if str(cfg.impute) == "error":

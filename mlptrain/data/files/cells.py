@@ -66,15 +66,16 @@ def _parquet(path: Path) -> dict[str, np.ndarray]:
     return out
 
 
-def select(table: Table, drop: list[str], keep: list[str] | None) -> Table:
-    """``table`` without the ``drop`` columns, and (``keep`` not None) with only the ``keep`` columns.
+def select(table: Table, drop: list[str], keep: list[str] | None, categorical: list[str] = []) -> Table:  # noqa: B006
+    """``table`` without the ``drop`` columns, and (``keep`` not None) with only the ``keep`` columns; the
+    ``categorical`` names must be feature columns too.
 
     Raises:
         DatasetError: a name that is not a feature column of the file (its columns are listed).
     """
     assert table.cells is not None
     names = list(table.cells)
-    for setting, asked in (("data.drop", drop), ("data.features", keep or [])):
+    for setting, asked in (("data.drop", drop), ("data.features", keep or []), ("data.categorical", categorical)):
         unknown = [c for c in asked if c not in names]
         if unknown:
             raise no_column(table.path, unknown, [*names, *table.target_names], setting)

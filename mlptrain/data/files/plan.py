@@ -49,17 +49,18 @@ def numbers(cells: np.ndarray, empty: np.ndarray) -> np.ndarray | None:
 
 
 def level_of(cells: np.ndarray, empty: np.ndarray) -> np.ndarray:
-    """The level of each cell: its text, a whole number as an integer (``3.0`` is ``3``), an empty cell ``<empty>``."""
-    out = cells.astype(object)
-    for i in np.flatnonzero(~empty):
+    """The level of each cell: its text, a whole number as an integer (``3.0`` is ``3``), an empty cell ``<empty>``;
+    worked out on the distinct cells."""
+    uniques, codes = np.unique(np.where(empty, EMPTY, cells), return_inverse=True)
+    out = uniques.astype(object)
+    for i, u in enumerate(uniques.tolist()):
         try:
-            v = float(out[i])
+            v = float(u)
         except ValueError:
             continue
-        if v.is_integer():
+        if v.is_integer() and u != EMPTY:
             out[i] = str(int(v))
-    out[empty] = EMPTY
-    return out
+    return out[codes.reshape(-1)]
 
 
 @dataclass
@@ -184,12 +185,7 @@ def log_empty(cells: dict[str, np.ndarray], plan: ColumnPlan, file: str) -> None
     counts = {c.name: int(empty_cells(cells[c.name]).sum()) for c in plan.columns}
     filled = [f"{c.name} ({counts[c.name]})" for c in plan.columns if counts[c.name] and c.kind == "numeric"]
     level = [f"{c.name} ({counts[c.name]})" for c in plan.columns if counts[c.name] and c.kind == "categorical"]
-    if filled or level:
-        log.warning(
-            "%s: %d empty cells: filled with the column's training median in %s; a level of their own in %s "
-            "(data.impute=fill)",
-            file,
-            sum(counts.values()),
-            ", ".join(filled) or "no numeric column",
-            ", ".join(level) or "no categorical column",
-        )
+    said = [f"filled with the column's training median in {', '.join(filled)}"] if filled else []
+    said += [f"a level of their own in {', '.join(level)}"] if level else []
+    if said:
+        log.warning("%s: %d empty cells: %s (data.impute=fill)", file, sum(counts.values()), "; ".join(said))
