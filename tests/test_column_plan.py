@@ -18,6 +18,7 @@ from sklearn.impute import SimpleImputer
 from sklearn.preprocessing import OneHotEncoder
 
 from mlptrain.base.errors import ConfigError, DatasetError
+from mlptrain.cli.export import preprocessing
 from mlptrain.config.schema import DataConfig, DatasetName
 from mlptrain.data import load_dataset
 from mlptrain.data.files.plan import ColumnPlan, fit_plan
@@ -193,6 +194,30 @@ def test_the_plan_is_fitted_on_the_train_split(tmp_path: Path) -> None:
     assert age["fill"] != pytest.approx(np.median([float(r[1]) for r in rows]), abs=1e-4)
 
 
+def test_parquet_and_npz_tables_get_the_csvs_plan(tmp_path: Path) -> None:
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    rows = make_table(tmp_path / "t.csv")
+    want = load_dataset(data_cfg(tmp_path / "t.csv", drop=["id", "code"]))
+    columns = {h: [r[j] for r in rows] for j, h in enumerate(HEADER)}
+    typed = {
+        "age": pa.array([float(v) if v not in ("", "NA", "nan") else None for v in columns["age"]]),
+        "income": pa.array([float(v) if v not in ("", "NA", "nan") else None for v in columns["income"]]),
+        "student": pa.array(columns["student"]),
+        "region": pa.array([v if v not in ("", "NA", "nan") else None for v in columns["region"]]),
+        "label": pa.array(columns["label"]),
+    }
+    pq.write_table(pa.table(typed), tmp_path / "t.parquet")
+    got = load_dataset(data_cfg(tmp_path / "t.parquet"))
+    assert got.columns == want.columns
+    assert_array_equal(got.x_train, want.x_train)
+    x = np.array([[np.nan if v in ("", "NA", "nan") else float(v) for v in columns[c]] for c in ("age", "income")]).T
+    np.savez(tmp_path / "t.npz", x=x, y=np.array(columns["label"]), feature_names=np.array(["age", "income"]))
+    numeric = load_dataset(data_cfg(tmp_path / "t.npz", features=["age", "income"]))
+    assert numeric.feature_names == ["age", "age_missing", "income", "income_missing"]
+    assert numeric.columns is not None and numeric.columns["columns"][0]["fill"] == want.columns["columns"][0]["fill"]
+
+
 # --- trained from the raw file, scored on raw rows ---------------------------------------------------
 
 
@@ -226,6 +251,9 @@ def test_trained_from_the_raw_csv_and_scored_on_raw_rows_as_evaluate_scores_them
     assert json.loads(report.read_text())["acc"] == pytest.approx(accuracy, abs=1e-12)
     p = Predictor(ckpt, device="cpu")  # the plan through the checkpoint, and raw rows in a DataFrame
     assert p.plan is not None and p.input_names == ["age", "income", "student", "region", "code"]
+    ds = load_dataset(data_cfg(tmp_path / "train.csv", drop=["id"]))  # the run's data settings: the same plan
+    assert p.plan.to_meta() == ds.columns and p.feature_names == ds.feature_names
+    assert preprocessing(p)["column_plan"] == ds.columns  # written beside an export's weights
     pd = pytest.importorskip("pandas")
     frame = pd.read_csv(tmp_path / "raw.csv", dtype=str, keep_default_na=False)
     assert_array_equal(np.asarray(p.class_name(predict(p, frame))), predicted)

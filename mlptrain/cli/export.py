@@ -28,6 +28,7 @@ only when it is an export of mlptrain (or with ``overwrite=true``): :mod:`mlptra
 from __future__ import annotations
 
 import json
+import logging
 import struct
 import sys
 from dataclasses import dataclass
@@ -47,6 +48,8 @@ FORMATS = ("safetensors", "onnx")
 DTYPES = {"fp32": np.float32, "fp16": np.float16}
 _ST_DTYPES = {"float32": "F32", "float16": "F16", "float64": "F64", "int64": "I64"}
 ONNX_OPSET = 17
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -106,8 +109,24 @@ def preprocessing(p: Predictor) -> dict[str, Any]:
         "class_names": p.class_names,
         "target_names": p.target_names,
         **_target_scaling(p),
+        **_column_plan(p),
         "checkpoint": str(p.path),
     }
+
+
+def _column_plan(p: Predictor) -> dict[str, Any]:
+    """A model trained through a column plan: the plan (what raw columns become ``feature_names``); the exported
+    network takes the encoded features, so the raw rows are encoded by it first (``mlptrain.predict`` does)."""
+    if p.plan is None:
+        return {}
+    log.warning(
+        "%s: trained through a column plan (text or empty cells, docs/data.md); the export takes its %d encoded "
+        "features (feature_names), not the raw columns %s: encode raw rows by column_plan first",
+        p.path,
+        len(p.plan.feature_names),
+        p.plan.names,
+    )
+    return {"column_plan": p.plan.to_meta()}
 
 
 def _target_scaling(p: Predictor) -> dict[str, Any]:
