@@ -11,6 +11,7 @@ module              what it owns
 ``network``         ``MLP``: the chain of layers, forward and backward
 ``head``            ``OutputHead``: how the loss and the output layer's gradients are computed
 ``losses``          softmax cross-entropy and MSE through ``xp``; ``LOSSES``
+``scores``          the scores users read (balanced accuracy, F1, ROC AUC, log loss; RMSE, MAE, R²) from sums
 ``cuda/``           the same concepts on the GPU (the GEMM engine, the loss and head kernels, FP8)
 =================== ================================================================
 

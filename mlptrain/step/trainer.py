@@ -36,7 +36,7 @@ from mlptrain.base.cuda_source import Job
 from mlptrain.base.timeline import mark
 from mlptrain.config.schema import TrainConfig
 from mlptrain.data import Dataset
-from mlptrain.nn import fp8
+from mlptrain.nn import fp8, scores
 from mlptrain.step import bgrad, build, state_fit
 from mlptrain.step.runtime import StepBatches
 
@@ -193,31 +193,52 @@ class Trainer:
         return self.schedule.host(step)
 
     def evaluate(self, split: str) -> dict[str, float]:
-        """Mean loss (and, for a classification, accuracy) over a whole split (syncs once at the end).
+        """Mean loss and the scores users read over a whole split (syncs once at the end): a classification's
+        accuracy, balanced accuracy, macro precision/recall/F1, log loss and (two classes) ROC AUC; a regression's
+        RMSE, MAE and R² in the targets' units (:mod:`mlptrain.nn.scores`).
 
-        Each batch's 0-d loss and count stay on the device until the last batch is queued; the sums
-        are then taken on the host (float64, in batch order), so evaluating compiles no kernel of its own.
+        Each batch's 0-d loss and count stay on the device until the last batch is queued, and so do the
+        scores' sums (a confusion matrix, or per-target error sums; :class:`~mlptrain.nn.scores.SplitSums`);
+        the loss sums are then taken on the host (float64, in batch order) and the scores' sums copied once.
         Data parallel: each rank evaluates its rows of the split and the sums are all-reduced.
         """
         self.runtime.finish_precompile()
         loader = self.eval_loaders[split]
+        classification = self.dataset.task == "classification"
+        classes = self.widths[-1] if classification else None
+        cross_entropy = self.head.loss_name == "cross_entropy"  # its loss is the log loss
+        gathered = scores.SplitSums(self.xp, classes, log_loss=classification and not cross_entropy)
         per_batch = []
         for x, y in loader.epoch(0):
-            per_batch.append((*self.head.evaluate(self.model.forward(x, keep=False), y), len(y)))
+            logits = self.model.forward(x, keep=False)
+            gathered.add(logits, y)  # (reads the logits before the loss does)
+            per_batch.append((*self.head.evaluate(logits, y), len(y)))
         self.gemm.release_operands()  # the plans forget the last batch: its memory can go
         to_host = self.backend.to_host
         loss_sum = 0.0
         for loss, _, rows in per_batch:
             h = to_host(loss)  # 0-d, the loss's dtype
             loss_sum += np.float64(h * h.dtype.type(rows))  # loss x rows in that dtype, as the device did
-        classification = self.dataset.task == "classification"
         correct = sum(int(to_host(c)) for _, c, _ in per_batch) if classification else 0
-        sums = np.array([loss_sum, correct, loader.num_samples], dtype=np.float64)
+        extra, binary = gathered.host(to_host, self.widths[-1])  # .asnumpy syncs the device (once each)
+        sums = np.concatenate([[loss_sum, correct, loader.num_samples], extra])
         if self.grad_sync is not None:
             self.grad_sync.comm.all_reduce([sums])  # every rank's rows: the whole split
+            binary = None if binary is None else _gather_rows(self.grad_sync.comm, binary)
+        rows = int(sums[2])
         out = {f"{split}/loss": float(sums[0]) / sums[2]}
         if classification:
-            out[f"{split}/acc"] = int(sums[1]) / int(sums[2])
+            out[f"{split}/acc"] = int(sums[1]) / rows
+        ts = self.dataset.target_scaling
+        found = scores.scores(
+            sums[3:],
+            binary,
+            classes,
+            rows,
+            out[f"{split}/loss"] if cross_entropy else None,
+            None if ts is None else ts.scale,
+        )
+        out.update({f"{split}/{k}": v for k, v in found.items()})
         return out
 
     # --- kernels compiled ahead (mlptrain.step.cuda.precompile) --------------------------------------
@@ -290,3 +311,16 @@ class Trainer:
             # The strategies round differently: continue with the one the run was trained with.
             log.info("%s: using the checkpoint's bgrad strategies %s", where, meta["bgrad"])
             self.model.set_bgrad(meta["bgrad"])
+
+
+def _gather_rows(comm: Any, binary: np.ndarray) -> np.ndarray:
+    """Every rank's ``(2, n)`` columns, in rank order, on every rank: two all-reduces (the counts, then the
+    columns, each rank's written at its offset of a zeroed array)."""
+    counts = np.zeros(comm.world)
+    counts[comm.rank] = binary.shape[1]
+    comm.all_reduce([counts])
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    out = np.zeros((2, int(offsets[-1])))
+    out[:, offsets[comm.rank] : offsets[comm.rank + 1]] = binary
+    comm.all_reduce([out])
+    return out

@@ -1,0 +1,127 @@
+"""The scores users read (mlptrain.nn.scores): against scikit-learn's, on constructed cases and on real runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import make_cfg
+from sklearn import datasets, metrics
+
+from mlptrain.config.schema import DatasetName, Task
+from mlptrain.data.files.readers import write_csv
+from mlptrain.inference.predictor import softmax
+from mlptrain.nn import scores
+from mlptrain.run import checkpoint
+from mlptrain.run.metrics import read_metrics
+from mlptrain.run.run import train
+from mlptrain.step.trainer import Trainer
+
+
+def _sklearn_classification(y: np.ndarray, logits: np.ndarray) -> dict[str, float]:
+    pred, p = logits.argmax(axis=1), softmax(logits.astype(np.float64))
+    labels = np.arange(logits.shape[1])
+    prec, rec, f1, _ = metrics.precision_recall_fscore_support(y, pred, average="macro", zero_division=0)
+    out = {
+        "balanced_acc": metrics.balanced_accuracy_score(y, pred),
+        "precision_macro": prec,
+        "recall_macro": rec,
+        "f1_macro": f1,
+        "log_loss": metrics.log_loss(y, p, labels=labels),
+    }
+    if logits.shape[1] == 2:
+        out["roc_auc"] = metrics.roc_auc_score(y, p[:, 1])
+    return out
+
+
+def test_classification_scores_on_a_confusion_matrix_with_an_absent_class() -> None:
+    rng = np.random.default_rng(0)
+    y = rng.integers(0, 4, 300)  # class 4 never true, sometimes predicted; class 5 neither
+    pred = np.where(rng.random(300) < 0.6, y, rng.integers(0, 5, 300))
+    confusion = np.zeros((6, 6))
+    np.add.at(confusion, (y, pred), 1)
+    got = scores.classification_scores(confusion, 0.5)
+    prec, rec, f1, _ = metrics.precision_recall_fscore_support(y, pred, average="macro", zero_division=0)
+    with pytest.warns(UserWarning):  # scikit-learn: y_pred contains classes not in y_true
+        balanced = metrics.balanced_accuracy_score(y, pred)
+    want = {"balanced_acc": balanced, "precision_macro": prec, "recall_macro": rec, "f1_macro": f1}
+    for k, v in want.items():
+        assert got[k] == pytest.approx(v, abs=1e-12), k
+    pc = scores.per_class(confusion)
+    p, r, f, s = metrics.precision_recall_fscore_support(y, pred, labels=range(6), zero_division=0)
+    np.testing.assert_allclose(np.stack([pc["precision"], pc["recall"], pc["f1"]]), [p, r, f], atol=1e-12)
+    np.testing.assert_array_equal(pc["support"], s)
+
+
+def test_roc_auc_counts_ties_half_as_scikit_learn_does() -> None:
+    rng = np.random.default_rng(1)
+    label = rng.integers(0, 2, 500)
+    score = np.round(label + rng.standard_normal(500), 1)  # many ties
+    assert scores.roc_auc(score, label) == pytest.approx(metrics.roc_auc_score(label, score), abs=1e-12)
+    assert np.isnan(scores.roc_auc(score, np.ones(500)))
+
+
+def test_regression_scores_in_units_from_standardised_sums() -> None:
+    rng = np.random.default_rng(2)
+    y = rng.standard_normal((200, 3)) * [1.0, 50.0, 0.01] + [0.0, 1000.0, -3.0]
+    out = y + rng.standard_normal((200, 3)) * [0.3, 20.0, 0.002]
+    shift, scale = y.mean(axis=0), y.std(axis=0)
+    sums = scores.regression_sums((out - shift) / scale, (y - shift) / scale)
+    got = scores.scores(sums.ravel(), None, None, 200, scale=scale)
+    assert got["rmse"] == pytest.approx(np.sqrt(metrics.mean_squared_error(y, out)), rel=1e-9)
+    assert got["mae"] == pytest.approx(metrics.mean_absolute_error(y, out), rel=1e-9)
+    assert got["r2"] == pytest.approx(metrics.r2_score(y, out), rel=1e-9)
+
+
+def _last_val(cfg, run: Path) -> tuple[dict, np.ndarray, np.ndarray]:  # type: ignore[no-untyped-def]
+    """The last epoch record, and the val split's outputs of last.npz (in the targets' units) and its truth."""
+    tr = Trainer(cfg)
+    last = checkpoint.load(run / "checkpoints/last.npz")
+    tr.model.load_state_dict({k[6:]: v for k, v in last.arrays.items() if k.startswith("param/")})
+    z, y = tr.model.forward(tr.dataset.x_val, keep=False), tr.dataset.y_val
+    if tr.dataset.target_scaling is not None:
+        z, y = tr.dataset.target_scaling.undo(z), tr.dataset.target_scaling.undo(y)
+    epochs = [r for r in read_metrics(run / "metrics.jsonl") if r["kind"] == "epoch"]
+    return epochs[-1], z, y
+
+
+@pytest.mark.parametrize("loss", ["cross_entropy", "mse"])
+def test_a_binary_runs_scores_are_scikit_learns_on_its_checkpoints_predictions(tmp_path: Path, loss: str) -> None:
+    x, y = datasets.load_breast_cancer(return_X_y=True)
+    write_csv(tmp_path / "bc.csv", x, y, [f"f{i}" for i in range(x.shape[1])], target="label")
+    cfg = make_cfg(data__name=DatasetName.file, data__path=str(tmp_path / "bc.csv"), data__cache=False)
+    cfg.model.loss = loss  # mse: on the one-hot labels, the log loss from the probabilities
+    cfg.data.task = Task.classification
+    summary = train(cfg, tmp_path / "run")
+    rec, z, yv = _last_val(cfg, tmp_path / "run")
+    want = _sklearn_classification(yv, z)
+    assert set(want) == {k[4:] for k in rec if k.startswith("val/")} - {"loss", "acc"}
+    for k, v in want.items():
+        assert rec[f"val/{k}"] == pytest.approx(v, rel=1e-6, abs=1e-6), k
+        assert summary[f"test/{k}"] == rec[f"test/{k}"]
+    if loss == "cross_entropy":
+        assert rec["val/log_loss"] == rec["val/loss"]
+    assert rec["val/balanced_acc"] != rec["val/acc"]  # imbalanced classes: a different number
+
+
+def test_a_ten_class_runs_scores_are_scikit_learns(tmp_path: Path) -> None:
+    cfg = make_cfg(epochs=2)
+    train(cfg, tmp_path / "run")
+    rec, z, yv = _last_val(cfg, tmp_path / "run")
+    for k, v in _sklearn_classification(yv, z).items():
+        assert rec[f"val/{k}"] == pytest.approx(v, rel=1e-6, abs=1e-6), k
+    assert "val/roc_auc" not in rec
+
+
+def test_a_regression_runs_scores_are_scikit_learns_in_the_targets_units(tmp_path: Path) -> None:
+    x, y = datasets.load_diabetes(return_X_y=True)
+    write_csv(tmp_path / "d.csv", x, y.astype(np.float64) + 0.5, [f"f{i}" for i in range(10)], target="label")
+    cfg = make_cfg(data__name=DatasetName.file, data__path=str(tmp_path / "d.csv"), data__cache=False)
+    cfg.model.loss = "mse"
+    train(cfg, tmp_path / "run")
+    rec, z, yv = _last_val(cfg, tmp_path / "run")
+    assert rec["val/rmse"] == pytest.approx(np.sqrt(metrics.mean_squared_error(yv, z)), rel=1e-6)
+    assert rec["val/mae"] == pytest.approx(metrics.mean_absolute_error(yv, z), rel=1e-6)
+    assert rec["val/r2"] == pytest.approx(metrics.r2_score(yv, z), rel=1e-6, abs=1e-6)
+    assert rec["val/rmse"] ** 2 == pytest.approx(rec["val/loss"], rel=1e-5)  # the loss: the MSE in units
