@@ -9,6 +9,7 @@ import pytest
 from helpers import make_cfg
 from sklearn import datasets, metrics
 
+from mlptrain.base.errors import ConfigError
 from mlptrain.config.schema import DatasetName, Task
 from mlptrain.data.files.readers import write_csv
 from mlptrain.inference.predictor import softmax
@@ -125,3 +126,38 @@ def test_a_regression_runs_scores_are_scikit_learns_in_the_targets_units(tmp_pat
     assert rec["val/mae"] == pytest.approx(metrics.mean_absolute_error(yv, z), rel=1e-6)
     assert rec["val/r2"] == pytest.approx(metrics.r2_score(yv, z), rel=1e-6, abs=1e-6)
     assert rec["val/rmse"] ** 2 == pytest.approx(rec["val/loss"], rel=1e-5)  # the loss: the MSE in units
+
+
+def test_early_stopping_watches_balanced_accuracy_with_mode_max(tmp_path: Path) -> None:
+    cfg = make_cfg(early_stopping__metric="val/balanced_acc", early_stopping__patience=1)
+    summary = train(cfg, tmp_path / "run")
+    epochs = [r for r in read_metrics(tmp_path / "run/metrics.jsonl") if r["kind"] == "epoch"]
+    best = max(epochs, key=lambda r: (r["val/balanced_acc"], r["epoch"]))  # a tie: the later epoch
+    assert summary["best"]["metric"] == "val/balanced_acc" and summary["best"]["mode"] == "max"
+    assert summary["best"]["value"] == best["val/balanced_acc"] and summary["best"]["epoch"] == best["epoch"]
+
+
+@pytest.mark.parametrize(
+    ("metric", "message"),
+    [
+        ("val/rmse", "a classification has no RMSE"),
+        ("val/roc_auc", "ROC AUC is measured for two classes; this run has 10"),
+        ("val/f1", "must be auto or one of .*val/f1_macro"),
+        ("test/balanced_acc", "the test split never selects a model"),
+    ],
+)
+def test_early_stopping_refuses_a_score_the_run_does_not_measure(tmp_path: Path, metric: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        train(make_cfg(early_stopping__metric=metric), tmp_path / "run")
+
+
+def test_early_stopping_on_a_regressions_r2_and_rmse_picks_the_mode(tmp_path: Path) -> None:
+    from mlptrain.run.resume import selection
+
+    cfg = make_cfg(early_stopping__metric="val/r2")
+    assert selection(cfg, False, True).mode == "max"
+    cfg.early_stopping.metric = "val/rmse"
+    assert selection(cfg, False, True).mode == "min"
+    cfg.early_stopping.metric = "val/balanced_acc"
+    with pytest.raises(ConfigError, match="a regression has no accuracy"):
+        selection(cfg, False, True)

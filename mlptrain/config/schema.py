@@ -263,8 +263,16 @@ class PrecisionConfig:
 @dataclass
 class EarlyStoppingConfig:
     patience: int = _f(0, "stop after this many epochs without an improvement of the metric (0: off)")
-    metric: str = _f("auto", "the epoch metric that selects best.npz and stops early; auto: val/acc or val/loss")
-    mode: str = _f("auto", "max or min; auto: max for an accuracy, min for a loss")
+    metric: str = _f(
+        "auto",
+        "the epoch metric that selects best.npz and stops early: train/loss, train/acc, val/loss, val/acc, "
+        "val/balanced_acc, val/f1_macro, val/precision_macro, val/recall_macro, val/log_loss, val/roc_auc (two "
+        "classes), val/rmse, val/mae, val/r2; auto: val/acc or val/loss",
+    )
+    mode: str = _f(
+        "auto",
+        "max or min; auto: max for an accuracy or a score (balanced_acc, f1, roc_auc, r2), min for a loss or an error",
+    )
     min_delta: float = _f(0.0, "an improvement must be larger than this")
 
 

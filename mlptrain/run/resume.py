@@ -18,6 +18,7 @@ from typing import Any
 
 from mlptrain.base.errors import CheckpointError, ConfigError
 from mlptrain.config.schema import TrainConfig, flatten, to_plain
+from mlptrain.nn.scores import CLASSIFICATION_SCORES, LARGER_IS_BETTER, REGRESSION_SCORES
 from mlptrain.run import checkpoint
 from mlptrain.run.checkpoint import CHECKPOINT_DIR, Best, Checkpoint, Position
 from mlptrain.run.metrics import MetricsPrefix, kinds_after, plan_prefix
@@ -66,7 +67,8 @@ def prepare(tr: Trainer, run_dir: RunDirectory) -> Start:
     """
     cfg = tr.cfg
     # the metric that selects best.npz (and stops early); the test split never selects a model
-    best = selection(cfg, tr.dataset.task == "classification", "val" in tr.eval_loaders)
+    classification = tr.dataset.task == "classification"
+    best = selection(cfg, classification, "val" in tr.eval_loaders, tr.widths[-1] if classification else 0)
     if cfg.resume is None:
         run_dir.refuse_overwrite()
         return Start(Position(), best, plan_prefix(None, 0))
@@ -253,20 +255,30 @@ def warn_differences(saved: dict[str, Any], now: dict[str, Any], where: str) -> 
         )
 
 
-def selection(cfg: TrainConfig, classification: bool, has_val: bool) -> Best:
+def selection(cfg: TrainConfig, classification: bool, has_val: bool, classes: int = 0) -> Best:
     """The epoch metric that selects ``best.npz`` (and stops early): ``early_stopping.metric`` and ``mode``.
 
     ``auto``: the validation accuracy (the validation loss for a regression; the training split's
-    when there is no validation split); the mode ``max`` for an accuracy, ``min`` for a loss.
+    when there is no validation split); the mode ``max`` for an accuracy or another score where larger is
+    better (``val/balanced_acc``, ``val/f1_macro``, ``val/roc_auc``, ``val/r2``: :data:`LARGER_IS_BETTER`),
+    ``min`` for a loss or an error (``val/log_loss``, ``val/rmse``, ``val/mae``). ``classes``: a
+    classification's number of classes (``val/roc_auc`` is measured for two).
     """
     es = cfg.early_stopping
     metric = es.metric
     if metric == "auto":
         metric = f"{'val' if has_val else 'train'}/{'acc' if classification else 'loss'}"
-    if (metric.startswith("val/") and not has_val) or (metric.endswith("/acc") and not classification):
-        raise ConfigError(
-            f"early_stopping.metric={metric} is not measured in this run"
-            f"{' (no validation split: data.val_fraction=0)' if not has_val else ' (a regression has no accuracy)'}"
-        )
-    mode = es.mode if es.mode != "auto" else ("min" if metric.endswith("/loss") else "max")
+    name = metric.split("/", 1)[-1]
+    why = ""
+    if metric.startswith("val/") and not has_val:
+        why = " (no validation split: data.val_fraction=0)"
+    elif classification and name in REGRESSION_SCORES:
+        why = " (a classification has no RMSE, MAE or R²)"
+    elif not classification and (name == "acc" or name == "roc_auc" or name in CLASSIFICATION_SCORES):
+        why = " (a regression has no accuracy, F1, ROC AUC or log loss)"
+    elif name == "roc_auc" and classes != 2:
+        why = f" (ROC AUC is measured for two classes; this run has {classes})"
+    if why:
+        raise ConfigError(f"early_stopping.metric={metric} is not measured in this run{why}")
+    mode = es.mode if es.mode != "auto" else ("max" if name in LARGER_IS_BETTER else "min")
     return Best(metric, mode=mode)

@@ -26,6 +26,7 @@ from mlptrain.base.registry import joined
 from mlptrain.config.keys import suggest
 from mlptrain.config.schema import DataConfig, OptimizerConfig, TrainConfig, flatten, to_plain
 from mlptrain.data.sources import mnist1d_samples_problem
+from mlptrain.nn import scores
 from mlptrain.nn.losses import regression_losses
 from mlptrain.step import optim
 from mlptrain.step.choices import unknown_names
@@ -268,7 +269,13 @@ def _ranges(cfg: TrainConfig) -> list[str]:
     return [msg for ok, msg in rules if not ok] + _registered(cfg)
 
 
-EPOCH_METRICS = ("train/loss", "train/acc", "val/loss", "val/acc")
+EPOCH_METRICS = (
+    "train/loss",
+    "train/acc",
+    "val/loss",
+    "val/acc",
+    *(f"val/{k}" for k in (*scores.CLASSIFICATION_SCORES, "roc_auc", *scores.REGRESSION_SCORES)),
+)
 
 
 def _early_stopping(cfg: TrainConfig) -> list[tuple[bool, str]]:
