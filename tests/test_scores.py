@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -106,21 +107,25 @@ def test_a_binary_runs_scores_are_scikit_learns_on_its_checkpoints_predictions(t
     assert rec["val/balanced_acc"] != rec["val/acc"]  # imbalanced classes: a different number
 
 
-def test_a_ten_class_runs_scores_are_scikit_learns(tmp_path: Path) -> None:
+def test_a_ten_class_runs_scores_are_scikit_learns(tmp_path: Path, capsys: Any) -> None:
     cfg = make_cfg(epochs=2)
-    train(cfg, tmp_path / "run")
+    s = train(cfg, tmp_path / "run")
+    line = capsys.readouterr().out.strip().splitlines()[-1]  # the summary line: accuracy and balanced accuracy
+    assert f"| test acc {s['test/acc']:.4f} balanced {s['test/balanced_acc']:.4f} loss {s['test/loss']:.4f} |" in line
     rec, z, yv = _last_val(cfg, tmp_path / "run")
     for k, v in _sklearn_classification(yv, z).items():
         assert rec[f"val/{k}"] == pytest.approx(v, rel=1e-6, abs=1e-6), k
     assert "val/roc_auc" not in rec
 
 
-def test_a_regression_runs_scores_are_scikit_learns_in_the_targets_units(tmp_path: Path) -> None:
+def test_a_regression_runs_scores_are_scikit_learns_in_the_targets_units(tmp_path: Path, capsys: Any) -> None:
     x, y = datasets.load_diabetes(return_X_y=True)
     write_csv(tmp_path / "d.csv", x, y.astype(np.float64) + 0.5, [f"f{i}" for i in range(10)], target="label")
     cfg = make_cfg(data__name=DatasetName.file, data__path=str(tmp_path / "d.csv"), data__cache=False)
     cfg.model.loss = "mse"
-    train(cfg, tmp_path / "run")
+    s = train(cfg, tmp_path / "run")
+    line = capsys.readouterr().out.strip().splitlines()[-1]  # the summary line: the loss, RMSE and R²
+    assert f"| test loss {s['test/loss']:.4g} rmse {s['test/rmse']:.4g} r2 {s['test/r2']:.4f} |" in line
     rec, z, yv = _last_val(cfg, tmp_path / "run")
     assert rec["val/rmse"] == pytest.approx(np.sqrt(metrics.mean_squared_error(yv, z)), rel=1e-6)
     assert rec["val/mae"] == pytest.approx(metrics.mean_absolute_error(yv, z), rel=1e-6)

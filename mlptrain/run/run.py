@@ -233,10 +233,15 @@ def _sinks(tr: Trainer, run_dir: RunDirectory, start: Start) -> list[Any]:
 
 
 def _scores(summary: dict[str, Any], prefix: str) -> str:
-    """``test acc 0.9805 loss 0.0912`` (a regression: the loss alone), from the ``{prefix}acc`` keys."""
+    """``test acc 0.9805 balanced 0.9801 loss 0.0912``; a regression: ``test loss 113.3 rmse 10.64 r2 0.512``
+    (the loss, the RMSE and R² in the targets' units), from the ``{prefix}...`` keys."""
     if f"{prefix}acc" in summary:
-        return f"test acc {summary[f'{prefix}acc']:.4f} loss {summary[f'{prefix}loss']:.4f}"
-    return f"test loss {summary[f'{prefix}loss']:.4g}" if f"{prefix}loss" in summary else ""
+        balanced = f" balanced {summary[f'{prefix}balanced_acc']:.4f}" if f"{prefix}balanced_acc" in summary else ""
+        return f"test acc {summary[f'{prefix}acc']:.4f}{balanced} loss {summary[f'{prefix}loss']:.4f}"
+    if f"{prefix}loss" not in summary:
+        return ""
+    fit = f" rmse {summary[f'{prefix}rmse']:.4g} r2 {summary[f'{prefix}r2']:.4f}" if f"{prefix}r2" in summary else ""
+    return f"test loss {summary[f'{prefix}loss']:.4g}{fit}"
 
 
 # --- 2. accepted: the directory changes from here on ------------------------------------------
