@@ -166,3 +166,55 @@ def test_early_stopping_on_a_regressions_r2_and_rmse_picks_the_mode(tmp_path: Pa
     cfg.early_stopping.metric = "val/balanced_acc"
     with pytest.raises(ConfigError, match="a regression has no accuracy"):
         selection(cfg, False, True)
+
+
+def _evaluated(run: Path) -> tuple[dict, np.ndarray, np.ndarray]:
+    """``python -m mlptrain.evaluate``'s report on best.npz's own test split, and the outputs and truth it scored."""
+    from mlptrain.cli.evaluate import EvaluateArgs, _own_split, evaluate
+    from mlptrain.inference.predictor import Predictor
+
+    p = Predictor(run / "checkpoints/best.npz", device="cpu")
+    x, y, _ = _own_split(p, "test")
+    report, _ = evaluate(EvaluateArgs(ckpt=str(run), device="cpu"), p)
+    return report, p.logits(x, normalised=True), np.asarray(y)
+
+
+def test_evaluation_json_holds_scikit_learns_classification_scores(tmp_path: Path) -> None:
+    x, y = datasets.load_breast_cancer(return_X_y=True)
+    names = np.array(["malignant", "benign"])
+    write_csv(tmp_path / "bc.csv", x, names[y], [f"f{i}" for i in range(x.shape[1])], target="label")
+    cfg = make_cfg(data__name=DatasetName.file, data__path=str(tmp_path / "bc.csv"), data__cache=False)
+    summary = train(cfg, tmp_path / "run")
+    report, z, yt = _evaluated(tmp_path / "run")
+    want = _sklearn_classification(yt, z)
+    for k in ("balanced_acc", "log_loss", "roc_auc"):
+        assert report[k] == pytest.approx(want[k], rel=1e-6, abs=1e-6), k
+        assert report[k] == pytest.approx(summary[f"best/test/{k}"], rel=1e-5), k  # the run's own, on the GPU too
+    for k in ("precision", "recall", "f1"):
+        assert report["macro"][k] == pytest.approx(want[f"{k}_macro"], rel=1e-6, abs=1e-6), k
+    classes = p_names = [str(n) for n in report["class_names"]]
+    p, r, f, s = metrics.precision_recall_fscore_support(yt, z.argmax(axis=1), labels=[0, 1], zero_division=0)
+    for i, name in enumerate(p_names):
+        got = report["per_class"][name]
+        assert [got["precision"], got["recall"], got["f1"], got["support"]] == pytest.approx([p[i], r[i], f[i], s[i]])
+    assert sorted(classes) == ["benign", "malignant"]
+
+
+def test_evaluation_json_holds_scikit_learns_regression_scores(tmp_path: Path) -> None:
+    x, y = datasets.load_diabetes(return_X_y=True)
+    t = np.column_stack([y + 0.5, 1000.0 + y / 100.0])  # two targets, one far from 0 with a small spread
+    write_csv(tmp_path / "d.csv", np.column_stack([x, t[:, 0]]), t[:, 1], [*(f"f{i}" for i in range(10)), "a"], "b")
+    cfg = make_cfg(data__name=DatasetName.file, data__path=str(tmp_path / "d.csv"), data__cache=False)
+    cfg.data.target = ["a", "b"]
+    cfg.model.loss = "mse"
+    summary = train(cfg, tmp_path / "run")
+    report, z, yt = _evaluated(tmp_path / "run")
+    assert report["rmse"] == pytest.approx(np.sqrt(metrics.mean_squared_error(yt, z)), rel=1e-6)
+    assert report["mae"] == pytest.approx(metrics.mean_absolute_error(yt, z), rel=1e-6)
+    assert report["r2"] == pytest.approx(metrics.r2_score(yt, z), rel=1e-6)
+    for j, name in enumerate("ab"):
+        got = report["per_target"][name]
+        assert got["r2"] == pytest.approx(metrics.r2_score(yt[:, j], z[:, j]), rel=1e-6)
+        assert got["mae"] == pytest.approx(metrics.mean_absolute_error(yt[:, j], z[:, j]), rel=1e-6)
+    for k in ("rmse", "mae", "r2"):  # the command's outputs are float32 in units (an ulp of 1000 is 6e-5)
+        assert report[k] == pytest.approx(summary[f"best/test/{k}"], rel=1e-4), k

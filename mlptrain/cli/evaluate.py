@@ -8,9 +8,11 @@ checkpoint was trained on, ``data.target`` of its config, else ``label``; a regr
 in the model's order), with a value on every row (``predict`` scores files without one).
 
 Writes ``evaluation.json`` into ``output`` (default ``<run dir>/evaluation/<checkpoint>-<split or
-file>``): the loss and accuracy, per class the precision, recall, F1 and support, the confusion
-matrix (rows: the true class, columns: the predicted one), and their macro averages; a
-regression gets the mean squared error overall and per target. ``confusion.png`` shows the
+file>``): the loss (the log loss), accuracy, balanced accuracy and, for two classes, ROC AUC (of class
+1), per class (by name) the precision, recall, F1 and support, their macro averages and the confusion
+matrix (rows: the true class, columns: the predicted one); a regression gets the mean squared error,
+RMSE, MAE and R² overall (the mean over the targets) and per target, in the targets' units. The
+scores are :mod:`mlptrain.nn.scores`', as a run's ``metrics.jsonl`` has them. ``confusion.png`` shows the
 matrix (with the ``plot`` extra, matplotlib). The two are written as one unit once the work is
 done (:func:`mlptrain.inference.outputs.write_together`): the figure is drawn first, then the figure and the
 report are renamed into place together, the report last, recording the figure's SHA-256 (``figure``).
@@ -36,6 +38,7 @@ from mlptrain.cli.commands import REQUIRED, arg
 from mlptrain.cli.predict import read_inputs
 from mlptrain.inference import outputs
 from mlptrain.inference.predictor import DEFAULT_BATCH, Predictor
+from mlptrain.nn import scores
 from mlptrain.run.checkpoint import CHECKPOINT_DIR
 
 log = logging.getLogger(__name__)
@@ -58,7 +61,8 @@ class EvaluateArgs:
 
 
 def classification_report(logits: np.ndarray, y: np.ndarray, names: list[str]) -> dict[str, Any]:
-    """Loss, accuracy, per-class precision/recall/F1/support and the confusion matrix of ``logits (N, C)``."""
+    """Loss (the log loss), accuracy, balanced accuracy, ROC AUC (two classes), per-class precision/recall/F1/
+    support, their macro averages and the confusion matrix of ``logits (N, C)`` (:mod:`mlptrain.nn.scores`)."""
     z = logits.astype(np.float64)
     zmax = z.max(axis=1, keepdims=True)
     log_p = z - zmax - np.log(np.exp(z - zmax).sum(axis=1, keepdims=True))  # log-softmax, (N, C)
@@ -66,38 +70,49 @@ def classification_report(logits: np.ndarray, y: np.ndarray, names: list[str]) -
     c = len(names)
     confusion = np.zeros((c, c), dtype=np.int64)
     np.add.at(confusion, (y, pred), 1)  # rows: true class, columns: predicted
-    tp = np.diag(confusion).astype(np.float64)
-    predicted, support = confusion.sum(axis=0), confusion.sum(axis=1)
-    precision = np.divide(tp, predicted, out=np.zeros(c), where=predicted > 0)
-    recall = np.divide(tp, support, out=np.zeros(c), where=support > 0)
-    f1 = np.divide(2 * precision * recall, precision + recall, out=np.zeros(c), where=precision + recall > 0)
+    loss = float(-log_p[np.arange(len(y)), y].mean()) if len(y) else float("nan")
+    binary = np.stack([z[:, 1] - z[:, 0], y]) if c == 2 else None  # class 1's margin, the label
+    found = scores.classification_scores(confusion, loss, binary)
+    pc = scores.per_class(confusion)
     per_class = {
-        name: {"precision": precision[i], "recall": recall[i], "f1": f1[i], "support": int(support[i])}
+        name: {**{k: float(pc[k][i]) for k in ("precision", "recall", "f1")}, "support": int(pc["support"][i])}
         for i, name in enumerate(names)
     }
-    present = support > 0
     return {
         "samples": int(len(y)),
-        "loss": float(-log_p[np.arange(len(y)), y].mean()) if len(y) else float("nan"),
-        "acc": float(tp.sum() / max(len(y), 1)),
-        "macro": {
-            k: float(v[present].mean()) if present.any() else float("nan")
-            for k, v in (("precision", precision), ("recall", recall), ("f1", f1))
-        },
-        "per_class": {n: {k: (float(v) if k != "support" else v) for k, v in d.items()} for n, d in per_class.items()},
+        "loss": loss,
+        "acc": float(np.trace(confusion) / max(len(y), 1)),
+        **{k: found[k] for k in ("balanced_acc", "log_loss", "roc_auc") if k in found},
+        "macro": {k: found[f"{k}_macro"] for k in ("precision", "recall", "f1")},
+        "per_class": per_class,
         "class_names": names,
         "confusion": confusion.tolist(),
     }
 
 
 def regression_report(outputs: np.ndarray, y: np.ndarray, names: list[str]) -> dict[str, Any]:
-    """Mean squared error per target and over them; a target whose column is all NaN (absent from the
-    file) is left out."""
-    err = outputs.astype(np.float64) - y.astype(np.float64)  # (N, T)
-    present = np.asarray(~np.isnan(err).all(axis=0))  # (T,) bool
-    mse = np.nanmean(err[:, present] ** 2, axis=0) if len(y) else np.full(int(present.sum()), np.nan)
-    scored = [n for n, ok in zip(names, present.tolist(), strict=True) if ok]
-    return {"samples": int(len(y)), "loss": float(mse.mean()), "mse": dict(zip(scored, map(float, mse), strict=True))}
+    """Mean squared error, RMSE, MAE and R² per target and over them (the mean over the targets), in the targets'
+    units; a target whose column is all NaN (absent from the file) is left out, a row whose target is NaN too."""
+    z, t = outputs.astype(np.float64), y.astype(np.float64)  # (N, T)
+    per_target: dict[str, dict[str, float]] = {}
+    for j, name in enumerate(names):
+        rows = ~np.isnan(t[:, j]) if len(t) else np.zeros(0, bool)
+        if len(t) and not rows.any():
+            continue
+        centre = float(t[rows, j].mean()) if rows.any() else 0.0  # centred: the sum of squares keeps its digits
+        sums = scores.regression_sums(z[rows, j : j + 1] - centre, t[rows, j : j + 1] - centre)
+        found = scores.regression_scores(sums, int(rows.sum()))
+        per_target[name] = {"mse": found["rmse"] ** 2, **found}
+    mean = {k: float(np.mean([v[k] for v in per_target.values()])) for k in ("mse", "mae", "r2")}
+    return {
+        "samples": int(len(y)),
+        "loss": mean["mse"],
+        "rmse": float(np.sqrt(mean["mse"])),
+        "mae": mean["mae"],
+        "r2": mean["r2"],
+        "mse": {k: v["mse"] for k, v in per_target.items()},
+        "per_target": per_target,
+    }
 
 
 def _own_split(p: Predictor, split: str) -> tuple[np.ndarray, np.ndarray, str]:
@@ -232,9 +247,12 @@ def run(args: EvaluateArgs) -> int:
     outputs.prepare([folder / REPORT, folder / FIGURE])
     report, _ = evaluate(args, p)
     written = write_report(report, folder)
-    scores = f"loss {report['loss']:.4f}" + (f" acc {report['acc']:.4f}" if "acc" in report else "")
+    if "acc" in report:
+        found = f"loss {report['loss']:.4f} acc {report['acc']:.4f} balanced {report['balanced_acc']:.4f}"
+    else:
+        found = f"loss {report['loss']:.4f} rmse {report['rmse']:.4g} r2 {report['r2']:.4f}"
     print(
-        f"{Path(report['checkpoint']).name} on the {report['data']} ({report['samples']:,} rows): {scores} -> "
+        f"{Path(report['checkpoint']).name} on the {report['data']} ({report['samples']:,} rows): {found} -> "
         f"{', '.join(map(str, written))}"
     )
     return 0
