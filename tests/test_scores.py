@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +105,10 @@ def test_a_binary_runs_scores_are_scikit_learns_on_its_checkpoints_predictions(t
         assert summary[f"test/{k}"] == rec[f"test/{k}"]
     if loss == "cross_entropy":
         assert rec["val/log_loss"] == rec["val/loss"]
+    with open(tmp_path / "run/metrics.csv", newline="") as f:  # metrics.csv has the scores' columns too
+        row = [r for r in csv.DictReader(f) if r["kind"] == "epoch"][-1]
+    assert float(row["val/roc_auc"]) == pytest.approx(rec["val/roc_auc"], rel=1e-9)
+    assert float(row["test/f1_macro"]) == pytest.approx(rec["test/f1_macro"], rel=1e-9)
     assert rec["val/balanced_acc"] != rec["val/acc"]  # imbalanced classes: a different number
 
 

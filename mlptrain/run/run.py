@@ -222,7 +222,9 @@ def _stop_request(cfg: TrainConfig, comm: Communicator | None) -> Iterator[Stop]
 
 def _sinks(tr: Trainer, run_dir: RunDirectory, start: Start) -> list[Any]:
     """metrics.csv, and TensorBoard with ``logger=tensorboard``: views of metrics.jsonl (:mod:`mlptrain.run.sinks`)."""
-    columns = csv_columns(tr.dataset.task == "classification", list(tr.eval_loaders), tr.scaler.enabled)
+    classification = tr.dataset.task == "classification"
+    binary = classification and tr.widths[-1] == 2
+    columns = csv_columns(classification, list(tr.eval_loaders), tr.scaler.enabled, binary)
     out: list[Any] = [CsvSink(run_dir.path / CSV_NAME, columns, run_dir.metrics)]
     if tr.cfg.logger.value == "tensorboard":  # a resume purges what the killed run logged past its checkpoint
         # (also a run that starts again at step 0 over the events of one killed before its first checkpoint)

@@ -20,6 +20,7 @@ from typing import Any
 
 from mlptrain.base.errors import ConfigError, OutputError
 from mlptrain.base.fs import open_nofollow
+from mlptrain.nn.scores import CLASSIFICATION_SCORES, REGRESSION_SCORES
 from mlptrain.run.metrics import read_metrics
 from mlptrain.run.rundir import CSV_NAME, METRICS, TENSORBOARD_DIR
 
@@ -28,11 +29,13 @@ log = logging.getLogger(__name__)
 __all__ = ["CSV_NAME", "TENSORBOARD_DIR", "CsvSink", "TensorBoardSink", "csv_columns"]
 
 
-def csv_columns(classification: bool, splits: list[str], loss_scale: bool) -> list[str]:
-    """The columns of ``metrics.csv`` for a run: its splits, whether it has accuracies and a loss scale."""
+def csv_columns(classification: bool, splits: list[str], loss_scale: bool, binary: bool = False) -> list[str]:
+    """The columns of ``metrics.csv`` for a run: its splits, whether it has accuracies (and two classes: ROC AUC)
+    and a loss scale; an evaluated split's scores (:mod:`mlptrain.nn.scores`) after its loss and accuracy."""
     cols = ["kind", "epoch", "step", "train/loss", *(["train/acc"] if classification else [])]
+    found = [*CLASSIFICATION_SCORES, *(["roc_auc"] if binary else [])] if classification else list(REGRESSION_SCORES)
     for split in splits:
-        cols += [f"{split}/loss", *([f"{split}/acc"] if classification else [])]
+        cols += [f"{split}/loss", *([f"{split}/acc"] if classification else []), *(f"{split}/{k}" for k in found)]
     cols += ["lr", *(["loss_scale", "skipped"] if loss_scale else []), "samples_per_s", "step_time_ms", "time_s"]
     return cols
 
