@@ -9,7 +9,10 @@ Record kinds (the ``kind`` key):
   batch), ``lr``, ``loss_scale``, ``skipped``; the last step of each log interval also carries
   ``samples_per_s`` and ``step_time_ms`` measured over the interval.
 * ``epoch``: ``epoch``, ``step``, ``train/loss``, ``train/acc`` (means over the epoch),
-  ``val/loss``, ``val/acc``, ``test/loss``, ``test/acc``, ``time_s``.
+  ``val/loss``, ``val/acc``, ``test/loss``, ``test/acc``, ``time_s``; per evaluated split the scores of
+  :mod:`mlptrain.nn.scores` (``val/balanced_acc``, ``val/precision_macro``, ``val/recall_macro``,
+  ``val/f1_macro``, ``val/log_loss``, ``val/roc_auc`` for two classes; a regression's ``val/rmse``,
+  ``val/mae``, ``val/r2``).
 * ``summary``: the final numbers of the run.
 * ``interrupted``: Ctrl-C stopped the run at ``step``; ``checkpoint`` is where ``last`` was saved.
 
