@@ -223,3 +223,19 @@ def test_evaluation_json_holds_scikit_learns_regression_scores(tmp_path: Path) -
         assert got["mae"] == pytest.approx(metrics.mean_absolute_error(yt[:, j], z[:, j]), rel=1e-6)
     for k in ("rmse", "mae", "r2"):  # the command's outputs are float32 in units (an ulp of 1000 is 6e-5)
         assert report[k] == pytest.approx(summary[f"best/test/{k}"], rel=1e-4), k
+
+
+def test_two_ranks_score_a_binary_split_as_one_process(tmp_path: Path) -> None:
+    """Data parallel: the confusion matrices are all-reduced and each rank's margins gathered for ROC AUC."""
+    from test_distributed_run import _ranks
+
+    def cfg():  # type: ignore[no-untyped-def]
+        return make_cfg(
+            data__name=DatasetName.synthetic, data__classes=2, data__batch_size=63, precision__name="fp64", epochs=1
+        )
+
+    one = train(cfg(), tmp_path / "one")
+    two = _ranks(2, cfg(), tmp_path / "two")
+    assert all(isinstance(r, dict) for r in two), two
+    for k in ("val/roc_auc", "val/balanced_acc", "val/f1_macro", "val/log_loss", "test/roc_auc"):
+        assert two[0][k] == two[1][k] == pytest.approx(one[k], rel=1e-12), k

@@ -124,18 +124,17 @@ class SplitSums:
             batch = regression_sums(logits, y, xp)
         else:
             c = self.classes
-            pred = logits.argmax(axis=1)  # (B,)
+            z = logits.astype(xp.float64)  # (B, C): exact for every compute dtype (bfloat16, fp16 too)
+            pred = z.argmax(axis=1)  # (B,)
             confusion = xp.bincount(y.astype(xp.int64) * c + pred, minlength=c * c).astype(xp.float64)  # (C * C,)
             nll = xp.zeros(1, xp.float64)
             if self.log_loss:  # the log loss's sum from the probabilities: logsumexp - z[y]
-                z = logits.astype(xp.float64)  # (B, C)
                 zmax = z.max(axis=1, keepdims=True)
                 lse = xp.log(xp.exp(z - zmax).sum(axis=1)) + zmax[:, 0]
                 nll = (lse - xp.take_along_axis(z, y.astype(xp.int64)[:, None], axis=1)[:, 0]).sum()[None]
             batch = xp.concatenate([confusion, nll])
             if c == 2:
-                margin = logits[:, 1].astype(xp.float64) - logits[:, 0].astype(xp.float64)
-                self.binary.append(xp.stack([margin, y.astype(xp.float64)]))
+                self.binary.append(xp.stack([z[:, 1] - z[:, 0], y.astype(xp.float64)]))
         self.sums = batch if self.sums is None else self.sums + batch
 
     def host(self, to_host: Any, outputs: int) -> tuple[np.ndarray, np.ndarray | None]:
