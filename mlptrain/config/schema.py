@@ -135,6 +135,12 @@ class ModelConfig:
     activation: str = _f("relu", "hidden layers: {choices}", choices=True)
     init: Init = _f(Init.he, "initial weights: he, lecun, or torch (nn.Linear's default, biases too)")
     loss: str = _f("cross_entropy", "{choices}", choices=True)
+    class_weight: Any = _f(
+        None,
+        "cross_entropy: each row's loss weighted by its class, the weighted mean sum(w_i l_i) / sum(w_i) (torch's "
+        "CrossEntropyLoss(weight=...)); null: unweighted; balanced: n_samples / (n_classes * count) on the training "
+        "split (scikit-learn's); or a list of one weight >= 0 per class, in the classes' order",
+    )
 
 
 @dataclass

@@ -35,7 +35,7 @@ import numpy as np
 
 from mlptrain.base.backend import get_array_module
 from mlptrain.base.cuda_source import Job
-from mlptrain.nn.losses import LOSSES
+from mlptrain.nn.losses import LOSSES, class_weighted
 from mlptrain.nn.network import MLP, HeadGrads
 
 HEAD_MODES = ("gemm", "loss_bias", "kernel")
@@ -59,6 +59,21 @@ class OutputHead:
         self.loss_name = loss
         self.loss_fn = LOSSES[loss].fn
         self.mode = mode
+        self.class_weight: list[float] | None = None  # model.class_weight, as trained (run.json, the log)
+
+    def weigh_classes(self, class_weight: np.ndarray, xp: Any) -> None:
+        """Weight each row's cross-entropy by its class: ``class_weight (C,)`` float32, uploaded here once.
+
+        Every mode takes the weights: the loss kernels scale each row's ``dlogits`` (and its sum, the output
+        bias gradient of ``loss_bias`` and ``kernel``) by ``w[y_i] / sum w``, and the head kernel of ``kernel``
+        only multiplies the ``dlogits`` it is given by the output weight, so no mode changes.
+        """
+        if not LOSSES[self.loss_name].head_kernel:  # the cross-entropy's kernels are the ones that take weights
+            raise ValueError(
+                f"model.class_weight weights the cross_entropy loss; model.loss={self.loss_name} takes none"
+            )
+        self.loss_fn = class_weighted(xp.asarray(class_weight, dtype=xp.float32))
+        self.class_weight = [float(w) for w in class_weight]
 
     @classmethod
     def choose(

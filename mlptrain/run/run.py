@@ -260,8 +260,14 @@ def _accept(tr: Trainer, run_dir: RunDirectory, start: Start, on_accept: Callabl
         checkpoint.save(run_dir.checkpoint("best"), start.best_file.arrays, meta)
     run_dir.write_json(RUN_RECORD, _run_record(tr, start))
     ds = tr.dataset
+    weights = ""
+    if tr.head.class_weight is not None:  # model.class_weight: the weights the loss uses, class by class
+        names = ds.class_names or [str(c) for c in range(len(tr.head.class_weight))]
+        weights = ", class weights " + ", ".join(
+            f"{n}: {w:.4g}" for n, w in zip(names, tr.head.class_weight, strict=True)
+        )
     log.info(
-        "mlptrain %s: %s, dataset %s (%d train / %d val / %d test), model %s (%s params), %s, %s, bgrad %s",
+        "mlptrain %s: %s, dataset %s (%d train / %d val / %d test), model %s (%s params), %s, %s, bgrad %s%s",
         __version__,
         tr.backend.describe(),
         ds.name,
@@ -273,6 +279,7 @@ def _accept(tr: Trainer, run_dir: RunDirectory, start: Start, on_accept: Callabl
         tr.cfg.execution.mode.value,
         tr.precision.name,
         ",".join(tr.model.bgrad) or "-",
+        weights,
     )
     if start.resumed_from is not None:
         p = start.position
@@ -310,6 +317,8 @@ def _run_record(tr: Trainer, start: Start) -> dict[str, Any]:
         "dataset": tr.dataset.preprocessing()[0],  # its name, task, feature and class names (docs/data.md)
         "config": to_plain(tr.cfg),
     }
+    if tr.head.class_weight is not None:  # model.class_weight resolved (balanced: from the training split)
+        record["class_weight"] = tr.head.class_weight
     if start.resumed_from is not None:
         record["resumed_from"] = {"checkpoint": str(start.resumed_from), "step": start.position.step}
     return record

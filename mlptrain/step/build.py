@@ -48,7 +48,7 @@ from mlptrain.data.rows import NormalisedRows
 from mlptrain.distributed.dp import GradientSync, shard_rows
 from mlptrain.nn.execution import FusedExecution, NaiveExecution, NumpyGemm
 from mlptrain.nn.head import OutputHead
-from mlptrain.nn.losses import LOSSES, mse_in_units
+from mlptrain.nn.losses import LOSSES, class_weights, mse_in_units
 from mlptrain.nn.network import MLP
 from mlptrain.step.optim import OPTIMIZERS, Optimizer
 from mlptrain.step.precision import LossScaler, Precision, get_precision
@@ -114,6 +114,8 @@ def trainer(
     out = head(cfg, backend, sizes)
     if (units := data.target_units()) is not None:  # standardised targets (mse): losses in their units
         out.loss_fn = mse_in_units(xp.asarray(units))
+    if cfg.model.class_weight is not None:
+        _weigh_classes(out, cfg.model.class_weight, data, xp)
     shard = (comm.rank, comm.world) if comm is not None else None
     train, evaluation = loaders(cfg.data, data, xp, prec.compute_dtype, int(data_seed.generate_state(1)[0]), shard)
     sync = None
@@ -287,6 +289,18 @@ def head(cfg: TrainConfig, backend: Backend, sizes: list[int]) -> OutputHead:
         batch_size=cfg.data.batch_size,
         head_kernel=cfg.execution.head_kernel,
     )
+
+
+def _weigh_classes(out: OutputHead, spec: Any, data: Dataset, xp: Any) -> None:
+    """``model.class_weight`` in the loss (:meth:`OutputHead.weigh_classes`), resolved on the training split."""
+    if data.task != "classification":
+        raise ConfigError(f"model.class_weight weighs classes; dataset {data.name!r} is a {data.task}")
+    try:
+        weights = class_weights(spec, data.y_train, data.num_classes)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    assert weights is not None
+    out.weigh_classes(weights, xp)
 
 
 def loaders(

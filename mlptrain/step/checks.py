@@ -27,7 +27,7 @@ from mlptrain.config.keys import suggest
 from mlptrain.config.schema import DataConfig, OptimizerConfig, TrainConfig, flatten, to_plain
 from mlptrain.data.sources import mnist1d_samples_problem
 from mlptrain.nn import scores
-from mlptrain.nn.losses import regression_losses
+from mlptrain.nn.losses import class_weight_problem, regression_losses
 from mlptrain.step import optim
 from mlptrain.step.choices import unknown_names
 from mlptrain.step.precision import PRECISIONS, SETTINGS
@@ -121,10 +121,22 @@ def validate(cfg: TrainConfig, *, data_parallel: bool = False) -> TrainConfig:
     """Check what the types cannot; raise one ConfigError listing every problem. Returns ``cfg``.
 
     ``data_parallel``: this process is one rank of a group (the ``distributed.*`` settings apply)."""
-    problems = unknown_keys(cfg) + _ranges(cfg) + _unused(cfg, data_parallel)
+    problems = unknown_keys(cfg) + _ranges(cfg) + _unused(cfg, data_parallel) + _class_weight(cfg)
     if problems:
         raise ConfigError("invalid configuration: " + "; ".join(problems))
     return cfg
+
+
+def _class_weight(cfg: TrainConfig) -> list[str]:
+    """``model.class_weight``: its form (its length is checked against the classes when the data is loaded)."""
+    spec = cfg.model.class_weight
+    if spec is None:
+        return []
+    if (problem := class_weight_problem(spec)) is not None:
+        return [problem]
+    if cfg.model.loss != "cross_entropy":
+        return [f"model.class_weight weights the cross_entropy loss; model.loss={cfg.model.loss} takes none"]
+    return []
 
 
 def unknown_keys(node: Any, prefix: str = "") -> list[str]:

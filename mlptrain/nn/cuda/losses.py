@@ -37,6 +37,8 @@ def _unit_scale(device: int) -> Any:
 def softmax_cross_entropy_gpu(logits: Any, y: Any, grad_scale: Any, bias_grad: bool, inplace: bool = False) -> tuple:
     """The same as the NumPy path in two kernels (fp16/bf16/fp32 logits on the GPU).
 
+    With ``model.class_weight`` :mod:`mlptrain.nn.cuda.weighted_xent` runs these kernels' weighted twins instead.
+
     ``inplace``: ``dlogits`` is written over ``logits`` (each row's kernel reads every value of its
     row before it writes the row's gradient; the small-head kernel loads the whole tile first).
 
@@ -65,12 +67,7 @@ def softmax_cross_entropy_gpu(logits: Any, y: Any, grad_scale: Any, bias_grad: b
         if inplace:
             raise ValueError("an in-place loss gradient needs C-contiguous logits")
         logits = cp.ascontiguousarray(logits)
-    if isinstance(grad_scale, cp.ndarray):
-        scale = grad_scale  # the training step's: the loss scaler's device array
-    elif float(grad_scale) == 1.0:
-        scale = _unit_scale(cp.cuda.Device().id)  # evaluation's
-    else:
-        scale = scalar(cp, float(grad_scale), np.float64)
+    scale = device_scale(grad_scale)
     y = y.astype(cp.int64, copy=False)  # (B,) labels; the loader's are int64 already
     d = logits if inplace else cp.empty_like(logits)  # (B, C) C-order
     loss = cp.empty((), dtype=cp.float32)
@@ -86,6 +83,15 @@ def softmax_cross_entropy_gpu(logits: Any, y: Any, grad_scale: Any, bias_grad: b
     rows(logits, y, scale, C, 1.0 / B, d, row_loss, row_ok, size=B * 32, block_size=256)
     mean(row_loss, row_ok, d, B, C, bias_grad, loss, correct, db, size=256, block_size=256)
     return (loss, d, correct, db) if bias_grad else (loss, d, correct)
+
+
+def device_scale(grad_scale: Any) -> Any:
+    """The gradient scale as a 0-d float64 device array."""
+    if isinstance(grad_scale, cp.ndarray):
+        return grad_scale  # the training step's: the loss scaler's device array
+    if float(grad_scale) == 1.0:
+        return _unit_scale(cp.cuda.Device().id)  # evaluation's
+    return scalar(cp, float(grad_scale), np.float64)
 
 
 _XENT_ROWS = r"""
@@ -245,6 +251,18 @@ if (want_db) {  // db[c] = sum over rows of d[r, c]: R groups of C threads, then
     if (t < C) db[t] = (T)acc_db[t];
 }
 """
+
+
+def kernel_sources() -> dict[str, str]:
+    """The CUDA source of the kernels below, by name: what :mod:`mlptrain.nn.cuda.weighted_xent` edits."""
+    return {
+        "rows": _XENT_ROWS,
+        "mean_prep": _XENT_MEAN_PREP,
+        "mean": _XENT_MEAN,
+        "mean_after": _XENT_MEAN_AFTER,
+        "small_prep": _XENT_SMALL_PREP,
+        "small": _XENT_SMALL,
+    }
 
 
 @functools.cache
