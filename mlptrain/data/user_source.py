@@ -5,7 +5,8 @@
 is split off the training rows. Then, naming the file, the line and the column of every problem:
 
 * ``data.task=auto`` decides: several target columns, or a numeric column with non-integer values,
-  is a regression; integer or text labels are a classification;
+  is a regression; integer or text labels are a classification, except whole numbers with many distinct
+  values for the rows (more than 20, under 10 rows a value on average), which are refused as ambiguous;
 * classification: the classes are the training labels, sorted (their names are kept: ``cat``,
   ``dog``, or ``3``, ``7``); one class only is refused, and so is a test label never seen in training;
 * regression: the targets must be numbers;
@@ -223,7 +224,20 @@ def _task(task: str, train: Table) -> str:
         return "regression"
     if y.dtype.kind in "fc" and not np.all(np.mod(y[np.isfinite(y)], 1) == 0):
         return "regression"  # fractional values
+    values = len(np.unique(y[np.isfinite(y)] if y.dtype.kind in "fc" else y)) if y.dtype.kind in "fciu" else 0
+    if values > AMBIGUOUS_VALUES and len(y) < AMBIGUOUS_ROWS * values:  # a quantity, or classes?
+        raise DatasetError(
+            f"data file {train.path}: the target column {train.target_names[0]!r} holds {values} distinct whole "
+            f"numbers in {len(y)} rows ({len(y) / values:.1f} rows a value), which reads as a quantity as well as as "
+            "classes; set data.task=regression with model.loss=mse (or model.loss=mse alone), or "
+            "data.task=classification"
+        )
     return "classification"
+
+
+# data.task=auto refuses a whole-number target with more distinct values than this ...
+AMBIGUOUS_VALUES = 20
+AMBIGUOUS_ROWS = 10  # ... and fewer training rows a value than this on average: a quantity, or classes?
 
 
 def _check_finite(table: Table, values: np.ndarray, names: list[str], what: str) -> None:
