@@ -158,3 +158,24 @@ def test_balanced_class_weight_beats_the_unweighted_run_on_balanced_accuracy(
     firsts = [r.getMessage() for r in caplog.records if r.getMessage().startswith("mlptrain ")]
     assert len(firsts) == 2 and "class weights" not in firsts[0]
     assert firsts[1].endswith(f", class weights 0: {expected[0]:.4g}, 1: {expected[1]:.4g}"), firsts[1]
+
+
+@pytest.mark.parametrize("with_class_weight", [False, True])
+def test_row_weights_match_torch_and_a_zero_weighted_half_is_the_other_halfs_loss(with_class_weight: bool) -> None:
+    z, y, w = _batch(4, rows=40)
+    cw = w if with_class_weight else None
+    rw = np.random.default_rng(5).uniform(0.0, 3.0, 40).astype(np.float32)
+    loss, d, _ = softmax_cross_entropy(z, y, 8.0, class_weight=cw, row_weight=rw)
+    t = torch.tensor(z, requires_grad=True)
+    both = torch.tensor(rw, dtype=torch.float64) * (torch.tensor(w, dtype=torch.float64)[y] if cw is not None else 1.0)
+    per_row = torch.nn.functional.cross_entropy(t, torch.tensor(y), reduction="none")
+    tl = (per_row * both).sum() / both.sum()
+    (tl * 8.0).backward()
+    assert_allclose(float(loss), tl.item(), rtol=1e-12)
+    assert_allclose(d, t.grad.numpy(), rtol=1e-12, atol=1e-15)
+    half = np.r_[np.ones(20), np.zeros(20)].astype(np.float32)  # the second half weighs nothing
+    loss, d, _ = softmax_cross_entropy(z, y, 8.0, class_weight=cw, row_weight=half)
+    loss_a, d_a, _ = softmax_cross_entropy(z[:20], y[:20], 8.0, class_weight=cw)
+    assert_allclose(float(loss), float(loss_a), rtol=1e-13)
+    assert_allclose(d[:20], d_a, rtol=1e-13, atol=1e-16)
+    assert_array_equal(d[20:], 0.0)

@@ -36,6 +36,7 @@ def softmax_cross_entropy(
     bias_grad: bool = False,
     inplace: bool = False,
     class_weight: Any = None,
+    row_weight: Any = None,
 ) -> tuple:
     """Mean softmax cross-entropy of ``logits (B, C)`` against integer labels ``y (B,)``.
 
@@ -54,6 +55,10 @@ def softmax_cross_entropy(
             and the loss is the weighted mean ``sum_i w_i l_i / sum_i w_i``, as torch's
             ``cross_entropy(weight=...)`` normalises it; ``dlogits = (softmax(z) - onehot(y)) * w_i *
             grad_scale / sum_i w_i``.
+        row_weight: ``(B,)`` float32 weights of the batch's rows (a row weight column), or None; with
+            ``class_weight`` too a row weighs ``class_weight[y_i] * row_weight_i``. A zero-weighted row counts
+            for nothing: the loss of a batch whose other rows weigh 1 is their plain mean. On the GPU it runs as
+            array operations (the fused kernels take class weights only).
 
     Returns:
         ``(loss, dlogits, correct)``: loss 0-d (float32 or float64), ``dlogits (B, C)`` =
@@ -61,6 +66,8 @@ def softmax_cross_entropy(
         rows whose argmax equals the label; with ``bias_grad`` the sums as a fourth element.
     """
     xp = get_array_module(logits)
+    if row_weight is not None:  # CPU or GPU, array operations
+        return _weighted_cross_entropy(logits, y, grad_scale, bias_grad, inplace, class_weight, row_weight)
     if xp is not np and logits.dtype != xp.float64:  # fp16/bf16/fp32 on the GPU: one or two kernels
         if class_weight is not None:
             from mlptrain.nn.cuda.weighted_xent import weighted_cross_entropy_gpu
@@ -87,9 +94,10 @@ def softmax_cross_entropy(
 
 
 def _weighted_cross_entropy(
-    logits: Any, y: Any, grad_scale: Any, bias_grad: bool, inplace: bool, class_weight: Any
+    logits: Any, y: Any, grad_scale: Any, bias_grad: bool, inplace: bool, class_weight: Any, row_weight: Any = None
 ) -> tuple:
-    """:func:`softmax_cross_entropy` with ``class_weight (C,)``: the weighted mean, in the loss's dtype."""
+    """:func:`softmax_cross_entropy` with ``class_weight (C,)`` and/or ``row_weight (B,)``: the weighted mean, in
+    the loss's dtype."""
     xp = get_array_module(logits)
     B, C = logits.shape
     dtype = _loss_dtype(xp, logits.dtype)
@@ -98,7 +106,9 @@ def _weighted_cross_entropy(
     e = xp.exp(z)
     s = e.sum(axis=1, keepdims=True)  # (B, 1)
     onehot = xp.arange(C)[None, :] == y[:, None]  # (B, C) bool
-    w = class_weight.astype(dtype)[y]  # (B,) each row's weight
+    w = class_weight.astype(dtype)[y] if class_weight is not None else xp.ones(B, dtype)  # (B,) each row's weight
+    if row_weight is not None:
+        w *= row_weight.astype(dtype)
     inv = 1.0 / w.sum()  # 0-d; a batch of zero-weighted rows gives inf here and a NaN loss, as torch's
     loss = ((xp.log(s[:, 0]) - (z * onehot).sum(axis=1)) * w).sum() * inv
     correct = (logits.argmax(axis=1) == y).sum()
