@@ -55,3 +55,24 @@ def test_cross_entropy_kernel_ties_bad_labels_and_tiny_shapes():
         zz, yy = np.tile(z.astype(np.float32), (reps, 1)), np.tile([0, 1, 4, 2], reps)
         loss, _, _ = softmax_cross_entropy(cp.asarray(zz), cp.asarray(yy))
         assert np.isnan(float(loss))  # label 4 of 4 classes: NaN, not a read past the row
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("B", "C"), [(7, 3), (256, 10), (1024, 10), (320, 32), (1025, 10), (256, 33), (1000, 4096)])
+def test_class_weighted_kernels_match_numpy(dtype, B, C):
+    """model.class_weight: the weighted twins (mlptrain.nn.cuda.weighted_xent) against the float64 NumPy loss,
+    in place and with the output bias gradient, on the one-block and the two-kernel paths."""
+    rng = np.random.default_rng(B * C)
+    z = rand(rng, (B, C), dtype) * 4
+    y = rng.integers(0, C, B)
+    w = rng.uniform(0.0, 5.0, C).astype(np.float32)
+    ref_loss, ref_d, ref_correct = softmax_cross_entropy(f64(z), y, 512.0, class_weight=w)
+    logits = cp.asarray(z)
+    loss, d, correct, db = softmax_cross_entropy(
+        logits, cp.asarray(y), cp.asarray(512.0), bias_grad=True, inplace=True, class_weight=cp.asarray(w)
+    )
+    assert d is logits and d.dtype == z.dtype
+    assert abs(float(loss) - float(ref_loss)) < 1e-5 * max(1.0, abs(float(ref_loss)))
+    close(d, ref_d, dtype, "weighted cross-entropy gradient")
+    close(db, f64(d).sum(axis=0), dtype, "weighted output bias gradient")
+    assert int(correct) == int(ref_correct)
