@@ -10,6 +10,7 @@ Importing mlptrain never needs a GPU: CuPy and nvmath are imported only when a G
 
 import importlib.abc
 import importlib.util
+import inspect
 import sys
 from typing import Any
 
@@ -90,7 +91,7 @@ def _asked_by_runpy() -> bool:
     """Whether the module being looked for is ``python -m``'s: runpy's ``_get_module_details`` asks for its spec
     (through ``importlib.util.find_spec``) a few frames up, not an import statement (``python -m pytest``, for
     one, has runpy further down the stack of every import)."""
-    frame = sys._getframe(1)
+    frame = inspect.currentframe()
     for _ in range(6):
         if frame is None:
             return False
