@@ -258,7 +258,10 @@ def test_a_whole_number_target_with_mse_is_a_regression(tmp_path: Path) -> None:
     assert p.task == "regression" and p.widths[-1] == 1  # was a 194-class classifier ("test acc 0.0000")
     scored, _ = evaluate(EvaluateArgs(ckpt=str(tmp_path / "run"), split="test", device="cpu"))
     assert scored["loss"] == pytest.approx(summary["best/test/loss"], rel=1e-5)
-    cfg.model.loss, cfg.data.test_path = "cross_entropy", None  # a classification loss: its whole numbers are classes
+    cfg.model.loss, cfg.data.test_path = "cross_entropy", None  # a classification loss with data.task=auto:
+    with pytest.raises(DatasetError, match="198 distinct whole numbers in 400 rows"):  # ambiguous (#49): refused
+        Trainer(cfg)
+    cfg.data.task = Task.classification  # said outright: its whole numbers are classes
     assert Trainer(cfg).dataset.task == "classification"
 
 
