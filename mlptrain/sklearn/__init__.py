@@ -13,6 +13,7 @@ module          what it owns
 ``params``      scikit-learn's parameter names, checked and turned into a ``TrainConfig``
 ``fitting``     the CLI's split and normalisation, epochs of the CLI's ``Trainer``, the stopping rule
 ``persist``     the fitted state as an mlptrain checkpoint: ``save``, ``load``, the ``Predictor``
+``frames``      a DataFrame with text, ``category`` or empty cells, through the CLI's column plan
 =============== ==================================================================
 
 docs/sklearn.md says what matches scikit-learn's own MLP and what does not.

@@ -1,7 +1,8 @@
 """``MLPClassifier`` and ``MLPRegressor``: scikit-learn's MLP estimators, trained by mlptrain's :class:`Trainer`.
 
 ``fit(X, y)`` takes raw rows: it checks them as scikit-learn does (``validate_data``: shapes,
-NaN/inf, the number and names of the features), splits and normalises them as the CLI's
+NaN/inf, the number and names of the features; a DataFrame with text, ``category`` or empty cells is encoded
+by the CLI's column plan, :mod:`mlptrain.sklearn.frames`), splits and normalises them as the CLI's
 ``data=file`` does (:mod:`mlptrain.sklearn.fitting`), and trains the network the CLI would build
 (:mod:`mlptrain.sklearn.params`) on the GPU when there is one, writing nothing to disk. The fitted
 state is a checkpoint held in memory (:mod:`mlptrain.sklearn.persist`): ``predict`` scores raw rows
@@ -25,10 +26,11 @@ from sklearn.utils.validation import check_is_fitted, validate_data
 
 from mlptrain.base.errors import ConfigError, DatasetError
 from mlptrain.data.dataset import check_real
+from mlptrain.data.files.plan import ColumnPlan
 from mlptrain.inference.predictor import Predictor, softmax
 from mlptrain.run.checkpoint import Checkpoint
 from mlptrain.run.interval import Interval
-from mlptrain.sklearn import persist
+from mlptrain.sklearn import frames, persist
 from mlptrain.sklearn.fitting import Stopping, make_dataset, outputs, run_epoch
 from mlptrain.sklearn.params import batch_rows, check, check_continuation, train_config
 from mlptrain.step import build
@@ -85,6 +87,8 @@ class _BaseMLP(BaseEstimator):
         beta_2: float = 0.999,
         epsilon: float = 1e-8,
         n_iter_no_change: int = 10,
+        categorical_features: Any = "from_dtype",
+        min_frequency: int = 1,
         normalize: str = "standard",
         execution: str = "fused",
         precision: str = "fp32",
@@ -112,6 +116,8 @@ class _BaseMLP(BaseEstimator):
         self.beta_2 = beta_2
         self.epsilon = epsilon
         self.n_iter_no_change = n_iter_no_change
+        self.categorical_features = categorical_features
+        self.min_frequency = min_frequency
         self.normalize = normalize
         self.execution = execution
         self.precision = precision
@@ -135,9 +141,9 @@ class _BaseMLP(BaseEstimator):
         if not fresh:  # before anything changes: the fitted network and optimizer state must fit the parameters
             check_continuation(name, "partial_fit" if incremental else "warm_start=True", params, self.state_)
         columns = persist.target_columns(y)
-        X, y = validate_data(self, X, y, reset=fresh, dtype=np.float64, multi_output=regression, y_numeric=regression)
+        X, y, encoder = frames.fit_input(self, X, y, fresh=fresh, regression=regression)  # a frame: its plan
         targets, width = self._targets(y, fresh, classes)
-        if self.batch_size != "auto" and not 1 <= self.batch_size <= len(X):
+        if self.batch_size != "auto" and not 1 <= self.batch_size <= len(y):
             warnings.warn(
                 "Got `batch_size` less than 1 or larger than sample size. It is going to be clipped", stacklevel=3
             )
@@ -152,7 +158,7 @@ class _BaseMLP(BaseEstimator):
         cfg = train_config(
             params,
             task=self._task,
-            batch=batch_rows(name, self.batch_size, len(X)),
+            batch=batch_rows(name, self.batch_size, len(y)),
             seed=self.seed_,
             epochs=done + epochs,
             val_fraction=self.validation_fraction if early else 0.0,
@@ -172,6 +178,7 @@ class _BaseMLP(BaseEstimator):
             method=self.normalize,
             norm=None if fresh else persist.normalization(self.state_),
             names=names,
+            columns=encoder,
         )
         cfg.log_every = -(-len(ds.y_train) // cfg.data.batch_size)  # the epoch's steps: one host sync an epoch
         tr = Trainer(cfg, ds)
@@ -247,11 +254,17 @@ class _BaseMLP(BaseEstimator):
         """The network's outputs ``(N, C)`` float32 for raw rows ``X (N, F)`` (normalised as the train split)."""
         check_is_fitted(self)
         check_real(X, "X", ConfigError)
-        X = validate_data(self, X, reset=False, dtype=np.float64)
         p = self.predictor_
+        X = frames.predict_input(self, X, p.plan) if p.plan else validate_data(self, X, reset=False, dtype=np.float64)
         flops = build.step_flops(p.widths, min(len(X), p.batch_size)) // 3  # a chunk's forward: one GEMM per layer
         with p.backend.blas_threads(flops):  # the CLI's thread policy, sized to the forward's GEMMs
             return p.logits(X)
+
+    @property
+    def column_plan_(self) -> ColumnPlan | None:
+        """What each column of a DataFrame became (:mod:`mlptrain.sklearn.frames`); None: numeric input."""
+        check_is_fitted(self)
+        return self.predictor_.plan
 
     @property
     def n_layers_(self) -> int:

@@ -17,12 +17,14 @@ What ends the fit is scikit-learn's rule (:class:`Stopping`), not the CLI's ``ea
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from mlptrain.data.dataset import Dataset, Normalization
+from mlptrain.data.files.plan import ColumnPlan
 from mlptrain.data.prepare import normalization, stratified_split
 from mlptrain.run import faults
 from mlptrain.run.interval import Closed, Interval
@@ -33,7 +35,7 @@ SPLIT_STREAM = 0xDA7A
 
 
 def make_dataset(
-    x: np.ndarray,
+    x: Any,
     y: np.ndarray,
     *,
     task: str,
@@ -43,16 +45,23 @@ def make_dataset(
     method: str,
     norm: Normalization | None = None,
     names: dict[str, Any] | None = None,
+    columns: Callable[[np.ndarray], tuple[np.ndarray, ColumnPlan]] | None = None,
 ) -> Dataset:
     """The :class:`Dataset` of raw rows ``x (N, F)`` float64 and targets ``y`` (class indices ``(N,)``
     int64, or ``(N, T)`` float32), split and normalised as ``data=file`` with a test file does.
 
     ``norm``: keep this normalisation (a fit that continues one) instead of taking the train split's;
-    ``names``: ``feature_names``, ``class_names``, ``target_names`` for the checkpoint.
+    ``names``: ``feature_names``, ``class_names``, ``target_names`` for the checkpoint; ``columns``: ``x`` is
+    a DataFrame's raw columns (:mod:`mlptrain.sklearn.frames`), encoded by ``columns(train rows)``, which
+    returns the inputs ``(N, F)`` float64 and the column plan (fitted on the train split, as the CLI's).
     """
     strata = y if task == "classification" else np.zeros(len(y), np.int64)
     rng = np.random.default_rng([split_seed, SPLIT_STREAM])
     train, val = stratified_split(strata, val_fraction, rng)
+    plan = None
+    if columns is not None:
+        x, plan = columns(train)
+        names = {**(names or {}), "feature_names": plan.feature_names}  # the encoded columns, as the CLI's
     norm = norm or normalization(method, x[train])
     none = np.zeros((0, x.shape[1]), np.float32)  # no test split: the caller scores what it holds out
     return Dataset(
@@ -66,6 +75,7 @@ def make_dataset(
         outputs,
         task=task,
         normalization=norm,
+        columns=None if plan is None else plan.to_meta(),
         **(names or {}),
     )
 

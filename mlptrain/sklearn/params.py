@@ -25,6 +25,9 @@ epsilon              ``optimizer.eps``                      PyTorch's Adam: ``ep
                                                             correction of ``sqrt(v)``
 validation_fraction  ``data.val_fraction``                  only with ``early_stopping=True``
 random_state         ``seed`` and ``data.split_seed``
+categorical_features ``data.categorical``                   HistGradientBoosting's ``from_dtype``:
+                                                            ``category``, text columns; plus a list
+min_frequency        ``data.min_frequency``                 OneHotEncoder's, a count of rows
 ==================== ====================================== ==========================================
 """
 
@@ -37,6 +40,7 @@ import numpy as np
 
 from mlptrain.base.errors import ConfigError
 from mlptrain.config.schema import NORMALIZATIONS, SCHEDULES, Device, Mode, Schedule, TrainConfig, values
+from mlptrain.sklearn import frames
 from mlptrain.step.precision import PRECISIONS
 
 ACTIVATIONS = {"relu": "relu", "identity": "none", "gelu": "gelu"}
@@ -121,6 +125,7 @@ def check(owner: str, p: dict[str, Any]) -> None:
     _count(owner, "n_iter_no_change", p["n_iter_no_change"])
     if p["batch_size"] != "auto":
         batch_rows(owner, p["batch_size"], 1)
+    frames.check_params(owner, p)
 
 
 def check_continuation(owner: str, how: str, p: dict[str, Any], fitted: Any) -> None:
@@ -168,6 +173,9 @@ def train_config(
     d.name, d.batch_size, d.split_seed, d.val_fraction = type(d.name)("file"), batch, seed, val_fraction
     d.normalize = type(d.normalize)(p["normalize"])
     d.task = type(d.task)(task)
+    d.min_frequency = int(p["min_frequency"])
+    asked = p["categorical_features"]
+    d.categorical = [] if isinstance(asked, str) else [c for c in asked if isinstance(c, str)]  # names: the CLI's
     o = cfg.optimizer
     o.name = p["solver"]
     o.lr = float(p["learning_rate_init"])

@@ -117,9 +117,11 @@ def load(cls: Any, path: Any) -> Any:
     for k, v in saved.items():
         if k != "params":
             setattr(est, k, np.asarray(v) if k == "classes_" else v)
-    est.n_features_in_ = int(ckpt.meta["widths"][0])
-    if data.get("feature_names"):
-        est.feature_names_in_ = np.asarray(data["feature_names"], dtype=object)
+    plan = data.get("columns")  # a DataFrame's (or a CLI table's) columns: the raw ones are the inputs
+    inputs = [c["name"] for c in plan["columns"]] if plan else data.get("feature_names")
+    est.n_features_in_ = len(plan["columns"]) if plan else int(ckpt.meta["widths"][0])
+    if inputs:
+        est.feature_names_in_ = np.asarray(inputs, dtype=object)
     est.seed_ = int(ckpt.meta["rng"]["seed"])
     est.state_ = Checkpoint(ckpt.path, ckpt.arrays, {k: v for k, v in ckpt.meta.items() if k != "sha256"})
     est.predictor_ = predictor(est.state_, est.device)
@@ -158,6 +160,8 @@ def _from_cli(config: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
         "precision": meta["precision"],
         "execution": meta["execution"],
         "random_state": meta["rng"]["seed"],
+        "categorical_features": config.get("data", {}).get("categorical") or None,  # None: from_dtype
+        "min_frequency": config.get("data", {}).get("min_frequency"),
     }
     out: dict[str, Any] = {"params": {k: v for k, v in params.items() if v is not None}}
     n = meta["position"]["epoch"]

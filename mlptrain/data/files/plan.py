@@ -36,12 +36,14 @@ RARE = "<rare>"  # the column of the levels of fewer than data.min_frequency tra
 
 
 def empty_cells(cells: np.ndarray) -> np.ndarray:
-    """``(N,)`` bool: the cells of ``cells (N,)`` (stripped text) that hold no value."""
-    return np.isin(cells, MISSING)
+    """``(N,)`` bool: the cells of ``cells (N,)`` (stripped text, or numbers: NaN is empty) that hold no value."""
+    return np.isnan(cells) if cells.dtype.kind == "f" else np.isin(cells, MISSING)
 
 
 def numbers(cells: np.ndarray, empty: np.ndarray) -> np.ndarray | None:
     """The cells as float64 (empty ones NaN), or None where a non-empty cell is not a number."""
+    if cells.dtype.kind == "f":  # a numeric column of a DataFrame (mlptrain.sklearn.frames): NaN is empty
+        return cells.astype(np.float64, copy=False)
     try:
         return np.where(empty, "nan", cells).astype(np.float64)
     except ValueError:
@@ -109,8 +111,9 @@ class ColumnPlan:
         return None if meta is None else cls([Column(**c) for c in meta["columns"]])
 
     def encode(self, cells: dict[str, np.ndarray], where: Callable[[int], str], file: str) -> tuple[np.ndarray, dict]:
-        """``cells`` (column -> ``(N,)`` stripped text) as the model's inputs ``(N, F)`` float64, and the unknown
-        levels' counts (column -> rows). ``where(row)`` and ``file`` name a cell in the messages.
+        """``cells`` (column -> ``(N,)`` stripped text; a numeric column's may be float, NaN empty) as the model's
+        inputs ``(N, F)`` float64, and the unknown levels' counts (column -> rows). ``where(row)`` and ``file``
+        name a cell in the messages.
 
         Raises:
             DatasetError: a column of the plan is missing, or a numeric column holds text.
