@@ -20,6 +20,18 @@ standardised units: ``y = z * scale + shift``).
 with the same float32 arithmetic as :class:`mlptrain.inference.predictor.Predictor` on the CPU, so
 ONNX Runtime gives the same predictions (tests/test_export.py).
 
+**A model with a column plan** (a table with text or empty cells, :mod:`mlptrain.data.files.plan`): the ONNX
+graph takes the raw columns instead of ``x``, one input per column named as it, ``(N,)`` each (a categorical
+column ``tensor(string)``, a numeric one ``tensor(double)`` with NaN for an empty cell), and encodes them as
+``predict`` does before the normalisation (:mod:`mlptrain.inference.onnx_columns`: median fill and
+``_missing`` indicator, one-hot of the training levels, unseen levels all zeros, rare levels grouped)::
+
+    age (N,) double, region (N,) string, ... -> [plan] -> x64 (N, F) double -> Sub(shift), Mul(1/scale) -> ...
+
+The safetensors weights take the encoded features (``feature_names``), and the plan is written beside them
+as JSON, ``<name>.columns.json`` (:func:`plan_path`; also ``column_plan`` in the metadata), to encode raw
+rows with (tests/test_export_columns.py).
+
 The output ends in ``.<format>`` (default: ``<run dir>/<checkpoint name>.<format>``); it never
 replaces the checkpoint, another checkpoint or anything in ``checkpoints/``, and an existing file
 only when it is an export of mlptrain (or with ``overwrite=true``): :mod:`mlptrain.inference.outputs`.
@@ -40,7 +52,7 @@ import numpy as np
 from mlptrain.base.errors import ConfigError, OutputError
 from mlptrain.cli import commands
 from mlptrain.cli.commands import REQUIRED, arg
-from mlptrain.inference import outputs
+from mlptrain.inference import onnx_columns, outputs
 from mlptrain.inference.predictor import Predictor
 from mlptrain.run.checkpoint import CHECKPOINT_DIR
 
@@ -48,6 +60,7 @@ FORMATS = ("safetensors", "onnx")
 DTYPES = {"fp32": np.float32, "fp16": np.float16}
 _ST_DTYPES = {"float32": "F32", "float16": "F16", "float64": "F64", "int64": "I64"}
 ONNX_OPSET = 17
+PLAN_FORMAT = "mlptrain-column-plan"  # the "format" of a safetensors export's <name>.columns.json
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +68,11 @@ log = logging.getLogger(__name__)
 @dataclass
 class ExportArgs:
     ckpt: str = arg(REQUIRED, "a checkpoint (.npz), or a run directory (its checkpoints/best.npz)")
-    format: str = arg(REQUIRED, "safetensors (PyTorch nn.Sequential names) or onnx (normalisation included)")
+    format: str = arg(
+        REQUIRED,
+        "safetensors (PyTorch nn.Sequential names; a column plan beside, as <name>.columns.json) or onnx "
+        "(normalisation included; a table with a column plan: one input per raw column)",
+    )
     output: str | None = arg(None, "the file to write (.<format>); null: <run dir>/<checkpoint name>.<format>")
     dtype: str = arg("fp32", "safetensors: the parameters' dtype, fp32 or fp16 (ONNX: fp32)")
     overwrite: bool = arg(False, "replace an existing output that is not an mlptrain export (never a checkpoint)")
@@ -115,18 +132,10 @@ def preprocessing(p: Predictor) -> dict[str, Any]:
 
 
 def _column_plan(p: Predictor) -> dict[str, Any]:
-    """A model trained through a column plan: the plan (what raw columns become ``feature_names``); the exported
-    network takes the encoded features, so the raw rows are encoded by it first (``mlptrain.predict`` does)."""
-    if p.plan is None:
-        return {}
-    log.warning(
-        "%s: trained through a column plan (text or empty cells, docs/data.md); the export takes its %d encoded "
-        "features (feature_names), not the raw columns %s: encode raw rows by column_plan first",
-        p.path,
-        len(p.plan.feature_names),
-        p.plan.names,
-    )
-    return {"column_plan": p.plan.to_meta()}
+    """A model trained through a column plan: the plan (what raw columns become ``feature_names``). The ONNX
+    graph encodes raw columns by it; the safetensors weights take the encoded features (the plan is also
+    written beside them, :func:`plan_path`)."""
+    return {} if p.plan is None else {"column_plan": p.plan.to_meta()}
 
 
 def _target_scaling(p: Predictor) -> dict[str, Any]:
@@ -194,15 +203,15 @@ def onnx_model(p: Predictor) -> Any:
     except ImportError as exc:
         raise ConfigError("format=onnx needs the onnx package: pip install -e '.[onnx]' in mlptrain's clone") from exc
     f32 = np.float32
-    inits = [
+    inputs, nodes, inits = _onnx_inputs(p)  # -> x64 (N, F) double: the model's features, raw
+    inits += [
         numpy_helper.from_array(p.shift.astype(np.float64), "shift"),  # in float64, as mlptrain normalises
         numpy_helper.from_array(1.0 / p.scale.astype(np.float64), "inv_scale"),
     ]
     if _activation(p) == "gelu":
         consts = {"gelu_k": 0.044715, "gelu_c": np.sqrt(2 / np.pi), "gelu_one": 1.0, "gelu_half": 0.5}
         inits += [numpy_helper.from_array(np.array(v, f32), name) for name, v in consts.items()]
-    nodes = [
-        helper.make_node("Cast", ["x"], ["x64"], to=TensorProto.DOUBLE),
+    nodes += [
         helper.make_node("Sub", ["x64", "shift"], ["x_shifted"]),
         helper.make_node("Mul", ["x_shifted", "inv_scale"], ["x_normalised"]),
         helper.make_node("Cast", ["x_normalised"], ["h0"], to=TensorProto.FLOAT),  # rounded once
@@ -234,14 +243,40 @@ def onnx_model(p: Predictor) -> Any:
             helper.make_tensor_value_info("probabilities", TensorProto.FLOAT, [n, c]),
             helper.make_tensor_value_info("class_id", TensorProto.INT64, [n]),
         ]
-    graph = helper.make_graph(
-        nodes, "mlptrain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [n, p.num_features])], outputs, inits
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", ONNX_OPSET)], producer_name="mlptrain")
+    _check_names(p, nodes, inits)
+    graph = helper.make_graph(nodes, "mlptrain", inputs, outputs, inits)
+    opsets = [helper.make_opsetid("", ONNX_OPSET)]
+    opsets += [helper.make_opsetid(onnx_columns.ML_DOMAIN, onnx_columns.ML_OPSET)] if p.plan is not None else []
+    model = helper.make_model(graph, opset_imports=opsets, producer_name="mlptrain")
     model.ir_version = min(model.ir_version, 8)  # readable by older ONNX Runtime releases too
     helper.set_model_props(model, {"mlptrain": json.dumps(preprocessing(p))})
     onnx.checker.check_model(model)
     return model
+
+
+def _onnx_inputs(p: Predictor) -> tuple[list[Any], list[Any], list[Any]]:
+    """``(inputs, nodes, initializers)`` that make ``x64`` (N, F) double, the model's raw features: from one
+    float32 input ``x`` (N, F), or (a model with a column plan) from one input per raw column, encoded in the
+    graph (:mod:`mlptrain.inference.onnx_columns`).
+
+    """
+    from onnx import TensorProto, helper
+
+    if p.plan is None:
+        x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", p.num_features])
+        return [x], [helper.make_node("Cast", ["x"], ["x64"], to=TensorProto.DOUBLE)], []
+    return onnx_columns.plan_graph(p.plan, "x64")
+
+
+def _check_names(p: Predictor, nodes: list[Any], inits: list[Any]) -> None:
+    """Raise ConfigError where a raw column (a graph input) has the name of another tensor of the graph."""
+    taken = {o for node in nodes for o in node.output} | {i.name for i in inits}
+    clash = [c for c in (p.plan.names if p.plan is not None else []) if c in taken]
+    if clash:
+        raise ConfigError(
+            f"format=onnx: the column(s) {clash} have the name of a tensor of the exported graph, whose inputs are "
+            "the raw columns, named as the columns: rename them and train again, or export safetensors"
+        )
 
 
 def export(args: ExportArgs) -> Path:
@@ -251,24 +286,42 @@ def export(args: ExportArgs) -> Path:
         raise ConfigError(f"dtype={args.dtype!r}; expected {'fp32' if args.format == 'onnx' else 'fp32 or fp16'}")
     p = Predictor(args.ckpt, device="cpu", precision="fp32")  # host arrays, master weights
     out = output_path(p, args)
-    outputs.check_output(
-        out,
-        inputs={"the checkpoint": p.path},
-        kind=f"an mlptrain {args.format} export",
-        same_kind=lambda f: is_export(f, args.format),
-        overwrite=args.overwrite,
-    )
-    outputs.prepare([out])
+    side = plan_path(out) if args.format == "safetensors" and p.plan is not None else None  # the plan as JSON
+    for path, kind, same in (
+        (out, f"an mlptrain {args.format} export", lambda f: is_export(f, args.format)),
+        *([(side, "an mlptrain column plan", is_plan_file)] if side is not None else []),
+    ):
+        outputs.check_output(
+            path, inputs={"the checkpoint": p.path}, kind=kind, same_kind=same, overwrite=args.overwrite
+        )
+    outputs.prepare([out, *([side] if side is not None else [])])
     if args.format == "safetensors":
         meta = {"format": "pt", "mlptrain": json.dumps(preprocessing(p))}
         content: bytes = safetensors_bytes(sequential_state_dict(p, DTYPES[args.dtype]), meta)
     else:
         content = onnx_model(p).SerializeToString()
+    items = [(out, content)]
+    if side is not None and p.plan is not None:  # the weights take the encoded features: the plan makes them
+        plan = {"format": PLAN_FORMAT, **p.plan.to_meta(), "feature_names": p.plan.feature_names}
+        items.append((side, (json.dumps(plan, indent=1) + "\n").encode("utf-8")))
     try:
-        outputs.write_together([(out, content)])
+        outputs.write_together(items)
     except OSError as exc:
         raise OutputError(f"cannot write {out} ({exc})") from exc
     return out
+
+
+def plan_path(out: Path) -> Path:
+    """Where a safetensors export's column plan goes: ``model.safetensors`` -> ``model.columns.json``."""
+    return out.with_name(out.stem + ".columns.json")
+
+
+def is_plan_file(path: Path) -> bool:
+    """Whether ``path`` is a column plan that an export wrote (so that exporting again may replace it)."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8")).get("format") == PLAN_FORMAT
+    except Exception:  # not JSON, not an object, unreadable: not ours
+        return False
 
 
 def output_path(p: Predictor, args: ExportArgs) -> Path:
@@ -304,6 +357,8 @@ def is_export(path: Path, fmt: str) -> bool:
 def run(args: ExportArgs) -> int:
     out = export(args)
     print(f"wrote {out} ({out.stat().st_size:,} bytes, {args.format})")
+    if args.format == "safetensors" and plan_path(out).is_file():
+        print(f"wrote {plan_path(out)} (the column plan: raw columns -> the weights' {out.stem} inputs)")
     return 0
 
 
