@@ -134,3 +134,18 @@ def test_a_column_named_as_a_tensor_of_the_graph_is_refused(ckpt: Path, tmp_path
 
     with pytest.raises(ConfigError, match=r"the column\(s\) \['logits'\] have the name of a tensor"):
         onnx_model(p)
+
+
+def test_an_estimator_fitted_on_a_dataframe_exports_onnx_that_scores_the_frame(tmp_path: Path) -> None:
+    """The scikit-learn estimator's plan (a DataFrame with category, text, integer-coded and NaN columns) through
+    save and the ONNX export: ONNX Runtime on the raw frame equals predict_proba."""
+    from test_sklearn_frames import fitted, table
+
+    frame, y = table(200)
+    clf = fitted(frame, y, max_iter=3)
+    out = export(ExportArgs(ckpt=str(clf.save(tmp_path / "m.npz")), format="onnx", output=str(tmp_path / "m.onnx")))
+    sess = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    new, _ = table(50, seed=7)
+    new.loc[0, "city"], new.loc[1, "income"] = "lima", np.nan
+    (probabilities,) = sess.run(["probabilities"], feeds(clf.column_plan_, new[list(reversed(new.columns))]))
+    assert_allclose(probabilities, clf.predict_proba(new), rtol=0, atol=1e-5)

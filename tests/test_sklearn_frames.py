@@ -21,8 +21,10 @@ from sklearn.exceptions import ConvergenceWarning  # noqa: E402
 from sklearn.impute import SimpleImputer  # noqa: E402
 from sklearn.preprocessing import OneHotEncoder  # noqa: E402
 
+from mlptrain.data.prepare import stratified_split  # noqa: E402
 from mlptrain.inference.predictor import predict  # noqa: E402
 from mlptrain.sklearn import MLPClassifier, MLPRegressor  # noqa: E402
+from mlptrain.sklearn.fitting import SPLIT_STREAM  # noqa: E402
 from mlptrain.sklearn.frames import predict_input  # noqa: E402
 
 NUMERIC = ["age", "income"]
@@ -166,3 +168,19 @@ def test_numeric_input_keeps_scikit_learns_path_and_a_continued_fit_keeps_the_pl
         fitted(frame, y, categorical_features=["nope"])
     with pytest.raises(ValueError, match="min_frequency=0"):
         fitted(frame, y, min_frequency=0)
+
+
+def test_with_early_stopping_the_plan_comes_from_the_train_split_alone() -> None:
+    """The medians and levels are the train split's (the CLI's split: the same generator), never the held-out
+    rows': a level only in the validation rows is unknown to the plan."""
+    frame, y = table(300)
+    clf = MLPClassifier(hidden_layer_sizes=(8,), max_iter=2, random_state=4, device="cpu", early_stopping=True)
+    classes = np.searchsorted(np.unique(y), y)
+    train, val = stratified_split(classes, 0.3, np.random.default_rng([4, SPLIT_STREAM]))
+    frame.loc[val[0], "city"] = "lima"  # held out: not a level of the plan
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        plan = clf.set_params(validation_fraction=0.3).fit(frame, y).column_plan_
+    assert plan.columns[0].fill == np.nanmedian(frame["age"].to_numpy()[train])
+    assert plan.columns[0].fill != np.nanmedian(frame["age"].to_numpy())
+    assert "lima" not in plan.columns[1].levels and len(clf.validation_scores_) == 2
