@@ -110,7 +110,8 @@ def fit_input(est: Any, X: Any, y: Any, *, fresh: bool, regression: bool) -> tup
     name = type(est).__name__
     fitted = None if fresh else est.column_plan_
     categorical = categorical_columns(name, X, est.categorical_features) if is_frame(X) and fresh else []
-    if (fitted is None) if not fresh else not (is_frame(X) and needs_plan(X, categorical)):
+    uses_plan = (is_frame(X) and needs_plan(X, categorical)) if fresh else fitted is not None
+    if not uses_plan:
         X, y = validate_data(est, X, y, reset=fresh, dtype=np.float64, multi_output=regression, y_numeric=regression)
         return X, y, None
     rare = int(est.min_frequency)
