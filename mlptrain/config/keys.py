@@ -30,7 +30,8 @@ ALIASES: dict[str, str] = {
     **dict.fromkeys(
         ["batch", "batchsize", "bs", "mini_batch_size", "minibatch_size", "train_batch_size"], "data.batch_size"
     ),
-    **dict.fromkeys(["wd", "l2", "weightdecay", "decay"], "optimizer.weight_decay"),
+    **dict.fromkeys(["wd", "l2", "weightdecay", "decay", "weight_decay"], "optimizer.weight_decay"),
+    "lr": "optimizer.lr",  # (ensemble.lr and ensemble.weight_decay are per-member lists: not what is meant)
     **dict.fromkeys(["scheduler", "lr_scheduler", "lr_schedule", "schedule"], "optimizer.schedule"),
     **dict.fromkeys(["warmup", "warmup_iters", "warmup_epochs"], "optimizer.warmup_steps"),
     **dict.fromkeys(["early_stopping_patience", "patience"], "early_stopping.patience"),

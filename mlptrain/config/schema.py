@@ -291,6 +291,17 @@ class DistributedConfig:
 
 
 @dataclass
+class EnsembleConfig:
+    """K models of one shape in one run, trained as one batched GEMM per layer role (docs/ensembles.md)."""
+
+    size: int = _f(1, "members trained together, seeds seed..seed+size-1 (1: one model, the usual run)")
+    lr: Optional[list[float]] = _f(None, "per-member learning rates (length size), a batched sweep; null: optimizer.lr")
+    weight_decay: Optional[list[float]] = _f(
+        None, "per-member weight decay (length size), a batched sweep; null: optimizer.weight_decay"
+    )
+
+
+@dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -299,6 +310,7 @@ class TrainConfig:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    ensemble: EnsembleConfig = field(default_factory=EnsembleConfig)
     device: Device = _f(Device.auto, "auto (the GPU when there is one), cpu or gpu")
     seed: int = _f(0, "seed of the initial weights and the data order")
     epochs: int = _f(20, "epochs to train")

@@ -287,3 +287,75 @@ class DataLoader:
     def __iter__(self) -> Iterator[tuple[Any, Any]]:
         """The batches of epoch 0."""
         return self.epoch(0)
+
+
+class MemberLoader(DataLoader):
+    """An ensemble's training batches: member ``k``'s from its own :class:`DataLoader` (the order of the single
+    run of seed ``seed + k``), stacked as ``xb (K, B, F)``, ``yb (K, B)`` (or ``(K, B, T)``).
+
+    The members' loaders hold the same rows in the same batch sizes, so their batches line up; each member's
+    slice is exactly the batch its single run would take. The step does not gather its own batch from it
+    (``resident`` is false: under a CUDA graph the stacked batch is copied into the graph's input buffers).
+    """
+
+    resident = False
+
+    def __init__(self, members: list[DataLoader]) -> None:  # the members' loaders hold the data: no copy here
+        first = members[0]
+        if any(ld.num_samples != first.num_samples or ld.batch_size != first.batch_size for ld in members):
+            raise ValueError("the members' loaders must hold the same number of rows in batches of one size")
+        self.members = members
+        self.xp, self.batch_size, self.dtype, self.shard = first.xp, first.batch_size, first.dtype, None
+        self.shuffle, self.drop_last = first.shuffle, first.drop_last
+        self.seed, self.x, self.y = first.seed, first.x, first.y
+        self.global_rows = 0
+
+    @property
+    def num_samples(self) -> int:
+        return self.members[0].num_samples
+
+    def __len__(self) -> int:
+        return len(self.members[0])
+
+    def row_counts(self) -> list[int]:
+        return self.members[0].row_counts()
+
+    def batch_rows(self, start_batch: int) -> Iterator[int]:
+        return self.members[0].batch_rows(start_batch)
+
+    def permutation(self, epoch: int) -> np.ndarray:
+        """Member 0's order (each member takes its own: :meth:`epoch`)."""
+        return self.members[0].permutation(epoch)
+
+    def place_order(self, epoch: int, start_batch: int, step: int) -> None:
+        raise NotImplementedError("an ensemble's step takes its stacked batch from MemberLoader.epoch")
+
+    def sample_batch(self, xb: Any, yb: Any, step: Any) -> None:
+        """A valid stacked batch in ``xb (K, B, F)``, ``yb``: the split's first rows for every member."""
+        rows = xb.shape[1]
+        xb[...] = self.x[:rows]  # (B, F) broadcast over the members, on the device
+        yb[...] = self.y[:rows]
+
+    def batch_spec(self, rows: int) -> tuple[tuple[int, ...], np.dtype, tuple[int, ...], np.dtype]:
+        """``(x shape, x dtype, y shape, y dtype)`` of a stacked batch of ``rows`` per member."""
+        x_shape, x_dtype, y_shape, y_dtype = self.members[0].batch_spec(rows)
+        k = len(self.members)
+        return (k, *x_shape), x_dtype, (k, *y_shape), y_dtype
+
+    def empty_batch(self, rows: int) -> tuple[Any, Any]:
+        x_shape, x_dtype, y_shape, y_dtype = self.batch_spec(rows)
+        return self.xp.empty(x_shape, x_dtype), self.xp.empty(y_shape, y_dtype)
+
+    def epoch(self, epoch: int, start_batch: int = 0, out: Any = None) -> Iterator[tuple[Any, Any]]:
+        """The stacked batches of ``epoch`` from ``start_batch`` (into ``out(rows)``'s arrays where it gives them)."""
+        for batches in zip(*(ld.epoch(epoch, start_batch) for ld in self.members), strict=True):
+            rows = len(batches[0][1])
+            self.global_rows = rows
+            bufs = out(rows) if out is not None else None
+            xs, ys = [x for x, _ in batches], [y for _, y in batches]
+            if bufs is None:
+                yield self.xp.stack(xs), self.xp.stack(ys)  # (K, B, F), (K, B)
+                continue
+            for k, (x, y) in enumerate(batches):
+                bufs[0][k], bufs[1][k] = x, y
+            yield bufs

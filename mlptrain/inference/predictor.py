@@ -37,7 +37,9 @@ from mlptrain.data.dataset import raw_rows_problem, saved_target_scaling
 from mlptrain.data.files.plan import ColumnPlan
 from mlptrain.inference import columns
 from mlptrain.inference.consistency import check_for_scoring
+from mlptrain.nn.batched import BatchedMLP, BatchedNumpyGemm
 from mlptrain.nn.execution import ACTIVATIONS, FusedExecution, NumpyGemm
+from mlptrain.nn.members import MemberMean
 from mlptrain.nn.network import MLP
 from mlptrain.run import checkpoint
 from mlptrain.step.precision import Precision, get_precision
@@ -340,7 +342,7 @@ def _precision(name: str | None, saved: str, backend: Backend) -> Precision:
     return get_precision(name, backend)
 
 
-def _model(ckpt: checkpoint.Checkpoint, backend: Backend, prec: Precision, autotune: bool = False) -> MLP:
+def _model(ckpt: checkpoint.Checkpoint, backend: Backend, prec: Precision, autotune: bool = False) -> Any:
     """The network of the checkpoint, its parameters loaded, on ``backend``."""
     if backend.is_gpu:
         from mlptrain.nn.cuda.gemm import NvmathGemm
@@ -354,19 +356,18 @@ def _model(ckpt: checkpoint.Checkpoint, backend: Backend, prec: Precision, autot
         raise CheckpointError(
             f"checkpoint {ckpt.path}: model.activation={activation!r} is not {joined(ACTIVATIONS.names(), 'or')}"
         )
-    model = MLP(
-        ckpt.meta["widths"],
-        execution=FusedExecution(gemm),
-        xp=backend.xp,
-        rng=np.random.default_rng(0),
-        param_dtype=prec.param_dtype,
-        compute_dtype=prec.compute_dtype,
-        activation=activation,
-    )
+    members = ckpt.meta.get("members", 1)  # an ensemble: its members' mean (mlptrain.nn.members.MemberMean)
+    common = dict(xp=backend.xp, param_dtype=prec.param_dtype, compute_dtype=prec.compute_dtype, activation=activation)
+    if members == 1:
+        model: Any = MLP(ckpt.meta["widths"], execution=FusedExecution(gemm), rng=np.random.default_rng(0), **common)
+    else:
+        engine = gemm if backend.is_gpu else BatchedNumpyGemm()  # nvmath takes the stacks as they are
+        rngs = [np.random.default_rng(0)] * members
+        model = BatchedMLP(ckpt.meta["widths"], execution=FusedExecution(engine), rngs=rngs, **common)
     params = {k[len("param/") :]: v for k, v in ckpt.arrays.items() if k.startswith("param/")}
     expected = {p.name: tuple(p.value.shape) for p in model.params}
     got = {k: tuple(v.shape) for k, v in params.items()}
     if got != expected:
         raise CheckpointError(f"checkpoint {ckpt.path}: parameters {got} do not fit the model {expected}")
     model.load_state_dict(params)
-    return model
+    return model if members == 1 else MemberMean(model, ckpt.meta["data"]["task"] == "classification")

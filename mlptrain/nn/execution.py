@@ -12,8 +12,13 @@ and the object decides how the work is done.
 Layout, shared by both: activations and their gradients are C-contiguous ``(B, features)``
 arrays, weights are C-contiguous ``(out, in)``. The memory of a C-order ``(B, out)`` array is
 exactly the column-major ``(out, B)`` matrix that cuBLASLt's bias and aux epilogs produce, so the
-fused path computes the transposed products (``Z^T = W @ X^T``) and every ``.T`` is a free view:
+fused path computes the transposed products (``Z^T = W @ X^T``) and every transpose is a free view:
 no copy or transpose kernel runs between layers.
+
+Every method also takes an ensemble's stacked operands (:mod:`mlptrain.nn.batched`): a leading member
+axis on everything, ``X (K, B, in)``, ``W (K, out, in)``, the bias ``(K, 1, out)``, and the GEMM engine
+runs one batched GEMM per call. Transposes are of the last two axes (:func:`_t`), reductions are over
+the batch axis (``-2``); a single model's 2-D arrays take the very same code.
 
 The three GEMMs of layer ``l`` (``X`` its input, ``Z = X @ W^T + b`` its pre-activation):
 
@@ -41,6 +46,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from mlptrain.base.backend import get_array_module
 from mlptrain.base.registry import Registry
 from mlptrain.nn.epilogs import Epilog, gelu, gelu_grad, matmul, reduce_sum, unpack_relu_mask
 
@@ -147,8 +153,8 @@ class FusedExecution:
         spec = ACTIVATIONS[activation]
         epilog = (spec.forward if mask else spec.infer) or Epilog.BIAS
         # (out, in) @ (in, B) -> (out, B) column-major == (B, out) C-order
-        zt, aux = self.gemm(forward_site(key, mask), W, x.T, epilog, bias=b)
-        return zt.T, (aux.get(spec.aux) if spec.aux else None)
+        zt, aux = self.gemm(forward_site(key, mask), W, _t(x), epilog, bias=_bias_column(b))
+        return _t(zt), (aux.get(spec.aux) if spec.aux else None)
 
     def input_grad(
         self, key: str, W: Any, dz: Any, mask_below: Any, bias_grad_below: bool, activation_below: str = "relu"
@@ -162,16 +168,16 @@ class FusedExecution:
         reject: :meth:`_input_grad_k1` then applies the derivative separately.
         """
         if mask_below is None:  # no activation below: a plain GEMM
-            dxt, _ = self.gemm(f"{key}.dgrad", W.T, dz.T)
-            return dxt.T, None
-        if dz.shape[1] == 1:
+            dxt, _ = self.gemm(f"{key}.dgrad", _t(W), _t(dz))
+            return _t(dxt), None
+        if dz.shape[-1] == 1:
             return self._input_grad_k1(key, W, dz, mask_below, bias_grad_below, activation_below)
         below = ACTIVATIONS[activation_below]
         epilog = below.backward_bgrad if bias_grad_below else below.backward
         aux_input = {below.aux: mask_below}
         # (in, out) @ (out, B) -> (in, B) column-major == (B, in) C-order
-        dxt, aux = self.gemm(f"{key}.dgrad", W.T, dz.T, epilog, **aux_input)
-        return dxt.T, aux.get("drelu_bgrad", aux.get("dgelu_bgrad"))
+        dxt, aux = self.gemm(f"{key}.dgrad", _t(W), _t(dz), epilog, **aux_input)
+        return _t(dxt), aux.get("drelu_bgrad", aux.get("dgelu_bgrad"))
 
     def weight_grad(self, key: str, x: Any, dz: Any, bias_grad: bool) -> tuple[Any, Any]:
         """``dW = dZ^T @ X`` in W's (out, in) layout; with ``bias_grad`` also ``db = dZ.sum(0)``.
@@ -179,8 +185,8 @@ class FusedExecution:
         BGRADB reduces the B operand (dZ, (batch, out)) over K = batch: the bias gradient.
         """
         # (in, B) @ (B, out) -> (in, out) column-major == (out, in) C-order, W's layout
-        dwt, aux = self.gemm(f"{key}.wgrad", x.T, dz, Epilog.BGRADB if bias_grad else None)
-        return dwt.T, aux.get("bgradb")
+        dwt, aux = self.gemm(f"{key}.wgrad", _t(x), dz, Epilog.BGRADB if bias_grad else None)
+        return _t(dwt), aux.get("bgradb")
 
     def _input_grad_k1(
         self, key: str, W: Any, dz: Any, mask_below: Any, bias_grad_below: bool, activation_below: str
@@ -188,13 +194,13 @@ class FusedExecution:
         """:meth:`input_grad` for a layer with one output (a single-target regression): K = 1, which
         cuBLASLt's dReLU and dGELU epilogs reject. The GEMM runs plain and the derivative is applied
         (and the bias gradient reduced) separately."""
-        dxt, _ = self.gemm(f"{key}.dgrad", W.T, dz.T)  # (in, 1) @ (1, B): an outer product
-        m = W.shape[1]
+        dxt, _ = self.gemm(f"{key}.dgrad", _t(W), _t(dz))  # (in, 1) @ (1, B): an outer product
+        m = W.shape[-1]
         if activation_below == "gelu":
-            dx = dxt.T * gelu_grad(mask_below[:m].T.astype("float64")).astype(dxt.dtype)  # (B, in)
+            dx = _t(dxt) * _t(gelu_grad(mask_below[..., :m, :].astype("float64"))).astype(dxt.dtype)  # (B, in)
         else:
-            dx = dxt.T * unpack_relu_mask(mask_below, m).T  # (B, in), dReLU of the layer below
-        return dx, (reduce_sum(dx, axis=0) if bias_grad_below else None)
+            dx = _t(dxt) * _t(_unpack(mask_below, m))  # (B, in), dReLU of the layer below
+        return dx, (_batch_sum(dx) if bias_grad_below else None)
 
 
 # u = sqrt(2/pi) (z + 0.044715 z^3), t = tanh(u), du = du/dz; W: float, or double for float64 data
@@ -234,8 +240,8 @@ class NaiveExecution:
         self.gemm.release_operands(f"{key}.")
 
     def forward(self, key: str, W: Any, b: Any, x: Any, activation: str, mask: bool = True) -> tuple[Any, Any]:
-        z, _ = self.gemm(forward_site(key, mask), x, W.T)  # (B, in) @ (in, out) -> (B, out)
-        z += b  # bias per feature, broadcast over the batch
+        z, _ = self.gemm(forward_site(key, mask), x, _t(W))  # (B, in) @ (in, out) -> (B, out)
+        z += b  # bias per feature, broadcast over the batch (an ensemble's (K, 1, out) over (K, B, out))
         if activation == "none":
             return z, None
         if activation == "gelu":  # keep Z for the backward (gelu'(Z))
@@ -257,8 +263,8 @@ class NaiveExecution:
         return dx, (self._sum(dx) if bias_grad_below else None)  # (in,) bias gradient of the layer below
 
     def weight_grad(self, key: str, x: Any, dz: Any, bias_grad: bool) -> tuple[Any, Any]:
-        dwt, _ = self.gemm(f"{key}.wgrad", x.T, dz)  # (in, B) @ (B, out) -> (in, out) == dW (out, in)^T
-        return dwt.T, (self._sum(dz) if bias_grad else None)  # (out,)
+        dwt, _ = self.gemm(f"{key}.wgrad", _t(x), dz)  # (in, B) @ (B, out) -> (in, out) == dW (out, in)^T
+        return _t(dwt), (self._sum(dz) if bias_grad else None)  # (out,)
 
     # GELU and its derivative: on the CPU the contract's float64 formulas (so that naive and fused
     # agree there); on the GPU one element-wise kernel each, in float32 for the narrower dtypes, as
@@ -277,6 +283,32 @@ class NaiveExecution:
         return dx
 
     def _sum(self, x: Any) -> Any:
-        """Column sums of ``x (B, n)``: on the CPU in the epilog contract's accumulator (so that naive and
-        fused agree bit for bit there), on the GPU as CuPy sums."""
-        return reduce_sum(x, axis=0) if self.xp.__name__ == "numpy" else x.sum(axis=0)
+        """Column sums of ``x (B, n)`` (an ensemble's ``(K, B, n)``: ``(K, n)``): on the CPU in the epilog
+        contract's accumulator (so that naive and fused agree bit for bit there), on the GPU as CuPy sums."""
+        return _batch_sum(x) if self.xp.__name__ == "numpy" else x.sum(axis=-2)
+
+
+def _t(a: Any) -> Any:
+    """The transpose of the last two axes, a free view: ``a.T`` of a 2-D array, per member of a stack."""
+    return a.swapaxes(-1, -2)
+
+
+def _bias_column(b: Any) -> Any:
+    """The bias as the epilog takes it: ``(out,)``, or an ensemble's ``(K, 1, out)`` as ``(K, out, 1)`` (the
+    batched BIAS epilog's ``(batch, M, 1)``, unit stride along M), a view."""
+    return b if b is None or b.ndim < 3 else _t(b)
+
+
+def _batch_sum(x: Any) -> Any:
+    """The contract's column sums over the batch axis: ``(B, n) -> (n,)``; a stack ``(K, B, n) -> (K, n)``,
+    summed member by member (each member's sum is then the single model's, bit for bit)."""
+    if x.ndim == 2:
+        return reduce_sum(x, axis=0)
+    return get_array_module(x).stack([reduce_sum(m, axis=0) for m in x])
+
+
+def _unpack(aux: Any, m: int) -> Any:
+    """:func:`unpack_relu_mask` of a mask or of a stack of them (``(K, Mb, N) -> (K, M, N)``)."""
+    if aux.ndim == 2:
+        return unpack_relu_mask(aux, m)
+    return get_array_module(aux).stack([unpack_relu_mask(a, m) for a in aux])

@@ -113,7 +113,7 @@ class MLP:
                 xp=xp,
                 param_dtype=param_dtype,
                 compute_dtype=compute_dtype,
-                init=init if init == Init.torch or (activation != "none" and i < n - 1) else Init.lecun.value,
+                init=layer_init(init, activation, i, n),
                 cast_buffer=self.cast_buffer,
                 weight_gemm_casts=gemm_casts[i],
             )
@@ -308,3 +308,9 @@ class MLP:
         for p in self.params:
             p.value[...] = self.xp.asarray(arrays[p.name])
             p.sync_compute()
+
+
+def layer_init(init: str, activation: str, i: int, layers: int) -> str:
+    """The initialisation of layer ``i`` of ``layers``: ``init`` for the hidden layers of a nonlinear model (and
+    for every layer with ``torch``), LeCun for the output layer and for a deep linear model."""
+    return init if init == Init.torch or (activation != "none" and i < layers - 1) else Init.lecun.value

@@ -161,6 +161,7 @@ META_SCHEMA: dict[str, Any] = {
     "optimizer": _STR,
     "scaler": (_SCALER, None),
     "rng": {"seed": _INT, "data_seed": _INT},
+    "members": _INT,  # an ensemble's member count (ensemble.size); absent in one model's checkpoint: 1
     "metrics_records": _INT,
     "best": (_BEST, None),
     "config": dict,
@@ -206,6 +207,8 @@ def _type_problem(value: Any, spec: Any, key: str) -> str | None:
 
 def check_meta(meta: Any, path: Path) -> None:
     """Raise CheckpointError naming the first key of ``meta`` that does not fit :data:`META_SCHEMA`."""
+    if isinstance(meta, dict) and "members" not in meta:  # one model (and every checkpoint before ensembles)
+        meta = {**meta, "members": 1}
     problem = _type_problem(meta, META_SCHEMA, "meta")
     if problem is None:
         pos = Position(**meta["position"])

@@ -207,7 +207,8 @@ class Loop:
             batch += 1
             done = tr.step_count >= tr.total_steps
             if self.each_step:
-                self.check(np.array([float(step.loss)]), np.array([step.lr]), epoch, flush_first=True)
+                # (an ensemble's (K,) losses: their largest, which a NaN in any member makes NaN)
+                self.check(np.array([float(np.max(step.loss))]), np.array([step.lr]), epoch, flush_first=True)
             ckpt_due = cfg.checkpoint_steps > 0 and tr.step_count % cfg.checkpoint_steps == 0 and not done
             if interval.full or done or ckpt_due or self.stop.requested:
                 losses = self.flush(epoch, wait=done or ckpt_due or self.stop.requested)
@@ -239,6 +240,7 @@ class Loop:
             with timed("evaluate"):
                 rec.update(tr.evaluate(split))
             self.stop.beat()
+        rec.update(tr.epoch_extras())  # an ensemble: each member's training loss and accuracy
         rec["time_s"] = time.perf_counter() - t_epoch
         self.record = rec
         # A checkpoint after a whole epoch resumes at the next one, its epoch record written; one

@@ -33,6 +33,7 @@ from mlptrain.config.schema import DatasetName, TrainConfig, to_plain
 from mlptrain.data import Dataset
 from mlptrain.distributed.comm import Communicator
 from mlptrain.run import checkpoint, faults
+from mlptrain.run.ensemble import EnsembleTrainer
 from mlptrain.run.loop import Loop
 from mlptrain.run.metrics import MetricsWriter, epochs_from_one
 from mlptrain.run.restore import front_end, restore
@@ -164,7 +165,8 @@ def _train_locked(
     try:
         with _stop_request(cfg, comm) as stop:  # until stop.defer(), Ctrl-C and SIGTERM stop at once
             try:
-                tr = Trainer(cfg, dataset, backend, comm=comm, precompile=precompile)
+                kind = Trainer if cfg.ensemble.size == 1 else EnsembleTrainer
+                tr = kind(cfg, dataset, backend, comm=comm, precompile=precompile)
             except BaseException:
                 if precompile is not None:  # the trainer never took it over: its threads end here
                     precompile.close()

@@ -42,13 +42,15 @@ from mlptrain.config.schema import (
 )
 from mlptrain.data import Dataset, load_dataset, preprocess
 from mlptrain.data.host_loader import HostLoader, residency
-from mlptrain.data.loader import DataLoader
+from mlptrain.data.loader import DataLoader, MemberLoader
 from mlptrain.data.prepare import task_for_loss
 from mlptrain.data.rows import NormalisedRows
 from mlptrain.distributed.dp import GradientSync, shard_rows
+from mlptrain.nn.batched import BatchedMLP, BatchedNumpyGemm
 from mlptrain.nn.execution import FusedExecution, NaiveExecution, NumpyGemm
 from mlptrain.nn.head import OutputHead
 from mlptrain.nn.losses import LOSSES, class_weights, mse_in_units
+from mlptrain.nn.members import MemberHead
 from mlptrain.nn.network import MLP
 from mlptrain.step.optim import OPTIMIZERS, Optimizer
 from mlptrain.step.precision import LossScaler, Precision, get_precision
@@ -72,7 +74,7 @@ class TrainerParts:
     execution: FusedExecution | NaiveExecution
     model: MLP
     head: OutputHead
-    train_loader: DataLoader
+    train_loader: DataLoader  # an ensemble's: a MemberLoader, each member's batches stacked
     eval_loaders: dict[str, DataLoader]
     grad_sync: GradientSync | None  # data parallel: this rank's gradients made the global batch's
     optimizer: Optimizer
@@ -103,21 +105,30 @@ def trainer(
     data = load_dataset(data_cfg) if dataset is None else preprocess(dataset, cfg.data)  # one path
     mark("data")
     sizes = widths(cfg.model, data)
-    # Independent host streams for init and data order, from one seed.
-    init_seed, data_seed = np.random.SeedSequence(cfg.seed).spawn(2)
-    engine = gemm(cfg.execution, backend, prec)
+    members = cfg.ensemble.size  # > 1: an ensemble, member k seeded as a single run of seed + k (docs/ensembles.md)
+    engine = gemm(cfg.execution, backend, prec, members)
     ex = execution(cfg.execution, engine, xp)
     runtime.wait("setup")  # from here on: the parameters' cast (resuming: CuPy's fill)
-    net = model(cfg.model, sizes, ex, backend, prec, np.random.default_rng(init_seed))
+    rngs = [seeds(cfg.seed + k)[0] for k in range(members)]
+    if members == 1:
+        net: MLP = model(cfg.model, sizes, ex, backend, prec, rngs[0])
+    else:
+        net = ensemble(cfg, sizes, ex, xp, prec, rngs)
     two_streams = wgrad_stream(cfg.execution, sizes, cfg.data.batch_size, comm is not None)
-    runtime.wgrad_stream(net, two_streams)  # GPU: dW GEMMs concurrent with the dX chain
-    out = head(cfg, backend, sizes)
+    runtime.wgrad_stream(net, two_streams and members == 1)  # GPU: dW GEMMs concurrent with the dX chain
+    out = head(cfg, backend, sizes) if members == 1 else MemberHead(cfg.model.loss)
     if (units := data.target_units()) is not None:  # standardised targets (mse): losses in their units
         out.loss_fn = mse_in_units(xp.asarray(units))
     if cfg.model.class_weight is not None:
         _weigh_classes(out, cfg.model.class_weight, data, xp)
     shard = (comm.rank, comm.world) if comm is not None else None
-    train, evaluation = loaders(cfg.data, data, xp, prec.compute_dtype, int(data_seed.generate_state(1)[0]), shard)
+    data_seeds = [seeds(cfg.seed + k)[1] for k in range(members)]
+    train, evaluation = loaders(cfg.data, data, xp, prec.compute_dtype, data_seeds[0], shard)
+    if members > 1:  # member k's batches in the order of the single run of seed + k
+        member_loaders = [train, *(loaders(cfg.data, data, xp, prec.compute_dtype, s)[0] for s in data_seeds[1:])]
+        batches: DataLoader = MemberLoader(member_loaders)
+    else:
+        batches = train
     sync = None
     if comm is not None:  # data parallel: this rank's gradients all-reduced in buckets
         sync = GradientSync(comm, cfg.data.batch_size, xp, int(cfg.distributed.bucket_mib * 2**20))
@@ -137,7 +148,7 @@ def trainer(
         execution=ex,
         model=net,
         head=out,
-        train_loader=train,
+        train_loader=batches,
         eval_loaders=evaluation,
         grad_sync=sync,
         optimizer=opt,
@@ -146,6 +157,29 @@ def trainer(
         clock=clock,
         schedule=lr,
         log=StepLog(xp, cfg.log_every, loss_scaler, lr),
+    )
+
+
+def seeds(seed: int) -> tuple[np.random.Generator, int]:
+    """The initial weights' generator and the data order's seed of a run of ``seed``: independent host streams,
+    from one seed. Member ``k`` of an ensemble takes those of ``seed + k``."""
+    init_seed, data_seed = np.random.SeedSequence(seed).spawn(2)
+    return np.random.default_rng(init_seed), int(data_seed.generate_state(1)[0])
+
+
+def ensemble(
+    cfg: TrainConfig, sizes: list[int], ex: FusedExecution | NaiveExecution, xp: Any, prec: Precision, rngs: list
+) -> BatchedMLP:
+    """``ensemble.size`` members of ``sizes``, member k initialised from ``rngs[k]`` (:mod:`mlptrain.nn.batched`)."""
+    return BatchedMLP(
+        sizes,
+        execution=ex,
+        xp=xp,
+        rngs=rngs,
+        param_dtype=prec.param_dtype,
+        compute_dtype=prec.compute_dtype,
+        activation=cfg.model.activation,
+        init=cfg.model.init.value,
     )
 
 
@@ -176,11 +210,13 @@ def scaler(cfg: PrecisionConfig, xp: Any, prec: Precision) -> LossScaler:
     )
 
 
-def gemm(cfg: ExecutionConfig, backend: Backend, prec: Precision) -> Any:
+def gemm(cfg: ExecutionConfig, backend: Backend, prec: Precision, members: int = 1) -> Any:
     """The GEMM engine: planned nvmath Matmuls on the GPU, the NumPy epilog contract on the CPU; fp8: FP8
-    casts and GEMMs around it (:class:`mlptrain.nn.fp8.Fp8Gemm`), which stays for what FP8 cannot run."""
+    casts and GEMMs around it (:class:`mlptrain.nn.fp8.Fp8Gemm`), which stays for what FP8 cannot run.
+    An ensemble's (``members > 1``) GEMMs are batched: nvmath takes the stacks as they are, the CPU computes
+    the batched contract (:class:`mlptrain.nn.batched.BatchedNumpyGemm`)."""
     if not backend.is_gpu:
-        engine: Any = NumpyGemm()
+        engine: Any = NumpyGemm() if members == 1 else BatchedNumpyGemm()
     else:
         from mlptrain.nn.cuda.gemm import NvmathGemm
         from mlptrain.nn.cuda.plan_cache import PlanCache

@@ -26,6 +26,14 @@ def check(tr: Any, arrays: dict[str, np.ndarray], m: dict[str, Any], where: str)
             f"{where} is for model {_w(m['widths'])} but this run builds {_w(tr.widths)}; "
             f"resume with {shell.override('model.hidden', m['widths'][1:-1])} or start a new run"
         )
+    members = m.get("members", 1)  # (checkpoints before ensembles hold one model)
+    if members != tr.members:
+        raise CheckpointError(
+            f"{where} holds an ensemble of {members} member(s) but this run builds {tr.members}; "
+            f"resume with {shell.override('ensemble.size', members)}"
+            if members > 1
+            else f"{where} holds one model but this run builds an ensemble of {tr.members}; resume with ensemble.size=1"
+        )
     want_dtype = np.dtype(tr.precision.param_dtype).name
     if m["param_dtype"] != want_dtype:
         raise CheckpointError(

@@ -71,6 +71,7 @@ class Trainer:
         p = build.trainer(cfg, dataset, backend, comm=comm, precompile=precompile)  # each part from its config group
         self.backend, self.xp, self.precision, self.runtime = p.backend, p.backend.xp, p.precision, p.runtime
         self.dataset, self.widths, self.gemm, self.execution = p.dataset, p.widths, p.gemm, p.execution
+        self.members = cfg.ensemble.size  # an ensemble's (mlptrain.run.ensemble), 1 otherwise
         self.model, self.head, self.train_loader, self.eval_loaders = p.model, p.head, p.train_loader, p.eval_loaders
         self.grad_sync, self.optimizer, self.scaler = p.grad_sync, p.optimizer, p.scaler
         self.steps_per_epoch, self.total_steps = len(self.train_loader), p.total_steps
@@ -149,7 +150,7 @@ class Trainer:
 
     def _launch(self, x: Any, y: Any) -> tuple[Any, Any]:
         """The step's device work, launched op by op (what a CUDA graph records once)."""
-        sync, rows = self.grad_sync, len(y)
+        sync, rows = self.grad_sync, self.batch_rows(y)
         if self.batches.gathers(x):  # the batch of this step, read on the device from the step count (train_batches)
             self.train_loader.gather_in_step(x, y, self.clock.device)
         lr, inv_scale = self.schedule.lr, self.scaler.inv_scale  # this step's
@@ -162,7 +163,16 @@ class Trainer:
         skip = self.scaler.check([p.grad for p in self.model.params])  # fp16: any inf/NaN gradient
         # the update, then the bookkeeping (scaler update, the step count and lr, the metrics): on the GPU one
         # kernel, whose last block runs the bookkeeping
-        self.log.after_update(lambda tail: self.optimizer.step(lr, inv_scale, skip, tail=tail), loss, correct, rows)
+        logged = self.step_metrics(loss, correct, rows)
+        self.log.after_update(lambda tail: self.optimizer.step(lr, inv_scale, skip, tail=tail), *logged, rows)
+        return loss, correct
+
+    def batch_rows(self, y: Any) -> int:
+        """The rows of this process's batch ``y`` (an ensemble's: of each member's)."""
+        return len(y)
+
+    def step_metrics(self, loss: Any, correct: Any, rows: int) -> tuple[Any, Any]:
+        """The 0-d ``(loss, correct)`` the step log records of this step's (an ensemble's: the members' mean)."""
         return loss, correct
 
     def forward_backward(self, x: Any, y: Any, grad_scale: Any = None) -> tuple[Any, Any]:
@@ -176,7 +186,7 @@ class Trainer:
 
     def rows(self, y: Any) -> int:
         """The rows of the global batch whose shard ``y`` is (data parallel), else ``len(y)``."""
-        return self.train_loader.global_rows if self.grad_sync is not None else len(y)
+        return self.train_loader.global_rows if self.grad_sync is not None else self.batch_rows(y)
 
     def train_batches(self, epoch: int, start_batch: int = 0) -> Iterator[tuple[Any, Any]]:
         """The training batches of ``epoch`` from ``start_batch``, as the step takes them (:meth:`StepBatches.epoch`:
@@ -203,43 +213,15 @@ class Trainer:
         Data parallel: each rank evaluates its rows of the split and the sums are all-reduced.
         """
         self.runtime.finish_precompile()
-        loader = self.eval_loaders[split]
-        classification = self.dataset.task == "classification"
-        classes = self.widths[-1] if classification else None
-        cross_entropy = self.head.loss_name == "cross_entropy"  # its loss is the log loss
-        gathered = scores.SplitSums(self.xp, classes, log_loss=classification and not cross_entropy)
-        per_batch = []
-        for x, y in loader.epoch(0):
-            logits = self.model.forward(x, keep=False)
-            gathered.add(logits, y)  # (reads the logits before the loss does)
-            per_batch.append((*self.head.evaluate(logits, y), len(y)))
+        found = SplitScores(self)
+        for x, y in self.eval_loaders[split].epoch(0):
+            found.add(self.model.forward(x, keep=False), y)
         self.gemm.release_operands()  # the plans forget the last batch: its memory can go
-        to_host = self.backend.to_host
-        loss_sum = 0.0
-        for loss, _, rows in per_batch:
-            h = to_host(loss)  # 0-d, the loss's dtype
-            loss_sum += np.float64(h * h.dtype.type(rows))  # loss x rows in that dtype, as the device did
-        correct = sum(int(to_host(c)) for _, c, _ in per_batch) if classification else 0
-        extra, binary = gathered.host(to_host, self.widths[-1])  # .asnumpy syncs the device (once each)
-        sums = np.concatenate([[loss_sum, correct, loader.num_samples], extra])
-        if self.grad_sync is not None:
-            self.grad_sync.comm.all_reduce([sums])  # every rank's rows: the whole split
-            binary = None if binary is None else _gather_rows(self.grad_sync.comm, binary)
-        rows = int(sums[2])
-        out = {f"{split}/loss": float(sums[0]) / sums[2]}
-        if classification:
-            out[f"{split}/acc"] = int(sums[1]) / rows
-        ts = self.dataset.target_scaling
-        found = scores.scores(
-            sums[3:],
-            binary,
-            classes,
-            rows,
-            out[f"{split}/loss"] if cross_entropy else None,
-            None if ts is None else ts.scale,
-        )
-        out.update({f"{split}/{k}": v for k, v in found.items()})
-        return out
+        return found.result(split)
+
+    def epoch_extras(self) -> dict[str, float]:
+        """Values the epoch record adds besides the training sums and the splits' scores (an ensemble's members')."""
+        return {}
 
     # --- kernels compiled ahead (mlptrain.step.cuda.precompile) --------------------------------------
 
@@ -324,3 +306,50 @@ def _gather_rows(comm: Any, binary: np.ndarray) -> np.ndarray:
     out[:, offsets[comm.rank] : offsets[comm.rank + 1]] = binary
     comm.all_reduce([out])
     return out
+
+
+class SplitScores:
+    """The scores of one split, batch by batch: :meth:`add` each batch's logits, :meth:`result` once at the end.
+
+    Each batch's 0-d loss and count stay on the device until the last batch is queued, and so do the scores'
+    sums (a confusion matrix, or per-target error sums; :class:`~mlptrain.nn.scores.SplitSums`); the loss sums
+    are then taken on the host (float64, in batch order) and the scores' sums copied once. Data parallel: the
+    sums are all-reduced over the ranks. An ensemble keeps one per member and one for the ensemble.
+    """
+
+    def __init__(self, tr: Trainer) -> None:
+        self.tr = tr
+        self.classification = tr.dataset.task == "classification"
+        classes = tr.widths[-1] if self.classification else None
+        self.cross_entropy = tr.head.loss_name == "cross_entropy"  # its loss is the log loss
+        self.gathered = scores.SplitSums(tr.xp, classes, log_loss=self.classification and not self.cross_entropy)
+        self.per_batch: list[tuple[Any, Any, int]] = []
+
+    def add(self, logits: Any, y: Any) -> None:
+        """One batch: ``logits (B, C)`` against ``y (B,)`` (or ``(B, T)``), nothing read back."""
+        self.gathered.add(logits, y)  # (reads the logits before the loss does)
+        self.per_batch.append((*self.tr.head.evaluate(logits, y), len(y)))
+
+    def result(self, split: str, prefix: str = "") -> dict[str, float]:
+        """``{prefix}{split}/loss`` and the scores (syncs the device)."""
+        tr, to_host = self.tr, self.tr.backend.to_host
+        loss_sum = 0.0
+        for loss, _, rows in self.per_batch:
+            h = to_host(loss)  # 0-d, the loss's dtype
+            loss_sum += np.float64(h * h.dtype.type(rows))  # loss x rows in that dtype, as the device did
+        correct = sum(int(to_host(c)) for _, c, _ in self.per_batch) if self.classification else 0
+        extra, binary = self.gathered.host(to_host, tr.widths[-1])  # .asnumpy syncs the device (once each)
+        sums = np.concatenate([[loss_sum, correct, sum(r for _, _, r in self.per_batch)], extra])
+        if tr.grad_sync is not None:
+            tr.grad_sync.comm.all_reduce([sums])  # every rank's rows: the whole split
+            binary = None if binary is None else _gather_rows(tr.grad_sync.comm, binary)
+        rows = int(sums[2])
+        out = {f"{split}/loss": float(sums[0]) / sums[2]}
+        if self.classification:
+            out[f"{split}/acc"] = int(sums[1]) / rows
+        ts = tr.dataset.target_scaling
+        classes = tr.widths[-1] if self.classification else None
+        cross_entropy_loss = out[f"{split}/loss"] if self.cross_entropy else None
+        found = scores.scores(sums[3:], binary, classes, rows, cross_entropy_loss, None if ts is None else ts.scale)
+        out.update({f"{split}/{k}": v for k, v in found.items()})
+        return {prefix + k: v for k, v in out.items()}

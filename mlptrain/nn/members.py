@@ -1,0 +1,89 @@
+"""An ensemble's loss and its prediction: per-member losses over stacked logits, and the members' mean.
+
+The members train independently: member ``k``'s loss is the single model's loss of its logits
+``(B, C)`` against its own batch's targets, and its ``dlogits`` the single model's, so the batched
+backward (:class:`mlptrain.nn.batched.BatchedMLP`) gives every member the gradients it would get alone.
+:class:`MemberHead` computes them member by member, into the stacked ``dlogits (K, B, C)`` (written over
+the logits, as the single head does), and returns the losses and counts as ``(K,)`` arrays.
+
+The ensemble predicts the members' mean: the mean probability of a classification (the mean of the
+softmaxes, whose log :func:`ensemble_logits` returns, so that the usual scores read it as logits: its
+argmax is the ensemble's class and its cross-entropy the ensemble's log loss), the mean output of a
+regression.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mlptrain.base.backend import get_array_module
+from mlptrain.nn.head import OutputHead
+from mlptrain.nn.network import MLP, HeadGrads
+
+
+class MemberHead(OutputHead):
+    """The loss of each member's logits, in head mode ``gemm`` (the network's GEMMs do the output layer's
+    backward, with BGRADB for its bias gradient): the other modes' kernels take one model's logits."""
+
+    def __init__(self, loss: str) -> None:
+        super().__init__(loss, "gemm")
+
+    def grads(
+        self, model: MLP, logits: Any, y: Any, grad_scale: Any, *, inplace: bool = False
+    ) -> tuple[Any, Any, Any, HeadGrads]:
+        """``(loss (K,), correct (K,), dlogits (K, B, C), HeadGrads())``: member ``k``'s loss of ``logits[k]``
+        against ``y[k]``, each the single loss function's call (with ``inplace``, written over ``logits[k]``)."""
+        xp = get_array_module(logits)
+        losses, counts, grads = [], [], []
+        for k in range(logits.shape[0]):
+            loss, dlogits, correct = self.loss_fn(logits[k], y[k], grad_scale, inplace=inplace)
+            losses.append(loss)
+            counts.append(correct)
+            grads.append(dlogits)
+        dlogits = logits if inplace else xp.stack(grads)  # in place: each member's written over its logits
+        return xp.stack(losses), xp.stack(counts), dlogits, HeadGrads()
+
+    def evaluate(self, logits: Any, y: Any) -> tuple[Any, Any]:
+        """The ``(loss, correct)`` of one set of ``logits (B, C)`` (a member's, or :func:`ensemble_logits`)."""
+        return super().evaluate(logits, y)
+
+
+def ensemble_logits(logits: Any, classification: bool) -> Any:
+    """The ensemble's prediction from the members' ``logits (K, B, C)`` as ``(B, C)`` logits.
+
+    Classification: ``log(mean_k softmax(logits_k))``, the log of the mean probability (its softmax is that
+    mean, so the scores and the cross-entropy read it as they read one model's logits); regression: the
+    mean output. Computed in float64 where the logits are float64, else float32.
+    """
+    xp = get_array_module(logits)
+    wide = logits.astype(xp.float64 if logits.dtype == xp.float64 else xp.float32)
+    if not classification:
+        return wide.mean(axis=0)
+    top = wide.max(axis=-1, keepdims=True)  # (K, B, 1), for a stable softmax
+    e = xp.exp(wide - top)
+    p = e / e.sum(axis=-1, keepdims=True)  # (K, B, C) each member's probabilities
+    return xp.log(xp.maximum(p.mean(axis=0), xp.finfo(p.dtype).tiny))  # (B, C); tiny: no log(0) = -inf
+
+
+class MemberMean:
+    """An ensemble used as one model: :meth:`forward` takes ``x (B, in)`` and returns the ensemble's ``(B, C)``
+    (:func:`ensemble_logits`), every member's forward one batched GEMM per layer on the same rows. What
+    predict and evaluate score a checkpoint of ``ensemble.size > 1`` with (:mod:`mlptrain.inference.predictor`).
+    """
+
+    def __init__(self, model: Any, classification: bool) -> None:
+        self.model = model  # a mlptrain.nn.batched.BatchedMLP
+        self.classification = classification
+        self.widths = model.widths
+
+    @property
+    def members(self) -> int:
+        return int(self.model.members)
+
+    def forward(self, x: Any, keep: bool = False) -> Any:
+        """``x (B, in) -> (B, C)``: the members' mean probability as log-probabilities, or their mean output."""
+        if keep:
+            raise ValueError("an ensemble's mean is for inference: train the members (BatchedMLP), keep=False here")
+        xp = get_array_module(x)
+        logits = self.model.forward(xp.stack([x] * self.members), keep=False)  # (K, B, in) -> (K, B, C)
+        return ensemble_logits(logits, self.classification).astype(logits.dtype)

@@ -1,0 +1,125 @@
+"""Many models in one run: the trainer of an ensemble (``ensemble.size=K``), and what it refuses.
+
+``K`` members of one shape train as one batched step (:class:`EnsembleTrainer`). The step is the
+:class:`~mlptrain.step.trainer.Trainer`'s: :func:`mlptrain.step.build.trainer` builds its parts for the
+members (:class:`~mlptrain.nn.batched.BatchedMLP`, whose every GEMM is batched over them;
+:class:`~mlptrain.nn.members.MemberHead`, each member's loss; a :class:`~mlptrain.data.loader.MemberLoader`,
+each member's batches in the order of its single run), and the optimizer updates the stacked
+parameters as it updates one model's (its rules are elementwise). Member ``k`` is the single run of seed
+``seed + k``: its initial weights and its data order are that run's, and on the CPU its per-step losses
+are that run's bit for bit (``tests/test_ensemble.py``).
+
+What the ensemble adds is around the step: each member's training loss and count, summed per epoch;
+each split scored for every member and for the ensemble (the members' mean probability, or mean
+output: :func:`mlptrain.nn.members.ensemble_logits`); the member count in the checkpoint.
+metrics.jsonl holds the ensemble's scores under the usual keys (``val/acc``: best and early stopping
+follow the ensemble) and each member's under ``member<k>/`` (``member0/val/acc``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+
+from mlptrain.base.errors import ConfigError
+from mlptrain.config.schema import TrainConfig
+from mlptrain.nn.members import ensemble_logits
+from mlptrain.step.trainer import SplitScores, Trainer
+
+log = logging.getLogger(__name__)
+
+
+def check_ensemble(cfg: TrainConfig, data_parallel: bool = False) -> None:
+    """ConfigError for an ensemble setting out of range, or combined with what an ensemble does not run yet."""
+    e = cfg.ensemble
+    if isinstance(e.size, bool) or not isinstance(e.size, int) or e.size < 1:
+        raise ConfigError(f"ensemble.size={e.size!r} must be a positive integer (1: one model)")
+    for key in ("lr", "weight_decay"):
+        if getattr(e, key) is not None:
+            raise ConfigError(
+                f"ensemble.{key} (a per-member sweep) is not supported yet; run one value per run "
+                f"(optimizer.{key}), or a Hydra multirun"
+            )
+    if e.size == 1:
+        return
+    refused = {
+        "precision=fp8": cfg.precision.name == "fp8",
+        "data parallel (distributed.gpus > 1, torchrun, mpirun)": data_parallel or cfg.distributed.gpus > 1,
+        "precision.compute_copy=cast": cfg.precision.compute_copy.value == "cast",
+        "data.residency=host": cfg.data.residency.value == "host",
+    }
+    found = [name for name, on in refused.items() if on]
+    if found:
+        raise ConfigError(
+            f"ensemble.size={e.size} does not run with {', '.join(found)} yet; leave "
+            f"{'it' if len(found) == 1 else 'them'} at the default, or train the members as separate runs"
+        )
+
+
+class EnsembleTrainer(Trainer):
+    """The step of ``cfg.ensemble.size`` members, and their metrics and scores (see the module docstring).
+
+    :meth:`step` returns the members' ``(loss (K,), correct (K,))``; the step log records their mean.
+    """
+
+    def __init__(self, cfg: TrainConfig, *args: Any, **kwargs: Any) -> None:
+        check_ensemble(cfg, kwargs.get("comm") is not None)
+        super().__init__(cfg, *args, **kwargs)
+        k = self.members
+        self.member_loss = self.xp.zeros(k, dtype=self.xp.float64)  # this epoch's sum of loss x rows, per member
+        self.member_correct = self.xp.zeros(k, dtype=self.xp.int64)
+        self.member_rows = 0
+
+    def batch_rows(self, y: Any) -> int:
+        return int(y.shape[1])  # y (K, B) or (K, B, T)
+
+    def step_metrics(self, loss: Any, correct: Any, rows: int) -> tuple[Any, Any]:
+        """Each member's loss and count summed for the epoch (on the device); the step log gets the members' mean
+        loss and their mean count, rounded to a whole row (each member's exact count is in ``member<k>/``)."""
+        self.member_loss += loss * rows
+        self.member_correct += correct
+        self.member_rows += rows
+        k = self.members
+        return loss.mean(), (correct.sum() + k // 2) // k
+
+    def epoch_extras(self) -> dict[str, float]:
+        """Each member's training loss (and accuracy) over the epoch's steps, ``member<k>/train/...``; the sums
+        start again for the next epoch (reads them back: syncs the device)."""
+        rows = max(self.member_rows, 1)
+        loss, correct = self.backend.to_host(self.member_loss), self.backend.to_host(self.member_correct)
+        out: dict[str, float] = {}
+        for k in range(self.members):
+            out[f"member{k}/train/loss"] = float(loss[k]) / rows
+            if self.dataset.task == "classification":
+                out[f"member{k}/train/acc"] = int(correct[k]) / rows
+        self.member_loss[...] = 0
+        self.member_correct[...] = 0
+        self.member_rows = 0
+        return out
+
+    def evaluate(self, split: str) -> dict[str, float]:
+        """The ensemble's scores (``val/acc``, ...) and each member's (``member<k>/val/acc``, ...) on ``split``:
+        one batched forward per batch, every member on the same rows."""
+        self.runtime.finish_precompile()
+        xp, k = self.xp, self.members
+        classification = self.dataset.task == "classification"
+        members = [SplitScores(self) for _ in range(k)]
+        together = SplitScores(self)
+        for x, y in self.eval_loaders[split].epoch(0):
+            logits = self.model.forward(xp.stack([x] * k), keep=False)  # (K, B, in) -> (K, B, C)
+            for found, member_logits in zip(members, logits, strict=True):
+                found.add(member_logits, y)
+            together.add(ensemble_logits(logits, classification).astype(logits.dtype), y)
+        self.gemm.release_operands()
+        out = together.result(split)
+        for i, found in enumerate(members):
+            out.update(found.result(split, prefix=f"member{i}/"))
+        return out
+
+    def state_dict(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """The trainer's state (parameters stacked: ``param/layer0.weight (K, out, in)``), with ``members: K``."""
+        arrays, meta = super().state_dict()
+        meta["members"] = self.members
+        return arrays, meta

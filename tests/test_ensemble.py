@@ -1,0 +1,158 @@
+"""ensemble.size=K: K members trained as one batched step, each the single run of its seed (docs/ensembles.md)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mlptrain.base.errors import CheckpointError, ConfigError
+from mlptrain.config.schema import Device, Mode, TrainConfig
+from mlptrain.inference.predictor import Predictor, softmax
+from mlptrain.nn.batched import BatchedNumpyGemm
+from mlptrain.nn.epilogs import Epilog, matmul, relu_aux_shape
+from mlptrain.run import checkpoint
+from mlptrain.run.ensemble import EnsembleTrainer
+from mlptrain.run.run import train
+from mlptrain.step.trainer import Trainer
+
+K = 3
+
+
+def make_cfg(seed: int = 5, size: int = 1, mode: str = "fused", precision: str = "fp32", **kw) -> TrainConfig:
+    cfg = TrainConfig()
+    cfg.device, cfg.progress, cfg.seed, cfg.epochs = Device.cpu, False, seed, 1
+    cfg.execution.mode = Mode(mode)
+    cfg.precision.name = precision
+    cfg.model.hidden = [32, 16]
+    cfg.data.batch_size = 64
+    cfg.ensemble.size = size
+    for key, value in kw.items():
+        setattr(cfg, key, value)
+    return cfg
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp64"])
+@pytest.mark.parametrize("mode", ["fused", "naive"])
+def test_member_k_is_the_single_run_of_seed_plus_k_bit_for_bit(mode: str, precision: str) -> None:
+    ens = EnsembleTrainer(make_cfg(size=K, mode=mode, precision=precision))
+    singles = [Trainer(make_cfg(seed=5 + k, mode=mode, precision=precision)) for k in range(K)]
+    for k, single in enumerate(singles):  # the same initial weights, drawn as the single run draws them
+        for name, a in single.model.state_dict().items():
+            np.testing.assert_array_equal(ens.model.member_state(k)[name], a)
+    together = np.array([np.array(ens.step(x, y)[0]) for x, y in ens.train_batches(0)])  # (steps, K)
+    for k, single in enumerate(singles):
+        alone = np.array([single.step(x, y)[0] for x, y in single.train_batches(0)])
+        np.testing.assert_array_equal(together[:, k], alone)  # every step's loss, bit for bit
+        assert len(set(together[:, k])) == len(alone)  # (the losses move: the members train)
+    scores = ens.evaluate("val")
+    for k, single in enumerate(singles):
+        alone = single.evaluate("val")
+        assert scores[f"member{k}/val/loss"] == alone["val/loss"]
+        assert scores[f"member{k}/val/acc"] == alone["val/acc"]
+    assert not np.array_equal(together[:, 0], together[:, 1])  # the members differ
+
+
+@pytest.mark.parametrize("epilog", [Epilog.RELU_AUX_BIAS, Epilog.BGRADB, None])
+def test_the_batched_contract_is_each_members_gemm_with_nvmaths_batched_shapes(epilog: Epilog | None) -> None:
+    rng = np.random.default_rng(1)
+    m, kd, n = 20, 7, 12
+    a = rng.standard_normal((K, m, kd)).astype(np.float32)
+    b = rng.standard_normal((K, kd, n)).astype(np.float32)
+    bias = rng.standard_normal((K, m, 1)).astype(np.float32)
+    inputs = {"bias": bias} if epilog is Epilog.RELU_AUX_BIAS else {}
+    d, aux = BatchedNumpyGemm()("site", a, b, epilog, **inputs)
+    assert d.shape == (K, m, n)
+    for k in range(K):
+        one = matmul(a[k], b[k], epilog=epilog, epilog_inputs={n_: v[k] for n_, v in inputs.items()})
+        d_k, aux_k = one if isinstance(one, tuple) else (one, {})
+        np.testing.assert_array_equal(d[k], d_k)
+        assert d[k].flags.f_contiguous == d_k.flags.f_contiguous  # the layout the single GEMM gives
+        if epilog is Epilog.RELU_AUX_BIAS:
+            assert aux["relu_aux"].shape == (K, *relu_aux_shape(m, n))
+            np.testing.assert_array_equal(aux["relu_aux"][k], aux_k["relu_aux"])
+        if epilog is Epilog.BGRADB:
+            assert aux["bgradb"].shape == (K, n, 1)  # nvmath's batched bias gradient (batch, L, 1)
+            np.testing.assert_array_equal(aux["bgradb"][k, :, 0], aux_k["bgradb"])
+
+
+def test_the_refused_combinations_are_named() -> None:
+    with pytest.raises(ConfigError, match="precision.compute_copy=cast"):
+        cfg = make_cfg(size=2)
+        cfg.precision.compute_copy = type(cfg.precision.compute_copy)("cast")
+        EnsembleTrainer(cfg)
+    with pytest.raises(ConfigError, match=r"ensemble.size=0 must be a positive integer"):
+        EnsembleTrainer(make_cfg(size=0))
+    cfg = make_cfg(size=2)
+    cfg.ensemble.lr = [0.1, 0.2]
+    with pytest.raises(ConfigError, match=r"ensemble.lr .*not supported yet"):
+        EnsembleTrainer(cfg)
+
+
+@pytest.fixture(scope="module")
+def ensemble_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("ensemble") / "run"
+    train(make_cfg(size=K, epochs=2), out)
+    return out
+
+
+def test_metrics_hold_each_members_scores_and_the_ensembles(ensemble_run: Path) -> None:
+    records = [json.loads(line) for line in (ensemble_run / "metrics.jsonl").read_text().splitlines()]
+    epochs = [r for r in records if r["kind"] == "epoch"]
+    assert len(epochs) == 2
+    last = epochs[-1]
+    for k in range(K):
+        for key in ("train/loss", "train/acc", "val/acc", "val/loss", "test/acc"):
+            assert f"member{k}/{key}" in last
+    members = [last[f"member{k}/val/loss"] for k in range(K)]
+    assert len(set(members)) == K
+    # the ensemble's log loss is that of the mean probability: at most the members' mean log loss (Jensen)
+    assert last["val/loss"] <= np.mean(members) + 1e-9
+
+
+def test_a_checkpoint_holds_every_member_and_one_model_refuses_it(ensemble_run: Path) -> None:
+    ckpt = checkpoint.load(ensemble_run / "checkpoints" / "last.npz")
+    assert ckpt.meta["members"] == K
+    assert ckpt.arrays["param/layer0.weight"].shape == (K, 32, 64)
+    assert ckpt.arrays["param/layer0.bias"].shape == (K, 32)
+    single = Trainer(make_cfg(seed=0))
+    with pytest.raises(CheckpointError, match=r"ensemble of 3 member\(s\) but this run builds 1.*ensemble.size=3"):
+        single.load_state_dict(ckpt.arrays, ckpt.meta, step=0, where="last.npz")
+    ens = EnsembleTrainer(make_cfg(seed=0, size=K))
+    ens.load_state_dict(ckpt.arrays, ckpt.meta, step=ckpt.position.step, where="last.npz")
+    for name, a in ens.model.state_dict().items():
+        np.testing.assert_array_equal(a, ckpt.arrays[f"param/{name}"])
+
+
+def test_resume_continues_the_ensemble(ensemble_run: Path, tmp_path: Path) -> None:
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(ensemble_run, copy)
+    summary = train(dataclasses.replace(make_cfg(size=K, epochs=3), resume=str(copy)), copy)
+    assert summary["epochs"] == 3
+    epochs = [json.loads(x) for x in (copy / "metrics.jsonl").read_text().splitlines() if '"epoch"' in x]
+    assert [r["epoch"] for r in epochs if r["kind"] == "epoch"] == [1, 2, 3]
+
+
+def test_predict_of_an_ensemble_is_the_mean_of_its_members_predictions(ensemble_run: Path) -> None:
+    ckpt = checkpoint.load(ensemble_run / "checkpoints" / "last.npz")
+    x = np.random.default_rng(0).uniform(0, 16, size=(40, 64))
+    together = Predictor(ckpt, device="cpu").run(x, probabilities=True).probabilities
+    members = []
+    for k in range(K):  # member k as a one-model checkpoint
+        arrays = {n: (a[k] if n.startswith("param/") else a) for n, a in ckpt.arrays.items()}
+        meta = {n: v for n, v in ckpt.meta.items() if n != "members"}
+        one = Predictor(checkpoint.Checkpoint(ckpt.path, arrays, meta), device="cpu")
+        members.append(softmax(one.logits(x).astype(np.float64)))
+    mean = np.mean(members, axis=0)
+    np.testing.assert_allclose(together, mean, rtol=2e-5, atol=1e-7)
+    assert not np.allclose(members[0], members[1], atol=1e-3)  # (a mean of different members)
+    top2 = np.sort(mean, axis=1)[:, -2:]
+    clear = top2[:, 1] - top2[:, 0] > 1e-4  # rows whose class is not a near tie
+    classes = Predictor(ckpt, device="cpu").run(x).class_id
+    np.testing.assert_array_equal(classes[clear], mean.argmax(1)[clear])
+    assert clear.sum() > len(x) // 2
