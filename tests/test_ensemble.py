@@ -86,10 +86,6 @@ def test_the_refused_combinations_are_named() -> None:
         EnsembleTrainer(cfg)
     with pytest.raises(ConfigError, match=r"ensemble.size=0 must be a positive integer"):
         EnsembleTrainer(make_cfg(size=0))
-    cfg = make_cfg(size=2)
-    cfg.ensemble.lr = [0.1, 0.2]
-    with pytest.raises(ConfigError, match=r"ensemble.lr .*not supported yet"):
-        EnsembleTrainer(cfg)
 
 
 @pytest.fixture(scope="module")
@@ -156,3 +152,31 @@ def test_predict_of_an_ensemble_is_the_mean_of_its_members_predictions(ensemble_
     classes = Predictor(ckpt, device="cpu").run(x).class_id
     np.testing.assert_array_equal(classes[clear], mean.argmax(1)[clear])
     assert clear.sum() > len(x) // 2
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_a_batched_sweep_gives_member_k_the_single_run_of_its_lr_and_weight_decay(optimizer: str) -> None:
+    lrs, decays = [0.05, 0.01, 0.2], [0.0, 1e-3, 1e-2]
+    cfg = make_cfg(size=K)
+    cfg.optimizer.name = optimizer
+    cfg.ensemble.lr, cfg.ensemble.weight_decay = lrs, decays
+    ens = EnsembleTrainer(cfg)
+    together = np.array([np.array(ens.step(x, y)[0]) for x, y in ens.train_batches(0)])
+    for k in range(K):
+        one = make_cfg(seed=5 + k)
+        one.optimizer.name = optimizer
+        one.optimizer.lr, one.optimizer.weight_decay = lrs[k], decays[k]
+        single = Trainer(one)
+        alone = np.array([single.step(x, y)[0] for x, y in single.train_batches(0)])
+        np.testing.assert_array_equal(together[:, k], alone)
+    assert ens.epoch_extras()["member2/lr"] == 0.2
+
+
+def test_a_sweep_needs_one_value_per_member() -> None:
+    cfg = make_cfg(size=K)
+    cfg.ensemble.lr = [0.1, 0.2]
+    with pytest.raises(ConfigError, match=r"ensemble.lr=\[0.1, 0.2\] has 2 values; .*one per member"):
+        EnsembleTrainer(cfg)
+    cfg.ensemble.lr = [0.1, 0.2, -1.0]
+    with pytest.raises(ConfigError, match=r"each must be > 0"):
+        EnsembleTrainer(cfg)

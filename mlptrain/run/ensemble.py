@@ -26,6 +26,8 @@ import numpy as np
 from mlptrain.base.errors import ConfigError
 from mlptrain.config.schema import TrainConfig
 from mlptrain.nn.members import ensemble_logits
+from mlptrain.step.optim import MemberSettings
+from mlptrain.step.schedule import lr_at
 from mlptrain.step.trainer import SplitScores, Trainer
 
 log = logging.getLogger(__name__)
@@ -37,11 +39,16 @@ def check_ensemble(cfg: TrainConfig, data_parallel: bool = False) -> None:
     if isinstance(e.size, bool) or not isinstance(e.size, int) or e.size < 1:
         raise ConfigError(f"ensemble.size={e.size!r} must be a positive integer (1: one model)")
     for key in ("lr", "weight_decay"):
-        if getattr(e, key) is not None:
+        values = getattr(e, key)
+        if values is None:
+            continue
+        if e.size == 1 or len(values) != e.size:
             raise ConfigError(
-                f"ensemble.{key} (a per-member sweep) is not supported yet; run one value per run "
-                f"(optimizer.{key}), or a Hydra multirun"
+                f"ensemble.{key}={list(values)} has {len(values)} values; a batched sweep gives one per member "
+                f"(ensemble.size={e.size}, at least 2)"
             )
+        if any(not v > 0 if key == "lr" else not v >= 0 for v in values):
+            raise ConfigError(f"ensemble.{key}={list(values)}: each must be {'> 0' if key == 'lr' else '>= 0'}")
     if e.size == 1:
         return
     refused = {
@@ -71,6 +78,31 @@ class EnsembleTrainer(Trainer):
         self.member_loss = self.xp.zeros(k, dtype=self.xp.float64)  # this epoch's sum of loss x rows, per member
         self.member_correct = self.xp.zeros(k, dtype=self.xp.int64)
         self.member_rows = 0
+        self._set_members(cfg)
+
+    def _set_members(self, cfg: TrainConfig) -> None:
+        """Per-member learning rates and weight decay (``ensemble.lr``, ``ensemble.weight_decay``): the CPU
+        optimizer updates member by member (:class:`~mlptrain.step.optim.MemberSettings`)."""
+        e, k = cfg.ensemble, self.members
+        self.member_lr = [float(v) for v in (e.lr or [cfg.optimizer.lr] * k)]
+        self.member_decay = [float(v) for v in (e.weight_decay or [cfg.optimizer.weight_decay] * k)]
+        if e.lr is None and e.weight_decay is None:
+            return
+        if self.backend.is_gpu:
+            raise ConfigError(
+                "ensemble.lr and ensemble.weight_decay (a batched sweep) run on the CPU for now (device=cpu); on "
+                "the GPU sweep them as a Hydra multirun"
+            )
+        self.optimizer.members = MemberSettings(list(self.member_lr), self.member_decay, np.zeros(k, dtype=bool))
+
+    def step(self, x: Any, y: Any) -> tuple[Any, Any]:
+        """One step of every member; with per-member rates, each member's rate of this step is its single run's
+        (the schedule at this step count from its own ``lr``), set on the host before the step."""
+        members = self.optimizer.members
+        if members is not None:
+            kw = self.schedule.kw
+            members.lr = [lr_at(self.clock.n, **{**kw, "base_lr": base}) for base in self.member_lr]
+        return super().step(x, y)
 
     def batch_rows(self, y: Any) -> int:
         return int(y.shape[1])  # y (K, B) or (K, B, T)
@@ -90,7 +122,10 @@ class EnsembleTrainer(Trainer):
         rows = max(self.member_rows, 1)
         loss, correct = self.backend.to_host(self.member_loss), self.backend.to_host(self.member_correct)
         out: dict[str, float] = {}
+        swept = self.optimizer.members is not None
         for k in range(self.members):
+            if swept:  # a batched sweep: the values each member trains with
+                out[f"member{k}/lr"], out[f"member{k}/weight_decay"] = self.member_lr[k], self.member_decay[k]
             out[f"member{k}/train/loss"] = float(loss[k]) / rows
             if self.dataset.task == "classification":
                 out[f"member{k}/train/acc"] = int(correct[k]) / rows

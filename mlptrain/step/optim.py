@@ -53,6 +53,17 @@ class OptimizerSpec:
 OPTIMIZERS: Registry[OptimizerSpec] = Registry("optimizer.name")
 
 
+@dataclass
+class MemberSettings:
+    """An ensemble's per-member update settings (:mod:`mlptrain.run.ensemble`): this step's learning rate and the
+    weight decay of each member (a batched sweep, ``ensemble.lr``), and which members are frozen (stopped early:
+    no update, their state kept). The CPU's update then runs member by member."""
+
+    lr: list[float]
+    weight_decay: list[float]
+    frozen: np.ndarray  # (K,) bool
+
+
 def setting_ranges() -> dict[str, Range | None]:
     """``optimizer.<key>`` -> its range, for every setting a registered optimizer reads (one range per key)."""
     ranges = dict(Optimizer.COMMON)
@@ -125,6 +136,7 @@ class Optimizer:
         self._one = scalar(self.xp, 1.0, np.float64)
         self._no_skip = self.xp.zeros((), dtype=self.xp.int32)
         self._kernels: dict[Any, Any] = {}  # GPU multi-tensor kernels by tail, built at the first step
+        self.members: MemberSettings | None = None  # an ensemble's per-member settings (CPU), else None
 
     def step(self, lr: Any, inv_scale: Any = None, skip: Any = None, tail: KernelTail | None = None) -> None:
         """Apply one update to every parameter from its ``grad``.
@@ -154,8 +166,27 @@ class Optimizer:
         if skip:
             return
         for p in self.params:
-            self._update_numpy(p, self.state[p.name], float(lr), float(inv_scale))
+            if self.members is None:
+                self._update_numpy(p, self.state[p.name], float(lr), float(inv_scale))
+            else:
+                self._update_members(p, float(inv_scale))
             p.sync_compute()  # the half-precision copy the GEMMs read (the CuPy kernel writes it too)
+
+    def _update_members(self, p: Param, inv_scale: float) -> None:
+        """An ensemble with per-member settings (:class:`MemberSettings`): member ``k``'s slice of ``p`` updated
+        as a single model of its learning rate and weight decay is; a frozen member's not at all."""
+        m, decay = self.members, self.weight_decay
+        assert m is not None
+        try:
+            for k in range(len(m.lr)):
+                if m.frozen[k]:
+                    continue
+                view = Param(p.name, p.value[k], p.value.dtype)  # member k's slice: a view, updated in place
+                view.grad = p.grad[k]
+                self.weight_decay = m.weight_decay[k]
+                self._update_numpy(view, {s: a[k] for s, a in self.state[p.name].items()}, m.lr[k], inv_scale)
+        finally:
+            self.weight_decay = decay
 
     # --- the GPU path: one kernel for all parameters -------------------------------------------
 
