@@ -295,6 +295,11 @@ class EnsembleConfig:
     """K models of one shape in one run, trained as one batched GEMM per layer role (docs/ensembles.md)."""
 
     size: int = _f(1, "members trained together, seeds seed..seed+size-1 (1: one model, the usual run)")
+    folds: int = _f(
+        0,
+        "K-fold cross-validation in one run (K >= 2, sets size=K): member k trains on every fold of the training "
+        "and validation rows but k (stratified, seeded by seed) and validates on fold k; val/ scores are out of fold",
+    )
     lr: Optional[list[float]] = _f(None, "per-member learning rates (length size), a batched sweep; null: optimizer.lr")
     weight_decay: Optional[list[float]] = _f(
         None, "per-member weight decay (length size), a batched sweep; null: optimizer.weight_decay"
@@ -325,6 +330,11 @@ class TrainConfig:
     max_steps: Optional[int] = _f(None, "stop after this many steps (null: all epochs)")
     logger: Logger = _f(Logger.none, "tensorboard: also write event files into <run dir>/tensorboard")
     optimized_metric: Optional[str] = _f(None, "the summary value returned to a Hydra sweeper; null: the best metric")
+
+
+def ensemble_members(cfg: TrainConfig) -> int:
+    """The models a run trains: ``ensemble.folds`` (cross-validation), else ``ensemble.size`` (1: one model)."""
+    return cfg.ensemble.folds or cfg.ensemble.size
 
 
 def to_plain(cfg: TrainConfig) -> dict[str, Any]:

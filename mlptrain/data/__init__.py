@@ -33,7 +33,7 @@ CuPy half in ``cuda/``.
 
 from mlptrain.data.dataset import Dataset, Normalization
 from mlptrain.data.idx import CHECKSUMS, IDX_FILES, MIRRORS, FileSpec, read_idx, write_idx
-from mlptrain.data.prepare import DATASETS, load_dataset, preprocess, stratified_split
+from mlptrain.data.prepare import DATASETS, load_dataset, preprocess, stratified_folds, stratified_split
 
 __all__ = [
     "CHECKSUMS",
@@ -46,6 +46,7 @@ __all__ = [
     "load_dataset",
     "preprocess",
     "read_idx",
+    "stratified_folds",
     "stratified_split",
     "write_idx",
 ]

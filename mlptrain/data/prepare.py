@@ -67,6 +67,24 @@ def stratified_split(y: np.ndarray, fraction: float, rng: np.random.Generator) -
     return rng.permutation(np.concatenate(keep)), rng.permutation(np.concatenate(taken))
 
 
+def stratified_folds(y: np.ndarray, folds: int, rng: np.random.Generator) -> np.ndarray:
+    """The fold ``(N,)`` int64 in ``[0, folds)`` of each row of ``y``, each class dealt over the folds in turn.
+
+    Each class's rows, shuffled, go to the folds round-robin, starting where the last class stopped: every
+    fold gets each class's count to within one row, and the fold sizes differ by at most one row. A regression
+    passes one label for all (plain random folds).
+    """
+    if not 2 <= folds <= len(y):
+        raise ConfigError(f"ensemble.folds={folds} needs 2 <= folds <= {len(y)} (the rows to split)")
+    out = np.empty(len(y), dtype=np.int64)
+    start = 0
+    for cls in np.unique(y):
+        idx = rng.permutation(np.flatnonzero(y == cls))
+        out[idx] = (start + np.arange(len(idx))) % folds
+        start = (start + len(idx)) % folds
+    return out
+
+
 def normalization(method: str, x: np.ndarray, rows: np.ndarray | None = None, where: str = "") -> Normalization:
     """The normalisation of ``method`` from the train split's statistics: ``x[rows]`` (``x (N, F)``;
     ``rows`` None: all of ``x``), in one chunked pass (:func:`mlptrain.data.files.column_stats.column_stats`).

@@ -141,6 +141,11 @@ class MLP:
         return ["bgradb" if layer.bias_grad_in_wgrad else "drelu_bgrad" for layer in self.layers if layer.nonlinear]
 
     @property
+    def members(self) -> int:
+        """The models it holds: 1 (an ensemble's :class:`~mlptrain.nn.batched.BatchedMLP`: K, stacked)."""
+        return 1
+
+    @property
     def params(self) -> list[Param]:
         return [p for layer in self.layers for p in layer.params]
 

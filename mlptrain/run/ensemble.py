@@ -19,13 +19,16 @@ follow the ensemble) and each member's under ``member<k>/`` (``member0/val/acc``
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from mlptrain.base.errors import ConfigError
-from mlptrain.config.schema import TrainConfig
+from mlptrain.config.schema import TrainConfig, ensemble_members
+from mlptrain.data import Dataset
 from mlptrain.nn.members import ensemble_logits
+from mlptrain.run.folds import Folds
 from mlptrain.step.optim import MemberSettings
 from mlptrain.step.schedule import lr_at
 from mlptrain.step.trainer import SplitScores, Trainer
@@ -35,21 +38,26 @@ log = logging.getLogger(__name__)
 
 def check_ensemble(cfg: TrainConfig, data_parallel: bool = False) -> None:
     """ConfigError for an ensemble setting out of range, or combined with what an ensemble does not run yet."""
-    e = cfg.ensemble
+    e, members = cfg.ensemble, ensemble_members(cfg)
     if isinstance(e.size, bool) or not isinstance(e.size, int) or e.size < 1:
         raise ConfigError(f"ensemble.size={e.size!r} must be a positive integer (1: one model)")
+    if e.folds and (e.folds < 2 or e.size not in (1, e.folds)):
+        raise ConfigError(
+            f"ensemble.folds={e.folds} with ensemble.size={e.size}: folds need at least 2, and make one member per "
+            "fold (leave ensemble.size at 1)"
+        )
     for key in ("lr", "weight_decay"):
         values = getattr(e, key)
         if values is None:
             continue
-        if e.size == 1 or len(values) != e.size:
+        if members == 1 or len(values) != members:
             raise ConfigError(
                 f"ensemble.{key}={list(values)} has {len(values)} values; a batched sweep gives one per member "
-                f"(ensemble.size={e.size}, at least 2)"
+                f"(ensemble.size={members}, at least 2)"
             )
         if any(not v > 0 if key == "lr" else not v >= 0 for v in values):
             raise ConfigError(f"ensemble.{key}={list(values)}: each must be {'> 0' if key == 'lr' else '>= 0'}")
-    if e.size == 1:
+    if members == 1:
         return
     refused = {
         "precision=fp8": cfg.precision.name == "fp8",
@@ -60,7 +68,7 @@ def check_ensemble(cfg: TrainConfig, data_parallel: bool = False) -> None:
     found = [name for name, on in refused.items() if on]
     if found:
         raise ConfigError(
-            f"ensemble.size={e.size} does not run with {', '.join(found)} yet; leave "
+            f"ensemble.size={members} does not run with {', '.join(found)} yet; leave "
             f"{'it' if len(found) == 1 else 'them'} at the default, or train the members as separate runs"
         )
 
@@ -71,9 +79,13 @@ class EnsembleTrainer(Trainer):
     :meth:`step` returns the members' ``(loss (K,), correct (K,))``; the step log records their mean.
     """
 
-    def __init__(self, cfg: TrainConfig, *args: Any, **kwargs: Any) -> None:
-        check_ensemble(cfg, kwargs.get("comm") is not None)
-        super().__init__(cfg, *args, **kwargs)
+    def __init__(
+        self, cfg: TrainConfig, dataset: Dataset | None = None, backend: Any = None, *, comm: Any = None, **kw: Any
+    ) -> None:
+        check_ensemble(cfg, comm is not None)
+        self.folds = Folds(cfg) if cfg.ensemble.folds else None  # cross-validation (mlptrain.run.folds)
+        self.last_val: dict[str, float] = {}
+        super().__init__(cfg, dataset, backend, comm=comm, member_data=self.folds, **kw)
         k = self.members
         self.member_loss = self.xp.zeros(k, dtype=self.xp.float64)  # this epoch's sum of loss x rows, per member
         self.member_correct = self.xp.zeros(k, dtype=self.xp.int64)
@@ -86,12 +98,13 @@ class EnsembleTrainer(Trainer):
         e, k = cfg.ensemble, self.members
         self.member_lr = [float(v) for v in (e.lr or [cfg.optimizer.lr] * k)]
         self.member_decay = [float(v) for v in (e.weight_decay or [cfg.optimizer.weight_decay] * k)]
-        if e.lr is None and e.weight_decay is None:
+        stopping = e.folds and cfg.early_stopping.patience > 0  # each fold's member stops on its own
+        if e.lr is None and e.weight_decay is None and not stopping:
             return
         if self.backend.is_gpu:
             raise ConfigError(
-                "ensemble.lr and ensemble.weight_decay (a batched sweep) run on the CPU for now (device=cpu); on "
-                "the GPU sweep them as a Hydra multirun"
+                "ensemble.lr and ensemble.weight_decay (a batched sweep) and early stopping per fold run on the CPU "
+                "for now (device=cpu); on the GPU sweep as a Hydra multirun, or set early_stopping.patience=0"
             )
         self.optimizer.members = MemberSettings(list(self.member_lr), self.member_decay, np.zeros(k, dtype=bool))
 
@@ -129,6 +142,8 @@ class EnsembleTrainer(Trainer):
             out[f"member{k}/train/loss"] = float(loss[k]) / rows
             if self.dataset.task == "classification":
                 out[f"member{k}/train/acc"] = int(correct[k]) / rows
+        if self.folds is not None and self.last_val:  # each fold's best (and early stopping)
+            out.update(self.folds.end_epoch(self, self.last_val))
         self.member_loss[...] = 0
         self.member_correct[...] = 0
         self.member_rows = 0
@@ -138,6 +153,9 @@ class EnsembleTrainer(Trainer):
         """The ensemble's scores (``val/acc``, ...) and each member's (``member<k>/val/acc``, ...) on ``split``:
         one batched forward per batch, every member on the same rows."""
         self.runtime.finish_precompile()
+        if self.folds is not None and split == "val":  # cross-validation: the out-of-fold predictions' scores
+            self.last_val = self.folds.out_of_fold(self, SplitScores)[0]
+            return self.last_val
         xp, k = self.xp, self.members
         classification = self.dataset.task == "classification"
         members = [SplitScores(self) for _ in range(k)]
@@ -152,6 +170,11 @@ class EnsembleTrainer(Trainer):
         for i, found in enumerate(members):
             out.update(found.result(split, prefix=f"member{i}/"))
         return out
+
+    def finish(self, out_dir: Path) -> None:
+        """After the last epoch: cross-validation's report and out-of-fold predictions (:meth:`Folds.finish`)."""
+        if self.folds is not None and self.folds.best:
+            self.folds.finish(self, SplitScores, out_dir)
 
     def state_dict(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         """The trainer's state (parameters stacked: ``param/layer0.weight (K, out, in)``), with ``members: K``."""

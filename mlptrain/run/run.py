@@ -29,7 +29,7 @@ from mlptrain.base.backend import get_backend
 from mlptrain.base.errors import MlptrainError
 from mlptrain.base.stopping import Stop, StopRequest
 from mlptrain.base.timeline import Timeline, active, current, mark
-from mlptrain.config.schema import DatasetName, TrainConfig, to_plain
+from mlptrain.config.schema import DatasetName, TrainConfig, ensemble_members, to_plain
 from mlptrain.data import Dataset
 from mlptrain.distributed.comm import Communicator
 from mlptrain.run import checkpoint, faults
@@ -165,7 +165,7 @@ def _train_locked(
     try:
         with _stop_request(cfg, comm) as stop:  # until stop.defer(), Ctrl-C and SIGTERM stop at once
             try:
-                kind = Trainer if cfg.ensemble.size == 1 else EnsembleTrainer
+                kind = Trainer if ensemble_members(cfg) == 1 else EnsembleTrainer
                 tr = kind(cfg, dataset, backend, comm=comm, precompile=precompile)
             except BaseException:
                 if precompile is not None:  # the trainer never took it over: its threads end here
@@ -179,6 +179,8 @@ def _train_locked(
             writer = MetricsWriter(run_dir.metrics, start.metrics.records, _sinks(tr, run_dir, start))
             with writer as metrics, backend.blas_threads(build.step_flops(tr.widths, cfg.data.batch_size)):
                 summary = Loop(tr, run_dir, metrics, stop, start).run()
+                if isinstance(tr, EnsembleTrainer):  # cross-validation: its report, out-of-fold predictions
+                    tr.finish(run_dir.path)
             mark("loop")
             _record_end(tr, run_dir, start)
     except MemoryError as exc:

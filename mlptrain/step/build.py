@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -39,6 +40,7 @@ from mlptrain.config.schema import (
     OptimizerConfig,
     PrecisionConfig,
     TrainConfig,
+    ensemble_members,
 )
 from mlptrain.data import Dataset, load_dataset, preprocess
 from mlptrain.data.host_loader import HostLoader, residency
@@ -86,9 +88,16 @@ class TrainerParts:
 
 
 def trainer(
-    cfg: TrainConfig, dataset: Dataset | None, backend: Backend | None, *, comm: Any, precompile: Any
+    cfg: TrainConfig,
+    dataset: Dataset | None,
+    backend: Backend | None,
+    *,
+    comm: Any,
+    precompile: Any,
+    member_data: Callable[..., tuple[DataLoader, dict]] | None = None,
 ) -> TrainerParts:
-    """The parts of a trainer (its arguments: :class:`~mlptrain.step.trainer.Trainer`), built in order."""
+    """The parts of a trainer (its arguments: :class:`~mlptrain.step.trainer.Trainer`), built in order.
+    ``member_data``: an ensemble's loaders (default :func:`same_rows`; folds: :class:`mlptrain.run.folds.Folds`)."""
     backend = backend or get_backend(cfg.device.value)
     xp, prec = backend.xp, precision(cfg.precision, backend)
     # GPU: the run's CuPy kernels compile on threads from here on, each waited for before its first launch
@@ -105,15 +114,11 @@ def trainer(
     data = load_dataset(data_cfg) if dataset is None else preprocess(dataset, cfg.data)  # one path
     mark("data")
     sizes = widths(cfg.model, data)
-    members = cfg.ensemble.size  # > 1: an ensemble, member k seeded as a single run of seed + k (docs/ensembles.md)
+    members = ensemble_members(cfg)  # > 1: an ensemble, member k seeded as a single run of seed + k (docs/ensembles.md)
     engine = gemm(cfg.execution, backend, prec, members)
     ex = execution(cfg.execution, engine, xp)
     runtime.wait("setup")  # from here on: the parameters' cast (resuming: CuPy's fill)
-    rngs = [seeds(cfg.seed + k)[0] for k in range(members)]
-    if members == 1:
-        net: MLP = model(cfg.model, sizes, ex, backend, prec, rngs[0])
-    else:
-        net = ensemble(cfg, sizes, ex, xp, prec, rngs)
+    net = model(cfg.model, sizes, ex, backend, prec, [seeds(cfg.seed + k)[0] for k in range(members)])
     two_streams = wgrad_stream(cfg.execution, sizes, cfg.data.batch_size, comm is not None)
     runtime.wgrad_stream(net, two_streams and members == 1)  # GPU: dW GEMMs concurrent with the dX chain
     out = head(cfg, backend, sizes) if members == 1 else MemberHead(cfg.model.loss)
@@ -124,11 +129,9 @@ def trainer(
     shard = (comm.rank, comm.world) if comm is not None else None
     data_seeds = [seeds(cfg.seed + k)[1] for k in range(members)]
     train, evaluation = loaders(cfg.data, data, xp, prec.compute_dtype, data_seeds[0], shard)
-    if members > 1:  # member k's batches in the order of the single run of seed + k
-        member_loaders = [train, *(loaders(cfg.data, data, xp, prec.compute_dtype, s)[0] for s in data_seeds[1:])]
-        batches: DataLoader = MemberLoader(member_loaders)
-    else:
-        batches = train
+    if members > 1:  # member k's batches in the order of the single run of seed + k (folds: of its own rows)
+        make = member_data or same_rows
+        train, evaluation = make(cfg.data, data, xp, prec.compute_dtype, data_seeds, train, evaluation)
     sync = None
     if comm is not None:  # data parallel: this rank's gradients all-reduced in buckets
         sync = GradientSync(comm, cfg.data.batch_size, xp, int(cfg.distributed.bucket_mib * 2**20))
@@ -148,7 +151,7 @@ def trainer(
         execution=ex,
         model=net,
         head=out,
-        train_loader=batches,
+        train_loader=train,
         eval_loaders=evaluation,
         grad_sync=sync,
         optimizer=opt,
@@ -160,27 +163,20 @@ def trainer(
     )
 
 
+def same_rows(
+    cfg: DataConfig, data: Dataset, xp: Any, dtype: Any, data_seeds: list[int], train: DataLoader, evaluation: dict
+) -> tuple[DataLoader, dict]:
+    """An ensemble's training batches: every member on the training split, member k's order from ``data_seeds[k]``
+    (``train``: member 0's loader); the evaluation loaders stay."""
+    others = [loaders(cfg, data, xp, dtype, s)[0] for s in data_seeds[1:]]
+    return MemberLoader([train, *others]), evaluation
+
+
 def seeds(seed: int) -> tuple[np.random.Generator, int]:
     """The initial weights' generator and the data order's seed of a run of ``seed``: independent host streams,
     from one seed. Member ``k`` of an ensemble takes those of ``seed + k``."""
     init_seed, data_seed = np.random.SeedSequence(seed).spawn(2)
     return np.random.default_rng(init_seed), int(data_seed.generate_state(1)[0])
-
-
-def ensemble(
-    cfg: TrainConfig, sizes: list[int], ex: FusedExecution | NaiveExecution, xp: Any, prec: Precision, rngs: list
-) -> BatchedMLP:
-    """``ensemble.size`` members of ``sizes``, member k initialised from ``rngs[k]`` (:mod:`mlptrain.nn.batched`)."""
-    return BatchedMLP(
-        sizes,
-        execution=ex,
-        xp=xp,
-        rngs=rngs,
-        param_dtype=prec.param_dtype,
-        compute_dtype=prec.compute_dtype,
-        activation=cfg.model.activation,
-        init=cfg.model.init.value,
-    )
 
 
 def precision(cfg: PrecisionConfig, backend: Backend) -> Precision:
@@ -275,14 +271,26 @@ def model(
     ex: FusedExecution | NaiveExecution,
     backend: Backend,
     prec: Precision,
-    rng: np.random.Generator,
+    rngs: list[np.random.Generator],
 ) -> MLP:
-    """The MLP of ``sizes``, initialised from ``rng`` (the trainer decides its streams: :func:`wgrad_stream`)."""
+    """The MLP of ``sizes``, initialised from ``rngs[0]`` (the trainer decides its streams: :func:`wgrad_stream`);
+    with more, an ensemble: member k initialised from ``rngs[k]`` (:class:`~mlptrain.nn.batched.BatchedMLP`)."""
+    if len(rngs) > 1:
+        kw = {"activation": cfg.activation, "init": cfg.init.value}
+        return BatchedMLP(
+            sizes,
+            execution=ex,
+            xp=backend.xp,
+            rngs=rngs,
+            param_dtype=prec.param_dtype,
+            compute_dtype=prec.compute_dtype,
+            **kw,
+        )
     return MLP(
         sizes,
         execution=ex,
         xp=backend.xp,
-        rng=rng,
+        rng=rngs[0],
         param_dtype=prec.param_dtype,
         compute_dtype=prec.compute_dtype,
         activation=cfg.activation,

@@ -56,6 +56,7 @@ class Trainer:
         precompile: GPU: the run's kernels, compiling on threads (:mod:`mlptrain.step.cuda.precompile`) since
             :func:`mlptrain.run.run.train` started them; by default the trainer starts them (unless
             ``execution.precompile=false``).
+        member_data: an ensemble's loaders (:func:`mlptrain.step.build.trainer`: cross-validation's folds).
     """
 
     def __init__(
@@ -66,12 +67,14 @@ class Trainer:
         *,
         comm: Any = None,
         precompile: Any = None,
+        member_data: Any = None,
     ) -> None:
         self.cfg = cfg
-        p = build.trainer(cfg, dataset, backend, comm=comm, precompile=precompile)  # each part from its config group
+        # each part from its config group
+        p = build.trainer(cfg, dataset, backend, comm=comm, precompile=precompile, member_data=member_data)
         self.backend, self.xp, self.precision, self.runtime = p.backend, p.backend.xp, p.precision, p.runtime
         self.dataset, self.widths, self.gemm, self.execution = p.dataset, p.widths, p.gemm, p.execution
-        self.members = cfg.ensemble.size  # an ensemble's (mlptrain.run.ensemble), 1 otherwise
+        self.members = p.model.members  # an ensemble's (mlptrain.run.ensemble), 1 otherwise
         self.model, self.head, self.train_loader, self.eval_loaders = p.model, p.head, p.train_loader, p.eval_loaders
         self.grad_sync, self.optimizer, self.scaler = p.grad_sync, p.optimizer, p.scaler
         self.steps_per_epoch, self.total_steps = len(self.train_loader), p.total_steps
