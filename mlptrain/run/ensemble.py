@@ -115,6 +115,7 @@ class EnsembleTrainer(Trainer):
         if members is not None:
             kw = self.schedule.kw
             members.lr = [lr_at(self.clock.n, **{**kw, "base_lr": base}) for base in self.member_lr]
+        self.member_rows += self.batch_rows(y)  # on the host: a replayed CUDA graph runs no Python
         return super().step(x, y)
 
     def batch_rows(self, y: Any) -> int:
@@ -123,9 +124,8 @@ class EnsembleTrainer(Trainer):
     def step_metrics(self, loss: Any, correct: Any, rows: int) -> tuple[Any, Any]:
         """Each member's loss and count summed for the epoch (on the device); the step log gets the members' mean
         loss and their mean count, rounded to a whole row (each member's exact count is in ``member<k>/``)."""
-        self.member_loss += loss * rows
+        self.member_loss += loss * rows  # (on the GPU captured with the step, replayed with it)
         self.member_correct += correct
-        self.member_rows += rows
         k = self.members
         return loss.mean(), (correct.sum() + k // 2) // k
 

@@ -127,12 +127,12 @@ class NvmathGemm:
             if self.plan_cache is not None:
                 self.plan_cache.put(sig, self.tf32, self.autotune, mm.algorithms[0])
         algo = mm.algorithms[0]
-        log.info(
-            "planned %s (%s): (%d, %d) @ (%d, %d) %s epilog=%s algorithm=%s tile=%s",
+        log.info(  # (an ensemble's GEMMs are batched: (K, M, Kd) @ (K, Kd, N))
+            "planned %s (%s): %s @ %s %s epilog=%s algorithm=%s tile=%s",
             key,
             source,
-            *a.shape,
-            *b.shape,
+            tuple(a.shape),
+            tuple(b.shape),
             a.dtype,
             epilog.name if epilog else "none",
             getattr(algo, "algorithm_id", "?"),
