@@ -262,3 +262,28 @@ def test_a_cross_validation_run_reports_each_fold_and_the_out_of_fold_prediction
     for k, fold in enumerate(report["folds"]):  # each fold's best, its member's weights then, on the fold's rows
         mine = [r["prediction"] == r["target"] for r in rows if int(r["fold"]) == k]
         assert fold["value"] == pytest.approx(np.mean(mine))
+
+
+def test_the_exports_of_an_ensemble_predict_as_its_checkpoint(ensemble_run: Path, tmp_path: Path) -> None:
+    pytest.importorskip("onnx")
+    ort = pytest.importorskip("onnxruntime")
+    from mlptrain.cli.export import ExportArgs, export, load_safetensors
+
+    ckpt = ensemble_run / "checkpoints" / "last.npz"
+    p = Predictor(ckpt, device="cpu")
+    x = np.random.default_rng(2).integers(0, 17, (200, 64)).astype(np.float64)
+    out = export(ExportArgs(ckpt=str(ckpt), format="onnx", output=str(tmp_path / "e.onnx")))
+    session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    logits, probs, ids = session.run(["logits", "probabilities", "class_id"], {"x": x.astype(np.float32)})
+    res = p.run(x, probabilities=True)
+    np.testing.assert_allclose(logits, p.logits(x), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(probs, res.probabilities, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(ids, res.class_id)
+    tensors, meta = load_safetensors(
+        export(ExportArgs(ckpt=str(ckpt), format="safetensors", output=str(tmp_path / "e.safetensors")))
+    )
+    arrays = checkpoint.load(ckpt).arrays
+    for k in range(K):  # nn.ModuleList of K nn.Sequential(Linear, ReLU, Linear, ReLU, Linear): "k.<module>.weight"
+        np.testing.assert_array_equal(tensors[f"{k}.0.weight"], arrays["param/layer0.weight"][k])
+        np.testing.assert_array_equal(tensors[f"{k}.4.bias"], arrays["param/layer2.bias"][k])
+    assert json.loads(meta["mlptrain"])["members"] == K

@@ -83,10 +83,13 @@ def sequential_state_dict(p: Predictor, dtype: Any = np.float32) -> dict[str, np
     (``nn.GELU(approximate="tanh")`` in place of ReLU for a GELU model)."""
     step = 2 if _activation(p) != "none" else 1  # Linear, ReLU, Linear, ...: every other module is a Linear
     out = {}
+    members = p.model.members  # an ensemble: nn.ModuleList of K such Sequentials, member k's names under "k."
     for i, layer in enumerate(p.model.layers):
-        # W (out, in) and b (out,): the layout of torch.nn.Linear
-        out[f"{step * i}.weight"] = np.ascontiguousarray(p.backend.to_host(layer.weight.value), dtype=dtype)
-        out[f"{step * i}.bias"] = np.ascontiguousarray(p.backend.to_host(layer.bias.value), dtype=dtype)  # (out,)
+        # W (out, in) and b (out,): the layout of torch.nn.Linear (an ensemble's: (K, out, in), (K, out))
+        w, b = (np.ascontiguousarray(p.backend.to_host(t.value), dtype=dtype) for t in (layer.weight, layer.bias))
+        for k in range(members):
+            prefix = f"{k}." if members > 1 else ""
+            out[f"{prefix}{step * i}.weight"], out[f"{prefix}{step * i}.bias"] = (w[k], b[k]) if members > 1 else (w, b)
     return out
 
 
@@ -119,6 +122,7 @@ def preprocessing(p: Predictor) -> dict[str, Any]:
     return {
         "format": "mlptrain-model",
         "widths": p.widths,
+        "members": p.model.members,  # > 1: an ensemble, which predicts its members' mean (docs/ensembles.md)
         "activation": _activation(p),  # gelu: the tanh form, nn.GELU(approximate="tanh")
         "task": p.task,
         "normalization": {"shift": p.shift.tolist(), "scale": p.scale.tolist(), "formula": "(x - shift) / scale"},
@@ -162,6 +166,24 @@ def _onnx_target_units(p: Predictor, z: str) -> tuple[list[Any], list[Any]]:
     nodes = [helper.make_node("Mul", [z, "target_scale"], ["z_scaled"])]
     nodes.append(helper.make_node("Add", ["z_scaled", "target_shift"], ["logits"]))
     return nodes, inits
+
+
+def _onnx_member_mean(classification: bool) -> tuple[list[Any], list[Any]]:
+    """``member_z (K, N, C)`` -> the ensemble's ``logits``: the log of the members' mean probability (as
+    :func:`mlptrain.nn.members.ensemble_logits`, the smallest float32 for a probability of 0); a regression's
+    ``z_out``, the mean output."""
+    from onnx import helper, numpy_helper
+
+    if not classification:
+        return [helper.make_node("ReduceMean", ["member_z"], ["z_out"], axes=[0], keepdims=0)], []
+    tiny = numpy_helper.from_array(np.array(np.finfo(np.float32).tiny, np.float32), "tiny")
+    nodes = [
+        helper.make_node("Softmax", ["member_z"], ["member_p"], axis=2),
+        helper.make_node("ReduceMean", ["member_p"], ["mean_p"], axes=[0], keepdims=0),
+        helper.make_node("Max", ["mean_p", "tiny"], ["mean_p_kept"]),
+        helper.make_node("Log", ["mean_p_kept"], ["logits"]),
+    ]
+    return nodes, [tiny]
 
 
 def safetensors_bytes(tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> bytes:
@@ -216,19 +238,29 @@ def onnx_model(p: Predictor) -> Any:
         helper.make_node("Mul", ["x_shifted", "inv_scale"], ["x_normalised"]),
         helper.make_node("Cast", ["x_normalised"], ["h0"], to=TensorProto.FLOAT),  # rounded once
     ]
+    ensemble = p.model.members > 1
     for i, layer in enumerate(p.model.layers):
         w, b = (np.ascontiguousarray(p.backend.to_host(t.value), dtype=f32) for t in (layer.weight, layer.bias))
-        inits += [numpy_helper.from_array(w, f"layer{i}.weight"), numpy_helper.from_array(b, f"layer{i}.bias")]
         last = "logits" if p.classification else "z_out"  # a regression's units come after the last Gemm
+        last = "member_z" if ensemble else last  # (K, N, C), then the members' mean
         out = last if i == len(p.model.layers) - 1 else f"z{i + 1}"
-        # Gemm: h @ W^T + b, W (out, in) as mlptrain and PyTorch store it
-        nodes.append(helper.make_node("Gemm", [f"h{i}", f"layer{i}.weight", f"layer{i}.bias"], [out], transB=1))
+        if ensemble:  # one batched MatMul: h (N, in) or (K, N, in) @ W^T (K, in, out) + b (K, 1, out)
+            wt, bk = np.ascontiguousarray(w.transpose(0, 2, 1)), b[:, None, :]
+            inits += [numpy_helper.from_array(wt, f"layer{i}.weight"), numpy_helper.from_array(bk, f"layer{i}.bias")]
+            nodes.append(helper.make_node("MatMul", [f"h{i}", f"layer{i}.weight"], [f"m{i}"]))
+            nodes.append(helper.make_node("Add", [f"m{i}", f"layer{i}.bias"], [out]))
+        else:  # Gemm: h @ W^T + b, W (out, in) as mlptrain and PyTorch store it
+            inits += [numpy_helper.from_array(w, f"layer{i}.weight"), numpy_helper.from_array(b, f"layer{i}.bias")]
+            nodes.append(helper.make_node("Gemm", [f"h{i}", f"layer{i}.weight", f"layer{i}.bias"], [out], transB=1))
         if layer.relu:
             nodes.append(helper.make_node("Relu", [out], [f"h{i + 1}"]))
         elif layer.activation == "gelu":
             nodes += _onnx_gelu(out, f"h{i + 1}", i)
         elif out != last:
             nodes.append(helper.make_node("Identity", [out], [f"h{i + 1}"]))
+    if ensemble:
+        mean_nodes, mean_inits = _onnx_member_mean(p.classification)
+        nodes, inits, last = nodes + mean_nodes, inits + mean_inits, "logits" if p.classification else "z_out"
     if not p.classification:
         units, unit_inits = _onnx_target_units(p, last)
         nodes, inits = nodes + units, inits + unit_inits

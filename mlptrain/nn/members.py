@@ -80,6 +80,11 @@ class MemberMean:
     def members(self) -> int:
         return int(self.model.members)
 
+    @property
+    def layers(self) -> list[Any]:
+        """The members' stacked layers (``weight.value (K, out, in)``): what the exports read."""
+        return list(self.model.layers)
+
     def forward(self, x: Any, keep: bool = False) -> Any:
         """``x (B, in) -> (B, C)``: the members' mean probability as log-probabilities, or their mean output."""
         if keep:
