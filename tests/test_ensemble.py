@@ -287,3 +287,48 @@ def test_the_exports_of_an_ensemble_predict_as_its_checkpoint(ensemble_run: Path
         np.testing.assert_array_equal(tensors[f"{k}.0.weight"], arrays["param/layer0.weight"][k])
         np.testing.assert_array_equal(tensors[f"{k}.4.bias"], arrays["param/layer2.bias"][k])
     assert json.loads(meta["mlptrain"])["members"] == K
+
+
+def regression_table() -> "Dataset":
+    from mlptrain.data import Dataset
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((400, 5))
+    y = (x @ np.array([1.0, -2.0, 0.5, 0.0, 3.0]) + 0.1 * rng.standard_normal(400)).astype(np.float32)[:, None]
+    return Dataset("linear", x[:300], y[:300], x[300:340], y[300:340], x[340:], y[340:], 1, task="regression")
+
+
+def test_a_regression_ensemble_predicts_the_members_mean_output(tmp_path: Path) -> None:
+    cfg = make_cfg(size=K, epochs=3)
+    cfg.model.loss, cfg.data.batch_size = "mse", 32
+    summary = train(cfg, tmp_path / "run", regression_table())
+    assert {f"member{k}/val/rmse" for k in range(K)} <= set(summary) and "val/rmse" in summary
+    ckpt = checkpoint.load(tmp_path / "run" / "checkpoints" / "last.npz")
+    x = np.random.default_rng(1).standard_normal((50, 5))
+    together = Predictor(ckpt, device="cpu").run(x).values
+    members = []
+    for k in range(K):
+        arrays = {n: (a[k] if n.startswith("param/") else a) for n, a in ckpt.arrays.items()}
+        meta = {n: v for n, v in ckpt.meta.items() if n != "members"}
+        members.append(Predictor(checkpoint.Checkpoint(ckpt.path, arrays, meta), device="cpu").run(x).values)
+    assert together is not None and together.shape == (50, 1)
+    np.testing.assert_allclose(together, np.mean(members, axis=0), rtol=1e-5, atol=1e-5)  # in the targets' units
+    assert not np.allclose(members[0], members[1])
+
+
+def test_a_resumed_ensemble_is_the_uninterrupted_one_bit_for_bit(tmp_path: Path) -> None:
+    def cfg(epochs: int) -> TrainConfig:  # a constant rate: the schedule does not depend on the epochs asked
+        c = make_cfg(size=K, epochs=epochs)
+        c.optimizer.schedule = type(c.optimizer.schedule)("constant")
+        return c
+
+    whole = tmp_path / "whole"
+    train(cfg(2), whole)
+    part = tmp_path / "part"
+    train(cfg(1), part)
+    train(dataclasses.replace(cfg(2), resume=str(part)), part)
+    a = checkpoint.load(whole / "checkpoints" / "last.npz").arrays
+    b = checkpoint.load(part / "checkpoints" / "last.npz").arrays
+    assert set(a) == set(b)
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)

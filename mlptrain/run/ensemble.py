@@ -63,7 +63,7 @@ def check_ensemble(cfg: TrainConfig, data_parallel: bool = False) -> None:
         "precision=fp8": cfg.precision.name == "fp8",
         "data parallel (distributed.gpus > 1, torchrun, mpirun)": data_parallel or cfg.distributed.gpus > 1,
         "precision.compute_copy=cast": cfg.precision.compute_copy.value == "cast",
-        "data.residency=host": cfg.data.residency.value == "host",
+        f"data.residency={cfg.data.residency.value}": cfg.data.residency.value in ("host", "stream"),
     }
     found = [name for name, on in refused.items() if on]
     if found:
