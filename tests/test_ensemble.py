@@ -11,6 +11,7 @@ import pytest
 
 from mlptrain.base.errors import CheckpointError, ConfigError
 from mlptrain.config.schema import Device, Mode, TrainConfig
+from mlptrain.data import Dataset
 from mlptrain.inference.predictor import Predictor, softmax
 from mlptrain.nn.batched import BatchedNumpyGemm
 from mlptrain.nn.epilogs import Epilog, matmul, relu_aux_shape
@@ -289,9 +290,7 @@ def test_the_exports_of_an_ensemble_predict_as_its_checkpoint(ensemble_run: Path
     assert json.loads(meta["mlptrain"])["members"] == K
 
 
-def regression_table() -> "Dataset":
-    from mlptrain.data import Dataset
-
+def regression_table() -> Dataset:
     rng = np.random.default_rng(0)
     x = rng.standard_normal((400, 5))
     y = (x @ np.array([1.0, -2.0, 0.5, 0.0, 3.0]) + 0.1 * rng.standard_normal(400)).astype(np.float32)[:, None]
