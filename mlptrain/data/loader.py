@@ -323,6 +323,12 @@ class MemberLoader(DataLoader):
     def batch_rows(self, start_batch: int) -> Iterator[int]:
         return self.members[0].batch_rows(start_batch)
 
+    @property
+    def device_bytes(self) -> int:
+        """Device memory the members' splits hold (each member's loader its own copy of its rows; the memory account
+        of :mod:`mlptrain.step.cuda.memory` reads it for a loader that is not ``resident``)."""
+        return sum(int(ld.x.nbytes + ld.y.nbytes) for ld in self.members) if self.xp is not np else 0
+
     def permutation(self, epoch: int) -> np.ndarray:
         """Member 0's order (each member takes its own: :meth:`epoch`)."""
         return self.members[0].permutation(epoch)

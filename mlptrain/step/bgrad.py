@@ -61,6 +61,7 @@ def choose(tr: Any) -> None:
         f"{' tf32' if tr.precision.tf32 else ''}{' 2 streams' if tr.model.uses_wgrad_stream else ''}"
         f"{' head kernel' if tr.head.mode == 'kernel' else ''}"
         f"{f' workspace {ex.workspace_mib} MiB' if ex.workspace_mib is not None else ''}"
+        f"{f' {tr.members} members' if tr.members > 1 else ''}"
     )
     store = PlanCache.default_path().with_suffix(".bgrad.json") if ex.plan_cache else None
     known = remembered(store, key, len(tr.model.bgrad))
@@ -74,6 +75,8 @@ def choose(tr: Any) -> None:
     with tr.runtime.stream:  # the batch in a list, so that it can go before the pool is emptied
         y = tr.train_loader.y
         batch = random_batch(B, tr.widths, cdt, y.dtype, y.shape[1:], out=tr.batch_buffers(B))
+        if tr.members > 1:  # an ensemble's step takes (K, B, ...) batches: every member on the same random rows
+            batch = [tr.xp.stack([a] * tr.members) for a in batch]
         chosen = choose_bgrad(
             tr.model,
             lambda: tr.forward_backward(*batch),
