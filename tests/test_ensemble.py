@@ -173,6 +173,16 @@ def test_a_batched_sweep_gives_member_k_the_single_run_of_its_lr_and_weight_deca
     assert ens.epoch_extras()["member2/lr"] == 0.2
 
 
+def test_a_sweep_run_writes_a_table_of_its_members(tmp_path: Path) -> None:
+    cfg = make_cfg(size=K, epochs=1)
+    cfg.ensemble.lr = [0.01, 0.05, 0.2]
+    summary = train(cfg, tmp_path / "run")
+    lines = (tmp_path / "run" / "members.md").read_text().splitlines()
+    assert lines[0] == "| member | seed | lr | weight_decay | val/loss | val/acc | test/loss | test/acc |"
+    assert lines[4].startswith("| 2 | 7 | 0.2 | 0 | ") and f"{summary['member2/test/acc']:.4g} |" in lines[4]
+    assert lines[5].startswith("| the ensemble |") and lines[5].endswith(f"{summary['test/acc']:.4g} |")
+
+
 def test_a_sweep_needs_one_value_per_member() -> None:
     cfg = make_cfg(size=K)
     cfg.ensemble.lr = [0.1, 0.2]

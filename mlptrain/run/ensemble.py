@@ -171,13 +171,38 @@ class EnsembleTrainer(Trainer):
             out.update(found.result(split, prefix=f"member{i}/"))
         return out
 
-    def finish(self, out_dir: Path) -> None:
-        """After the last epoch: cross-validation's report and out-of-fold predictions (:meth:`Folds.finish`)."""
+    def finish(self, out_dir: Path, summary: dict[str, Any]) -> None:
+        """After the last epoch: ``members.md``, a table of each member's settings and last scores (``summary``: the
+        run's last record), and cross-validation's report and out-of-fold predictions (:meth:`Folds.finish`)."""
         if self.folds is not None and self.folds.best:
             self.folds.finish(self, SplitScores, out_dir)
+        (out_dir / MEMBERS_TABLE).write_text(self.members_table(summary))
+
+    def members_table(self, summary: dict[str, Any]) -> str:
+        """Markdown: one row per member (its seed, learning rate, weight decay, fold) and its scores in ``summary``
+        (``member<k>/val/acc`` ...), then the ensemble's row (the run's own ``val/acc`` ...)."""
+        names = [f"{split}/{score}" for split in ("val", "test") for score in ("loss", "acc", "rmse", "r2")]
+        names = [n for n in names if f"member0/{n}" in summary]
+        head = ["member", "seed", "lr", "weight_decay", *(["fold"] if self.folds else []), *names]
+        rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for k in range(self.members):
+            cells = [str(k), str(self.cfg.seed + k), f"{self.member_lr[k]:g}", f"{self.member_decay[k]:g}"]
+            cells += [str(k)] if self.folds else []
+            cells += [_cell(summary.get(f"member{k}/{n}")) for n in names]
+            rows.append("| " + " | ".join(cells) + " |")
+        together = ["the ensemble", "", "", "", *(["out of fold"] if self.folds else [])]  # (test/: the ensemble's)
+        rows.append("| " + " | ".join([*together, *(_cell(summary.get(n)) for n in names)]) + " |")
+        return "\n".join(rows) + "\n"
 
     def state_dict(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         """The trainer's state (parameters stacked: ``param/layer0.weight (K, out, in)``), with ``members: K``."""
         arrays, meta = super().state_dict()
         meta["members"] = self.members
         return arrays, meta
+
+
+MEMBERS_TABLE = "members.md"
+
+
+def _cell(value: Any) -> str:
+    return "" if value is None else f"{value:.4g}"
