@@ -341,3 +341,29 @@ def test_a_resumed_ensemble_is_the_uninterrupted_one_bit_for_bit(tmp_path: Path)
     assert set(a) == set(b)
     for name in a:
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+
+
+def test_the_estimators_ensemble_predicts_the_mean_of_its_members() -> None:
+    from sklearn.datasets import load_breast_cancer
+
+    from mlptrain.sklearn import MLPClassifier
+
+    X, y = load_breast_cancer(return_X_y=True)
+    kw = {"hidden_layer_sizes": (16,), "max_iter": 4, "device": "cpu", "learning_rate_init": 0.01}
+    with pytest.warns(Warning):  # (ConvergenceWarning: 4 epochs)
+        ens = MLPClassifier(ensemble_size=K, random_state=3, **kw).fit(X, y)
+    ckpt = ens.state_
+    members = []
+    for k in range(K):  # member k as a one-model checkpoint
+        arrays = {n: (a[k] if n.startswith("param/") else a) for n, a in ckpt.arrays.items()}
+        meta = {n: v for n, v in ckpt.meta.items() if n != "members"}
+        members.append(
+            Predictor(checkpoint.Checkpoint(ckpt.path, arrays, meta), device="cpu").run(X, probabilities=True)
+        )
+    probabilities = [m.probabilities for m in members]
+    np.testing.assert_allclose(ens.predict_proba(X), np.mean(probabilities, axis=0), rtol=1e-5, atol=1e-7)
+    assert not np.allclose(probabilities[0], probabilities[1], atol=1e-3)
+    assert ens.coefs_[0].shape == (K, 30, 16) and ens.intercepts_[1].shape == (K, 2)
+    np.testing.assert_array_equal(ens.coefs_[0][1], ckpt.arrays["param/layer0.weight"][1].T)
+    with pytest.raises(ConfigError, match="ensemble_size=0; expected a positive integer"):
+        MLPClassifier(ensemble_size=0, **kw).fit(X, y)

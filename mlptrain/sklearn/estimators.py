@@ -29,6 +29,7 @@ from mlptrain.data.dataset import check_real
 from mlptrain.data.files.plan import ColumnPlan
 from mlptrain.inference.predictor import Predictor, softmax
 from mlptrain.run.checkpoint import Checkpoint
+from mlptrain.run.ensemble import EnsembleTrainer
 from mlptrain.run.interval import Interval
 from mlptrain.sklearn import frames, persist
 from mlptrain.sklearn.fitting import Stopping, make_dataset, outputs, run_epoch
@@ -94,6 +95,7 @@ class _BaseMLP(BaseEstimator):
         precision: str = "fp32",
         device: str = "auto",
         graph: bool | None = None,
+        ensemble_size: int = 1,
     ) -> None:
         self.hidden_layer_sizes = hidden_layer_sizes
         self.activation = activation
@@ -123,6 +125,7 @@ class _BaseMLP(BaseEstimator):
         self.precision = precision
         self.device = device
         self.graph = graph
+        self.ensemble_size = ensemble_size
 
     # --- fitting ------------------------------------------------------------------------------
 
@@ -181,7 +184,7 @@ class _BaseMLP(BaseEstimator):
             columns=encoder,
         )
         cfg.log_every = -(-len(ds.y_train) // cfg.data.batch_size)  # the epoch's steps: one host sync an epoch
-        tr = Trainer(cfg, ds)
+        tr = Trainer(cfg, ds) if cfg.ensemble.size == 1 else EnsembleTrainer(cfg, ds)  # docs/ensembles.md
         if not fresh:
             arrays, meta = self.state_.arrays, self.state_.meta
             tr.load_state_dict(arrays, meta, step=meta["position"]["step"], where=f"the fitted {name}")
@@ -281,13 +284,13 @@ class _BaseMLP(BaseEstimator):
     @property
     def coefs_(self) -> list[np.ndarray]:
         """Each layer's weight matrix ``(in, out)`` as scikit-learn lays them out (views of the ``(out, in)``
-        arrays of the checkpoint); the first acts on the normalised features."""
+        arrays of the checkpoint; an ensemble's ``(K, in, out)``); the first acts on the normalised features."""
         check_is_fitted(self)
-        return [W.T for W in persist.layers(self.state_, "weight")]
+        return [np.swapaxes(W, -1, -2) for W in persist.layers(self.state_, "weight")]
 
     @property
     def intercepts_(self) -> list[np.ndarray]:
-        """Each layer's bias ``(out,)``."""
+        """Each layer's bias ``(out,)`` (an ensemble's ``(K, out)``)."""
         check_is_fitted(self)
         return persist.layers(self.state_, "bias")
 

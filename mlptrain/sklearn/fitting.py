@@ -26,6 +26,7 @@ import numpy as np
 from mlptrain.data.dataset import Dataset, Normalization
 from mlptrain.data.files.plan import ColumnPlan
 from mlptrain.data.prepare import normalization, stratified_split
+from mlptrain.nn.members import MemberMean
 from mlptrain.run import faults
 from mlptrain.run.interval import Closed, Interval
 from mlptrain.step.trainer import Trainer
@@ -93,7 +94,7 @@ def run_epoch(tr: Trainer, interval: Interval, epoch: int) -> tuple[np.ndarray, 
     for step in interval.steps(epoch):
         rows += step.rows
         if each_step:
-            _check(tr, np.array([float(step.loss)]), np.array([step.lr]), epoch, None)
+            _check(tr, np.array([float(np.max(step.loss))]), np.array([step.lr]), epoch, None)  # (K,): an ensemble
         if interval.full:
             losses.append(_read(tr, interval.close(), epoch))
     if interval.pending:
@@ -122,7 +123,8 @@ def _check(tr: Trainer, losses: np.ndarray, lrs: np.ndarray, epoch: int, closed:
 def outputs(tr: Trainer, split: str) -> np.ndarray:
     """The model's outputs ``(N, C)`` float64 on an evaluation split (the logits of a classification)."""
     tr.runtime.finish_precompile()
-    out = [tr.backend.to_host(tr.model.forward(x, keep=False)) for x, _ in tr.eval_loaders[split].epoch(0)]
+    model = tr.model if tr.members == 1 else MemberMean(tr.model, tr.dataset.task == "classification")  # the mean
+    out = [tr.backend.to_host(model.forward(x, keep=False)) for x, _ in tr.eval_loaders[split].epoch(0)]
     if tr.backend.is_gpu:
         tr.gemm.release_operands()  # the plans forget the last batch
     return np.concatenate(out).astype(np.float64)

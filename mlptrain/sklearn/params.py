@@ -28,6 +28,9 @@ random_state         ``seed`` and ``data.split_seed``
 categorical_features ``data.categorical``                   HistGradientBoosting's ``from_dtype``:
                                                             ``category``, text columns; plus a list
 min_frequency        ``data.min_frequency``                 OneHotEncoder's, a count of rows
+ensemble_size        ``ensemble.size``                      mlptrain's own: K networks trained as one
+                                                            (seeds ``seed..seed+K-1``), their mean
+                                                            predicts (docs/ensembles.md)
 ==================== ====================================== ==========================================
 """
 
@@ -123,6 +126,7 @@ def check(owner: str, p: dict[str, Any]) -> None:
     _number(owner, "tol", p["tol"], -np.inf)
     _count(owner, "max_iter", p["max_iter"])
     _count(owner, "n_iter_no_change", p["n_iter_no_change"])
+    _count(owner, "ensemble_size", p["ensemble_size"])
     if p["batch_size"] != "auto":
         batch_rows(owner, p["batch_size"], 1)
     frames.check_params(owner, p)
@@ -140,6 +144,7 @@ def check_continuation(owner: str, how: str, p: dict[str, Any], fitted: Any) -> 
         ("hidden_layer_sizes", tuple(meta["widths"][1:-1]), tuple(hidden_sizes(owner, p["hidden_layer_sizes"]))),
         ("solver", meta["optimizer"], p["solver"]),
         ("precision", meta["precision"], p["precision"]),
+        ("ensemble_size", meta.get("members", 1), p["ensemble_size"]),
     ]
     if p["solver"] == "sgd" and meta["optimizer"] == "sgd" and had_momentum != (p["momentum"] > 0):
         pairs.append(("momentum", "a positive value" if had_momentum else 0, p["momentum"]))
@@ -186,4 +191,5 @@ def train_config(
     o.beta1, o.beta2, o.eps = float(p["beta_1"]), float(p["beta_2"]), float(p["epsilon"])
     cfg.execution.mode = Mode(p["execution"])
     cfg.precision.name = p["precision"]
+    cfg.ensemble.size = int(p["ensemble_size"])
     return cfg
