@@ -367,3 +367,25 @@ def test_the_estimators_ensemble_predicts_the_mean_of_its_members() -> None:
     np.testing.assert_array_equal(ens.coefs_[0][1], ckpt.arrays["param/layer0.weight"][1].T)
     with pytest.raises(ConfigError, match="ensemble_size=0; expected a positive integer"):
         MLPClassifier(ensemble_size=0, **kw).fit(X, y)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_stacked_cross_entropy_is_each_members_cross_entropy(dtype: type) -> None:
+    from mlptrain.nn.losses import softmax_cross_entropy
+    from mlptrain.nn.members import stacked_cross_entropy
+
+    rng = np.random.default_rng(4)
+    logits = (3 * rng.standard_normal((K, 50, 7))).astype(dtype)
+    y = rng.integers(0, 7, (K, 50))
+    scale = np.array(8.0)
+    loss, dlogits, correct = stacked_cross_entropy(logits.copy(), y, scale)
+    tol = 1e-6 if dtype == np.float32 else 1e-13
+    for k in range(K):
+        one_loss, one_grad, one_correct = softmax_cross_entropy(logits[k], y[k], scale)
+        np.testing.assert_allclose(loss[k], one_loss, rtol=tol)
+        np.testing.assert_allclose(dlogits[k], one_grad, rtol=tol, atol=tol)
+        assert correct[k] == one_correct
+    written = logits.copy()
+    _, same, _ = stacked_cross_entropy(written, y, scale, inplace=True)
+    assert same is written and dlogits.dtype == dtype
+    np.testing.assert_array_equal(written, dlogits)

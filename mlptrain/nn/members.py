@@ -16,8 +16,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from mlptrain.base.backend import get_array_module
 from mlptrain.nn.head import OutputHead
+from mlptrain.nn.losses import softmax_cross_entropy
 from mlptrain.nn.network import MLP, HeadGrads
 
 
@@ -32,8 +35,14 @@ class MemberHead(OutputHead):
         self, model: MLP, logits: Any, y: Any, grad_scale: Any, *, inplace: bool = False
     ) -> tuple[Any, Any, Any, HeadGrads]:
         """``(loss (K,), correct (K,), dlogits (K, B, C), HeadGrads())``: member ``k``'s loss of ``logits[k]``
-        against ``y[k]``, each the single loss function's call (with ``inplace``, written over ``logits[k]``)."""
+        against ``y[k]``, each the single loss function's call (with ``inplace``, written over ``logits[k]``).
+
+        On the GPU the plain cross-entropy runs over all members at once (:func:`stacked_cross_entropy`: a few
+        array kernels for any K, where one call per member launches K loss kernels)."""
         xp = get_array_module(logits)
+        if xp is not np and self.loss_fn is softmax_cross_entropy:
+            loss, dlogits, correct = stacked_cross_entropy(logits, y, grad_scale, inplace=inplace)
+            return loss, correct, dlogits, HeadGrads()
         losses, counts, grads = [], [], []
         for k in range(logits.shape[0]):
             loss, dlogits, correct = self.loss_fn(logits[k], y[k], grad_scale, inplace=inplace)
@@ -46,6 +55,28 @@ class MemberHead(OutputHead):
     def evaluate(self, logits: Any, y: Any) -> tuple[Any, Any]:
         """The ``(loss, correct)`` of one set of ``logits (B, C)`` (a member's, or :func:`ensemble_logits`)."""
         return super().evaluate(logits, y)
+
+
+def stacked_cross_entropy(logits: Any, y: Any, grad_scale: Any = 1.0, *, inplace: bool = False) -> tuple:
+    """:func:`~mlptrain.nn.losses.softmax_cross_entropy` of every member at once: ``logits (K, B, C)``, labels
+    ``y (K, B)``; returns ``(loss (K,), dlogits (K, B, C), correct (K,))``, member k's the single function's (the
+    same formulas over the last axis; equal to rounding, not bit for bit: the CPU calls the single function)."""
+    xp = get_array_module(logits)
+    _, b, c = logits.shape
+    z = logits.astype(xp.float64 if logits.dtype == xp.float64 else xp.float32)  # (K, B, C), a copy
+    z -= z.max(axis=-1, keepdims=True)
+    e = xp.exp(z)
+    s = e.sum(axis=-1, keepdims=True)  # (K, B, 1)
+    onehot = xp.arange(c) == y[..., None]  # (K, B, C) bool
+    loss = (xp.log(s[..., 0]) - (z * onehot).sum(axis=-1)).mean(axis=-1)  # (K,)
+    correct = (logits.argmax(axis=-1) == y).sum(axis=-1)  # (K,)
+    e /= s  # softmax
+    e -= onehot
+    e *= grad_scale / b if isinstance(grad_scale, float) else grad_scale * (1.0 / b)
+    if inplace:
+        logits[...] = e
+        return loss, logits, correct
+    return loss, e.astype(logits.dtype, copy=False), correct
 
 
 def ensemble_logits(logits: Any, classification: bool) -> Any:

@@ -89,3 +89,17 @@ def test_the_batched_step_on_the_gpu_follows_the_cpus_members(graph: bool) -> No
     np.testing.assert_allclose(np.array(ours), np.array(theirs), rtol=2e-3)  # fp32: rounding order only
     scores = gpu.evaluate("val")
     assert {f"member{k}/val/acc" for k in range(K)} <= set(scores) and "val/acc" in scores
+
+
+def test_the_members_loss_on_the_gpu_is_one_stacked_cross_entropy() -> None:
+    from mlptrain.nn.members import MemberHead
+
+    rng = np.random.default_rng(5)
+    logits = rng.standard_normal((K, 256, 10)).astype(np.float32)
+    y = rng.integers(0, 10, (K, 256))
+    head = MemberHead("cross_entropy")
+    loss, correct, dlogits, _ = head.grads(None, cp.asarray(logits), cp.asarray(y), cp.asarray(1.0))
+    ref_loss, ref_correct, ref_grad, _ = head.grads(None, logits.copy(), y, np.array(1.0))
+    np.testing.assert_allclose(cp.asnumpy(loss), ref_loss, rtol=1e-5)
+    np.testing.assert_allclose(cp.asnumpy(dlogits), ref_grad, rtol=1e-5, atol=1e-7)
+    np.testing.assert_array_equal(cp.asnumpy(correct), ref_correct)
