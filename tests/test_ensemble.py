@@ -389,3 +389,11 @@ def test_the_stacked_cross_entropy_is_each_members_cross_entropy(dtype: type) ->
     _, same, _ = stacked_cross_entropy(written, y, scale, inplace=True)
     assert same is written and dlogits.dtype == dtype
     np.testing.assert_array_equal(written, dlogits)
+
+
+def test_a_sweep_without_members_is_refused_when_the_config_is_validated(tmp_path: Path) -> None:
+    cfg = make_cfg()
+    cfg.ensemble.weight_decay = [0.1, 0.2]
+    with pytest.raises(ConfigError, match=r"ensemble.weight_decay=\[0.1, 0.2\] has 2 values"):
+        train(cfg, tmp_path / "run")  # a run of one model, which would ignore the list
+    assert not (tmp_path / "run").exists()

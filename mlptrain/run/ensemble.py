@@ -25,52 +25,16 @@ from typing import Any
 import numpy as np
 
 from mlptrain.base.errors import ConfigError
-from mlptrain.config.schema import TrainConfig, ensemble_members
+from mlptrain.config.schema import TrainConfig
 from mlptrain.data import Dataset
 from mlptrain.nn.members import ensemble_logits
 from mlptrain.run.folds import Folds
+from mlptrain.step.checks import check_ensemble
 from mlptrain.step.optim import MemberSettings
 from mlptrain.step.schedule import lr_at
 from mlptrain.step.trainer import SplitScores, Trainer
 
 log = logging.getLogger(__name__)
-
-
-def check_ensemble(cfg: TrainConfig, data_parallel: bool = False) -> None:
-    """ConfigError for an ensemble setting out of range, or combined with what an ensemble does not run yet."""
-    e, members = cfg.ensemble, ensemble_members(cfg)
-    if isinstance(e.size, bool) or not isinstance(e.size, int) or e.size < 1:
-        raise ConfigError(f"ensemble.size={e.size!r} must be a positive integer (1: one model)")
-    if e.folds and (e.folds < 2 or e.size not in (1, e.folds)):
-        raise ConfigError(
-            f"ensemble.folds={e.folds} with ensemble.size={e.size}: folds need at least 2, and make one member per "
-            "fold (leave ensemble.size at 1)"
-        )
-    for key in ("lr", "weight_decay"):
-        values = getattr(e, key)
-        if values is None:
-            continue
-        if members == 1 or len(values) != members:
-            raise ConfigError(
-                f"ensemble.{key}={list(values)} has {len(values)} values; a batched sweep gives one per member "
-                f"(ensemble.size={members}, at least 2)"
-            )
-        if any(not v > 0 if key == "lr" else not v >= 0 for v in values):
-            raise ConfigError(f"ensemble.{key}={list(values)}: each must be {'> 0' if key == 'lr' else '>= 0'}")
-    if members == 1:
-        return
-    refused = {
-        "precision=fp8": cfg.precision.name == "fp8",
-        "data parallel (distributed.gpus > 1, torchrun, mpirun)": data_parallel or cfg.distributed.gpus > 1,
-        "precision.compute_copy=cast": cfg.precision.compute_copy.value == "cast",
-        f"data.residency={cfg.data.residency.value}": cfg.data.residency.value in ("host", "stream"),
-    }
-    found = [name for name, on in refused.items() if on]
-    if found:
-        raise ConfigError(
-            f"ensemble.size={members} does not run with {', '.join(found)} yet; leave "
-            f"{'it' if len(found) == 1 else 'them'} at the default, or train the members as separate runs"
-        )
 
 
 class EnsembleTrainer(Trainer):

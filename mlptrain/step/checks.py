@@ -24,7 +24,7 @@ from typing import Any
 from mlptrain.base.errors import ConfigError
 from mlptrain.base.registry import joined
 from mlptrain.config.keys import suggest
-from mlptrain.config.schema import DataConfig, OptimizerConfig, TrainConfig, flatten, to_plain
+from mlptrain.config.schema import DataConfig, OptimizerConfig, TrainConfig, ensemble_members, flatten, to_plain
 from mlptrain.data.sources import mnist1d_samples_problem
 from mlptrain.nn import scores
 from mlptrain.nn.losses import class_weight_problem, regression_losses
@@ -121,10 +121,48 @@ def validate(cfg: TrainConfig, *, data_parallel: bool = False) -> TrainConfig:
     """Check what the types cannot; raise one ConfigError listing every problem. Returns ``cfg``.
 
     ``data_parallel``: this process is one rank of a group (the ``distributed.*`` settings apply)."""
+    check_ensemble(cfg, data_parallel)  # (its own message: what an ensemble does not run with)
     problems = unknown_keys(cfg) + _ranges(cfg) + _unused(cfg, data_parallel) + _class_weight(cfg)
     if problems:
         raise ConfigError("invalid configuration: " + "; ".join(problems))
     return cfg
+
+
+def check_ensemble(cfg: TrainConfig, data_parallel: bool = False) -> None:
+    """ConfigError for an ensemble setting out of range, or combined with what an ensemble does not run yet."""
+    e, members = cfg.ensemble, ensemble_members(cfg)
+    if isinstance(e.size, bool) or not isinstance(e.size, int) or e.size < 1:
+        raise ConfigError(f"ensemble.size={e.size!r} must be a positive integer (1: one model)")
+    if e.folds and (e.folds < 2 or e.size not in (1, e.folds)):
+        raise ConfigError(
+            f"ensemble.folds={e.folds} with ensemble.size={e.size}: folds need at least 2, and make one member per "
+            "fold (leave ensemble.size at 1)"
+        )
+    for key in ("lr", "weight_decay"):
+        values = getattr(e, key)
+        if values is None:
+            continue
+        if members == 1 or len(values) != members:
+            raise ConfigError(
+                f"ensemble.{key}={list(values)} has {len(values)} values; a batched sweep gives one per member "
+                f"(ensemble.size={members}, at least 2)"
+            )
+        if any(not v > 0 if key == "lr" else not v >= 0 for v in values):
+            raise ConfigError(f"ensemble.{key}={list(values)}: each must be {'> 0' if key == 'lr' else '>= 0'}")
+    if members == 1:
+        return
+    refused = {
+        "precision=fp8": cfg.precision.name == "fp8",
+        "data parallel (distributed.gpus > 1, torchrun, mpirun)": data_parallel or cfg.distributed.gpus > 1,
+        "precision.compute_copy=cast": cfg.precision.compute_copy.value == "cast",
+        f"data.residency={cfg.data.residency.value}": cfg.data.residency.value in ("host", "stream"),
+    }
+    found = [name for name, on in refused.items() if on]
+    if found:
+        raise ConfigError(
+            f"ensemble.size={members} does not run with {', '.join(found)} yet; leave "
+            f"{'it' if len(found) == 1 else 'them'} at the default, or train the members as separate runs"
+        )
 
 
 def _class_weight(cfg: TrainConfig) -> list[str]:
