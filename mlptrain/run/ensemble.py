@@ -1,4 +1,4 @@
-"""Many models in one run: the trainer of an ensemble (``ensemble.size=K``), and what it refuses.
+"""Many models in one run: the trainer of an ensemble (``ensemble.size=K``, ``ensemble.folds=K``).
 
 ``K`` members of one shape train as one batched step (:class:`EnsembleTrainer`). The step is the
 :class:`~mlptrain.step.trainer.Trainer`'s: :func:`mlptrain.step.build.trainer` builds its parts for the
@@ -13,7 +13,9 @@ What the ensemble adds is around the step: each member's training loss and count
 each split scored for every member and for the ensemble (the members' mean probability, or mean
 output: :func:`mlptrain.nn.members.ensemble_logits`); the member count in the checkpoint.
 metrics.jsonl holds the ensemble's scores under the usual keys (``val/acc``: best and early stopping
-follow the ensemble) and each member's under ``member<k>/`` (``member0/val/acc``).
+follow the ensemble) and each member's under ``member<k>/`` (``member0/val/acc``); ``members.md`` tabulates
+them at the end. Cross-validation's folds are :mod:`mlptrain.run.folds`'s; what an ensemble refuses is
+checked with the config (:func:`mlptrain.step.checks.check_ensemble`).
 """
 
 from __future__ import annotations
