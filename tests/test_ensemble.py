@@ -226,7 +226,8 @@ def test_member_k_trains_on_every_fold_but_k() -> None:
     pool = tr.eval_loaders["val"]
     for k, rows in enumerate(folds.rows):
         assert set(rows) == set(np.flatnonzero(folds.fold != k))  # all the other folds, fold k never
-        np.testing.assert_array_equal(tr.train_loader.members[k].x, pool.x[rows])
+        np.testing.assert_array_equal(tr.train_loader.rows[k], rows)  # its rows of the pool it gathers from
+    np.testing.assert_array_equal(tr.train_loader.x, pool.x)
     assert len({len(r) for r in folds.rows}) == 1  # one batch size for all: the smaller sets topped up
     assert pool.num_samples == len(tr.dataset.y_train) + len(tr.dataset.y_val)
 

@@ -68,13 +68,11 @@ class Folds:
         self.rows = [np.concatenate([r, rng.choice(r, most - len(r), replace=False)]) for r in rows]  # one size
         rows = self.rows
         kw = {"xp": xp, "dtype": dtype, "drop_last": cfg.drop_last}
-        members = [
-            DataLoader(x[r], y[r], cfg.batch_size, shuffle=True, seed=s, **kw) for r, s in zip(rows, seeds, strict=True)
-        ]
+        members = MemberLoader(x, y, cfg.batch_size, seeds=seeds, rows=rows, **kw)  # one copy of the pool
         pool = DataLoader(x, y, cfg.eval_batch_size, shuffle=False, seed=0, **kw)
         self.fold_device = xp.asarray(self.fold)
         log.info("%d folds of %s pool rows: %s", self.k, len(y), ", ".join(str(int(n)) for n in np.bincount(self.fold)))
-        return MemberLoader(members), {"val": pool, **{s: ld for s, ld in evaluation.items() if s != "val"}}
+        return members, {"val": pool, **{s: ld for s, ld in evaluation.items() if s != "val"}}
 
     def out_of_fold(self, tr: Any, scores: type) -> tuple[dict[str, float], Any]:
         """The ``val`` scores: the pool's out-of-fold predictions' (``val/...``) and each member's on its fold

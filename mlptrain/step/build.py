@@ -167,9 +167,9 @@ def same_rows(
     cfg: DataConfig, data: Dataset, xp: Any, dtype: Any, data_seeds: list[int], train: DataLoader, evaluation: dict
 ) -> tuple[DataLoader, dict]:
     """An ensemble's training batches: every member on the training split, member k's order from ``data_seeds[k]``
-    (``train``: member 0's loader); the evaluation loaders stay."""
-    others = [loaders(cfg, data, xp, dtype, s)[0] for s in data_seeds[1:]]
-    return MemberLoader([train, *others]), evaluation
+    (one copy of the split; ``train``, one model's loader, goes); the evaluation loaders stay."""
+    x, y = data.x_train, data.y_train
+    return MemberLoader(x, y, cfg.batch_size, xp=xp, dtype=dtype, drop_last=cfg.drop_last, seeds=data_seeds), evaluation
 
 
 def seeds(seed: int) -> tuple[np.random.Generator, int]:
