@@ -104,6 +104,8 @@ class Folds:
         es, classification = self.cfg.early_stopping, tr.dataset.task == "classification"
         if not self.best:
             rule = selection(self.cfg, classification, True, tr.widths[-1])
+            if not rule.metric.startswith("val/"):  # a training metric: each fold's is judged on its own rows
+                rule = Best("val/acc", mode="max") if classification else Best("val/loss", mode="min")
             self.best = [Best(f"member{k}/{rule.metric}", mode=rule.mode) for k in range(self.k)]
             self.best_state, self.stopped = [None] * self.k, [None] * self.k
         state, out = tr.model.state_dict(), {}
