@@ -193,89 +193,6 @@ def test_a_sweep_needs_one_value_per_member() -> None:
         EnsembleTrainer(cfg)
 
 
-# --- ensemble.folds: cross-validation in one run ------------------------------------------------
-
-
-def test_stratified_folds_partition_the_rows_with_each_class_dealt_evenly() -> None:
-    from mlptrain.data import stratified_folds
-
-    y = np.repeat([0, 1, 2], [50, 23, 7])  # imbalanced: a random (unstratified) split misses this often
-    fold = stratified_folds(y, 5, np.random.default_rng(3))
-    assert fold.shape == y.shape and set(fold) == set(range(5))  # every row in exactly one fold
-    sizes = np.bincount(fold, minlength=5)
-    assert sizes.max() - sizes.min() <= 1 and sizes.sum() == len(y)
-    for cls in range(3):
-        counts = np.bincount(fold[y == cls], minlength=5)
-        assert counts.max() - counts.min() <= 1, (cls, counts)
-    np.testing.assert_array_equal(fold, stratified_folds(y, 5, np.random.default_rng(3)))  # seeded
-    assert not np.array_equal(fold, stratified_folds(y, 5, np.random.default_rng(4)))
-    with pytest.raises(ConfigError, match="ensemble.folds=1 needs 2 <= folds"):
-        stratified_folds(y, 1, np.random.default_rng(0))
-
-
-def folds_cfg(**kw) -> TrainConfig:
-    cfg = make_cfg(**kw)
-    cfg.ensemble.folds = 4
-    return cfg
-
-
-def test_member_k_trains_on_every_fold_but_k() -> None:
-    tr = EnsembleTrainer(folds_cfg())
-    folds = tr.folds
-    assert folds is not None and tr.members == 4
-    pool = tr.eval_loaders["val"]
-    for k, rows in enumerate(folds.rows):
-        assert set(rows) == set(np.flatnonzero(folds.fold != k))  # all the other folds, fold k never
-        np.testing.assert_array_equal(tr.train_loader.rows[k], rows)  # its rows of the pool it gathers from
-    np.testing.assert_array_equal(tr.train_loader.x, pool.x)
-    assert len({len(r) for r in folds.rows}) == 1  # one batch size for all: the smaller sets topped up
-    assert pool.num_samples == len(tr.dataset.y_train) + len(tr.dataset.y_val)
-
-
-def test_a_frozen_member_is_not_updated_and_a_stalled_one_gets_its_best_weights_back() -> None:
-    cfg = folds_cfg()
-    cfg.early_stopping.patience = 1
-    tr = EnsembleTrainer(cfg)
-    folds = tr.folds
-    assert folds is not None and tr.optimizer.members is not None
-    first = tr.model.state_dict()
-    found = {f"member{k}/val/acc": 0.5 for k in range(4)}
-    folds.end_epoch(tr, found)  # epoch 0: every member's best so far, weights kept
-    x, y = next(iter(tr.train_batches(0)))
-    tr.step(x, y)
-    found["member1/val/acc"] = 0.4  # member 1 got worse; the others improved
-    found.update({f"member{k}/val/acc": 0.6 for k in (0, 2, 3)})
-    out = folds.end_epoch(tr, found)
-    assert out == {"member1/stopped": 2.0} and list(tr.optimizer.members.frozen) == [False, True, False, False]
-    now = tr.model.state_dict()
-    for name, a in now.items():
-        np.testing.assert_array_equal(a[1], first[name][1])  # its best (epoch 0) weights back
-        assert not np.array_equal(a[0], first[name][0])  # (the others trained)
-    tr.step(x, y)
-    for name, a in tr.model.state_dict().items():
-        np.testing.assert_array_equal(a[1], first[name][1])  # frozen: no update
-        assert not np.array_equal(a[2], now[name][2])
-
-
-def test_a_cross_validation_run_reports_each_fold_and_the_out_of_fold_predictions(tmp_path: Path) -> None:
-    import csv
-
-    cfg = folds_cfg(epochs=2)
-    summary = train(cfg, tmp_path / "run")
-    report = json.loads((tmp_path / "run" / "folds.json").read_text())
-    values = [f["value"] for f in report["folds"]]
-    assert len(values) == 4 and report["mean"] == pytest.approx(np.mean(values))
-    assert report["std"] == pytest.approx(np.std(values)) and report["std"] > 0
-    with (tmp_path / "run" / "oof_predictions.csv").open() as f:
-        rows = list(csv.DictReader(f))
-    assert summary["epochs"] == 2 and {int(r["fold"]) for r in rows} == {0, 1, 2, 3}
-    acc = np.mean([r["prediction"] == r["target"] for r in rows])
-    assert acc == pytest.approx(report["out_of_fold"]["val/acc"])
-    for k, fold in enumerate(report["folds"]):  # each fold's best, its member's weights then, on the fold's rows
-        mine = [r["prediction"] == r["target"] for r in rows if int(r["fold"]) == k]
-        assert fold["value"] == pytest.approx(np.mean(mine))
-
-
 def test_the_exports_of_an_ensemble_predict_as_its_checkpoint(ensemble_run: Path, tmp_path: Path) -> None:
     pytest.importorskip("onnx")
     ort = pytest.importorskip("onnxruntime")
@@ -398,3 +315,23 @@ def test_a_sweep_without_members_is_refused_when_the_config_is_validated(tmp_pat
     with pytest.raises(ConfigError, match=r"ensemble.weight_decay=\[0.1, 0.2\] has 2 values"):
         train(cfg, tmp_path / "run")  # a run of one model, which would ignore the list
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("mode", ["fused", "naive"])
+@pytest.mark.parametrize("activation", ["gelu", "relu"])
+def test_a_one_target_regression_member_is_its_single_run_bit_for_bit(activation: str, mode: str) -> None:
+    """One output: the input gradient below the top layer is K = 1 (the epilogs' DRELU/DGELU refuse it), applied
+    apart (FusedExecution._input_grad_k1) on every member's slice."""
+
+    def cfg(seed: int, size: int = 1) -> TrainConfig:
+        c = make_cfg(seed=seed, size=size, mode=mode)
+        c.model.loss, c.model.activation, c.data.batch_size = "mse", activation, 32
+        return c
+
+    data = regression_table()
+    ens = EnsembleTrainer(cfg(5, K), data)
+    together = np.array([np.array(ens.step(x, y)[0]) for x, y in ens.train_batches(0)])
+    for k in range(K):
+        single = Trainer(cfg(5 + k), data)
+        alone = np.array([single.step(x, y)[0] for x, y in single.train_batches(0)])
+        np.testing.assert_array_equal(together[:, k], alone)
