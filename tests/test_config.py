@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from mlptrain.base.errors import ConfigError, MlptrainError
 from mlptrain.cli.main import CONF_DIR, compose_config
-from mlptrain.config.schema import DatasetName, Mode, TrainConfig
+from mlptrain.config.schema import DatasetName, Mode, Task, TrainConfig, flatten, to_plain
 from mlptrain.step.checks import validate
 from mlptrain.step.optim import OPTIMIZERS
 from mlptrain.step.precision import PRECISIONS
@@ -54,19 +54,91 @@ def test_defaults() -> None:
     assert cfg.precision.name == "fp32"
 
 
+def set_by(path: Path) -> dict[str, object]:
+    """``dotted key -> value`` of what a group file sets: a ``# @package _global_`` file's keys from the config's
+    root (conf/data/file.yaml sets epochs, early stopping), any other's under its group; its defaults list and
+    interpolations (resolved when composed) left out."""
+    loaded = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    assert isinstance(loaded, dict) and loaded, f"{path} sets nothing"
+    loaded.pop("defaults", None)
+    rooted = path.read_text().startswith("# @package _global_")
+    flat = flatten(loaded if rooted else {path.parent.name: loaded})
+    return {k: v for k, v in flat.items() if not (isinstance(v, str) and v.startswith("${"))}
+
+
+def dotted(cfg: object, key: str) -> object:
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
 @pytest.mark.parametrize("path", GROUP_FILES, ids=lambda p: f"{p.parent.name}={p.stem}")
 def test_every_group_option_composes(path: Path) -> None:
     group, option = path.parent.name, path.stem
     needs = {"data=file": ["data.path=train.csv"]}  # the settings an option cannot do without
     cfg = compose_config([f"{group}={option}", *needs.get(f"{group}={option}", [])])
     node = getattr(cfg, group)
-    expected = OmegaConf.to_container(OmegaConf.load(path))
-    assert isinstance(expected, dict) and expected, f"{path} sets nothing"
-    for key, value in expected.items():
-        assert plain(getattr(node, str(key))) == value, f"{group}={option}: {group}.{key!s}"
+    for key, value in set_by(path).items():
+        assert plain(dotted(cfg, key)) == value, f"{group}={option}: {key}"
     if group in ENUM_GROUPS:
         name_key, _ = ENUM_GROUPS[group]
         assert plain(getattr(node, name_key)) == option, f"{path} must set {name_key}: {option}"
+
+
+TABLE = ["data=file", "data.path=train.csv"]
+# A table's recipe (conf/data/file.yaml), scikit-learn's MLPClassifier's: Adam at 1e-3, up to 200 epochs, early
+# stopping on a 10% validation split with patience 10, batches of min(200, n) (the loader: one batch of all the
+# rows where fewer), two hidden layers of 128 (the issue's reference pipeline).
+TABLE_RECIPE = {
+    "optimizer.name": "adam",
+    "optimizer.lr": 0.001,
+    "epochs": 200,
+    "early_stopping.patience": 10,
+    "early_stopping.metric": "auto",
+    "data.val_fraction": 0.1,
+    "data.batch_size": 200,
+    "model.hidden": [128, 128],
+    "model.loss": "cross_entropy",
+}
+
+
+def test_data_file_composes_a_tables_recipe() -> None:
+    cfg = flatten(to_plain(compose_config(TABLE)))
+    assert {k: cfg[k] for k in TABLE_RECIPE} == TABLE_RECIPE
+    assert compose_config([*TABLE, "data.task=regression"]).model.loss == "mse"  # the task's loss
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["optimizer=sgd"], {"optimizer.name": "sgd", "optimizer.lr": 0.05, "optimizer.momentum": 0.9}),
+        (["optimizer.lr=0.01", "epochs=30"], {"optimizer.name": "adam", "optimizer.lr": 0.01, "epochs": 30}),
+        (["early_stopping.patience=0", "data.batch_size=64"], {"early_stopping.patience": 0, "data.batch_size": 64}),
+        (["data.task=regression", "model.loss=cross_entropy"], {"model.loss": "cross_entropy"}),  # refused later
+        (["data.task=classification", "model.loss=mse"], {"model.loss": "mse"}),
+    ],
+)
+def test_the_command_line_wins_over_a_tables_recipe(overrides: list[str], expected: dict[str, object]) -> None:
+    cfg = flatten(to_plain(compose_config([*TABLE, *overrides])))
+    assert {k: cfg[k] for k in expected} == expected
+
+
+def test_digits_keeps_its_recipe() -> None:
+    """The default run (make run: data=digits) is the schema's defaults, key for key: SGD at 0.05 with momentum
+    0.9, 20 epochs, no early stopping, batches of 64; data=file's recipe does not leak into it."""
+    want = flatten(to_plain(TrainConfig()))
+    assert want["optimizer.name"] == "sgd" and want["epochs"] == 20 and want["early_stopping.patience"] == 0
+    for overrides in ([], ["data=digits"], ["data=digits", "optimizer=sgd"]):
+        assert flatten(to_plain(compose_config(overrides))) == want, overrides
+
+
+def test_help_shows_a_tables_recipe(capsys: pytest.CaptureFixture[str]) -> None:
+    from mlptrain.cli.help import settings_help
+
+    lines = settings_help(values=OmegaConf.structured(compose_config([*TABLE, "data.task=regression"])))
+    shown = {line.split(" = ")[0].strip(): line.split(" = ")[1].split()[0] for line in lines.splitlines()}
+    assert shown["optimizer.name"] == "adam" and shown["epochs"] == "200" and shown["model.loss"] == "mse"
+    assert shown["early_stopping.patience"] == "10" and shown["data.task"] == Task.regression.value
 
 
 @pytest.mark.parametrize("group", sorted(ENUM_GROUPS))

@@ -48,6 +48,13 @@ def _help(f: Any, prefix: str) -> str:
     return text.format(choices=help_of(prefix + f.name))
 
 
+def task_loss(task: Any) -> str:
+    """``model.loss`` where a config leaves it to the task (``conf/data/file.yaml``): ``mse`` for
+    ``data.task=regression``, else ``cross_entropy`` (``auto`` keeps the classification loss: a fractional
+    target is then refused with the fix, as ``data.task`` says). ``model.loss=...`` given still wins."""
+    return "mse" if str(getattr(task, "value", task)) == "regression" else "cross_entropy"
+
+
 def register_configs() -> None:
     """Store :class:`TrainConfig` in Hydra's ConfigStore as ``train_schema``.
 
@@ -60,6 +67,8 @@ def register_configs() -> None:
     from omegaconf import OmegaConf
 
     ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+    # conf/data/file.yaml's model.loss: the loss of the task data.task names (a regression: mse)
+    OmegaConf.register_new_resolver("mlptrain_task_loss", task_loss, replace=True)
     # conf/config.yaml's help template lists the settings from the schema: written once, here
     # ($ doubled: Hydra fills the template with string.Template)
     OmegaConf.register_new_resolver(

@@ -177,7 +177,9 @@ class DataConfig:
     test_path: Optional[str] = _f(None, "file: a test file with the same columns; null: split from path")
     target: Any = _f("label", "file: the target column, or a list of columns (regression)")
     task: Task = _f(
-        Task.auto, "file: classification or regression; auto: a regression loss (mse) or the target columns decide"
+        Task.auto,
+        "file: classification or regression (which sets model.loss=mse where model.loss is not given); auto: a "
+        "regression loss (mse) or the target columns decide",
     )
     cache: bool = _f(True, "file: keep a binary copy of a parsed file, memory-mapped by the next run")
     missing: str = _f("error", "file: rows whose target is empty, NA, null or NaN: error (names them) or drop")
@@ -268,7 +270,7 @@ class PrecisionConfig:
 
 @dataclass
 class EarlyStoppingConfig:
-    patience: int = _f(0, "stop after this many epochs without an improvement of the metric (0: off)")
+    patience: int = _f(0, "stop after this many epochs without an improvement of the metric (0: off; data=file: 10)")
     metric: str = _f(
         "auto",
         "the epoch metric that selects best.npz and stops early: train/loss, train/acc, val/loss, val/acc, "
@@ -318,7 +320,7 @@ class TrainConfig:
     ensemble: EnsembleConfig = field(default_factory=EnsembleConfig)
     device: Device = _f(Device.auto, "auto (the GPU when there is one), cpu or gpu")
     seed: int = _f(0, "seed of the initial weights and the data order")
-    epochs: int = _f(20, "epochs to train")
+    epochs: int = _f(20, "epochs to train (data=file: 200, with early_stopping.patience=10, optimizer=adam, batch 200)")
     log_every: int = _f(10, "read the metrics back from the device every this many steps (one sync)")
     progress: Optional[bool] = _f(None, "progress bars; null: when stderr is a terminal")
     checkpoint_every: int = _f(1, "save checkpoints/last.npz every this many epochs (0: only at the end)")
