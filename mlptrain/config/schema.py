@@ -320,7 +320,11 @@ class TrainConfig:
     ensemble: EnsembleConfig = field(default_factory=EnsembleConfig)
     device: Device = _f(Device.auto, "auto (the GPU when there is one), cpu or gpu")
     seed: int = _f(0, "seed of the initial weights and the data order")
-    epochs: int = _f(20, "epochs to train (data=file: 200, with early_stopping.patience=10, optimizer=adam, batch 200)")
+    epochs: int = _f(
+        20,
+        "epochs to train (data=file: 200, with early_stopping.patience=10 on val/loss, optimizer=adam, batch 200, "
+        "model.init=torch)",
+    )
     log_every: int = _f(10, "read the metrics back from the device every this many steps (one sync)")
     progress: Optional[bool] = _f(None, "progress bars; null: when stderr is a terminal")
     checkpoint_every: int = _f(1, "save checkpoints/last.npz every this many epochs (0: only at the end)")
