@@ -242,7 +242,7 @@ def markdown(rows: list[dict[str, Any]], stamp: dict[str, Any]) -> str:
         "",
         f"`{stamp['command']}` (tree {stamp['commit']}; {stamp['stack']}). Median of seeds {stamp['seeds']}; "
         "classification: accuracy / balanced accuracy on the test file; regression: test RMSE in the target's "
-        "units. mlptrain's epochs: the median run's count (best epoch) with early stopping.",
+        "units. mlptrain's epochs: the medians of the runs' epochs and of their best epochs (early stopping).",
         "",
         "| table (rows) | " + " | ".join(names) + " | mlptrain epochs (best) | target | met |",
         "|---|" + "---|" * (len(names) + 3),
