@@ -2,7 +2,8 @@
 
 Every ``python -m mlptrain...`` line of the README's fenced ``sh`` blocks runs in ``bash`` in one
 folder, in the README's order, with the small files the "Train on your own data" commands name
-(``train.csv`` with a ``label`` column and a ``species`` one, ``test.csv``, ``houses.csv`` with
+(``train.csv`` with a ``label`` column and a ``species`` one, ``test.csv``, ``customers.csv`` with text
+columns, empty cells and an id, ``houses.csv`` with
 targets in the hundreds, and ``new.csv`` for ``predict``). ``python`` is this interpreter. Two
 changes, both the README's own: ``<run dir>`` is the folder of the run that the first "own data"
 command made, and a training command gets ``epochs=1`` at its end (the README's "Configuration":
@@ -82,6 +83,13 @@ def write_own_data(folder: Path, rows: int = 150) -> None:
     rows_ = zip(area, rooms, age, price, rent, strict=True)
     houses = ["area,rooms,age,price,rent"] + [f"{a:.1f},{r},{g:.1f},{p:.1f},{t:.1f}" for a, r, g, p, t in rows_]
     (folder / "houses.csv").write_text("\n".join(houses) + "\n")
+    # a table as people bring one: an id, text categories, empty cells, text labels
+    plan, region = rng.choice(["basic", "plus", "pro"], rows), rng.choice(["north", "south", ""], rows)
+    age = [f"{a:.0f}" if a > 25 else "" for a in rng.uniform(18, 80, rows)]
+    churned = np.where((plan == "basic") ^ (rng.random(rows) < 0.2), "yes", "no")
+    table_rows = zip(range(1000, 1000 + rows), age, plan, region, churned, strict=True)
+    customers = ["id,age,plan,region,churned"] + [",".join(map(str, r)) for r in table_rows]
+    (folder / "customers.csv").write_text("\n".join(customers) + "\n")
 
 
 class Workspace:
