@@ -108,6 +108,8 @@ def test_data_file_composes_a_tables_recipe() -> None:
     cfg = flatten(to_plain(compose_config(TABLE)))
     assert {k: cfg[k] for k in TABLE_RECIPE} == TABLE_RECIPE
     assert compose_config([*TABLE, "data.task=regression"]).model.loss == "mse"  # the task's loss
+    # no validation split: the training loss (val/loss would be refused before training)
+    assert compose_config([*TABLE, "data.val_fraction=0"]).early_stopping.metric == "train/loss"
 
 
 @pytest.mark.parametrize(

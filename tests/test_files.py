@@ -308,7 +308,7 @@ def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 def test_digits_written_to_csv_and_npz_train_to_the_same_test_accuracy(tmp_path: Path) -> None:
     """The bundled digits, written out as files in their own row order: data=file splits them as digits is split
     (same data.split_seed) and, with digits' recipe (data=file's own is a table's: Adam, batches of 200, early
-    stopping), the run reaches the same test accuracy, exactly."""
+    stopping on val/loss, PyTorch's initialisation), the run reaches the same test accuracy, exactly."""
     from mlptrain.data.sources import _load_digits
 
     raw = _load_digits(DataConfig(), np.random.default_rng(0))
@@ -328,6 +328,8 @@ def test_digits_written_to_csv_and_npz_train_to_the_same_test_accuracy(tmp_path:
             "data.batch_size=64",
             "optimizer=sgd",
             "early_stopping.patience=0",
+            "early_stopping.metric=auto",
+            "model.init=he",
             f"hydra.run.dir={run}",
             cwd=tmp_path,
         )

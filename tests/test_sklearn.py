@@ -78,6 +78,7 @@ def test_the_classifier_takes_the_clis_steps_on_the_same_file(tmp_path: Path) ->
         "optimizer.lr=0.01",
         "optimizer.schedule=constant",
         "optimizer.weight_decay=0.015625",
+        *("model.init=he", "early_stopping.metric=val/acc"),  # the estimator's, not data=file's (torch, val/loss)
         "epochs=6",
         f"hydra.run.dir={run}",
     ]

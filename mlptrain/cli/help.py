@@ -55,6 +55,12 @@ def task_loss(task: Any) -> str:
     return "mse" if str(getattr(task, "value", task)) == "regression" else "cross_entropy"
 
 
+def table_metric(val_fraction: Any) -> str:
+    """``early_stopping.metric`` of a table's recipe (``conf/data/file.yaml``): the validation loss, or the
+    training loss where ``data.val_fraction=0`` leaves no validation split."""
+    return "val/loss" if float(val_fraction) > 0 else "train/loss"
+
+
 def register_configs() -> None:
     """Store :class:`TrainConfig` in Hydra's ConfigStore as ``train_schema``.
 
@@ -69,6 +75,7 @@ def register_configs() -> None:
     ConfigStore.instance().store(name="train_schema", node=TrainConfig)
     # conf/data/file.yaml's model.loss: the loss of the task data.task names (a regression: mse)
     OmegaConf.register_new_resolver("mlptrain_task_loss", task_loss, replace=True)
+    OmegaConf.register_new_resolver("mlptrain_table_metric", table_metric, replace=True)
     # conf/config.yaml's help template lists the settings from the schema: written once, here
     # ($ doubled: Hydra fills the template with string.Template)
     OmegaConf.register_new_resolver(
