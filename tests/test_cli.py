@@ -296,6 +296,9 @@ def test_run_json_holds_the_class_names(tmp_path: Path) -> None:
     dataset = json.loads((tmp_path / "run" / "run.json").read_text())["dataset"]
     assert dataset["class_names"] == ["bird", "cat", "dog"] and dataset["feature_names"] == ["x1", "x2"]
     assert dataset["task"] == "classification"
+    # .hydra/config.yaml holds the run's values: data=file's model.loss and early_stopping.metric resolved
+    saved = (tmp_path / "run" / ".hydra" / "config.yaml").read_text()
+    assert "${" not in saved and "  loss: cross_entropy\n" in saved and "  metric: val/loss\n" in saved
 
 
 def test_a_python_without_hydra_gets_one_line_with_the_fix(tmp_path: Path) -> None:

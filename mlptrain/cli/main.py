@@ -161,8 +161,10 @@ def _report(exc: MlptrainError) -> None:
 def _hydra_files(cfg: DictConfig) -> dict[str, str]:
     """Hydra's ``.hydra/`` files of this job: relative path -> YAML text."""
     hc = HydraConfig.instance().cfg
-    files = {"config.yaml": cfg, "hydra.yaml": hc, "overrides.yaml": HydraConfig.get().overrides.task}
-    return {f".hydra/{name}": OmegaConf.to_yaml(node) for name, node in files.items()}
+    files = {"hydra.yaml": hc, "overrides.yaml": HydraConfig.get().overrides.task}
+    # the run's values, resolved: conf/data/file.yaml derives model.loss and early_stopping.metric from other keys
+    texts = {".hydra/config.yaml": OmegaConf.to_yaml(cfg, resolve=True)}
+    return texts | {f".hydra/{name}": OmegaConf.to_yaml(node) for name, node in files.items()}
 
 
 def _accepted(cfg: DictConfig, out_dir: Path, early: EarlyWarnings | None = None) -> logging.Handler:
