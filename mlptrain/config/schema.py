@@ -133,7 +133,9 @@ class ModelConfig:
     in_features: Optional[int] = _f(None, "input width; null: the dataset's (if given, it must match)")
     out_features: Optional[int] = _f(None, "output width; null: the dataset's classes or targets")
     activation: str = _f("relu", "hidden layers: {choices}", choices=True)
-    init: Init = _f(Init.he, "initial weights: he, lecun, or torch (nn.Linear's default, biases too)")
+    init: Init = _f(
+        Init.he, "initial weights: he, lecun, or torch (nn.Linear's default, biases too; data=file's: a table's recipe)"
+    )
     loss: str = _f("cross_entropy", "{choices}", choices=True)
     class_weight: Any = _f(
         None,
@@ -275,7 +277,8 @@ class EarlyStoppingConfig:
         "auto",
         "the epoch metric that selects best.npz and stops early: train/loss, train/acc, val/loss, val/acc, "
         "val/balanced_acc, val/f1_macro, val/precision_macro, val/recall_macro, val/log_loss, val/roc_auc (two "
-        "classes), val/rmse, val/mae, val/r2; auto: val/acc or val/loss",
+        "classes), val/rmse, val/mae, val/r2; auto: val/acc or val/loss (data=file: val/loss, or train/loss with "
+        "data.val_fraction=0)",
     )
     mode: str = _f(
         "auto",
