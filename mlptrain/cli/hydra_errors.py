@@ -64,7 +64,7 @@ EXTRAS = {
     "hydra/sweeper/optuna": "the Optuna sweeper is an extra: pip install -e '.[optuna]'",
     "hydra/sweeper/nevergrad": "the Nevergrad sweeper is a Hydra plugin: pip install hydra-nevergrad-sweeper",
     "hydra/sweeper/ax": "the Ax sweeper is a Hydra plugin: pip install hydra-ax-sweeper",
-    "hydra/launcher/joblib": "the joblib launcher is a Hydra plugin: pip install hydra-joblib-launcher",
+    "hydra/launcher/joblib": "the joblib launcher is an extra: pip install -e '.[sweep]'",
     "hydra/launcher/submitit_slurm": "the Slurm launcher is a Hydra plugin: pip install hydra-submitit-launcher",
     "hydra/launcher/submitit_local": "the submitit launcher is a Hydra plugin: pip install hydra-submitit-launcher",
 }

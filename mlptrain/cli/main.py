@@ -6,13 +6,16 @@ values and runs in the directory Hydra chose. Every mistake of the user's is one
 ``error: <message>`` on stderr, no traceback, exit status 2: Hydra's own composition errors, a run
 directory that cannot be created (:class:`RunDirectoryCheck`, before Hydra tries), and every
 :class:`~mlptrain.base.errors.MlptrainError`. In a multirun the failed job is reported the same way,
-the remaining jobs still run, and the exit status is 2 at the end. A stop request exits with
-``128 + signal`` (130 for Ctrl-C, 143 for SIGTERM). A bug still shows its traceback (exit 1).
+the remaining jobs still run, the job's folder keeps its error for the sweep's summary (``failed.json``,
+:func:`mlptrain.cli.sweep.record_failure`: a job of the joblib launcher fails in another process), and
+the exit status is 2 at the end. A stop request exits with ``128 + signal`` (130 for Ctrl-C, 143 for
+SIGTERM); with the joblib launcher the sweep's process passes it on to its workers and waits for their
+runs to save (:mod:`mlptrain.cli.parallel`). A bug still shows its traceback (exit 1).
 
 Nothing is written into a run directory before the run is accepted: Hydra's ``.hydra/`` files and
 ``mlptrain.log`` are written by :func:`_accepted` (``hydra.output_subdir`` is null and the job's
 logging has no file handler in ``conf/``), and a run directory that a refused run created is
-removed again.
+removed again (a refused job of a multirun leaves the folder Hydra made for it, with ``failed.json``).
 
 The config directory is found by absolute path, which Hydra uses as is: ``mlptrain/conf`` in an
 installed wheel (the top-level ``conf/`` is copied there at build time), else the top-level
@@ -41,10 +44,10 @@ from omegaconf.errors import OmegaConfBaseException
 from mlptrain.base.errors import ConfigError, Interrupted, MlptrainError, OutputError
 from mlptrain.base.fs import atomic_write, log_file_handler
 from mlptrain.base.timeline import PROCESS, Timeline
+from mlptrain.cli import parallel, sweep
 from mlptrain.cli.help import register_configs
 from mlptrain.cli.hydra_errors import hydra_errors_raised, one_line
 from mlptrain.cli.runlog import EarlyWarnings, hold_signals_in_log_lines
-from mlptrain.cli.sweep import register_resolvers
 from mlptrain.config.schema import TrainConfig
 from mlptrain.step.checks import validate
 
@@ -150,6 +153,8 @@ def _report(exc: MlptrainError) -> None:
     where = f"[job {hc.job.num}: {hc.job.override_dirname or 'no overrides'}] " if hc.mode == RunMode.MULTIRUN else ""
     line = f"error: {where}{exc}"
     _failures.append(line)
+    if hc.mode == RunMode.MULTIRUN:  # the summary names the job, wherever it ran (a joblib worker, here)
+        sweep.record_failure(Path(hc.runtime.output_dir), str(exc), list(hc.overrides.task))
     print(line, file=sys.stderr, flush=True)
     # Only the file handlers: the console handler would print the line a second time.
     record = log.makeRecord(log.name, logging.ERROR, __file__, 0, line, (), None)
@@ -176,6 +181,7 @@ def _accepted(cfg: DictConfig, out_dir: Path, early: EarlyWarnings | None = None
             file is written whole or not at all), so a failed start leaves the folder as it was.
     """
     _accepted_runs.append(out_dir)
+    parallel.run_accepted()
     hydra_dir = out_dir / ".hydra"
     made = not hydra_dir.is_dir()
     try:
@@ -218,6 +224,11 @@ def _run(cfg: DictConfig) -> float:
     from mlptrain.run.rundir import RunDirectory
 
     out_dir = Path(HydraConfig.get().runtime.output_dir)
+    if HydraConfig.get().mode == RunMode.MULTIRUN:
+        sweep.clear_failure(out_dir)  # run again (resume=last): an earlier attempt's error no longer stands
+        if parallel.job_process() and not parallel.enter_job():  # a joblib worker, after the sweep was stopped
+            RunDirectory(out_dir).remove_if_empty()
+            return float("nan")
     handlers: list[logging.Handler] = []
     early = EarlyWarnings()  # said before mlptrain.log exists: written into it once it does
     logging.getLogger().addHandler(early)
@@ -235,7 +246,15 @@ def _run(cfg: DictConfig) -> float:
         if not handlers and out_dir.absolute() in _created:
             RunDirectory(out_dir).remove_if_empty()
         return float("nan")
+    except Interrupted as exc:
+        if not parallel.job_process():
+            raise
+        parallel.job_stopped(exc)  # the sweep's process passed the stop on, and says how to continue
+        if not handlers:  # stopped before the run was accepted: nothing of it was written
+            RunDirectory(out_dir).remove_if_empty()
+        return float("nan")
     finally:
+        parallel.job_ended()
         for handler in [early, *handlers]:
             logging.getLogger().removeHandler(handler)
             handler.close()
@@ -255,7 +274,7 @@ def _train_job(
     from mlptrain.run.run import train  # imported here: the training stack is not needed for --help or errors
 
     if HydraConfig.get().mode == RunMode.MULTIRUN and config.resume == "last":
-        summary = _resumed_job(config, out_dir)
+        summary = sweep.resumed_job(config, out_dir)
         if summary is not None:
             return summary
     env = DistEnv.from_environ(os.environ)
@@ -290,27 +309,14 @@ def _train_job(
     return summary
 
 
-def _resumed_job(config: TrainConfig, out_dir: Path) -> dict[str, Any] | None:
-    """A job of a sweep run again with ``resume=last`` (:func:`mlptrain.cli.sweep.job_state`): a finished job is
-    kept (its summary returned), one that never saved a checkpoint starts afresh, the others continue."""
-    from mlptrain.cli.sweep import job_state
-    from mlptrain.run.metrics import read_metrics
-
-    state = job_state(out_dir)
-    if state == "finished":
-        log.info("%s finished already: kept as it is (resume=last)", out_dir)
-        return read_metrics(out_dir / "metrics.jsonl")[-1]
-    if state == "new":
-        log.info("%s has no checkpoint to resume: the job starts from the beginning", out_dir)
-        config.resume = None
-    return None
-
-
 def _exit_now(signum: int, frame: Any) -> None:
     """Ctrl-C or SIGTERM outside a run (Hydra composing the config, between the jobs of a multirun):
     nothing of a run is being written, so exit at once, with one line and ``128 + signal``. Raising in
     the middle of Hydra's or OmegaConf's code could leave a half-built object to fail on (a traceback).
-    A run installs its own handlers (:class:`mlptrain.base.stopping.StopRequest`)."""
+    A run installs its own handlers (:class:`mlptrain.base.stopping.StopRequest`). While a multirun's jobs run
+    in joblib's workers, a first signal is passed on to them instead (:func:`mlptrain.cli.parallel.forward_stop`)."""
+    if parallel.forward_stop(signum):  # jobs in joblib's workers: they save and stop; the sweep waits for them
+        return
     name = signal.Signals(signum).name
     if _accepted_runs:  # outside a run's stop request, after one: its end, or between two jobs
         n = len(_accepted_runs)
@@ -322,18 +328,6 @@ def _exit_now(signum: int, frame: Any) -> None:
         line = f"error: stopped by {name} before training; nothing was written\n"
     os.write(2, line.encode())
     os._exit(128 + signum)
-
-
-def _stopped_sweep(sweep_dir: Path) -> None:
-    """Write the summary of a sweep that a stop request ended, and say how to continue it."""
-    from mlptrain.cli.sweep import continue_command, write_summary
-
-    again = continue_command(sys.argv[1:], sweep_dir.absolute())
-    try:
-        write_summary(sweep_dir, continue_with=again)
-    except OSError as exc:
-        log.warning("could not write the sweep's summary in %s (%s)", sweep_dir, exc)
-    print(f"mlptrain: the sweep was stopped; continue every job with: {again}", file=sys.stderr, flush=True)
 
 
 def version() -> str:
@@ -372,12 +366,13 @@ def main() -> None:
         print(version())
         return
     register_configs()
-    register_resolvers()
+    sweep.register_resolvers()
     _failures.clear()
     _sweep_dirs.clear()
     _accepted_runs.clear()
+    parallel.reset()
     try:
-        with hydra_errors_raised():
+        with hydra_errors_raised(), parallel.sweep_ends_when_stopped():  # jobs in joblib's workers: stopped here
             _run()
     except (HydraException, OmegaConfBaseException) as exc:  # composition: unknown key, option, type
         print(f"error: {one_line(exc)}", file=sys.stderr, flush=True)
@@ -387,12 +382,14 @@ def main() -> None:
         # (TrainingInterrupted) says how to resume. Exit status 128 + signal, as a shell reports it.
         print(f"mlptrain: {exc}" if str(exc) else "error: interrupted", file=sys.stderr, flush=True)
         for sweep_dir in _sweep_dirs:  # a stopped sweep gets its summary too, with the command that continues it
-            _stopped_sweep(sweep_dir)
+            sweep.stopped_sweep(sweep_dir, sys.argv[1:])
         sys.exit(128 + exc.signum)
     finally:  # the work is done (or reported): a late Ctrl-C or SIGTERM has nothing left to stop
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    if _failures:
-        if len(_failures) > 1:
-            print(f"error: {len(_failures)} jobs failed (see above)", file=sys.stderr)
+    # Jobs that ran in workers (joblib) reported their errors there; their folders hold them (the summary's rows).
+    failed = _failures or [job for sweep_dir in _sweep_dirs for job in sweep.failed_jobs(sweep_dir)]
+    if failed:
+        if len(failed) > 1:
+            print(f"error: {len(failed)} jobs failed (see above)", file=sys.stderr)
         sys.exit(2)
