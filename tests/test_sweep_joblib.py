@@ -89,3 +89,20 @@ def test_a_stopped_parallel_sweep_saves_its_running_jobs_and_continues(tmp_path:
         records = read_metrics(job / "metrics.jsonl")
         assert records[-1]["kind"] == "summary" and records[-1]["steps"] == 2000
     assert (sweep / "summary.md").read_text().count("| finished |") == 3
+
+
+def test_a_dead_worker_ends_the_sweep_with_one_error_and_other_errors_pass() -> None:
+    """A worker killed by the kernel (out of memory) breaks joblib's pool: one error naming how it died, which the CLI
+    turns into the stopped sweep's summary and continue command (exit 2); a bug's exception is not renamed."""
+    from joblib.externals.loky.process_executor import TerminatedWorkerError
+
+    from mlptrain.base.errors import MlptrainError
+    from mlptrain.cli import parallel
+
+    parallel.reset()
+    with pytest.raises(MlptrainError, match=r"a worker process of the sweep died .*SIGKILL\(-9\)") as info:
+        with parallel.sweep_ends_when_stopped():
+            raise TerminatedWorkerError("A worker process was unexpectedly terminated.\nexit codes {SIGKILL(-9)}")
+    assert "\n" not in str(info.value)
+    with pytest.raises(ZeroDivisionError), parallel.sweep_ends_when_stopped():
+        raise ZeroDivisionError

@@ -31,7 +31,7 @@ import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -330,6 +330,14 @@ def _exit_now(signum: int, frame: Any) -> None:
     os._exit(128 + signum)
 
 
+def _ended_early(line: str, status: int) -> NoReturn:
+    """Say why the run or sweep ended early and exit; a sweep gets its summary, with the command that continues it."""
+    print(line, file=sys.stderr, flush=True)
+    for sweep_dir in _sweep_dirs:
+        sweep.stopped_sweep(sweep_dir, sys.argv[1:])
+    sys.exit(status)
+
+
 def version() -> str:
     """mlptrain's version and the stack under it (``python -m mlptrain --version``)."""
     import platform
@@ -380,10 +388,9 @@ def main() -> None:
     except Interrupted as exc:
         # A first Ctrl-C (or SIGTERM) while training saves a checkpoint, and the message
         # (TrainingInterrupted) says how to resume. Exit status 128 + signal, as a shell reports it.
-        print(f"mlptrain: {exc}" if str(exc) else "error: interrupted", file=sys.stderr, flush=True)
-        for sweep_dir in _sweep_dirs:  # a stopped sweep gets its summary too, with the command that continues it
-            sweep.stopped_sweep(sweep_dir, sys.argv[1:])
-        sys.exit(128 + exc.signum)
+        _ended_early(f"mlptrain: {exc}" if str(exc) else "error: interrupted", 128 + exc.signum)
+    except MlptrainError as exc:  # a joblib worker of the sweep died (mlptrain.cli.parallel): the others were ended
+        _ended_early(f"error: {exc}", 2)
     finally:  # the work is done (or reported): a late Ctrl-C or SIGTERM has nothing left to stop
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)

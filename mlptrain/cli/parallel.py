@@ -33,7 +33,7 @@ import signal
 from collections.abc import Iterator
 from typing import Any
 
-from mlptrain.base.errors import Interrupted
+from mlptrain.base.errors import Interrupted, MlptrainError
 
 log = logging.getLogger(__name__)
 
@@ -128,19 +128,38 @@ def sweep_ends_when_stopped() -> Iterator[None]:
     """Around the sweep in its own process: once the launcher is done, a stopped sweep ends as a stopped run does.
 
     A worker that a terminal's Ctrl-C reached before its first job (still in the terminal's process group,
-    unpickling the task) breaks joblib's pool: that error, after a stop request, is the stop too.
+    unpickling the task) breaks joblib's pool: that error, after a stop request, is the stop too. A worker
+    that died otherwise (the kernel's out-of-memory killer, a segfault) breaks it as well, and joblib ends
+    the other workers: every job keeps the last checkpoint it saved, and ``resume=last`` continues them.
 
     Raises:
         Interrupted: a stop request was passed on to the workers (:func:`forward_stop`).
+        MlptrainError: a worker died (joblib's ``TerminatedWorkerError``), named with its exit status.
     """
     try:
         yield
     except Exception as exc:
         if _sweep_stop:
             raise _stopped() from exc
+        if _broken_pool(exc):
+            detail = " ".join(str(exc).split())
+            raise MlptrainError(
+                f"a worker process of the sweep died and joblib ended the others ({type(exc).__name__}: {detail}); "
+                "each job keeps the last checkpoint it saved (checkpoint_every, checkpoint_steps)"
+            ) from exc
         raise
     if _sweep_stop:
         raise _stopped()
+
+
+def _broken_pool(exc: BaseException) -> bool:
+    """Whether ``exc`` is joblib's error for a worker that died (loky's ``BrokenProcessPool`` and its subclass
+    ``TerminatedWorkerError``)."""
+    try:
+        from joblib.externals.loky.process_executor import BrokenProcessPool
+    except ImportError:  # no joblib: no worker of its could have died
+        return False
+    return isinstance(exc, BrokenProcessPool)
 
 
 def _stopped() -> Interrupted:
