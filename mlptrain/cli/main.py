@@ -315,7 +315,7 @@ def _exit_now(signum: int, frame: Any) -> None:
     the middle of Hydra's or OmegaConf's code could leave a half-built object to fail on (a traceback).
     A run installs its own handlers (:class:`mlptrain.base.stopping.StopRequest`). While a multirun's jobs run
     in joblib's workers, a first signal is passed on to them instead (:func:`mlptrain.cli.parallel.forward_stop`)."""
-    if parallel.forward_stop(signum):  # jobs in joblib's workers: they save and stop; the sweep waits for them
+    if _sweep_dirs and parallel.forward_stop(signum):  # a sweep's jobs in joblib's workers: they save and stop
         return
     name = signal.Signals(signum).name
     if _accepted_runs:  # outside a run's stop request, after one: its end, or between two jobs

@@ -85,6 +85,7 @@ def job_stopped(exc: Interrupted) -> None:
 
 
 def job_ended() -> None:
+    """The job returns (finished, failed or stopped): a signal from now on is only recorded."""
     _starting[0] = False
 
 
