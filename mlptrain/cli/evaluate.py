@@ -145,7 +145,8 @@ def _own_split(p: Predictor, split: str) -> tuple[np.ndarray, np.ndarray, str]:
         cfg.task = Task(p.task)  # type: ignore[union-attr]  # (a regression loss makes whole numbers a regression)
     ds = load_dataset(cfg)  # type: ignore[arg-type]
     norm = ds.normalization
-    if norm is not None and not (np.array_equal(norm.shift, p.shift) and np.array_equal(norm.scale, p.scale)):
+    saved = p.normalization.arrays()
+    if norm is not None and not all(k in saved and np.array_equal(a, saved[k]) for k, a in norm.arrays().items()):
         log.warning("the dataset is normalised differently than when %s was saved (the data changed)", p.path.name)
     source = ds.name
     if ds.name == "file":  # the file the split came from

@@ -6,7 +6,8 @@ under the names and layout of PyTorch's ``nn.Sequential(Linear, ReLU, ..., Linea
 (``0.weight`` ``(out, in)``, ``0.bias``, ``2.weight`` ...; without ReLU the indices run 0, 1, 2),
 so that ``model.load_state_dict(safetensors.torch.load_file(path))`` works. The header's
 ``__metadata__`` holds what scoring raw inputs needs besides (:func:`preprocessing`, as JSON
-under ``mlptrain``): the widths, the normalisation ``(x - shift) / scale``, the feature, class
+under ``mlptrain``): the widths, the normalisation ``(x - shift) / scale`` (``data.normalize=quantile``: the
+quantile table, its columns mapped first), the feature, class
 and target names, and for a regression its ``target_scaling`` (the network's output ``z`` is in
 standardised units: ``y = z * scale + shift``).
 
@@ -18,7 +19,9 @@ standardised units: ``y = z * scale + shift``).
     regression: ... -> Gemm -> Mul(target_scale) -> Add(target_shift) -> logits (N, T), in the targets' units
 
 with the same float32 arithmetic as :class:`mlptrain.inference.predictor.Predictor` on the CPU, so
-ONNX Runtime gives the same predictions (tests/test_export.py).
+ONNX Runtime gives the same predictions (tests/test_export.py). ``data.normalize=robust`` is the same Sub and
+Mul; a ``data.normalize=quantile`` model is refused (one ConfigError): its per-column quantile map is not in the
+graph.
 
 **A model with a column plan** (a table with text or empty cells, :mod:`mlptrain.data.files.plan`): the ONNX
 graph takes the raw columns instead of ``x``, one input per column named as it, ``(N,)`` each (a categorical
@@ -125,7 +128,7 @@ def preprocessing(p: Predictor) -> dict[str, Any]:
         "members": p.model.members,  # > 1: an ensemble, which predicts its members' mean (docs/ensembles.md)
         "activation": _activation(p),  # gelu: the tanh form, nn.GELU(approximate="tanh")
         "task": p.task,
-        "normalization": {"shift": p.shift.tolist(), "scale": p.scale.tolist(), "formula": "(x - shift) / scale"},
+        "normalization": _normalization(p),
         "feature_names": p.feature_names,
         "class_names": p.class_names,
         "target_names": p.target_names,
@@ -133,6 +136,26 @@ def preprocessing(p: Predictor) -> dict[str, Any]:
         **_column_plan(p),
         "checkpoint": str(p.path),
     }
+
+
+def _normalization(p: Predictor) -> dict[str, Any]:
+    """``(x - shift) / scale``; a ``data.normalize=quantile`` model maps some columns first (``quantile``: each
+    mapped column's index and its ``Q`` ascending training quantiles, at ``linspace(0, 1, Q)``)."""
+    out: dict[str, Any] = {"method": p.normalization.method, "shift": p.shift.tolist(), "scale": p.scale.tolist()}
+    q = p.normalization.quantile
+    if q is None:
+        return {**out, "formula": "(x - shift) / scale"}
+    out["formula"] = "(quantile(x) - shift) / scale"
+    out["quantile"] = {
+        "columns": q.columns.tolist(),
+        "quantiles": q.quantiles.T.tolist(),  # (K, Q): one list per mapped column
+        "formula": (
+            "u = (interp(x, q, r) - interp(-x, -q[::-1], -r[::-1])) / 2 with r = linspace(0, 1, Q); u = 1 where "
+            "x + 1e-7 > q[-1], then u = 0 where x - 1e-7 < q[0]; quantile(x) = clip(ndtri(u), ndtri(1e-7 - eps), "
+            "ndtri(1 - (1e-7 - eps))): scikit-learn's QuantileTransformer(output_distribution='normal')"
+        ),
+    }
+    return out
 
 
 def _column_plan(p: Predictor) -> dict[str, Any]:
@@ -224,6 +247,12 @@ def onnx_model(p: Predictor) -> Any:
         from onnx import TensorProto, helper, numpy_helper
     except ImportError as exc:
         raise ConfigError("format=onnx needs the onnx package: pip install -e '.[onnx]' in mlptrain's clone") from exc
+    if p.normalization.quantile is not None:
+        raise ConfigError(
+            f"format=onnx: {p.path} was trained with data.normalize=quantile, whose per-column quantile map the ONNX "
+            "graph does not implement; export format=safetensors (its metadata holds the quantile table), score with "
+            "python -m mlptrain.predict, or train with data.normalize=standard or robust"
+        )
     f32 = np.float32
     inputs, nodes, inits = _onnx_inputs(p)  # -> x64 (N, F) double: the model's features, raw
     inits += [

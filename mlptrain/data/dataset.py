@@ -22,6 +22,7 @@ import numpy as np
 from mlptrain.base.errors import DatasetError
 from mlptrain.config.schema import TASKS
 from mlptrain.data.files.chunks import first_nonfinite, normalise_into
+from mlptrain.data.files.scalers import QuantileMap
 
 __all__ = ["TASKS", "Dataset", "Normalization", "Raw", "check_real", "first_nonfinite"]
 
@@ -47,13 +48,40 @@ class Normalization:
     """``(x - shift) / scale`` per feature (or target); ``method`` says how the statistics were taken.
 
     ``origin``: ``train split`` (mlptrain took the statistics, :mod:`mlptrain.data.prepare`) or
-    ``dataset`` (given with the :class:`Dataset`, kept as it is).
+    ``dataset`` (given with the :class:`Dataset`, kept as it is). ``quantile`` (``data.normalize=quantile``)
+    maps some raw columns through their training quantiles to a standard normal first (those columns' shift
+    is 0 and scale 1): ``(quantile(x) - shift) / scale``.
     """
 
     method: str
     shift: np.ndarray  # (F,) float64
     scale: np.ndarray  # (F,) float64, > 0
     origin: str = "dataset"
+    quantile: QuantileMap | None = None  # quantiles (Q, K) float64 of columns (K,)
+
+    @property
+    def mapped(self) -> Any:
+        """The map of raw columns applied before the shift (:meth:`QuantileMap.apply_`), or None."""
+        return None if self.quantile is None else self.quantile.apply_
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The arrays a checkpoint holds: ``data/shift``, ``data/scale`` ``(F,)`` and, with a quantile map,
+        ``data/quantiles`` ``(Q, K)`` and ``data/quantile_columns`` ``(K,)`` int64."""
+        out = {"data/shift": self.shift, "data/scale": self.scale}
+        if self.quantile is not None:
+            out.update({"data/quantiles": self.quantile.quantiles, "data/quantile_columns": self.quantile.columns})
+        return out
+
+    @classmethod
+    def saved(cls, method: str, arrays: dict[str, np.ndarray], origin: str = "train split") -> Normalization:
+        """The normalisation of a checkpoint's arrays (:meth:`arrays`), float64."""
+        q = None
+        if "data/quantiles" in arrays:
+            q = QuantileMap(
+                arrays["data/quantiles"].astype(np.float64), arrays["data/quantile_columns"].astype(np.int64)
+            )
+        shift, scale = (arrays[f"data/{k}"].astype(np.float64) for k in ("shift", "scale"))
+        return cls(method, shift, scale, origin, q)
 
     @classmethod
     def identity(cls, features: int) -> Normalization:
@@ -64,7 +92,7 @@ class Normalization:
         :func:`mlptrain.data.files.chunks.normalise_into`)."""
         x = np.asarray(x)
         inv = 1.0 / np.asarray(self.scale, np.float64)
-        return normalise_into(x, np.asarray(self.shift, np.float64), inv, np.empty(x.shape, np.float32))
+        return normalise_into(x, np.asarray(self.shift, np.float64), inv, np.empty(x.shape, np.float32), self.mapped)
 
     def undo(self, z: np.ndarray) -> np.ndarray:
         """``z (N, T)`` scaled -> ``z * scale + shift`` float32: a regression's outputs in the target's units.
@@ -177,7 +205,7 @@ class Dataset:
         }
         if self.columns is not None:
             meta["columns"] = self.columns
-        arrays = {"data/shift": norm.shift, "data/scale": norm.scale}
+        arrays = norm.arrays()
         if self.task == "regression":
             ts = self.target_scaling or Normalization.identity(self.num_outputs)
             meta["target_scaling"] = ts.method

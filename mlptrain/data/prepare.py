@@ -26,6 +26,7 @@ from mlptrain.data.dataset import Dataset, Normalization, Raw
 from mlptrain.data.files import chunks
 from mlptrain.data.files.column_stats import ColumnStats, column_stats
 from mlptrain.data.files.plan import ColumnPlan, fit_plan, log_empty
+from mlptrain.data.files.scalers import QuantileMap, robust
 from mlptrain.data.rows import NormalisedRows, StreamSource, host_memory_available, memory_mapped
 from mlptrain.data.sources import SOURCES
 
@@ -85,9 +86,20 @@ def stratified_folds(y: np.ndarray, folds: int, rng: np.random.Generator) -> np.
     return out
 
 
-def normalization(method: str, x: np.ndarray, rows: np.ndarray | None = None, where: str = "") -> Normalization:
+def normalization(
+    method: str,
+    x: np.ndarray,
+    rows: np.ndarray | None = None,
+    where: str = "",
+    *,
+    seed: int = 0,
+    binary: np.ndarray | None = None,
+) -> Normalization:
     """The normalisation of ``method`` from the train split's statistics: ``x[rows]`` (``x (N, F)``;
-    ``rows`` None: all of ``x``), in one chunked pass (:func:`mlptrain.data.files.column_stats.column_stats`).
+    ``rows`` None: all of ``x``), in one chunked pass (:func:`mlptrain.data.files.column_stats.column_stats`);
+    ``robust`` and ``quantile`` also take percentiles (:mod:`mlptrain.data.files.scalers`, their samples
+    seeded by ``seed``) of the columns that vary and are not ``binary`` (``(F,)`` bool: the column plan's
+    0/1 columns, :meth:`ColumnPlan.binary`), which are standardised as ``standard`` does.
 
     Raises:
         DatasetError: an inf or NaN among those rows (``where`` names them: ``dataset 'x' split train``).
@@ -105,7 +117,17 @@ def normalization(method: str, x: np.ndarray, rows: np.ndarray | None = None, wh
             f"{where}: row {row}, column {col} holds {value}; features must be finite numbers (remove or fill the "
             "missing values)"
         )
-    return Normalization(method, *_shift_scale(method, st), "train split")
+    if method in ("standard", "minmax"):
+        return Normalization(method, *_shift_scale(method, st), "train split")
+    assert st.low is not None and st.high is not None  # asked for: extremes=True
+    shift, scale = _shift_scale("standard", st)  # the constant and 0/1 columns keep these
+    cols = np.flatnonzero((st.low != st.high) & ~(np.zeros(f, bool) if binary is None else binary))  # (K,)
+    if method == "robust":
+        shift[cols], scale[cols] = robust(x, rows, cols, st.std[cols], seed)
+        return Normalization(method, shift, scale, "train split")
+    shift[cols], scale[cols] = 0.0, 1.0  # the map's outputs are standard normal already
+    mapping = QuantileMap.fit(x, rows, cols, seed) if len(cols) else None
+    return Normalization(method, shift, scale, "train split", mapping)
 
 
 def _shift_scale(method: str, st: ColumnStats) -> tuple[np.ndarray, np.ndarray]:
@@ -172,10 +194,10 @@ def preprocess(ds: Dataset, cfg: DataConfig) -> Dataset:
     new: dict = {}
     if ds.normalization is None:
         with chunks.timed("statistics", ds.x_train.nbytes):
-            norm = normalization(method, ds.x_train, where=f"dataset {ds.name!r} split train")
+            norm = normalization(method, ds.x_train, where=f"dataset {ds.name!r} split train", seed=cfg.split_seed)
         splits = [getattr(ds, f"x_{s}") for s in ("train", "val", "test")]
         with chunks.timed("normalise", sum(4 * x.size for x in splits)):  # the float32 bytes written
-            xs = [chunks.gather_normalised(x, None, norm.shift, norm.scale) for x in splits]
+            xs = [chunks.gather_normalised(x, None, norm.shift, norm.scale, mapped=norm.mapped) for x in splits]
         new.update(x_train=xs[0], x_val=xs[1], x_test=xs[2], normalization=norm)
     elif ds.normalization.origin == "dataset":  # the caller's own (a load_dataset result is preprocessed already)
         kept = ds.normalization.method
@@ -228,15 +250,18 @@ def load_dataset(cfg: DataConfig, seed: int | None = None) -> Dataset:
         raw = dataclasses.replace(raw, feature_names=plan.feature_names)
     x, rows = parts[0][0], parts[0][1]
     with chunks.timed("statistics", len(rows) * x.shape[1] * x.itemsize):
-        norm = normalization(method, x, rows, where=f"dataset {name!r} split train")
+        binary = None if plan is None else plan.binary()  # (F,) the plan's 0/1 columns
+        norm = normalization(method, x, rows, where=f"dataset {name!r} split train", seed=cfg.split_seed, binary=binary)
     split_bytes = sum(4 * len(r if r is not None else xs) * xs.shape[1] for xs, r, _ in parts)  # as float32
     xs: list[Any]  # (n, F) float32 splits, made or streamed
     if _streams(cfg, name, parts, split_bytes):
         sources = {id(t): StreamSource.of(t) for t, _, _ in parts}  # one per file: its identity, one descriptor
-        xs = [NormalisedRows(t, r, norm.shift, norm.scale, source=sources[id(t)]) for t, r, _ in parts]  # as needed
+        xs = [
+            NormalisedRows(t, r, norm.shift, norm.scale, source=sources[id(t)], mapped=norm.mapped) for t, r, _ in parts
+        ]
     else:
         with chunks.timed("normalise", split_bytes):
-            xs = [chunks.gather_normalised(xs, r, norm.shift, norm.scale) for xs, r, _ in parts]  # the float32 splits
+            xs = [chunks.gather_normalised(xs, r, norm.shift, norm.scale, mapped=norm.mapped) for xs, r, _ in parts]
     (_, _, y_tr), (_, _, y_val), (_, _, y_te) = parts
     split = Dataset(
         name,

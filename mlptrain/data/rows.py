@@ -142,12 +142,13 @@ class StreamSource:
 
 
 class NormalisedRows:
-    """``(n, F)`` rows ``(table[rows] - shift) / scale`` of ``dtype``, computed when they are taken.
+    """``(n, F)`` rows ``(mapped(table[rows]) - shift) / scale`` of ``dtype``, computed when they are taken.
 
     Args:
         table: ``(N, F)`` features, any real dtype (usually memory-mapped); not copied.
         rows: ``(n,)`` int64 rows of ``table`` in this split, or None for all of them.
         shift, scale: ``(F,)`` the normalisation (:class:`~mlptrain.data.dataset.Normalization`'s).
+        mapped: ``data.normalize=quantile``'s map of raw columns, applied before the shift (or None).
         dtype: the dtype of the rows handed out (float32, or a compute dtype: the float32 result cast).
 
     Attributes:
@@ -165,6 +166,7 @@ class NormalisedRows:
         scale: np.ndarray,
         dtype: Any = np.float32,
         source: StreamSource | None = None,
+        mapped: chunks.Mapping | None = None,
     ) -> None:
         if table.ndim != 2:
             raise ValueError(f"NormalisedRows: table of shape {table.shape}; expected (N, F)")
@@ -172,6 +174,7 @@ class NormalisedRows:
         self.shift, self.scale = np.asarray(shift), np.asarray(scale)
         self.shift64 = self.shift.astype(np.float64)  # (F,) as gather_normalised takes them
         self.inv64 = 1.0 / self.scale.astype(np.float64)  # (F,)
+        self.mapped = mapped
         self.dtype = np.dtype(dtype)
         self.source = source if source is not None else StreamSource.of(table)  # None: not a file (read in memory)
         n = len(table) if self.rows is None else len(self.rows)
@@ -190,12 +193,12 @@ class NormalisedRows:
 
     def as_dtype(self, dtype: Any) -> NormalisedRows:
         """The same rows handed out as ``dtype`` (no data is touched)."""
-        return NormalisedRows(self.table, self.rows, self.shift, self.scale, dtype, self.source)
+        return NormalisedRows(self.table, self.rows, self.shift, self.scale, dtype, self.source, self.mapped)
 
     def subset(self, key: slice) -> NormalisedRows:
         """Rows ``key`` of this split, still streamed (a data-parallel rank's share of an evaluation split)."""
         rows = np.arange(len(self), dtype=np.int64)[key] if self.rows is None else self.rows[key]
-        return NormalisedRows(self.table, rows, self.shift, self.scale, self.dtype, self.source)
+        return NormalisedRows(self.table, rows, self.shift, self.scale, self.dtype, self.source, self.mapped)
 
     def take(self, idx: np.ndarray, out: np.ndarray) -> np.ndarray:
         """``out[:] = self[idx]``: the table's rows gathered, normalised in float64, rounded to float32 and cast to
@@ -210,7 +213,7 @@ class NormalisedRows:
         else:
             raw = self.table[at]  # (B, F) the rows as stored
         x32 = out if out.dtype == np.float32 else np.empty(out.shape, np.float32)  # (B, F)
-        chunks.normalise_into(raw, self.shift64, self.inv64, x32)
+        chunks.normalise_into(raw, self.shift64, self.inv64, x32, self.mapped)
         if x32 is not out:
             np.copyto(out, x32, casting="unsafe")
         return out
@@ -230,7 +233,9 @@ class NormalisedRows:
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         """The whole split, made (the materialised split: for small data and tests, not for a large table)."""
-        out = chunks.gather_normalised(self.table, self.rows, self.shift, self.scale)  # (n, F) float32
+        out = chunks.gather_normalised(
+            self.table, self.rows, self.shift, self.scale, mapped=self.mapped
+        )  # (n, F) float32
         return out.astype(dtype or self.dtype, copy=False)
 
     def __repr__(self) -> str:

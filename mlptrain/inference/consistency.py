@@ -25,7 +25,9 @@ def check_for_scoring(ckpt: Checkpoint) -> None:
 
     Checked: the task; the widths; the feature, class and target names (a list of distinct strings,
     one per input or output); ``data/shift`` and ``data/scale`` (one finite float per feature, the
-    scale > 0: the features are divided by it); every parameter (floating point and finite).
+    scale > 0: the features are divided by it); ``data/quantiles`` and ``data/quantile_columns`` where one is
+    there (``data.normalize=quantile``: finite, each column ascending, distinct columns of the features);
+    every parameter (floating point and finite).
     """
     problem = _meta_problem(ckpt.meta) or _array_problem(ckpt.arrays, ckpt.meta["widths"][0])
     if problem:
@@ -67,6 +69,9 @@ def _array_problem(arrays: dict[str, np.ndarray], features: int) -> str | None:
         if bad.any():
             i = int(np.argmax(bad))
             return f"{key}[{i}] is {a[i]}; expected a finite number" + (" > 0" if key == "data/scale" else "")
+    problem = _quantile_problem(arrays, features)
+    if problem:
+        return problem
     for key in sorted(k for k in arrays if k.startswith("param/")):
         a = arrays[key]
         if a.dtype.kind != "f":
@@ -74,4 +79,23 @@ def _array_problem(arrays: dict[str, np.ndarray], features: int) -> str | None:
         if not np.isfinite(a).all():
             where = tuple(int(i) for i in np.argwhere(~np.isfinite(a))[0])
             return f"{key}{list(where)} is {a[where]}; expected finite parameters"
+    return None
+
+
+def _quantile_problem(arrays: dict[str, np.ndarray], features: int) -> str | None:
+    """What is wrong with ``data/quantiles (Q, K)`` and ``data/quantile_columns (K,)``, or None (also when both
+    are absent: a model trained without ``data.normalize=quantile``)."""
+    q, cols = arrays.get("data/quantiles"), arrays.get("data/quantile_columns")
+    if q is None and cols is None:
+        return None
+    if q is None or cols is None:
+        return "it has only one of data/quantiles and data/quantile_columns (the quantile map needs both)"
+    if cols.ndim != 1 or cols.dtype.kind not in "iu" or len(np.unique(cols)) != len(cols):
+        return f"data/quantile_columns is {cols.dtype} {cols.shape}; expected distinct integer column indices"
+    if len(cols) and (cols.min() < 0 or cols.max() >= features):
+        return f"data/quantile_columns holds {int(cols.max())}; expected indices in [0, {features})"
+    if q.dtype.kind != "f" or q.ndim != 2 or q.shape[1] != len(cols) or len(q) < 1:
+        return f"data/quantiles is {q.dtype} {q.shape}; expected float (Q, {len(cols)}), one column per mapped feature"
+    if not np.isfinite(q).all() or (np.diff(q, axis=0) < 0).any():
+        return "data/quantiles holds a value that is not finite, or a column that is not ascending"
     return None

@@ -7,6 +7,8 @@ names or regression targets. The :class:`Predictor` rebuilds the network on the 
 runs, per batch::
 
     x (B, F) raw float32
+      -> data.normalize=quantile: mapped columns through their     on the host, float64 (data/quantiles)
+         training quantiles to a standard normal
       -> (x - shift) / scale, cast to the compute dtype           the training data's preprocessing
       -> hidden layers: relu(x @ W^T + b)                         RELU_BIAS (no relu_aux: no backward)
       -> output layer:  logits = h @ W^T + b                      BIAS
@@ -33,7 +35,7 @@ import numpy as np
 from mlptrain.base.backend import Backend, get_backend
 from mlptrain.base.errors import CheckpointError, ConfigError, DatasetError
 from mlptrain.base.registry import joined
-from mlptrain.data.dataset import raw_rows_problem, saved_target_scaling
+from mlptrain.data.dataset import Normalization, raw_rows_problem, saved_target_scaling
 from mlptrain.data.files.plan import ColumnPlan
 from mlptrain.inference import columns
 from mlptrain.inference.consistency import check_for_scoring
@@ -112,8 +114,9 @@ class Predictor:
         self.class_names: list[str] | None = data.get("class_names")
         self.target_names: list[str] | None = data.get("target_names")
         self.plan = ColumnPlan.from_meta(data.get("columns"))  # raw columns -> the model's inputs, or None
-        self.shift = ckpt.arrays["data/shift"].astype(np.float64)  # (F,)
-        self.scale = ckpt.arrays["data/scale"].astype(np.float64)  # (F,), > 0
+        self.normalization = Normalization.saved(str(data.get("normalize")), ckpt.arrays)
+        self.shift = self.normalization.shift  # (F,) float64
+        self.scale = self.normalization.scale  # (F,) float64, > 0
         self.targets = saved_target_scaling(ckpt.meta, ckpt.arrays)  # a regression's outputs -> the targets' units
         self.raw_rows_problem = raw_rows_problem(ckpt.meta, f"checkpoint {ckpt.path}")
         self.batch_size = batch_size
@@ -173,7 +176,7 @@ class Predictor:
         ``progress`` is called with the number of rows of each batch as it is queued.
         """
         self.check_probabilities(probabilities)
-        x = self._check(x, raw=True)
+        x = self._mapped(self._check(x, raw=True))
         if self.backend.is_gpu and len(x):
             if self.gpu_runner is None:
                 from mlptrain.inference.cuda.predictor import GraphedInference
@@ -198,6 +201,7 @@ class Predictor:
         ``normalised``: ``x`` is normalised already (a :class:`~mlptrain.data.Dataset`'s split).
         """
         x = self._check(x, raw=not normalised)
+        x = x if normalised else self._mapped(x)
         out = np.empty((len(x), self.num_outputs), dtype=np.float32)
         for s in range(0, len(x), self.batch_size):
             rows = x[s : s + self.batch_size]
@@ -234,6 +238,14 @@ class Predictor:
         z = (xp.asarray(x, dtype=xp.float64) - xp.asarray(self.shift)) * xp.asarray(1.0 / self.scale)  # float64
         z = z.astype(xp.float32)  # rounded once, as mlptrain.data.files.chunks.normalise_into does
         return xp.ascontiguousarray(z.astype(self.precision.compute_dtype, copy=False))
+
+    def _mapped(self, x: Any) -> Any:
+        """``x (N, F)`` with ``data.normalize=quantile``'s columns mapped to a standard normal (a float64 copy on the
+        host, where the GPU predictor takes it from), or ``x`` itself where the model has no such map."""
+        if self.normalization.quantile is None:
+            return x
+        host = x.get() if hasattr(x, "get") and not isinstance(x, np.ndarray) else x  # a CuPy array: to the host
+        return self.normalization.quantile.apply_(np.array(host, dtype=np.float64))
 
     def _cast(self, x: Any) -> Any:
         xp = self.backend.xp

@@ -63,7 +63,8 @@ def make_dataset(
     if columns is not None:
         x, plan = columns(train)
         names = {**(names or {}), "feature_names": plan.feature_names}  # the encoded columns, as the CLI's
-    norm = norm or normalization(method, x[train])
+    binary = None if plan is None else plan.binary()  # the plan's 0/1 columns: standardised under robust/quantile
+    norm = norm or normalization(method, x[train], seed=split_seed, binary=binary)
     none = np.zeros((0, x.shape[1]), np.float32)  # no test split: the caller scores what it holds out
     return Dataset(
         "sklearn",

@@ -68,8 +68,7 @@ def predictor(ckpt: Checkpoint, device: str) -> Predictor:
 
 def normalization(ckpt: Checkpoint) -> Normalization:
     """The train split's normalisation the checkpoint holds (a continued fit keeps it)."""
-    a = ckpt.arrays
-    return Normalization(ckpt.meta["data"]["normalize"], a["data/shift"], a["data/scale"])
+    return Normalization.saved(ckpt.meta["data"]["normalize"], ckpt.arrays, "dataset")
 
 
 def layers(ckpt: Checkpoint, kind: str) -> list[np.ndarray]:

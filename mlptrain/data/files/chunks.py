@@ -25,6 +25,7 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+Mapping = Callable[[np.ndarray], np.ndarray]  # maps columns of a float64 (n, F) block in place before the shift
 CHUNK_BYTES = 4 << 20  # a chunk's float64 copy: fits the cache beside its inputs
 
 
@@ -95,15 +96,20 @@ def aligned(block: np.ndarray) -> np.ndarray:
     return block if block.flags.aligned else np.array(block)
 
 
-def normalise_into(raw: np.ndarray, shift: np.ndarray, inv: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """``out[:] = (raw - shift) * inv``: ``raw (n, F)`` any real dtype, ``shift``, ``inv = 1 / scale`` ``(F,)``
-    float64, ``out (n, F)`` float32 (or a compute dtype).
+def normalise_into(
+    raw: np.ndarray, shift: np.ndarray, inv: np.ndarray, out: np.ndarray, mapped: Mapping | None = None
+) -> np.ndarray:
+    """``out[:] = (mapped(raw) - shift) * inv``: ``raw (n, F)`` any real dtype, ``shift``, ``inv = 1 / scale``
+    ``(F,)`` float64, ``out (n, F)`` float32 (or a compute dtype); ``mapped`` (``data.normalize=quantile``'s
+    :meth:`mlptrain.data.files.scalers.QuantileMap.apply_`) maps some columns of the float64 copy in place first.
 
     The one normalisation arithmetic (made splits, streamed rows, :meth:`Normalization.apply`): the raw values
     in float64, the shift subtracted and the scale applied in float64, then rounded once to ``out``'s dtype, so
     a column of ``1e8 + noise`` keeps its noise (in float32 the values round to steps of 8 before the shift).
     """
     x64 = np.array(raw, np.float64)  # (n, F) a copy, ours to overwrite
+    if mapped is not None:
+        mapped(x64)
     np.subtract(x64, shift, out=x64)
     np.multiply(x64, inv, out=x64)
     np.copyto(out, x64, casting="unsafe")
@@ -111,9 +117,15 @@ def normalise_into(raw: np.ndarray, shift: np.ndarray, inv: np.ndarray, out: np.
 
 
 def gather_normalised(
-    x: np.ndarray, rows: np.ndarray | None, shift: np.ndarray, scale: np.ndarray, chunk: int | None = None
+    x: np.ndarray,
+    rows: np.ndarray | None,
+    shift: np.ndarray,
+    scale: np.ndarray,
+    chunk: int | None = None,
+    mapped: Mapping | None = None,
 ) -> np.ndarray:
-    """``(x[rows] - shift) / scale`` as a new float32 C-contiguous ``(len(rows), F)`` array, chunk by chunk.
+    """``(mapped(x[rows]) - shift) / scale`` as a new float32 C-contiguous ``(len(rows), F)`` array, chunk by chunk
+    (``mapped``: see :func:`normalise_into`).
 
     ``rows`` None takes every row. The arithmetic is :func:`normalise_into`'s (float64, rounded once to float32),
     so the splits equal :meth:`Normalization.apply` of the same rows bit for bit.
@@ -130,7 +142,7 @@ def gather_normalised(
             raw = take_into(x, rows[a:b], np.empty((b - a, f), np.float32))  # the gather
         else:
             raw = x[rows[a:b]]
-        normalise_into(raw, shift64, inv64, out[a:b])
+        normalise_into(raw, shift64, inv64, out[a:b], mapped)
 
     run(fill, ranges(n, chunk_rows(f, chunk)))
     return out

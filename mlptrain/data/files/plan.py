@@ -103,6 +103,15 @@ class ColumnPlan:
     def categorical(self) -> bool:
         return any(c.kind == "categorical" for c in self.columns)
 
+    def binary(self) -> np.ndarray:
+        """``(F,)`` bool: which encoded columns are 0/1 by construction (``<name>_missing``, one-hot); the
+        scalings of ``data.normalize`` that rank values (robust, quantile) standardise these instead."""
+        flags = [
+            [False, True][: len(c.outputs())] if c.kind == "numeric" else [True] * len(c.outputs())
+            for c in self.columns
+        ]
+        return np.array([f for fs in flags for f in fs], dtype=bool)
+
     def to_meta(self) -> dict[str, Any]:
         return {"columns": [vars(c).copy() for c in self.columns]}
 

@@ -1,0 +1,267 @@
+"""data.normalize=robust and quantile (mlptrain.data.files.scalers): the statistics against scikit-learn's
+RobustScaler and QuantileTransformer on tables with skew, outliers, ties and constant columns; the plan's 0/1
+columns; streamed rows; the quantile table through the checkpoint, predict, evaluate and the exports."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from numpy.testing import assert_allclose, assert_array_equal
+from scipy.special import ndtri as scipy_ndtri
+from sklearn.preprocessing import QuantileTransformer, RobustScaler
+
+from mlptrain.base.errors import CheckpointError, ConfigError
+from mlptrain.base.normal import ndtri
+from mlptrain.cli.export import ExportArgs, export, load_safetensors, preprocessing
+from mlptrain.config.schema import NORMALIZATIONS, DataConfig, DatasetName
+from mlptrain.data import load_dataset
+from mlptrain.data.dataset import Normalization
+from mlptrain.data.files.scalers import SUBSAMPLE, QuantileMap
+from mlptrain.data.prepare import normalization
+from mlptrain.data.rows import NormalisedRows
+from mlptrain.inference.consistency import check_for_scoring
+from mlptrain.inference.predictor import Predictor
+from mlptrain.run import checkpoint
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def table(n: int, seed: int = 0) -> np.ndarray:
+    """``(n, 7)``: skewed (lognormal), outliers (a normal with 2% at 1e6), ties (integers 0..3), a constant, a
+    column whose IQR is 0 but that varies (94% zeros), a bounded uniform and an integer column of many ties."""
+    rng = np.random.default_rng(seed)
+    return np.stack(
+        [
+            rng.lognormal(0.0, 2.0, n),
+            np.where(rng.random(n) < 0.02, 1e6, rng.normal(5.0, 3.0, n)),
+            rng.integers(0, 4, n).astype(np.float64),
+            np.full(n, 7.25),
+            np.where(rng.random(n) < 0.06, rng.exponential(50.0, n), 0.0),
+            rng.uniform(-1e-3, 1e-3, n),
+            rng.poisson(2.0, n).astype(np.float64),
+        ],
+        axis=1,
+    )
+
+
+CONSTANT, ZERO_IQR = 3, 4
+
+
+def test_ndtri_is_scipys_to_the_last_digits() -> None:
+    p = np.concatenate([np.linspace(0.0, 1.0, 20001), [1e-300, 1e-7 - np.spacing(1), 1 - (1e-7 - np.spacing(1))]])
+    want = scipy_ndtri(p)
+    got = ndtri(p)
+    finite = np.isfinite(want)
+    assert_array_equal(got[~finite], want[~finite])  # -inf at 0, +inf at 1
+    assert_allclose(got[finite], want[finite], rtol=1e-14, atol=1e-15)
+    assert np.isnan(ndtri(np.array([-0.1, 1.1, np.nan]))).all()
+
+
+# --- robust ----------------------------------------------------------------------------------------
+
+
+def test_robust_is_robustscalers_on_the_train_rows_and_the_zero_iqr_fallback_is_the_std() -> None:
+    x = table(3000)
+    rows = np.random.default_rng(1).permutation(3000)[:2000]  # the train split: statistics of these rows only
+    norm = normalization("robust", x, rows)
+    ref = RobustScaler().fit(x[rows])
+    iqr = [j for j in range(x.shape[1]) if j not in (CONSTANT, ZERO_IQR)]
+    assert_allclose(norm.shift[iqr], ref.center_[iqr], rtol=1e-12)
+    assert_allclose(norm.scale[iqr], ref.scale_[iqr], rtol=1e-12)
+    # a column that varies with IQR 0: centred by its median, divided by its std (scikit-learn: by 1)
+    assert ref.scale_[ZERO_IQR] == 1.0 and norm.shift[ZERO_IQR] == np.median(x[rows, ZERO_IQR]) == 0.0
+    assert norm.scale[ZERO_IQR] == pytest.approx(x[rows, ZERO_IQR].std(), rel=1e-12)
+    test = table(500, seed=2)
+    z = norm.apply(test)  # float32, rounded once
+    assert_allclose(z[:, iqr], ref.transform(test)[:, iqr], rtol=1e-6, atol=1e-6)
+    assert_array_equal(z[:, CONSTANT], 0.0)  # a constant column becomes exactly 0 (scikit-learn: 0 too)
+
+
+def test_robust_and_quantile_standardise_the_plans_0_1_columns() -> None:
+    x = table(1000)
+    binary = np.zeros(x.shape[1], bool)
+    binary[[2, 6]] = True  # say the plan made these (<name>_missing, one-hot): standardised as standard does
+    std = normalization("standard", x)
+    for method in ("robust", "quantile"):
+        norm = normalization(method, x, binary=binary)
+        assert_array_equal(norm.shift[binary], std.shift[binary])
+        assert_array_equal(norm.scale[binary], std.scale[binary])
+    q = normalization("quantile", x, binary=binary).quantile
+    assert q is not None and q.columns.tolist() == [0, 1, 4, 5]  # neither the 0/1 columns nor the constant one
+
+
+# --- quantile ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("n", "train"), [(300, 300), (4000, 3000), (3 * SUBSAMPLE, 2 * SUBSAMPLE + 7)])
+def test_quantile_is_quantiletransformers_quantiles_and_map(n: int, train: int) -> None:
+    """n_quantiles = min(1000, rows), the same 10,000-row sample beyond that (seeded by data.split_seed),
+    the same interpolation of ties and the same clip, to 1e-6 after the float32 rounding."""
+    x = table(n)
+    rows = np.random.default_rng(3).permutation(n)[:train]
+    norm = normalization("quantile", x, rows, seed=5)
+    ref = QuantileTransformer(output_distribution="normal", n_quantiles=min(1000, train), random_state=5)
+    ref.fit(x[rows])
+    assert norm.quantile is not None
+    mapped = norm.quantile.columns.tolist()
+    assert mapped == [j for j in range(x.shape[1]) if j != CONSTANT]
+    assert_allclose(norm.quantile.quantiles, ref.quantiles_[:, mapped], rtol=0, atol=0)
+    test = np.concatenate([table(400, seed=4), x[rows[:200]], np.full((5, x.shape[1]), -1e9), np.full((5, 7), 1e9)])
+    z = norm.apply(test)
+    assert_allclose(z[:, mapped], ref.transform(test)[:, mapped], rtol=0, atol=1e-6)
+    assert np.abs(z[:, mapped]).max() == pytest.approx(5.1993375, abs=1e-6)  # the clip, at both ends
+    assert_array_equal(z[:600, CONSTANT], 0.0)  # scikit-learn maps a constant column to -5.1993; mlptrain to 0
+    ties = QuantileMap(norm.quantile.quantiles, norm.quantile.columns).apply_(test.copy())  # float64 itself
+    assert_allclose(ties[:, mapped], ref.transform(test)[:, mapped], rtol=0, atol=1e-12)
+
+
+def test_streamed_rows_are_the_made_split_with_the_quantile_map() -> None:
+    x = table(2000).astype(np.float32)
+    rows = np.arange(0, 2000, 3)
+    norm = normalization("quantile", x, rows, seed=0)
+    streamed = NormalisedRows(x, rows, norm.shift, norm.scale, mapped=norm.mapped)
+    made = norm.apply(x[rows])
+    assert_array_equal(streamed.take(np.arange(len(rows))[::-1], np.empty(made.shape, np.float32)), made[::-1])
+    assert_array_equal(np.asarray(streamed), made)
+    assert_array_equal(np.asarray(streamed.subset(slice(5, 50))), made[5:50])
+
+
+# --- through a run, its checkpoint, predict, evaluate and the exports ----------------------------------------
+
+
+def write_table(path: Path, n: int, seed: int) -> list[list[str]]:
+    """Skewed and outlying numbers, ties, a constant, empty cells and a text column; a label that depends on them."""
+    rng = np.random.default_rng(seed)
+    x = table(n, seed)
+    colour = rng.choice(["red", "green", "blue"], n)
+    label = np.where((np.log(x[:, 0]) + (x[:, 2] > 1) + (colour == "red")) > 1.0, "yes", "no")
+    header = ["skew", "outlier", "ties", "constant", "spike", "colour", "label"]
+    rows = []
+    for i in range(n):
+        cells = [repr(float(v)) for v in x[i, [0, 1, 2, 3, 4]]] + [str(colour[i]), str(label[i])]
+        if rng.random() < 0.05:
+            cells[1] = ""  # an empty cell: the median fill and its 0/1 indicator
+        rows.append(cells)
+    with open(path, "w", newline="") as f:
+        csv.writer(f).writerows([header, *rows])
+    return rows
+
+
+def cli(module: str, *args: str, cwd: Path, ok: bool = True) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", "HYDRA_MAIN_MODULE")}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
+    proc = subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env, capture_output=True, text=True)
+    assert (proc.returncode == 0) == ok, proc.stdout + proc.stderr
+    return proc
+
+
+@pytest.fixture(scope="module")
+def quantile_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A run trained on a raw CSV with data.normalize=quantile (CPU, a few epochs)."""
+    tmp = tmp_path_factory.mktemp("quantile")
+    write_table(tmp / "train.csv", 600, 0)
+    write_table(tmp / "test.csv", 150, 1)
+    args = ["data=file", "data.path=train.csv", "data.test_path=test.csv", "data.target=label", "epochs=3"]
+    cli("mlptrain", *args, "data.normalize=quantile", "device=cpu", "progress=false", "hydra.run.dir=run", cwd=tmp)
+    return tmp
+
+
+def test_the_quantile_table_round_trips_through_the_checkpoint(quantile_run: Path) -> None:
+    ckpt = quantile_run / "run" / "checkpoints" / "best.npz"
+    p = Predictor(ckpt, device="cpu")
+    paths = {"path": str(quantile_run / "train.csv"), "test_path": str(quantile_run / "test.csv")}
+    cfg = DataConfig(name=DatasetName.file, **paths, target="label", cache=False, normalize="quantile")  # the run's
+    ds = load_dataset(DataConfig(**{**vars(cfg), "features": None}))
+    norm = ds.normalization
+    assert norm is not None and norm.quantile is not None and p.normalization.quantile is not None
+    assert p.normalization.method == "quantile"
+    assert_array_equal(p.normalization.quantile.quantiles, norm.quantile.quantiles)
+    assert_array_equal(p.normalization.quantile.columns, norm.quantile.columns)
+    assert_array_equal(p.shift, norm.shift)
+    assert_array_equal(p.scale, norm.scale)
+    names = p.feature_names or []
+    mapped = [names[j] for j in norm.quantile.columns]
+    assert mapped == ["skew", "outlier", "ties", "spike"]  # not the constant, the indicator or the one-hots
+    # raw rows of the test file, encoded by the plan and mapped by the predictor: the inputs the run scored
+    with open(quantile_run / "test.csv") as f:
+        records = list(csv.DictReader(f))
+    cells = {c: np.char.strip(np.array([r[c] for r in records])) for c in p.input_names or []}
+    raw = p.encode(cells, "test.csv", str)  # (N, F) float64
+    assert_array_equal(norm.apply(raw), ds.x_test)
+    assert_array_equal(p.logits(raw), p.logits(ds.x_test, normalised=True))
+
+
+def test_predict_on_raw_rows_is_evaluate(quantile_run: Path) -> None:
+    ckpt = quantile_run / "run" / "checkpoints" / "best.npz"
+    tmp = quantile_run
+    cli("mlptrain.predict", f"ckpt={ckpt}", "input=test.csv", "output=pred.csv", "device=cpu", cwd=tmp)
+    cli("mlptrain.evaluate", f"ckpt={ckpt}", "data=test.csv", "device=cpu", cwd=tmp)
+    with open(tmp / "pred.csv") as f:
+        predicted = [r["class_name"] for r in csv.DictReader(f)]
+    with open(tmp / "test.csv") as f:
+        truth = [r["label"] for r in csv.DictReader(f)]
+    (report,) = (tmp / "run" / "evaluation").rglob("evaluation.json")
+    accuracy = np.mean([a == b for a, b in zip(predicted, truth, strict=True)])
+    assert json.loads(report.read_text())["acc"] == pytest.approx(accuracy, abs=1e-12)
+    assert 0.0 < accuracy <= 1.0 and len(set(predicted)) >= 1
+
+
+def test_safetensors_carries_the_quantile_table_and_onnx_refuses_quantile(quantile_run: Path) -> None:
+    ckpt = quantile_run / "run" / "checkpoints" / "best.npz"
+    p = Predictor(ckpt, device="cpu")
+    out = export(ExportArgs(ckpt=str(ckpt), format="safetensors", output=str(quantile_run / "m.safetensors")))
+    _, meta = load_safetensors(out)
+    norm = json.loads(meta["mlptrain"])["normalization"]
+    assert p.normalization.quantile is not None
+    assert norm["method"] == "quantile" and norm["quantile"]["columns"] == p.normalization.quantile.columns.tolist()
+    assert_array_equal(np.array(norm["quantile"]["quantiles"]).T, p.normalization.quantile.quantiles)
+    assert preprocessing(p)["normalization"] == norm
+    pytest.importorskip("onnx")
+    with pytest.raises(ConfigError, match=r"format=onnx: .* data.normalize=quantile, whose per-column quantile map"):
+        export(ExportArgs(ckpt=str(ckpt), format="onnx", output=str(quantile_run / "m.onnx")))
+
+
+def test_a_checkpoint_with_a_broken_quantile_table_is_refused(quantile_run: Path) -> None:
+    ckpt = checkpoint.load(quantile_run / "run" / "checkpoints" / "best.npz")
+    good = ckpt.arrays["data/quantiles"]
+    for key, bad in [
+        ("data/quantiles", good[::-1].copy()),  # not ascending
+        ("data/quantile_columns", np.array([0, 0, 1, 2])),  # a column twice
+        ("data/quantile_columns", np.array([0, 1, 2, 99])),  # not a feature
+    ]:
+        arrays: dict[str, Any] = {**ckpt.arrays, key: bad}
+        with pytest.raises(CheckpointError, match=key):
+            check_for_scoring(checkpoint.Checkpoint(ckpt.path, arrays, ckpt.meta))
+
+
+def test_robust_exports_to_onnx_equal_to_predict(tmp_path: Path) -> None:
+    ort = pytest.importorskip("onnxruntime")
+    write_table(tmp_path / "train.csv", 300, 0)
+    args = ["data=file", "data.path=train.csv", "data.target=label", "data.normalize=robust", "epochs=1"]
+    cli("mlptrain", *args, "device=cpu", "progress=false", "hydra.run.dir=run", cwd=tmp_path)
+    ckpt = tmp_path / "run" / "checkpoints" / "best.npz"
+    p = Predictor(ckpt, device="cpu", precision="fp32")
+    assert p.normalization.method == "robust" and p.normalization.quantile is None
+    out = export(ExportArgs(ckpt=str(ckpt), format="onnx", output=str(tmp_path / "m.onnx")))
+    cfg = DataConfig(name=DatasetName.file, path=str(tmp_path / "train.csv"), target="label", cache=False)
+    x = np.asarray(load_dataset(DataConfig(**{**vars(cfg), "normalize": "none", "features": None})).x_test)
+    (logits,) = ort.InferenceSession(str(out)).run(["logits"], {"x": x.astype(np.float32)})
+    assert_allclose(logits, p.logits(x), rtol=1e-5, atol=1e-5)
+
+
+def test_an_unknown_mode_is_one_error_listing_the_choices(tmp_path: Path) -> None:
+    proc = cli("mlptrain", "data.normalize=rank", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, ok=False)
+    (line,) = [s for s in proc.stderr.splitlines() if s.startswith("error: ")]
+    assert "'rank'" in line and f"expected one of [{', '.join(NORMALIZATIONS)}]" in line
+    assert NORMALIZATIONS == ("standard", "minmax", "robust", "quantile", "none")
+    with pytest.raises(ConfigError, match="expected standard, minmax, robust, quantile or none"):
+        normalization("rank", table(10))
+    assert Normalization.identity(3).quantile is None
