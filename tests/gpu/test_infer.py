@@ -67,6 +67,22 @@ def test_device_inputs_equal_host_inputs(ckpt: Path) -> None:
     np.testing.assert_array_equal(dev.probabilities, host.probabilities)
 
 
+def test_a_quantile_model_maps_raw_rows_on_the_host_as_the_cpu_does(tmp_path: Path) -> None:
+    """data.normalize=quantile: the Predictor maps the raw rows through the quantile table on the host (float64), then
+    the graph's normaliser casts them; CuPy inputs come to the host for the map. Predictions are the CPU's."""
+    train(make_cfg(epochs=2, data__normalize="quantile"), tmp_path / "run")
+    path = tmp_path / "run" / "checkpoints" / "best.npz"
+    cpu, gpu = Predictor(path, device="cpu"), Predictor(path, device="gpu", precision="fp32", batch_size=256)
+    assert gpu.normalization.quantile is not None and len(gpu.normalization.quantile.columns) > 0
+    x = _raw(700)
+    np.testing.assert_allclose(gpu.logits(x), cpu.logits(x), rtol=1e-4, atol=1e-4)
+    host, want = gpu.run(x, probabilities=True), cpu.run(x, probabilities=True)
+    np.testing.assert_allclose(host.probabilities, want.probabilities, rtol=1e-4, atol=1e-5)
+    dev = gpu.run(cp.asarray(x, dtype=cp.float32), probabilities=True)  # integers: the same values in float32
+    np.testing.assert_array_equal(dev.class_id, host.class_id)
+    np.testing.assert_array_equal(dev.probabilities, host.probabilities)
+
+
 def test_regression_outputs_on_the_gpu(tmp_path: Path) -> None:
     from mlptrain.config.schema import DatasetName
     from mlptrain.data.files.readers import write_csv
