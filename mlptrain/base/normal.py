@@ -87,23 +87,36 @@ _FAR = (
 
 
 def ndtri(p: np.ndarray) -> np.ndarray:
-    """``x`` with ``Phi(x) = p`` for ``p`` of any shape, float64 (the standard normal's quantile function)."""
+    """``x`` with ``Phi(x) = p`` for ``p`` of any shape, float64 (the standard normal's quantile function).
+
+    Each region's rational function is evaluated on its own values only (boolean selections), Horner's rule in place.
+    """
     p = np.asarray(p, dtype=np.float64)
     q = p - 0.5
     out = np.empty_like(p)
     central = np.abs(q) <= 0.425
-    r = 0.180625 - q[central] ** 2
-    out[central] = q[central] * np.polyval(_CENTRAL[0], r) / np.polyval(_CENTRAL[1], r)
+    qc = q[central]
+    r = 0.180625 - qc * qc
+    out[central] = qc * _rational(_CENTRAL, r)
     tail = ~central
+    qt = q[tail]
     with np.errstate(divide="ignore", invalid="ignore"):  # p = 0 or 1: log(0) = -inf, r = inf; outside [0, 1]: NaN
-        r = np.sqrt(-np.log(np.where(q[tail] <= 0.0, p[tail], 1.0 - p[tail])))
-        near = r <= 5.0
-        t = np.where(near, r - 1.6, r - 5.0)
-        x = np.where(
-            near,
-            np.polyval(_NEAR[0], t) / np.polyval(_NEAR[1], t),
-            np.polyval(_FAR[0], t) / np.polyval(_FAR[1], t),
-        )
-    x = np.where(np.isinf(r), np.inf, x)  # the tails' limits: p = 0 -> -inf, p = 1 -> +inf
-    out[tail] = np.where(q[tail] < 0.0, -x, x)
+        r = np.sqrt(-np.log(np.where(qt <= 0.0, p[tail], 1.0 - p[tail])))
+        x = np.full_like(r, np.nan)
+        near, far = r <= 5.0, r > 5.0
+        x[near] = _rational(_NEAR, r[near] - 1.6)
+        x[far] = _rational(_FAR, r[far] - 5.0)
+    x[np.isinf(r)] = np.inf  # the tails' limits: p = 0 -> -inf, p = 1 -> +inf
+    out[tail] = np.where(qt < 0.0, -x, x)
     return out
+
+
+def _rational(coefficients: tuple[tuple[float, ...], tuple[float, ...]], t: np.ndarray) -> np.ndarray:
+    """``num(t) / den(t)`` of one region's polynomials (highest degree first), by Horner's rule in place."""
+    num, den = np.full_like(t, coefficients[0][0]), np.full_like(t, coefficients[1][0])
+    for a, b in zip(coefficients[0][1:], coefficients[1][1:], strict=True):
+        num *= t
+        num += a
+        den *= t
+        den += b
+    return num / den
