@@ -265,3 +265,25 @@ def test_an_unknown_mode_is_one_error_listing_the_choices(tmp_path: Path) -> Non
     with pytest.raises(ConfigError, match="expected standard, minmax, robust, quantile or none"):
         normalization("rank", table(10))
     assert Normalization.identity(3).quantile is None
+
+
+@pytest.mark.filterwarnings("ignore::sklearn.exceptions.ConvergenceWarning")  # two epochs: enough to compare
+@pytest.mark.parametrize("mode", ["robust", "quantile"])
+def test_the_sklearn_estimator_keeps_its_first_fits_scaling_and_scores_raw_rows(mode: str) -> None:
+    from mlptrain.sklearn import MLPClassifier
+
+    x = table(400)
+    y = (np.log(x[:, 0]) + x[:, 2] > 1.5).astype(np.int64)
+    clf = MLPClassifier(hidden_layer_sizes=(16,), max_iter=2, normalize=mode, random_state=0, device="cpu")
+    clf.fit(x, y)
+    first = clf.predictor_.normalization
+    assert first.method == mode and (first.quantile is not None) == (mode == "quantile")
+    clf.partial_fit(x[:100] * 10.0, y[:100])  # rows of another spread: the first fit's scaling is kept
+    again = clf.predictor_.normalization
+    assert_array_equal(again.shift, first.shift)
+    assert_array_equal(again.scale, first.scale)
+    if first.quantile is not None:
+        assert again.quantile is not None
+        assert_array_equal(again.quantile.quantiles, first.quantile.quantiles)
+    logits = clf.predictor_.logits(again.apply(x), normalised=True)
+    assert_array_equal(clf.predict(x), logits.argmax(axis=1))
