@@ -134,6 +134,27 @@ def test_streamed_rows_are_the_made_split_with_the_quantile_map() -> None:
     assert_array_equal(np.asarray(streamed.subset(slice(5, 50))), made[5:50])
 
 
+@pytest.mark.parametrize("mode", ["robust", "quantile"])
+def test_a_streamed_file_has_the_made_splits_and_the_train_splits_statistics(tmp_path: Path, mode: str) -> None:
+    """data.residency=stream: the statistics from the memory-mapped table's train rows (a sample of them), the
+    quantile map applied to each batch as it is gathered: the splits equal the made ones, bit for bit."""
+    x = table(16_000).astype(np.float32)
+    y = (x[:, 2] > 1).astype(np.int64)
+    np.savez(tmp_path / "t.npz", x=x, y=y)  # uncompressed: memory-mapped where it lies
+    cfg = {"name": DatasetName.file, "path": str(tmp_path / "t.npz"), "normalize": mode, "split_seed": 4}
+    made, streamed = (load_dataset(DataConfig(**cfg, residency=r)) for r in ("host", "stream"))
+    assert isinstance(streamed.x_train, NormalisedRows)
+    assert (streamed.x_train.mapped is not None) == (mode == "quantile")
+    for split in ("train", "val", "test"):
+        assert_array_equal(np.asarray(getattr(streamed, f"x_{split}")), getattr(made, f"x_{split}"))
+    norm = made.normalization
+    assert norm is not None and len(made.y_train) > SUBSAMPLE  # the quantiles come from a sample of the train rows
+    if mode == "quantile":
+        assert norm.quantile is not None and norm.quantile.quantiles.shape == (1000, 6)  # all but the constant
+    assert norm.shift[CONSTANT] == x[0, CONSTANT] and norm.scale[CONSTANT] == 1.0
+    assert_array_equal(made.x_train[:, CONSTANT], 0.0)
+
+
 # --- through a run, its checkpoint, predict, evaluate and the exports ----------------------------------------
 
 

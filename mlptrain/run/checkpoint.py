@@ -11,6 +11,8 @@ entry                     contents
 ``optim/<name>/<state>``  optimizer state (``momentum``, ``exp_avg``, ``exp_avg_sq``)
 ``optim/t``               the optimizer's count of applied updates, float64, 0-d
 ``data/shift``, ``scale`` the normalisation of the raw features (``(x - shift) / scale``), float64
+``data/quantiles``        ``data.normalize=quantile``: ``(Q, K)`` float64 training quantiles of the columns
+``data/quantile_columns`` ``(K,)`` int64 that are mapped to a standard normal before the shift
 ``meta``                  UTF-8 JSON as a uint8 array (:data:`META_SCHEMA`)
 ========================= ============================================================
 
