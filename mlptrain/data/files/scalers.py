@@ -70,7 +70,7 @@ def robust(
     n = len(x) if rows is None else len(rows)
     picked = sample(n, ROBUST_ROWS, seed)
     if picked is not None:
-        rows = picked if rows is None else rows[picked]
+        rows = picked if rows is None else np.sort(rows[picked])  # the table read in order
     q25, median, q75 = percentiles(x, rows, np.array([25.0, 50.0, 75.0]), columns)
     iqr = q75 - q25
     return median, np.where(iqr > 0, iqr, np.where(std > 0, std, 1.0))
@@ -98,7 +98,7 @@ class QuantileMap:
         n = len(x) if rows is None else len(rows)
         picked = sample(n, SUBSAMPLE, seed)
         if picked is not None:
-            rows = picked if rows is None else rows[picked]
+            rows = picked if rows is None else np.sort(rows[picked])  # the table read in order
         references = np.linspace(0.0, 1.0, max(1, min(N_QUANTILES, n)))  # (Q,)
         return cls(percentiles(x, rows, references * 100, columns), np.asarray(columns, np.int64))
 
