@@ -105,15 +105,17 @@ class QuantileMap:
     def apply_(self, x64: np.ndarray) -> np.ndarray:
         """Map the columns of ``x64 (n, F)`` float64 in place (the others are left as they are); returns it."""
         refs = np.linspace(0.0, 1.0, len(self.quantiles))  # (Q,)
+        u = np.empty((len(x64), len(self.columns)))  # (n, K) each value's place among its column's quantiles
         for k, j in enumerate(self.columns.tolist()):
-            x64[:, j] = self.column(x64[:, j], self.quantiles[:, k], refs)
+            u[:, k] = self.uniform(x64[:, j], self.quantiles[:, k], refs)
+        x64[:, self.columns] = np.clip(ndtri(u), LOW, HIGH)  # one call for every column: a batch of few rows
         return x64
 
     @staticmethod
-    def column(x: np.ndarray, q: np.ndarray, refs: np.ndarray) -> np.ndarray:
-        """``x (n,)`` float64 through one column's quantiles ``q (Q,)`` (at ``refs (Q,)``) to the normal."""
+    def uniform(x: np.ndarray, q: np.ndarray, refs: np.ndarray) -> np.ndarray:
+        """``x (n,)`` float64 placed among one column's quantiles ``q (Q,)`` (at ``refs (Q,)``): ``u`` in ``[0, 1]``."""
         lower, upper = x - BOUNDS_THRESHOLD < q[0], x + BOUNDS_THRESHOLD > q[-1]  # (n,)
-        u = 0.5 * (np.interp(x, q, refs) - np.interp(-x, -q[::-1], -refs[::-1]))  # (n,) in [0, 1]
+        u = 0.5 * (np.interp(x, q, refs) - np.interp(-x, -q[::-1], -refs[::-1]))  # (n,)
         u[upper] = 1.0
         u[lower] = 0.0
-        return np.clip(ndtri(u), LOW, HIGH)
+        return u
