@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pandas as pd
 import pytest
 from numpy.testing import assert_allclose, assert_array_equal
 from scipy.special import ndtri as scipy_ndtri
@@ -28,6 +29,7 @@ from mlptrain.data.files.scalers import SUBSAMPLE, QuantileMap
 from mlptrain.data.prepare import normalization
 from mlptrain.data.rows import NormalisedRows
 from mlptrain.inference.consistency import check_for_scoring
+from mlptrain.inference.onnx_columns import feeds
 from mlptrain.inference.predictor import Predictor
 from mlptrain.run import checkpoint
 
@@ -272,10 +274,11 @@ def test_robust_exports_to_onnx_equal_to_predict(tmp_path: Path) -> None:
     p = Predictor(ckpt, device="cpu", precision="fp32")
     assert p.normalization.method == "robust" and p.normalization.quantile is None
     out = export(ExportArgs(ckpt=str(ckpt), format="onnx", output=str(tmp_path / "m.onnx")))
-    cfg = DataConfig(name=DatasetName.file, path=str(tmp_path / "train.csv"), target="label", cache=False)
-    x = np.asarray(load_dataset(DataConfig(**{**vars(cfg), "normalize": "none", "features": None})).x_test)
-    (logits,) = ort.InferenceSession(str(out)).run(["logits"], {"x": x.astype(np.float32)})
-    assert_allclose(logits, p.logits(x), rtol=1e-5, atol=1e-5)
+    # the table has a text column, so the graph takes the raw columns (mlptrain.inference.onnx_columns)
+    frame = pd.read_csv(tmp_path / "train.csv", keep_default_na=False, dtype=str)
+    (logits,) = ort.InferenceSession(str(out)).run(["logits"], feeds(p.plan, frame))
+    cells = {c: np.char.strip(frame[c].to_numpy().astype(str)) for c in p.plan.names}
+    assert_allclose(logits, p.logits(p.encode(cells, "raw", str)), rtol=1e-5, atol=1e-5)
 
 
 def test_an_unknown_mode_is_one_error_listing_the_choices(tmp_path: Path) -> None:

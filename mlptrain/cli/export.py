@@ -5,13 +5,12 @@ a JSON header naming each tensor's dtype, shape and byte range, then the bytes):
 under the names and layout of PyTorch's ``nn.Sequential(Linear, ReLU, ..., Linear)`` state dict
 (``0.weight`` ``(out, in)``, ``0.bias``, ``2.weight`` ...; without ReLU the indices run 0, 1, 2),
 so that ``model.load_state_dict(safetensors.torch.load_file(path))`` works. The header's
-``__metadata__`` holds what scoring raw inputs needs besides (:func:`preprocessing`, as JSON
-under ``mlptrain``): the widths, the normalisation ``(x - shift) / scale`` (``data.normalize=quantile``: the
-quantile table, its columns mapped first), the feature, class
-and target names, and for a regression its ``target_scaling`` (the network's output ``z`` is in
-standardised units: ``y = z * scale + shift``).
+``__metadata__`` holds what scoring raw inputs needs besides, as JSON under ``mlptrain``
+(:func:`mlptrain.inference.export_meta.preprocessing`: the normalisation, the names, a regression's
+target scaling, a table's column plan).
 
-**ONNX** (the ``onnx`` extra): the whole inference path as one graph, normalisation included::
+**ONNX** (the ``onnx`` extra): the whole inference path as one graph, normalisation included
+(:mod:`mlptrain.inference.onnx_graph`)::
 
     x (N, F) float32 -> (float64) Sub(shift), Mul(1/scale) -> float32
         -> [Gemm(W^T, b) -> Relu] ... -> Gemm -> logits (N, C)
@@ -55,14 +54,15 @@ import numpy as np
 from mlptrain.base.errors import ConfigError, OutputError
 from mlptrain.cli import commands
 from mlptrain.cli.commands import REQUIRED, arg
-from mlptrain.inference import onnx_columns, outputs
+from mlptrain.inference import outputs
+from mlptrain.inference.export_meta import activation, preprocessing
+from mlptrain.inference.onnx_graph import onnx_model
 from mlptrain.inference.predictor import Predictor
 from mlptrain.run.checkpoint import CHECKPOINT_DIR
 
 FORMATS = ("safetensors", "onnx")
 DTYPES = {"fp32": np.float32, "fp16": np.float16}
 _ST_DTYPES = {"float32": "F32", "float16": "F16", "float64": "F64", "int64": "I64"}
-ONNX_OPSET = 17
 PLAN_FORMAT = "mlptrain-column-plan"  # the "format" of a safetensors export's <name>.columns.json
 
 log = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ class ExportArgs:
 def sequential_state_dict(p: Predictor, dtype: Any = np.float32) -> dict[str, np.ndarray]:
     """The parameters as ``nn.Sequential(Linear, ReLU, ..., Linear).state_dict()`` names them
     (``nn.GELU(approximate="tanh")`` in place of ReLU for a GELU model)."""
-    step = 2 if _activation(p) != "none" else 1  # Linear, ReLU, Linear, ...: every other module is a Linear
+    step = 2 if activation(p) != "none" else 1  # Linear, ReLU, Linear, ...: every other module is a Linear
     out = {}
     members = p.model.members  # an ensemble: nn.ModuleList of K such Sequentials, member k's names under "k."
     for i, layer in enumerate(p.model.layers):
@@ -94,119 +94,6 @@ def sequential_state_dict(p: Predictor, dtype: Any = np.float32) -> dict[str, np
             prefix = f"{k}." if members > 1 else ""
             out[f"{prefix}{step * i}.weight"], out[f"{prefix}{step * i}.bias"] = (w[k], b[k]) if members > 1 else (w, b)
     return out
-
-
-def _activation(p: Predictor) -> str:
-    """The hidden layers' activation: relu, gelu or none."""
-    return p.model.layers[0].activation if len(p.model.layers) > 1 else "none"
-
-
-def _onnx_gelu(z: str, out: str, i: int) -> list[Any]:
-    """GELU's tanh form as basic ONNX operators (``Gelu`` needs opset 20):
-    ``0.5 z (1 + tanh(sqrt(2/pi) (z + 0.044715 z^3)))``, with the constants as ``gelu_*`` initializers."""
-    from onnx import helper
-
-    t = f"gelu{i}_"
-    return [
-        helper.make_node("Mul", [z, z], [t + "z2"]),
-        helper.make_node("Mul", [t + "z2", z], [t + "z3"]),
-        helper.make_node("Mul", [t + "z3", "gelu_k"], [t + "kz3"]),
-        helper.make_node("Add", [z, t + "kz3"], [t + "inner"]),
-        helper.make_node("Mul", [t + "inner", "gelu_c"], [t + "u"]),
-        helper.make_node("Tanh", [t + "u"], [t + "t"]),
-        helper.make_node("Add", [t + "t", "gelu_one"], [t + "1pt"]),
-        helper.make_node("Mul", [z, t + "1pt"], [t + "z1pt"]),
-        helper.make_node("Mul", [t + "z1pt", "gelu_half"], [out]),
-    ]
-
-
-def preprocessing(p: Predictor) -> dict[str, Any]:
-    """What scoring raw inputs needs besides the parameters, as JSON-ready values."""
-    return {
-        "format": "mlptrain-model",
-        "widths": p.widths,
-        "members": p.model.members,  # > 1: an ensemble, which predicts its members' mean (docs/ensembles.md)
-        "activation": _activation(p),  # gelu: the tanh form, nn.GELU(approximate="tanh")
-        "task": p.task,
-        "normalization": _normalization(p),
-        "feature_names": p.feature_names,
-        "class_names": p.class_names,
-        "target_names": p.target_names,
-        **_target_scaling(p),
-        **_column_plan(p),
-        "checkpoint": str(p.path),
-    }
-
-
-def _normalization(p: Predictor) -> dict[str, Any]:
-    """``(x - shift) / scale``; a ``data.normalize=quantile`` model maps some columns first (``quantile``: each
-    mapped column's index and its ``Q`` ascending training quantiles, at ``linspace(0, 1, Q)``)."""
-    out: dict[str, Any] = {"method": p.normalization.method, "shift": p.shift.tolist(), "scale": p.scale.tolist()}
-    q = p.normalization.quantile
-    if q is None:
-        return {**out, "formula": "(x - shift) / scale"}
-    out["formula"] = "(quantile(x) - shift) / scale"
-    out["quantile"] = {
-        "columns": q.columns.tolist(),
-        "quantiles": q.quantiles.T.tolist(),  # (K, Q): one list per mapped column
-        "formula": (
-            "u = (interp(x, q, r) - interp(-x, -q[::-1], -r[::-1])) / 2 with r = linspace(0, 1, Q); u = 1 where "
-            "x + 1e-7 > q[-1], then u = 0 where x - 1e-7 < q[0]; quantile(x) = clip(ndtri(u), ndtri(1e-7 - eps), "
-            "ndtri(1 - (1e-7 - eps))): scikit-learn's QuantileTransformer(output_distribution='normal')"
-        ),
-    }
-    return out
-
-
-def _column_plan(p: Predictor) -> dict[str, Any]:
-    """A model trained through a column plan: the plan (what raw columns become ``feature_names``). The ONNX
-    graph encodes raw columns by it; the safetensors weights take the encoded features (the plan is also
-    written beside them, :func:`plan_path`)."""
-    return {} if p.plan is None else {"column_plan": p.plan.to_meta()}
-
-
-def _target_scaling(p: Predictor) -> dict[str, Any]:
-    """A regression's ``target_scaling``: how the network's outputs become the targets' units."""
-    if p.classification:
-        return {}
-    t = p.targets
-    formula = "y = output * scale + shift"
-    return {
-        "target_scaling": {"method": t.method, "shift": t.shift.tolist(), "scale": t.scale.tolist(), "formula": formula}
-    }
-
-
-def _onnx_target_units(p: Predictor, z: str) -> tuple[list[Any], list[Any]]:
-    """``(nodes, initializers)``: a regression's ``logits = z * target_scale + target_shift`` (N, T), float32
-    as :class:`~mlptrain.inference.predictor.Predictor` computes it."""
-    from onnx import helper, numpy_helper
-
-    t = p.targets
-    inits = [
-        numpy_helper.from_array(a.astype(np.float32), name)
-        for name, a in (("target_scale", t.scale), ("target_shift", t.shift))
-    ]
-    nodes = [helper.make_node("Mul", [z, "target_scale"], ["z_scaled"])]
-    nodes.append(helper.make_node("Add", ["z_scaled", "target_shift"], ["logits"]))
-    return nodes, inits
-
-
-def _onnx_member_mean(classification: bool) -> tuple[list[Any], list[Any]]:
-    """``member_z (K, N, C)`` -> the ensemble's ``logits``: the log of the members' mean probability (as
-    :func:`mlptrain.nn.members.ensemble_logits`, the smallest float32 for a probability of 0); a regression's
-    ``z_out``, the mean output."""
-    from onnx import helper, numpy_helper
-
-    if not classification:
-        return [helper.make_node("ReduceMean", ["member_z"], ["z_out"], axes=[0], keepdims=0)], []
-    tiny = numpy_helper.from_array(np.array(np.finfo(np.float32).tiny, np.float32), "tiny")
-    nodes = [
-        helper.make_node("Softmax", ["member_z"], ["member_p"], axis=2),
-        helper.make_node("ReduceMean", ["member_p"], ["mean_p"], axes=[0], keepdims=0),
-        helper.make_node("Max", ["mean_p", "tiny"], ["mean_p_kept"]),
-        helper.make_node("Log", ["mean_p_kept"], ["logits"]),
-    ]
-    return nodes, [tiny]
 
 
 def safetensors_bytes(tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> bytes:
@@ -238,106 +125,6 @@ def load_safetensors(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]
         dtype = np.dtype(names[v["dtype"]]).newbyteorder("<")
         tensors[k] = np.frombuffer(body[begin:end], dtype=dtype).reshape(v["shape"])
     return tensors, meta
-
-
-def onnx_model(p: Predictor) -> Any:
-    """The inference path of ``p`` as an ONNX ModelProto (normalisation, layers, softmax and argmax)."""
-    try:
-        import onnx
-        from onnx import TensorProto, helper, numpy_helper
-    except ImportError as exc:
-        raise ConfigError("format=onnx needs the onnx package: pip install -e '.[onnx]' in mlptrain's clone") from exc
-    if p.normalization.quantile is not None:
-        raise ConfigError(
-            f"format=onnx: {p.path} was trained with data.normalize=quantile, whose per-column quantile map the ONNX "
-            "graph does not implement; export format=safetensors (its metadata holds the quantile table), score with "
-            "python -m mlptrain.predict, or train with data.normalize=standard or robust"
-        )
-    f32 = np.float32
-    inputs, nodes, inits = _onnx_inputs(p)  # -> x64 (N, F) double: the model's features, raw
-    inits += [
-        numpy_helper.from_array(p.shift.astype(np.float64), "shift"),  # in float64, as mlptrain normalises
-        numpy_helper.from_array(1.0 / p.scale.astype(np.float64), "inv_scale"),
-    ]
-    if _activation(p) == "gelu":
-        consts = {"gelu_k": 0.044715, "gelu_c": np.sqrt(2 / np.pi), "gelu_one": 1.0, "gelu_half": 0.5}
-        inits += [numpy_helper.from_array(np.array(v, f32), name) for name, v in consts.items()]
-    nodes += [
-        helper.make_node("Sub", ["x64", "shift"], ["x_shifted"]),
-        helper.make_node("Mul", ["x_shifted", "inv_scale"], ["x_normalised"]),
-        helper.make_node("Cast", ["x_normalised"], ["h0"], to=TensorProto.FLOAT),  # rounded once
-    ]
-    ensemble = p.model.members > 1
-    for i, layer in enumerate(p.model.layers):
-        w, b = (np.ascontiguousarray(p.backend.to_host(t.value), dtype=f32) for t in (layer.weight, layer.bias))
-        last = "logits" if p.classification else "z_out"  # a regression's units come after the last Gemm
-        last = "member_z" if ensemble else last  # (K, N, C), then the members' mean
-        out = last if i == len(p.model.layers) - 1 else f"z{i + 1}"
-        if ensemble:  # one batched MatMul: h (N, in) or (K, N, in) @ W^T (K, in, out) + b (K, 1, out)
-            wt, bk = np.ascontiguousarray(w.transpose(0, 2, 1)), b[:, None, :]
-            inits += [numpy_helper.from_array(wt, f"layer{i}.weight"), numpy_helper.from_array(bk, f"layer{i}.bias")]
-            nodes.append(helper.make_node("MatMul", [f"h{i}", f"layer{i}.weight"], [f"m{i}"]))
-            nodes.append(helper.make_node("Add", [f"m{i}", f"layer{i}.bias"], [out]))
-        else:  # Gemm: h @ W^T + b, W (out, in) as mlptrain and PyTorch store it
-            inits += [numpy_helper.from_array(w, f"layer{i}.weight"), numpy_helper.from_array(b, f"layer{i}.bias")]
-            nodes.append(helper.make_node("Gemm", [f"h{i}", f"layer{i}.weight", f"layer{i}.bias"], [out], transB=1))
-        if layer.relu:
-            nodes.append(helper.make_node("Relu", [out], [f"h{i + 1}"]))
-        elif layer.activation == "gelu":
-            nodes += _onnx_gelu(out, f"h{i + 1}", i)
-        elif out != last:
-            nodes.append(helper.make_node("Identity", [out], [f"h{i + 1}"]))
-    if ensemble:
-        mean_nodes, mean_inits = _onnx_member_mean(p.classification)
-        nodes, inits, last = nodes + mean_nodes, inits + mean_inits, "logits" if p.classification else "z_out"
-    if not p.classification:
-        units, unit_inits = _onnx_target_units(p, last)
-        nodes, inits = nodes + units, inits + unit_inits
-    n, c = "N", p.num_outputs
-    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [n, c])]
-    if p.classification:
-        nodes += [
-            helper.make_node("Softmax", ["logits"], ["probabilities"], axis=1),
-            helper.make_node("ArgMax", ["logits"], ["class_id"], axis=1, keepdims=0),
-        ]
-        outputs += [
-            helper.make_tensor_value_info("probabilities", TensorProto.FLOAT, [n, c]),
-            helper.make_tensor_value_info("class_id", TensorProto.INT64, [n]),
-        ]
-    _check_names(p, nodes, inits)
-    graph = helper.make_graph(nodes, "mlptrain", inputs, outputs, inits)
-    opsets = [helper.make_opsetid("", ONNX_OPSET)]
-    opsets += [helper.make_opsetid(onnx_columns.ML_DOMAIN, onnx_columns.ML_OPSET)] if p.plan is not None else []
-    model = helper.make_model(graph, opset_imports=opsets, producer_name="mlptrain")
-    model.ir_version = min(model.ir_version, 8)  # readable by older ONNX Runtime releases too
-    helper.set_model_props(model, {"mlptrain": json.dumps(preprocessing(p))})
-    onnx.checker.check_model(model)
-    return model
-
-
-def _onnx_inputs(p: Predictor) -> tuple[list[Any], list[Any], list[Any]]:
-    """``(inputs, nodes, initializers)`` that make ``x64`` (N, F) double, the model's raw features: from one
-    float32 input ``x`` (N, F), or (a model with a column plan) from one input per raw column, encoded in the
-    graph (:mod:`mlptrain.inference.onnx_columns`).
-
-    """
-    from onnx import TensorProto, helper
-
-    if p.plan is None:
-        x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", p.num_features])
-        return [x], [helper.make_node("Cast", ["x"], ["x64"], to=TensorProto.DOUBLE)], []
-    return onnx_columns.plan_graph(p.plan, "x64")
-
-
-def _check_names(p: Predictor, nodes: list[Any], inits: list[Any]) -> None:
-    """Raise ConfigError where a raw column (a graph input) has the name of another tensor of the graph."""
-    taken = {o for node in nodes for o in node.output} | {i.name for i in inits}
-    clash = [c for c in (p.plan.names if p.plan is not None else []) if c in taken]
-    if clash:
-        raise ConfigError(
-            f"format=onnx: the column(s) {clash} have the name of a tensor of the exported graph, whose inputs are "
-            "the raw columns, named as the columns: rename them and train again, or export safetensors"
-        )
 
 
 def export(args: ExportArgs) -> Path:

@@ -1,4 +1,5 @@
-"""``python -m mlptrain --help``: every setting of the schema, one line each, with its value and help.
+"""``python -m mlptrain --help``: every setting of the schema, one line each, with its value and help; and
+``--version``: mlptrain's version with the stack under it.
 
 The schema (:mod:`mlptrain.config.schema`) holds each setting's help text; this renders it, filling in
 the names each registry holds now (``{choices}``, ``{users}``: :mod:`mlptrain.step.choices`), and stores
@@ -81,3 +82,27 @@ def register_configs() -> None:
     OmegaConf.register_new_resolver(
         "mlptrain_settings", lambda *, _root_: settings_help(values=_root_).replace("$", "$$"), replace=True
     )
+
+
+def version() -> str:
+    """mlptrain's version and the stack under it (``python -m mlptrain --version``)."""
+    import platform
+
+    import hydra
+    import numpy as np
+    import omegaconf
+
+    from mlptrain import __version__
+    from mlptrain.base.backend import get_backend, probe_gpu
+
+    line = (
+        f"mlptrain {__version__} (Python {platform.python_version()}, NumPy {np.__version__}, "
+        f"Hydra {hydra.__version__}, OmegaConf {omegaconf.__version__}"
+    )
+    available, reason = probe_gpu()
+    if not available:
+        return line + f"; no GPU: {reason})"
+    gpu = get_backend("gpu")
+    v = gpu.versions()
+    line += f", CuPy {v['cupy']}, nvmath-python {v['nvmath']}, CUDA runtime {v['cuda_runtime']}"
+    return line + f"; {gpu.describe()})"

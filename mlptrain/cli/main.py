@@ -45,7 +45,7 @@ from mlptrain.base.errors import ConfigError, Interrupted, MlptrainError, Output
 from mlptrain.base.fs import atomic_write, log_file_handler
 from mlptrain.base.timeline import PROCESS, Timeline
 from mlptrain.cli import parallel, sweep
-from mlptrain.cli.help import register_configs
+from mlptrain.cli.help import register_configs, version
 from mlptrain.cli.hydra_errors import hydra_errors_raised, one_line
 from mlptrain.cli.runlog import EarlyWarnings, hold_signals_in_log_lines
 from mlptrain.config.schema import TrainConfig
@@ -338,29 +338,6 @@ def _ended_early(line: str, status: int) -> NoReturn:
     sys.exit(status)
 
 
-def version() -> str:
-    """mlptrain's version and the stack under it (``python -m mlptrain --version``)."""
-    import platform
-
-    import numpy as np
-    import omegaconf
-
-    from mlptrain import __version__
-    from mlptrain.base.backend import get_backend, probe_gpu
-
-    line = (
-        f"mlptrain {__version__} (Python {platform.python_version()}, NumPy {np.__version__}, "
-        f"Hydra {hydra.__version__}, OmegaConf {omegaconf.__version__}"
-    )
-    available, reason = probe_gpu()
-    if not available:
-        return line + f"; no GPU: {reason})"
-    gpu = get_backend("gpu")
-    v = gpu.versions()
-    line += f", CuPy {v['cupy']}, nvmath-python {v['nvmath']}, CUDA runtime {v['cuda_runtime']}"
-    return line + f"; {gpu.describe()})"
-
-
 def main() -> None:
     """Console entry point (``mlptrain`` and ``python -m mlptrain``); Hydra parses ``sys.argv``.
 
@@ -371,7 +348,7 @@ def main() -> None:
         signal.signal(sig, _exit_now)
     PROCESS.mark("imports")  # (the console script: the interpreter's start-up too)
     if sys.argv[1:] == ["--version"]:  # mlptrain's, not Hydra's
-        print(version())
+        print(version())  # mlptrain.cli.help.version
         return
     register_configs()
     sweep.register_resolvers()
