@@ -8,14 +8,16 @@ stop request must reach the workers' runs through the sweep's process (docs/swee
 from __future__ import annotations
 
 import csv
+import os
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from test_cli import output, run_cli
+from test_cli import REPO, output, run_cli
 from test_readme import python_on_path
-from test_reliability import start_cli, step_lines, wait_for
+from test_reliability import step_lines, wait_for
 
 from mlptrain.cli.sweep import job_folder
 from mlptrain.run.metrics import read_metrics
@@ -60,18 +62,34 @@ def test_parallel_jobs_train_as_they_do_one_after_the_other(tmp_path: Path) -> N
         assert f"- {names['[0]']}: invalid configuration: model.hidden[0]=0 must be a positive layer width" in md
 
 
-def test_a_stopped_parallel_sweep_saves_its_running_jobs_and_continues(tmp_path: Path) -> None:
-    """SIGTERM to the sweep's process (as ``kill`` sends it): it passes the stop on to its workers, whose runs save
-    ``last``; the job not started is left out; the printed command continues every job in its folder."""
+def _start_in_own_group(*args: str, cwd: Path) -> subprocess.Popen[str]:
+    """``python -m mlptrain *args`` as a terminal's foreground job: the leader of a process group of its own."""
+    env = {k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", "HYDRA_MAIN_MODULE")}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
+    cmd = [sys.executable, "-m", "mlptrain", *args]
+    return subprocess.Popen(
+        cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+
+
+@pytest.mark.parametrize("how", ["kill", "ctrl-c"])
+def test_a_stopped_parallel_sweep_saves_its_running_jobs_and_continues(tmp_path: Path, how: str) -> None:
+    """``kill``: SIGTERM to the sweep's process alone, which passes it on to its workers. ``ctrl-c``: SIGINT to the
+    whole process group, as a terminal sends it (the workers left the group, and get the signal the sweep's process
+    passes on). Either way each running job saves ``last``, the job not started is left out, and (``kill``) the
+    printed command continues every job in its folder."""
     sweep = tmp_path / "sweep"
     args = ["-m", *JOBLIB, "seed=0,1,2", "model.hidden=[8]", "max_steps=2000", "epochs=1000", "device=cpu"]
-    proc = start_cli(*args, "progress=false", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    proc = _start_in_own_group(*args, "progress=false", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
     name = "device=cpu,epochs=1000,max_steps=2000,model.hidden=[8],progress=False,seed={}"
     jobs = [sweep / job_folder(name.format(s)) for s in range(3)]
     wait_for(proc, lambda: all(step_lines(job) >= 20 for job in jobs[:2]))
-    proc.send_signal(signal.SIGTERM)
+    if how == "kill":
+        proc.send_signal(signal.SIGTERM)
+    else:
+        os.killpg(proc.pid, signal.SIGINT)
     out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 143, out + err
+    assert proc.returncode == (143 if how == "kill" else 130), out + err
     assert "Traceback" not in out + err
     for job in jobs[:2]:  # each running job saved its last checkpoint and recorded the stop
         assert read_metrics(job / "metrics.jsonl")[-1]["kind"] == "interrupted"
@@ -82,6 +100,8 @@ def test_a_stopped_parallel_sweep_saves_its_running_jobs_and_continues(tmp_path:
     (line,) = [x for x in err.splitlines() if "continue every job with: " in x]
     again = line.split("continue every job with: ", 1)[1]
     assert "hydra/launcher=joblib" in again and again.endswith("resume=last")
+    if how == "ctrl-c":
+        return
     env = python_on_path(tmp_path / "bin")
     resumed = subprocess.run(["bash", "-c", again], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr

@@ -91,6 +91,9 @@ def job_ended() -> None:
 
 def _record_in_worker(signum: int, frame: Any) -> None:
     _worker_stop.append(signum)
+    parent = multiprocessing.parent_process()  # (loky gives it no sentinel: is_alive() cannot tell)
+    if not _starting[0] and parent is not None and os.getppid() != parent.pid:  # orphaned: no sweep waits for it
+        os._exit(128 + signum)
     if _starting[0]:  # the job has not written anything: stop it now (a swallowed raise still skips the next jobs)
         _starting[0] = False
         raise Interrupted(
