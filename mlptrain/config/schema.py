@@ -197,6 +197,12 @@ class DataConfig:
     min_frequency: int = _f(
         1, "file: a category level of fewer training rows is grouped into one <rare> column (1: none grouped)"
     )
+    weight: Optional[str] = _f(
+        None,
+        "file: a column of row weights (numbers >= 0), taken out of the features: the training loss is the weighted "
+        "mean sum(w_i l_i)/sum(w_i) (times model.class_weight where both are set); the validation and test losses "
+        "and scores are unweighted; predict and evaluate ignore the column",
+    )
     impute: str = _f(
         "fill",
         "file: empty feature cells: fill (numeric: the training median and a 0/1 <name>_missing column; "

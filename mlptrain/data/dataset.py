@@ -43,6 +43,19 @@ def check_real(a: Any, where: str, error: type[Exception] = DatasetError) -> Non
         )
 
 
+def weights_problem(w: np.ndarray, rows: int) -> str | None:
+    """What is wrong with the row weights ``w`` of a split of ``rows`` rows, or None: they must be ``(rows,)``
+    finite numbers >= 0 with a positive sum."""
+    if w.shape != (rows,):
+        return f"has shape {w.shape}; expected ({rows},), one weight per training row"
+    bad = np.flatnonzero(~(np.isfinite(w) & (w >= 0)))
+    if len(bad):
+        return f"row {int(bad[0])} holds {w[bad[0]]}; row weights must be finite numbers >= 0"
+    if not w.sum() > 0:
+        return "sums to 0; at least one training row must weigh more than 0"
+    return None
+
+
 @dataclass
 class Normalization:
     """``(x - shift) / scale`` per feature (or target); ``method`` says how the statistics were taken.
@@ -124,6 +137,9 @@ class Dataset:
             taken as normalised by it, and every checkpoint scores raw rows with it.
         target_scaling: regression: how the targets were scaled; None: they are raw, and training
             standardises them from ``y_train`` (``data.target_scaling``).
+        w_train: ``(N,)`` float64 weights of the training rows (``data.weight``: finite, >= 0, a positive
+            sum), or None: every row weighs 1. They weigh the training loss only; the validation and test
+            losses and scores are unweighted.
     """
 
     name: str
@@ -141,6 +157,7 @@ class Dataset:
     normalization: Normalization | None = field(default=None, repr=False)
     target_scaling: Normalization | None = field(default=None, repr=False)
     columns: dict[str, Any] | None = field(default=None, repr=False)  # the column plan (mlptrain.data.files.plan)
+    w_train: np.ndarray | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
@@ -148,6 +165,11 @@ class Dataset:
         for split in ("train", "val", "test"):
             x, y = getattr(self, f"x_{split}"), getattr(self, f"y_{split}")
             self._check_split(split, x, y)
+        if self.w_train is not None:
+            self.w_train = np.asarray(self.w_train, np.float64)
+            problem = weights_problem(self.w_train, len(self.x_train))
+            if problem is not None:
+                raise DatasetError(f"dataset {self.name!r}: w_train {problem}")
 
     def _check_split(self, split: str, x: np.ndarray, y: np.ndarray) -> None:
         f, where = self.x_train.shape[-1], f"dataset {self.name!r} split {split}"
@@ -251,6 +273,7 @@ class Raw:
     target_names: list[str] | None = None
     pending: list[Future] = field(default_factory=list, repr=False)  # cache writes under way: waited for at the end
     tables: tuple[Any, Any] | None = None  # (train, test) Tables of text cells, encoded by the column plan once split
+    w: np.ndarray | None = None  # (N,) float64 row weights of the training file's rows (data.weight), or None
 
 
 def saved_target_scaling(meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> Normalization:

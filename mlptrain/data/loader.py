@@ -6,6 +6,11 @@ host-to-device copy of an epoch) and gathers each batch's rows there (``numpy.ta
 kernel for every dtype, :mod:`mlptrain.data.cuda.gather`). Because the order
 depends on nothing but ``(seed, epoch)``, a resumed run replays the same batches from any
 ``(epoch, start_batch)``. One code path serves NumPy and CuPy through ``xp``.
+
+Row weights (``data.weight``) travel as the last column of the targets (:func:`with_weights`): a weighted
+split's ``y`` is ``(N, 1 + T)`` float64, gathered, copied and staged with each batch exactly as ``y`` is, by
+this loader, the host-resident one and the streamed one alike; the loss splits it again
+(:func:`mlptrain.nn.losses.row_weighted`).
 """
 
 from __future__ import annotations
@@ -23,6 +28,13 @@ from mlptrain.data.files import chunks
 from mlptrain.distributed.dp import shard_rows
 
 log = logging.getLogger(__name__)
+
+
+def with_weights(y: Any, w: Any) -> np.ndarray:
+    """``(N, 1 + T)`` float64: the labels ``y (N,)`` (exact in float64 below 2**53) or targets ``y (N, T)``, then
+    the rows' weights ``w (N,)`` as the last column."""
+    y = np.asarray(y)
+    return np.concatenate([y.reshape(len(y), -1).astype(np.float64), np.asarray(w, np.float64)[:, None]], axis=1)
 
 
 def _owned_copy(xp: ModuleType, a: Any, dtype: Any) -> Any:
@@ -49,10 +61,12 @@ class DataLoader:
         seed: Non-negative seed of the epoch permutations.
         shard: ``(rank, world)``: yield only this rank's rows of every global batch
             (:func:`mlptrain.distributed.dp.shard_rows`); every rank draws the same global order.
+        w: ``(N,)`` row weights, or None: carried as the last column of ``y`` (:func:`with_weights`).
 
     Attributes:
         x: ``(N, F)`` device array of ``dtype``, C-contiguous.
-        y: ``(N,)`` int64 device labels, or ``(N, T)`` float32 targets.
+        y: ``(N,)`` int64 device labels, or ``(N, T)`` float32 targets; with ``w``, ``(N, 1 + T)`` float64.
+        weighted: whether ``y`` carries row weights.
 
     Raises:
         ConfigError: ``batch_size < 1``, ``seed < 0``, ``x`` not 2-D, ``y`` not 1-D integers, length
@@ -71,6 +85,7 @@ class DataLoader:
         drop_last: bool,
         seed: int,
         shard: tuple[int, int] | None = None,
+        w: Any = None,
     ) -> None:
         if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
             raise ConfigError(f"DataLoader batch_size={batch_size!r} must be a positive integer")
@@ -118,7 +133,12 @@ class DataLoader:
         # y: (N,) int64 class labels, or (N, T) float32 regression targets; C order like x (the GPU's
         # gather copies whole rows: a Fortran-ordered (N, T) from pandas' to_numpy() would have none)
         self.dtype = np.dtype(dtype)  # of the features in a batch
-        self._store(x, y, np.int64 if y.ndim == 1 else np.float32)
+        self.weighted = w is not None
+        if w is not None:
+            if np.shape(w) != (n,):
+                raise ConfigError(f"DataLoader w has shape {np.shape(w)}; expected ({n},) row weights")
+            y = with_weights(y, w)  # (N, 1 + T) float64: the weight gathered with each batch's targets
+        self._store(x, y, np.float64 if w is not None else np.int64 if y.ndim == 1 else np.float32)
         # Gathering inside the step (place_order, gather_in_step): the epoch's order and the step count at
         # its batch 0, in device buffers whose addresses never change (a captured step reads them).
         self._order: Any = None  # (N,) int64

@@ -27,6 +27,7 @@ from mlptrain.data.files import chunks
 from mlptrain.data.files.column_stats import ColumnStats, column_stats
 from mlptrain.data.files.plan import ColumnPlan, fit_plan, log_empty
 from mlptrain.data.files.scalers import QuantileMap, robust
+from mlptrain.data.files.weights import training_weights
 from mlptrain.data.rows import NormalisedRows, StreamSource, host_memory_available, memory_mapped
 from mlptrain.data.sources import SOURCES
 
@@ -278,6 +279,7 @@ def load_dataset(cfg: DataConfig, seed: int | None = None) -> Dataset:
         raw.target_names,
         normalization=norm,
         columns=None if plan is None else plan.to_meta(),
+        w_train=None if raw.w is None else training_weights(raw.w, rows, str(cfg.weight), cfg.path),
     )  # normalised features, raw targets
     ds = preprocess(split, cfg)
     for write in raw.pending:  # the cache entry is complete when the dataset is returned

@@ -38,6 +38,7 @@ from mlptrain.data.files.npz_reader import in_place
 from mlptrain.data.files.plan import empty_cells
 from mlptrain.data.files.readers import Table, check_file, file_kind, read_table
 from mlptrain.data.files.table import TextCell
+from mlptrain.data.files.weights import take_weights
 
 log = logging.getLogger(__name__)
 FLOAT32_MAX = float(np.finfo(np.float32).max)  # features are normalised and trained in float32
@@ -72,6 +73,8 @@ def load_cells(cfg: DataConfig, files: list[str], target: str | list[str]) -> Ra
     splits are known (:func:`mlptrain.data.prepare.encode_columns`); ``data.drop`` and ``data.features`` applied."""
     targets = [target] if isinstance(target, str) else list(target)
     keep = None if cfg.features is None or isinstance(cfg.features, int) else list(cfg.features)
+    if keep is not None and cfg.weight and cfg.weight not in keep:
+        keep.append(cfg.weight)  # kept by data.features too, then taken out of the features (_weighed)
     tables = []
     for f in files:
         path = Path(f).expanduser()
@@ -83,8 +86,19 @@ def load_cells(cfg: DataConfig, files: list[str], target: str | list[str]) -> Ra
     for table in tables:
         if str(cfg.impute) == "error":
             refuse_empty(table)
-    train, test = tables[0], (tables[1] if len(tables) > 1 else None)
-    return dataclasses.replace(_raw(cfg, train, test), tables=(train, test))
+    train, test, w = _weighed(cfg, tables[0], tables[1] if len(tables) > 1 else None)
+    return dataclasses.replace(_raw(cfg, train, test), tables=(train, test), w=w)
+
+
+def _weighed(cfg: DataConfig, train: Table, test: Table | None) -> tuple[Table, Table | None, np.ndarray | None]:
+    """``(train, test, w)``: ``data.weight``'s column taken out of both tables' features, and the training
+    file's weights ``w (N,)`` (:mod:`mlptrain.data.files.weights`); without ``data.weight``, the tables and None."""
+    if not cfg.weight:
+        return train, test, None
+    train, w = take_weights(train, str(cfg.weight))
+    if test is not None:  # a test file may have the column or not: its weights are not used
+        test, _ = take_weights(test, str(cfg.weight), required=False)
+    return train, test, w
 
 
 def _has_test(path: Path) -> bool:
@@ -115,7 +129,10 @@ def _load_numbers(cfg: DataConfig, files: list[str], target: str | list[str]) ->
         train, test = parsed[0][0], parsed[1][0] if cfg.test_path else parsed[0][1]
         missing = str(cfg.missing)
         with timed("check", sum(t.x.nbytes for t in (train, test) if t is not None)):
-            raw = _raw(cfg, _complete(train, missing), None if test is None else _complete(test, missing))
+            train, test, w = _weighed(
+                cfg, _complete(train, missing), None if test is None else _complete(test, missing)
+            )
+            raw = _raw(cfg, train, test)
         writes = [
             worker.submit(_store, f, target, p, h)
             for f, h, c, p in zip(files, hashes, cached, parsed, strict=True)
@@ -123,7 +140,7 @@ def _load_numbers(cfg: DataConfig, files: list[str], target: str | list[str]) ->
         ]  # written while the data is split and normalised: load_dataset waits for them
     finally:
         worker.shutdown(wait=False)
-    return dataclasses.replace(raw, pending=writes)
+    return dataclasses.replace(raw, pending=writes, w=w)
 
 
 def _in_place(path: str) -> bool:

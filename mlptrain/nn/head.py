@@ -35,7 +35,7 @@ import numpy as np
 
 from mlptrain.base.backend import get_array_module
 from mlptrain.base.cuda_source import Job
-from mlptrain.nn.losses import LOSSES, class_weighted
+from mlptrain.nn.losses import LOSSES, class_weighted, row_weighted
 from mlptrain.nn.network import MLP, HeadGrads
 
 HEAD_MODES = ("gemm", "loss_bias", "kernel")
@@ -60,6 +60,7 @@ class OutputHead:
         self.loss_fn = LOSSES[loss].fn
         self.mode = mode
         self.class_weight: list[float] | None = None  # model.class_weight, as trained (run.json, the log)
+        self.step_loss: Any = None  # the training step's loss where it differs from loss_fn (weigh_rows)
 
     def weigh_classes(self, class_weight: np.ndarray, xp: Any) -> None:
         """Weight each row's cross-entropy by its class: ``class_weight (C,)`` float32, uploaded here once.
@@ -74,6 +75,22 @@ class OutputHead:
             )
         self.loss_fn = class_weighted(xp.asarray(class_weight, dtype=xp.float32))
         self.class_weight = [float(w) for w in class_weight]
+
+    def weigh_rows(self, classification: bool) -> None:
+        """Weight each training row by its weight (``data.weight``), carried as the last column of the training
+        batches' targets (:func:`mlptrain.nn.losses.row_weighted`): the step's loss becomes ``sum_i w_i l_i /
+        sum_i w_i``. Call it after the loss is final (class weights, the targets' units); evaluation's loss
+        (:meth:`evaluate`, whose batches carry no weights) stays :attr:`loss_fn`.
+
+        On the GPU the weighted loss runs as array operations, in every mode: the loss kernels take class weights
+        only, and the head kernel of ``kernel`` only multiplies the ``dlogits`` it is given by the output weight.
+        """
+        self.step_loss = row_weighted(self.loss_fn, classification)
+
+    @property
+    def train_loss(self) -> Any:
+        """The training step's loss function: :attr:`loss_fn`, or its row-weighted twin (:meth:`weigh_rows`)."""
+        return self.loss_fn if self.step_loss is None else self.step_loss
 
     @classmethod
     def choose(
@@ -102,9 +119,9 @@ class OutputHead:
         ``inplace``: ``dlogits`` is written over ``logits`` (the training step's logits are not needed after).
         """
         if self.mode == "gemm":
-            loss, dlogits, correct = self.loss_fn(logits, y, grad_scale, inplace=inplace)
+            loss, dlogits, correct = self.train_loss(logits, y, grad_scale, inplace=inplace)
             return loss, correct, dlogits, HeadGrads()
-        loss, dlogits, correct, db_out = self.loss_fn(logits, y, grad_scale, bias_grad=True, inplace=inplace)
+        loss, dlogits, correct, db_out = self.train_loss(logits, y, grad_scale, bias_grad=True, inplace=inplace)
         if self.mode == "loss_bias":
             return loss, correct, dlogits, HeadGrads(bias_grad=db_out)
         from mlptrain.nn.cuda.head import head_input_grad
@@ -173,7 +190,7 @@ class OutputHead:
         for r, y_like, training in batches:
             logits, y = xp.zeros((r, outputs), dtype), xp.zeros((r, *y_like.shape[1:]), y_like.dtype)
             if training:  # grads()
-                self.loss_fn(logits, y, scale, bias_grad=self.mode != "gemm")
+                self.train_loss(logits, y, scale, bias_grad=self.mode != "gemm")
             else:
                 self.evaluate(logits, y)
 

@@ -175,7 +175,14 @@ def _with_gradient(loss: Any, g: Any, correct: Any, logits: Any, bias_grad: bool
 
 
 def mse(
-    logits: Any, y: Any, grad_scale: Any = 1.0, *, bias_grad: bool = False, inplace: bool = False, weight: Any = None
+    logits: Any,
+    y: Any,
+    grad_scale: Any = 1.0,
+    *,
+    bias_grad: bool = False,
+    inplace: bool = False,
+    weight: Any = None,
+    row_weight: Any = None,
 ) -> tuple:
     """Mean squared error of ``logits (B, C)`` against regression targets ``y (B, C)``, or against
     the one-hot encoding of class labels ``y (B,)``. ``bias_grad`` and ``inplace`` as for
@@ -188,6 +195,10 @@ def mse(
     gradient stays that of the unweighted loss. With standardised targets (``t = (y - shift) /
     scale``) and ``weight = scale^2`` the loss is the MSE in the targets' own units,
     ``mean((z * scale + shift - y)^2)``, and the model still trains on the standardised problem.
+
+    ``row_weight``: ``(B,)`` weights of the batch's rows (``data.weight``), or None. Weighted, the loss is
+    ``sum_i w_i l_i / sum_i w_i`` with ``l_i`` row ``i``'s mean over ``C``, and ``dlogits = 2 (z - t) w_i /
+    (C sum_i w_i)``: scikit-learn's ``mean_squared_error(sample_weight=w)``.
     """
     xp = get_array_module(logits)
     B, C = logits.shape
@@ -198,9 +209,49 @@ def mse(
     else:
         z -= xp.arange(C)[None, :] == y[:, None]  # residual (B, C)
         correct = (logits.argmax(axis=1) == y).sum()
+    if row_weight is not None:
+        return _row_weighted_mse(z, row_weight, weight, grad_scale, correct, logits, bias_grad, inplace)
     loss = (z * z).mean() if weight is None else (z * z * weight).mean()  # (B, C) * (C,): in the targets' units
     z *= 2.0 * grad_scale / (B * C) if isinstance(grad_scale, float) else grad_scale * (2.0 / (B * C))
     return _with_gradient(loss, z, correct, logits, bias_grad, inplace)
+
+
+def _row_weighted_mse(
+    r: Any, row_weight: Any, weight: Any, grad_scale: Any, correct: Any, logits: Any, bias_grad: bool, inplace: bool
+) -> tuple:
+    """:func:`mse` of the residual ``r (B, C)`` with ``row_weight (B,)``: the weighted mean over the rows."""
+    C = r.shape[1]
+    w = row_weight.astype(r.dtype)  # (B,)
+    inv = 1.0 / w.sum()  # 0-d; all rows weighing 0 give a NaN loss, as scikit-learn's division by 0 does
+    sq = r * r if weight is None else r * r * weight  # (B, C)
+    loss = (sq.mean(axis=1) * w).sum() * inv
+    r *= (w * (inv * (2.0 / C)))[:, None]  # (B, 1): the row's share of the weighted mean
+    r *= grad_scale
+    return _with_gradient(loss, r, correct, logits, bias_grad, inplace)
+
+
+def row_weighted(loss_fn: Callable[..., tuple], classification: bool) -> Callable[..., tuple]:
+    """The training step's ``loss_fn`` for batches whose targets carry each row's weight (``data.weight``).
+
+    The loaders hold a weighted split's targets as ``yw (N, 1 + T)`` float64
+    (:func:`mlptrain.data.loader.with_weights`): the label (or the ``T`` targets), then the row's weight, so the
+    weight is gathered with the batch in the same kernel and copies as ``y``. Here they are split again, on the
+    device, and the loss takes the weights as ``row_weight`` (times ``model.class_weight`` where that is set too).
+    """
+
+    def weighted(logits: Any, yw: Any, grad_scale: Any = 1.0, **kw: Any) -> tuple:
+        y, w = split_weights(yw, classification)
+        return loss_fn(logits, y, grad_scale, row_weight=w, **kw)
+
+    return weighted
+
+
+def split_weights(yw: Any, classification: bool) -> tuple[Any, Any]:
+    """``yw (B, 1 + T)`` -> ``(y, w)``: ``y (B,)`` int64 labels (classification) or ``(B, T)`` float32 targets, and
+    ``w (B,)`` the rows' weights (a view)."""
+    xp = get_array_module(yw)
+    y = yw[:, 0].astype(xp.int64) if classification else yw[:, :-1].astype(xp.float32)
+    return y, yw[:, -1]
 
 
 def mse_in_units(scale: Any) -> Callable[..., tuple]:

@@ -126,6 +126,8 @@ def trainer(
         out.loss_fn = mse_in_units(xp.asarray(units))
     if cfg.model.class_weight is not None:
         _weigh_classes(out, cfg.model.class_weight, data, xp)
+    if data.w_train is not None:  # data.weight: the training batches carry each row's weight (last, once the loss is)
+        out.weigh_rows(data.task == "classification")
     shard = (comm.rank, comm.world) if comm is not None else None
     data_seeds = [seeds(cfg.seed + k)[1] for k in range(members)]
     train, evaluation = loaders(cfg.data, data, xp, prec.compute_dtype, data_seeds[0], shard)
@@ -370,6 +372,7 @@ def loaders(
         drop_last=cfg.drop_last,
         seed=seed,
         shard=shard,
+        w=dataset.w_train,  # row weights (data.weight): gathered with each batch's targets
     )
     evaluation = {}
     for split, x, y in (("val", dataset.x_val, dataset.y_val), ("test", dataset.x_test, dataset.y_test)):

@@ -69,7 +69,7 @@ USES: Uses = {
     "data.task": (_data("file"), "data=file"),
     "data.cache": (_data("file"), "data=file"),
     "data.missing": (_data("file"), "data=file"),
-    **{f"data.{k}": (_data("file"), "data=file") for k in ("drop", "categorical", "min_frequency", "impute")},
+    **{f"data.{k}": (_data("file"), "data=file") for k in ("drop", "categorical", "min_frequency", "impute", "weight")},
     "data.test_fraction": (
         lambda c: c.data.name.value in ("digits", "synthetic", "file") and not c.data.test_path,
         "datasets without a test split of their own (digits, synthetic, data=file without data.test_path)",
@@ -156,6 +156,7 @@ def check_ensemble(cfg: TrainConfig, data_parallel: bool = False) -> None:
         "data parallel (distributed.gpus > 1, torchrun, mpirun)": data_parallel or cfg.distributed.gpus > 1,
         "precision.compute_copy=cast": cfg.precision.compute_copy.value == "cast",
         f"data.residency={cfg.data.residency.value}": cfg.data.residency.value in ("host", "stream"),
+        f"data.weight={cfg.data.weight} (row weights)": cfg.data.weight is not None,
     }
     found = [name for name, on in refused.items() if on]
     if found:
@@ -163,6 +164,12 @@ def check_ensemble(cfg: TrainConfig, data_parallel: bool = False) -> None:
             f"ensemble.size={members} does not run with {', '.join(found)} yet; leave "
             f"{'it' if len(found) == 1 else 'them'} at the default, or train the members as separate runs"
         )
+
+
+def _weight_taken(d: Any) -> bool:
+    """Whether the ``data.weight`` column is a target or dropped as well."""
+    targets = [d.target] if isinstance(d.target, str) else list(d.target or [])
+    return d.weight is not None and (d.weight in targets or d.weight in list(d.drop or []))
 
 
 def _class_weight(cfg: TrainConfig) -> list[str]:
@@ -282,6 +289,8 @@ def _ranges(cfg: TrainConfig) -> list[str]:
         (d.name.value != "file" or _columns(d.features), f"data.features={d.features} must be a list of columns"),
         (_names(d.drop) and _names(d.categorical), "data.drop and data.categorical must be lists of column names"),
         (d.impute in ("fill", "error"), f"data.impute={d.impute!r} must be fill or error"),
+        (d.weight is None or isinstance(d.weight, str), f"data.weight={d.weight!r} must be one column's name or null"),
+        (not _weight_taken(d), f"data.weight={d.weight} is named by data.target or data.drop too; name it once"),
         (d.min_frequency >= 1, f"data.min_frequency={d.min_frequency} must be a positive number of rows"),
         (d.classes >= 2, f"data.classes={d.classes} must be at least 2"),
         (d.name.value != "file" or bool(d.path), "data=file needs data.path=<the training file>"),
