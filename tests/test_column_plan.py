@@ -170,8 +170,10 @@ def test_impute_error_refuses_an_empty_cell_and_stream_refuses_a_plan(tmp_path: 
     make_table(tmp_path / "t.csv")
     with pytest.raises(DatasetError, match=r"line \d+, column '(age|income|region)': an empty cell"):
         load_dataset(data_cfg(tmp_path / "t.csv", impute="error"))
-    with pytest.raises(ConfigError, match="data.residency=stream: data file .* set data.residency=auto or host"):
+    with pytest.raises(ConfigError, match=r"data.residency=stream: data file .*\(\d+\.\d MiB here, against") as err:
         load_dataset(data_cfg(tmp_path / "t.csv", drop=["id"], residency="stream"))
+    assert "set data.residency=host" in str(err.value) and "streams once converted to numbers" in str(err.value)
+    assert load_dataset(data_cfg(tmp_path / "t.csv", drop=["id"], residency="host")).columns is not None
 
 
 def test_a_table_of_numbers_has_no_plan(tmp_path: Path) -> None:
@@ -257,3 +259,17 @@ def test_trained_from_the_raw_csv_and_scored_on_raw_rows_as_evaluate_scores_them
     pd = pytest.importorskip("pandas")
     frame = pd.read_csv(tmp_path / "raw.csv", dtype=str, keep_default_na=False)
     assert_array_equal(np.asarray(p.class_name(predict(p, frame))), predicted)
+
+
+def test_a_table_with_a_plan_trains_host_resident_as_it_trains_on_the_device(tmp_path: Path) -> None:
+    """data.residency=host takes the plan's encoded splits (stream is refused: the text is in memory already)."""
+    from helpers import make_cfg, records
+
+    from mlptrain.run.run import train
+
+    make_table(tmp_path / "t.csv", n=200)
+    over = {"data__name": DatasetName.file, "data__path": str(tmp_path / "t.csv"), "data__drop": ["id"]}
+    train(make_cfg(**over, data__batch_size=32), tmp_path / "device")
+    train(make_cfg(**over, data__batch_size=32, data__residency="host"), tmp_path / "host")
+    got = records(tmp_path / "host")
+    assert got == records(tmp_path / "device") and got[0]["train/loss"] > 0

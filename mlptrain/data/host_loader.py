@@ -232,6 +232,10 @@ def check_device_memory(dataset: Dataset, dtype: np.dtype, free: int, total: int
     rows = len(dataset.x_train) + len(dataset.x_val) + len(dataset.x_test)
     y_bytes = 8 if dataset.task == "classification" else 4 * dataset.num_outputs
     need = rows * (dataset.num_features * dtype.itemsize + y_bytes)
+    if dataset.w_train is not None:  # the training targets and weights as (N, 1 + T) float64 (data.weight)
+        need += len(dataset.x_train) * (
+            8 * (1 + (dataset.num_outputs if dataset.task == "regression" else 1)) - y_bytes
+        )
     if need > 0.9 * free:
         raise ResourceError(
             f"dataset {dataset.name!r} ({rows:,} rows x {dataset.num_features} features in {dtype.name}) needs "

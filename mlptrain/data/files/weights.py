@@ -10,12 +10,15 @@ it, and predict and evaluate ignore it as they ignore any column the model was n
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import numpy as np
 
 from mlptrain.base.errors import DatasetError
 from mlptrain.data.files.plan import empty_cells, numbers
 from mlptrain.data.files.table import Table, no_column
+
+log = logging.getLogger(__name__)
 
 
 def take_weights(table: Table, name: str, required: bool = True) -> tuple[Table, np.ndarray | None]:
@@ -73,4 +76,13 @@ def training_weights(w: np.ndarray, rows: np.ndarray, name: str, path: object) -
             f"data file {path}: the weights in column {name!r} (data.weight) of the {len(out)} training rows sum to 0; "
             "at least one training row must weigh more than 0"
         )
+    log.info(
+        "data file %s: the training loss weighs each row by column %r (data.weight): %d training rows, weights "
+        "summing to %.6g, %d of them 0",
+        path,
+        name,
+        len(out),
+        out.sum(),
+        int((out == 0).sum()),
+    )
     return out
