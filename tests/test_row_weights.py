@@ -253,3 +253,30 @@ def test_the_host_resident_and_streamed_loaders_carry_the_weights(tmp_path: Path
     train(make_cfg(**over), tmp_path / "device")
     train(make_cfg(**over, data__residency=residency), tmp_path / residency)
     assert records(tmp_path / residency) == records(tmp_path / "device")
+
+
+def test_npz_and_parquet_tables_give_the_csvs_weights(tmp_path: Path) -> None:
+    x, y, w = _table(40, 11)
+    csv_ds = load_dataset(
+        make_cfg(
+            data__name=DatasetName.file, data__path=str(_write(tmp_path / "t.csv", x, y, w)), data__weight="w"
+        ).data
+    )
+    table = np.concatenate([x[:, :1], w[:, None], x[:, 1:]], axis=1)  # the CSV's column order: a, w, b, c
+    np.savez(tmp_path / "t.npz", x=table, y=y, feature_names=np.array(["a", "w", "b", "c"]))
+    paths = [tmp_path / "t.npz"]
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        pass
+    else:
+        columns = {"a": x[:, 0], "w": w, "b": x[:, 1], "c": x[:, 2], "label": y}
+        pq.write_table(pa.table(columns), tmp_path / "t.parquet")
+        paths.append(tmp_path / "t.parquet")
+    for path in paths:
+        cfg = make_cfg(data__name=DatasetName.file, data__path=str(path), data__target="label", data__weight="w")
+        ds = load_dataset(cfg.data)
+        assert ds.feature_names == ["a", "b", "c"], path
+        assert_array_equal(ds.w_train, csv_ds.w_train)
+        assert_array_equal(ds.x_train, csv_ds.x_train)
