@@ -19,6 +19,11 @@ from mlptrain.run.run import train
 pytestmark = pytest.mark.gpu
 
 
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MLPTRAIN_DATA", str(tmp_path / "cache"))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("B", "C"), [(7, 3), (256, 10), (1025, 10), (300, 40)])
 @pytest.mark.parametrize("kind", ["cross_entropy", "class_weight", "mse"])
