@@ -1,7 +1,7 @@
 """Host-resident splits (data.residency=host): HostLoader gives the resident loader's batches, the pipe's order.
 
 mlptrain.data.host_loader.HostLoader keeps a split in host memory and gathers each batch on a producer thread
-(mlptrain.data.prefetch.Pipe) a few batches ahead of the loop; on the GPU each batch is then copied to the device
+(mlptrain.data.host_loader.Pipe) a few batches ahead of the loop; on the GPU each batch is then copied to the device
 (tests/gpu/test_host_loader_gpu.py). Here, on the CPU, the same loader and pipe must give the batches of
 DataLoader bit for bit (order, shards, the last batch, a resumed epoch), and so the same run.
 """
@@ -18,9 +18,8 @@ from helpers import make_cfg, records
 from numpy.testing import assert_array_equal
 
 from mlptrain.base.errors import ConfigError, ResourceError
-from mlptrain.data.host_loader import HostLoader, host_table, residency, take_rows
+from mlptrain.data.host_loader import HostLoader, Pipe, host_table, residency, take_rows
 from mlptrain.data.loader import DataLoader
-from mlptrain.data.prefetch import Pipe
 from mlptrain.run.run import train
 from mlptrain.step.trainer import Trainer
 

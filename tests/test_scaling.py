@@ -1,4 +1,4 @@
-"""data.normalize=robust and quantile (mlptrain.data.files.scalers): the statistics against scikit-learn's
+"""data.normalize=robust and quantile (mlptrain.data.files.column_stats): the statistics against scikit-learn's
 RobustScaler and QuantileTransformer on tables with skew, outliers, ties and constant columns; the plan's 0/1
 columns; streamed rows; the quantile table through the checkpoint, predict, evaluate and the exports."""
 
@@ -25,7 +25,7 @@ from mlptrain.cli.export import ExportArgs, export, load_safetensors, preprocess
 from mlptrain.config.schema import NORMALIZATIONS, DataConfig, DatasetName
 from mlptrain.data import load_dataset
 from mlptrain.data.dataset import Normalization
-from mlptrain.data.files.scalers import SUBSAMPLE, QuantileMap
+from mlptrain.data.files.column_stats import SUBSAMPLE, QuantileMap
 from mlptrain.data.prepare import normalization
 from mlptrain.data.rows import NormalisedRows
 from mlptrain.inference.consistency import check_for_scoring

@@ -1,7 +1,7 @@
 """The standard normal's quantile function (``scipy.special.ndtri``, ``scipy.stats.norm.ppf``) in NumPy alone.
 
 ``data.normalize=quantile`` maps each feature through its training quantiles to a standard normal
-(:mod:`mlptrain.data.files.scalers`), and the predictor does the same to raw rows, so the inverse of
+(:mod:`mlptrain.data.files.column_stats`), and the predictor does the same to raw rows, so the inverse of
 the normal CDF is needed wherever mlptrain scores, without SciPy (not a dependency). This is Wichura's
 algorithm AS241 (PPND16, 1988), the one Python's ``statistics.NormalDist.inv_cdf`` implements: three
 rational approximations of degree 7, relative error about 1e-16 over ``(0, 1)``:

@@ -22,7 +22,7 @@ import numpy as np
 from mlptrain.base.errors import DatasetError
 from mlptrain.config.schema import TASKS
 from mlptrain.data.files.chunks import first_nonfinite, normalise_into
-from mlptrain.data.files.scalers import QuantileMap
+from mlptrain.data.files.column_stats import QuantileMap
 
 __all__ = ["TASKS", "Dataset", "Normalization", "Raw", "check_real", "first_nonfinite"]
 

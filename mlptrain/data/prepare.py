@@ -24,9 +24,8 @@ from mlptrain.base.registry import joined
 from mlptrain.config.schema import NORMALIZATIONS, DataConfig
 from mlptrain.data.dataset import Dataset, Normalization, Raw
 from mlptrain.data.files import chunks
-from mlptrain.data.files.column_stats import ColumnStats, column_stats
+from mlptrain.data.files.column_stats import ColumnStats, QuantileMap, column_stats, robust
 from mlptrain.data.files.plan import ColumnPlan, fit_plan, log_empty
-from mlptrain.data.files.scalers import QuantileMap, robust
 from mlptrain.data.files.weights import training_weights
 from mlptrain.data.rows import NormalisedRows, StreamSource, host_memory_available, memory_mapped
 from mlptrain.data.sources import SOURCES
@@ -98,7 +97,7 @@ def normalization(
 ) -> Normalization:
     """The normalisation of ``method`` from the train split's statistics: ``x[rows]`` (``x (N, F)``;
     ``rows`` None: all of ``x``), in one chunked pass (:func:`mlptrain.data.files.column_stats.column_stats`);
-    ``robust`` and ``quantile`` also take percentiles (:mod:`mlptrain.data.files.scalers`, their samples
+    ``robust`` and ``quantile`` also take percentiles (:mod:`mlptrain.data.files.column_stats`, their samples
     seeded by ``seed``) of the columns that vary and are not ``binary`` (``(F,)`` bool: the column plan's
     0/1 columns, :meth:`ColumnPlan.binary`), which are standardised as ``standard`` does.
 

@@ -3,7 +3,7 @@
 ``K`` members of one shape train as one batched step (:class:`EnsembleTrainer`). The step is the
 :class:`~mlptrain.step.trainer.Trainer`'s: :func:`mlptrain.step.build.trainer` builds its parts for the
 members (:class:`~mlptrain.nn.batched.BatchedMLP`, whose every GEMM is batched over them;
-:class:`~mlptrain.nn.members.MemberHead`, each member's loss; a :class:`~mlptrain.data.loader.MemberLoader`,
+:class:`~mlptrain.nn.members.MemberHead`, each member's loss; a :class:`~mlptrain.data.member_loader.MemberLoader`,
 each member's batches in the order of its single run), and the optimizer updates the stacked
 parameters as it updates one model's (its rules are elementwise). Member ``k`` is the single run of seed
 ``seed + k``: its initial weights and its data order are that run's, and on the CPU its per-step losses

@@ -5,7 +5,7 @@ into K folds (stratified by class, seeded by ``seed``). Member ``k`` of the ense
 ``k`` and is validated on fold ``k``: one batched step trains all K models, as for ``ensemble.size``. Its
 training rows are the pool less fold ``k``; where the folds differ in size by a row, a member's set is
 topped up with as many of its own rows drawn again (seeded), so that every member takes batches of one
-size (:class:`~mlptrain.data.loader.MemberLoader`).
+size (:class:`~mlptrain.data.member_loader.MemberLoader`).
 
 Evaluation of the ``val`` split is one batched forward over the pool: every row's out-of-fold prediction
 is the output of the member that did not train on it. ``val/...`` are the scores of those predictions
@@ -28,7 +28,8 @@ import numpy as np
 
 from mlptrain.config.schema import DataConfig, TrainConfig
 from mlptrain.data import Dataset, stratified_folds
-from mlptrain.data.loader import DataLoader, MemberLoader
+from mlptrain.data.loader import DataLoader
+from mlptrain.data.member_loader import MemberLoader
 from mlptrain.run.checkpoint import Best
 from mlptrain.run.resume import selection
 

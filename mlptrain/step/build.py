@@ -44,7 +44,8 @@ from mlptrain.config.schema import (
 )
 from mlptrain.data import Dataset, load_dataset, preprocess
 from mlptrain.data.host_loader import HostLoader, residency
-from mlptrain.data.loader import DataLoader, MemberLoader
+from mlptrain.data.loader import DataLoader
+from mlptrain.data.member_loader import same_rows
 from mlptrain.data.prepare import task_for_loss
 from mlptrain.data.rows import NormalisedRows
 from mlptrain.distributed.dp import GradientSync, shard_rows
@@ -97,7 +98,8 @@ def trainer(
     member_data: Callable[..., tuple[DataLoader, dict]] | None = None,
 ) -> TrainerParts:
     """The parts of a trainer (its arguments: :class:`~mlptrain.step.trainer.Trainer`), built in order.
-    ``member_data``: an ensemble's loaders (default :func:`same_rows`; folds: :class:`mlptrain.run.folds.Folds`)."""
+    ``member_data``: an ensemble's loaders (default :func:`~mlptrain.data.member_loader.same_rows`; folds:
+    :class:`mlptrain.run.folds.Folds`)."""
     backend = backend or get_backend(cfg.device.value)
     xp, prec = backend.xp, precision(cfg.precision, backend)
     # GPU: the run's CuPy kernels compile on threads from here on, each waited for before its first launch
@@ -163,15 +165,6 @@ def trainer(
         schedule=lr,
         log=StepLog(xp, cfg.log_every, loss_scaler, lr),
     )
-
-
-def same_rows(
-    cfg: DataConfig, data: Dataset, xp: Any, dtype: Any, data_seeds: list[int], train: DataLoader, evaluation: dict
-) -> tuple[DataLoader, dict]:
-    """An ensemble's training batches: every member on the training split, member k's order from ``data_seeds[k]``
-    (one copy of the split; ``train``, one model's loader, goes); the evaluation loaders stay."""
-    x, y = data.x_train, data.y_train
-    return MemberLoader(x, y, cfg.batch_size, xp=xp, dtype=dtype, drop_last=cfg.drop_last, seeds=data_seeds), evaluation
 
 
 def seeds(seed: int) -> tuple[np.random.Generator, int]:

@@ -17,7 +17,7 @@ targets). Two events per slot order it on the device without the loop ever waiti
         consumed[k] recorded
 
 A slot is handed back to the producer only after ``deliver`` recorded ``consumed[k]``
-(:class:`mlptrain.data.prefetch.Pipe`), so the events are always recorded before they are waited on.
+(:class:`mlptrain.data.host_loader.Pipe`), so the events are always recorded before they are waited on.
 No kernel is launched: every copy is a ``cudaMemcpyAsync``, which compiles nothing on a fresh
 machine and is captured by nothing (the step's graph starts at its input buffers).
 """

@@ -101,7 +101,7 @@ def normalise_into(
 ) -> np.ndarray:
     """``out[:] = (mapped(raw) - shift) * inv``: ``raw (n, F)`` any real dtype, ``shift``, ``inv = 1 / scale``
     ``(F,)`` float64, ``out (n, F)`` float32 (or a compute dtype); ``mapped`` (``data.normalize=quantile``'s
-    :meth:`mlptrain.data.files.scalers.QuantileMap.apply_`) maps some columns of the float64 copy in place first.
+    :meth:`mlptrain.data.files.column_stats.QuantileMap.apply_`) maps some columns of the float64 copy in place first.
 
     The one normalisation arithmetic (made splits, streamed rows, :meth:`Normalization.apply`): the raw values
     in float64, the shift subtracted and the scale applied in float64, then rounded once to ``out``'s dtype, so

@@ -1,6 +1,7 @@
-"""Per-column statistics of a table (or of some of its rows) in one chunked pass, on every core.
+"""Per-column statistics of a table, as normalisation takes them from the training split: the moments in one
+chunked pass (``standard``, ``minmax``), and the percentiles and quantiles of ``robust`` and ``quantile``.
 
-Each chunk of rows is cast to float64 and reduced on its own, two-pass within the chunk (its mean,
+**Moments.** Each chunk of rows is cast to float64 and reduced on its own, two-pass within the chunk (its mean,
 then the sum of squared deviations from it, ``M2``), so a column of ``1e6 + noise`` loses nothing
 to cancellation; the chunks are then merged in order by Chan, Golub and LeVeque's rule
 (for chunks ``a`` and ``b``, ``n = n_a + n_b``, ``d = mean_b - mean_a``):
@@ -11,6 +12,24 @@ to cancellation; the chunks are then merged in order by Chan, Golub and LeVeque'
 A table of one chunk gets NumPy's own ``x.mean(axis=0, dtype=float64)`` and ``x.std(...)``, bit for
 bit (the same sums in the same order). A NaN or inf anywhere makes its chunk's sums non-finite: only
 then is that chunk searched for the first such cell, so the check costs nothing on good data.
+
+**Percentiles and quantiles.** Both modes take their statistics from the training split only, as
+scikit-learn's scalers fitted on it:
+
+* ``robust``: ``(x - median) / IQR``, the 25th to 75th percentile (``RobustScaler()``, ``np.percentile``'s
+  linear interpolation) over every training row, or a seeded sample of :data:`ROBUST_ROWS` of them where
+  the split has more. A column whose IQR is 0 but that varies (a rare spike, a one-hot column of a rare
+  level) is divided by its standard deviation instead (scikit-learn divides by 1, leaving it in its own
+  units); a constant column becomes exactly 0.
+* ``quantile``: each column through its empirical training quantiles to a standard normal, as
+  ``QuantileTransformer(output_distribution="normal", n_quantiles=min(1000, rows), subsample=10_000,
+  random_state=data.split_seed)``: ``Q = min(1000, rows)`` quantiles at ``linspace(0, 1, Q)`` of a sample
+  of :data:`SUBSAMPLE` training rows (all of them where there are fewer: the same rows scikit-learn takes,
+  :func:`sample`); the map is :class:`QuantileMap`.
+
+A streamed or host-resident table (``data.residency``) is never held whole for these: the sample's rows
+are gathered a block of columns at a time (at most :data:`BLOCK_BYTES` of float64). Nothing here reads a
+file; :mod:`mlptrain.data.prepare` decides which columns each mode scales.
 """
 
 from __future__ import annotations
@@ -19,6 +38,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mlptrain.base.normal import ndtri
 from mlptrain.data.files import chunks
 
 
@@ -98,3 +118,98 @@ def column_stats(
         for p in parts[1:]:
             out = out.merge(p)
     return out
+
+
+SUBSAMPLE = 10_000  # QuantileTransformer's subsample: rows whose quantiles make the table
+N_QUANTILES = 1000  # QuantileTransformer's n_quantiles (at most the rows there are)
+ROBUST_ROWS = 1_000_000  # robust: medians and quartiles of every training row up to this many, else of a sample
+BOUNDS_THRESHOLD = 1e-7  # scikit-learn's: a value this close to the first (last) quantile maps to 0 (1), then clipped
+# The map's outputs lie in [LOW, HIGH], about -5.1993 and 5.1993 (scikit-learn's clip: the normal's quantiles
+# of 1e-7 - eps and of 1 - (1e-7 - eps), the latter rounded in float64, so not exactly -LOW).
+LOW, HIGH = (
+    float(ndtri(np.float64(p))) for p in (BOUNDS_THRESHOLD - np.spacing(1), 1 - (BOUNDS_THRESHOLD - np.spacing(1)))
+)
+BLOCK_BYTES = 64 << 20  # a block of the sample's columns, as float64, while its percentiles are taken
+
+
+def sample(n: int, size: int, seed: int) -> np.ndarray | None:
+    """``size`` of ``range(n)`` without replacement, sorted (None: ``n <= size``, every row): the rows scikit-learn's
+    ``resample(replace=False, random_state=seed)`` takes (``arange(n)`` shuffled by ``RandomState(seed)``, the
+    first ``size``), so a quantile table of more than :data:`SUBSAMPLE` rows is scikit-learn's too."""
+    if n <= size:
+        return None
+    order = np.arange(n)
+    np.random.RandomState(seed).shuffle(order)
+    return np.sort(order[:size])  # percentiles do not depend on the order; a sorted gather reads the table in order
+
+
+def percentiles(x: np.ndarray, rows: np.ndarray | None, q: np.ndarray, columns: np.ndarray) -> np.ndarray:
+    """``np.percentile(x[rows][:, columns], q, axis=0)`` ``(len(q), K)`` float64, ``x (N, F)``, ``rows`` None: all,
+    ``columns (K,)``; a block of columns at a time, so the rows are never held whole in float64."""
+    n = len(x) if rows is None else len(rows)
+    width = max(1, BLOCK_BYTES // (8 * max(1, n)))
+    out = np.empty((len(q), len(columns)))
+    for a in range(0, len(columns), width):
+        cols = columns[a : a + width]
+        block = x[:, cols] if rows is None else x[np.ix_(rows, cols)]  # (n, k): only these cells are read
+        out[:, a : a + len(cols)] = np.percentile(np.asarray(block, np.float64), q, axis=0)
+    return out
+
+
+def robust(
+    x: np.ndarray, rows: np.ndarray | None, columns: np.ndarray, std: np.ndarray, seed: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(median, scale)`` ``(K,)`` of ``columns (K,)`` over the training ``rows`` (a sample beyond
+    :data:`ROBUST_ROWS`): the scale is the IQR, or ``std (K,)`` where the IQR is 0 (1 where that is 0 too)."""
+    n = len(x) if rows is None else len(rows)
+    picked = sample(n, ROBUST_ROWS, seed)
+    if picked is not None:
+        rows = picked if rows is None else np.sort(rows[picked])  # the table read in order
+    q25, median, q75 = percentiles(x, rows, np.array([25.0, 50.0, 75.0]), columns)
+    iqr = q75 - q25
+    return median, np.where(iqr > 0, iqr, np.where(std > 0, std, 1.0))
+
+
+@dataclass
+class QuantileMap:
+    """Columns ``columns (K,)`` of a table mapped through their training quantiles ``quantiles (Q, K)`` float64
+    (each column's ascending) to a standard normal, as ``QuantileTransformer(output_distribution="normal")``:
+
+        u = (interp(x, q, r) - interp(-x, -q[::-1], -r[::-1])) / 2    r = linspace(0, 1, Q)
+        u = 0 where x - 1e-7 < q[0], 1 where x + 1e-7 > q[-1]  (the lower bound wins)
+        z = clip(ndtri(u), ndtri(1e-7 - eps), ndtri(1 - (1e-7 - eps)))    (about -5.1993 and 5.1993)
+
+    The two interpolations, forward and backward, are averaged so that a value repeated in the quantiles (ties)
+    maps to the middle of its run, not to one end of it.
+    """
+
+    quantiles: np.ndarray  # (Q, K) float64
+    columns: np.ndarray  # (K,) int64
+
+    @classmethod
+    def fit(cls, x: np.ndarray, rows: np.ndarray | None, columns: np.ndarray, seed: int) -> QuantileMap:
+        """The quantile table of ``columns`` of ``x[rows]`` (a seeded sample of :data:`SUBSAMPLE` of the rows)."""
+        n = len(x) if rows is None else len(rows)
+        picked = sample(n, SUBSAMPLE, seed)
+        if picked is not None:
+            rows = picked if rows is None else np.sort(rows[picked])  # the table read in order
+        references = np.linspace(0.0, 1.0, max(1, min(N_QUANTILES, n)))  # (Q,)
+        return cls(percentiles(x, rows, references * 100, columns), np.asarray(columns, np.int64))
+
+    def apply_(self, x64: np.ndarray) -> np.ndarray:
+        """Map the columns of ``x64 (n, F)`` float64 in place (the others are left as they are); returns it."""
+        refs = np.linspace(0.0, 1.0, len(self.quantiles))  # (Q,)
+        u = np.empty((len(x64), len(self.columns)))  # (n, K) each value's place among its column's quantiles
+        for k, j in enumerate(self.columns.tolist()):
+            u[:, k] = self.uniform(x64[:, j], self.quantiles[:, k], refs)
+        x64[:, self.columns] = np.clip(ndtri(u), LOW, HIGH)  # one call for every column: a batch of few rows
+        return x64
+
+    @staticmethod
+    def uniform(x: np.ndarray, q: np.ndarray, refs: np.ndarray) -> np.ndarray:
+        """``x (n,)`` float64 placed among one column's quantiles ``q (Q,)`` (at ``refs (Q,)``): ``u`` in ``[0, 1]``."""
+        lower, upper = x - BOUNDS_THRESHOLD < q[0], x + BOUNDS_THRESHOLD > q[-1]  # (n,)
+        u = 0.5 * (np.interp(x, q, refs) - np.interp(-x, -q[::-1], -refs[::-1]))  # (n,)
+        u[upper] = 1.0
+        u[lower] = 0.0
+        return u

@@ -4,7 +4,7 @@ Per batch of ``B`` raw rows (:class:`mlptrain.inference.predictor.Predictor` hol
 forward pass in: this engine knows arrays and graphs, not the network):
 
 0. ``data.normalize=quantile``: the Predictor has mapped those columns through their training quantiles on the host
-   (float64, :meth:`mlptrain.data.files.scalers.QuantileMap.apply_`) before the rows come here; their shift is 0
+   (float64, :meth:`mlptrain.data.files.column_stats.QuantileMap.apply_`) before the rows come here; their shift is 0
    and their scale 1, so step 1 only casts them;
 1. one kernel reads the raw float32 rows where they are (a slice of the caller's CuPy array, or
    a staging buffer the host rows were copied into) and writes ``(x - shift) * (1 / scale)`` in

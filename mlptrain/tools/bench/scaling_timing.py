@@ -1,7 +1,7 @@
 """What each ``data.normalize`` mode costs on the CPU (#49): its statistics, a normalising pass, a streamed batch.
 
 On a ``--rows x --cols`` float32 table of lognormal values (seeded), for ``standard``, ``robust`` and
-``quantile`` (:mod:`mlptrain.data.files.scalers`), the best of ``--repeats``:
+``quantile`` (:mod:`mlptrain.data.files.column_stats`), the best of ``--repeats``:
 
 * **statistics**: :func:`mlptrain.data.prepare.normalization` over every row (robust: the medians and quartiles;
   quantile: 1000 quantiles of a 10,000-row sample);
