@@ -47,7 +47,7 @@ for extra in "${@:-sklearn torch cu12}"; do
     fi
     "$venv/bin/python" -m pip install -q -e ".[$e]"
     if [ "$e" = cu12 ]; then
-      (cd "$ROOT" && "$venv/bin/python" "$REPO/.ci/import_all.py" --allow torch,sklearn)
+      (cd "$ROOT" && "$venv/bin/python" "$REPO/.ci/import_all.py" --allow torch,sklearn,pandas)
     else
       smoke="smoke_$e"
       (cd "$ROOT" && "$venv/bin/python" -c "${!smoke}")

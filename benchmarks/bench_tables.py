@@ -4,7 +4,7 @@ HistGradientBoosting and, on the imbalanced ones, a class-weighted logistic regr
     python benchmarks/bench_tables.py --out docs/bench            # CPU, seeds 0 1 2, every table
     python benchmarks/bench_tables.py --tables penguins fraud --seeds 0
 
-Each table of ``benchmarks/tables.py`` is written as ``train.csv`` and ``test.csv`` (raw cells: text, empty
+Each table of :mod:`mlptrain.tools.bench.tables` is written as ``train.csv`` and ``test.csv`` (raw cells: text, empty
 cells, ids). mlptrain trains through its command line with nothing but the file paths, ``data.target``,
 ``data.drop`` and, for a regression, ``data.task=regression``::
 
@@ -59,7 +59,8 @@ from sklearn.metrics import accuracy_score, balanced_accuracy_score, root_mean_s
 from sklearn.neural_network import MLPClassifier, MLPRegressor
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import OneHotEncoder, StandardScaler
-from tables import TABLES, Table
+
+from mlptrain.tools.bench.tables import TABLES, Table
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -1,9 +1,9 @@
-"""The tables of ``bench_tables.py``: real ones scikit-learn and palmerpenguins ship, and generated ones with
+"""The tables of ``benchmarks/bench_tables.py``: real ones scikit-learn and palmerpenguins ship, and generated ones with
 what real tables hold (text categories, empty cells, an id column, a leakage column, rare classes).
 
 Each :class:`Table` is a training and a test :class:`pandas.DataFrame` as they are written to CSV: raw cells,
 text where the source has text, ``NaN`` (an empty cell) where a value is missing. It imports nothing of
-mlptrain.
+mlptrain; scikit-learn, pandas and palmerpenguins are imported where a table is made (the dev extra).
 """
 
 from __future__ import annotations
