@@ -64,7 +64,8 @@ def load_file(cfg: DataConfig, rng: np.random.Generator) -> Raw:
     try:
         return _load_numbers(cfg, files, target)
     except TextCell as exc:  # text or an empty cell: the column plan reads the table as text
-        log.info("data file %s: %s; the columns are read as text and encoded (docs/data.md)", cfg.path, exc)
+        first = str(exc).split("; ")[0]  # "data file F line 2, column 'c': 'x' is not a number" (not the advice)
+        log.info("%s: the columns are read as text and encoded by the column plan (docs/data.md)", first)
         return load_cells(cfg, files, target)
 
 
