@@ -148,6 +148,7 @@ def reach(graph: dict[str, set[str]], start: str) -> set[str]:
 # What an engine (a module of a cuda/ folder) may import outside the cuda/ folders: the contracts it
 # carries out and plain helpers. Never the step, the network, the builders or the precision policy.
 ENGINES_MAY_IMPORT = {
+    "mlptrain.base.member_settings",  # the stacked layout of an ensemble: the member of an element
     "mlptrain.nn.epilogs",  # the epilog contract the GEMM engines run
     "mlptrain.nn.epilogs_fp8",
     "mlptrain.nn.fp8",  # the FP8 scaling contract

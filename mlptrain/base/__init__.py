@@ -10,6 +10,7 @@ module              what it owns
 ``stopping``        the stop a run can be asked for: the ``Stop`` protocol, ``StopRequest``
 ``timeline``        where a run's wall clock goes, from the process's start
 ``cuda_source``     pieces of CUDA source the CPU modules write (plain Python), ``Job``
+``member_settings`` an ensemble's per-member rates, weight decay, frozen flags; the stacked layout
 ``cuda/``           compiling and timing kernels: ``kernels``, ``plain_kernels``, ``timing``
 =================== ================================================================
 """

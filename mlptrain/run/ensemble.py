@@ -26,13 +26,13 @@ from typing import Any
 
 import numpy as np
 
-from mlptrain.base.errors import ConfigError
+from mlptrain.base.cuda_source import Job
+from mlptrain.base.member_settings import MemberSettings
 from mlptrain.config.schema import TrainConfig
 from mlptrain.data import Dataset
 from mlptrain.nn.members import ensemble_logits
 from mlptrain.run.folds import Folds
 from mlptrain.step.checks import check_ensemble
-from mlptrain.step.optim import MemberSettings
 from mlptrain.step.schedule import lr_at
 from mlptrain.step.trainer import SplitScores, Trainer
 
@@ -59,26 +59,29 @@ class EnsembleTrainer(Trainer):
         self._set_members(cfg)
 
     def _set_members(self, cfg: TrainConfig) -> None:
-        """Per-member learning rates and weight decay (``ensemble.lr``, ``ensemble.weight_decay``): the CPU
-        optimizer updates member by member (:class:`~mlptrain.step.optim.MemberSettings`)."""
+        """Per-member learning rates and weight decay (``ensemble.lr``, ``ensemble.weight_decay``) and per-fold
+        stopping: the optimizer updates each member with its own (the CPU member by member, the GPU in its one
+        kernel: :class:`~mlptrain.base.member_settings.MemberSettings`). Once: the first call sets them."""
         e, k = cfg.ensemble, self.members
         self.member_lr = [float(v) for v in (e.lr or [cfg.optimizer.lr] * k)]
         self.member_decay = [float(v) for v in (e.weight_decay or [cfg.optimizer.weight_decay] * k)]
         stopping = e.folds and cfg.early_stopping.patience > 0  # each fold's member stops on its own
-        if e.lr is None and e.weight_decay is None and not stopping:
+        if (e.lr is None and e.weight_decay is None and not stopping) or self.optimizer.members is not None:
             return
-        if self.backend.is_gpu:
-            raise ConfigError(
-                "ensemble.lr and ensemble.weight_decay (a batched sweep) and early stopping per fold run on the CPU "
-                "for now (device=cpu); on the GPU sweep as a Hydra multirun, or set early_stopping.patience=0"
-            )
-        self.optimizer.members = MemberSettings(list(self.member_lr), self.member_decay, np.zeros(k, dtype=bool))
+        self.optimizer.members = MemberSettings(self.xp, cfg.optimizer.lr, self.member_lr, self.member_decay)
+
+    def precompile_jobs(self) -> list[Job]:
+        """The step's kernels compiled ahead, the update in its per-member form: the trainer submits them as soon
+        as its parts are built, so the member settings are made here first."""
+        self._set_members(self.cfg)
+        return super().precompile_jobs()
 
     def step(self, x: Any, y: Any) -> tuple[Any, Any]:
-        """One step of every member; with per-member rates, each member's rate of this step is its single run's
-        (the schedule at this step count from its own ``lr``), set on the host before the step."""
+        """One step of every member; with per-member rates on the CPU, each member's rate of this step is its single
+        run's (the schedule at this step count from its own ``lr``), set on the host before the step. (The GPU's
+        kernel multiplies the step's scheduled rate by each member's ratio: the schedule is linear in its base.)"""
         members = self.optimizer.members
-        if members is not None:
+        if members is not None and not self.backend.is_gpu:
             kw = self.schedule.kw
             members.lr = [lr_at(self.clock.n, **{**kw, "base_lr": base}) for base in self.member_lr]
         self.member_rows += self.batch_rows(y)  # on the host: a replayed CUDA graph runs no Python

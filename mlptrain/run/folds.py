@@ -11,7 +11,7 @@ Evaluation of the ``val`` split is one batched forward over the pool: every row'
 is the output of the member that did not train on it. ``val/...`` are the scores of those predictions
 (the cross-validated estimate: best and early stopping of the run follow it), ``member<k>/val/...`` member
 ``k``'s scores on its fold. With ``early_stopping.patience``, each member stops on its own fold's metric: it
-is frozen (no update, :class:`~mlptrain.step.optim.MemberSettings`) and its best weights put back. At the end
+is frozen (no update, :class:`~mlptrain.base.member_settings.MemberSettings`) and its best weights put back. At the end
 each member holds its best weights, and the run directory gets ``folds.json`` (each fold's score, their mean
 and spread) and ``oof_predictions.csv`` (every pool row's out-of-fold prediction).
 """
@@ -120,7 +120,7 @@ class Folds:
                 self.best_state[k] = {name: a[k].copy() for name, a in state.items()}
             elif es.patience > 0 and self.epoch - (self.best[k].improved or 0) >= es.patience:
                 self.stopped[k] = self.epoch
-                tr.optimizer.members.frozen[k] = True
+                tr.optimizer.members.freeze(k)  # (on the GPU: K flags copied to the device, outside the step)
                 self.restore(tr, k)
                 out[f"member{k}/stopped"] = float(self.epoch + 1)
                 log.info("fold %d stopped early after epoch %d (best %s)", k, self.epoch + 1, self.best[k].value)

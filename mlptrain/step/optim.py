@@ -32,6 +32,7 @@ import numpy as np
 from mlptrain.base.backend import get_array_module, scalar
 from mlptrain.base.cuda_source import KernelTail, c_literal
 from mlptrain.base.errors import ConfigError
+from mlptrain.base.member_settings import MEMBER_PARAMS, MemberSettings, member_update_cuda
 from mlptrain.base.registry import NON_NEGATIVE, POSITIVE, UNIT, Range, Registry
 from mlptrain.nn.layers import Param
 
@@ -51,17 +52,6 @@ class OptimizerSpec:
 
 
 OPTIMIZERS: Registry[OptimizerSpec] = Registry("optimizer.name")
-
-
-@dataclass
-class MemberSettings:
-    """An ensemble's per-member update settings (:mod:`mlptrain.run.ensemble`): this step's learning rate and the
-    weight decay of each member (a batched sweep, ``ensemble.lr``), and which members are frozen (stopped early:
-    no update, their state kept). The CPU's update then runs member by member."""
-
-    lr: list[float]
-    weight_decay: list[float]
-    frozen: np.ndarray  # (K,) bool
 
 
 def setting_ranges() -> dict[str, Range | None]:
@@ -136,7 +126,7 @@ class Optimizer:
         self._one = scalar(self.xp, 1.0, np.float64)
         self._no_skip = self.xp.zeros((), dtype=self.xp.int32)
         self._kernels: dict[Any, Any] = {}  # GPU multi-tensor kernels by tail, built at the first step
-        self.members: MemberSettings | None = None  # an ensemble's per-member settings (CPU), else None
+        self.members: MemberSettings | None = None  # an ensemble's per-member settings, else None
 
     def step(self, lr: Any, inv_scale: Any = None, skip: Any = None, tail: KernelTail | None = None) -> None:
         """Apply one update to every parameter from its ``grad``.
@@ -158,7 +148,9 @@ class Optimizer:
             if p.grad is None:
                 raise RuntimeError(f"parameter {p.name} has no gradient; run backward before step")
         if xp is not np:  # t (applied steps) advances in the kernel's last block
-            self._multi_tensor_kernel(tail)(*self._tensors(), lr, inv_scale, skip, self.t, *(tail.args if tail else ()))
+            per_member = self.members.device_arrays() if self.members is not None else ()
+            kernel = self._multi_tensor_kernel(tail)
+            kernel(*self._tensors(), lr, inv_scale, skip, self.t, *per_member, *(tail.args if tail else ()))
             return
         if tail is not None:
             raise ValueError("a kernel tail needs the GPU; on the CPU run the bookkeeping after step()")
@@ -201,30 +193,39 @@ class Optimizer:
         return lists + ([[p.compute for p in self.params]] if self.params[0].has_compute_copy else [])
 
     def _multi_tensor_kernel(self, tail: KernelTail | None) -> Any:
-        key = (tail.code, tail.params) if tail else None
+        """The update kernel; an ensemble with per-member settings gets its per-member form (each element's member
+        from the stacked layout, its rate, weight decay and frozen flag read from :class:`MemberSettings`' arrays)."""
+        k = self.members.members if self.members is not None else 0
+        key = ((tail.code, tail.params) if tail else None, k)
         if key not in self._kernels:
             from mlptrain.step.cuda.multitensor import MultiTensorKernel
 
             if len({p.has_compute_copy for p in self.params}) != 1:
                 raise ValueError("all parameters must have a compute copy, or none")
-            loop_prep, body = self._cuda_update()
+            loop_prep, body = self._cuda_update(per_member=k > 0)
+            body += "$pc = (C)$p;" if self.params[0].has_compute_copy else ""
             self._kernels[key] = MultiTensorKernel(
-                f"mlptrain_{type(self).__name__.lower()}_step",
+                f"mlptrain_{type(self).__name__.lower()}_step" + ("_members" if k else ""),
                 self._roles(),
                 [p.value.size for p in self.params],
-                body + ("$pc = (C)$p;" if self.params[0].has_compute_copy else ""),
+                member_update_cuda(body) if k else body,
                 extra_params="raw float64 lr, raw float64 inv_scale, raw int32 skip, raw float64 t"
+                + (f", {MEMBER_PARAMS}" if k else "")
                 + (f", {tail.params}" if tail else ""),
                 loop_prep="const bool skipped = skip[0] != 0;\n"
-                "const P lr_v = (P)lr[0];\n"
-                "const P inv_s = (P)inv_scale[0];\n" + loop_prep,
+                + ("" if k else "const P lr_v = (P)lr[0];\n")
+                + "const P inv_s = (P)inv_scale[0];\n"
+                + loop_prep,
+                members=k,
                 epilogue="if (!skipped) t[0] += 1.0;  // one more applied step\n" + (tail.code if tail else ""),
                 preamble=tail.preamble if tail else "",
             )
         return self._kernels[key]
 
-    def _cuda_update(self) -> tuple[str, str]:
-        """``(loop_prep, body)`` of the CUDA update of one element (see :class:`MultiTensorKernel`)."""
+    def _cuda_update(self, per_member: bool = False) -> tuple[str, str]:
+        """``(loop_prep, body)`` of the CUDA update of one element (see :class:`MultiTensorKernel`), at the rate
+        ``lr_v``; ``per_member``: the weight decay is the element's member's, ``wd_m`` (``wd_d`` in float64), and its
+        rate ``lr_m`` in float64 (:func:`~mlptrain.base.member_settings.member_update_cuda`), not the run's."""
         raise NotImplementedError
 
     def state_dict(self) -> dict[str, Any]:
@@ -322,9 +323,10 @@ class SGD(Optimizer):
             g = g + self.momentum * buf if self.nesterov else buf
         p.value -= lr * g
 
-    def _cuda_update(self) -> tuple[str, str]:
+    def _cuda_update(self, per_member: bool = False) -> tuple[str, str]:
         lit = c_literal
-        body = f"if (!skipped) {{ P g = (P)$g * inv_s + (P){lit(self.weight_decay)} * $p;"
+        wd = "wd_m" if per_member else f"(P){lit(self.weight_decay)}"
+        body = f"if (!skipped) {{ P g = (P)$g * inv_s + {wd} * $p;"
         if self.momentum > 0:
             body += f"$momentum = (P){lit(self.momentum)} * $momentum + g;"
             body += f"g = g + (P){lit(self.momentum)} * $momentum;" if self.nesterov else "g = $momentum;"
@@ -376,16 +378,17 @@ class Adam(Optimizer):
         v_hat = v / (1 - self.beta2**t)
         p.value -= lr * m_hat / (np.sqrt(v_hat) + self.eps)
 
-    def _cuda_update(self) -> tuple[str, str]:
+    def _cuda_update(self, per_member: bool = False) -> tuple[str, str]:
         lit = c_literal
         b1, b2, wd = lit(self.beta1), lit(self.beta2), lit(self.weight_decay)
         loop_prep = f"""
         const double t_now = t[0] + 1.0;  // this step is the (t+1)-th applied one
         const P bc1 = (P)(1.0 - pow({b1}, t_now)), bc2 = (P)(1.0 - pow({b2}, t_now));
-        const P decay = (P)(1.0 - lr[0] * {wd});
         """
+        loop_prep += "" if per_member else f"const P decay = (P)(1.0 - lr[0] * {wd});\n"
+        decay = "(P)(1.0 - lr_m * wd_d)" if per_member else "decay"  # AdamW: p *= 1 - lr * wd
         body = "if (!skipped) { P g = (P)$g * inv_s;"
-        body += "$p = $p * decay;" if self.decoupled else f"g = g + (P){wd} * $p;"
+        body += f"$p = $p * {decay};" if self.decoupled else f"g = g + {'wd_m' if per_member else f'(P){wd}'} * $p;"
         body += f"""
             $exp_avg = (P){b1} * $exp_avg + (P)(1.0 - {b1}) * g;
             $exp_avg_sq = (P){b2} * $exp_avg_sq + (P)(1.0 - {b2}) * g * g;

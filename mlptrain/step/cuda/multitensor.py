@@ -25,6 +25,12 @@ blocks for 784-1024-1024-10) made the overflow check and the SGD update several 
 The kernels are CuPy ElementwiseKernels over raw arrays, so CuPy names the dtypes (float16,
 bfloat16, float32, float64) and caches the compiled code on disk per model layout.
 
+An ensemble's per-member update (``members=K``: :mod:`mlptrain.base.member_settings`) reads, for each element,
+the member it belongs to from the tensor's stacked layout: tensor ``k`` of ``n`` elements is ``(K, ...)``
+C-contiguous, so element ``j`` is member ``j / (n / K)``, an integer division by a compile-time constant::
+
+    for (j = i; j < 802816 * K; j += N) { const int member = (int)(j / 802816LL); update(..., member); }
+
 The overflow check only reads, and reads one dtype: :class:`NonfiniteScan` does it with 16-byte
 loads (8 fp16 values each), faster than element by element.
 """
@@ -36,6 +42,8 @@ from string import Template
 from typing import Any
 
 import cupy as cp
+
+from mlptrain.base.member_settings import member_index_cuda
 
 
 def _flat(a: Any, what: str) -> Any:
@@ -61,6 +69,8 @@ class MultiTensorKernel:
             thread's flag is true ORs 1 into ``array[0]`` (one atomic per block, not per element).
         epilogue: statements the last block to finish runs once, after every element is done.
         preamble: device functions the code calls.
+        members: ``K > 0``: every tensor is ``K`` members stacked on its leading axis, and ``body`` reads
+            ``member``, the member of its element (:func:`~mlptrain.base.member_settings.member_index_cuda`).
 
     Call it with the tensors role by role (``[g0, g1, ...], [p0, p1, ...]``), then the extras.
     """
@@ -77,6 +87,7 @@ class MultiTensorKernel:
         block_flag: tuple[str, str] | None = None,
         epilogue: str = "",
         preamble: str = "",
+        members: int = 0,
     ) -> None:
         self.roles = list(roles)
         self.sizes = [int(s) for s in sizes]
@@ -90,6 +101,8 @@ class MultiTensorKernel:
         loops = []
         for k, n in enumerate(self.sizes):
             element = Template(body).substitute({r: f"{r}{k}[j]" for r, _ in self.roles})
+            if members:  # the member of element j, from the stacked layout (K, ...)
+                element = f"const int member = {member_index_cuda(n, members)}; {element}"
             loops.append(f"for (ptrdiff_t j = i; j < {n}LL; j += {self.threads}LL) {{ {element} }}")
         after = ""
         if block_flag is not None:
