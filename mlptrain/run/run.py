@@ -42,6 +42,7 @@ from mlptrain.run.rundir import RUN_RECORD, RunDirectory, follower_dir
 from mlptrain.run.sinks import CSV_NAME, TENSORBOARD_DIR, CsvSink, TensorBoardSink, csv_columns
 from mlptrain.step import build
 from mlptrain.step.checks import validate
+from mlptrain.step.memory import describe_members, member_account
 from mlptrain.step.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -294,13 +295,16 @@ def _accept(tr: Trainer, run_dir: RunDirectory, start: Start, on_accept: Callabl
 
 def _record_end(tr: Trainer, run_dir: RunDirectory, start: Start) -> None:
     """Add to ``run.json`` where the run's time went (:mod:`mlptrain.base.timeline`) and, on the GPU, the memory
-    account at its end (peak and live bytes by category)."""
+    account at its end (peak and live bytes by category); an ensemble's per member too (``memory.members``)."""
     record = _run_record(tr, start)
     if tr.backend.is_gpu:
         from mlptrain.step.cuda.memory import account, describe
 
         record["memory"] = account(tr)
         log.info("GPU memory: %s", describe(record["memory"]).replace("\n", "; "))
+    if tr.members > 1:  # an ensemble: what one member costs, and its K members (on either device)
+        record.setdefault("memory", {})["members"] = member_account(tr)
+        log.info("memory: %s", describe_members(record["memory"]["members"]))
     timeline = current()
     if timeline is not None:
         record["timeline"] = timeline.record()

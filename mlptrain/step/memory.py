@@ -3,6 +3,10 @@
 The GPU tests hold :func:`mlptrain.step.cuda.memory.account` and a real step's allocations to these
 formulas; the CPU tests hold them to the backward's schedule (``tests/test_backward_memory.py``, which
 follows every array of a NumPy step by weak reference). No CuPy here: a formula is arithmetic.
+
+An ensemble's account is per member (:func:`member_bytes`, :func:`member_account`): its ``K`` members are
+stacked on a leading axis, ``W (K, out, in)``, ``X (K, B, in)``, so every array of the step is ``K`` times
+one member's, and ``run.json``'s ``memory.members`` says what one member costs and what the ``K`` do.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from mlptrain.nn.epilogs import relu_aux_shape
+from mlptrain.nn.epilogs import gelu_aux_shape, relu_aux_shape
 from mlptrain.nn.epilogs_fp8 import FP8_MULTIPLE
 
 
@@ -96,3 +100,78 @@ def expected_step_peak(
             early = dz(i - 1) if head_kernel and i == L - 1 else 0  # the head kernel's dZ_{L-2}
             sums += [kept(i) + dz(i) + early + grads(i), (kept(i - 1) if i >= 1 else 0) + dz(i) + dz(i - 1) + grads(i)]
     return max(sums)
+
+
+def activation_aux_bytes(width: int, batch: int, compute_dtype: Any, activation: str, mode: str) -> int:
+    """What a hidden layer of ``width`` keeps of its activation for the backward at batch ``batch``: fused ReLU its
+    relu_aux (uint8 ``relu_aux_shape``), naive ReLU a ``(B, out)`` bool mask; GELU its pre-activation (fused: the
+    gelu_aux ``(round_up(out, 8), B)``, naive ``(B, out)``, in the compute dtype)."""
+    sc = np.dtype(compute_dtype).itemsize
+    if activation == "gelu":
+        return sc * int(np.prod(gelu_aux_shape(width, batch) if mode == "fused" else (batch, width)))
+    return int(np.prod(relu_aux_shape(width, batch))) if mode == "fused" else batch * width
+
+
+def member_bytes(
+    widths: list[int],
+    batch: int,
+    param_dtype: Any,
+    compute_dtype: Any,
+    state_per_param: int,
+    activation: str = "relu",
+    mode: str = "fused",
+) -> dict[str, int]:
+    """What one member of an ensemble holds, by formula: :func:`expected_bytes`' parameters (master weights,
+    compute copies, gradients, optimizer state) and, at its batch of ``batch`` rows, what its forward keeps for
+    the backward (all alive when the backward starts; it frees each once read): the inputs of layers ``1..L-1``,
+    ``X_i (B, w_i)`` in the compute dtype, and each hidden layer's :func:`activation_aux_bytes`."""
+    out = expected_bytes(widths, batch, param_dtype, compute_dtype, state_per_param)
+    hidden = widths[1:-1]
+    out["saved_inputs"] = sum(batch * w * np.dtype(compute_dtype).itemsize for w in hidden)
+    out["relu_aux"] = sum(activation_aux_bytes(w, batch, compute_dtype, activation, mode) for w in hidden)
+    return out
+
+
+def member_account(tr: Any) -> dict[str, Any]:
+    """An ensemble trainer's memory per member and for its ``K`` members (``run.json``'s ``memory.members``).
+
+    Measured where the arrays exist now, each stacked array's bytes over ``K``: the master weights, the compute
+    copies, the optimizer state, and the gradients while a step holds them; the rest (the gradients between steps,
+    the saved inputs and activation aux, which the backward frees) by :func:`member_bytes` at the batch size.
+    """
+    k, params, p, cfg = tr.members, tr.model.params, tr.precision, tr.cfg
+    formula = member_bytes(
+        tr.widths,
+        cfg.data.batch_size,
+        p.param_dtype,
+        p.compute_dtype,
+        len(tr.optimizer.state_names),
+        cfg.model.activation,
+        cfg.execution.mode.value,
+    )
+    measured = {
+        "master_weights": sum(int(q.value.nbytes) for q in params),
+        "compute_copies": sum(int(q.compute.nbytes) for q in params if q.has_compute_copy),
+        "optimizer_state": sum(int(a.nbytes) for st in tr.optimizer.state.values() for a in st.values()),
+    }
+    if all(q.grad is not None for q in params):
+        measured["gradients"] = sum(int(q.grad.nbytes) for q in params)
+    per = {name: measured[name] // k if name in measured else value for name, value in formula.items()}
+    return {
+        "members": k,
+        "batch_size": cfg.data.batch_size,
+        "per_member": per,
+        "per_member_total": sum(per.values()),
+        "total": k * sum(per.values()),
+        "by_formula": sorted(set(formula) - set(measured)),
+    }
+
+
+def describe_members(acc: dict[str, Any]) -> str:
+    """:func:`member_account` in a line (MiB)."""
+    mib = 2**20
+    cats = ", ".join(f"{name} {v / mib:.3f}" for name, v in acc["per_member"].items() if v)
+    return (
+        f"{acc['per_member_total'] / mib:.3f} MiB per member ({cats}; batch {acc['batch_size']}), "
+        f"{acc['total'] / mib:.3f} MiB for the {acc['members']} members"
+    )
