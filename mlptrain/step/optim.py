@@ -202,7 +202,8 @@ class Optimizer:
 
             if len({p.has_compute_copy for p in self.params}) != 1:
                 raise ValueError("all parameters must have a compute copy, or none")
-            loop_prep, body = self._cuda_update(per_member=k > 0)
+            # (an optimizer of one's own whose _cuda_update takes no per_member serves runs without per-member settings)
+            loop_prep, body = self._cuda_update(per_member=True) if k else self._cuda_update()
             body += "$pc = (C)$p;" if self.params[0].has_compute_copy else ""
             self._kernels[key] = MultiTensorKernel(
                 f"mlptrain_{type(self).__name__.lower()}_step" + ("_members" if k else ""),

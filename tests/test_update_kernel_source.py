@@ -1,0 +1,117 @@
+"""The GPU's multi-tensor update kernel, its CUDA source compiled as C++ on the CPU and run against the CPU's update.
+
+mlptrain.step.cuda.multitensor writes the source of one CuPy ElementwiseKernel; here CuPy is stood in for (the
+kernel object only records its source), the source is compiled by the host's C++ compiler with the dtype
+placeholders as ``float``, and its loops run for every thread index in turn on the very arrays of a second
+optimizer. What this checks: the source compiles (every name it reads is declared), each element's member comes
+from the stacked layout, and the arithmetic is the CPU's (:meth:`Optimizer._update_members` for an ensemble's
+per-member settings, one model's update otherwise). The CUDA-only part (the last block's epilogue: the step count,
+the step log's tail) is not run; ``t`` is advanced by hand. tests/gpu/test_members_gpu.py runs the kernel itself.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+import shutil
+import subprocess
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from mlptrain.base.member_settings import MemberSettings
+from mlptrain.config.schema import OptimizerConfig
+from mlptrain.nn.layers import Param
+from mlptrain.step.build import optimizer as make_optimizer
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs a C++ compiler (g++)")
+
+K = 3
+SHAPES = [(K, 7, 5), (K, 7), (K, 1, 4), (K, 1)]
+C_TYPES = {"float64": "double", "int32": "int", "P": "P", "G": "G", "C": "C"}
+
+
+class SourceOnly:
+    """Stands in for ``cupy.ElementwiseKernel``: keeps the parameters and the code it was given."""
+
+    def __init__(self, in_params: str, params: str, operation: str, name: str, **kw: Any) -> None:
+        self.name, self.params, self.operation, self.loop_prep = name, params, operation, kw.get("loop_prep", "")
+
+
+@pytest.fixture
+def kernel_class(monkeypatch: pytest.MonkeyPatch):
+    """MultiTensorKernel imported against a stand-in CuPy (one SM), and forgotten afterwards."""
+    fake = types.ModuleType("cupy")
+    fake.ElementwiseKernel = SourceOnly
+    fake.zeros, fake.int32 = np.zeros, np.int32
+    fake.cuda = types.SimpleNamespace(Device=lambda: types.SimpleNamespace(attributes={"MultiProcessorCount": 1}))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.delitem(sys.modules, "mlptrain.step.cuda.multitensor", raising=False)
+    try:
+        yield
+    finally:
+        sys.modules.pop("mlptrain.step.cuda.multitensor", None)
+
+
+def compiled(kernel: Any, tmp_path: Path) -> tuple[Any, list[str]]:
+    """The kernel's loops as a C function ``run(void** args)`` over every thread index; and its parameter names."""
+    src_kernel = kernel._kernel  # (the stand-in's record of the source)
+    params = [p.split() for p in src_kernel.params.split(",")]
+    declared = [f"{C_TYPES[t]}* {n} = ({C_TYPES[t]}*)a[{i}];" for i, (_, t, n) in enumerate(params)]
+    src = (
+        "#include <cmath>\n#include <cstddef>\nusing std::sqrt; using std::pow;\n"
+        "typedef float P; typedef float G; typedef float C;\n"
+        'extern "C" void run(void** a) {\n' + "\n".join(declared) + "\n"
+        f"for (ptrdiff_t i = 0; i < {kernel.threads}; ++i) {{\n{src_kernel.loop_prep}\n{src_kernel.operation}\n}}\n}}\n"
+    )
+    cpp, so = tmp_path / "kernel.cpp", tmp_path / "kernel.so"
+    cpp.write_text(src)
+    subprocess.run(["g++", "-O1", "-shared", "-fPIC", "-o", str(so), str(cpp)], check=True, capture_output=True)
+    return ctypes.CDLL(str(so)), [n for _, _, n in params]
+
+
+@pytest.mark.parametrize(
+    ("name", "per_member"),
+    [("sgd", True), ("nesterov", True), ("adam", True), ("adamw", True), ("nesterov", False), ("adamw", False)],
+)
+def test_the_kernels_source_updates_as_the_cpu_does(name: str, per_member: bool, kernel_class, tmp_path: Path) -> None:
+    cfg = OptimizerConfig(name="sgd" if name == "nesterov" else name, lr=0.01, momentum=0.9, weight_decay=0.5)
+    cfg.nesterov = name == "nesterov"
+    rng = np.random.default_rng(2)
+    start = [rng.standard_normal(s).astype(np.float32) for s in SHAPES]
+    cpu, ker = ([Param(f"w{i}", w.copy(), np.float32) for i, w in enumerate(start)] for _ in range(2))
+    oc, ok = make_optimizer(cfg, cpu), make_optimizer(cfg, ker)
+    if per_member:
+        oc.members, ok.members = (MemberSettings(np, 0.01, [0.05, 0.01, 0.2], [0.0, 1e-3, 3e-2]) for _ in range(2))
+    lib, names = compiled(ok._multi_tensor_kernel(None), tmp_path)
+    lr, inv, skip = np.array(0.0), np.array(0.125), np.array(0, dtype=np.int32)
+    for step, rate in enumerate([0.01, 0.008, 0.003]):
+        if per_member and step == 2:
+            oc.members.freeze(1)
+            ok.members.freeze(1)
+        for p, q in zip(cpu, ker, strict=True):
+            p.grad = q.grad = rng.standard_normal(p.value.shape).astype(np.float32)
+        if oc.members is not None:
+            oc.members.lr = [rate * b / 0.01 for b in oc.members.base_lr]  # as the trainer sets them
+        oc.step(np.asarray(rate), inv_scale=inv)
+        lr[...] = rate
+        by_role = {"g": [q.grad for q in ker], "p": [q.value for q in ker]}
+        by_role.update({s: [ok.state[q.name][s] for q in ker] for s in ok.state_names})
+        extras = {"lr": lr, "inv_scale": inv, "skip": skip, "t": ok.t, "blocks_done": np.zeros(1, np.int32)}
+        if ok.members is not None:
+            extras.update(zip(("member_lr", "member_wd", "member_frozen"), ok.members.device_arrays(), strict=True))
+        args = []
+        for n in names:
+            role = re.fullmatch(r"([a-z_]+?)(\d+)", n)
+            args.append(by_role[role[1]][int(role[2])] if role and role[1] in by_role else extras[n])
+        lib.run((ctypes.c_void_p * len(args))(*[a.ctypes.data for a in args]))
+        ok.t += 1.0  # (the epilogue's)
+    for p, q, w in zip(cpu, ker, start, strict=True):
+        np.testing.assert_allclose(q.value, p.value, rtol=2e-6, atol=1e-7, err_msg=p.name)
+        for s in ok.state_names:
+            np.testing.assert_allclose(ok.state[q.name][s], oc.state[p.name][s], rtol=2e-6, atol=1e-7)
+        assert not np.array_equal(q.value[0], w[0])  # (it trained)
