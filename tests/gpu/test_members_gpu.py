@@ -106,3 +106,26 @@ def test_a_member_frozen_after_the_graph_was_captured_is_not_updated() -> None:
     for name, a in after.items():
         np.testing.assert_array_equal(a[2], before[name][2])
         assert not np.array_equal(a[0], before[name][0])
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_memory_account_per_member_on_the_gpu_is_the_formulas(precision: str) -> None:
+    """After a few graphed steps: the stacked arrays over K are one member's bytes by the formula (bf16: with the
+    compute copies), and the account of the whole run holds the K members' parameters, state and copies."""
+    from mlptrain.run.ensemble import EnsembleTrainer
+    from mlptrain.step.cuda.memory import account
+    from mlptrain.step.memory import member_account, member_bytes
+
+    cfg = sweep_cfg("gpu")
+    cfg.precision.name = precision
+    tr = EnsembleTrainer(cfg)
+    with tr.stream:
+        for x, y in list(tr.train_batches(0))[:4]:
+            tr.step(x, y)
+    acc, whole = member_account(tr), account(tr)
+    p = tr.precision
+    one = member_bytes(tr.widths, 64, p.param_dtype, p.compute_dtype, 2, "relu", "fused")
+    assert acc["per_member"] == one
+    assert (precision == "bf16") == (one["compute_copies"] > 0)
+    for name in ("master_weights", "compute_copies", "optimizer_state"):
+        assert whole["live_bytes"][name] == K * one[name], name
