@@ -125,7 +125,7 @@ class Optimizer:
         self.t = self.xp.zeros((), dtype=self.xp.float64)
         self._one = scalar(self.xp, 1.0, np.float64)
         self._no_skip = self.xp.zeros((), dtype=self.xp.int32)
-        self._kernels: dict[Any, Any] = {}  # GPU multi-tensor kernels by tail, built at the first step
+        self._kernels: dict[Any, Any] = {}  # GPU multi-tensor kernels by tail and member count, built at first use
         self.members: MemberSettings | None = None  # an ensemble's per-member settings, else None
 
     def step(self, lr: Any, inv_scale: Any = None, skip: Any = None, tail: KernelTail | None = None) -> None:
