@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+import mlptrain.step.cuda as cuda_package
 from mlptrain.base.member_settings import MemberSettings
 from mlptrain.config.schema import OptimizerConfig
 from mlptrain.nn.layers import Param
@@ -51,10 +52,13 @@ def kernel_class(monkeypatch: pytest.MonkeyPatch):
     fake.cuda = types.SimpleNamespace(Device=lambda: types.SimpleNamespace(attributes={"MultiProcessorCount": 1}))
     monkeypatch.setitem(sys.modules, "cupy", fake)
     monkeypatch.delitem(sys.modules, "mlptrain.step.cuda.multitensor", raising=False)
+    monkeypatch.delattr(cuda_package, "multitensor", raising=False)  # (a GPU machine's real one comes back after)
     try:
         yield
     finally:
         sys.modules.pop("mlptrain.step.cuda.multitensor", None)
+        if hasattr(cuda_package, "multitensor"):
+            delattr(cuda_package, "multitensor")
 
 
 def compiled(kernel: Any, tmp_path: Path) -> tuple[Any, list[str]]:
