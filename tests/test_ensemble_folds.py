@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import records
 from test_ensemble import make_cfg
 
 from mlptrain.base.errors import ConfigError
@@ -92,3 +93,79 @@ def test_a_cross_validation_run_reports_each_fold_and_the_out_of_fold_prediction
     for k, fold in enumerate(report["folds"]):  # each fold's best, its member's weights then, on the fold's rows
         mine = [r["prediction"] == r["target"] for r in rows if int(r["fold"]) == k]
         assert fold["value"] == pytest.approx(np.mean(mine))
+
+
+def stopping_cfg(**kw) -> TrainConfig:
+    cfg = folds_cfg(epochs=8, **kw)
+    cfg.early_stopping.patience = 1  # the folds stop at different epochs (fold 2 after epoch 4 with seed 5)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def straight_folds(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An uninterrupted cross-validation whose folds stop early at different epochs."""
+    out = tmp_path_factory.mktemp("straight-folds")
+    train(stopping_cfg(), out)
+    return out
+
+
+def test_a_cross_validation_killed_and_resumed_ends_as_an_uninterrupted_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, straight_folds: Path
+) -> None:
+    from test_checkpoint import assert_same_state, interrupt_at
+
+    from mlptrain.base.errors import TrainingInterrupted
+    from mlptrain.run import checkpoint
+
+    ref = straight_folds
+    report = json.loads((ref / "folds.json").read_text())
+    stops = sorted(f["stopped"] for f in report["folds"] if f["stopped"] is not None)
+    spe = checkpoint.load(ref / "checkpoints" / "last.npz").meta["steps_per_epoch"]
+    at = stops[0] * spe + 3  # inside the epoch after the first fold stopped, before the next one stops
+    assert len(stops) >= 2 and stops[0] < stops[1] and stops[-1] < 8  # (what the interruption must carry over)
+    interrupt_at(monkeypatch, at)
+    with pytest.raises(TrainingInterrupted):
+        train(stopping_cfg(), tmp_path)
+    monkeypatch.undo()
+    saved = checkpoint.load(tmp_path / "checkpoints" / "last.npz").meta["folds"]
+    assert sum(s is not None for s in saved["stopped"]) == 1 and saved["epoch"] == stops[0]  # one fold stopped
+
+    train(stopping_cfg(resume="last"), tmp_path)
+
+    for name in ("folds.json", "oof_predictions.csv", "members.md"):
+        assert (tmp_path / name).read_text() == (ref / name).read_text(), name
+    assert records(tmp_path) == records(ref)
+    assert_same_state(tmp_path / "checkpoints" / "last.npz", ref / "checkpoints" / "last.npz")  # folds/best/ too
+    assert_same_state(tmp_path / "checkpoints" / "best.npz", ref / "checkpoints" / "best.npz")
+    assert any(k.startswith("folds/best/") for k in checkpoint.load(ref / "checkpoints" / "last.npz").arrays)
+
+
+def test_a_cross_validation_checkpoint_from_before_the_folds_bests_still_resumes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A checkpoint without ``folds`` (written before each fold's best was kept) loads, and its resume says that
+    the folds' tracking starts again; a ``folds`` entry that does not fit the run is one CheckpointError."""
+    from test_checkpoint import interrupt_at
+
+    from mlptrain.base.errors import CheckpointError, TrainingInterrupted
+    from mlptrain.run import checkpoint
+
+    interrupt_at(monkeypatch, 40)
+    with pytest.raises(TrainingInterrupted):
+        train(stopping_cfg(), tmp_path)
+    monkeypatch.undo()
+    last = tmp_path / "checkpoints" / "last.npz"
+    ckpt = checkpoint.load(last)
+    meta = {k: v for k, v in ckpt.meta.items() if k not in ("folds", "sha256")}
+    old = {k: v for k, v in ckpt.arrays.items() if not k.startswith("folds/")}
+    bad = {**ckpt.meta["folds"], "best": ckpt.meta["folds"]["best"][:3]}
+    checkpoint.save(last, old, {**meta, "folds": bad})
+    with pytest.raises(CheckpointError, match=r"tracks 3 folds' bests and 4 stops; this run has 4 folds"):
+        train(stopping_cfg(resume="last"), tmp_path)
+    checkpoint.save(last, old, meta)  # as written before the folds' bests were kept
+    assert checkpoint.load(last).meta.get("folds") is None
+    with caplog.at_level("WARNING"):
+        train(stopping_cfg(resume="last"), tmp_path)
+    assert "written before each fold's best was saved" in caplog.text
+    report = json.loads((tmp_path / "folds.json").read_text())
+    assert len(report["folds"]) == 4 and all(f["epoch"] > 2 for f in report["folds"])  # tracked from epoch 3 on

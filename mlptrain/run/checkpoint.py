@@ -13,6 +13,8 @@ entry                     contents
 ``data/shift``, ``scale`` the normalisation of the raw features (``(x - shift) / scale``), float64
 ``data/quantiles``        ``data.normalize=quantile``: ``(Q, K)`` float64 training quantiles of the columns
 ``data/quantile_columns`` ``(K,)`` int64 that are mapped to a standard normal before the shift
+``members/loss_sum``      an ensemble's ``(K,)`` training loss x rows and ``members/correct`` of the epoch so far
+``folds/best/<name>``     ``ensemble.folds``: each member's best weights on its fold, stacked as ``param/``
 ``meta``                  UTF-8 JSON as a uint8 array (:data:`META_SCHEMA`)
 ========================= ============================================================
 
@@ -146,6 +148,8 @@ _BEST = {
     "mode": _STR,
     "improved": (_INT, None),
 }
+# Cross-validation's tracking of each fold (mlptrain.run.folds.Folds.state_dict; its weights: folds/best/<name>)
+_FOLDS = {"epoch": _INT, "best": [_BEST], "stopped": [(_INT, None)]}
 # Every key a checkpoint's meta holds, with its type: a dict is a nested object of those keys,
 # [t] a list of t, a tuple the types allowed (None: null). Counts and positions must be >= 0.
 META_SCHEMA: dict[str, Any] = {
@@ -164,6 +168,7 @@ META_SCHEMA: dict[str, Any] = {
     "scaler": (_SCALER, None),
     "rng": {"seed": _INT, "data_seed": _INT},
     "members": _INT,  # an ensemble's member count (ensemble.size); absent in one model's checkpoint: 1
+    "folds": (_FOLDS, None),  # ensemble.folds: each fold's best (absent before it was kept, and outside folds)
     "metrics_records": _INT,
     "best": (_BEST, None),
     "config": dict,
@@ -211,6 +216,8 @@ def check_meta(meta: Any, path: Path) -> None:
     """Raise CheckpointError naming the first key of ``meta`` that does not fit :data:`META_SCHEMA`."""
     if isinstance(meta, dict) and "members" not in meta:  # one model (and every checkpoint before ensembles)
         meta = {**meta, "members": 1}
+    if isinstance(meta, dict) and "folds" not in meta:  # no cross-validation, or a checkpoint before folds' bests
+        meta = {**meta, "folds": None}
     problem = _type_problem(meta, META_SCHEMA, "meta")
     if problem is None:
         pos = Position(**meta["position"])

@@ -31,7 +31,7 @@ from mlptrain.base.member_settings import MemberSettings
 from mlptrain.config.schema import TrainConfig
 from mlptrain.data import Dataset
 from mlptrain.nn.members import ensemble_logits
-from mlptrain.run.folds import Folds
+from mlptrain.run.folds import BEST_PREFIX, Folds
 from mlptrain.step.checks import check_ensemble
 from mlptrain.step.schedule import lr_at
 from mlptrain.step.trainer import SplitScores, Trainer
@@ -167,10 +167,31 @@ class EnsembleTrainer(Trainer):
         """The trainer's state (parameters stacked: ``param/layer0.weight (K, out, in)``), with ``members: K``."""
         arrays, meta = super().state_dict()
         meta["members"] = self.members
+        arrays[MEMBER_LOSS] = self.backend.to_host(self.member_loss)  # this epoch's sums so far (a resume mid-epoch)
+        arrays[MEMBER_CORRECT] = self.backend.to_host(self.member_correct)
+        if self.folds is not None:  # each fold's best so far, its weights and whether it stopped (resume continues it)
+            fold_arrays, meta["folds"] = self.folds.state_dict(self)
+            arrays.update(fold_arrays)
         return arrays, meta
+
+    def load_state_dict(self, arrays: dict[str, np.ndarray], meta: dict[str, Any], *, step: int, where: str) -> None:
+        """The trainer's state, then cross-validation's tracking of each fold (:meth:`Folds.load_state_dict`)."""
+        mine = {n: a for n, a in arrays.items() if n.startswith(BEST_PREFIX)}
+        sums = {n: arrays[n] for n in (MEMBER_LOSS, MEMBER_CORRECT) if n in arrays}  # (absent before they were kept)
+        rest = {n: a for n, a in arrays.items() if n not in mine and n not in sums}
+        super().load_state_dict(rest, meta, step=step, where=where)
+        if len(sums) == 2 and all(a.shape == (self.members,) for a in sums.values()):
+            self.member_loss[...] = self.xp.asarray(sums[MEMBER_LOSS])
+            self.member_correct[...] = self.xp.asarray(sums[MEMBER_CORRECT])
+            self.member_rows = int(meta.get("position", {}).get("samples", 0))  # each member's rows of the epoch so far
+        if self.folds is not None:
+            epoch = meta.get("position", {}).get("epoch", 0)
+            self.folds.load_state_dict(self, mine, meta.get("folds"), epoch, where)
 
 
 MEMBERS_TABLE = "members.md"
+# The checkpoint's each member's training loss x rows and correct count of the epoch so far, (K,) (EnsembleTrainer)
+MEMBER_LOSS, MEMBER_CORRECT = "members/loss_sum", "members/correct"
 
 
 def _cell(value: Any) -> str:

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from mlptrain.base.errors import CheckpointError
 from mlptrain.config.schema import DataConfig, TrainConfig
 from mlptrain.data import Dataset, stratified_folds
 from mlptrain.data.loader import DataLoader
@@ -37,6 +38,7 @@ log = logging.getLogger(__name__)
 
 FOLDS_REPORT = "folds.json"
 OOF_PREDICTIONS = "oof_predictions.csv"
+BEST_PREFIX = "folds/best/"  # the checkpoint's arrays of each member's best weights (Folds.state_dict)
 
 
 class Folds:
@@ -127,6 +129,52 @@ class Folds:
         self.epoch += 1
         return out
 
+    def state_dict(self, tr: Any) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """Each member's tracking, for the checkpoint: arrays ``folds/best/<name>`` (each member's best weights,
+        stacked as the parameters, ``(K, out, in)``; a member without a best yet holds its current weights) and
+        the meta ``{"epoch": epochs ended, "best": [each fold's Best], "stopped": [epoch or null]}``."""
+        if not self.best:  # no epoch has ended yet: nothing tracked
+            return {}, {"epoch": self.epoch, "best": [], "stopped": []}
+        now = tr.model.state_dict()  # (host copies)
+        arrays = {
+            f"{BEST_PREFIX}{name}": np.stack([a[k] if s is None else s[name] for k, s in enumerate(self.best_state)])
+            for name, a in now.items()
+        }
+        meta = {"epoch": self.epoch, "best": [b.__dict__ for b in self.best], "stopped": list(self.stopped)}
+        return arrays, meta
+
+    def load_state_dict(
+        self, tr: Any, arrays: dict[str, np.ndarray], meta: dict[str, Any] | None, epoch: int, where: str
+    ) -> None:
+        """Continue the tracking of :meth:`state_dict` (a stopped member frozen again); ``meta`` None: a checkpoint
+        written before it was kept, whose tracking starts again at ``epoch`` (the checkpoint's position).
+
+        Raises:
+            CheckpointError: the tracking is not of this run's K folds, or a member's best weights are missing
+                or misshapen.
+        """
+        _check_state(tr, arrays, meta, self.k, where)
+        if meta is None:
+            log.warning(
+                "this checkpoint of a %d-fold cross-validation was written before each fold's best was saved: each "
+                "fold's best and early stopping start again from epoch %d (the result may differ from an "
+                "uninterrupted run's)",
+                *(self.k, epoch + 1),
+            )
+            self.epoch, self.best, self.best_state, self.stopped = epoch, [], [], []
+            return
+        self.epoch = int(meta["epoch"])
+        self.best = [Best(**b) for b in meta["best"]]
+        self.stopped = list(meta["stopped"])
+        self.best_state = [
+            None if b.value is None else {n[len(BEST_PREFIX) :]: a[k].copy() for n, a in arrays.items()}
+            for k, b in enumerate(self.best)
+        ]
+        members = tr.optimizer.members
+        for k, stopped in enumerate(self.stopped):
+            if stopped is not None and members is not None:
+                members.frozen[k] = True  # (its weights in the checkpoint are its best, put back when it stopped)
+
     def restore(self, tr: Any, k: int) -> None:
         """Member ``k``'s best weights, back into its slice of the stacked parameters."""
         best = self.best_state[k] if self.best_state else None
@@ -181,6 +229,23 @@ class Folds:
             w.writerow(["row", "fold", *(f"target_{n}" for n in names), *(f"prediction_{n}" for n in names)])
             for i, (fold, y, v) in enumerate(zip(self.fold, targets, values, strict=True)):
                 w.writerow([i, fold, *(f"{t:.6g}" for t in y), *(f"{t:.6g}" for t in v)])
+
+
+def _check_state(tr: Any, arrays: dict[str, np.ndarray], meta: dict[str, Any] | None, k: int, where: str) -> None:
+    """Raise CheckpointError unless ``meta`` tracks K folds and ``arrays`` hold each parameter's best weights."""
+    if meta is None or not meta["best"]:
+        return
+    if len(meta["best"]) != k or len(meta["stopped"]) != k:
+        raise CheckpointError(
+            f"{where} tracks {len(meta['best'])} folds' bests and {len(meta['stopped'])} stops; this run has {k} folds"
+        )
+    for p in tr.model.params:
+        a = arrays.get(f"{BEST_PREFIX}{p.name}")
+        if a is None or a.shape != tuple(p.value.shape):
+            found = "none" if a is None else f"{a.dtype}{list(a.shape)}"
+            raise CheckpointError(
+                f"{where}: the folds' best weights {BEST_PREFIX}{p.name} are {found}, expected {list(p.value.shape)}"
+            )
 
 
 def _one_based(epoch: int | None) -> int | None:
