@@ -30,6 +30,7 @@ class MemberHead(OutputHead):
 
     def __init__(self, loss: str) -> None:
         super().__init__(loss, "gemm")
+        self.member_losses: list[Any] | None = None  # member k's own loss function (its targets' units), if set
 
     def grads(
         self, model: MLP, logits: Any, y: Any, grad_scale: Any, *, inplace: bool = False
@@ -40,12 +41,13 @@ class MemberHead(OutputHead):
         On the GPU the plain cross-entropy runs over all members at once (:func:`stacked_cross_entropy`: a few
         array kernels for any K, where one call per member launches K loss kernels)."""
         xp = get_array_module(logits)
-        if xp is not np and self.loss_fn is softmax_cross_entropy:
+        if xp is not np and self.loss_fn is softmax_cross_entropy and self.member_losses is None:
             loss, dlogits, correct = stacked_cross_entropy(logits, y, grad_scale, inplace=inplace)
             return loss, correct, dlogits, HeadGrads()
         losses, counts, grads = [], [], []
         for k in range(logits.shape[0]):
-            loss, dlogits, correct = self.loss_fn(logits[k], y[k], grad_scale, inplace=inplace)
+            fn = self.loss_fn if self.member_losses is None else self.member_losses[k]
+            loss, dlogits, correct = fn(logits[k], y[k], grad_scale, inplace=inplace)
             losses.append(loss)
             counts.append(correct)
             grads.append(dlogits)

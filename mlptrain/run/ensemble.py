@@ -51,7 +51,8 @@ class EnsembleTrainer(Trainer):
         check_ensemble(cfg, comm is not None)
         self.folds = Folds(cfg) if cfg.ensemble.folds else None  # cross-validation (mlptrain.run.folds)
         self.last_val: dict[str, float] = {}
-        super().__init__(cfg, dataset, backend, comm=comm, member_data=self.folds, **kw)
+        kw = {"member_data": self.folds, **kw} if self.folds is not None else kw  # (or the caller's member_data)
+        super().__init__(cfg, dataset, backend, comm=comm, **kw)
         k = self.members
         self.member_loss = self.xp.zeros(k, dtype=self.xp.float64)  # this epoch's sum of loss x rows, per member
         self.member_correct = self.xp.zeros(k, dtype=self.xp.int64)

@@ -14,11 +14,13 @@ module          what it owns
 ``fitting``     the CLI's split and normalisation, epochs of the CLI's ``Trainer``, the stopping rule
 ``persist``     the fitted state as an mlptrain checkpoint: ``save``, ``load``, the ``Predictor``
 ``frames``      a DataFrame with text, ``category`` or empty cells, through the CLI's column plan
+``crossval``    ``cross_val_predict``, ``cross_validate``: scikit-learn's calls, the folds one batched run
 =============== ==================================================================
 
 docs/sklearn.md says what matches scikit-learn's own MLP and what does not.
 """
 
+from mlptrain.sklearn.crossval import cross_val_predict, cross_validate
 from mlptrain.sklearn.estimators import MLPClassifier, MLPRegressor
 
-__all__ = ["MLPClassifier", "MLPRegressor"]
+__all__ = ["MLPClassifier", "MLPRegressor", "cross_val_predict", "cross_validate"]

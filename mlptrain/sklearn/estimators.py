@@ -19,7 +19,6 @@ from typing import Any
 import numpy as np
 from sklearn.base import BaseEstimator, ClassifierMixin, RegressorMixin
 from sklearn.exceptions import ConvergenceWarning
-from sklearn.metrics import accuracy_score, r2_score
 from sklearn.utils import check_random_state
 from sklearn.utils.multiclass import check_classification_targets, unique_labels
 from sklearn.utils.validation import check_is_fitted, validate_data
@@ -32,7 +31,7 @@ from mlptrain.run.checkpoint import Checkpoint
 from mlptrain.run.ensemble import EnsembleTrainer
 from mlptrain.run.interval import Interval
 from mlptrain.sklearn import frames, persist
-from mlptrain.sklearn.fitting import Stopping, make_dataset, outputs, run_epoch
+from mlptrain.sklearn.fitting import FitSetup, Stopping, make_dataset, run_epoch, split_score
 from mlptrain.sklearn.params import batch_rows, check, check_continuation, train_config
 from mlptrain.step import build
 from mlptrain.step.trainer import Trainer
@@ -134,6 +133,24 @@ class _BaseMLP(BaseEstimator):
         return self._fit(X, y, incremental=False)
 
     def _fit(self, X: Any, y: Any, *, incremental: bool, classes: Any = None) -> Any:
+        setup = self.fit_setup(X, y, incremental=incremental, classes=classes)
+        cfg, ds, name = setup.cfg, setup.dataset, type(self).__name__
+        tr = Trainer(cfg, ds) if cfg.ensemble.size == 1 else EnsembleTrainer(cfg, ds)  # docs/ensembles.md
+        if not setup.fresh:
+            arrays, meta = self.state_.arrays, self.state_.meta
+            tr.load_state_dict(arrays, meta, step=meta["position"]["step"], where=f"the fitted {name}")
+        tr.train_loader.shuffle = bool(self.shuffle)
+        stop = Stopping(self.tol, self.n_iter_no_change, setup.early)
+        with tr.backend.blas_threads(build.step_flops(tr.widths, cfg.data.batch_size)):  # the CLI's thread policy
+            self._train(tr, setup.done, setup.epochs, stop, converge=not incremental)
+        self.state_ = persist.state(tr, self.n_iter_, self.fitted_attributes())
+        self.predictor_ = persist.predictor(self.state_, self.device)
+        return self
+
+    def fit_setup(self, X: Any, y: Any, *, incremental: bool = False, classes: Any = None) -> FitSetup:
+        """What ``fit`` trains: ``X`` and ``y`` checked, the seed drawn, the config and the split, normalised
+        dataset (:func:`~mlptrain.sklearn.fitting.make_dataset`); sets ``classes_`` or ``n_outputs_``,
+        ``n_features_in_``, ``seed_``. :func:`mlptrain.sklearn.crossval.cross_val_predict` takes it for each fold."""
         name = type(self).__name__
         params = self.get_params()
         check(name, params)
@@ -148,7 +165,7 @@ class _BaseMLP(BaseEstimator):
         targets, width = self._targets(y, fresh, classes)
         if self.batch_size != "auto" and not 1 <= self.batch_size <= len(y):
             warnings.warn(
-                "Got `batch_size` less than 1 or larger than sample size. It is going to be clipped", stacklevel=3
+                "Got `batch_size` less than 1 or larger than sample size. It is going to be clipped", stacklevel=4
             )
         early = self.early_stopping and not incremental
         if fresh:
@@ -156,8 +173,7 @@ class _BaseMLP(BaseEstimator):
             if isinstance(self.random_state, (int, np.integer)):
                 self.seed_ = int(self.random_state)  # the CLI's seed=random_state
             self.n_iter_, self.t_, self.loss_curve_ = 0, 0, []
-        done = self.n_iter_
-        epochs = 1 if incremental else self.max_iter
+        done, epochs = self.n_iter_, 1 if incremental else self.max_iter
         cfg = train_config(
             params,
             task=self._task,
@@ -171,30 +187,11 @@ class _BaseMLP(BaseEstimator):
             columns = ["label"] if count == 1 else [f"y{i}" for i in range(count)]
         cfg.data.target = columns[0] if len(columns) == 1 else columns  # what evaluate reads as the target column
         names = {**self._names(), **({"target_names": columns} if regression else {})}
-        ds = make_dataset(
-            X,
-            targets,
-            task=self._task,
-            outputs=width,
-            val_fraction=cfg.data.val_fraction,
-            split_seed=self.seed_,
-            method=self.normalize,
-            norm=None if fresh else persist.normalization(self.state_),
-            names=names,
-            columns=encoder,
-        )
+        norm = None if fresh else persist.normalization(self.state_)
+        kw: dict[str, Any] = {"val_fraction": cfg.data.val_fraction, "split_seed": self.seed_, "method": self.normalize}
+        ds = make_dataset(X, targets, task=self._task, outputs=width, norm=norm, names=names, columns=encoder, **kw)
         cfg.log_every = -(-len(ds.y_train) // cfg.data.batch_size)  # the epoch's steps: one host sync an epoch
-        tr = Trainer(cfg, ds) if cfg.ensemble.size == 1 else EnsembleTrainer(cfg, ds)  # docs/ensembles.md
-        if not fresh:
-            arrays, meta = self.state_.arrays, self.state_.meta
-            tr.load_state_dict(arrays, meta, step=meta["position"]["step"], where=f"the fitted {name}")
-        tr.train_loader.shuffle = bool(self.shuffle)
-        stop = Stopping(self.tol, self.n_iter_no_change, early)
-        with tr.backend.blas_threads(build.step_flops(tr.widths, cfg.data.batch_size)):  # the CLI's thread policy
-            self._train(tr, done, epochs, stop, converge=not incremental)
-        self.state_ = persist.state(tr, self.n_iter_, self._fitted_attributes(params))
-        self.predictor_ = persist.predictor(self.state_, self.device)
-        return self
+        return FitSetup(cfg, ds, fresh, early, done, epochs)
 
     def _train(self, tr: Trainer, done: int, epochs: int, stop: Stopping, *, converge: bool) -> None:
         """Epochs ``done .. done + epochs`` (fewer once converged, as scikit-learn's rule says)."""
@@ -208,7 +205,7 @@ class _BaseMLP(BaseEstimator):
                 self.step_losses_.extend(steps.tolist())
                 self.loss_curve_.append(loss)
                 self.n_iter_, self.t_ = epoch + 1, self.t_ + len(tr.dataset.y_train)
-                score = self._score_split(tr) if stop.early_stopping else None
+                score = split_score(tr, self._task) if stop.early_stopping else None
                 if self.verbose:
                     print(f"Iteration {epoch + 1}, loss = {loss:.8f}", flush=True)
                     if score is not None:
@@ -238,18 +235,13 @@ class _BaseMLP(BaseEstimator):
         self.validation_scores_ = scores if stop.early_stopping else None
         self.best_validation_score_ = stop.best_score if stop.early_stopping else None
 
-    def _score_split(self, tr: Trainer) -> float:
-        """scikit-learn's ``score`` on the held-out split: accuracy, or R^2 (averaged over the targets)."""
-        z, y = outputs(tr, "val"), tr.dataset.y_val
-        return float(accuracy_score(y, z.argmax(axis=1)) if self._task == "classification" else r2_score(y, z))
-
     def _names(self) -> dict[str, Any]:
         features = getattr(self, "feature_names_in_", None)
         return {"feature_names": None if features is None else [str(f) for f in features]}
 
-    def _fitted_attributes(self, params: dict[str, Any]) -> dict[str, Any]:
+    def fitted_attributes(self) -> dict[str, Any]:
         """What the checkpoint keeps besides the trainer's state, so that :meth:`load` restores the estimator."""
-        return {"params": params, **{k: getattr(self, k) for k in self.FITTED}}
+        return {"params": self.get_params(), **{k: getattr(self, k) for k in self.FITTED}}
 
     # --- the fitted model ---------------------------------------------------------------------
 

@@ -22,7 +22,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from sklearn.metrics import accuracy_score, r2_score
 
+from mlptrain.config.schema import TrainConfig
 from mlptrain.data.dataset import Dataset, Normalization
 from mlptrain.data.files.plan import ColumnPlan
 from mlptrain.data.prepare import normalization, stratified_split
@@ -131,6 +133,54 @@ def outputs(tr: Trainer, split: str) -> np.ndarray:
     return np.concatenate(out).astype(np.float64)
 
 
+def split_score(tr: Trainer, task: str) -> float:
+    """scikit-learn's ``score`` on the held-out ``val`` split: accuracy, or R^2 (averaged over the targets)."""
+    z, y = outputs(tr, "val"), tr.dataset.y_val
+    return float(accuracy_score(y, z.argmax(axis=1)) if task == "classification" else r2_score(y, z))
+
+
+def held_out(tr: Any, ds: Any) -> tuple[Any, np.ndarray]:
+    """A fold's held-out rows (``early_stopping=True``) on the device, as its own fit's loader holds them, and their
+    targets (a regressor's scaled as its fit scales them)."""
+    return tr.xp.asarray(ds.x_val, dtype=tr.precision.compute_dtype), np.asarray(ds.y_val)
+
+
+def member_scores(tr: Any, held: list[tuple[Any, np.ndarray]], classification: bool) -> list[float]:
+    """Cross-validation (:mod:`mlptrain.sklearn.crossval`): each member's ``score`` (accuracy, or R^2) on its own
+    held-out rows ``held[k]`` (:func:`held_out`): one batched forward per batch of ``eval_batch_size`` rows, member
+    k's rows in slice k (its own fit's batches where the sets have one size, as :func:`split_score` takes them)."""
+    xp, b = tr.xp, tr.cfg.data.eval_batch_size
+    outputs: list[list[np.ndarray]] = [[] for _ in held]
+    for start in range(0, max(len(y) for _, y in held), b):
+        parts = [x[start : start + b] for x, _ in held]
+        rows = max(len(p) for p in parts)
+        pad = [xp.zeros((rows - len(p), p.shape[1]), dtype=p.dtype) for p in parts]  # (a shorter set: zero rows)
+        stack = xp.stack([xp.concatenate([p, z]) for p, z in zip(parts, pad, strict=True)])  # (K, B, F)
+        z = tr.model.forward(stack, keep=False)  # (K, B, C): every member on its own rows
+        for k, p in enumerate(parts):
+            outputs[k].append(tr.backend.to_host(z[k, : len(p)]).astype(np.float64))
+    tr.gemm.release_operands()
+    out = []
+    for (_, y), found in zip(held, outputs, strict=True):
+        z = np.concatenate(found)
+        out.append(float(accuracy_score(y, z.argmax(axis=1)) if classification else r2_score(y, z)))
+    return out
+
+
+@dataclass
+class FitSetup:
+    """What a fit trains (:meth:`mlptrain.sklearn.estimators.MLPClassifier.fit_setup`): the config, the split and
+    normalised dataset, whether the fit is fresh (not a continued one), whether it stops early, the epochs
+    done before it and the epochs it may take."""
+
+    cfg: TrainConfig
+    dataset: Dataset
+    fresh: bool
+    early: bool
+    done: int
+    epochs: int
+
+
 @dataclass
 class Stopping:
     """scikit-learn's MLP convergence rule, epoch by epoch.
@@ -149,8 +199,9 @@ class Stopping:
     no_improvement: int = 0
     best_params: dict[str, np.ndarray] | None = field(default=None, repr=False)
 
-    def update(self, tr: Trainer, loss: float, score: float | None) -> bool:
-        """Record the epoch's training loss (and validation score); returns whether the fit has converged."""
+    def update(self, tr: Any, loss: float, score: float | None) -> bool:
+        """Record the epoch's training loss (and validation score); returns whether the fit has converged. ``tr``:
+        the trainer (or what gives one member's parameters as ``tr.model.state_dict()``)."""
         if self.early_stopping:
             assert score is not None
             self.no_improvement = self.no_improvement + 1 if score < self.best_score + self.tol else 0

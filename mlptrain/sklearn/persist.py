@@ -31,10 +31,17 @@ IN_MEMORY = Path("<in memory>")
 def state(tr: Trainer, epochs: int, fitted: dict[str, Any]) -> Checkpoint:
     """The checkpoint of ``tr`` after ``epochs`` epochs (syncs the device), with the estimator's ``fitted``."""
     arrays, meta = tr.state_dict()
-    step, spe = tr.step_count, tr.steps_per_epoch
+    return assemble(arrays, meta, tr.cfg, tr.step_count, tr.steps_per_epoch, fitted)
+
+
+def assemble(
+    arrays: dict[str, np.ndarray], meta: dict[str, Any], cfg: Any, step: int, spe: int, fitted: dict[str, Any]
+) -> Checkpoint:
+    """A trainer's state (``arrays``, ``meta``: one model's, of config ``cfg``) after ``step`` steps of ``spe`` per
+    epoch, as a fitted estimator's checkpoint (cross-validation assembles each fold's from its member's slices)."""
     # a continued fit may have changed the batches per epoch: the position is the one these say
     meta.update(position=Position(step // spe, step % spe, step).__dict__, metrics_records=0, best=None)
-    meta["config"] = {**to_plain(tr.cfg), "sklearn": json.loads(json.dumps(fitted, default=_plain))}
+    meta["config"] = {**to_plain(cfg), "sklearn": json.loads(json.dumps(fitted, default=_plain))}
     return Checkpoint(IN_MEMORY, arrays, meta)
 
 

@@ -96,10 +96,11 @@ def trainer(
     comm: Any,
     precompile: Any,
     member_data: Callable[..., tuple[DataLoader, dict]] | None = None,
+    member_seeds: list[int] | None = None,
 ) -> TrainerParts:
     """The parts of a trainer (its arguments: :class:`~mlptrain.step.trainer.Trainer`), built in order.
     ``member_data``: an ensemble's loaders (default :func:`~mlptrain.data.member_loader.same_rows`; folds:
-    :class:`mlptrain.run.folds.Folds`)."""
+    :class:`mlptrain.run.folds.Folds`); ``member_seeds``: member k's run seed (default ``seed + k``)."""
     backend = backend or get_backend(cfg.device.value)
     xp, prec = backend.xp, precision(cfg.precision, backend)
     # GPU: the run's CuPy kernels compile on threads from here on, each waited for before its first launch
@@ -120,7 +121,8 @@ def trainer(
     engine = gemm(cfg.execution, backend, prec, members)
     ex = execution(cfg.execution, engine, xp)
     runtime.wait("setup")  # from here on: the parameters' cast (resuming: CuPy's fill)
-    net = model(cfg.model, sizes, ex, backend, prec, [seeds(cfg.seed + k)[0] for k in range(members)])
+    run_seeds = member_seeds or [cfg.seed + k for k in range(members)]  # (sklearn's cross_val_predict: one seed)
+    net = model(cfg.model, sizes, ex, backend, prec, [seeds(s)[0] for s in run_seeds])
     two_streams = wgrad_stream(cfg.execution, sizes, cfg.data.batch_size, comm is not None)
     runtime.wgrad_stream(net, two_streams and members == 1)  # GPU: dW GEMMs concurrent with the dX chain
     out = head(cfg, backend, sizes) if members == 1 else MemberHead(cfg.model.loss)
@@ -131,7 +133,7 @@ def trainer(
     if data.w_train is not None:  # data.weight: the training batches carry each row's weight (last, once the loss is)
         out.weigh_rows(data.task == "classification")
     shard = (comm.rank, comm.world) if comm is not None else None
-    data_seeds = [seeds(cfg.seed + k)[1] for k in range(members)]
+    data_seeds = [seeds(s)[1] for s in run_seeds]
     train, evaluation = loaders(cfg.data, data, xp, prec.compute_dtype, data_seeds[0], shard)
     if members > 1:  # member k's batches in the order of the single run of seed + k (folds: of its own rows)
         make = member_data or same_rows

@@ -57,6 +57,7 @@ class Trainer:
             :func:`mlptrain.run.run.train` started them; by default the trainer starts them (unless
             ``execution.precompile=false``).
         member_data: an ensemble's loaders (:func:`mlptrain.step.build.trainer`: cross-validation's folds).
+        member_seeds: an ensemble's run seed of each member (default ``seed + k``).
     """
 
     def __init__(
@@ -68,10 +69,12 @@ class Trainer:
         comm: Any = None,
         precompile: Any = None,
         member_data: Any = None,
+        member_seeds: list[int] | None = None,
     ) -> None:
         self.cfg = cfg
         # each part from its config group
-        p = build.trainer(cfg, dataset, backend, comm=comm, precompile=precompile, member_data=member_data)
+        kw = {"member_data": member_data, "member_seeds": member_seeds}
+        p = build.trainer(cfg, dataset, backend, comm=comm, precompile=precompile, **kw)
         self.backend, self.xp, self.precision, self.runtime = p.backend, p.backend.xp, p.precision, p.runtime
         self.dataset, self.widths, self.gemm, self.execution = p.dataset, p.widths, p.gemm, p.execution
         self.members = p.model.members  # an ensemble's (mlptrain.run.ensemble), 1 otherwise

@@ -1,0 +1,176 @@
+"""mlptrain.sklearn.cross_val_predict and cross_validate: scikit-learn's calls, the folds trained as one batched run.
+
+The reference is scikit-learn's own ``cross_val_predict`` / ``cross_validate`` on the same estimator and folds:
+it fits one clone per fold, one after another. Where the folds' training sets have one size, each member of the
+batched run is its fold's fit bit for bit on the CPU (the same data, seed, batch order and stopping rule; the
+CPU engine computes member k as the single model, docs/ensembles.md), so the predictions are compared exactly.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("sklearn")
+from sklearn import model_selection as ms  # noqa: E402
+from sklearn.base import clone  # noqa: E402
+from sklearn.linear_model import LogisticRegression  # noqa: E402
+
+from mlptrain.base.errors import ConfigError  # noqa: E402
+from mlptrain.sklearn import MLPClassifier, MLPRegressor, cross_val_predict, cross_validate  # noqa: E402
+from mlptrain.sklearn.crossval import fit_folds, folds  # noqa: E402
+
+
+def data(n: int = 200) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(n, 6))
+    y = (X[:, 0] + X[:, 1] * X[:, 2] > 0).astype(int) + (X[:, 3] > 1)  # 3 classes, imbalanced (102, 85, 13)
+    return X, y, X[:, 0] * 3 + X[:, 1] ** 2 + 10
+
+
+def classifier(**kw) -> MLPClassifier:
+    # tol/n_iter_no_change: the folds converge at different epochs (asserted), so each stops by its own rule
+    base = {"hidden_layer_sizes": (16,), "random_state": 3, "max_iter": 60, "batch_size": 32, "device": "cpu"}
+    return MLPClassifier(**{**base, "tol": 1e-2, "n_iter_no_change": 2, **kw})
+
+
+def regressor(**kw) -> MLPRegressor:
+    base = {"hidden_layer_sizes": (16,), "random_state": 1, "max_iter": 60, "batch_size": 32, "device": "cpu"}
+    return MLPRegressor(**{**base, "tol": 1e-2, "n_iter_no_change": 2, **kw})
+
+
+def assert_folds_are_their_fits(est, X, y, splits) -> list[int]:
+    """Each fold's fitted estimator equals ``clone(est).fit`` on its training rows: weights, curve, epochs."""
+    fitted = fit_folds(est, X, y, splits)
+    for k, (mine, (train, _)) in enumerate(zip(fitted, splits, strict=True)):
+        alone = clone(est).fit(X.iloc[train] if hasattr(X, "iloc") else X[train], y[train])
+        assert mine.n_iter_ == alone.n_iter_ and mine.loss_curve_ == alone.loss_curve_, k
+        for a, b in zip(mine.coefs_ + mine.intercepts_, alone.coefs_ + alone.intercepts_, strict=True):
+            np.testing.assert_array_equal(a, b)
+    return [e.n_iter_ for e in fitted]
+
+
+@pytest.mark.parametrize("early_stopping", [False, True])
+@pytest.mark.parametrize("method", ["predict", "predict_proba"])
+def test_a_classifier_cross_val_predict_equals_scikit_learns_bit_for_bit(method: str, early_stopping: bool) -> None:
+    X, y, _ = data()
+    est, cv = classifier(early_stopping=early_stopping), ms.StratifiedKFold(5, shuffle=True, random_state=0)
+    mine = cross_val_predict(est, X, y, cv=cv, method=method)
+    reference = ms.cross_val_predict(est, X, y, cv=cv, method=method)
+    np.testing.assert_array_equal(mine, reference)
+    assert mine.shape == ((200,) if method == "predict" else (200, 3))
+    iters = assert_folds_are_their_fits(est, X, y, list(cv.split(X, y)))
+    assert len(set(iters)) > 1 and max(iters) < 60  # every fold stopped, not all at one epoch
+
+
+@pytest.mark.parametrize("early_stopping", [False, True])
+def test_a_regressor_cross_val_predict_equals_scikit_learns_bit_for_bit(early_stopping: bool) -> None:
+    X, _, y = data()
+    Y = np.stack([y, X[:, 2] * 100], axis=1)  # two targets of other scales: each fold scales them on its own rows
+    est, cv = regressor(early_stopping=early_stopping), ms.KFold(4, shuffle=True, random_state=0)
+    for target in (y, Y):
+        np.testing.assert_array_equal(
+            cross_val_predict(est, X, target, cv=cv), ms.cross_val_predict(est, X, target, cv=cv)
+        )
+    iters = assert_folds_are_their_fits(est, X, y, list(cv.split(X)))
+    if early_stopping:
+        assert len(set(iters)) > 1 and max(iters) < 60
+
+
+def test_a_dataframe_with_text_and_empty_cells_equals_scikit_learns() -> None:
+    pd = pytest.importorskip("pandas")
+    X, y, _ = data()
+    frame = pd.DataFrame(X, columns=list("abcdef"))
+    frame["city"] = np.random.default_rng(1).choice(["Oslo", "Lima", "Pune"], len(frame))  # one-hot, fitted per fold
+    frame.loc[::17, "a"] = np.nan  # median-filled with a_missing: the medians are each fold's own
+    est, cv = classifier(), ms.StratifiedKFold(5, shuffle=True, random_state=0)
+    mine = cross_val_predict(est, frame, y, cv=cv, method="predict_proba")
+    np.testing.assert_array_equal(mine, ms.cross_val_predict(est, frame, y, cv=cv, method="predict_proba"))
+    fitted = fit_folds(est, frame, y, list(cv.split(frame, y)))
+    assert fitted[0].column_plan_ is not None and fitted[0].n_features_in_ == 7
+
+
+def test_an_int_cv_is_stratified_for_a_classifier_and_kfold_for_a_regressor() -> None:
+    X, y, yr = data()
+    splits = folds(classifier(), X, y, None, 5)
+    for (train, test), (a, b) in zip(splits, ms.StratifiedKFold(5).split(X, y), strict=True):
+        np.testing.assert_array_equal(test, b)
+        np.testing.assert_array_equal(train, a)
+        counts = np.bincount(y[test], minlength=3)
+        assert np.all(np.abs(counts - np.bincount(y) / 5) <= 1)  # each class dealt evenly into each test fold
+    for (_, test), (_, b) in zip(folds(regressor(), X, yr, None, 5), ms.KFold(5).split(X), strict=True):
+        np.testing.assert_array_equal(test, b)
+    np.testing.assert_array_equal(cross_val_predict(classifier(), X, y), ms.cross_val_predict(classifier(), X, y))
+
+
+def test_a_group_splitter_takes_the_groups() -> None:
+    X, y, _ = data()
+    groups = np.repeat(np.arange(8), 25)  # 8 groups of 25 rows: 4 folds of 50
+    cv = ms.GroupKFold(4)
+    mine = cross_val_predict(classifier(), X, y, cv=cv, groups=groups, method="predict_proba")
+    reference = ms.cross_val_predict(classifier(), X, y, cv=cv, groups=groups, method="predict_proba")
+    np.testing.assert_array_equal(mine, reference)
+    for train, test in folds(classifier(), X, y, groups, cv):
+        assert not set(groups[train]) & set(groups[test])  # a group's rows never on both sides
+    with pytest.raises(ConfigError, match="groups"):  # GroupKFold without groups: scikit-learn's words, ours around
+        cross_val_predict(classifier(), X, y, cv=cv)
+
+
+def test_folds_of_two_sizes_are_topped_up_and_the_full_size_ones_stay_exact() -> None:
+    X, y, _ = data(197)  # 5 folds: training sets of 157 and 158 rows
+    cv = ms.KFold(5)
+    splits = list(cv.split(X))
+    mine = cross_val_predict(classifier(), X, y, cv=cv, method="predict_proba")
+    reference = ms.cross_val_predict(classifier(), X, y, cv=cv, method="predict_proba")
+    full = [k for k, (train, _) in enumerate(splits) if len(train) == 158]
+    assert 0 < len(full) < 5
+    for k, (_, test) in enumerate(splits):
+        if k in full:  # no row drawn again: its own fit
+            np.testing.assert_array_equal(mine[test], reference[test])
+        else:  # a row seen twice an epoch: close, not equal
+            assert not np.array_equal(mine[test], reference[test])
+            np.testing.assert_allclose(mine[test], reference[test], atol=0.2)
+
+
+def test_cross_validate_gives_scikit_learns_scores_and_the_fold_estimators() -> None:
+    X, y, _ = data()
+    scoring = ["accuracy", "neg_log_loss"]
+    mine = cross_validate(classifier(), X, y, cv=4, scoring=scoring, return_train_score=True, return_estimator=True)
+    reference = ms.cross_validate(classifier(), X, y, cv=4, scoring=scoring, return_train_score=True)
+    for key in ("test_accuracy", "test_neg_log_loss", "train_accuracy", "train_neg_log_loss"):
+        np.testing.assert_array_equal(mine[key], reference[key])
+    assert len(mine["estimator"]) == 4 and mine["fit_time"].shape == (4,)
+    X, _, yr = data()
+    single = cross_validate(regressor(), X, yr, cv=4)  # scoring=None: the estimator's score (R^2)
+    np.testing.assert_array_equal(single["test_score"], ms.cross_validate(regressor(), X, yr, cv=4)["test_score"])
+
+
+@pytest.mark.parametrize(
+    ("cv", "words"),
+    [
+        (ms.ShuffleSplit(3, random_state=0), r"cv=ShuffleSplit\(.*test sets partition the rows.*accepted: cv=None or"),
+        (ms.TimeSeriesSplit(3), r"cv=TimeSeriesSplit\(.*holding 150 of the 200 rows"),
+        ([(np.arange(100, 200), np.arange(100))], r"at least 2 folds"),
+        ("five", r"cv='five'.*Expected `cv` as an integer"),
+    ],
+)
+def test_folds_that_do_not_partition_the_rows_are_refused_naming_what_was_given(cv, words: str) -> None:
+    X, y, _ = data()
+    with pytest.raises(ConfigError, match=words):
+        cross_val_predict(classifier(), X, y, cv=cv)
+
+
+def test_what_cannot_be_one_batched_run_is_refused() -> None:
+    X, y, yr = data()
+    with pytest.raises(TypeError, match="got LogisticRegression: use sklearn.model_selection.cross_val_predict"):
+        cross_val_predict(LogisticRegression(), X, y)
+    with pytest.raises(ConfigError, match="MLPRegressor predicts with predict"):
+        cross_val_predict(regressor(), X, yr, method="predict_proba")
+    with pytest.raises(ConfigError, match="ensemble_size=2.*set ensemble_size=1"):
+        cross_val_predict(classifier(ensemble_size=2), X, y)
+    first = np.union1d(np.flatnonzero(y == 2), np.arange(50))  # fold 0's test rows: every row of class 2
+    splits = [(np.setdiff1d(np.arange(200), part), part) for part in (first, np.setdiff1d(np.arange(200), first))]
+    with pytest.raises(ConfigError, match=r"fold 0's training rows lack class\(es\) \[2\]"):
+        cross_val_predict(classifier(), X, y, cv=splits)
+    with pytest.raises(ConfigError, match="fit parameters"):
+        cross_val_predict(classifier(), X, y, params={"sample_weight": np.ones(200)})
