@@ -20,6 +20,9 @@ from mlptrain.base.errors import ConfigError  # noqa: E402
 from mlptrain.sklearn import MLPClassifier, MLPRegressor, cross_val_predict, cross_validate  # noqa: E402
 from mlptrain.sklearn.crossval import fit_folds, folds  # noqa: E402
 
+# (scikit-learn's reference fits warn as the folds do where max_iter ends a fold: asserted once, below)
+pytestmark = pytest.mark.filterwarnings("ignore::sklearn.exceptions.ConvergenceWarning")
+
 
 def data(n: int = 200) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     rng = np.random.default_rng(0)
@@ -174,3 +177,14 @@ def test_what_cannot_be_one_batched_run_is_refused() -> None:
         cross_val_predict(classifier(), X, y, cv=splits)
     with pytest.raises(ConfigError, match="fit parameters"):
         cross_val_predict(classifier(), X, y, params={"sample_weight": np.ones(200)})
+
+
+def test_folds_still_running_at_max_iter_warn_as_their_fits_would_naming_them() -> None:
+    from sklearn.exceptions import ConvergenceWarning
+
+    X, y, _ = data()
+    est = classifier(max_iter=28)  # with max_iter=60 the folds stop after 26 to 31 epochs
+    with pytest.warns(ConvergenceWarning, match=r"Maximum iterations \(28\) reached.*fold\(s\) (\d, )*\d\)"):
+        fitted = fit_folds(est, X, y, folds(est, X, y, None, 5))
+    iters = [e.n_iter_ for e in fitted]
+    assert min(iters) < 28 and max(iters) == 28  # one fold converged, the others ran out of epochs
