@@ -173,7 +173,8 @@ class Folds:
         members = tr.optimizer.members
         for k, stopped in enumerate(self.stopped):
             if stopped is not None and members is not None:
-                members.frozen[k] = True  # (its weights in the checkpoint are its best, put back when it stopped)
+                members.freeze(k)  # its weights in the checkpoint are its best, put back when it stopped; on the GPU
+                # the flags reach the device array the update kernel reads
 
     def restore(self, tr: Any, k: int) -> None:
         """Member ``k``'s best weights, back into its slice of the stacked parameters."""
