@@ -169,3 +169,21 @@ def test_a_cross_validation_checkpoint_from_before_the_folds_bests_still_resumes
     assert "written before each fold's best was saved" in caplog.text
     report = json.loads((tmp_path / "folds.json").read_text())
     assert len(report["folds"]) == 4 and all(f["epoch"] > 2 for f in report["folds"])  # tracked from epoch 3 on
+
+
+def test_a_resumed_cross_validation_sets_the_frozen_flags_the_gpu_kernel_reads() -> None:
+    """A stopped fold frozen again on resume: the host mask and the (K,) flags the GPU's update kernel reads."""
+    cfg = folds_cfg()
+    cfg.early_stopping.patience = 1
+    tr = EnsembleTrainer(cfg)
+    assert tr.folds is not None
+    found = {f"member{k}/val/acc": 0.5 for k in range(4)}
+    tr.folds.end_epoch(tr, found)
+    found["member2/val/acc"] = 0.4  # member 2 stops
+    tr.folds.end_epoch(tr, found)
+    arrays, meta = tr.folds.state_dict(tr)
+    fresh = EnsembleTrainer(cfg)
+    assert fresh.folds is not None and fresh.optimizer.members is not None
+    fresh.folds.load_state_dict(fresh, arrays, meta, epoch=2, where="the test's checkpoint")
+    assert list(fresh.optimizer.members.frozen) == [False, False, True, False]
+    assert list(np.asarray(fresh.optimizer.members.frozen_flags)) == [0, 0, 1, 0]
