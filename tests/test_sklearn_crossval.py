@@ -175,7 +175,9 @@ def test_what_cannot_be_one_batched_run_is_refused() -> None:
     splits = [(np.setdiff1d(np.arange(200), part), part) for part in (first, np.setdiff1d(np.arange(200), first))]
     with pytest.raises(ConfigError, match=r"fold 0's training rows lack class\(es\) \[2\]"):
         cross_val_predict(classifier(), X, y, cv=splits)
-    with pytest.raises(ConfigError, match="fit parameters"):
+    with pytest.raises(
+        ConfigError, match=r"fit parameters \['sample_weight'\] \(params=\).*takes no sample_weight yet"
+    ):
         cross_val_predict(classifier(), X, y, params={"sample_weight": np.ones(200)})
 
 

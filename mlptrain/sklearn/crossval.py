@@ -78,7 +78,7 @@ def cross_val_predict(
     """scikit-learn's ``cross_val_predict`` for :class:`MLPClassifier` and :class:`MLPRegressor`, its folds trained
     as one batched run (the module docstring): each row's prediction (``method``) by the fold model that did not
     train on it, in row order. ``n_jobs``, ``verbose`` and ``pre_dispatch`` are scikit-learn's, and unused (one
-    run, one process); ``params`` (fit parameters) must be empty: ``fit`` takes none.
+    run, one process); ``params`` (fit parameters: ``sample_weight``) must be empty: the batched folds take no weights.
 
     Raises:
         ConfigError: a ``cv`` whose test sets do not partition the rows (ShuffleSplit, TimeSeriesSplit), a
@@ -352,8 +352,13 @@ def _task(estimator: Any, caller: str) -> str:
 
 
 def _no_fit_params(params: Any) -> None:
+    """Refuse fit parameters (``sample_weight``): the folds train as an ensemble's members, which take no weights."""
     if params:
-        raise ConfigError(f"fit parameters params={params!r}: the estimators' fit takes none; pass params=None")
+        raise ConfigError(
+            f"fit parameters {sorted(map(str, params))} (params=): the folds train as the members of one batched "
+            "run, which takes no sample_weight yet; pass params=None, or use sklearn.model_selection.cross_val_predict "
+            "(one fit per fold) for weighted folds"
+        )
 
 
 def _scorers(estimator: Any, scoring: Any) -> dict[str, Any]:

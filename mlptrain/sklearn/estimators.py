@@ -31,8 +31,9 @@ from mlptrain.run.checkpoint import Checkpoint
 from mlptrain.run.ensemble import EnsembleTrainer
 from mlptrain.run.interval import Interval
 from mlptrain.sklearn import frames, persist
-from mlptrain.sklearn.fitting import FitSetup, Stopping, make_dataset, run_epoch, split_score
+from mlptrain.sklearn.fitting import FitSetup, Stopping, make_dataset, run_epoch, split_score, val_weights
 from mlptrain.sklearn.params import batch_rows, check, check_continuation, train_config
+from mlptrain.sklearn.sample_weight import check_sample_weight, decay_scale
 from mlptrain.step import build
 from mlptrain.step.trainer import Trainer
 
@@ -128,12 +129,13 @@ class _BaseMLP(BaseEstimator):
 
     # --- fitting ------------------------------------------------------------------------------
 
-    def fit(self, X: Any, y: Any) -> Any:
-        """Train on raw rows ``X (N, F)`` and targets ``y`` for up to ``max_iter`` epochs; returns ``self``."""
-        return self._fit(X, y, incremental=False)
+    def fit(self, X: Any, y: Any, sample_weight: Any = None) -> Any:
+        """Train on raw rows ``X (N, F)`` and targets ``y`` for up to ``max_iter`` epochs; returns ``self``.
+        ``sample_weight``: ``(N,)`` row weights in the training loss (:mod:`mlptrain.sklearn.sample_weight`)."""
+        return self._fit(X, y, incremental=False, sample_weight=sample_weight)
 
-    def _fit(self, X: Any, y: Any, *, incremental: bool, classes: Any = None) -> Any:
-        setup = self.fit_setup(X, y, incremental=incremental, classes=classes)
+    def _fit(self, X: Any, y: Any, *, incremental: bool, classes: Any = None, sample_weight: Any = None) -> Any:
+        setup = self.fit_setup(X, y, incremental=incremental, classes=classes, sample_weight=sample_weight)
         cfg, ds, name = setup.cfg, setup.dataset, type(self).__name__
         tr = Trainer(cfg, ds) if cfg.ensemble.size == 1 else EnsembleTrainer(cfg, ds)  # docs/ensembles.md
         if not setup.fresh:
@@ -142,12 +144,14 @@ class _BaseMLP(BaseEstimator):
         tr.train_loader.shuffle = bool(self.shuffle)
         stop = Stopping(self.tol, self.n_iter_no_change, setup.early)
         with tr.backend.blas_threads(build.step_flops(tr.widths, cfg.data.batch_size)):  # the CLI's thread policy
-            self._train(tr, setup.done, setup.epochs, stop, converge=not incremental)
+            self._train(tr, setup, stop, converge=not incremental)
         self.state_ = persist.state(tr, self.n_iter_, self.fitted_attributes())
         self.predictor_ = persist.predictor(self.state_, self.device)
         return self
 
-    def fit_setup(self, X: Any, y: Any, *, incremental: bool = False, classes: Any = None) -> FitSetup:
+    def fit_setup(
+        self, X: Any, y: Any, *, incremental: bool = False, classes: Any = None, sample_weight: Any = None
+    ) -> FitSetup:
         """What ``fit`` trains: ``X`` and ``y`` checked, the seed drawn, the config and the split, normalised
         dataset (:func:`~mlptrain.sklearn.fitting.make_dataset`); sets ``classes_`` or ``n_outputs_``,
         ``n_features_in_``, ``seed_``. :func:`mlptrain.sklearn.crossval.cross_val_predict` takes it for each fold."""
@@ -162,6 +166,7 @@ class _BaseMLP(BaseEstimator):
             check_continuation(name, "partial_fit" if incremental else "warm_start=True", params, self.state_)
         columns = persist.target_columns(y)
         X, y, encoder = frames.fit_input(self, X, y, fresh=fresh, regression=regression)  # a frame: its plan
+        w = check_sample_weight(name, sample_weight, len(y), self.ensemble_size)  # (N,) float64, or None
         targets, width = self._targets(y, fresh, classes)
         if self.batch_size != "auto" and not 1 <= self.batch_size <= len(y):
             warnings.warn(
@@ -189,12 +194,17 @@ class _BaseMLP(BaseEstimator):
         names = {**self._names(), **({"target_names": columns} if regression else {})}
         norm = None if fresh else persist.normalization(self.state_)
         kw: dict[str, Any] = {"val_fraction": cfg.data.val_fraction, "split_seed": self.seed_, "method": self.normalize}
-        ds = make_dataset(X, targets, task=self._task, outputs=width, norm=norm, names=names, columns=encoder, **kw)
+        ds = make_dataset(
+            X, targets, task=self._task, outputs=width, norm=norm, names=names, columns=encoder, w=w, **kw
+        )
         cfg.log_every = -(-len(ds.y_train) // cfg.data.batch_size)  # the epoch's steps: one host sync an epoch
-        return FitSetup(cfg, ds, fresh, early, done, epochs)
+        cfg.optimizer.weight_decay /= decay_scale(ds.w_train)  # alpha over a step's weight, as scikit-learn's
+        w_val = val_weights(w, targets, self._task, cfg.data.val_fraction, self.seed_)  # early stopping's scores
+        return FitSetup(cfg, ds, fresh, early, done, epochs, w_val)
 
-    def _train(self, tr: Trainer, done: int, epochs: int, stop: Stopping, *, converge: bool) -> None:
+    def _train(self, tr: Trainer, setup: FitSetup, stop: Stopping, *, converge: bool) -> None:
         """Epochs ``done .. done + epochs`` (fewer once converged, as scikit-learn's rule says)."""
+        done, epochs = setup.done, setup.epochs
         self.step_losses_ = [] if not hasattr(self, "step_losses_") or done == 0 else self.step_losses_
         scores: list[float] = []
         converged = False
@@ -205,7 +215,7 @@ class _BaseMLP(BaseEstimator):
                 self.step_losses_.extend(steps.tolist())
                 self.loss_curve_.append(loss)
                 self.n_iter_, self.t_ = epoch + 1, self.t_ + len(tr.dataset.y_train)
-                score = split_score(tr, self._task) if stop.early_stopping else None
+                score = split_score(tr, self._task, setup.w_val) if stop.early_stopping else None
                 if self.verbose:
                     print(f"Iteration {epoch + 1}, loss = {loss:.8f}", flush=True)
                     if score is not None:
@@ -215,12 +225,7 @@ class _BaseMLP(BaseEstimator):
                 if converge and stop.update(tr, loss, score):
                     converged = True
                     if self.verbose:
-                        print(
-                            f"{'Validation score' if stop.early_stopping else 'Training loss'} did not improve more "
-                            f"than tol={self.tol} for {self.n_iter_no_change} "
-                            "consecutive epochs. Stopping.",
-                            flush=True,
-                        )
+                        print(stop.said(), flush=True)
                     break
         if converge and not converged:
             warnings.warn(
@@ -335,8 +340,9 @@ class MLPClassifier(ClassifierMixin, _BaseMLP):
     def _names(self) -> dict[str, Any]:
         return {**super()._names(), "class_names": [str(c) for c in self.classes_]}
 
-    def partial_fit(self, X: Any, y: Any, classes: Any = None) -> MLPClassifier:
-        """One epoch over ``X, y``, continuing the fitted model; the first call needs ``classes`` (all of them)."""
+    def partial_fit(self, X: Any, y: Any, sample_weight: Any = None, classes: Any = None) -> MLPClassifier:
+        """One epoch over ``X, y`` (rows weighted by ``sample_weight``), continuing the fitted model; the first call
+        needs ``classes`` (all of them)."""
         if not hasattr(self, "state_") and classes is None:
             raise TargetError(f"{type(self).__name__}.partial_fit needs classes=<every class> on its first call")
         fitted = hasattr(self, "state_") and classes is not None
@@ -344,7 +350,7 @@ class MLPClassifier(ClassifierMixin, _BaseMLP):
             raise TargetError(
                 f"`classes={classes!r}` is not the same as on last call to partial_fit, was: {self.classes_!r}"
             )
-        return self._fit(X, y, incremental=True, classes=classes)
+        return self._fit(X, y, incremental=True, classes=classes, sample_weight=sample_weight)
 
     def predict(self, X: Any) -> np.ndarray:
         """The class of each raw row ``X (N, F)``: ``(N,)`` labels of :attr:`classes_`."""
@@ -381,9 +387,10 @@ class MLPRegressor(RegressorMixin, _BaseMLP):
         tags.target_tags.multi_output = True
         return tags
 
-    def partial_fit(self, X: Any, y: Any) -> MLPRegressor:
-        """One epoch over ``X, y``, continuing the fitted model (the first call fits a new one)."""
-        return self._fit(X, y, incremental=True)
+    def partial_fit(self, X: Any, y: Any, sample_weight: Any = None) -> MLPRegressor:
+        """One epoch over ``X, y`` (rows weighted by ``sample_weight``), continuing the fitted model (the first call
+        fits a new one)."""
+        return self._fit(X, y, incremental=True, sample_weight=sample_weight)
 
     def predict(self, X: Any) -> np.ndarray:
         """``(N,)`` predictions for raw rows ``X (N, F)``, or ``(N, T)`` for several targets."""

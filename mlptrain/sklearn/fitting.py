@@ -31,6 +31,7 @@ from mlptrain.data.prepare import normalization, stratified_split
 from mlptrain.nn.members import MemberMean
 from mlptrain.run import faults
 from mlptrain.run.interval import Closed, Interval
+from mlptrain.sklearn.sample_weight import standardise, train_normalization
 from mlptrain.step.trainer import Trainer
 
 # The seed stream of load_dataset's splits ([split_seed, SPLIT_STREAM]): the same rows held out as the CLI's
@@ -49,6 +50,7 @@ def make_dataset(
     norm: Normalization | None = None,
     names: dict[str, Any] | None = None,
     columns: Callable[[np.ndarray], tuple[np.ndarray, ColumnPlan]] | None = None,
+    w: np.ndarray | None = None,
 ) -> Dataset:
     """The :class:`Dataset` of raw rows ``x (N, F)`` float64 and targets ``y`` (class indices ``(N,)``
     int64, or ``(N, T)`` float32), split and normalised as ``data=file`` with a test file does.
@@ -56,32 +58,54 @@ def make_dataset(
     ``norm``: keep this normalisation (a fit that continues one) instead of taking the train split's;
     ``names``: ``feature_names``, ``class_names``, ``target_names`` for the checkpoint; ``columns``: ``x`` is
     a DataFrame's raw columns (:mod:`mlptrain.sklearn.frames`), encoded by ``columns(train rows)``, which
-    returns the inputs ``(N, F)`` float64 and the column plan (fitted on the train split, as the CLI's).
+    returns the inputs ``(N, F)`` float64 and the column plan (fitted on the train split, as the CLI's); ``w``:
+    ``(N,)`` float64 row weights (``sample_weight``), the train split's kept as :attr:`Dataset.w_train`.
     """
-    strata = y if task == "classification" else np.zeros(len(y), np.int64)
-    rng = np.random.default_rng([split_seed, SPLIT_STREAM])
-    train, val = stratified_split(strata, val_fraction, rng)
+    train, val = split_rows(y, task, val_fraction, split_seed)
     plan = None
     if columns is not None:
         x, plan = columns(train)
         names = {**(names or {}), "feature_names": plan.feature_names}  # the encoded columns, as the CLI's
     binary = None if plan is None else plan.binary()  # the plan's 0/1 columns: standardised under robust/quantile
-    norm = norm or normalization(method, x[train], seed=split_seed, binary=binary)
+    if w is None:
+        norm = norm or normalization(method, x[train], seed=split_seed, binary=binary)
+    else:  # the statistics of the rows repeated w times (sample_weight.train_normalization)
+        norm = norm or train_normalization(method, x[train], w[train], seed=split_seed, binary=binary)
+    ts = None if w is None or task != "regression" else standardise(y[train], w[train])  # weighted, as the inputs
+    ys = [y[rows] if ts is None else ts.apply(y[rows]) for rows in (train, val)]  # (scaled as preprocess scales)
     none = np.zeros((0, x.shape[1]), np.float32)  # no test split: the caller scores what it holds out
     return Dataset(
         "sklearn",
         norm.apply(x[train]),
-        y[train],
+        ys[0],
         norm.apply(x[val]),
-        y[val],
+        ys[1],
         none,
-        y[:0],
+        ys[0][:0],
         outputs,
         task=task,
         normalization=norm,
         columns=None if plan is None else plan.to_meta(),
+        target_scaling=ts,
+        w_train=None if w is None else w[train],  # the training loss's weights; the held-out rows': FitSetup.w_val
         **(names or {}),
     )
+
+
+def split_rows(y: np.ndarray, task: str, val_fraction: float, split_seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """The ``(train, val)`` row indices of :func:`make_dataset`'s split (stratified by class for a classification)."""
+    strata = y if task == "classification" else np.zeros(len(y), np.int64)
+    return stratified_split(strata, val_fraction, np.random.default_rng([split_seed, SPLIT_STREAM]))
+
+
+def val_weights(
+    w: np.ndarray | None, y: np.ndarray, task: str, val_fraction: float, split_seed: int
+) -> np.ndarray | None:
+    """The held-out rows' ``sample_weight`` ``(V,)`` in :func:`make_dataset`'s order (None: no weights, or none held
+    out): the weights of early stopping's validation score, as scikit-learn's MLP takes them."""
+    if w is None or val_fraction == 0:
+        return None
+    return w[split_rows(y, task, val_fraction, split_seed)[1]]
 
 
 def run_epoch(tr: Trainer, interval: Interval, epoch: int) -> tuple[np.ndarray, float]:
@@ -133,10 +157,13 @@ def outputs(tr: Trainer, split: str) -> np.ndarray:
     return np.concatenate(out).astype(np.float64)
 
 
-def split_score(tr: Trainer, task: str) -> float:
-    """scikit-learn's ``score`` on the held-out ``val`` split: accuracy, or R^2 (averaged over the targets)."""
+def split_score(tr: Trainer, task: str, w: np.ndarray | None = None) -> float:
+    """scikit-learn's ``score`` on the held-out ``val`` split: accuracy, or R^2 (averaged over the targets), weighted
+    by the held-out rows' ``w (V,)`` where the fit has ``sample_weight`` (as scikit-learn's MLP scores them)."""
     z, y = outputs(tr, "val"), tr.dataset.y_val
-    return float(accuracy_score(y, z.argmax(axis=1)) if task == "classification" else r2_score(y, z))
+    if task == "classification":
+        return float(accuracy_score(y, z.argmax(axis=1), sample_weight=w))
+    return float(r2_score(y, z, sample_weight=w))
 
 
 def held_out(tr: Any, ds: Any) -> tuple[Any, np.ndarray]:
@@ -171,7 +198,7 @@ def member_scores(tr: Any, held: list[tuple[Any, np.ndarray]], classification: b
 class FitSetup:
     """What a fit trains (:meth:`mlptrain.sklearn.estimators.MLPClassifier.fit_setup`): the config, the split and
     normalised dataset, whether the fit is fresh (not a continued one), whether it stops early, the epochs
-    done before it and the epochs it may take."""
+    done before it and the epochs it may take, and the held-out rows' ``sample_weight`` ``(V,)`` (None: unweighted)."""
 
     cfg: TrainConfig
     dataset: Dataset
@@ -179,6 +206,7 @@ class FitSetup:
     early: bool
     done: int
     epochs: int
+    w_val: np.ndarray | None = None
 
 
 @dataclass
@@ -211,3 +239,10 @@ class Stopping:
             self.no_improvement = self.no_improvement + 1 if loss > self.best_loss - self.tol else 0
         self.best_loss = min(self.best_loss, loss)
         return self.no_improvement > self.n_iter_no_change
+
+    def said(self) -> str:
+        """scikit-learn's ``verbose`` line when the rule has stopped the fit."""
+        what = "Validation score" if self.early_stopping else "Training loss"
+        return (
+            f"{what} did not improve more than tol={self.tol} for {self.n_iter_no_change} consecutive epochs. Stopping."
+        )
