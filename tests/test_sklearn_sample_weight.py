@@ -24,7 +24,13 @@ from mlptrain.sklearn import MLPClassifier, MLPRegressor  # noqa: E402
 from mlptrain.sklearn.fitting import split_rows  # noqa: E402
 
 # one full batch in float64: the weighted mean of the rows is the repeated rows' mean, to rounding
-EXACT: dict[str, Any] = {"batch_size": 100_000, "precision": "fp64", "hidden_layer_sizes": (8,), "max_iter": 6, "random_state": 0}
+EXACT: dict[str, Any] = {
+    "batch_size": 100_000,
+    "precision": "fp64",
+    "hidden_layer_sizes": (8,),
+    "max_iter": 6,
+    "random_state": 0,
+}
 GPU = pytest.param("gpu", marks=pytest.mark.gpu)
 
 
@@ -186,3 +192,15 @@ def test_an_ensemble_refuses_weights_as_the_cli_refuses_data_weight() -> None:
     with pytest.raises(ConfigError, match=r"MLPClassifier\(ensemble_size=2\) does not take sample_weight yet"):
         MLPClassifier(ensemble_size=2, max_iter=1).fit(x, labels, sample_weight=w)
     _fit(MLPClassifier(ensemble_size=2, max_iter=1), x, labels)  # unweighted, it trains
+
+
+def test_a_batch_of_only_zero_weight_rows_is_an_error_that_says_so() -> None:
+    """Its weighted mean is 0/0 (scikit-learn's MLP raises ZeroDivisionError): the NaN error names the zero weights."""
+    from mlptrain.base.errors import NonFiniteError
+
+    x, labels, _, _ = _table(100, 8)
+    w = np.zeros(100)
+    w[:10] = 1.0
+    with pytest.raises(NonFiniteError, match=r"training loss is nan.*90 of the 100 training rows weigh 0.*batch_size"):
+        MLPClassifier(batch_size=5, max_iter=3, random_state=0).fit(x, labels, sample_weight=w)
+    _fit(MLPClassifier(batch_size=100, max_iter=3, random_state=0), x, labels, sample_weight=w)  # one batch: trains
