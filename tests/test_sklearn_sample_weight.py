@@ -204,3 +204,25 @@ def test_a_batch_of_only_zero_weight_rows_is_an_error_that_says_so() -> None:
     with pytest.raises(NonFiniteError, match=r"training loss is nan.*90 of the 100 training rows weigh 0.*batch_size"):
         MLPClassifier(batch_size=5, max_iter=3, random_state=0).fit(x, labels, sample_weight=w)
     _fit(MLPClassifier(batch_size=100, max_iter=3, random_state=0), x, labels, sample_weight=w)  # one batch: trains
+
+
+def test_scikit_learns_tools_route_the_weights_to_fit() -> None:
+    """GridSearchCV slices ``sample_weight`` per fold and refits with all of it; a Pipeline passes
+    ``step__sample_weight``: the refit and the pipeline's estimator equal a direct weighted fit bit for bit."""
+    from sklearn.model_selection import GridSearchCV
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import FunctionTransformer
+
+    x, labels, _, w = _table(80, 9)
+    params = {"hidden_layer_sizes": (8,), "max_iter": 3, "random_state": 0}
+    direct = _fit(MLPClassifier(**params), x, labels, sample_weight=w)
+    search = GridSearchCV(MLPClassifier(**params), {"alpha": [1e-4]}, cv=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        search.fit(x, labels, sample_weight=w)
+        pipe = make_pipeline(FunctionTransformer(), MLPClassifier(**params))
+        pipe.fit(x, labels, mlpclassifier__sample_weight=w)
+    for fitted in (search.best_estimator_, pipe[-1]):
+        assert fitted.loss_curve_ == direct.loss_curve_
+        assert_array_equal(fitted.predict_proba(x), direct.predict_proba(x))
+    assert _fit(MLPClassifier(**params), x, labels).loss_curve_ != direct.loss_curve_

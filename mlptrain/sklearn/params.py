@@ -14,7 +14,8 @@ activation           ``model.activation``                   ``identity`` is ``no
                                                             refused (no cuBLASLt epilog)
 solver               ``optimizer=sgd|adam``                 ``lbfgs`` refused (not stochastic)
 alpha                ``optimizer.weight_decay``             ``alpha / batch_size`` on every parameter
-                                                            (scikit-learn: weights only)
+                                                            (scikit-learn: weights only); with
+                                                            ``sample_weight``, over ``mean(w)`` too
 batch_size           ``data.batch_size``                    ``auto``: ``min(200, n_samples)``
 learning_rate        ``optimizer.schedule``                 ``constant``, or mlptrain's ``cosine``
 learning_rate_init   ``optimizer.lr``
