@@ -102,7 +102,7 @@ def test_weights_of_all_ones_are_no_weights_bit_for_bit(Est: Any) -> None:
     """At the defaults (fp32, minibatches of 200, shuffled): every epoch's loss and every parameter equal."""
     x, labels, target, _ = _table(450, 2)
     y = labels if Est is MLPClassifier else target
-    params = {"hidden_layer_sizes": (16,), "max_iter": 4, "random_state": 3}
+    params: dict[str, Any] = {"hidden_layer_sizes": (16,), "max_iter": 4, "random_state": 3}
     none = _fit(Est(**params), x, y)
     for ones in (np.ones(len(x)), 1, [1] * len(x)):
         got = _fit(Est(**params), x, y, sample_weight=ones)
@@ -214,7 +214,7 @@ def test_scikit_learns_tools_route_the_weights_to_fit() -> None:
     from sklearn.preprocessing import FunctionTransformer
 
     x, labels, _, w = _table(80, 9)
-    params = {"hidden_layer_sizes": (8,), "max_iter": 3, "random_state": 0}
+    params: dict[str, Any] = {"hidden_layer_sizes": (8,), "max_iter": 3, "random_state": 0}
     direct = _fit(MLPClassifier(**params), x, labels, sample_weight=w)
     search = GridSearchCV(MLPClassifier(**params), {"alpha": [1e-4]}, cv=2)
     with warnings.catch_warnings():
