@@ -187,6 +187,17 @@ def test_bad_weights_are_one_error_naming_them(weights: Any, said: str) -> None:
         MLPRegressor(max_iter=1).partial_fit(x, x[:, 0], sample_weight=weights)
 
 
+def test_held_out_rows_that_all_weigh_zero_are_one_error() -> None:
+    """early_stopping would score them by weights summing to 0: refused in scikit-learn's SGDClassifier's words."""
+    x, labels, _, _ = _table(60, 10)
+    clf = MLPClassifier(early_stopping=True, random_state=1)
+    _, val = split_rows(np.searchsorted(["a", "b", "c"], labels), "classification", 0.1, 1)
+    w = np.ones(60)
+    w[val] = 0.0
+    with pytest.raises(ConfigError, match=r"sample weights for validation set are all zero \(6 rows held out"):
+        clf.fit(x, labels, sample_weight=w)
+
+
 def test_an_ensemble_refuses_weights_as_the_cli_refuses_data_weight() -> None:
     x, labels, _, w = _table(40, 7)
     with pytest.raises(ConfigError, match=r"MLPClassifier\(ensemble_size=2\) does not take sample_weight yet"):

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 from sklearn.metrics import accuracy_score, r2_score
 
+from mlptrain.base.errors import ConfigError
 from mlptrain.config.schema import TrainConfig
 from mlptrain.data.dataset import Dataset, Normalization
 from mlptrain.data.files.plan import ColumnPlan
@@ -105,7 +106,13 @@ def val_weights(
     out): the weights of early stopping's validation score, as scikit-learn's MLP takes them."""
     if w is None or val_fraction == 0:
         return None
-    return w[split_rows(y, task, val_fraction, split_seed)[1]]
+    held = w[split_rows(y, task, val_fraction, split_seed)[1]]  # (V,)
+    if not held.sum() > 0:  # scikit-learn's SGDClassifier's words; its MLP would divide by 0
+        raise ConfigError(
+            f"The sample weights for validation set are all zero ({len(held)} rows held out by early_stopping=True, "
+            f"validation_fraction={val_fraction}), consider using a different random state"
+        )
+    return held
 
 
 def run_epoch(tr: Trainer, interval: Interval, epoch: int) -> tuple[np.ndarray, float]:
