@@ -145,6 +145,20 @@ class ModelConfig:
         "CrossEntropyLoss(weight=...)); null: unweighted; balanced: n_samples / (n_classes * count) on the training "
         "split (scikit-learn's); or a list of one weight >= 0 per class, in the classes' order",
     )
+    embedding_dim: Optional[int] = _f(
+        None,
+        "data=file: each categorical column with at least model.embedding_min_levels one-hot columns goes through a "
+        "learned embedding of this width before the first layer (the factorised first layer, folded into a plain MLP "
+        "for predict and export; docs/data.md); null or 0: every one-hot column goes into the first layer",
+    )
+    embedding_min_levels: int = _f(
+        64, "model.embedding_dim: the one-hot columns a categorical column needs to be embedded"
+    )
+    embedding_inputs: str = _f(
+        "onehot",
+        "model.embedding_dim: what an embedding reads of its one-hot block: onehot (0/1, a lookup of the row's level) "
+        "or standardized (the block as data.normalize scaled it)",
+    )
 
 
 @dataclass

@@ -39,6 +39,7 @@ from mlptrain.data.dataset import Normalization, raw_rows_problem, saved_target_
 from mlptrain.data.files.plan import ColumnPlan
 from mlptrain.inference import columns
 from mlptrain.inference.consistency import check_for_scoring
+from mlptrain.nn import embedding
 from mlptrain.nn.batched import BatchedMLP, BatchedNumpyGemm
 from mlptrain.nn.execution import ACTIVATIONS, FusedExecution, NumpyGemm
 from mlptrain.nn.members import MemberMean
@@ -377,6 +378,7 @@ def _model(ckpt: checkpoint.Checkpoint, backend: Backend, prec: Precision, autot
         rngs = [np.random.default_rng(0)] * members
         model = BatchedMLP(ckpt.meta["widths"], execution=FusedExecution(engine), rngs=rngs, **common)
     params = {k[len("param/") :]: v for k, v in ckpt.arrays.items() if k.startswith("param/")}
+    params = embedding.fold_checkpoint(params, ckpt.meta, ckpt.arrays, f"checkpoint {ckpt.path}")  # a plain MLP
     expected = {p.name: tuple(p.value.shape) for p in model.params}
     got = {k: tuple(v.shape) for k, v in params.items()}
     if got != expected:

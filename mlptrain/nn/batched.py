@@ -163,7 +163,7 @@ class BatchedMLP(MLP):
         if len(widths) < 2 or len(rngs) < 1:
             raise ValueError(f"a batched MLP needs widths [in, ..., out] and one generator per member; got {widths}")
         self.widths, self.execution, self.xp = list(widths), execution, xp
-        self.cast_buffer = None
+        self.cast_buffer, self.embedding = None, None  # (model.embedding_dim refuses an ensemble)
         n = len(widths) - 1
         self.layers = [
             BatchedLinear(

@@ -188,6 +188,15 @@ class FusedExecution:
         dwt, aux = self.gemm(f"{key}.wgrad", _t(x), dz, Epilog.BGRADB if bias_grad else None)
         return _t(dwt), aux.get("bgradb")
 
+    def lookup(self, key: str, E: Any, x: Any) -> Any:
+        """``H (B, d) = X (B, L) @ E (L, d)``: an embedding's forward (:mod:`mlptrain.nn.embedding`), one plain
+        GEMM, epilog DEFAULT: no bias (the first layer's adds it) and no activation to fuse."""
+        return _lookup(self.gemm, key, E, x)
+
+    def lookup_grad(self, key: str, x: Any, dh: Any) -> Any:
+        """``dE (L, d) = X^T @ dH``: an embedding's gradient, one plain GEMM (no bias to reduce)."""
+        return _lookup_grad(self.gemm, key, x, dh)
+
     def _input_grad_k1(
         self, key: str, W: Any, dz: Any, mask_below: Any, bias_grad_below: bool, activation_below: str
     ) -> tuple[Any, Any]:
@@ -266,6 +275,14 @@ class NaiveExecution:
         dwt, _ = self.gemm(f"{key}.wgrad", _t(x), dz)  # (in, B) @ (B, out) -> (in, out) == dW (out, in)^T
         return _t(dwt), (self._sum(dz) if bias_grad else None)  # (out,)
 
+    def lookup(self, key: str, E: Any, x: Any) -> Any:
+        """``H = X @ E``: the same plain GEMM as fused (an embedding has no epilog to leave out)."""
+        return _lookup(self.gemm, key, E, x)
+
+    def lookup_grad(self, key: str, x: Any, dh: Any) -> Any:
+        """``dE = X^T @ dH``: the same plain GEMM as fused."""
+        return _lookup_grad(self.gemm, key, x, dh)
+
     # GELU and its derivative: on the CPU the contract's float64 formulas (so that naive and fused
     # agree there); on the GPU one element-wise kernel each, in float32 for the narrower dtypes, as
     # PyTorch's eager gelu and gelu_backward kernels (a chain of CuPy array operations would make
@@ -286,6 +303,18 @@ class NaiveExecution:
         """Column sums of ``x (B, n)`` (an ensemble's ``(K, B, n)``: ``(K, n)``): on the CPU in the epilog
         contract's accumulator (so that naive and fused agree bit for bit there), on the GPU as CuPy sums."""
         return _batch_sum(x) if self.xp.__name__ == "numpy" else x.sum(axis=-2)
+
+
+def _lookup(gemm: Gemm, key: str, E: Any, x: Any) -> Any:
+    """``H (B, d) = X (B, L) @ E (L, d)``, computed transposed as Linear's forward is (no copy either way)."""
+    ht, _ = gemm(f"{key}.fwd", _t(E), _t(x))  # (d, L) @ (L, B) -> (d, B) column-major == (B, d) C-order
+    return _t(ht)
+
+
+def _lookup_grad(gemm: Gemm, key: str, x: Any, dh: Any) -> Any:
+    """``dE (L, d) = X^T @ dH``, in E's C-order layout: ``dE^T = dH^T @ X``."""
+    det, _ = gemm(f"{key}.wgrad", _t(dh), x)  # (d, B) @ (B, L) -> (d, L) column-major == (L, d) C-order
+    return _t(det)
 
 
 def _t(a: Any) -> Any:

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from mlptrain.config.schema import BGRAD_STRATEGIES, COMPUTE_COPIES, Init
+from mlptrain.nn.embedding import ColumnEmbedding
 from mlptrain.nn.epilogs_fp8 import FP8_MULTIPLE
 from mlptrain.nn.execution import FusedExecution, NaiveExecution
 from mlptrain.nn.layers import CastBuffer, Linear, Param
@@ -69,6 +70,8 @@ class MLP:
             widths FP8 takes (multiples of 16) are handed to the GEMM engine as the master, which it
             casts straight to FP8 (:attr:`mlptrain.nn.layers.Param.gemm_casts`); only the other weights
             (a 10-class head's) and the biases share the cast buffer.
+        embedding: learned embeddings of some of the input columns (:mod:`mlptrain.nn.embedding`), in front
+            of the first layer, which then reads ``embedding.out_features`` inputs (``widths[0]`` stays ``F``).
     """
 
     def __init__(
@@ -85,10 +88,16 @@ class MLP:
         bgrad: str | Sequence[str] = "bgradb",
         compute_copy: str = "kept",
         fp8_weights: bool = False,
+        embedding: ColumnEmbedding | None = None,
     ) -> None:
-        if len(widths) < 2:
-            raise ValueError(f"an MLP needs at least input and output widths; got {list(widths)}")
+        if len(widths) < 2 or (embedding is not None and embedding.in_features != widths[0]):
+            raise ValueError(
+                f"an MLP needs at least input and output widths (the embedding's input); got {list(widths)}"
+            )
         self.widths = list(widths)
+        self.embedding = embedding
+        if embedding is not None:  # the first layer reads the kept columns and the embeddings
+            widths = [embedding.out_features, *widths[1:]]
         self.execution = execution
         self.xp = xp
         n = len(widths) - 1
@@ -147,7 +156,8 @@ class MLP:
 
     @property
     def params(self) -> list[Param]:
-        return [p for layer in self.layers for p in layer.params]
+        embedded = self.embedding.params if self.embedding is not None else []
+        return [p for layer in self.layers for p in layer.params] + embedded
 
     @property
     def num_params(self) -> int:
@@ -155,6 +165,8 @@ class MLP:
 
     def forward(self, x: Any, keep: bool = True) -> Any:
         """``x (B, in) -> logits (B, out)``; ``keep=False`` for inference (RELU_BIAS, nothing kept for a backward)."""
+        if self.embedding is not None:
+            x = self.embedding.forward(self.execution, x, keep)  # (B, in) -> (B, in'), mlptrain.nn.embedding
         for layer in self.layers:
             x = layer.forward(self.execution, x, keep)
         return x
@@ -196,6 +208,9 @@ class MLP:
                 layers[i - 1].bias.grad = head.input_bias_grad
             dz_below, head.input_grad = head.input_grad, None
             return dz_below
+        if i == 0 and self.embedding is not None:  # the embeddings' gradients, from layer 0's input gradient
+            self.embedding.backward(self.execution, layers[0], dz, cast=i != top)
+            return None
         # (the output layer's weight is still in the cast buffer, if any: the forward cast it last)
         return layers[i].grad_below(self.execution, dz, layers[i - 1] if i > 0 else None, cast=i != top)
 
@@ -299,9 +314,12 @@ class MLP:
 
     def release_step_arrays(self) -> None:
         """Drop the gradients, saved inputs and masks of the last step (their memory can go)."""
+        for p in self.params:
+            p.grad = None
         for layer in self.layers:
-            layer.weight.grad = layer.bias.grad = None
             layer.release_saved()
+        if self.embedding is not None:
+            self.embedding.release_saved()
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """The master copy of every parameter, as host arrays by name (``layer0.weight``, ...)."""

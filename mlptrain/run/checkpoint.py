@@ -173,6 +173,7 @@ META_SCHEMA: dict[str, Any] = {
     "best": (_BEST, None),
     "config": dict,
     "data": (dict, None),  # the preprocessing of the data (names, task): mlptrain.data.Dataset.preprocessing
+    "embedding": (dict, None),  # model.embedding_dim: mlptrain.nn.embedding.ColumnEmbedding.to_meta; absent: none
     "sha256": _STR,
 }
 
@@ -218,6 +219,8 @@ def check_meta(meta: Any, path: Path) -> None:
         meta = {**meta, "members": 1}
     if isinstance(meta, dict) and "folds" not in meta:  # no cross-validation, or a checkpoint before folds' bests
         meta = {**meta, "folds": None}
+    if isinstance(meta, dict) and "embedding" not in meta:  # no embeddings (and every checkpoint before them)
+        meta = {**meta, "embedding": None}
     problem = _type_problem(meta, META_SCHEMA, "meta")
     if problem is None:
         pos = Position(**meta["position"])

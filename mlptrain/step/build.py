@@ -49,6 +49,7 @@ from mlptrain.data.member_loader import same_rows
 from mlptrain.data.prepare import task_for_loss
 from mlptrain.data.rows import NormalisedRows
 from mlptrain.distributed.dp import GradientSync, shard_rows
+from mlptrain.nn import embedding
 from mlptrain.nn.batched import BatchedMLP, BatchedNumpyGemm
 from mlptrain.nn.execution import FusedExecution, NaiveExecution, NumpyGemm
 from mlptrain.nn.head import OutputHead
@@ -122,7 +123,7 @@ def trainer(
     ex = execution(cfg.execution, engine, xp)
     runtime.wait("setup")  # from here on: the parameters' cast (resuming: CuPy's fill)
     run_seeds = member_seeds or [cfg.seed + k for k in range(members)]  # (sklearn's cross_val_predict: one seed)
-    net = model(cfg.model, sizes, ex, backend, prec, [seeds(s)[0] for s in run_seeds])
+    net = model(cfg.model, sizes, ex, backend, prec, [seeds(s)[0] for s in run_seeds], data)
     two_streams = wgrad_stream(cfg.execution, sizes, cfg.data.batch_size, comm is not None)
     runtime.wgrad_stream(net, two_streams and members == 1)  # GPU: dW GEMMs concurrent with the dX chain
     out = head(cfg, backend, sizes) if members == 1 else MemberHead(cfg.model.loss)
@@ -138,9 +139,8 @@ def trainer(
     if members > 1:  # member k's batches in the order of the single run of seed + k (folds: of its own rows)
         make = member_data or same_rows
         train, evaluation = make(cfg.data, data, xp, prec.compute_dtype, data_seeds, train, evaluation)
-    sync = None
-    if comm is not None:  # data parallel: this rank's gradients all-reduced in buckets
-        sync = GradientSync(comm, cfg.data.batch_size, xp, int(cfg.distributed.bucket_mib * 2**20))
+    bucket = int(cfg.distributed.bucket_mib * 2**20)  # data parallel: this rank's gradients all-reduced in buckets
+    sync = None if comm is None else GradientSync(comm, cfg.data.batch_size, xp, bucket)
     opt, loss_scaler = optimizer(cfg.optimizer, net.params), scaler(cfg.precision, xp, prec)
     total_steps = len(train) * cfg.epochs
     if cfg.max_steps is not None:
@@ -269,6 +269,7 @@ def model(
     backend: Backend,
     prec: Precision,
     rngs: list[np.random.Generator],
+    data: Dataset | None = None,
 ) -> MLP:
     """The MLP of ``sizes``, initialised from ``rngs[0]`` (the trainer decides its streams: :func:`wgrad_stream`);
     with more, an ensemble: member k initialised from ``rngs[k]`` (:class:`~mlptrain.nn.batched.BatchedMLP`)."""
@@ -294,6 +295,7 @@ def model(
         init=cfg.init.value,
         compute_copy=prec.compute_copy,
         fp8_weights=prec.fp8,
+        embedding=embedding.from_config(cfg, data, rngs[0], backend.xp, prec),  # model.embedding_dim
     )
 
 

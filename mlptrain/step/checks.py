@@ -26,7 +26,7 @@ from mlptrain.base.registry import joined
 from mlptrain.config.keys import suggest
 from mlptrain.config.schema import DataConfig, OptimizerConfig, TrainConfig, ensemble_members, flatten, to_plain
 from mlptrain.data.sources import mnist1d_samples_problem
-from mlptrain.nn import scores
+from mlptrain.nn import embedding, scores
 from mlptrain.nn.losses import class_weight_problem, regression_losses
 from mlptrain.step import optim
 from mlptrain.step.choices import unknown_names
@@ -123,6 +123,7 @@ def validate(cfg: TrainConfig, *, data_parallel: bool = False) -> TrainConfig:
     ``data_parallel``: this process is one rank of a group (the ``distributed.*`` settings apply)."""
     check_ensemble(cfg, data_parallel)  # (its own message: what an ensemble does not run with)
     problems = unknown_keys(cfg) + _ranges(cfg) + _unused(cfg, data_parallel) + _class_weight(cfg)
+    problems += embedding.problems(cfg, data_parallel)  # model.embedding_*: values, and what it does not run with
     if problems:
         raise ConfigError("invalid configuration: " + "; ".join(problems))
     return cfg

@@ -276,6 +276,8 @@ class Trainer:
             "rng": {"seed": cfg.seed, "data_seed": self.train_loader.seed},
             "data": data_meta,
         }
+        if self.model.embedding is not None:  # how predict folds it into the first layer (mlptrain.nn.embedding)
+            meta["embedding"] = self.model.embedding.to_meta()
         return arrays, meta
 
     def load_state_dict(self, arrays: dict[str, np.ndarray], meta: dict[str, Any], *, step: int, where: str) -> None:

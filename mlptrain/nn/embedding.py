@@ -1,0 +1,302 @@
+"""Learned embeddings of a table's categorical columns with many levels: the factorised first layer.
+
+A categorical column of ``L`` levels reaches the network as ``L`` one-hot columns of ``X``
+(:mod:`mlptrain.data.files.plan`, ``<col>=<level>``). Straight into the first layer, that is already an
+embedding of width ``hidden[0]``: one row of ``W1`` per level, ``L x hidden[0]`` weights. With
+``model.embedding_dim=d`` a column of at least ``model.embedding_min_levels`` one-hot columns goes through
+a table ``E (L, d)`` of its own first (RealMLP in pytabkit and PyTorch Frame do the same), ``d << hidden[0]``::
+
+    H_c = X_c @ E_c                       (B, L_c) @ (L_c, d) -> (B, d)   one plain GEMM (epilog DEFAULT)
+    X'  = [X_other | H_1 | H_2 | ...]     (B, F_other + k d)              the first layer's input
+    backward, given dX' = dZ_0 @ W_0      (B, F')                          layer 0's input-gradient GEMM
+      dE_c = X_c^T @ dH_c                 (L_c, B) @ (B, d) -> (L_c, d)   one plain GEMM each
+
+The data path does not change: ``X`` still holds every one-hot column (the loaders, host and stream
+residency, predict's raw rows and the ONNX column plan see the same inputs), and the embedding takes its
+blocks out of ``X`` on the device. ``E_c`` are :class:`~mlptrain.nn.layers.Param` like the weights: the
+optimizer, weight decay, gradient clipping and checkpoints see them (``embed<i>.weight``).
+
+What a block reads (``model.embedding_inputs``): ``data.normalize`` standardised the one-hot columns as any
+other, so a level's column holds ``(1 - m) / s`` and the others ``-m / s``. ``onehot`` (the default) reads
+the block back as 0/1 (``x > (0.5 - m) / s``, one compare per block): ``H_c`` is then the row of ``E_c`` of
+the row's level, a lookup, and only the levels present in a batch are updated, at one learning rate for
+all. ``standardized`` reads the block as it is: the same function class (a rescaled table plus a constant
+the first layer's bias absorbs), but every row of ``E_c`` moves every step and a rare level's row, scaled
+by ``1 / s ~ 1 / sqrt(frequency)``, learns far faster than a common one's (docs/data.md measures both).
+
+Inference needs no embedding: ``X_c E_c W_c^T = X_c (E_c W_c^T)``, so :func:`fold` turns a trained model
+into a plain MLP whose first layer has, for block ``c``, the rows ``W_c E_c^T`` (``(H, L_c)``; with
+``onehot`` scaled by ``s`` and ``W_c E_c^T m`` added to the bias). Predict, evaluate and the exports read
+that network; the checkpoint keeps ``E_c`` and the narrow ``W_0`` for a resume.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from mlptrain.base.errors import CheckpointError
+from mlptrain.nn.execution import FusedExecution, NaiveExecution
+from mlptrain.nn.layers import Linear, Param
+
+log = logging.getLogger(__name__)
+
+INPUTS = ("onehot", "standardized")
+
+
+@dataclass(frozen=True)
+class Block:
+    """One embedded column: its one-hot columns are ``X[:, start:stop]``."""
+
+    name: str
+    start: int
+    stop: int
+
+    @property
+    def levels(self) -> int:
+        return self.stop - self.start
+
+
+def blocks(plan: dict[str, Any] | None, min_levels: int) -> list[Block]:
+    """The categorical columns of the column plan ``plan`` (its meta, :meth:`ColumnPlan.to_meta`) with at least
+    ``min_levels`` one-hot columns, in ``X``'s order. Each column's encoded width is that of
+    :meth:`mlptrain.data.files.plan.Column.outputs`: a numeric column 1 (2 with its ``_missing`` indicator), a
+    categorical one a column per level and one for the rare levels if any."""
+    out, start = [], 0
+    for c in (plan or {}).get("columns", []):
+        if c["kind"] == "numeric":
+            width = 2 if c.get("indicator") else 1
+        else:
+            width = len(c["levels"]) + (1 if c.get("rare") else 0)
+            if width >= min_levels:
+                out.append(Block(c["name"], start, start + width))
+        start += width
+    return out
+
+
+def kept_columns(features: int, embedded: list[Block]) -> np.ndarray:
+    """``(F_other,)`` int64: the columns of ``X`` not embedded, in order (the first layer reads them as they are)."""
+    taken = np.zeros(features, bool)
+    for b in embedded:
+        taken[b.start : b.stop] = True
+    return np.flatnonzero(~taken)
+
+
+class ColumnEmbedding:
+    """The embeddings of the blocks of ``X`` (see the module): ``x (B, F) -> x' (B, out_features)``.
+
+    Args:
+        embedded: the blocks (:func:`blocks`), at least one.
+        features: ``F``, the columns of ``X``.
+        dim: ``d``, the width of each embedding.
+        rng: host Generator; each ``E_c`` starts ``N(0, 1)`` for ``onehot`` (a lookup: ``H`` has unit variance,
+            as ``torch.nn.Embedding``'s) and ``N(0, 1 / L_c)`` for ``standardized`` (LeCun over ``L_c`` inputs of
+            unit variance).
+        shift, scale: ``(F,)`` the normalisation of ``X`` (``onehot`` reads the blocks back as 0/1 with them).
+        inputs: ``onehot`` or ``standardized`` (see the module).
+    """
+
+    def __init__(
+        self,
+        embedded: list[Block],
+        features: int,
+        dim: int,
+        *,
+        rng: np.random.Generator,
+        xp: Any,
+        param_dtype: Any,
+        compute_dtype: Any,
+        shift: np.ndarray,
+        scale: np.ndarray,
+        inputs: str = "onehot",
+    ) -> None:
+        if not embedded or dim < 1 or inputs not in INPUTS:
+            raise ValueError(
+                f"an embedding needs blocks, dim >= 1 and inputs in {INPUTS}; got {embedded}, {dim}, {inputs}"
+            )
+        self.blocks, self.dim, self.inputs, self.xp = list(embedded), dim, inputs, xp
+        self.in_features = features
+        other = kept_columns(features, embedded)
+        self.other = xp.asarray(other)  # (F_other,) int64, on the device: gathered every forward
+        self.kept = len(other)
+        self.out_features = self.kept + len(embedded) * dim
+        std = [1.0 if inputs == "onehot" else 1.0 / np.sqrt(b.levels) for b in embedded]
+        self.tables = [
+            Param(
+                f"embed{i}.weight",
+                xp.asarray(rng.standard_normal((b.levels, dim)) * s, dtype=param_dtype),
+                compute_dtype,
+            )
+            for i, (b, s) in enumerate(zip(embedded, std, strict=True))
+        ]
+        # onehot: a column is 1 where its normalised value is above the midpoint of (0 - m) / s and (1 - m) / s
+        mid = (0.5 - np.asarray(shift, np.float64)) / np.asarray(scale, np.float64)  # (F,)
+        self.thresholds = [xp.asarray(mid[b.start : b.stop], dtype=compute_dtype) for b in embedded]  # (L_c,) each
+        self.x: list[Any] = [None] * len(embedded)  # X_c (B, L_c) of the last forward, kept for dE_c
+
+    @property
+    def params(self) -> list[Param]:
+        return list(self.tables)
+
+    def forward(self, ex: FusedExecution | NaiveExecution, x: Any, keep: bool = True) -> Any:
+        """``x (B, F) -> x' (B, F_other + k d)``: the kept columns, then ``H_c = X_c @ E_c`` of each block."""
+        out = self.xp.empty((x.shape[0], self.out_features), dtype=x.dtype)  # (B, F')
+        out[:, : self.kept] = x[:, self.other]  # (B, F_other): a gather of the columns that are not embedded
+        for i in range(len(self.blocks)):
+            xc = self._block(x, i)  # (B, L_c), C-contiguous
+            lo = self.kept + i * self.dim
+            out[:, lo : lo + self.dim] = ex.lookup(f"embed{i}", self.tables[i].for_gemm(), xc)  # (B, d)
+            if keep:
+                self.x[i] = xc
+        return out
+
+    def backward(self, ex: FusedExecution | NaiveExecution, first: Linear, dz: Any, cast: bool = True) -> None:
+        """Fill each ``E_c.grad`` from ``dz (B, H)``, the first layer's pre-activation gradient.
+
+        ``dX' (B, F') = dZ_0 @ W_0``: the first layer's input-gradient GEMM, plain (no activation below), which
+        a model without embeddings never runs; then ``dE_c = X_c^T @ dH_c`` per block, ``dH_c`` its ``d``
+        columns of ``dX'`` (copied contiguous, ``(B, d)``: the GEMM engines take whole matrices).
+        ``cast=False``: the cast buffer still holds ``W_0`` (a model without hidden layers).
+        """
+        dx, _ = ex.input_grad(first.name, first.weight.for_gemm(cast), dz, None, False)  # (B, F')
+        for i in range(len(self.blocks)):
+            lo = self.kept + i * self.dim
+            dh = self.xp.ascontiguousarray(dx[:, lo : lo + self.dim])  # (B, d)
+            self.tables[i].grad = ex.lookup_grad(f"embed{i}", self.x[i], dh)  # (L_c, d)
+            self.x[i] = None  # its last reader is enqueued: X_c goes, and the GEMM plans' references to it
+            ex.release(f"embed{i}")
+
+    def _block(self, x: Any, i: int) -> Any:
+        """Block ``i`` of ``x`` as the embedding reads it: 0/1 (``onehot``) or as normalised, ``(B, L_c)``."""
+        b = self.blocks[i]
+        if self.inputs == "onehot":
+            return (x[:, b.start : b.stop] > self.thresholds[i]).astype(x.dtype)  # one compare, one cast
+        return self.xp.ascontiguousarray(x[:, b.start : b.stop])
+
+    def release_saved(self) -> None:
+        self.x = [None] * len(self.blocks)
+
+    def to_meta(self) -> dict[str, Any]:
+        """What :func:`fold` needs besides the parameters, as a checkpoint's meta holds it (:func:`from_meta`)."""
+        return {"dim": self.dim, "inputs": self.inputs, "blocks": [[b.name, b.start, b.stop] for b in self.blocks]}
+
+
+def fold_checkpoint(params: dict[str, Any], meta: dict[str, Any], arrays: dict[str, Any], where: str) -> dict:
+    """:func:`fold` of a checkpoint's parameters, with its ``meta["embedding"]`` (:meth:`ColumnEmbedding.to_meta`)
+    and its normalisation (``data/shift``, ``data/scale``); ``params`` as they are for a model without embeddings.
+
+    Raises:
+        CheckpointError: the embedding meta or the parameters' shapes do not fit (``where`` names the file).
+    """
+    spec = meta.get("embedding")
+    if not spec:
+        return params
+    try:
+        embedded = [Block(str(n), int(a), int(b)) for n, a, b in spec["blocks"]]
+        f, dim, inputs = int(meta["widths"][0]), int(spec["dim"]), str(spec["inputs"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(
+            f"{where}: its embedding meta {spec} is not dim, inputs and [name, start, stop] blocks"
+        ) from e
+    want = {f"embed{i}.weight": (b.levels, dim) for i, b in enumerate(embedded)}
+    wide = int(meta["widths"][1]), f - sum(b.levels for b in embedded) + len(embedded) * dim
+    want |= {"layer0.weight": wide}
+    got = {k: tuple(params[k].shape) if k in params else None for k in want}
+    if got != want:
+        raise CheckpointError(
+            f"{where}: its embeddings {spec['blocks']} of width {dim} need parameters {want}; it holds {got}"
+        )
+    shift, scale = (arrays.get(f"data/{k}", np.full(f, v)) for k, v in (("shift", 0.0), ("scale", 1.0)))
+    return fold(params, embedded, f, shift, scale, inputs)
+
+
+def fold(
+    params: dict[str, np.ndarray],
+    embedded: list[Block],
+    features: int,
+    shift: np.ndarray,
+    scale: np.ndarray,
+    inputs: str,
+) -> dict[str, np.ndarray]:
+    """A trained model's parameters (``embed<i>.weight`` and the narrow ``layer0``) as those of the plain MLP
+    that computes the same function on ``X (B, F)``: ``layer0.weight (H, F)`` and ``layer0.bias (H,)``.
+
+    For block ``c`` with columns ``W_c (H, d)`` of the narrow first layer: ``W_c E_c^T (H, L_c)``; with
+    ``onehot`` the block is read as ``x s + m`` (exact on a plan's rows, whose one-hot values are the two
+    standardised ones), so those rows are scaled by ``s`` and ``W_c E_c^T m`` goes into the bias. In float64,
+    rounded once to the parameters' dtype.
+    """
+    w, b = params["layer0.weight"], params["layer0.bias"]  # (H, F'), (H,)
+    other = kept_columns(features, embedded)
+    wide = np.zeros((w.shape[0], features), np.float64)  # (H, F)
+    wide[:, other] = w[:, : len(other)]
+    bias = b.astype(np.float64)
+    out = {k: v for k, v in params.items() if not k.startswith("embed")}
+    for i, blk in enumerate(embedded):
+        E = params[f"embed{i}.weight"].astype(np.float64)  # (L_c, d)
+        lo = len(other) + i * E.shape[1]
+        rows = w[:, lo : lo + E.shape[1]].astype(np.float64) @ E.T  # (H, d) @ (d, L_c) -> (H, L_c)
+        if inputs == "onehot":
+            s, m = (np.asarray(a[blk.start : blk.stop], np.float64) for a in (scale, shift))
+            bias += rows @ m  # (H,)
+            rows = rows * s  # (H, L_c): column l times s_l
+        wide[:, blk.start : blk.stop] = rows
+    out["layer0.weight"], out["layer0.bias"] = wide.astype(w.dtype), bias.astype(b.dtype)
+    return out
+
+
+def describe(embedded: list[Block], dim: int) -> str:
+    """The log line of a model's embeddings: which columns, how many levels, the width."""
+    cols = ", ".join(f"{b.name} ({b.levels} levels)" for b in embedded)
+    return f"embedding {len(embedded)} categorical column(s) in {dim} dimensions each: {cols}"
+
+
+def from_config(cfg: Any, data: Any, rng: np.random.Generator, xp: Any, prec: Any) -> ColumnEmbedding | None:
+    """The embedding that ``cfg`` (a ``ModelConfig``: ``embedding_dim``, ``embedding_min_levels``,
+    ``embedding_inputs``) asks for on ``data`` (a :class:`~mlptrain.data.dataset.Dataset`: its column plan and
+    normalisation; None: no table), in ``prec``'s ``param_dtype`` and ``compute_dtype``; None when it is off or
+    no column has enough levels (logged)."""
+    if not cfg.embedding_dim or data is None:
+        return None
+    embedded = blocks(data.columns, cfg.embedding_min_levels)
+    if not embedded:
+        log.info(
+            "model.embedding_dim=%s: no categorical column has model.embedding_min_levels=%s one-hot columns; "
+            "all go into the first layer",
+            cfg.embedding_dim,
+            cfg.embedding_min_levels,
+        )
+        return None
+    log.info(describe(embedded, cfg.embedding_dim))
+    f, norm = data.num_features, data.normalization  # None: raw features, as the identity
+    shift, scale = (np.zeros(f), np.ones(f)) if norm is None else (norm.shift, norm.scale)
+    kw = {"rng": rng, "xp": xp, "param_dtype": prec.param_dtype, "compute_dtype": prec.compute_dtype}
+    return ColumnEmbedding(embedded, f, cfg.embedding_dim, shift=shift, scale=scale, inputs=cfg.embedding_inputs, **kw)
+
+
+def problems(cfg: Any, data_parallel: bool) -> list[str]:
+    """What is wrong with the embedding settings of ``cfg`` (a ``TrainConfig``), or what they do not run with:
+    one sentence each, for :func:`mlptrain.step.checks.validate`'s ConfigError."""
+    m = cfg.model
+    dim, least, inputs = m.embedding_dim, m.embedding_min_levels, m.embedding_inputs
+    out = []
+    if dim is not None and (isinstance(dim, bool) or not isinstance(dim, int) or dim < 0):
+        out.append(f"model.embedding_dim={dim!r} must be a positive width, or 0 or null (off)")
+    if isinstance(least, bool) or not isinstance(least, int) or least < 2:
+        out.append(f"model.embedding_min_levels={least!r} must be an integer of at least 2")
+    if inputs not in INPUTS:
+        out.append(f"model.embedding_inputs={inputs!r} must be onehot or standardized")
+    if not dim or out:
+        return out
+    refused = {
+        "precision=fp8": cfg.precision.name == "fp8",
+        "an ensemble (ensemble.size > 1 or ensemble.folds)": cfg.ensemble.size != 1 or bool(cfg.ensemble.folds),
+        "data parallel (distributed.gpus > 1, torchrun, mpirun)": data_parallel or cfg.distributed.gpus > 1,
+    }
+    found = [name for name, on in refused.items() if on]
+    if found:
+        out.append(f"model.embedding_dim={dim} does not run with {', '.join(found)} yet; set model.embedding_dim=null")
+    return out

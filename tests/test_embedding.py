@@ -1,0 +1,267 @@
+"""Learned embeddings of categorical columns (mlptrain.nn.embedding, #49): the blocks against the column plan,
+gradients against finite differences (float64) and against an explicit lookup, fused equal to naive, the folded
+network equal to the unfolded forward, a checkpoint's round trip and resume, and the refusals."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from helpers import make_cfg, records
+from numpy.testing import assert_allclose, assert_array_equal
+from test_checkpoint import assert_same_state, interrupt_at
+
+from mlptrain.base.errors import CheckpointError, ConfigError, TrainingInterrupted
+from mlptrain.config.schema import DatasetName
+from mlptrain.data import load_dataset
+from mlptrain.data.files.plan import fit_plan
+from mlptrain.inference.predictor import Predictor
+from mlptrain.nn.embedding import Block, ColumnEmbedding, blocks, fold, fold_checkpoint
+from mlptrain.nn.execution import FusedExecution, NaiveExecution, NumpyGemm
+from mlptrain.nn.network import MLP
+from mlptrain.run import checkpoint
+from mlptrain.run.run import train
+from mlptrain.step.checks import validate
+
+# X's columns: a numeric column, a 3-level block (stays one-hot), a numeric, a 7-level block (embedded)
+LAYOUT = [("a", 1), ("small", 3), ("b", 1), ("big", 7)]
+
+
+def standardised_one_hot(levels: np.ndarray, n_levels: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(N, L)`` one-hot of ``levels`` standardised as data.normalize=standard does, with its shift and scale."""
+    o = np.eye(n_levels)[levels]
+    m, s = o.mean(0), o.std(0)
+    return (o - m) / s, m, s
+
+
+def table_x(rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``X (n, 12)`` of LAYOUT, its normalisation ``(shift, scale)`` and the big column's levels."""
+    cols, shift, scale = [], [], []
+    big = rng.integers(0, 7, n)
+    big[:7] = np.arange(7)  # every level present
+    small = rng.integers(0, 3, n)
+    small[:3] = np.arange(3)
+    for _, width in LAYOUT:
+        if width == 1:
+            cols.append(rng.standard_normal((n, 1)))
+            shift.append([0.0])
+            scale.append([1.0])
+            continue
+        z, m, s = standardised_one_hot(big if width == 7 else small, width)
+        cols.append(z)
+        shift.append(m)
+        scale.append(s)
+    return np.hstack(cols), np.concatenate(shift), np.concatenate(scale), big
+
+
+BIG = [Block("big", 5, 12)]
+
+
+def make_net(mode: str, inputs: str, shift: np.ndarray, scale: np.ndarray, dtype: Any = np.float64, seed: int = 0):
+    gemm = NumpyGemm()
+    ex = FusedExecution(gemm) if mode == "fused" else NaiveExecution(gemm, np)
+    rng = np.random.default_rng(seed)
+    kw = {"rng": rng, "xp": np, "param_dtype": dtype, "compute_dtype": dtype}
+    emb = ColumnEmbedding(BIG, 12, 3, shift=shift, scale=scale, inputs=inputs, **kw)
+    net = MLP([12, 6, 4], execution=ex, embedding=emb, **kw)
+    for layer in net.layers:  # non-zero biases: a bias folded wrongly shows
+        layer.bias.value[...] = rng.standard_normal(layer.out_features) * 0.1
+    return net
+
+
+def test_the_blocks_are_the_plans_one_hot_columns_and_a_column_under_the_threshold_stays_one_hot() -> None:
+    rng = np.random.default_rng(0)
+    n = 400
+    cells = {
+        "num": np.array([f"{v:.3f}" if i % 9 else "" for i, v in enumerate(rng.normal(size=n))]),
+        "few": rng.choice(["x", "y", "z"], n),
+        "many": np.array([f"id{v}" for v in rng.integers(0, 40, n)]),
+        "tail": np.array([f"t{v}" for v in rng.zipf(1.5, n) % 60]),  # rare levels grouped into <rare>
+    }
+    plan = fit_plan(cells, np.arange(n), [], min_frequency=3)
+    names = plan.feature_names
+    got = blocks(plan.to_meta(), 10)
+    assert [b.name for b in got] == ["many", "tail"]  # "few" (3 levels) stays one-hot
+    for b in got:
+        block = names[b.start : b.stop]
+        assert all(s.startswith(f"{b.name}=") for s in block) and len(block) == b.levels >= 10
+        assert b.stop == len(names) or not names[b.stop].startswith(f"{b.name}=")
+    assert "tail=<rare>" in names[got[1].start : got[1].stop]
+    assert blocks(plan.to_meta(), 10_000) == [] and blocks(None, 2) == []
+
+
+@pytest.mark.parametrize("mode", ["fused", "naive"])
+@pytest.mark.parametrize("inputs", ["onehot", "standardized"])
+def test_gradients_match_finite_differences_in_float64(mode: str, inputs: str) -> None:
+    rng = np.random.default_rng(1)
+    x, shift, scale, _ = table_x(rng, 16)
+    net = make_net(mode, inputs, shift, scale)
+    r = rng.standard_normal((16, 4))  # loss = sum(logits * r): dlogits = r
+
+    def loss() -> float:
+        return float((net.forward(x, keep=False) * r).sum())
+
+    net.forward(x)
+    net.backward(r)
+    eps = 1e-6
+    for p in net.params:
+        for i in list(np.ndindex(p.value.shape))[:: max(1, p.value.size // 25)]:
+            old = p.value[i]
+            p.value[i] = old + eps
+            up = loss()
+            p.value[i] = old - eps
+            down = loss()
+            p.value[i] = old
+            assert_allclose(p.grad[i], (up - down) / (2 * eps), rtol=1e-6, atol=1e-8, err_msg=f"{p.name}{i}")
+    assert {p.name for p in net.params} >= {"embed0.weight", "layer0.weight"}
+
+
+def test_onehot_is_a_lookup_and_its_gradient_the_scattered_rows() -> None:
+    """The first layer reads ``[x_other | E[level]]``; ``dE[l]`` is the sum of ``dH`` over the rows of level ``l``."""
+    rng = np.random.default_rng(2)
+    x, shift, scale, big = table_x(rng, 20)
+    net = make_net("fused", "onehot", shift, scale)
+    E = net.embedding.tables[0].value  # (7, 3)
+    w0, b0 = net.layers[0].weight.value, net.layers[0].bias.value
+    xp = np.hstack([x[:, :5], E[big]])  # (20, 8): the lookup, written out
+    h = np.maximum(xp @ w0.T + b0, 0)
+    want = h @ net.layers[1].weight.value.T + net.layers[1].bias.value
+    assert_allclose(net.forward(x), want, rtol=1e-12)
+    r = rng.standard_normal((20, 4))
+    net.backward(r)
+    dz0 = (r @ net.layers[1].weight.value) * (h > 0)  # (20, 6)
+    dh = dz0 @ w0[:, 5:]  # (20, 3)
+    scattered = np.zeros_like(E)
+    np.add.at(scattered, big, dh)
+    assert_allclose(net.embedding.tables[0].grad, scattered, rtol=1e-12)
+
+
+@pytest.mark.parametrize("inputs", ["onehot", "standardized"])
+def test_fused_and_naive_agree(inputs: str) -> None:
+    rng = np.random.default_rng(3)
+    x, shift, scale, _ = table_x(rng, 32)
+    x = x.astype(np.float32)
+    nets = [make_net(mode, inputs, shift, scale, np.float32) for mode in ("fused", "naive")]
+    r = rng.standard_normal((32, 4)).astype(np.float32)
+    out = []
+    for net in nets:
+        logits = net.forward(x)
+        net.backward(r.copy())
+        out.append((logits, [p.grad for p in net.params]))
+    assert_allclose(out[0][0], out[1][0], rtol=1e-6, atol=1e-6)
+    for a, b in zip(out[0][1], out[1][1], strict=True):
+        assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("inputs", ["onehot", "standardized"])
+def test_the_folded_network_predicts_as_the_unfolded_forward(inputs: str) -> None:
+    rng = np.random.default_rng(4)
+    x, shift, scale, _ = table_x(rng, 50)
+    x[-1, 5:] = -shift[5:] / scale[5:]  # a level never seen in training: all zeros before the normalisation
+    x = x.astype(np.float32)
+    net = make_net("fused", inputs, shift, scale, np.float32)
+    params = {k: np.asarray(v) for k, v in net.state_dict().items()}
+    plain = MLP([12, 6, 4], execution=FusedExecution(NumpyGemm()), xp=np, rng=np.random.default_rng(9), **F32)
+    folded = fold(params, BIG, 12, shift, scale, inputs)
+    assert sorted(folded) == [f"layer{i}.{k}" for i in (0, 1) for k in ("bias", "weight")]
+    plain.load_state_dict(folded)
+    assert_allclose(plain.forward(x, keep=False), net.forward(x, keep=False), rtol=1e-5, atol=1e-5)
+
+
+F32 = {"param_dtype": np.float32, "compute_dtype": np.float32}
+
+
+def test_a_checkpoint_whose_embedding_does_not_fit_its_parameters_is_refused() -> None:
+    rng = np.random.default_rng(5)
+    _, shift, scale, _ = table_x(rng, 30)
+    params = make_net("fused", "onehot", shift, scale).state_dict()
+    meta = {"widths": [12, 6, 4], "embedding": {"dim": 3, "inputs": "onehot", "blocks": [["big", 5, 12]]}}
+    assert fold_checkpoint(params, meta, {}, "x.npz")["layer0.weight"].shape == (6, 12)
+    with pytest.raises(CheckpointError, match=r"x\.npz: its embeddings .* need parameters"):
+        fold_checkpoint(params, {**meta, "embedding": {**meta["embedding"], "dim": 4}}, {}, "x.npz")
+    with pytest.raises(CheckpointError, match="x.npz: its embedding meta"):
+        fold_checkpoint(params, {**meta, "embedding": {"dim": 3}}, {}, "x.npz")
+
+
+# --- through a run: the checkpoint, resume, predict ---------------------------------------------------
+
+
+def write_table(path: Path, n: int = 300, seed: int = 0) -> None:
+    """A label from a 40-level id (each level an effect), a 3-level text column and a number."""
+    rng = np.random.default_rng(seed)
+    effect = rng.normal(0, 1.5, 40)
+    rows = []
+    for _ in range(n):
+        code, x = int(rng.integers(0, 40)), rng.normal()
+        color = str(rng.choice(["red", "green", "blue"]))
+        rows.append([f"p{code}", color, f"{x:.4f}", "yes" if effect[code] + x + rng.normal(0, 0.5) > 0 else "no"])
+    with open(path, "w", newline="") as f:
+        csv.writer(f).writerows([["product", "color", "x", "label"], *rows])
+
+
+def table_cfg(path: Path, **kw: Any) -> Any:
+    over = {"data__name": DatasetName.file, "data__path": str(path), "data__cache": False, "data__features": None}
+    over |= {"data__batch_size": 32, "model__embedding_dim": 4, "model__embedding_min_levels": 10}
+    return make_cfg(**(over | kw))
+
+
+def test_a_checkpoint_keeps_the_embedding_resumes_exactly_and_predicts_through_the_fold(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    write_table(tmp_path / "t.csv")
+    cfg = table_cfg(tmp_path / "t.csv")
+    train(cfg, tmp_path / "straight")
+    ckpt = checkpoint.load(tmp_path / "straight" / "checkpoints" / "last.npz")
+    product = ckpt.meta["data"]["columns"]["columns"][0]
+    n = len(product["levels"]) + bool(product["rare"])  # its one-hot columns, 30 to 40
+    assert 30 <= n <= 40 and ckpt.meta["widths"] == [n + 3 + 1, 32, 2]
+    assert ckpt.arrays["param/embed0.weight"].shape == (n, 4)  # product embedded, color (3 levels) one-hot
+    assert ckpt.arrays["param/layer0.weight"].shape == (32, 3 + 1 + 4)
+    assert ckpt.meta["embedding"]["blocks"] == [["product", 0, n]]
+    assert "optim/embed0.weight/momentum" in ckpt.arrays  # the optimizer keeps its state
+
+    interrupt_at(monkeypatch, 10)  # mid-epoch: 7 steps each
+    with pytest.raises(TrainingInterrupted):
+        train(table_cfg(tmp_path / "t.csv"), tmp_path / "resumed")
+    monkeypatch.undo()
+    train(table_cfg(tmp_path / "t.csv", resume="last"), tmp_path / "resumed")
+    assert records(tmp_path / "resumed") == records(tmp_path / "straight")
+    assert_same_state(tmp_path / "resumed" / "checkpoints" / "last.npz", ckpt.path)
+
+    p = Predictor(ckpt.path)  # the folded plain MLP: the first layer reads every column
+    assert p.model.embedding is None and p.model.layers[0].weight.value.shape == (32, n + 4)
+    x = load_dataset(cfg.data).x_test  # (N, n + 4) normalised as in training
+    shift, scale = ckpt.arrays["data/shift"], ckpt.arrays["data/scale"]
+    kw = {"rng": np.random.default_rng(0), "xp": np, **F32}
+    emb = ColumnEmbedding([Block("product", 0, n)], n + 4, 4, shift=shift, scale=scale, **kw)
+    net = MLP([n + 4, 32, 2], execution=FusedExecution(NumpyGemm()), embedding=emb, **kw)
+    net.load_state_dict({k[6:]: v for k, v in ckpt.arrays.items() if k.startswith("param/")})
+    assert_allclose(p.model.forward(x, keep=False), net.forward(x, keep=False), rtol=1e-5, atol=1e-5)
+
+
+def test_refusals_name_the_value() -> None:
+    for over, text in [
+        ({"model__embedding_dim": -2}, "model.embedding_dim=-2 must be a positive width"),
+        ({"model__embedding_dim": 8, "model__embedding_min_levels": 1}, "model.embedding_min_levels=1"),
+        ({"model__embedding_dim": 8, "model__embedding_inputs": "dense"}, "model.embedding_inputs='dense'"),
+        (
+            {"model__embedding_dim": 8, "precision__name": "fp8"},
+            "model.embedding_dim=8 does not run with precision=fp8",
+        ),
+        ({"model__embedding_dim": 8, "ensemble__size": 2}, "does not run with an ensemble"),
+    ]:
+        with pytest.raises(ConfigError, match=text.replace("(", r"\(").replace(".", r"\.")):
+            validate(make_cfg(**over))
+    validate(make_cfg(model__embedding_dim=0))  # off: nothing to refuse
+    validate(make_cfg(model__embedding_dim=8))
+
+
+def test_a_run_without_a_column_of_enough_levels_trains_one_hot(tmp_path: Path) -> None:
+    write_table(tmp_path / "t.csv", n=120)
+    train(table_cfg(tmp_path / "t.csv", model__embedding_min_levels=1000, epochs=1), tmp_path / "r")
+    ckpt = checkpoint.load(tmp_path / "r" / "checkpoints" / "last.npz")
+    assert "embedding" not in ckpt.meta and not any(k.startswith("param/embed") for k in ckpt.arrays)
+    assert_array_equal(ckpt.arrays["param/layer0.weight"].shape, (32, ckpt.meta["widths"][0]))
