@@ -221,6 +221,68 @@ def churn(rows: int = 5000, seed: int = 4) -> Table:
     )
 
 
+def _long_tail(rng: np.random.Generator, levels: int, rows: int, a: float) -> np.ndarray:
+    """``(rows,)`` level ids drawn with Zipf frequencies ``1 / rank^a`` (ranks shuffled): a few common levels and a
+    long tail of rare ones, as product ids and zip codes have."""
+    p = 1.0 / np.arange(1, levels + 1) ** a
+    return rng.permutation(levels)[rng.choice(levels, rows, p=p / p.sum())]
+
+
+def products(rows: int = 10000, seed: int = 5) -> Table:
+    """Bought or not from a product id of 1,000 levels (Zipf frequencies: half the levels seen under 5 times), each
+    product's appeal and price sensitivity its category's (25 levels, a column too) plus its own; price, discount."""
+    rng = np.random.default_rng(seed)
+    category_of = rng.integers(0, 25, 1000)  # each product's category
+    appeal = rng.normal(0, 1.0, 25)[category_of] + rng.normal(0, 0.8, 1000)
+    sensitivity = np.abs(rng.normal(1.0, 0.4, 25))[category_of] * np.exp(rng.normal(0, 0.3, 1000))
+    product = _long_tail(rng, 1000, rows, 1.0)
+    price = rng.lognormal(3.0, 0.6, rows)
+    discount = rng.uniform(0, 0.5, rows)
+    z = appeal[product] - sensitivity[product] * (np.log(price) - 3.0) * 1.5 + 2.0 * discount - 0.3
+    label = np.where(rng.random(rows) < 1 / (1 + np.exp(-z)), "yes", "no")
+    frame = pd.DataFrame(
+        {
+            "product_id": [f"P{p:04d}" for p in product],
+            "category": [f"cat{c:02d}" for c in category_of[product]],
+            "price": np.round(price, 2),
+            "discount": np.round(discount, 3),
+            "bought": label,
+        }
+    )
+    what = "text: product_id (1,000 levels, Zipf), category (25 levels); the id carries appeal and price sensitivity"
+    return Table("products", *split(frame, "bought", "classification"), "bought", what=what)
+
+
+def zipcodes(rows: int = 8000, seed: int = 6) -> Table:
+    """A price from the area and a zip code of 800 levels (Zipf frequencies), each zip's price per square metre its
+    region's (10 levels, a column too) times its own; rooms, a condition (text)."""
+    rng = np.random.default_rng(seed)
+    region_of = rng.integers(0, 10, 800)
+    per_m2 = rng.uniform(1500, 6000, 10)[region_of] * np.exp(rng.normal(0, 0.3, 800))
+    zipc = _long_tail(rng, 800, rows, 0.9)
+    area = rng.uniform(30, 250, rows)
+    rooms = np.clip(np.round(area / 35 + rng.normal(0, 1, rows)), 1, 9)
+    condition = rng.choice(["poor", "fair", "good", "excellent"], rows, p=[0.1, 0.3, 0.4, 0.2])
+    cond = np.vectorize({"poor": 0.8, "fair": 0.95, "good": 1.05, "excellent": 1.2}.get)(condition)
+    price = area * per_m2[zipc] * cond + 6000 * rooms + rng.normal(0, 30000, rows)
+    frame = pd.DataFrame(
+        {
+            "zip": [f"{region_of[z]}{z:04d}" for z in zipc],
+            "region": [f"r{r}" for r in region_of[zipc]],
+            "area_m2": np.round(area, 1),
+            "rooms": rooms.astype(int),
+            "condition": condition,
+            "price": np.round(price, -2),
+        }
+    )
+    what = "text: zip (800 levels, Zipf), region (10 levels), condition; the zip sets the price per square metre"
+    return Table("zipcodes", *split(frame, "price", "regression"), "price", "regression", what=what)
+
+
+# Tables with a categorical column of hundreds of levels (benchmarks/bench_embeddings.py); not in TABLES: their
+# columns have more levels than HistGradientBoosting's categorical support (255)
+MANY_LEVELS: dict[str, Callable[[], Table]] = {"products": products, "zipcodes": zipcodes}
+
 TABLES: dict[str, Callable[[], Table]] = {
     "iris": lambda: bundled("iris", "classification", "4 numeric columns, 3 classes"),
     "wine": lambda: bundled("wine", "classification", "13 numeric columns in mixed units, 3 classes"),
