@@ -265,3 +265,27 @@ def test_a_run_without_a_column_of_enough_levels_trains_one_hot(tmp_path: Path) 
     ckpt = checkpoint.load(tmp_path / "r" / "checkpoints" / "last.npz")
     assert "embedding" not in ckpt.meta and not any(k.startswith("param/embed") for k in ckpt.arrays)
     assert_array_equal(ckpt.arrays["param/layer0.weight"].shape, (32, ckpt.meta["widths"][0]))
+
+
+def test_the_exports_hold_the_folded_network_and_onnx_scores_raw_rows_as_predict(tmp_path: Path) -> None:
+    ort = pytest.importorskip("onnxruntime")
+    pd = pytest.importorskip("pandas")
+    from mlptrain.cli.export import ExportArgs, export, load_safetensors
+    from mlptrain.inference.onnx_columns import feeds
+
+    write_table(tmp_path / "t.csv")
+    train(table_cfg(tmp_path / "t.csv", epochs=2), tmp_path / "r")
+    ckpt = tmp_path / "r" / "checkpoints" / "best.npz"
+    features = checkpoint.load(ckpt).meta["widths"][0]
+    tensors, _ = load_safetensors(export(ExportArgs(ckpt=str(ckpt), format="safetensors")))
+    assert tensors["0.weight"].shape == (32, features) and "embed0.weight" not in tensors  # nn.Sequential's names
+    write_table(tmp_path / "rows.csv", n=50, seed=3)  # other rows: levels the training rows may not hold
+    frame = pd.read_csv(tmp_path / "rows.csv", dtype=str, keep_default_na=False)
+    sess = ort.InferenceSession(
+        str(export(ExportArgs(ckpt=str(ckpt), format="onnx"))), providers=["CPUExecutionProvider"]
+    )
+    p = Predictor(ckpt, device="cpu")
+    assert p.plan is not None
+    (probabilities,) = sess.run(["probabilities"], feeds(p.plan, frame))
+    want = p.run(p.encode({c: frame[c].to_numpy() for c in p.plan.names}, "rows", str), probabilities=True)
+    assert_allclose(probabilities, want.probabilities, rtol=0, atol=1e-5)
