@@ -59,8 +59,9 @@ VARIANTS: dict[str, list[str]] = {
     "d=4": embedded(4),
     "d=8": embedded(8),
     "d=16": embedded(16),
-    "d=8, min_levels=16": embedded(8, 16),
-    "d=8, min_levels=500": embedded(8, 500),
+    "d=32": embedded(32),
+    "d=128": embedded(128),  # hidden[0]: no narrower than one-hot's first layer, the column read as 0/1
+    "d=8, min_levels=8": embedded(8, 8),  # the table's smaller text columns too
     "d=8, standardized": embedded(8, inputs="standardized"),
 }
 OTHER_VARIANTS: dict[str, list[str]] = {"one-hot": [], "d=8, min_levels=8": embedded(8, 8)}
@@ -80,6 +81,7 @@ def run(table: Table, folder: Path, seed: int, name: str, settings: list[str]) -
     args = ["data=file", f"data.path={folder / 'train.csv'}", f"data.test_path={folder / 'test.csv'}"]
     args += [f"data.target={table.target}", *([f"data.drop=[{','.join(table.drop)}]"] if table.drop else [])]
     args += ["data.task=regression"] if table.task == "regression" else []
+    args += [f"data.categorical=[{','.join(table.categorical)}]"] if table.categorical else []
     t0 = time.perf_counter()
     cli(*args, *settings, "device=cpu", "progress=false", f"seed={seed}", f"hydra.run.dir={out}")
     fit_s = time.perf_counter() - t0
@@ -106,7 +108,7 @@ def sklearn_mlp(table: Table, seed: int) -> dict[str, Any]:
     """bench_tables.py's reference, one-hot: scikit-learn's usual pipeline in front of an MLP (128, 128) with early
     stopping (a regression's target standardised)."""
     feats = [c for c in table.train.columns if c != table.target and c not in table.drop]
-    text = [c for c in feats if not pd.api.types.is_numeric_dtype(table.train[c])]
+    text = [c for c in feats if not pd.api.types.is_numeric_dtype(table.train[c]) or c in table.categorical]
     num = make_pipeline(SimpleImputer(strategy="median", add_indicator=True), StandardScaler())
     cat = make_pipeline(
         SimpleImputer(strategy="constant", fill_value="<empty>"), OneHotEncoder(handle_unknown="ignore")
@@ -119,10 +121,11 @@ def sklearn_mlp(table: Table, seed: int) -> dict[str, Any]:
         model = make_pipeline(pre, MLPClassifier(**kw))
     y = table.train[table.target]
     t0 = time.perf_counter()
-    model.fit(table.train[feats], y.astype(float) if table.task == "regression" else y.astype(str))
+    x_train, x_test = (f[feats].astype({c: str for c in text}) for f in (table.train, table.test))
+    model.fit(x_train, y.astype(float) if table.task == "regression" else y.astype(str))
     fit_s = time.perf_counter() - t0
     epochs = int(model.regressor_[-1].n_iter_ if table.task == "regression" else model[-1].n_iter_)
-    return {**score(table, model.predict(table.test[feats])), "epochs": epochs, "s_per_epoch": fit_s / epochs}
+    return {**score(table, model.predict(x_test)), "epochs": epochs, "s_per_epoch": fit_s / epochs}
 
 
 def measure(table: Table, seeds: list[int], work: Path, variants: dict[str, list[str]], sklearn: bool) -> dict:

@@ -58,3 +58,17 @@ def test_a_table_trains_on_the_gpu_as_on_the_cpu(tmp_path: Path) -> None:
     cb = checkpoint.load(tmp_path / "gpu" / "checkpoints" / "last.npz").arrays
     e_gpu, e_cpu = cb["param/embed0.weight"], ca["param/embed0.weight"]  # 21 steps apart only by rounding
     assert np.abs(e_gpu - e_cpu).max() < 1e-4 * np.abs(e_cpu).max()
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_half_precision_trains_the_embeddings(tmp_path: Path, precision: str) -> None:
+    """The 0/1 read of a block (a compare in the compute dtype) and E's fp32 master with its half copy."""
+    write_table(tmp_path / "t.csv")
+    over = {"data__name": DatasetName.file, "data__path": str(tmp_path / "t.csv"), "data__cache": False}
+    over |= {"data__features": None, "data__batch_size": 32, "model__embedding_dim": 8, "epochs": 6}
+    over |= {"model__embedding_min_levels": 10, "precision__name": precision, "device": Device.gpu}
+    train(make_cfg(**over), tmp_path / "r")
+    losses = [r["train/loss"] for r in records(tmp_path / "r") if r["kind"] == "epoch"]
+    assert all(np.isfinite(losses)) and losses[-1] < 0.9 * losses[0], losses
+    e = checkpoint.load(tmp_path / "r" / "checkpoints" / "last.npz").arrays["param/embed0.weight"]
+    assert e.dtype == np.float32 and np.isfinite(e).all()
