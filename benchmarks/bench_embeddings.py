@@ -63,6 +63,7 @@ VARIANTS: dict[str, list[str]] = {
     "d=128": embedded(128),  # hidden[0]: no narrower than one-hot's first layer, the column read as 0/1
     "d=8, min_levels=8": embedded(8, 8),  # the table's smaller text columns too
     "d=8, standardized": embedded(8, inputs="standardized"),
+    "d=16, standardized": embedded(16, inputs="standardized"),
 }
 OTHER_VARIANTS: dict[str, list[str]] = {"one-hot": [], "d=8, min_levels=8": embedded(8, 8)}
 
