@@ -289,3 +289,14 @@ def test_the_exports_hold_the_folded_network_and_onnx_scores_raw_rows_as_predict
     (probabilities,) = sess.run(["probabilities"], feeds(p.plan, frame))
     want = p.run(p.encode({c: frame[c].to_numpy() for c in p.plan.names}, "rows", str), probabilities=True)
     assert_allclose(probabilities, want.probabilities, rtol=0, atol=1e-5)
+
+
+def test_host_residency_trains_the_embedding_as_the_device_resident_run(tmp_path: Path) -> None:
+    """The data path is unchanged: host-resident batches (the plan's encoded splits, copied per step) train the
+    same embedded model."""
+    write_table(tmp_path / "t.csv", n=160)
+    train(table_cfg(tmp_path / "t.csv", epochs=2), tmp_path / "device")
+    train(table_cfg(tmp_path / "t.csv", epochs=2, data__residency="host"), tmp_path / "host")
+    got = records(tmp_path / "host")
+    assert got == records(tmp_path / "device") and got[0]["train/loss"] > 0
+    assert_same_state(tmp_path / "host" / "checkpoints" / "last.npz", tmp_path / "device" / "checkpoints" / "last.npz")
