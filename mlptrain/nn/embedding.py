@@ -24,6 +24,13 @@ all. ``standardized`` reads the block as it is: the same function class (a resca
 the first layer's bias absorbs), but every row of ``E_c`` moves every step and a rare level's row, scaled
 by ``1 / s ~ 1 / sqrt(frequency)``, learns far faster than a common one's (docs/data.md measures both).
 
+Why GEMMs on the one-hot block, not a gather of rows by level index: keeping ``X`` as it is keeps every
+consumer of the column plan unchanged, and with a 0/1 block the GEMM *is* the lookup (and its transpose the
+scatter-add of ``dH`` rows into ``dE``), run by the same execution objects as the layers, so the NumPy engine
+stays the GPU's oracle. The cost is ``2 B L_c d`` FLOPs each way per column, a ``d / hidden[0]`` share of what
+the block cost one-hot, plus the first layer's input-gradient GEMM (``2 B H F'``), which a one-hot model
+skips.
+
 Inference needs no embedding: ``X_c E_c W_c^T = X_c (E_c W_c^T)``, so :func:`fold` turns a trained model
 into a plain MLP whose first layer has, for block ``c``, the rows ``W_c E_c^T`` (``(H, L_c)``; with
 ``onehot`` scaled by ``s`` and ``W_c E_c^T m`` added to the bias). Predict, evaluate and the exports read
