@@ -281,9 +281,19 @@ def zipcodes(rows: int = 8000, seed: int = 6) -> Table:
     return Table("zipcodes", train, test, "price", "regression", what=what, categorical=["zip"])
 
 
+def agents(seed: int = 7) -> Table:
+    """``customers`` with one more text column, an ``agent`` of 600 levels (Zipf frequencies) that has no effect on
+    the label: a column of many levels that a model should learn to ignore."""
+    t = customers()
+    rng = np.random.default_rng(seed)
+    for frame in (t.train, t.test):
+        frame.insert(1, "agent", [f"A{a:03d}" for a in _long_tail(rng, 600, len(frame), 1.0)])
+    return Table("agents", t.train, t.test, t.target, drop=t.drop, what=f"{t.what}; agent: 600 levels, no effect")
+
+
 # Tables with a categorical column of hundreds of levels (benchmarks/bench_embeddings.py); not in TABLES: their
 # columns have more levels than HistGradientBoosting's categorical support (255)
-MANY_LEVELS: dict[str, Callable[[], Table]] = {"products": products, "zipcodes": zipcodes}
+MANY_LEVELS: dict[str, Callable[[], Table]] = {"products": products, "zipcodes": zipcodes, "agents": agents}
 
 TABLES: dict[str, Callable[[], Table]] = {
     "iris": lambda: bundled("iris", "classification", "4 numeric columns, 3 classes"),
