@@ -300,3 +300,19 @@ def test_host_residency_trains_the_embedding_as_the_device_resident_run(tmp_path
     got = records(tmp_path / "host")
     assert got == records(tmp_path / "device") and got[0]["train/loss"] > 0
     assert_same_state(tmp_path / "host" / "checkpoints" / "last.npz", tmp_path / "device" / "checkpoints" / "last.npz")
+
+
+def test_the_kept_columns_go_first_in_order_whatever_the_blocks_between_them() -> None:
+    """Two blocks, one at the start and one between kept columns: ``x'`` is the kept columns in X's order, then
+    each block's rows of E."""
+    rng = np.random.default_rng(6)
+    levels = [rng.integers(0, 4, 9), rng.integers(0, 3, 9)]
+    x = np.hstack(
+        [np.eye(4)[levels[0]], rng.standard_normal((9, 2)), np.eye(3)[levels[1]], rng.standard_normal((9, 1))]
+    )
+    embedded = [Block("first", 0, 4), Block("middle", 6, 9)]
+    kw = {"rng": rng, "xp": np, "param_dtype": np.float64, "compute_dtype": np.float64}
+    emb = ColumnEmbedding(embedded, 10, 2, shift=np.zeros(10), scale=np.ones(10), **kw)
+    got = emb.forward(FusedExecution(NumpyGemm()), x, keep=False)
+    E0, E1 = (t.value for t in emb.tables)
+    assert_array_equal(got, np.hstack([x[:, [4, 5, 9]], E0[levels[0]], E1[levels[1]]]))

@@ -127,8 +127,9 @@ class ColumnEmbedding:
         self.blocks, self.dim, self.inputs, self.xp = list(embedded), dim, inputs, xp
         self.in_features = features
         other = kept_columns(features, embedded)
-        self.other = xp.asarray(other)  # (F_other,) int64, on the device: gathered every forward
         self.kept = len(other)
+        # the kept columns as runs of X's columns between the blocks, (start, stop) each: one slice copy per run
+        self.runs = _runs(other)
         self.out_features = self.kept + len(embedded) * dim
         std = [1.0 if inputs == "onehot" else 1.0 / np.sqrt(b.levels) for b in embedded]
         self.tables = [
@@ -151,7 +152,10 @@ class ColumnEmbedding:
     def forward(self, ex: FusedExecution | NaiveExecution, x: Any, keep: bool = True) -> Any:
         """``x (B, F) -> x' (B, F_other + k d)``: the kept columns, then ``H_c = X_c @ E_c`` of each block."""
         out = self.xp.empty((x.shape[0], self.out_features), dtype=x.dtype)  # (B, F')
-        out[:, : self.kept] = x[:, self.other]  # (B, F_other): a gather of the columns that are not embedded
+        lo = 0
+        for a, b in self.runs:  # (B, F_other): the columns that are not embedded, run by run
+            out[:, lo : lo + b - a] = x[:, a:b]
+            lo += b - a
         for i in range(len(self.blocks)):
             xc = self._block(x, i)  # (B, L_c), C-contiguous
             lo = self.kept + i * self.dim
@@ -218,6 +222,12 @@ def fold_checkpoint(params: dict[str, Any], meta: dict[str, Any], arrays: dict[s
         )
     shift, scale = (arrays.get(f"data/{k}", np.full(f, v)) for k, v in (("shift", 0.0), ("scale", 1.0)))
     return fold(params, embedded, f, shift, scale, inputs)
+
+
+def _runs(columns: np.ndarray) -> list[tuple[int, int]]:
+    """The sorted ``columns`` as maximal runs ``[start, stop)`` of consecutive indices."""
+    breaks = np.flatnonzero(np.diff(columns) != 1) + 1  # where a run ends
+    return [(int(r[0]), int(r[-1]) + 1) for r in np.split(columns, breaks) if len(r)]
 
 
 def fold(
