@@ -280,3 +280,19 @@ def test_npz_and_parquet_tables_give_the_csvs_weights(tmp_path: Path) -> None:
         assert ds.feature_names == ["a", "b", "c"], path
         assert_array_equal(ds.w_train, csv_ds.w_train)
         assert_array_equal(ds.x_train, csv_ds.x_train)
+
+
+def test_a_batch_of_only_zero_weight_rows_stops_the_run_with_an_error_naming_the_zero_weights(tmp_path: Path) -> None:
+    """A batch whose rows all weigh 0 has the weighted mean 0/0 (a NaN loss): the error says so, not only
+    'lower the learning rate'; the same weights in one batch train."""
+    from mlptrain.base.errors import NonFiniteError
+
+    x, y, _ = _table(40, 0)
+    w = np.zeros(40, np.int64)
+    w[:4] = 1  # rows 0-3 weigh 1, the other 36 nothing: most batches of 2 weigh 0
+    test = _write(tmp_path / "test.csv", *_table(10, 1)[:2], None)
+    path = _write(tmp_path / "w.csv", x, y, w)
+    with pytest.raises(NonFiniteError, match=r"training loss is nan.*36 of the 40 training rows weigh 0.*batch size"):
+        train(_file_cfg(path, test, data__weight="w", data__batch_size=2), tmp_path / "small")
+    train(_file_cfg(path, test, data__weight="w"), tmp_path / "one")  # one batch of 40: trains
+    assert np.isfinite(records(tmp_path / "one")[-1]["train/loss"])

@@ -129,7 +129,13 @@ def nonfinite_error(
     if tensors:
         what.append(f"inf/NaN{after} in " + ", ".join(tensors))
     fix = f"lower optimizer.lr (now {lrs[j]:.3g}) or use warm-up (optimizer.warmup_steps)"
-    if bad and (top := targets_beyond_float32(tr)) is not None:
+    if bad and (zeros := zero_weight_rows(tr)) is not None:
+        fix = (
+            f"{zeros} of the {len(tr.dataset.y_train)} training rows weigh 0 (data.weight, or sample_weight), and a "
+            "batch of only such rows has no weighted mean (0/0); raise the batch size (data.batch_size, batch_size), "
+            f"or leave the zero-weight rows out; else {fix}"
+        )
+    elif bad and (top := targets_beyond_float32(tr)) is not None:
         fix = (
             f"it overflowed float32 (max {F32_MAX:.3g}) because of the targets' scale: they reach |y| = {top:.3g}, "
             "whose square is beyond it, and the loss is in the targets' units; normalise the targets (express "
@@ -138,6 +144,15 @@ def nonfinite_error(
     return NonFiniteError(
         f"non-finite values {where} (epoch {epoch + 1}, {tr.precision.name}): {'; '.join(what)}; {fix}{saved}"
     )
+
+
+def zero_weight_rows(tr: Trainer) -> int | None:
+    """How many training rows weigh 0 (row weights: ``data.weight``, ``sample_weight``), or None where none does:
+    a batch of only such rows has the weighted mean ``0 / 0``, a NaN loss (scikit-learn's MLP raises
+    ZeroDivisionError there)."""
+    w = tr.dataset.w_train
+    zeros = 0 if w is None else int((np.asarray(w) == 0).sum())
+    return zeros or None
 
 
 F32_MAX = float(np.finfo(np.float32).max)

@@ -32,7 +32,7 @@ from mlptrain.data.prepare import normalization, stratified_split
 from mlptrain.nn.members import MemberMean
 from mlptrain.run import faults
 from mlptrain.run.interval import Closed, Interval
-from mlptrain.sklearn.sample_weight import standardise, train_normalization, zero_weight_hint
+from mlptrain.sklearn.sample_weight import standardise, train_normalization
 from mlptrain.step.trainer import Trainer
 
 # The seed stream of load_dataset's splits ([split_seed, SPLIT_STREAM]): the same rows held out as the CLI's
@@ -151,7 +151,7 @@ def _check(tr: Trainer, losses: np.ndarray, lrs: np.ndarray, epoch: int, closed:
     each = closed is None
     error = faults.nonfinite_error(tr, losses, lrs, epoch, each_step=each, saved="", checks=checks, last_step=last)
     if error is not None:
-        raise zero_weight_hint(error, tr.dataset.w_train)
+        raise error
 
 
 def outputs(tr: Trainer, split: str) -> np.ndarray:

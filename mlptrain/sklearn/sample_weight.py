@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from mlptrain.base.errors import ConfigError, NonFiniteError
+from mlptrain.base.errors import ConfigError
 from mlptrain.data.dataset import Normalization
 from mlptrain.data.prepare import normalization
 
@@ -96,18 +96,6 @@ def decay_scale(w: np.ndarray | None) -> float:
     divided by it, so that a step's penalty is ``alpha`` over the weight of its rows, as scikit-learn's
     ``alpha / sw_sum`` (exactly for a full batch; a minibatch's weight is taken as the average)."""
     return 1.0 if w is None else float(w.mean())
-
-
-def zero_weight_hint(error: NonFiniteError, w: np.ndarray | None) -> NonFiniteError:
-    """``error`` (a NaN training loss), saying the likely cause where some training rows weigh 0: a batch of only
-    such rows has no weighted mean (``0 / 0``; scikit-learn's MLP raises ``ZeroDivisionError`` there)."""
-    if w is None or not (w == 0).any():
-        return error
-    zeros = int((w == 0).sum())
-    return NonFiniteError(
-        f"{error}; with sample_weight, {zeros} of the {len(w)} training rows weigh 0, and a batch of only such rows "
-        "has no weighted mean (0/0): raise batch_size, or leave the zero-weight rows out"
-    )
 
 
 def _given(sample_weight: Any) -> str:
