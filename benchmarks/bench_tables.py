@@ -60,6 +60,7 @@ from sklearn.neural_network import MLPClassifier, MLPRegressor
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import OneHotEncoder, StandardScaler
 
+from mlptrain.tools.bench import islp
 from mlptrain.tools.bench.tables import TABLES, Table
 
 REPO = Path(__file__).resolve().parent.parent
@@ -211,22 +212,32 @@ def measure(table: Table, seeds: list[int], work: Path, settings: list[str]) -> 
             by_model.setdefault(name, []).append(sklearn_run(table, name, model))
     results.update({name: medians(runs) for name, runs in by_model.items()})
     about = {"table": table.name, "task": table.task, "rows": table.rows, "what": table.what, "drop": table.drop}
-    return {**about, "imbalanced": table.imbalanced, "results": results, "target": target(table, results)}
+    checks = targets(table, results)
+    return {**about, "imbalanced": table.imbalanced, "results": results, "targets": checks, "met": all_met(checks)}
 
 
-def target(table: Table, results: dict[str, Any]) -> dict[str, Any]:
-    """The issue's target for this table: what is compared, the bound, mlptrain's value, met or not."""
+def all_met(checks: list[dict[str, Any]]) -> bool:
+    return all(c["met"] for c in checks)
+
+
+def targets(table: Table, results: dict[str, Any]) -> list[dict[str, Any]]:
+    """The issue's targets for this table: what is compared, the bound, mlptrain's value, met or not. A
+    classification's accuracy at the defaults, and on an imbalanced table also the balanced accuracy with
+    ``model.class_weight=balanced``; a regression's RMSE."""
+
+    def check(what: str, bound: float, value: float, met: bool) -> dict[str, Any]:
+        return {"what": what, "bound": bound, "value": value, "met": met}
+
+    if table.task == "regression":
+        bound, value = 1.10 * results["sklearn MLP"]["rmse"], results["mlptrain"]["rmse"]
+        return [check("RMSE <= 1.10x sklearn MLP", bound, value, value <= bound)]
+    bound, value = results["sklearn MLP"]["acc"] - 0.01, results["mlptrain"]["acc"]
+    out = [check("acc >= sklearn MLP - 0.01", bound, value, value >= bound)]
     if table.imbalanced:
         bound = results["LogisticRegression balanced"]["balanced_acc"] - 0.05
         value = results["mlptrain class_weight=balanced"]["balanced_acc"]
-        return {"what": "balanced acc >= weighted LR - 0.05", "bound": bound, "value": value, "met": value >= bound}
-    if table.task == "regression":
-        bound = 1.10 * results["sklearn MLP"]["rmse"]
-        value = results["mlptrain"]["rmse"]
-        return {"what": "RMSE <= 1.10x sklearn MLP", "bound": bound, "value": value, "met": value <= bound}
-    bound = results["sklearn MLP"]["acc"] - 0.01
-    value = results["mlptrain"]["acc"]
-    return {"what": "acc >= sklearn MLP - 0.01", "bound": bound, "value": value, "met": value >= bound}
+        out.append(check("balanced acc >= weighted LR - 0.05", bound, value, value >= bound))
+    return out
 
 
 def cell(result: dict[str, Any], task: str) -> str:
@@ -252,12 +263,11 @@ def markdown(rows: list[dict[str, Any]], stamp: dict[str, Any]) -> str:
         res = r["results"]
         cells = [cell(res[n], r["task"]) if n in res else "" for n in names]
         ours = res["mlptrain"]
-        t = r["target"]
+        said = "; ".join(f"{t['what']}: {t['value']:.4g} vs {t['bound']:.4g}" for t in r["targets"])
         lines.append(
             f"| {r['table']} ({r['rows']}) | "
             + " | ".join(cells)
-            + f" | {ours['epochs']:g} ({ours['best_epoch']:g}) | "
-            f"{t['what']}: {t['value']:.4g} vs {t['bound']:.4g} | {'yes' if t['met'] else '**no**'} |"
+            + f" | {ours['epochs']:g} ({ours['best_epoch']:g}) | {said} | {'yes' if r['met'] else '**no**'} |"
         )
     lines += ["", "What each table holds:", ""]
     lines += [f"* {r['table']}: {r['what']}" + (f"; data.drop={r['drop']}" if r["drop"] else "") for r in rows]
@@ -272,13 +282,28 @@ def commit() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tables", nargs="+", default=list(TABLES), choices=list(TABLES))
+    ap.add_argument(
+        "--suite", choices=["builtin", "islp"], default="builtin", help="the tables: this module's or ISLP's"
+    )
+    ap.add_argument("--islp-data", type=Path, help="the folder of ISLP's data/*.csv (default: the installed ISLP)")
+    ap.add_argument(
+        "--tables",
+        nargs="+",
+        help=f"some of the suite's tables (builtin: {', '.join(TABLES)}; islp: {', '.join(islp.NAMES)})",
+    )
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--work", type=Path, help="where the CSVs and runs go (default: a temporary folder)")
     ap.add_argument("--out", type=Path, help="write bench-tables-cpu.md and .json here")
     ap.add_argument("--stem", default="bench-tables-cpu", help="the output files' name")
     ap.add_argument("--set", nargs="*", default=[], help="mlptrain settings beside the defaults (to try one)")
     args = ap.parse_args(argv)
+    try:
+        tables = TABLES if args.suite == "builtin" else islp.islp_tables(islp.data_folder(args.islp_data))
+    except FileNotFoundError as exc:
+        ap.error(str(exc))
+    unknown = [t for t in args.tables or [] if t not in tables]
+    if unknown:
+        ap.error(f"--tables {' '.join(unknown)}: not a table of --suite {args.suite} ({', '.join(tables)})")
     versions = record.versions("numpy", "sklearn", "pandas", "hydra")
     stamp = {
         "date": record.today(),
@@ -293,15 +318,15 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore", ConvergenceWarning)
         work = args.work or Path(tmp)
-        for name in args.tables:
-            rows.append(measure(TABLES[name](), args.seeds, work, args.set))
-            print(f"{name}: {rows[-1]['target']}", file=sys.stderr, flush=True)
+        for name in args.tables or list(tables):
+            rows.append(measure(tables[name](), args.seeds, work, args.set))
+            print(f"{name}: {rows[-1]['targets']}", file=sys.stderr, flush=True)
     md = markdown(rows, stamp)
     if args.out:
         record.write(args.out, args.stem, {**stamp, "tables": rows}, md)
     else:
         print(md, end="")
-    return 0 if all(r["target"]["met"] for r in rows) else 1
+    return 0 if all(r["met"] for r in rows) else 1
 
 
 if __name__ == "__main__":
