@@ -196,6 +196,26 @@ def test_the_plan_is_fitted_on_the_train_split(tmp_path: Path) -> None:
     assert age["fill"] != pytest.approx(np.median([float(r[1]) for r in rows]), abs=1e-4)
 
 
+def test_the_one_hot_and_missing_columns_reach_the_model_as_0_1(tmp_path: Path) -> None:
+    """Standardised, the rare level ``polar`` (1%) would be about 10 where it is set; the plan's 0/1 columns
+    stay 0/1 (shift 0, scale 1 in the checkpoint's normalisation), the numeric columns are standardised."""
+    make_table(tmp_path / "t.csv", n=600)
+    ds = load_dataset(data_cfg(tmp_path / "t.csv", drop=["id"], min_frequency=1))
+    assert ds.feature_names is not None and ds.normalization is not None
+    names = ds.feature_names
+    flags = [n.endswith("_missing") or "=" in n for n in names]
+    assert "region=polar" in names and sum(flags) >= 10
+    for j, (name, flag) in enumerate(zip(names, flags, strict=True)):
+        values = np.unique(ds.x_train[:, j])
+        if flag:
+            assert (ds.normalization.shift[j], ds.normalization.scale[j]) == (0.0, 1.0), name
+            assert values.tolist() == [0.0, 1.0], name
+        else:
+            assert abs(float(ds.x_train[:, j].mean())) < 1e-5 and float(ds.x_train[:, j].std()) == pytest.approx(
+                1, 1e-4
+            )
+
+
 def test_parquet_and_npz_tables_get_the_csvs_plan(tmp_path: Path) -> None:
     pa = pytest.importorskip("pyarrow")
     pq = pytest.importorskip("pyarrow.parquet")

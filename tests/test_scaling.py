@@ -87,17 +87,24 @@ def test_robust_is_robustscalers_on_the_train_rows_and_the_zero_iqr_fallback_is_
     assert_array_equal(z[:, CONSTANT], 0.0)  # a constant column becomes exactly 0 (scikit-learn: 0 too)
 
 
-def test_robust_and_quantile_standardise_the_plans_0_1_columns() -> None:
+def test_every_mode_leaves_the_plans_0_1_columns_at_0_1() -> None:
+    """The plan's one-hot and ``_missing`` columns stay 0/1 (scikit-learn's ColumnTransformer leaves one-hot
+    columns unscaled), a constant one becomes 0; the other columns are scaled as without the plan."""
     x = table(1000)
+    rng = np.random.default_rng(1)
+    rare = (rng.random(len(x)) < 0.01).astype(np.float64)  # a 1% level: standardised, about 10 where set
+    x = np.column_stack([x, rare, rng.integers(0, 2, len(x)).astype(np.float64), np.ones(len(x))])  # (1000, 10)
     binary = np.zeros(x.shape[1], bool)
-    binary[[2, 6]] = True  # say the plan made these (<name>_missing, one-hot): standardised as standard does
-    std = normalization("standard", x)
-    for method in ("robust", "quantile"):
+    binary[[7, 8, 9]] = True  # the plan's 0/1 columns, the last one constant (a level of every training row)
+    for method in ("standard", "minmax", "robust", "quantile"):
         norm = normalization(method, x, binary=binary)
-        assert_array_equal(norm.shift[binary], std.shift[binary])
-        assert_array_equal(norm.scale[binary], std.scale[binary])
+        plain = normalization(method, x[:, :7])  # the same columns without the plan's
+        assert norm.shift[[7, 8]].tolist() == [0.0, 0.0] and norm.scale[[7, 8]].tolist() == [1.0, 1.0], method
+        assert_array_equal(norm.apply(x)[:, 7:], np.column_stack([rare, x[:, 8], np.zeros(len(x))]))
+        assert_array_equal(norm.shift[:7], plain.shift)
+        assert_array_equal(norm.scale[:7], plain.scale)
     q = normalization("quantile", x, binary=binary).quantile
-    assert q is not None and q.columns.tolist() == [0, 1, 4, 5]  # neither the 0/1 columns nor the constant one
+    assert q is not None and q.columns.tolist() == [0, 1, 2, 4, 5, 6]  # neither the 0/1 columns nor the constant one
 
 
 # --- quantile ----------------------------------------------------------------------------------------

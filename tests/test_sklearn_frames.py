@@ -106,8 +106,10 @@ def test_the_encoded_rows_are_column_transformers_column_for_column() -> None:
     order = [names.index(n) for n in clf.column_plan_.feature_names]
     assert sorted(order) == list(range(len(names)))  # the same columns, no more, no fewer
     assert_allclose(predict_input(clf, frame, clf.column_plan_), want[:, order], rtol=0, atol=0)
-    mean = clf.state_.arrays["data/shift"]  # standardised from these very columns (no validation split)
-    assert_allclose(mean, want[:, order].mean(axis=0), rtol=1e-12)
+    shift = clf.state_.arrays["data/shift"]  # standardised from these very columns (no validation split)
+    binary = clf.column_plan_.binary()  # the one-hot and _missing columns stay 0/1: shift 0
+    assert 0 < binary.sum() < len(binary)
+    assert_allclose(shift, np.where(binary, 0.0, want[:, order].mean(axis=0)), rtol=1e-12)
     new, _ = table(40, seed=5)
     new["size"] = new["size"].cat.add_categories(["XXL"])
     new.loc[0, "size"], new.loc[1, "income"], new.loc[2, "city"], new.loc[3, "code"] = "XXL", np.nan, "lima", 9

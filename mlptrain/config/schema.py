@@ -173,7 +173,8 @@ class DataConfig:
         "robust (x - median) / IQR (std where the IQR is 0), quantile (through the column's training quantiles to a "
         "standard normal, scikit-learn's QuantileTransformer: 1000 quantiles of a 10,000-row sample seeded by "
         "data.split_seed) or none; every column that varies is scaled whatever its spread, a constant one becomes 0; "
-        "robust and quantile standardise the column plan's 0/1 columns (<name>_missing, one-hot)",
+        "the column plan's 0/1 columns (<name>_missing, one-hot) stay 0/1, as scikit-learn's ColumnTransformer "
+        "leaves one-hot columns",
     )
     target_scaling: TargetScaling = _f(
         TargetScaling.standard,

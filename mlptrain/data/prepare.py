@@ -24,7 +24,7 @@ from mlptrain.base.registry import joined
 from mlptrain.config.schema import NORMALIZATIONS, DataConfig
 from mlptrain.data.dataset import Dataset, Normalization, Raw
 from mlptrain.data.files import chunks
-from mlptrain.data.files.column_stats import ColumnStats, QuantileMap, column_stats, robust
+from mlptrain.data.files.column_stats import QuantileMap, column_stats, robust
 from mlptrain.data.files.plan import ColumnPlan, fit_plan, log_empty
 from mlptrain.data.files.weights import training_weights
 from mlptrain.data.rows import NormalisedRows, StreamSource, host_memory_available, memory_mapped
@@ -99,7 +99,8 @@ def normalization(
     ``rows`` None: all of ``x``), in one chunked pass (:func:`mlptrain.data.files.column_stats.column_stats`);
     ``robust`` and ``quantile`` also take percentiles (:mod:`mlptrain.data.files.column_stats`, their samples
     seeded by ``seed``) of the columns that vary and are not ``binary`` (``(F,)`` bool: the column plan's
-    0/1 columns, :meth:`ColumnPlan.binary`), which are standardised as ``standard`` does.
+    0/1 columns, :meth:`ColumnPlan.binary`). In every mode the ``binary`` columns stay 0/1
+    (:meth:`~mlptrain.data.files.column_stats.ColumnStats.shift_scale`).
 
     Raises:
         DatasetError: an inf or NaN among those rows (``where`` names them: ``dataset 'x' split train``).
@@ -118,9 +119,9 @@ def normalization(
             "missing values)"
         )
     if method in ("standard", "minmax"):
-        return Normalization(method, *_shift_scale(method, st), "train split")
+        return Normalization(method, *st.shift_scale(method, binary), "train split")
     assert st.low is not None and st.high is not None  # asked for: extremes=True
-    shift, scale = _shift_scale("standard", st)  # the constant and 0/1 columns keep these
+    shift, scale = st.shift_scale("standard", binary)  # the constant and 0/1 columns keep these
     cols = np.flatnonzero((st.low != st.high) & ~(np.zeros(f, bool) if binary is None else binary))  # (K,)
     if method == "robust":
         shift[cols], scale[cols] = robust(x, rows, cols, st.std[cols], seed)
@@ -128,19 +129,6 @@ def normalization(
     shift[cols], scale[cols] = 0.0, 1.0  # the map's outputs are standard normal already
     mapping = QuantileMap.fit(x, rows, cols, seed) if len(cols) else None
     return Normalization(method, shift, scale, "train split", mapping)
-
-
-def _shift_scale(method: str, st: ColumnStats) -> tuple[np.ndarray, np.ndarray]:
-    """``(shift, scale)`` ``(F,)`` float64: every column that varies is scaled, whatever its spread (no floor,
-    none relative to the other columns); a constant column (min == max) is shifted by its value and not
-    scaled, so it becomes exactly 0."""
-    assert st.low is not None and st.high is not None  # asked for: extremes=True
-    constant = st.low == st.high  # (F,)
-    if method == "standard":
-        shift, scale = np.where(constant, st.low, st.mean), st.std
-    else:
-        shift, scale = st.low, st.high - st.low
-    return shift, np.where(constant | ~(scale > 0), 1.0, scale)
 
 
 def target_scaling(method: str, y_train: np.ndarray) -> Normalization:
@@ -153,7 +141,7 @@ def target_scaling(method: str, y_train: np.ndarray) -> Normalization:
         return Normalization.identity(y_train.shape[1])
     if method != "standard":
         raise ConfigError(f"data.target_scaling={method!r} is not a target scaling; expected standard or none")
-    return Normalization(method, *_shift_scale(method, column_stats(y_train, extremes=True)), "train split")
+    return Normalization(method, *column_stats(y_train, extremes=True).shift_scale(method), "train split")
 
 
 def task_for_loss(cfg: DataConfig, loss: str) -> DataConfig:

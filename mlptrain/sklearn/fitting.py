@@ -67,7 +67,7 @@ def make_dataset(
     if columns is not None:
         x, plan = columns(train)
         names = {**(names or {}), "feature_names": plan.feature_names}  # the encoded columns, as the CLI's
-    binary = None if plan is None else plan.binary()  # the plan's 0/1 columns: standardised under robust/quantile
+    binary = None if plan is None else plan.binary()  # the plan's 0/1 columns: kept 0/1 in every mode
     if w is None:
         norm = norm or normalization(method, x[train], seed=split_seed, binary=binary)
     else:  # the statistics of the rows repeated w times (sample_weight.train_normalization)

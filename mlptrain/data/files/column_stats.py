@@ -62,6 +62,25 @@ class ColumnStats:
         """``(F,)`` the population standard deviation, ``sqrt(M2 / count)`` (NumPy's ``std``, ``ddof=0``)."""
         return np.sqrt(self.m2 / self.count)
 
+    def shift_scale(self, method: str, binary: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """``(shift, scale)`` ``(F,)`` float64 of ``standard`` (mean, std) or ``minmax`` (min, max - min): every
+        column that varies is scaled, whatever its spread (no floor, none relative to the other columns); a
+        constant column (min == max) is shifted by its value and not scaled, so it becomes exactly 0. A
+        ``binary`` column (``(F,)`` bool: the column plan's 0/1 columns) that varies stays 0/1 (shift 0, scale
+        1), as scikit-learn's ``ColumnTransformer`` leaves a one-hot column: standardised, a 1% level's column
+        would be about 10 where it is set."""
+        assert self.low is not None and self.high is not None  # asked for: extremes=True
+        constant = self.low == self.high  # (F,)
+        if method == "standard":
+            shift, scale = np.where(constant, self.low, self.mean), self.std
+        else:
+            shift, scale = self.low, self.high - self.low
+        scale = np.where(constant | ~(scale > 0), 1.0, scale)
+        if binary is None:
+            return shift, scale
+        kept = binary & ~constant  # (F,)
+        return np.where(kept, 0.0, shift), np.where(kept, 1.0, scale)
+
     def merge(self, other: ColumnStats) -> ColumnStats:
         """The statistics of both sets of rows (``self``'s first): Chan et al.'s pairwise update."""
         n = self.count + other.count

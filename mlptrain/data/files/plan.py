@@ -104,8 +104,8 @@ class ColumnPlan:
         return any(c.kind == "categorical" for c in self.columns)
 
     def binary(self) -> np.ndarray:
-        """``(F,)`` bool: which encoded columns are 0/1 by construction (``<name>_missing``, one-hot); the
-        scalings of ``data.normalize`` that rank values (robust, quantile) standardise these instead."""
+        """``(F,)`` bool: which encoded columns are 0/1 by construction (``<name>_missing``, one-hot); every
+        ``data.normalize`` but ``none`` leaves these 0/1 (a constant one 0), as scikit-learn leaves one-hot columns."""
         flags = [
             [False, True][: len(c.outputs())] if c.kind == "numeric" else [True] * len(c.outputs())
             for c in self.columns
