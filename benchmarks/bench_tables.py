@@ -3,6 +3,10 @@ HistGradientBoosting and, on the imbalanced ones, a class-weighted logistic regr
 
     python benchmarks/bench_tables.py --out docs/bench            # CPU, seeds 0 1 2, every table
     python benchmarks/bench_tables.py --tables penguins fraud --seeds 0
+    python benchmarks/bench_tables.py --suite islp --stem bench-tables-islp-cpu --out docs/bench   # ISLP's tables
+
+``--suite islp`` trains the tables of "An Introduction to Statistical Learning" (:mod:`mlptrain.tools.bench.islp`)
+from the CSVs of the installed ``ISLP`` package (``pip install --no-deps ISLP==0.6.0``) or ``--islp-data DIR``.
 
 Each table of :mod:`mlptrain.tools.bench.tables` is written as ``train.csv`` and ``test.csv`` (raw cells: text, empty
 cells, ids). mlptrain trains through its command line with nothing but the file paths, ``data.target``,

@@ -89,3 +89,40 @@ def test_largest_bisects_to_the_widest_width_that_trains(monkeypatch: pytest.Mon
 
 def test_fmt() -> None:
     assert fmt(None) == "-" and fmt(1.23456) == "1.235" and fmt(2.0, 2) == "2.00"
+
+
+# --- the ISLP tables of benchmarks/bench_tables.py --suite islp -------------------------------------------------
+
+
+def test_islp_tables_without_their_csvs_are_one_error_naming_the_install(tmp_path, monkeypatch) -> None:
+    from mlptrain.tools.bench import islp
+
+    monkeypatch.setattr(islp.importlib.util, "find_spec", lambda name: None)  # ISLP not installed
+    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps ISLP==0\.6\.0"):
+        islp.data_folder()
+    with pytest.raises(FileNotFoundError, match="no Default.csv"):
+        islp.data_folder(tmp_path)
+
+
+def test_islp_hitters_loses_the_rows_without_a_salary_and_its_variant_empties_a_tenth_of_the_features(
+    tmp_path,
+) -> None:
+    import numpy as np
+    import pandas as pd
+
+    from mlptrain.tools.bench import islp
+
+    rng = np.random.default_rng(0)
+    n = 400
+    salary = np.where(rng.random(n) < 0.2, np.nan, rng.uniform(100, 2000, n))
+    frame = pd.DataFrame({"AtBat": rng.integers(100, 600, n), "League": rng.choice(["A", "N"], n), "Salary": salary})
+    frame.to_csv(tmp_path / "Hitters.csv", index=False)
+    (tmp_path / "Default.csv").write_text("default,balance\nNo,1.0\n")
+    make = islp.islp_tables(islp.data_folder(tmp_path))
+    plain, empty = make["Hitters"](), make["Hitters_empty"]()
+    kept = int(np.isfinite(salary).sum())
+    assert plain.rows == empty.rows == kept and plain.task == "regression" and plain.target == "Salary"
+    assert plain.train["Salary"].notna().all() and plain.test["Salary"].notna().all()
+    both = pd.concat([empty.train, empty.test])
+    share = both[["AtBat", "League"]].isna().to_numpy().mean()
+    assert 0.07 < share < 0.13 and both["Salary"].notna().all()  # the target cells are kept
