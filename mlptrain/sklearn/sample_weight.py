@@ -75,20 +75,24 @@ def train_normalization(method: str, x: np.ndarray, w: np.ndarray, *, seed: int,
     extremes of the rows that weigh more than 0; ``robust``, ``quantile``: the percentiles of those rows, each
     counted once (not weighted). ``binary``: the column plan's 0/1 columns, as :func:`normalization` takes them."""
     if method == "standard":
-        return standardise(x, w)
+        return standardise(x, w, binary)
     return normalization(method, x, np.flatnonzero(w > 0), seed=seed, binary=binary)
 
 
-def standardise(a: np.ndarray, w: np.ndarray) -> Normalization:
+def standardise(a: np.ndarray, w: np.ndarray, binary: np.ndarray | None = None) -> Normalization:
     """``(a - mean) / std`` per column of ``a (N, F)`` with each row weighing ``w (N,)``: the weighted mean and the
     weighted population standard deviation (float64); a column constant over the rows of positive weight is shifted
-    by its value and not scaled, as the unweighted statistics (:func:`mlptrain.data.prepare.normalization`) do."""
+    by its value and not scaled, and a ``binary`` column (the column plan's 0/1 columns) that varies stays 0/1, as
+    the unweighted statistics (:meth:`mlptrain.data.files.column_stats.ColumnStats.shift_scale`) do."""
     kept = a[w > 0].astype(np.float64)  # (M, F): the rows that count
     mean = np.average(kept, axis=0, weights=w[w > 0])  # (F,)
     std = np.sqrt(np.average((kept - mean) ** 2, axis=0, weights=w[w > 0]))  # (F,)
     constant = kept.min(axis=0) == kept.max(axis=0)
-    shift = np.where(constant, kept[0], mean)
-    return Normalization("standard", shift, np.where(constant | ~(std > 0), 1.0, std), "train split")
+    shift, scale = np.where(constant, kept[0], mean), np.where(constant | ~(std > 0), 1.0, std)
+    if binary is not None:
+        zero_one = binary & ~constant  # (F,)
+        shift, scale = np.where(zero_one, 0.0, shift), np.where(zero_one, 1.0, scale)
+    return Normalization("standard", shift, scale, "train split")
 
 
 def decay_scale(w: np.ndarray | None) -> float:
