@@ -22,6 +22,7 @@ from mlptrain.base.errors import ConfigError
 from mlptrain.cli.main import compose_config
 from mlptrain.config.schema import Device
 from mlptrain.data.loader import DataLoader
+from mlptrain.nn import scores
 from mlptrain.nn.head import OutputHead
 from mlptrain.step.cuda import precompile as pc
 from mlptrain.step.precision import Precision
@@ -72,7 +73,22 @@ def test_the_step_jobs_of_a_digits_run():
     assert [(j.stage, j.name) for j in tr.precompile_jobs()] == [
         ("loss", "cross_entropy of float32 logits, 10 outputs, batches of 359, 144, 64, 14 rows"),
         ("update", "mlptrain_sgd_step (and the step log's tail)"),
+        ("later", "evaluation's scores of float32 logits (10 outputs)"),
     ]
+
+
+def test_the_scores_job_makes_the_calls_evaluation_makes(monkeypatch):
+    """The job adds two zero batches of each evaluation shape to a SplitSums and reads it back: the very calls
+    (hence the kernels) of :class:`mlptrain.step.trainer.SplitScores`."""
+    seen = []
+    real_add = scores.SplitSums.add
+    monkeypatch.setattr(scores.SplitSums, "add", lambda self, z, y: seen.append((z.shape, z.dtype, y.shape, y.dtype)))
+    job = next(j for j in Trainer(make_cfg()).precompile_jobs() if j.stage == "later")
+    job.run()
+    f32, i64 = np.dtype(np.float32), np.dtype(np.int64)
+    assert seen == [((r, 10), f32, (r,), i64) for r in (144, 144, 359, 359)]  # validation, test: twice each
+    monkeypatch.setattr(scores.SplitSums, "add", real_add)
+    job.run()  # the real calls on zeros: a confusion matrix of class 0, read back on the host
 
 
 def test_the_head_kernel_and_the_fp16_check_are_planned_where_the_run_has_them(monkeypatch):
@@ -92,11 +108,11 @@ def test_the_head_kernel_and_the_fp16_check_are_planned_where_the_run_has_them(m
 
 def test_calls_too_large_to_mirror_are_left_to_their_first_use(monkeypatch):
     monkeypatch.setattr(pc, "SCRATCH_LIMIT", 4096)  # below the optimizer's scratch and the loss's logits
-    jobs = Trainer(make_cfg()).precompile_jobs()  # the same run plans two jobs at the usual limit (above)
+    jobs = Trainer(make_cfg()).precompile_jobs()  # the same run plans three jobs at the usual limit (above)
     pre = pool()
     pre.submit(jobs)
     pre.close()
-    assert pre.done == pre.failed == [] and pre.left == names(jobs) and len(jobs) == 2
+    assert pre.done == pre.failed == [] and pre.left == names(jobs) and len(jobs) == 3
 
 
 # --- the pool of threads -----------------------------------------------------------------------

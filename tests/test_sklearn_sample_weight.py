@@ -74,13 +74,16 @@ def test_integer_weights_fit_as_the_rows_repeated_w_times(Est: Any, solver: str,
     params = {**EXACT, "solver": solver, "alpha": 0.01, "momentum": 0.5, "device": device}
     weighted = _fit(Est(**params), x, y, sample_weight=w)
     repeated = _fit(Est(**params), x[rep], y[rep])
-    _same_fit(weighted, repeated, x, 1e-12)
+    # cuBLAS sums the 60 weighted rows and the ~90 repeated ones in other orders than NumPy does, in fp64 still:
+    # the classifier's weights differed by 2.3e-11 (5e-9 relative) on an H200 (2026-12-05)
+    tol = 1e-12 if device == "cpu" else 1e-9
+    _same_fit(weighted, repeated, x, tol)
     plain = _fit(Est(**params), x, y)  # the check can fail: the weights change the fit
     assert abs(plain.loss_curve_[-1] - repeated.loss_curve_[-1]) > 1e-3
     # partial_fit takes them too: one more epoch, weighted and repeated
     weighted.partial_fit(x, y, sample_weight=w)
     repeated.partial_fit(x[rep], y[rep])
-    _same_fit(weighted, repeated, x, 1e-12)
+    _same_fit(weighted, repeated, x, tol)
 
 
 @pytest.mark.parametrize("normalize", ["standard", "minmax", "robust", "quantile"])

@@ -38,11 +38,18 @@ class MemberHead(OutputHead):
         """``(loss (K,), correct (K,), dlogits (K, B, C), HeadGrads())``: member ``k``'s loss of ``logits[k]``
         against ``y[k]``, each the single loss function's call (with ``inplace``, written over ``logits[k]``).
 
-        On the GPU the plain cross-entropy runs over all members at once (:func:`stacked_cross_entropy`: a few
-        array kernels for any K, where one call per member launches K loss kernels)."""
+        On the GPU the plain cross-entropy runs over all members at once: fp16/bf16/fp32 logits in the single
+        model's row kernel over the ``K * B`` rows (:func:`mlptrain.nn.cuda.losses.member_cross_entropy_gpu`),
+        float64 ones as array operations (:func:`stacked_cross_entropy`), where one call per member launches
+        K loss kernels."""
         xp = get_array_module(logits)
         if xp is not np and self.loss_fn is softmax_cross_entropy and self.member_losses is None:
-            loss, dlogits, correct = stacked_cross_entropy(logits, y, grad_scale, inplace=inplace)
+            if logits.dtype != xp.float64:
+                from mlptrain.nn.cuda.losses import member_cross_entropy_gpu
+
+                loss, dlogits, correct = member_cross_entropy_gpu(logits, y, grad_scale, inplace=inplace)
+            else:
+                loss, dlogits, correct = stacked_cross_entropy(logits, y, grad_scale, inplace=inplace)
             return loss, correct, dlogits, HeadGrads()
         losses, counts, grads = [], [], []
         for k in range(logits.shape[0]):

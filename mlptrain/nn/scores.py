@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from mlptrain.base.cuda_source import Job
+
 CLASSIFICATION_SCORES = ("balanced_acc", "precision_macro", "recall_macro", "f1_macro", "log_loss")
 REGRESSION_SCORES = ("rmse", "mae", "r2")
 # scores that are better when larger (early_stopping.mode=auto watches them with max)
@@ -172,3 +174,23 @@ def scores(
     if log_loss is None:
         log_loss = float(sums[c * c]) / rows if rows else float("nan")
     return classification_scores(sums[: c * c].reshape(c, c), log_loss, binary)
+
+
+def sums_job(xp: Any, classes: int | None, log_loss: bool, dtype: Any, batches: list[tuple[int, Any]]) -> Job:
+    """The kernels of :meth:`SplitSums.add` and :meth:`SplitSums.host` (the argmax, the confusion matrix's
+    bincount, the casts to float64, the sums of batches; a regression's error sums), compiled ahead by the very
+    calls on zeros: ``batches`` ``(rows, y)`` for each evaluation batch shape (``y``: the loader's targets, for
+    their dtype and shape), ``dtype`` the logits'. Evaluation first runs after the first step (stage ``later``)."""
+    width = classes if classes is not None else int(batches[0][1].shape[1]) if batches else 1
+
+    def run() -> None:
+        sums = SplitSums(xp, classes, log_loss)
+        for rows, y_like in batches:
+            logits = xp.zeros((rows, width), dtype)
+            y = xp.zeros((rows, *y_like.shape[1:]), y_like.dtype)
+            sums.add(logits, y)
+            sums.add(logits, y)  # the second batch: the sums' add
+        sums.host(getattr(xp, "asnumpy", np.asarray), width)
+
+    scratch = max((r for r, _ in batches), default=0) * width * 24  # the logits, their float64 copy and more
+    return Job(f"evaluation's scores of {np.dtype(dtype).name} logits ({width} outputs)", "later", run, scratch)

@@ -246,7 +246,14 @@ class Trainer:
                 lambda: self.log.scratch_tail(loss_dtype, train.row_counts()[0]),
             ),
             *sc.precompile_jobs(cdt, shapes),
+            self._scores_job([(r, y) for r, y, training in batches if not training]),
         ]
+
+    def _scores_job(self, batches: list[tuple[int, Any]]) -> Job:
+        """Evaluation's score sums (:class:`SplitScores`'s :class:`~mlptrain.nn.scores.SplitSums`) over ``batches``."""
+        classes = self.widths[-1] if self.dataset.task == "classification" else None
+        log_loss = classes is not None and self.head.loss_name != "cross_entropy"
+        return scores.sums_job(self.xp, classes, log_loss, self.precision.compute_dtype, batches)
 
     # --- state ------------------------------------------------------------------------------
 

@@ -1,6 +1,8 @@
 """An ensemble on the GPU (ensemble.size=K): nvmath's batched GEMMs with the epilogs against the NumPy batched
 contract, and the batched step (graphed) against the CPU's members. Written on a CPU machine: the GPU issue runs it."""
 
+from typing import Any
+
 import numpy as np
 import pytest
 from gpu_helpers import HAS_GPU, cp
@@ -59,8 +61,10 @@ def test_batched_bias_gradients_come_back_as_batch_l_1(epilog: Epilog) -> None:
         mask = fwd["relu_aux"]
         inputs = {"relu_aux": mask}
         gpu_inputs = {"relu_aux": on_gpu(mask)}
-    else:
-        gpu_inputs = {}
+    else:  # the weight-gradient GEMM's layouts: X^T (K, in, B) column-major, dZ (K, B, out) C-order
+        gpu_inputs = {}  # (cuBLASLt refused BGRADB with the forward's layouts, A C-order and B column-major)
+        a = np.ascontiguousarray(a.swapaxes(-1, -2)).swapaxes(-1, -2)
+        b = np.ascontiguousarray(b)
     d, aux = NvmathGemm()("e.bwd", on_gpu(a), on_gpu(b), epilog, **gpu_inputs)
     d_ref, aux_ref = BatchedNumpyGemm()("e.bwd", a, b, epilog, **inputs)
     name = "bgradb" if epilog is Epilog.BGRADB else "drelu_bgrad"
@@ -91,15 +95,20 @@ def test_the_batched_step_on_the_gpu_follows_the_cpus_members(graph: bool) -> No
     assert {f"member{k}/val/acc" for k in range(K)} <= set(scores) and "val/acc" in scores
 
 
-def test_the_members_loss_on_the_gpu_is_one_stacked_cross_entropy() -> None:
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize(("dtype", "tol"), [(np.float32, 1e-5), (np.float16, 2e-3), (np.float64, 1e-12)])
+def test_the_members_loss_on_the_gpu_is_one_stacked_cross_entropy(dtype: Any, tol: float, inplace: bool) -> None:
+    """fp16/bf16/fp32: the single model's row kernel over the K * B rows; float64: the array operations."""
     from mlptrain.nn.members import MemberHead
 
     rng = np.random.default_rng(5)
-    logits = rng.standard_normal((K, 256, 10)).astype(np.float32)
+    logits = (3 * rng.standard_normal((K, 256, 10))).astype(dtype)
     y = rng.integers(0, 10, (K, 256))
     head = MemberHead("cross_entropy")
-    loss, correct, dlogits, _ = head.grads(None, cp.asarray(logits), cp.asarray(y), cp.asarray(1.0))
-    ref_loss, ref_correct, ref_grad, _ = head.grads(None, logits.copy(), y, np.array(1.0))
-    np.testing.assert_allclose(cp.asnumpy(loss), ref_loss, rtol=1e-5)
-    np.testing.assert_allclose(cp.asnumpy(dlogits), ref_grad, rtol=1e-5, atol=1e-7)
+    on = cp.asarray(logits)
+    loss, correct, dlogits, _ = head.grads(None, on, cp.asarray(y), cp.asarray(1.0), inplace=inplace)
+    assert (dlogits is on) == inplace and dlogits.dtype == dtype and loss.shape == correct.shape == (K,)
+    ref_loss, ref_correct, ref_grad, _ = head.grads(None, logits.astype(np.float64), y, np.array(1.0))
+    np.testing.assert_allclose(cp.asnumpy(loss), ref_loss, rtol=tol)
+    np.testing.assert_allclose(cp.asnumpy(dlogits).astype(np.float64), ref_grad, rtol=tol, atol=tol / 100)
     np.testing.assert_array_equal(cp.asnumpy(correct), ref_correct)

@@ -77,7 +77,8 @@ def _table(path: Path, n: int = 900) -> Path:
     y = np.argmax(x[:, :3] + 0.3 * rng.standard_normal((n, 3)), axis=1)
     w = np.round(rng.uniform(0, 3, n), 3)
     lines = ["f0,f1,f2,w,f3,f4,f5,label"]
-    lines += [",".join([*map(repr, x[i, :3]), str(w[i]), *map(repr, x[i, 3:]), str(y[i])]) for i in range(n)]
+    cell = lambda v: repr(float(v))  # noqa: E731 (NumPy 2's repr of np.float64 is 'np.float64(...)': text)
+    lines += [",".join([*map(cell, x[i, :3]), str(w[i]), *map(cell, x[i, 3:]), str(y[i])]) for i in range(n)]
     path.write_text("\n".join(lines) + "\n")
     return path
 

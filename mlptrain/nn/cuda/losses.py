@@ -85,6 +85,31 @@ def softmax_cross_entropy_gpu(logits: Any, y: Any, grad_scale: Any, bias_grad: b
     return (loss, d, correct, db) if bias_grad else (loss, d, correct)
 
 
+def member_cross_entropy_gpu(logits: Any, y: Any, grad_scale: Any, inplace: bool = False) -> tuple:
+    """An ensemble's loss (:class:`mlptrain.nn.members.MemberHead`): ``logits (K, B, C)`` (fp16/bf16/fp32) against
+    ``y (K, B)``, each member's the single model's formulas; returns ``(loss (K,), dlogits (K, B, C), correct (K,))``.
+
+    The K members' ``K * B`` rows are one launch of ``mlptrain_xent_rows`` (a warp a row, ``1 / B`` each member's
+    mean), then one reduction each for the ``(K,)`` losses (float32, the mean of each member's B row losses) and
+    counts, where the same formulas as array operations launch a dozen kernels over ``(K, B, C)`` for any K.
+    """
+    rows, _ = _cupy_xent_kernels()
+    k, b, c = logits.shape
+    if not logits.flags.c_contiguous:
+        if inplace:
+            raise ValueError("an in-place loss gradient needs C-contiguous logits")
+        logits = cp.ascontiguousarray(logits)
+    scale = device_scale(grad_scale)
+    y = y.astype(cp.int64, copy=False)  # (K, B) labels
+    d = logits if inplace else cp.empty_like(logits)  # (K, B, C)
+    row_loss = cp.empty(k * b, dtype=cp.float32)
+    row_ok = cp.empty(k * b, dtype=cp.int32)
+    rows(logits, y, scale, c, 1.0 / b, d, row_loss, row_ok, size=k * b * 32, block_size=256)
+    loss = row_loss.reshape(k, b).mean(axis=1)  # (K,) float32
+    correct = row_ok.reshape(k, b).sum(axis=1, dtype=cp.int64)  # (K,)
+    return loss, d, correct
+
+
 def device_scale(grad_scale: Any) -> Any:
     """The gradient scale as a 0-d float64 device array."""
     if isinstance(grad_scale, cp.ndarray):

@@ -34,8 +34,9 @@ stage      kernels                                      declared by             
 ``loss``   the loss kernels, the head kernel            the output head              before the first loss
 ``update`` the optimizer's kernel, the fp16 check       the optimizer (with the step before the first update
                                                         log's tail), the loss scaler
-``later``  none now (a kernel first launched after the                               after the first step
-           first step would go here)
+``later``  evaluation's scores (argmax, the confusion   :func:`mlptrain.nn.scores.   after the first step
+           matrix, the casts and sums of                sums_job`, collected by the
+           :class:`~mlptrain.nn.scores.SplitSums`)       trainer
 ========== ============================================ ============================ =====================
 
 :func:`early` starts the dtype jobs (:func:`dtype_jobs`) before the backend imports nvmath (the run
