@@ -2,6 +2,7 @@
 
     python benchmarks/bench_embeddings.py --out docs/bench                  # CPU, seeds 0 1 2
     python benchmarks/bench_embeddings.py --tables products --seeds 0 --variants one-hot d=8
+    python benchmarks/bench_embeddings.py --tables --others --stem bench-embeddings-cpu-others --out docs/bench
 
 Each table is written as ``train.csv`` and ``test.csv`` (raw cells) and trained through the command line at
 ``data=file``'s defaults, with nothing but the files, ``data.target``, ``data.drop``, a regression's
@@ -49,9 +50,8 @@ REPO = Path(__file__).resolve().parent.parent
 OTHERS = ["penguins", "customers", "houses", "fraud", "churn"]  # bench_tables.py's tables with text columns
 
 
-def embedded(dim: int, least: int = 64, inputs: str = "onehot") -> list[str]:
-    out = [f"model.embedding_dim={dim}", f"model.embedding_min_levels={least}"]
-    return out + ([f"model.embedding_inputs={inputs}"] if inputs != "onehot" else [])
+def embedded(dim: int, least: int = 64) -> list[str]:
+    return [f"model.embedding_dim={dim}", f"model.embedding_min_levels={least}"]
 
 
 VARIANTS: dict[str, list[str]] = {
@@ -60,12 +60,15 @@ VARIANTS: dict[str, list[str]] = {
     "d=8": embedded(8),
     "d=16": embedded(16),
     "d=32": embedded(32),
-    "d=128": embedded(128),  # hidden[0]: no narrower than one-hot's first layer, the column read as 0/1
+    "d=128": embedded(128),  # hidden[0]: no narrower than one-hot's first layer
     "d=8, min_levels=8": embedded(8, 8),  # the table's smaller text columns too
-    "d=8, standardized": embedded(8, inputs="standardized"),
-    "d=16, standardized": embedded(16, inputs="standardized"),
+    "d=16, min_levels=8": embedded(16, 8),
 }
-OTHER_VARIANTS: dict[str, list[str]] = {"one-hot": [], "d=8, min_levels=8": embedded(8, 8)}
+OTHER_VARIANTS: dict[str, list[str]] = {
+    "one-hot": [],
+    "d=8, min_levels=8": embedded(8, 8),
+    "d=16, min_levels=8": embedded(16, 8),
+}
 
 
 def cli(*args: str) -> None:
@@ -168,12 +171,15 @@ def markdown(rows: list[dict[str, Any]], stamp: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tables", nargs="+", default=list(MANY_LEVELS), choices=list(MANY_LEVELS))
+    ap.add_argument(
+        "--tables", nargs="*", default=list(MANY_LEVELS), choices=list(MANY_LEVELS), help="none: --others only"
+    )
     ap.add_argument("--others", action="store_true", help="also bench_tables.py's tables with text columns")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--work", type=Path, help="where the CSVs and runs go (default: a temporary folder)")
-    ap.add_argument("--out", type=Path, help="write bench-embeddings-cpu.md and .json here")
+    ap.add_argument("--out", type=Path, help="write <stem>.md and .json here")
+    ap.add_argument("--stem", default="bench-embeddings-cpu", help="the files' name (default: bench-embeddings-cpu)")
     args = ap.parse_args(argv)
     versions = record.versions("numpy", "sklearn", "pandas", "hydra")
     stamp = {
@@ -195,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
             rows += [measure(TABLES[n](), args.seeds, work, OTHER_VARIANTS, False) for n in OTHERS]
     md = markdown(rows, stamp)
     if args.out:
-        record.write(args.out, "bench-embeddings-cpu", {**stamp, "tables": rows}, md)
+        record.write(args.out, args.stem, {**stamp, "tables": rows}, md)
     else:
         print(md, end="")
     return 0
