@@ -1,6 +1,7 @@
 """Learned embeddings of categorical columns (mlptrain.nn.embedding, #49): the blocks against the column plan,
 gradients against finite differences (float64) and against an explicit lookup, fused equal to naive, the folded
-network equal to the unfolded forward, a checkpoint's round trip and resume, and the refusals."""
+network equal to the unfolded forward (0/1 blocks, and blocks a normalisation shifted and scaled), a checkpoint's
+round trip and resume, the checkpoints of the day's ``model.embedding_inputs``, and the refusals."""
 
 from __future__ import annotations
 
@@ -30,42 +31,28 @@ from mlptrain.step.checks import validate
 LAYOUT = [("a", 1), ("small", 3), ("b", 1), ("big", 7)]
 
 
-def standardised_one_hot(levels: np.ndarray, n_levels: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(N, L)`` one-hot of ``levels`` standardised as data.normalize=standard does, with its shift and scale."""
-    o = np.eye(n_levels)[levels]
-    m, s = o.mean(0), o.std(0)
-    return (o - m) / s, m, s
-
-
-def table_x(rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """``X (n, 12)`` of LAYOUT, its normalisation ``(shift, scale)`` and the big column's levels."""
-    cols, shift, scale = [], [], []
+def table_x(rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """``X (n, 12)`` of LAYOUT as data.normalize leaves it (numbers standard normal, one-hot columns 0/1) and the
+    big column's levels."""
+    cols = []
     big = rng.integers(0, 7, n)
     big[:7] = np.arange(7)  # every level present
     small = rng.integers(0, 3, n)
     small[:3] = np.arange(3)
     for _, width in LAYOUT:
-        if width == 1:
-            cols.append(rng.standard_normal((n, 1)))
-            shift.append([0.0])
-            scale.append([1.0])
-            continue
-        z, m, s = standardised_one_hot(big if width == 7 else small, width)
-        cols.append(z)
-        shift.append(m)
-        scale.append(s)
-    return np.hstack(cols), np.concatenate(shift), np.concatenate(scale), big
+        cols.append(rng.standard_normal((n, 1)) if width == 1 else np.eye(width)[big if width == 7 else small])
+    return np.hstack(cols), big
 
 
 BIG = [Block("big", 5, 12)]
 
 
-def make_net(mode: str, inputs: str, shift: np.ndarray, scale: np.ndarray, dtype: Any = np.float64, seed: int = 0):
+def make_net(mode: str, dtype: Any = np.float64, seed: int = 0):
     gemm = NumpyGemm()
     ex = FusedExecution(gemm) if mode == "fused" else NaiveExecution(gemm, np)
     rng = np.random.default_rng(seed)
     kw = {"rng": rng, "xp": np, "param_dtype": dtype, "compute_dtype": dtype}
-    emb = ColumnEmbedding(BIG, 12, 3, shift=shift, scale=scale, inputs=inputs, **kw)
+    emb = ColumnEmbedding(BIG, 12, 3, **kw)
     net = MLP([12, 6, 4], execution=ex, embedding=emb, **kw)
     for layer in net.layers:  # non-zero biases: a bias folded wrongly shows
         layer.bias.value[...] = rng.standard_normal(layer.out_features) * 0.1
@@ -94,11 +81,10 @@ def test_the_blocks_are_the_plans_one_hot_columns_and_a_column_under_the_thresho
 
 
 @pytest.mark.parametrize("mode", ["fused", "naive"])
-@pytest.mark.parametrize("inputs", ["onehot", "standardized"])
-def test_gradients_match_finite_differences_in_float64(mode: str, inputs: str) -> None:
+def test_gradients_match_finite_differences_in_float64(mode: str) -> None:
     rng = np.random.default_rng(1)
-    x, shift, scale, _ = table_x(rng, 16)
-    net = make_net(mode, inputs, shift, scale)
+    x, _ = table_x(rng, 16)
+    net = make_net(mode)
     r = rng.standard_normal((16, 4))  # loss = sum(logits * r): dlogits = r
 
     def loss() -> float:
@@ -122,8 +108,8 @@ def test_gradients_match_finite_differences_in_float64(mode: str, inputs: str) -
 def test_onehot_is_a_lookup_and_its_gradient_the_scattered_rows() -> None:
     """The first layer reads ``[x_other | E[level]]``; ``dE[l]`` is the sum of ``dH`` over the rows of level ``l``."""
     rng = np.random.default_rng(2)
-    x, shift, scale, big = table_x(rng, 20)
-    net = make_net("fused", "onehot", shift, scale)
+    x, big = table_x(rng, 20)
+    net = make_net("fused")
     E = net.embedding.tables[0].value  # (7, 3)
     w0, b0 = net.layers[0].weight.value, net.layers[0].bias.value
     xp = np.hstack([x[:, :5], E[big]])  # (20, 8): the lookup, written out
@@ -139,12 +125,11 @@ def test_onehot_is_a_lookup_and_its_gradient_the_scattered_rows() -> None:
     assert_allclose(net.embedding.tables[0].grad, scattered, rtol=1e-12)
 
 
-@pytest.mark.parametrize("inputs", ["onehot", "standardized"])
-def test_fused_and_naive_agree(inputs: str) -> None:
+def test_fused_and_naive_agree() -> None:
     rng = np.random.default_rng(3)
-    x, shift, scale, _ = table_x(rng, 32)
+    x, _ = table_x(rng, 32)
     x = x.astype(np.float32)
-    nets = [make_net(mode, inputs, shift, scale, np.float32) for mode in ("fused", "naive")]
+    nets = [make_net(mode, np.float32) for mode in ("fused", "naive")]
     r = rng.standard_normal((32, 4)).astype(np.float32)
     out = []
     for net in nets:
@@ -156,17 +141,22 @@ def test_fused_and_naive_agree(inputs: str) -> None:
         assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("inputs", ["onehot", "standardized"])
-def test_the_folded_network_predicts_as_the_unfolded_forward(inputs: str) -> None:
+@pytest.mark.parametrize("blocks_as", ["0/1", "shifted and scaled"])
+def test_the_folded_network_predicts_as_the_unfolded_forward(blocks_as: str) -> None:
+    """On 0/1 blocks (a level never seen in training: all zeros) and on blocks a normalisation moved off 0/1 (the
+    fold reads no normalisation: the embedding reads the block as it is, as the folded layer does)."""
     rng = np.random.default_rng(4)
-    x, shift, scale, _ = table_x(rng, 50)
-    x[-1, 5:] = -shift[5:] / scale[5:]  # a level never seen in training: all zeros before the normalisation
+    x, _ = table_x(rng, 50)
+    x[-1, 5:] = 0.0  # a level never seen in training
+    if blocks_as != "0/1":
+        x = (x - rng.uniform(0.1, 0.5, 12)) / rng.uniform(0.2, 2.0, 12)
     x = x.astype(np.float32)
-    net = make_net("fused", inputs, shift, scale, np.float32)
+    net = make_net("fused", np.float32)
     params = {k: np.asarray(v) for k, v in net.state_dict().items()}
     plain = MLP([12, 6, 4], execution=FusedExecution(NumpyGemm()), xp=np, rng=np.random.default_rng(9), **F32)
-    folded = fold(params, BIG, 12, shift, scale, inputs)
+    folded = fold(params, BIG, 12)
     assert sorted(folded) == [f"layer{i}.{k}" for i in (0, 1) for k in ("bias", "weight")]
+    assert_array_equal(folded["layer0.bias"], params["layer0.bias"])
     plain.load_state_dict(folded)
     assert_allclose(plain.forward(x, keep=False), net.forward(x, keep=False), rtol=1e-5, atol=1e-5)
 
@@ -175,15 +165,33 @@ F32 = {"param_dtype": np.float32, "compute_dtype": np.float32}
 
 
 def test_a_checkpoint_whose_embedding_does_not_fit_its_parameters_is_refused() -> None:
-    rng = np.random.default_rng(5)
-    _, shift, scale, _ = table_x(rng, 30)
-    params = make_net("fused", "onehot", shift, scale).state_dict()
-    meta = {"widths": [12, 6, 4], "embedding": {"dim": 3, "inputs": "onehot", "blocks": [["big", 5, 12]]}}
+    params = make_net("fused").state_dict()
+    meta = {"widths": [12, 6, 4], "embedding": {"dim": 3, "blocks": [["big", 5, 12]]}}
     assert fold_checkpoint(params, meta, {}, "x.npz")["layer0.weight"].shape == (6, 12)
     with pytest.raises(CheckpointError, match=r"x\.npz: its embeddings .* need parameters"):
         fold_checkpoint(params, {**meta, "embedding": {**meta["embedding"], "dim": 4}}, {}, "x.npz")
     with pytest.raises(CheckpointError, match="x.npz: its embedding meta"):
         fold_checkpoint(params, {**meta, "embedding": {"dim": 3}}, {}, "x.npz")
+
+
+def test_a_checkpoint_of_model_embedding_inputs_folds_where_its_blocks_were_read_as_they_are() -> None:
+    """The day's checkpoints said what a block read: ``standardized`` (as it is) and ``onehot`` over 0/1 blocks
+    (the read-back compare a no-op) fold as now; ``onehot`` over standardised blocks is refused, naming them."""
+    params = make_net("fused").state_dict()
+    rng = np.random.default_rng(5)
+    zero_one = {
+        "data/shift": np.r_[rng.normal(size=5), np.zeros(7)],
+        "data/scale": np.r_[rng.uniform(1, 2, 5), np.ones(7)],
+    }
+    standardised = {"data/shift": np.full(12, 1 / 7), "data/scale": np.full(12, 0.35)}
+    want = fold(params, BIG, 12)["layer0.weight"]
+    for inputs, arrays in [("standardized", standardised), ("onehot", zero_one), ("onehot", {})]:
+        meta = {"widths": [12, 6, 4], "embedding": {"dim": 3, "inputs": inputs, "blocks": [["big", 5, 12]]}}
+        assert_array_equal(fold_checkpoint(params, meta, arrays, "x.npz")["layer0.weight"], want)
+    for inputs, arrays in [("onehot", standardised), ("dense", zero_one)]:
+        meta = {"widths": [12, 6, 4], "embedding": {"dim": 3, "inputs": inputs, "blocks": [["big", 5, 12]]}}
+        with pytest.raises(CheckpointError, match=rf"x\.npz: .* as '{inputs}' .*train it again"):
+            fold_checkpoint(params, meta, arrays, "x.npz")
 
 
 # --- through a run: the checkpoint, resume, predict ---------------------------------------------------
@@ -234,9 +242,9 @@ def test_a_checkpoint_keeps_the_embedding_resumes_exactly_and_predicts_through_t
     p = Predictor(ckpt.path)  # the folded plain MLP: the first layer reads every column
     assert p.model.embedding is None and p.model.layers[0].weight.value.shape == (32, n + 4)
     x = load_dataset(cfg.data).x_test  # (N, n + 4) normalised as in training
-    shift, scale = ckpt.arrays["data/shift"], ckpt.arrays["data/scale"]
+    assert_array_equal(x[:, :n], x[:, :n] > 0.5)  # the product's block reaches the network 0/1
     kw = {"rng": np.random.default_rng(0), "xp": np, **F32}
-    emb = ColumnEmbedding([Block("product", 0, n)], n + 4, 4, shift=shift, scale=scale, **kw)
+    emb = ColumnEmbedding([Block("product", 0, n)], n + 4, 4, **kw)
     net = MLP([n + 4, 32, 2], execution=FusedExecution(NumpyGemm()), embedding=emb, **kw)
     net.load_state_dict({k[6:]: v for k, v in ckpt.arrays.items() if k.startswith("param/")})
     assert_allclose(p.model.forward(x, keep=False), net.forward(x, keep=False), rtol=1e-5, atol=1e-5)
@@ -246,7 +254,6 @@ def test_refusals_name_the_value() -> None:
     for over, text in [
         ({"model__embedding_dim": -2}, "model.embedding_dim=-2 must be a positive width"),
         ({"model__embedding_dim": 8, "model__embedding_min_levels": 1}, "model.embedding_min_levels=1"),
-        ({"model__embedding_dim": 8, "model__embedding_inputs": "dense"}, "model.embedding_inputs='dense'"),
         (
             {"model__embedding_dim": 8, "precision__name": "fp8"},
             "model.embedding_dim=8 does not run with precision=fp8",
@@ -312,7 +319,7 @@ def test_the_kept_columns_go_first_in_order_whatever_the_blocks_between_them() -
     )
     embedded = [Block("first", 0, 4), Block("middle", 6, 9)]
     kw = {"rng": rng, "xp": np, "param_dtype": np.float64, "compute_dtype": np.float64}
-    emb = ColumnEmbedding(embedded, 10, 2, shift=np.zeros(10), scale=np.ones(10), **kw)
+    emb = ColumnEmbedding(embedded, 10, 2, **kw)
     got = emb.forward(FusedExecution(NumpyGemm()), x, keep=False)
     E0, E1 = (t.value for t in emb.tables)
     assert_array_equal(got, np.hstack([x[:, [4, 5, 9]], E0[levels[0]], E1[levels[1]]]))

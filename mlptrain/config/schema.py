@@ -154,11 +154,6 @@ class ModelConfig:
     embedding_min_levels: int = _f(
         64, "model.embedding_dim: the one-hot columns a categorical column needs to be embedded"
     )
-    embedding_inputs: str = _f(
-        "onehot",
-        "model.embedding_dim: what an embedding reads of its one-hot block: onehot (0/1, a lookup of the row's level) "
-        "or standardized (the block as data.normalize scaled it)",
-    )
 
 
 @dataclass

@@ -16,13 +16,11 @@ residency, predict's raw rows and the ONNX column plan see the same inputs), and
 blocks out of ``X`` on the device. ``E_c`` are :class:`~mlptrain.nn.layers.Param` like the weights: the
 optimizer, weight decay, gradient clipping and checkpoints see them (``embed<i>.weight``).
 
-What a block reads (``model.embedding_inputs``): ``data.normalize`` standardised the one-hot columns as any
-other, so a level's column holds ``(1 - m) / s`` and the others ``-m / s``. ``onehot`` (the default) reads
-the block back as 0/1 (``x > (0.5 - m) / s``, one compare per block): ``H_c`` is then the row of ``E_c`` of
-the row's level, a lookup, and only the levels present in a batch are updated, at one learning rate for
-all. ``standardized`` reads the block as it is: the same function class (a rescaled table plus a constant
-the first layer's bias absorbs), but every row of ``E_c`` moves every step and a rare level's row, scaled
-by ``1 / s ~ 1 / sqrt(frequency)``, learns far faster than a common one's (docs/data.md measures both).
+What a block holds: the plan's one-hot columns stay 0/1 in every ``data.normalize`` mode (shift 0, scale 1:
+:meth:`mlptrain.data.files.column_stats.ColumnStats.shift_scale`, as scikit-learn's ColumnTransformer leaves
+them), so the block is read as it is and ``H_c`` is the row of ``E_c`` of the row's level (all zeros for a
+level never seen in training), a lookup; only the levels present in a batch get a gradient. ``E_c`` starts
+``N(0, 1)``, as ``torch.nn.Embedding``'s: ``H_c`` has unit variance, as a standardised column.
 
 Why GEMMs on the one-hot block, not a gather of rows by level index: keeping ``X`` as it is keeps every
 consumer of the column plan unchanged, and with a 0/1 block the GEMM *is* the lookup (and its transpose the
@@ -32,9 +30,11 @@ the block cost one-hot, plus the first layer's input-gradient GEMM (``2 B H F'``
 skips.
 
 Inference needs no embedding: ``X_c E_c W_c^T = X_c (E_c W_c^T)``, so :func:`fold` turns a trained model
-into a plain MLP whose first layer has, for block ``c``, the rows ``W_c E_c^T`` (``(H, L_c)``; with
-``onehot`` scaled by ``s`` and ``W_c E_c^T m`` added to the bias). Predict, evaluate and the exports read
-that network; the checkpoint keeps ``E_c`` and the narrow ``W_0`` for a resume.
+into a plain MLP whose first layer has, for block ``c``, the columns ``W_c E_c^T`` (``(H, L_c)``). The fold
+reads no normalisation: training and predict both apply the checkpoint's (``data/shift``, ``data/scale``) to
+the raw rows, and the embedding reads the normalised block as it is, as the folded layer does; whatever the
+block holds, the two compute the same function. Predict, evaluate and the exports read the folded network;
+the checkpoint keeps ``E_c`` and the narrow ``W_0`` for a resume.
 """
 
 from __future__ import annotations
@@ -50,8 +50,6 @@ from mlptrain.nn.execution import FusedExecution, NaiveExecution
 from mlptrain.nn.layers import Linear, Param
 
 log = logging.getLogger(__name__)
-
-INPUTS = ("onehot", "standardized")
 
 
 @dataclass(frozen=True)
@@ -99,11 +97,8 @@ class ColumnEmbedding:
         embedded: the blocks (:func:`blocks`), at least one.
         features: ``F``, the columns of ``X``.
         dim: ``d``, the width of each embedding.
-        rng: host Generator; each ``E_c`` starts ``N(0, 1)`` for ``onehot`` (a lookup: ``H`` has unit variance,
-            as ``torch.nn.Embedding``'s) and ``N(0, 1 / L_c)`` for ``standardized`` (LeCun over ``L_c`` inputs of
-            unit variance).
-        shift, scale: ``(F,)`` the normalisation of ``X`` (``onehot`` reads the blocks back as 0/1 with them).
-        inputs: ``onehot`` or ``standardized`` (see the module).
+        rng: host Generator; each ``E_c`` starts ``N(0, 1)`` (a lookup: ``H`` has unit variance, as
+            ``torch.nn.Embedding``'s).
     """
 
     def __init__(
@@ -116,33 +111,22 @@ class ColumnEmbedding:
         xp: Any,
         param_dtype: Any,
         compute_dtype: Any,
-        shift: np.ndarray,
-        scale: np.ndarray,
-        inputs: str = "onehot",
     ) -> None:
-        if not embedded or dim < 1 or inputs not in INPUTS:
-            raise ValueError(
-                f"an embedding needs blocks, dim >= 1 and inputs in {INPUTS}; got {embedded}, {dim}, {inputs}"
-            )
-        self.blocks, self.dim, self.inputs, self.xp = list(embedded), dim, inputs, xp
+        if not embedded or dim < 1:
+            raise ValueError(f"an embedding needs blocks and dim >= 1; got {embedded}, {dim}")
+        self.blocks, self.dim, self.xp = list(embedded), dim, xp
         self.in_features = features
         other = kept_columns(features, embedded)
         self.kept = len(other)
         # the kept columns as runs of X's columns between the blocks, (start, stop) each: one slice copy per run
         self.runs = _runs(other)
         self.out_features = self.kept + len(embedded) * dim
-        std = [1.0 if inputs == "onehot" else 1.0 / np.sqrt(b.levels) for b in embedded]
         self.tables = [
             Param(
-                f"embed{i}.weight",
-                xp.asarray(rng.standard_normal((b.levels, dim)) * s, dtype=param_dtype),
-                compute_dtype,
+                f"embed{i}.weight", xp.asarray(rng.standard_normal((b.levels, dim)), dtype=param_dtype), compute_dtype
             )
-            for i, (b, s) in enumerate(zip(embedded, std, strict=True))
-        ]
-        # onehot: a column is 1 where its normalised value is above the midpoint of (0 - m) / s and (1 - m) / s
-        mid = (0.5 - np.asarray(shift, np.float64)) / np.asarray(scale, np.float64)  # (F,)
-        self.thresholds = [xp.asarray(mid[b.start : b.stop], dtype=compute_dtype) for b in embedded]  # (L_c,) each
+            for i, b in enumerate(embedded)
+        ]  # (L_c, d) each, N(0, 1)
         self.x: list[Any] = [None] * len(embedded)  # X_c (B, L_c) of the last forward, kept for dE_c
 
     @property
@@ -156,8 +140,8 @@ class ColumnEmbedding:
         for a, b in self.runs:  # (B, F_other): the columns that are not embedded, run by run
             out[:, lo : lo + b - a] = x[:, a:b]
             lo += b - a
-        for i in range(len(self.blocks)):
-            xc = self._block(x, i)  # (B, L_c), C-contiguous
+        for i, blk in enumerate(self.blocks):
+            xc = self.xp.ascontiguousarray(x[:, blk.start : blk.stop])  # (B, L_c) X_c, 0/1, C-contiguous
             lo = self.kept + i * self.dim
             out[:, lo : lo + self.dim] = ex.lookup(f"embed{i}", self.tables[i].for_gemm(), xc)  # (B, d)
             if keep:
@@ -180,38 +164,34 @@ class ColumnEmbedding:
             self.x[i] = None  # its last reader is enqueued: X_c goes, and the GEMM plans' references to it
             ex.release(f"embed{i}")
 
-    def _block(self, x: Any, i: int) -> Any:
-        """Block ``i`` of ``x`` as the embedding reads it: 0/1 (``onehot``) or as normalised, ``(B, L_c)``."""
-        b = self.blocks[i]
-        if self.inputs == "onehot":
-            return (x[:, b.start : b.stop] > self.thresholds[i]).astype(x.dtype)  # one compare, one cast
-        return self.xp.ascontiguousarray(x[:, b.start : b.stop])
-
     def release_saved(self) -> None:
         self.x = [None] * len(self.blocks)
 
     def to_meta(self) -> dict[str, Any]:
         """What :func:`fold` needs besides the parameters, as a checkpoint's meta holds it (:func:`from_meta`)."""
-        return {"dim": self.dim, "inputs": self.inputs, "blocks": [[b.name, b.start, b.stop] for b in self.blocks]}
+        return {"dim": self.dim, "blocks": [[b.name, b.start, b.stop] for b in self.blocks]}
 
 
 def fold_checkpoint(params: dict[str, Any], meta: dict[str, Any], arrays: dict[str, Any], where: str) -> dict:
-    """:func:`fold` of a checkpoint's parameters, with its ``meta["embedding"]`` (:meth:`ColumnEmbedding.to_meta`)
-    and its normalisation (``data/shift``, ``data/scale``); ``params`` as they are for a model without embeddings.
+    """:func:`fold` of a checkpoint's parameters, with its ``meta["embedding"]`` (:meth:`ColumnEmbedding.to_meta`);
+    ``params`` as they are for a model without embeddings.
+
+    A checkpoint of the day the embeddings came (never released) may say what its blocks read (``inputs``):
+    ``standardized`` read them as they are, as now, and ``onehot`` compared them back to 0/1, which is reading
+    them as they are where its normalisation (``data/shift``, ``data/scale``) left them 0/1; both fold as now.
 
     Raises:
-        CheckpointError: the embedding meta or the parameters' shapes do not fit (``where`` names the file).
+        CheckpointError: the embedding meta or the parameters' shapes do not fit (``where`` names the file), or an
+            ``onehot`` checkpoint whose blocks were standardised (the 0/1 read-back this code no longer has).
     """
     spec = meta.get("embedding")
     if not spec:
         return params
     try:
         embedded = [Block(str(n), int(a), int(b)) for n, a, b in spec["blocks"]]
-        f, dim, inputs = int(meta["widths"][0]), int(spec["dim"]), str(spec["inputs"])
+        f, dim = int(meta["widths"][0]), int(spec["dim"])
     except (KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(
-            f"{where}: its embedding meta {spec} is not dim, inputs and [name, start, stop] blocks"
-        ) from e
+        raise CheckpointError(f"{where}: its embedding meta {spec} is not dim and [name, start, stop] blocks") from e
     want = {f"embed{i}.weight": (b.levels, dim) for i, b in enumerate(embedded)}
     wide = int(meta["widths"][1]), f - sum(b.levels for b in embedded) + len(embedded) * dim
     want |= {"layer0.weight": wide}
@@ -220,8 +200,23 @@ def fold_checkpoint(params: dict[str, Any], meta: dict[str, Any], arrays: dict[s
         raise CheckpointError(
             f"{where}: its embeddings {spec['blocks']} of width {dim} need parameters {want}; it holds {got}"
         )
-    shift, scale = (arrays.get(f"data/{k}", np.full(f, v)) for k, v in (("shift", 0.0), ("scale", 1.0)))
-    return fold(params, embedded, f, shift, scale, inputs)
+    if spec.get("inputs", "standardized") != "standardized":
+        _read_as_they_are(spec["inputs"], embedded, arrays, f, where)
+    return fold(params, embedded, f)
+
+
+def _read_as_they_are(inputs: Any, embedded: list[Block], arrays: dict[str, Any], f: int, where: str) -> None:
+    """Refuse an old checkpoint whose blocks were not read as they are: ``inputs`` not ``onehot``, or ``onehot``
+    over blocks its normalisation does not leave 0/1 (shift 0, scale 1)."""
+    shift, scale = (np.asarray(arrays.get(f"data/{k}", np.full(f, v))) for k, v in (("shift", 0.0), ("scale", 1.0)))
+    off = [b.name for b in embedded if np.any(shift[b.start : b.stop] != 0) or np.any(scale[b.start : b.stop] != 1)]
+    if inputs == "onehot" and not off:
+        return
+    what = f"compared back to 0/1 over the standardised columns of {off}" if inputs == "onehot" else "unknown"
+    raise CheckpointError(
+        f"{where}: its embeddings read their one-hot blocks as {inputs!r} ({what}: a model.embedding_inputs of the "
+        "day before the one-hot columns stayed 0/1); expected blocks read as they are: train it again"
+    )
 
 
 def _runs(columns: np.ndarray) -> list[tuple[int, int]]:
@@ -230,38 +225,24 @@ def _runs(columns: np.ndarray) -> list[tuple[int, int]]:
     return [(int(r[0]), int(r[-1]) + 1) for r in np.split(columns, breaks) if len(r)]
 
 
-def fold(
-    params: dict[str, np.ndarray],
-    embedded: list[Block],
-    features: int,
-    shift: np.ndarray,
-    scale: np.ndarray,
-    inputs: str,
-) -> dict[str, np.ndarray]:
+def fold(params: dict[str, np.ndarray], embedded: list[Block], features: int) -> dict[str, np.ndarray]:
     """A trained model's parameters (``embed<i>.weight`` and the narrow ``layer0``) as those of the plain MLP
-    that computes the same function on ``X (B, F)``: ``layer0.weight (H, F)`` and ``layer0.bias (H,)``.
+    that computes the same function on ``X (B, F)``: ``layer0.weight (H, F)``, ``layer0.bias`` unchanged.
 
-    For block ``c`` with columns ``W_c (H, d)`` of the narrow first layer: ``W_c E_c^T (H, L_c)``; with
-    ``onehot`` the block is read as ``x s + m`` (exact on a plan's rows, whose one-hot values are the two
-    standardised ones), so those rows are scaled by ``s`` and ``W_c E_c^T m`` goes into the bias. In float64,
-    rounded once to the parameters' dtype.
+    The kept columns keep their columns of ``W_0``; block ``c``, read by the narrow layer through its columns
+    ``W_c (H, d)``, gets ``W_c E_c^T (H, L_c)``. Exact whatever ``X_c`` holds (the map is linear in it), in
+    float64, rounded once to the parameters' dtype.
     """
-    w, b = params["layer0.weight"], params["layer0.bias"]  # (H, F'), (H,)
+    w = params["layer0.weight"]  # (H, F')
     other = kept_columns(features, embedded)
     wide = np.zeros((w.shape[0], features), np.float64)  # (H, F)
     wide[:, other] = w[:, : len(other)]
-    bias = b.astype(np.float64)
     out = {k: v for k, v in params.items() if not k.startswith("embed")}
     for i, blk in enumerate(embedded):
         E = params[f"embed{i}.weight"].astype(np.float64)  # (L_c, d)
         lo = len(other) + i * E.shape[1]
-        rows = w[:, lo : lo + E.shape[1]].astype(np.float64) @ E.T  # (H, d) @ (d, L_c) -> (H, L_c)
-        if inputs == "onehot":
-            s, m = (np.asarray(a[blk.start : blk.stop], np.float64) for a in (scale, shift))
-            bias += rows @ m  # (H,)
-            rows = rows * s  # (H, L_c): column l times s_l
-        wide[:, blk.start : blk.stop] = rows
-    out["layer0.weight"], out["layer0.bias"] = wide.astype(w.dtype), bias.astype(b.dtype)
+        wide[:, blk.start : blk.stop] = w[:, lo : lo + E.shape[1]].astype(np.float64) @ E.T  # (H, d) @ (d, L_c)
+    out["layer0.weight"] = wide.astype(w.dtype)
     return out
 
 
@@ -272,10 +253,9 @@ def describe(embedded: list[Block], dim: int) -> str:
 
 
 def from_config(cfg: Any, data: Any, rng: np.random.Generator, xp: Any, prec: Any) -> ColumnEmbedding | None:
-    """The embedding that ``cfg`` (a ``ModelConfig``: ``embedding_dim``, ``embedding_min_levels``,
-    ``embedding_inputs``) asks for on ``data`` (a :class:`~mlptrain.data.dataset.Dataset`: its column plan and
-    normalisation; None: no table), in ``prec``'s ``param_dtype`` and ``compute_dtype``; None when it is off or
-    no column has enough levels (logged)."""
+    """The embedding that ``cfg`` (a ``ModelConfig``: ``embedding_dim``, ``embedding_min_levels``) asks for on
+    ``data`` (a :class:`~mlptrain.data.dataset.Dataset`: its column plan; None: no table), in ``prec``'s
+    ``param_dtype`` and ``compute_dtype``; None when it is off or no column has enough levels (logged)."""
     if not cfg.embedding_dim or data is None:
         return None
     embedded = blocks(data.columns, cfg.embedding_min_levels)
@@ -288,24 +268,20 @@ def from_config(cfg: Any, data: Any, rng: np.random.Generator, xp: Any, prec: An
         )
         return None
     log.info(describe(embedded, cfg.embedding_dim))
-    f, norm = data.num_features, data.normalization  # None: raw features, as the identity
-    shift, scale = (np.zeros(f), np.ones(f)) if norm is None else (norm.shift, norm.scale)
     kw = {"rng": rng, "xp": xp, "param_dtype": prec.param_dtype, "compute_dtype": prec.compute_dtype}
-    return ColumnEmbedding(embedded, f, cfg.embedding_dim, shift=shift, scale=scale, inputs=cfg.embedding_inputs, **kw)
+    return ColumnEmbedding(embedded, data.num_features, cfg.embedding_dim, **kw)
 
 
 def problems(cfg: Any, data_parallel: bool) -> list[str]:
     """What is wrong with the embedding settings of ``cfg`` (a ``TrainConfig``), or what they do not run with:
     one sentence each, for :func:`mlptrain.step.checks.validate`'s ConfigError."""
     m = cfg.model
-    dim, least, inputs = m.embedding_dim, m.embedding_min_levels, m.embedding_inputs
+    dim, least = m.embedding_dim, m.embedding_min_levels
     out = []
     if dim is not None and (isinstance(dim, bool) or not isinstance(dim, int) or dim < 0):
         out.append(f"model.embedding_dim={dim!r} must be a positive width, or 0 or null (off)")
     if isinstance(least, bool) or not isinstance(least, int) or least < 2:
         out.append(f"model.embedding_min_levels={least!r} must be an integer of at least 2")
-    if inputs not in INPUTS:
-        out.append(f"model.embedding_inputs={inputs!r} must be onehot or standardized")
     if not dim or out:
         return out
     refused = {
