@@ -226,7 +226,8 @@ def test_precompile_runs_every_declared_job_of_the_step_exactly_once(monkeypatch
     assert pre.closed and tr.runtime.precompile is None and pre.failed == [] and pre.left == []
     for fake in fakes.values():
         assert fake.declared == 1 and fake.ran == {f"{fake.name} 0": 1, f"{fake.name} 1": 1}
-    assert sorted(pre.done) == sorted(f"{n} {i}" for n in fakes for i in (0, 1))
+    scores = "evaluation's scores of float32 logits (10 outputs)"  # the trainer's own (nn.scores.sums_job)
+    assert sorted(pre.done) == sorted([scores, *(f"{n} {i}" for n in fakes for i in (0, 1))])
 
 
 def test_the_step_collects_each_components_jobs():
@@ -234,6 +235,7 @@ def test_the_step_collects_each_components_jobs():
     assert [(j.stage, j.name, j.scratch > 0) for j in tr.precompile_jobs()] == [
         ("loss", "cross_entropy of float32 logits, 10 outputs, batches of 359, 144, 64, 14 rows", True),
         ("update", "mlptrain_sgd_step (and the step log's tail)", True),
+        ("later", "evaluation's scores of float32 logits (10 outputs)", True),
     ]
 
 
