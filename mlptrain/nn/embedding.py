@@ -20,7 +20,9 @@ What a block holds: the plan's one-hot columns stay 0/1 in every ``data.normaliz
 :meth:`mlptrain.data.files.column_stats.ColumnStats.shift_scale`, as scikit-learn's ColumnTransformer leaves
 them), so the block is read as it is and ``H_c`` is the row of ``E_c`` of the row's level (all zeros for a
 level never seen in training), a lookup; only the levels present in a batch get a gradient. ``E_c`` starts
-``N(0, 1)``, as ``torch.nn.Embedding``'s: ``H_c`` has unit variance, as a standardised column.
+``N(0, s^2)`` with ``s = sqrt(F' / (d F))`` (:func:`start_std`): each level then adds to the first layer's
+pre-activation what its one-hot column would under the same ``model.init``, not ``torch.nn.Embedding``'s
+``N(0, 1)``, which made every level start as loud noise through the narrow layer.
 
 Why GEMMs on the one-hot block, not a gather of rows by level index: keeping ``X`` as it is keeps every
 consumer of the column plan unchanged, and with a 0/1 block the GEMM *is* the lookup (and its transpose the
@@ -40,6 +42,7 @@ the checkpoint keeps ``E_c`` and the narrow ``W_0`` for a resume.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,8 +100,8 @@ class ColumnEmbedding:
         embedded: the blocks (:func:`blocks`), at least one.
         features: ``F``, the columns of ``X``.
         dim: ``d``, the width of each embedding.
-        rng: host Generator; each ``E_c`` starts ``N(0, 1)`` (a lookup: ``H`` has unit variance, as
-            ``torch.nn.Embedding``'s).
+        rng: host Generator; each ``E_c`` starts ``N(0, s^2)``, ``s`` of :func:`start_std` (a level starts the
+            first layer where one-hot starts it), drawn before the layers' weights.
     """
 
     def __init__(
@@ -121,12 +124,15 @@ class ColumnEmbedding:
         # the kept columns as runs of X's columns between the blocks, (start, stop) each: one slice copy per run
         self.runs = _runs(other)
         self.out_features = self.kept + len(embedded) * dim
+        self.std = start_std(features, self.out_features, dim)  # s = sqrt(F' / (d F)): see start_std
         self.tables = [
             Param(
-                f"embed{i}.weight", xp.asarray(rng.standard_normal((b.levels, dim)), dtype=param_dtype), compute_dtype
+                f"embed{i}.weight",
+                xp.asarray(rng.standard_normal((b.levels, dim)) * self.std, dtype=param_dtype),
+                compute_dtype,
             )
             for i, b in enumerate(embedded)
-        ]  # (L_c, d) each, N(0, 1)
+        ]  # (L_c, d) each, N(0, s^2)
         self.x: list[Any] = [None] * len(embedded)  # X_c (B, L_c) of the last forward, kept for dE_c
 
     @property
@@ -170,6 +176,22 @@ class ColumnEmbedding:
     def to_meta(self) -> dict[str, Any]:
         """What :func:`fold` needs besides the parameters, as a checkpoint's meta holds it (:func:`from_meta`)."""
         return {"dim": self.dim, "blocks": [[b.name, b.start, b.stop] for b in self.blocks]}
+
+
+def start_std(features: int, narrow: int, dim: int) -> float:
+    """``s``, the standard deviation of ``E_c``'s start: ``sqrt(F' / (d F))``, ``F`` the columns of ``X`` (one-hot's
+    first-layer fan-in), ``F'`` the narrow first layer's (``F_other + k d``), ``d`` the width.
+
+    The rule: a level starts the first layer's pre-activation as it does one-hot. Every ``model.init`` draws a
+    first-layer weight of variance ``g / fan_in`` (``he`` g=2, ``lecun`` g=1, ``torch`` ``U(+-1/sqrt(fan_in))``
+    g=1/3), so one-hot adds, for level ``l`` and hidden unit ``j``, ``W_0[j, l]`` of variance ``g / F``. Embedded,
+    it adds ``(E_c W_c^T)[l, j] = sum_k E_c[l, k] W_c[j, k]``, ``d`` independent products of variance
+    ``s^2 g / F'`` each: ``d s^2 g / F'``. Equal when ``s^2 = F' / (d F)``, whatever ``g``. At d=16 on the
+    benchmark tables ``s`` is about 0.05, where a sweep of fixed values measured best (docs/benchmarks.md);
+    ``N(0, 1)`` (``torch.nn.Embedding``'s) started each level ``1/s``, about 20x, louder than one-hot, noise that
+    a rare level's few updates did not undo.
+    """
+    return math.sqrt(narrow / (dim * features))
 
 
 def fold_checkpoint(params: dict[str, Any], meta: dict[str, Any], arrays: dict[str, Any], where: str) -> dict:
