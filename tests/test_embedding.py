@@ -323,3 +323,26 @@ def test_the_kept_columns_go_first_in_order_whatever_the_blocks_between_them() -
     got = emb.forward(FusedExecution(NumpyGemm()), x, keep=False)
     E0, E1 = (t.value for t in emb.tables)
     assert_array_equal(got, np.hstack([x[:, [4, 5, 9]], E0[levels[0]], E1[levels[1]]]))
+
+
+@pytest.mark.parametrize("init", ["he", "lecun", "torch"])
+def test_a_level_starts_the_first_layer_as_its_one_hot_column_does(init: str) -> None:
+    """``E_c ~ N(0, F' / (d F))``: each level's start ``E_c W_c^T (L_c, H)`` has the standard deviation of one-hot's
+    first-layer weights ``W_0 (H, F)`` under the same ``model.init``, within sampling error, on a large table
+    (F = 2,300: 300 kept columns, a block of 2,000 levels; d = 16, so F' = 316). N(0, 1) would start it 11x
+    louder, a rule without ``d`` 4x; the draw is the seed's, scaled."""
+    features, dim, hidden = 2300, 16, 128
+    embedded = [Block("many", 300, 2300)]
+    kw = {"xp": np, "param_dtype": np.float64, "compute_dtype": np.float64}
+    emb = ColumnEmbedding(embedded, features, dim, rng=np.random.default_rng(7), **kw)
+    ex = FusedExecution(NumpyGemm())
+    narrow = MLP([features, hidden, 2], execution=ex, rng=np.random.default_rng(8), embedding=emb, init=init, **kw)
+    wide = MLP([features, hidden, 2], execution=ex, rng=np.random.default_rng(9), init=init, **kw)
+    s = np.sqrt(316 / (dim * features))  # sqrt(F' / (d F)) = 0.0927
+    E = emb.tables[0].value  # (2000, 16)
+    assert_allclose(E, np.random.default_rng(7).standard_normal((2000, dim)) * s, rtol=1e-15)
+    assert abs(E.std() / s - 1) < 0.03  # 32,000 draws: the sample std's relative error is about 0.004
+    start = E @ narrow.layers[0].weight.value[:, 300:].T  # (2000, H): each level's first pre-activation
+    one_hot = wide.layers[0].weight.value[:, 300:]  # (H, 2000): each level's column of W_0
+    # its error is mostly W_c's 2,048 draws (about 0.016 relative): 0.08 is 5 of those, a wrong rule misses by 4x
+    assert abs(start.std() / one_hot.std() - 1) < 0.08, (start.std(), one_hot.std())
