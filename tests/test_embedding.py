@@ -1,7 +1,8 @@
 """Learned embeddings of categorical columns (mlptrain.nn.embedding, #49): the blocks against the column plan,
 gradients against finite differences (float64) and against an explicit lookup, fused equal to naive, the folded
 network equal to the unfolded forward (0/1 blocks, and blocks a normalisation shifted and scaled), a checkpoint's
-round trip and resume, the checkpoints of the day's ``model.embedding_inputs``, and the refusals."""
+round trip and resume, the checkpoints of the day's ``model.embedding_inputs``, the refusals, and ``E``'s start
+(a level's first pre-activation at one-hot's scale under each ``model.init``)."""
 
 from __future__ import annotations
 
