@@ -65,3 +65,40 @@ def test_the_order_is_placed_before_the_first_step_of_each_epoch() -> None:
     idx = ld.permutation(1)[2 * 64 : 3 * 64]
     np.testing.assert_array_equal(x, ld.x[idx])
     np.testing.assert_array_equal(y, ld.y[idx])
+
+
+@pytest.mark.parametrize("folds", [0, 3])  # the same rows for every member; cross-validation's own rows per member
+def test_an_ensembles_step_gathers_the_stacked_batches_its_loader_would(folds: int) -> None:
+    """MemberLoader under a CUDA graph: the members' orders laid out batch by batch on the device, and the step's
+    stacked batch (K, B, F) one gather of K * B positions; every step's losses bit for bit as the loader's batches,
+    the short last batch and a start inside the epoch included."""
+    from test_ensemble import make_cfg as ensemble_cfg
+
+    from mlptrain.run.ensemble import EnsembleTrainer
+
+    cfg = ensemble_cfg(size=3, epochs=2)
+    cfg.data.batch_size = 100  # digits' 1257 training rows (folds: 2/3 of the pool): a short last batch
+    cfg.ensemble.folds = folds
+
+    def member_losses(tr: EnsembleTrainer, own: bool, start: int = 0) -> list[list[float]]:
+        out = []
+        for epoch in range(2):
+            batch = start if epoch == 0 else 0
+            batches = tr.train_batches(epoch, batch) if own else tr.train_loader.epoch(epoch, batch)
+            out += [np.asarray(tr.step(x, y)[0]).tolist() for x, y in batches]
+        return out
+
+    expected = member_losses(EnsembleTrainer(cfg), own=False)
+    tr = EnsembleTrainer(cfg)
+    tr.batches.gathers_in_step = True
+    got = member_losses(tr, own=True)
+    ld = tr.train_loader
+    assert len(got) == 2 * len(ld) and got == expected
+    assert len(ld.row_counts()) == 2  # the short last batch was gathered in the step too
+    order = ld.batch_major(1)
+    rows = ld.orders(1)[:, 100:200]  # (K, 100): batch 1 of epoch 1, member by member
+    np.testing.assert_array_equal(order[3 * 100 : 6 * 100], rows.reshape(-1))
+    again = EnsembleTrainer(cfg)  # from batch 5 of epoch 0, on a fresh trainer: its own batches 5, 6, ...
+    again.batches.gathers_in_step = True
+    fresh = EnsembleTrainer(cfg)
+    assert member_losses(again, own=True, start=5)[:3] == member_losses(fresh, own=False, start=5)[:3]

@@ -249,8 +249,7 @@ class StepBatches:
 
     def gathers(self, x: Any) -> bool:
         """Whether the step on ``x`` gathers its own batch: ``x`` is a buffer :meth:`epoch` yields."""
-        own = self._own_batches.get(len(x))
-        return own is not None and own[0] is x
+        return any(own[0] is x for own in self._own_batches.values())  # (an ensemble's x is (K, B, F))
 
     def buffers(self, rows: int, tag: str | None = None) -> tuple[Any, Any] | None:
         """Where the loader should gather a training batch of ``rows``: the CUDA graph's input
