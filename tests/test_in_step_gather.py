@@ -95,7 +95,7 @@ def test_an_ensembles_step_gathers_the_stacked_batches_its_loader_would(folds: i
     ld = tr.train_loader
     assert len(got) == 2 * len(ld) and got == expected
     assert len(ld.row_counts()) == 2  # the short last batch was gathered in the step too
-    order = ld.batch_major(1)
+    order = ld.step_order(1)
     rows = ld.orders(1)[:, 100:200]  # (K, 100): batch 1 of epoch 1, member by member
     np.testing.assert_array_equal(order[3 * 100 : 6 * 100], rows.reshape(-1))
     again = EnsembleTrainer(cfg)  # from batch 5 of epoch 0, on a fresh trainer: its own batches 5, 6, ...

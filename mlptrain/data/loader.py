@@ -248,13 +248,13 @@ class DataLoader:
         """
         if not 0 <= start_batch <= len(self):
             raise ConfigError(f"DataLoader start_batch={start_batch} must be in [0, {len(self)}] (batches per epoch)")
-        perm = self.permutation(epoch)  # (N,) int64, host
+        perm = self.step_order(epoch)  # (N,) int64, host
         base = np.array([step - start_batch], dtype=np.int64)
         if self.xp is np:
             self._order, self._base = perm, base
             return
-        if self._order is None:
-            self._order = self.xp.empty(self.num_samples, dtype=np.int64)
+        if self._order is None or self._order.size != perm.size:
+            self._order = self.xp.empty(perm.size, dtype=np.int64)
             self._base = self.xp.empty(1, dtype=np.int64)
         stream = self.xp.cuda.get_current_stream()
         self._order.set(perm, stream=stream)
@@ -267,24 +267,37 @@ class DataLoader:
             self.global_rows = min(b, n - i * b)
             yield self._shard(self.global_rows).stop - self._shard(self.global_rows).start
 
+    def step_order(self, epoch: int) -> np.ndarray:
+        """The order :meth:`gather_in_step` reads, ``(N,)`` int64 on the host: the epoch's permutation (an
+        ensemble's: every member's, batch by batch, :meth:`mlptrain.data.member_loader.MemberLoader.step_order`)."""
+        return self.permutation(epoch)
+
+    @property
+    def stacked(self) -> int:
+        """Batches stacked in one step's batch: 1 here (an ensemble's loader: K, one per member)."""
+        return 1
+
     def gather_in_step(self, xb: Any, yb: Any, step: Any) -> None:
         """Gather the batch of the step whose count is ``step`` (a 0-d int64 device array: steps done)
-        into ``xb (B, F)`` and ``yb``, reading the count on the device (:func:`mlptrain.data.cuda.gather.take_rows_at`).
+        into ``xb (B, F)`` and ``yb`` (an ensemble's ``(K, B, F)``, ``(K, B)``: the ``K B`` positions of its
+        stacked batch), reading the count on the device (:func:`mlptrain.data.cuda.gather.take_rows_at`).
 
         The first kernels of a training step that gathers its own batch: captured with it, every replay
         takes the next batch of the order :meth:`place_order` placed, with no launch from the host.
         """
         offset = self._shard(self.global_rows).start
+        stride = self.stacked * self.batch_size  # positions a full batch takes in the order
+        flat_x, flat_y = xb.reshape(-1, *self.x.shape[1:]), yb.reshape(-1, *self.y.shape[1:])  # views
         if self.xp is np:
-            first = (int(step) - int(self._base[0])) * self.batch_size + offset
-            idx = self._order[first : first + len(xb)]
-            chunks.take_into(self.x, idx, xb)
-            chunks.take_into(self.y, idx, yb)
+            first = (int(step) - int(self._base[0])) * stride + offset
+            idx = self._order[first : first + len(flat_x)]
+            chunks.take_into(self.x, idx, flat_x)
+            chunks.take_into(self.y, idx, flat_y)
             return
         from mlptrain.data.cuda.gather import take_rows_at
 
-        for src, out in ((self.x, xb), (self.y, yb)):
-            take_rows_at(src, self._order, out, step, self._base, self.batch_size, offset)
+        for src, out in ((self.x, flat_x), (self.y, flat_y)):
+            take_rows_at(src, self._order, out, step, self._base, stride, offset)
 
     def sample_batch(self, xb: Any, yb: Any, step: Any) -> None:
         """A valid batch in ``xb``, ``yb`` (to plan and capture a step on, ahead of its shape's first batch):

@@ -17,7 +17,6 @@ import numpy as np
 from mlptrain.base.errors import ConfigError
 from mlptrain.config.schema import DataConfig
 from mlptrain.data.dataset import Dataset
-from mlptrain.data.files import chunks
 from mlptrain.data.loader import DataLoader
 
 
@@ -29,9 +28,8 @@ class MemberLoader(DataLoader):
     the order a :class:`DataLoader` of those rows and seed ``seeds[k]`` draws: ``permutation(epoch)`` of
     ``default_rng([seeds[k], epoch])``. So each member's slice is exactly the batch the single run of that seed
     takes, and K members cost one copy of the split, not K. Every member has as many rows, so the batches line
-    up. Under a CUDA graph the step gathers its own stacked batch, as a single model's does
-    (:meth:`place_order`, :meth:`gather_in_step`): one gather kernel for x and one for y inside the graph, so a
-    replayed step is one launch from the host, the batch included.
+    up. Under a CUDA graph the step gathers its own stacked batch, as a single model's does (:meth:`step_order`):
+    one gather kernel for x and one for y inside the graph, so a replayed step is one launch from the host.
     """
 
     resident = True  # the split on the device, one copy for every member
@@ -49,8 +47,6 @@ class MemberLoader(DataLoader):
         rows: list[np.ndarray] | None = None,
     ) -> None:
         super().__init__(x, y, batch_size, xp=xp, dtype=dtype, shuffle=True, drop_last=drop_last, seed=seeds[0])
-        self.member_order: Any = None  # (K n',) int64 on the device: place_order's, read by gather_in_step
-        self.member_base: Any = None  # (1,) int64: the step count at the epoch's batch 0
         self.seeds = [int(s) for s in seeds]
         self.rows = rows if rows is not None else [np.arange(len(x), dtype=np.int64)] * len(seeds)
         if len(self.rows) != len(self.seeds) or len({len(r) for r in self.rows}) != 1:
@@ -108,47 +104,18 @@ class MemberLoader(DataLoader):
             self._take(self.y, flat, yb.reshape(k * rows, *self.y.shape[1:]))
             yield xb, yb
 
-    def batch_major(self, epoch: int) -> np.ndarray:
-        """``(K n',)`` int64: every member's order of ``epoch`` (:meth:`orders`) laid out batch by batch, so that a
-        step's stacked batch is one run of positions: batch ``i`` (``rows_i`` rows a member) starts at ``i K B``
-        and holds member 0's ``rows_i`` rows, then member 1's, ... (``n'``: the rows the epoch's batches take)."""
+    def step_order(self, epoch: int) -> np.ndarray:
+        """``(K n',)`` int64: every member's order of ``epoch`` (:meth:`orders`) laid out batch by batch, what
+        :meth:`~mlptrain.data.loader.DataLoader.gather_in_step` reads: a step's stacked batch is one run of
+        positions, batch ``i`` (``rows_i`` rows a member) starting at ``i K B`` with member 0's ``rows_i`` rows,
+        then member 1's, ... (``n'``: the rows the epoch's batches take). One gather kernel for x and one for y
+        then fill the step's ``(K, B, F)`` batch inside its CUDA graph, as a single model's step gathers its own."""
         order, b = self.orders(epoch), self.batch_size  # (K, n)
         return np.concatenate([order[:, i * b : (i + 1) * b].reshape(-1) for i in range(len(self))])
 
-    def place_order(self, epoch: int, start_batch: int, step: int) -> None:
-        """Put the members' order of ``epoch`` (:meth:`batch_major`) on the device for :meth:`gather_in_step`: its
-        batch ``start_batch`` is the one of optimizer step ``step``. Into buffers made once, by copies on the
-        current stream (after the steps already queued, which may still read the last epoch's order)."""
-        if not 0 <= start_batch <= len(self):
-            raise ConfigError(f"DataLoader start_batch={start_batch} must be in [0, {len(self)}] (batches per epoch)")
-        order, base = self.batch_major(epoch), np.array([step - start_batch], dtype=np.int64)
-        if self.xp is np:
-            self.member_order, self.member_base = order, base
-            return
-        if self.member_order is None or self.member_order.size != order.size:
-            self.member_order = self.xp.empty(order.size, dtype=np.int64)
-            self.member_base = self.xp.empty(1, dtype=np.int64)
-        stream = self.xp.cuda.get_current_stream()
-        self.member_order.set(order, stream=stream)
-        self.member_base.set(base, stream=stream)
-
-    def gather_in_step(self, xb: Any, yb: Any, step: Any) -> None:
-        """Gather the stacked batch of the step whose count is ``step`` (a 0-d int64 device array) into
-        ``xb (K, B, F)`` and ``yb``: positions ``(step - base) K B + r`` of :meth:`batch_major`'s order, ``r <
-        K B``, read on the device (:func:`mlptrain.data.cuda.gather.take_rows_at`, the single model's kernel)."""
-        k, rows = xb.shape[0], xb.shape[1]
-        flat_x, flat_y = xb.reshape(k * rows, -1), yb.reshape(k * rows, *yb.shape[2:])  # views of the buffers
-        stride = k * self.batch_size  # every batch before the last is full
-        if self.xp is np:
-            first = (int(step) - int(self.member_base[0])) * stride
-            idx = self.member_order[first : first + k * rows]
-            chunks.take_into(self.x, idx, flat_x)
-            chunks.take_into(self.y, idx, flat_y)
-            return
-        from mlptrain.data.cuda.gather import take_rows_at
-
-        for src, out in ((self.x, flat_x), (self.y, flat_y)):
-            take_rows_at(src, self.member_order, out, step, self.member_base, stride)
+    @property
+    def stacked(self) -> int:
+        return self.members
 
     def sample_batch(self, xb: Any, yb: Any, step: Any) -> None:
         """A valid stacked batch in ``xb (K, B, F)``, ``yb``: the split's first rows for every member."""
