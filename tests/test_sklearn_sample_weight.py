@@ -75,8 +75,9 @@ def test_integer_weights_fit_as_the_rows_repeated_w_times(Est: Any, solver: str,
     weighted = _fit(Est(**params), x, y, sample_weight=w)
     repeated = _fit(Est(**params), x[rep], y[rep])
     # cuBLAS sums the 60 weighted rows and the ~90 repeated ones in other orders than NumPy does, in fp64 still:
-    # the classifier's weights differed by 2.3e-11 (5e-9 relative) on an H200 (2026-12-05)
-    tol = 1e-12 if device == "cpu" else 1e-9
+    # the classifier's weights differed by 2.3e-11 (5e-9 relative) on an H200, a probability by 1.6e-9 on an H100
+    # (2026-12-05)
+    tol = 1e-12 if device == "cpu" else 1e-8
     _same_fit(weighted, repeated, x, tol)
     plain = _fit(Est(**params), x, y)  # the check can fail: the weights change the fit
     assert abs(plain.loss_curve_[-1] - repeated.loss_curve_[-1]) > 1e-3
