@@ -63,13 +63,7 @@ def softmax_cross_entropy_gpu(logits: Any, y: Any, grad_scale: Any, bias_grad: b
     """
     rows, mean = _cupy_xent_kernels()
     B, C = logits.shape
-    if not logits.flags.c_contiguous:
-        if inplace:
-            raise ValueError("an in-place loss gradient needs C-contiguous logits")
-        logits = cp.ascontiguousarray(logits)
-    scale = device_scale(grad_scale)
-    y = y.astype(cp.int64, copy=False)  # (B,) labels; the loader's are int64 already
-    d = logits if inplace else cp.empty_like(logits)  # (B, C) C-order
+    logits, y, scale, d = _operands(logits, y, grad_scale, inplace)  # d (B, C) C-order
     loss = cp.empty((), dtype=cp.float32)
     correct = cp.empty((), dtype=cp.int64)
     db = cp.empty(C if bias_grad else 1, dtype=logits.dtype)  # (C,): the output layer's bias gradient
@@ -95,19 +89,25 @@ def member_cross_entropy_gpu(logits: Any, y: Any, grad_scale: Any, inplace: bool
     """
     rows, _ = _cupy_xent_kernels()
     k, b, c = logits.shape
-    if not logits.flags.c_contiguous:
-        if inplace:
-            raise ValueError("an in-place loss gradient needs C-contiguous logits")
-        logits = cp.ascontiguousarray(logits)
-    scale = device_scale(grad_scale)
-    y = y.astype(cp.int64, copy=False)  # (K, B) labels
-    d = logits if inplace else cp.empty_like(logits)  # (K, B, C)
+    logits, y, scale, d = _operands(logits, y, grad_scale, inplace)  # d (K, B, C)
     row_loss = cp.empty(k * b, dtype=cp.float32)
     row_ok = cp.empty(k * b, dtype=cp.int32)
     rows(logits, y, scale, c, 1.0 / b, d, row_loss, row_ok, size=k * b * 32, block_size=256)
     loss = row_loss.reshape(k, b).mean(axis=1)  # (K,) float32
     correct = row_ok.reshape(k, b).sum(axis=1, dtype=cp.int64)  # (K,)
     return loss, d, correct
+
+
+def _operands(logits: Any, y: Any, grad_scale: Any, inplace: bool) -> tuple[Any, Any, Any, Any]:
+    """``(logits, y, scale, d)`` as the row kernels take them: C-contiguous logits, int64 labels (the loader's are
+    already), the gradient scale as a 0-d float64 device array, and where ``dlogits`` goes (over the logits with
+    ``inplace``, which needs them C-contiguous)."""
+    if not logits.flags.c_contiguous:
+        if inplace:
+            raise ValueError("an in-place loss gradient needs C-contiguous logits")
+        logits = cp.ascontiguousarray(logits)
+    d = logits if inplace else cp.empty_like(logits)
+    return logits, y.astype(cp.int64, copy=False), device_scale(grad_scale), d
 
 
 def device_scale(grad_scale: Any) -> Any:
