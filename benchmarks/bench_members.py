@@ -8,6 +8,7 @@ update and the step log. The targets of #50 on the GPU: 8 members of 256-1024-10
 most 1.5x the step of one, 32 members of 64-256-256-2 in at most 2x.
 
 Usage: python benchmarks/bench_members.py --out DIR [--cases big,small] [--precision bf16] [--epochs 3]
+       [--set KEY=VALUE ...]   (settings of both runs: execution.epilogue_kernels=false, execution.autotune=true)
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ CASES = {
 }
 
 
-def run(case: str, members: int, precision: str, epochs: int, work: Path) -> dict:
+def run(case: str, members: int, precision: str, epochs: int, work: Path, settings: list[str]) -> dict:
     """One fresh run of ``case`` with ``members`` members: its median step time and last losses."""
     features, hidden, classes, batch, _, samples = CASES[case]
     run_dir = work / f"{case}-{members}"
@@ -46,6 +47,7 @@ def run(case: str, members: int, precision: str, epochs: int, work: Path) -> dic
         f"epochs={epochs}",
         "log_every=50",
         "progress=false",
+        *settings,
         f"hydra.run.dir={run_dir}",
     ]
     env = {**os.environ, "MLPTRAIN_DATA": str(work / "cache")}
@@ -79,12 +81,13 @@ def main() -> None:
     ap.add_argument("--cases", default="big,small")
     ap.add_argument("--precision", default="bf16")
     ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a setting of both runs")
     args = ap.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for case in args.cases.split(","):
-            one = run(case, 1, args.precision, args.epochs, Path(tmp))
-            many = run(case, CASES[case][4], args.precision, args.epochs, Path(tmp))
+            one = run(case, 1, args.precision, args.epochs, Path(tmp), args.set)
+            many = run(case, CASES[case][4], args.precision, args.epochs, Path(tmp), args.set)
             rows.append({"one": one, "many": many, "ratio": many["step_ms"] / one["step_ms"]})
     head = f"`{record.command()}`, {where()}, {record.today()}; median ms per step after the first interval"
     text = [head, "", "| model | batch | members | one model (ms) | members (ms) | ratio | test acc (ensemble) |"]

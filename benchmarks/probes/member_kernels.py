@@ -6,7 +6,8 @@ chain of steps, median) and each kernel's GPU time per step from PyTorch's CUPTI
 ``step_kernels.py --profile`` reads them). Writes ``member_kernels.json`` into ``$OUT`` (default: the current
 folder).
 
-Usage: python benchmarks/probes/member_kernels.py   (a GPU with CuPy and nvmath-python; PyTorch for the profile)
+Usage: python benchmarks/probes/member_kernels.py [KEY=VALUE ...]   (settings of every run, as on the command line of
+``python -m mlptrain``: execution.epilogue_kernels=false; a GPU with CuPy and nvmath-python, PyTorch for the profile)
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def profile_kernels(fn, reps: int) -> list[tuple[str, float]]:
     return sorted(totals.items(), key=lambda kv: -kv[1])
 
 
-def trainer(features: int, hidden: list[int], classes: int, members: int, graph: bool):
+def trainer(features: int, hidden: list[int], classes: int, members: int, graph: bool, settings: list[str]):
     from mlptrain.cli.main import compose_config
     from mlptrain.run.ensemble import EnsembleTrainer
     from mlptrain.step.trainer import Trainer
@@ -52,6 +53,7 @@ def trainer(features: int, hidden: list[int], classes: int, members: int, graph:
         f"ensemble.size={members}",
         "progress=false",
         f"graph={str(graph).lower()}",
+        *settings,
     ]
     cfg = compose_config(overrides)
     return EnsembleTrainer(cfg) if members > 1 else Trainer(cfg)
@@ -84,7 +86,7 @@ def main() -> int:
     for case, (features, hidden, classes, k) in CASES.items():
         for members in (1, k):
             for graph in (True, False):
-                ms, kernels = measure(trainer(features, hidden, classes, members, graph))
+                ms, kernels = measure(trainer(features, hidden, classes, members, graph, sys.argv[1:]))
                 key = f"{case}-K{members}-{'graph' if graph else 'eager'}"
                 total = sum(us for _, us in kernels)
                 out[key] = {"step_ms": ms, "gpu_us_total": total, "kernels_us": kernels}

@@ -254,6 +254,11 @@ class ExecutionConfig:
         "small (below 1e11 GEMM FLOPs) or data parallel; one stream needs less memory",
     )
     head_kernel: bool = _f(True, "GPU, fused, small heads: the output layer's input gradient as one kernel")
+    epilogue_kernels: Optional[bool] = _f(
+        None,
+        "GPU, fused, bf16: DRELU, DRELU_BGRAD and BGRADB as the plain GEMM and mlptrain's mask-and-sum kernels "
+        "instead of cuBLASLt's separate epilogue kernels; null: for an ensemble's batched GEMMs only",
+    )
     precompile: bool = _f(
         True,
         "GPU: compile the run's CuPy kernels on threads during start-up, before their first launch; false: each "

@@ -41,7 +41,7 @@ def choose(tr: Any) -> None:
         return
     if tr.precision.fp8:
         # FP8 on the GPU: DRELU_BGRAD is the plain FP8 GEMM and mlptrain's mask kernel, which sums the bias
-        # gradient as it masks (nn/cuda/fp8_dgrad.py); BGRADB has no FP8 form and costs a pass of its own over dZ.
+        # gradient as it masks (nn/cuda/epilogue_kernels.py); BGRADB has no FP8 form and costs a pass of its own over dZ.
         # drelu_bgrad, untimed (docs/benchmarks.md, #30: 3.71 against 4.19 ms a step at 4096 x 4, batch 8192).
         # Timed, the probe's key would also be the bf16 step's (the same compute dtype) and share its entry.
         tr.model.set_bgrad("drelu_bgrad")

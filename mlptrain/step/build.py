@@ -204,10 +204,9 @@ def scaler(cfg: PrecisionConfig, xp: Any, prec: Precision) -> LossScaler:
 
 
 def gemm(cfg: ExecutionConfig, backend: Backend, prec: Precision, members: int = 1) -> Any:
-    """The GEMM engine: planned nvmath Matmuls on the GPU, the NumPy epilog contract on the CPU; fp8: FP8
-    casts and GEMMs around it (:class:`mlptrain.nn.fp8.Fp8Gemm`), which stays for what FP8 cannot run.
-    An ensemble's (``members > 1``) GEMMs are batched: nvmath takes the stacks as they are, the CPU computes
-    the batched contract (:class:`mlptrain.nn.batched.BatchedNumpyGemm`)."""
+    """The GEMM engine: planned nvmath Matmuls on the GPU, the NumPy epilog contract on the CPU; fp8: FP8 casts and
+    GEMMs around it (:class:`mlptrain.nn.fp8.Fp8Gemm`), which stays for what FP8 cannot run. An ensemble's GEMMs
+    (``members > 1``) are batched: nvmath takes the stacks, the CPU :class:`~mlptrain.nn.batched.BatchedNumpyGemm`."""
     if not backend.is_gpu:
         engine: Any = NumpyGemm() if members == 1 else BatchedNumpyGemm()
     else:
@@ -216,6 +215,7 @@ def gemm(cfg: ExecutionConfig, backend: Backend, prec: Precision, members: int =
 
         cache = PlanCache(PlanCache.default_path()) if cfg.plan_cache else None
         engine = NvmathGemm(tf32=prec.tf32, autotune=cfg.autotune, plan_cache=cache, workspace_mib=cfg.workspace_mib)
+        engine.epilogue_kernels = cfg.epilogue_kernels  # (execution.epilogue_kernels)
     return fp8_gemm(cfg, backend, prec, engine) if prec.fp8 else engine
 
 

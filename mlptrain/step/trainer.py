@@ -238,7 +238,10 @@ class Trainer:
         batches = [(r, ld.y, ld is train) for ld in [train, *self.eval_loaders.values()] for r in ld.row_counts()]
         loss_dtype = np.float64 if np.dtype(cdt) == np.float64 else np.float32  # the loss's 0-d
         sc, shapes = self.scaler, [p.value.shape for p in self.model.params]
+        fused = self.cfg.execution.mode.value == "fused"
+        gemm_jobs = getattr(self.gemm, "precompile_jobs", None)  # the GPU's 16-bit engine: its epilogue kernels
         return [
+            *(gemm_jobs(cdt, self.members > 1) if gemm_jobs is not None and fused else []),
             *self.head.precompile_jobs(self.model, cdt, batches, sc.scale),
             *self.optimizer.precompile_jobs(
                 cdt,

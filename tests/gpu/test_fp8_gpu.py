@@ -234,15 +234,15 @@ def test_the_contract_of_the_first_cast_is_plain_quantisation():
 @needs_fp8
 @pytest.mark.parametrize("m, n", [(16, 8), (272, 1000), (4096, 8192)])
 def test_the_drelu_bgrad_kernel_masks_exactly_and_sums_in_float32(m, n):
-    """mlptrain_fp8_drelu_partial / _bgrad_finish: rows not a multiple of a block's 256, slabs that do not
+    """mlptrain_drelu_partial / mlptrain_bgrad_finish: rows not a multiple of a block's 256, slabs that do not
     divide N. D masked bit for bit; db within a float32 sum and one bfloat16 rounding of the float64 sum."""
-    from mlptrain.nn.cuda.fp8_dgrad import drelu_bgrad
+    from mlptrain.nn.cuda.epilogue_kernels import drelu
 
     rng = np.random.default_rng(m + n)
     d = np.asarray(rng.standard_normal((m, n)).astype(BF16), order="F")
     mask = rng.random((m, n)) > 0.4
     d_gpu = cp.asarray(d, order="F")
-    db = drelu_bgrad(d_gpu, cp.asarray(pack_relu_mask(mask), order="F"))
+    db = drelu(d_gpu, cp.asarray(pack_relu_mask(mask), order="F"))
     masked = np.where(mask, d.astype(np.float64), 0.0)
     np.testing.assert_array_equal(f64(d_gpu), masked)
     exact = masked.sum(axis=1)
@@ -269,13 +269,13 @@ def test_the_own_drelu_bgrad_equals_cublaslts_epilogue_within_its_roundings():
 @needs_fp8
 @pytest.mark.parametrize("k, n", [(8, 16), (1000, 272), (8192, 4096)])
 def test_the_column_sums_of_a_weight_gradient_operand(k, n):
-    """BGRADB's bias gradient in FP8 (fp8_dgrad.column_sums): the sum over K of a C-order (K, N)."""
-    from mlptrain.nn.cuda.fp8_dgrad import column_sums
+    """BGRADB's bias gradient in FP8 (epilogue_kernels.bgradb): the sum over K of a C-order (K, N)."""
+    from mlptrain.nn.cuda.epilogue_kernels import bgradb
 
     b = _bf16((k, n), k + n)
     before = b.copy()
     b_gpu = cp.asarray(b)
-    got = column_sums(b_gpu)
+    got = bgradb(b_gpu)
     exact = b.astype(np.float64).sum(axis=0)
     bound = 2.0**-8 * np.abs(exact) + k * 2.0**-24 * np.abs(b.astype(np.float64)).sum(axis=0) + 1e-30
     assert got.shape == (n,) and np.all(np.abs(f64(got) - exact) <= bound)

@@ -31,7 +31,7 @@ from nvmath import CudaDataType
 from nvmath.bindings import cublas
 from nvmath.bindings import cublasLt as lt
 
-from mlptrain.nn.cuda import fp8_dgrad
+from mlptrain.nn.cuda import epilogue_kernels
 from mlptrain.nn.cuda.cublaslt import DESC, PREF, LayoutArgs, LtMatmul, handle
 from mlptrain.nn.cuda.streams import results_allocator
 from mlptrain.nn.epilogs import Epilog, gelu_aux_shape, relu_aux_shape
@@ -141,7 +141,7 @@ class GpuFp8Gemm(Fp8Gemm):
         super().__init__(base, scaling, mode, dtype=dtype)
         self.workspace_cap = int(workspace_mib if workspace_mib is not None else 256) * 2**20
         self.fast_accum = fast_accum
-        # DRELU_BGRAD as the plain FP8 GEMM and mlptrain's kernel (nn/cuda/fp8_dgrad.py), not cuBLASLt's epilogue
+        # DRELU_BGRAD as the plain FP8 GEMM and mlptrain's kernel (nn/cuda/epilogue_kernels.py), not cuBLASLt's epilogue
         self.own_drelu_bgrad = own_drelu_bgrad
         self._plans: dict[tuple, Fp8Matmul] = {}
 
@@ -172,13 +172,13 @@ class GpuFp8Gemm(Fp8Gemm):
         mm.run(a[0], b[0], d)
         if relu_aux is not None:  # DRELU_BGRAD: D masked in place, and its bias gradient
             with cp.cuda.using_allocator(results) if results is not None else contextlib.nullcontext():
-                aux = {"drelu_bgrad": fp8_dgrad.drelu_bgrad(d, relu_aux)}
+                aux = {"drelu_bgrad": epilogue_kernels.drelu(d, relu_aux)}
         return (d.T if call.c_order else d), aux
 
     def bias_gradient(self, b: Any) -> Any:
-        """BGRADB's bias gradient as :func:`mlptrain.nn.cuda.fp8_dgrad.column_sums` where b (K, N) suits it."""
-        if b.dtype.name == "bfloat16" and b.flags.c_contiguous and b.shape[1] % 8 == 0 and b.data.ptr % 16 == 0:
-            return fp8_dgrad.column_sums(b)
+        """BGRADB's bias gradient as :func:`mlptrain.nn.cuda.epilogue_kernels.bgradb` where b (K, N) suits it."""
+        if b.dtype.name == "bfloat16" and b.flags.c_contiguous:
+            return epilogue_kernels.bgradb(b)
         return super().bias_gradient(b)
 
     def _plan(self, key: str, m: int, n: int, k: int, formats: tuple[str, str], epilog: Epilog | None) -> Fp8Matmul:

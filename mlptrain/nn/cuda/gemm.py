@@ -13,6 +13,7 @@ last partial batch, and once for the evaluation batch size, and never again.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from typing import Any
@@ -23,6 +24,8 @@ from nvmath.linalg.advanced import Algorithm, Matmul, MatmulEpilog
 from nvmath.memory import MemoryPointer
 
 from mlptrain.base.cuda.timing import capture_graph, cuda_time_ms
+from mlptrain.base.cuda_source import Job
+from mlptrain.nn.cuda import epilogue_kernels
 from mlptrain.nn.cuda.plan_cache import PlanCache
 from mlptrain.nn.cuda.streams import results_allocator
 from mlptrain.nn.epilogs import Epilog
@@ -30,6 +33,7 @@ from mlptrain.nn.epilogs import Epilog
 log = logging.getLogger(__name__)
 
 _NV_EPILOG = {e: getattr(MatmulEpilog, e.value) for e in Epilog}
+_OWN_EPILOGS = (Epilog.DRELU, Epilog.DRELU_BGRAD, Epilog.BGRADB)  # what epilogue_kernels can finish
 
 
 def signature(a: Any, b: Any, epilog: Epilog | None) -> tuple:
@@ -50,6 +54,10 @@ class NvmathGemm:
             workspace, and with no cap the heuristics pick algorithms that want gigabytes (a
             DRELU_BGRAD of 8192 x 16384 in bf16: over 1 GiB), so the cap is a memory setting
             (``scripts/bench.py --sections m`` measures it).
+        epilogue_kernels: where bfloat16 GEMMs' DRELU, DRELU_BGRAD and BGRADB run as the plain GEMM and
+            mlptrain's kernels (:mod:`mlptrain.nn.cuda.epilogue_kernels`) instead of cuBLASLt's epilogue:
+            None (``execution.epilogue_kernels``'s default) for batched GEMMs only (an ensemble's, whose
+            epilogues cuBLASLt runs as kernels of their own), True for every GEMM, False for none.
 
     Every call enqueues on CuPy's current stream (nvmath's default), so a ``with stream:`` block
     (the training step's stream, the side stream of the weight gradients) decides where a GEMM runs.
@@ -62,8 +70,10 @@ class NvmathGemm:
         autotune: bool = False,
         plan_cache: PlanCache | None = None,
         workspace_mib: int | None = None,
+        epilogue_kernels: bool | None = None,
     ) -> None:
         self.tf32 = tf32
+        self.epilogue_kernels = epilogue_kernels
         self.workspace_mib = workspace_mib
         self.autotune = autotune
         self.plan_cache = plan_cache
@@ -85,6 +95,14 @@ class NvmathGemm:
         self, key: str, a: Any, b: Any, epilog: Epilog | None = None, **epilog_inputs: Any
     ) -> tuple[Any, dict[str, Any]]:
         inputs = {name: v for name, v in epilog_inputs.items() if v is not None}
+        if self._finishes(a, b, epilog, inputs):
+            return self._plain_then_kernel(key, a, b, epilog, inputs)
+        return self._execute(key, a, b, epilog, inputs)
+
+    def _execute(
+        self, key: str, a: Any, b: Any, epilog: Epilog | None, inputs: dict[str, Any]
+    ) -> tuple[Any, dict[str, Any]]:
+        """The planned Matmul of this call site and signature (planned at its first call), executed."""
         sig = (key, *signature(a, b, epilog))
         mm = self._plans.get(sig)
         if mm is None:
@@ -94,13 +112,51 @@ class NvmathGemm:
             # Same shapes, strides and dtype by construction of the cache key: only the
             # pointers change, so the unchecked reset is safe and costs no validation.
             mm.reset_operands_unchecked(a=a, b=b, epilog_inputs=inputs or None)
-        results = results_allocator()  # the side stream's GEMMs: results from the main stream's free lists
-        if results is None:
+        with _results():
             out = mm.execute()
-        else:
-            with cp.cuda.using_allocator(results):
-                out = mm.execute()
         return out if isinstance(out, tuple) else (out, {})
+
+    def _finishes(self, a: Any, b: Any, epilog: Epilog | None, inputs: dict[str, Any]) -> bool:
+        """Whether this call's epilog runs in :mod:`~mlptrain.nn.cuda.epilogue_kernels` (see ``epilogue_kernels``):
+        a DRELU, DRELU_BGRAD or BGRADB of bfloat16 operands whose layouts the kernels take."""
+        if self.epilogue_kernels is False or epilog not in _OWN_EPILOGS or a.dtype.name != "bfloat16":
+            return False
+        if self.epilogue_kernels is None and a.ndim != 3:  # the default: batched GEMMs only
+            return False
+        if epilog is Epilog.BGRADB:  # b (..., Kd, N) C-order: the bias gradient is its column sums
+            return b.flags.c_contiguous
+        aux = inputs.get("relu_aux")
+        return aux is not None and a.shape[-2] % 8 == 0 and aux.ndim == a.ndim
+
+    def _plain_then_kernel(
+        self, key: str, a: Any, b: Any, epilog: Epilog | None, inputs: dict[str, Any]
+    ) -> tuple[Any, dict[str, Any]]:
+        """``epilog`` as the plain GEMM (its own plan: DEFAULT) and mlptrain's kernels on its result, which is
+        column-major as the epilog's (nvmath lays out a GEMM without epilog as A; A is column-major here).
+
+        DRELU(_BGRAD): ``D`` masked in place with relu_aux (and its row sums, the layer below's bias gradient);
+        BGRADB: the column sums of ``b``. Bias gradients come back as nvmath's: ``(M,)``, batched ``(K, M, 1)``."""
+        d, _ = self._execute(f"{key}.plain", a, b, None, {})
+        with _results():
+            if epilog is Epilog.BGRADB:
+                db = epilogue_kernels.bgradb(b)  # (N,) or (K, N)
+                return d, {"bgradb": db if db.ndim == 1 else db[..., None]}
+            if not epilogue_kernels.fits(d):  # not the layout the mask kernel takes: cuBLASLt's epilogue after all
+                log.warning("%s: the plain GEMM's result is %s, strides %s; DRELU in cuBLASLt", key, d.shape, d.strides)
+                self.epilogue_kernels = False
+                return self._execute(key, a, b, epilog, inputs)
+            db = epilogue_kernels.drelu(d, inputs["relu_aux"], bgrad=epilog is Epilog.DRELU_BGRAD)
+        if db is None:
+            return d, {}
+        return d, {"drelu_bgrad": db if db.ndim == 1 else db[..., None]}
+
+    def precompile_jobs(self, dtype: Any, batched: bool) -> list[Job]:
+        """The mask-and-sum kernels compiled ahead (stage ``loss``: before the first backward), where a step of
+        ``dtype`` GEMMs (``batched``: an ensemble's) runs them."""
+        runs = self.epilogue_kernels or (self.epilogue_kernels is None and batched)
+        if not runs or cp.dtype(dtype).name != "bfloat16":
+            return []
+        return [Job("the epilogue kernels (DRELU, bias gradients)", "loss", epilogue_kernels.compile_ahead)]
 
     def _plan(self, key: str, a: Any, b: Any, epilog: Epilog | None, inputs: dict[str, Any]) -> Matmul:
         mm = Matmul(a, b, options=self._options(a.dtype))
@@ -206,6 +262,13 @@ class DefaultPoolWorkspaces:
 
 
 _WORKSPACES = DefaultPoolWorkspaces()
+
+
+def _results() -> Any:
+    """Where a GEMM's result and its epilog's outputs are allocated: on the side stream of the weight gradients,
+    from the main stream's free lists (:func:`mlptrain.nn.cuda.streams.results_allocator`), else as usual."""
+    results = results_allocator()
+    return cp.cuda.using_allocator(results) if results is not None else contextlib.nullcontext()
 
 
 def graph_autotune(mm: Matmul, algorithms: tuple, key: str, *, calls: int = 5, reps: int = 5) -> Algorithm:

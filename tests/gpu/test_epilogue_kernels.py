@@ -1,0 +1,125 @@
+"""mlptrain's epilogue kernels (mlptrain.nn.cuda.epilogue_kernels) finishing an ensemble's batched bf16 GEMMs:
+DRELU, DRELU_BGRAD and BGRADB as the plain GEMM and the mask-and-sum kernels, against the NumPy batched contract
+and cuBLASLt's own epilogues; and an ensemble's bf16 step with them against the same step without.
+Written on a CPU machine: the GPU issue runs it."""
+
+from typing import Any
+
+import numpy as np
+import pytest
+from gpu_helpers import HAS_GPU, cp, f64, np_dtype
+
+from mlptrain.nn.batched import BatchedNumpyGemm, stack_members
+from mlptrain.nn.epilogs import Epilog, pack_relu_mask, unpack_relu_mask
+
+pytestmark = pytest.mark.gpu
+
+if HAS_GPU:
+    from mlptrain.nn.cuda import epilogue_kernels
+    from mlptrain.nn.cuda.gemm import NvmathGemm
+
+BF16 = np_dtype("bfloat16")
+K = 3
+
+
+def bf16(rng: np.random.Generator, shape: tuple[int, ...], scale: float = 1.0) -> np.ndarray:
+    return (rng.standard_normal(shape) * scale).astype(BF16)
+
+
+def on_gpu(x: np.ndarray) -> Any:
+    """``x`` on the device with each member's matrix in the same order (column-major members stay column-major)."""
+    if x.ndim == 3 and x.strides[-2] < x.strides[-1]:
+        return cp.ascontiguousarray(cp.asarray(x.swapaxes(-1, -2))).swapaxes(-1, -2)
+    return cp.asarray(x)
+
+
+def dgrad_operands(rng: np.random.Generator, m: int, kd: int, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The input-gradient GEMM of an ensemble's layer: ``A = W^T (K, M, Kd)`` and ``B = dZ^T (K, Kd, N)``, both
+    column-major per member (views of C-order ``W (K, Kd, M)`` and ``dZ (K, N, Kd)``), and the layer below's
+    ``relu_aux (K, Mb, N)``, each member's column-major and the members one after the other."""
+    a = bf16(rng, (K, kd, m), 0.1).swapaxes(-1, -2)
+    b = bf16(rng, (K, n, kd)).swapaxes(-1, -2)
+    mask = rng.random((K, m, n)) > 0.4
+    return a, b, stack_members([pack_relu_mask(mk) for mk in mask])
+
+
+@pytest.mark.parametrize("epilog", [Epilog.DRELU, Epilog.DRELU_BGRAD])
+@pytest.mark.parametrize(("m", "kd", "n"), [(96, 64, 48), (1024, 256, 200), (8, 16, 1000)])
+def test_the_mask_kernel_finishes_a_batched_dgrad_as_the_contract(epilog: Epilog, m: int, kd: int, n: int) -> None:
+    """D masked exactly where relu_aux is 0, within a bf16 rounding of the contract (and of cuBLASLt's epilogue);
+    each member's bias gradient within a float32 sum and one bf16 rounding of its own D's float64 sum."""
+    rng = np.random.default_rng(m + kd + n)
+    a, b, aux = dgrad_operands(rng, m, kd, n)
+    ga, gb, gaux = on_gpu(a), on_gpu(b), on_gpu(aux)
+    d, out = NvmathGemm(epilogue_kernels=True)("l.dgrad", ga, gb, epilog, relu_aux=gaux)
+    d_lt, out_lt = NvmathGemm(epilogue_kernels=False)("l.dgrad", ga, gb, epilog, relu_aux=gaux)
+    d_ref, out_ref = BatchedNumpyGemm()("l.dgrad", a, b, epilog, relu_aux=aux)
+    ours, ref = f64(d), f64(d_ref)
+    kept = np.stack([unpack_relu_mask(x, m) for x in aux]).astype(bool)  # (K, M, N)
+    assert np.all(ours[~kept] == 0), "DRELU: an element whose relu_aux bit is 0 must be 0"
+    scale = np.abs(ref).max()
+    assert np.abs(ours - ref).max() <= 2.0**-7 * scale, "D: beyond a bf16 rounding of the contract"
+    assert np.abs(ours - f64(d_lt)).max() <= 2.0**-7 * scale, "D: beyond a bf16 rounding of cuBLASLt's epilogue"
+    assert sorted(out) == sorted(out_lt) == sorted(out_ref)
+    if epilog is Epilog.DRELU_BGRAD:
+        db = out["drelu_bgrad"]
+        assert db.shape == out_lt["drelu_bgrad"].shape == (K, m, 1) and db.dtype == d.dtype
+        exact = ours.sum(axis=-1, keepdims=True)  # (K, M, 1): each member's own rows
+        bound = 2.0**-8 * np.abs(exact) + n * 2.0**-24 * np.abs(ours).sum(axis=-1, keepdims=True) + 1e-30
+        assert np.all(np.abs(f64(db) - exact) <= bound)
+
+
+@pytest.mark.parametrize("out", [48, 10])  # 10: no 16-byte rows, a warp a row
+def test_the_sum_kernel_gives_a_batched_wgrads_bgradb(out: int) -> None:
+    """The weight-gradient GEMM: ``X^T (K, in, B)`` column-major, ``dZ (K, B, out)`` C-order; BGRADB's ``(K, out, 1)``
+    the sum of each member's dZ over its B rows, dZ left as it was, and D the plain GEMM's."""
+    rng = np.random.default_rng(out)
+    kin, b_rows = 64, 130
+    a = bf16(rng, (K, b_rows, kin)).swapaxes(-1, -2)
+    b = bf16(rng, (K, b_rows, out))
+    gb = on_gpu(b)
+    d, aux = NvmathGemm(epilogue_kernels=True)("l.wgrad", on_gpu(a), gb, Epilog.BGRADB)
+    d_ref, aux_ref = BatchedNumpyGemm()("l.wgrad", a, b, Epilog.BGRADB)
+    np.testing.assert_array_equal(f64(gb), f64(b))
+    assert aux["bgradb"].shape == aux_ref["bgradb"].shape == (K, out, 1)
+    exact = f64(b).sum(axis=1)[..., None]
+    bound = 2.0**-8 * np.abs(exact) + b_rows * 2.0**-24 * np.abs(f64(b)).sum(axis=1)[..., None] + 1e-30
+    assert np.all(np.abs(f64(aux["bgradb"]) - exact) <= bound)
+    assert np.abs(f64(d) - f64(d_ref)).max() <= 2.0**-7 * np.abs(f64(d_ref)).max()
+
+
+def test_a_layout_the_kernels_do_not_take_is_refused() -> None:
+    rng = np.random.default_rng(0)
+    d = cp.asarray(bf16(rng, (16, 8)))  # C order: not a column-major (M, N)
+    aux = cp.zeros((16, 8), dtype=cp.uint8, order="F")
+    with pytest.raises(ValueError, match="column-major"):
+        epilogue_kernels.drelu(d, aux)
+
+
+def test_an_ensembles_bf16_step_with_the_kernels_follows_the_step_without(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Graphed, 10 steps of 4 members in bf16: the kernels run (counted), and the losses follow cuBLASLt's
+    epilogues' within bf16's rounding (the same data, initialisation and order; only the roundings differ)."""
+    from test_ensemble_gpu import ensemble_cfg
+
+    from mlptrain.run.ensemble import EnsembleTrainer
+
+    calls = {"drelu": 0, "bgradb": 0}
+    for name in calls:
+        original = getattr(epilogue_kernels, name)
+
+        def counted(*args: Any, _original: Any = original, _name: str = name, **kw: Any) -> Any:
+            calls[_name] += 1
+            return _original(*args, **kw)
+
+        monkeypatch.setattr(epilogue_kernels, name, counted)
+    losses = {}
+    for own in (None, False):
+        cfg = ensemble_cfg("gpu", graph=True)
+        cfg.precision.name = "bf16"
+        cfg.execution.epilogue_kernels = own
+        tr = EnsembleTrainer(cfg)
+        with tr.stream:
+            losses[own] = np.array([cp.asnumpy(tr.step(x, y)[0]) for x, y in tr.train_batches(0)][:10])
+        if own is None:
+            assert calls["drelu"] > 0 and calls["bgradb"] > 0, f"the kernels did not run: {calls}"
+    np.testing.assert_allclose(losses[None], losses[False], rtol=2e-2)
