@@ -34,14 +34,15 @@ def choose(tr: Any) -> None:
     if choice != "auto":
         tr.model.set_bgrad(choice)
         return
-    small = build.step_flops(tr.widths, tr.cfg.data.batch_size) < PROBE_MIN_FLOPS  # a step of microseconds
+    # a step of microseconds (an ensemble's: every member's GEMMs)
+    small = build.step_flops(tr.widths, tr.cfg.data.batch_size) * tr.members < PROBE_MIN_FLOPS
     if small or not (tr.backend.is_gpu and tr.cfg.execution.mode.value == "fused" and len(tr.widths) > 2):
         # on the CPU (and in naive mode) the two do the same work; in a small step the choice cannot
         tr.model.set_bgrad("bgradb")  # matter and the probe would cost more than the run (default digits)
         return
     if tr.precision.fp8:
-        # FP8 on the GPU: DRELU_BGRAD is the plain FP8 GEMM and mlptrain's mask kernel, which sums the bias
-        # gradient as it masks (nn/cuda/epilogue_kernels.py); BGRADB has no FP8 form and costs a pass of its own over dZ.
+        # FP8 on the GPU: DRELU_BGRAD is the plain FP8 GEMM and mlptrain's mask kernel, which sums the bias gradient
+        # as it masks (nn/cuda/epilogue_kernels.py); BGRADB has no FP8 form and costs a pass of its own over dZ.
         # drelu_bgrad, untimed (docs/benchmarks.md, #30: 3.71 against 4.19 ms a step at 4096 x 4, batch 8192).
         # Timed, the probe's key would also be the bf16 step's (the same compute dtype) and share its entry.
         tr.model.set_bgrad("drelu_bgrad")
