@@ -4,7 +4,9 @@ The members train independently: member ``k``'s loss is the single model's loss 
 ``(B, C)`` against its own batch's targets, and its ``dlogits`` the single model's, so the batched
 backward (:class:`mlptrain.nn.batched.BatchedMLP`) gives every member the gradients it would get alone.
 :class:`MemberHead` computes them member by member, into the stacked ``dlogits (K, B, C)`` (written over
-the logits, as the single head does), and returns the losses and counts as ``(K,)`` arrays.
+the logits, as the single head does), and returns the losses and counts as ``(K,)`` arrays. On the GPU the
+plain cross-entropy takes every member at once, and its per-member sums are the kernels of
+:mod:`mlptrain.nn.cuda.members`, this module's GPU half (with the step's per-member tally).
 
 The ensemble predicts the members' mean: the mean probability of a classification (the mean of the
 softmaxes, whose log :func:`ensemble_logits` returns, so that the usual scores read it as logits: its
@@ -38,10 +40,11 @@ class MemberHead(OutputHead):
         """``(loss (K,), correct (K,), dlogits (K, B, C), HeadGrads())``: member ``k``'s loss of ``logits[k]``
         against ``y[k]``, each the single loss function's call (with ``inplace``, written over ``logits[k]``).
 
-        On the GPU the plain cross-entropy runs over all members at once: fp16/bf16/fp32 logits in the single
-        model's row kernel over the ``K * B`` rows (:func:`mlptrain.nn.cuda.losses.member_cross_entropy_gpu`),
-        float64 ones as array operations (:func:`stacked_cross_entropy`), where one call per member launches
-        K loss kernels."""
+        On the GPU the plain cross-entropy runs over all members at once: fp16/bf16/fp32 logits in two launches,
+        the single model's row kernel over the ``K * B`` rows and one block that sums each member's rows into the
+        ``(K,)`` losses and counts (:func:`mlptrain.nn.cuda.losses.member_cross_entropy_gpu`,
+        :mod:`mlptrain.nn.cuda.members`); float64 ones as array operations (:func:`stacked_cross_entropy`: the row
+        kernel computes in float32), where one call per member launches K loss kernels."""
         xp = get_array_module(logits)
         if xp is not np and self.loss_fn is softmax_cross_entropy and self.member_losses is None:
             if logits.dtype != xp.float64:

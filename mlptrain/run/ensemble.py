@@ -93,8 +93,16 @@ class EnsembleTrainer(Trainer):
 
     def step_metrics(self, loss: Any, correct: Any, rows: int) -> tuple[Any, Any]:
         """Each member's loss and count summed for the epoch (on the device); the step log gets the members' mean
-        loss and their mean count, rounded to a whole row (each member's exact count is in ``member<k>/``)."""
-        self.member_loss += loss * rows  # (on the GPU captured with the step, replayed with it)
+        loss and their mean count, rounded to a whole row (each member's exact count is in ``member<k>/``).
+
+        On the GPU one single-thread kernel does it all, ``mlptrain_member_tally``
+        (:func:`mlptrain.nn.cuda.members.tally_members`: captured with the step, replayed with it), where the
+        array operations below, its formula, are a launch each."""
+        if self.backend.is_gpu:
+            from mlptrain.nn.cuda.members import tally_members
+
+            return tally_members(loss, correct, rows, self.member_loss, self.member_correct)
+        self.member_loss += loss * rows
         self.member_correct += correct
         k = self.members
         return loss.mean(), (correct.sum() + k // 2) // k

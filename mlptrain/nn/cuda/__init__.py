@@ -9,6 +9,8 @@ module              what it owns
                     FP8's plans (``fp8_gemm``) and the torch front end's (:mod:`mlptrain.torch.torch_lt`)
 ``streams``         the second stream that the weight gradients run on
 ``losses``          the softmax cross-entropy kernels (the twin of :mod:`mlptrain.nn.losses`)
+``members``         an ensemble's per-member sums: each member's mean loss and count, the step's tally
+                    (the twin of :mod:`mlptrain.nn.members`)
 ``head``            the output layer's input gradient as one small kernel: in the head's ``kernel``
                     mode it replaces the output layer's DRELU_BGRAD GEMM (:mod:`mlptrain.nn.head`)
 ``fp8_gemm``        precision=fp8: FP8 GEMMs with epilogs through the raw cuBLASLt bindings

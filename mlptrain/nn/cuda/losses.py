@@ -13,6 +13,7 @@ import cupy as cp
 import numpy as np
 
 from mlptrain.base.backend import scalar
+from mlptrain.nn.cuda.members import member_means
 
 
 def small_head(batch: int, classes: int) -> bool:
@@ -83,9 +84,10 @@ def member_cross_entropy_gpu(logits: Any, y: Any, grad_scale: Any, inplace: bool
     """An ensemble's loss (:class:`mlptrain.nn.members.MemberHead`): ``logits (K, B, C)`` (fp16/bf16/fp32) against
     ``y (K, B)``, each member's the single model's formulas; returns ``(loss (K,), dlogits (K, B, C), correct (K,))``.
 
-    The K members' ``K * B`` rows are one launch of ``mlptrain_xent_rows`` (a warp a row, ``1 / B`` each member's
-    mean), then one reduction each for the ``(K,)`` losses (float32, the mean of each member's B row losses) and
-    counts, where the same formulas as array operations launch a dozen kernels over ``(K, B, C)`` for any K.
+    Two launches for any K, where the same formulas as array operations launch a dozen kernels over ``(K, B, C)``:
+    the K members' ``K * B`` rows are one launch of ``mlptrain_xent_rows`` (a warp a row, ``1 / B`` each member's
+    mean), then one block sums each member's rows into the ``(K,)`` losses (float32, the mean of the member's B row
+    losses, summed in float64) and counts: ``mlptrain_member_means`` (:func:`mlptrain.nn.cuda.members.member_means`).
     """
     rows, _ = _cupy_xent_kernels()
     k, b, c = logits.shape
@@ -93,8 +95,7 @@ def member_cross_entropy_gpu(logits: Any, y: Any, grad_scale: Any, inplace: bool
     row_loss = cp.empty(k * b, dtype=cp.float32)
     row_ok = cp.empty(k * b, dtype=cp.int32)
     rows(logits, y, scale, c, 1.0 / b, d, row_loss, row_ok, size=k * b * 32, block_size=256)
-    loss = row_loss.reshape(k, b).mean(axis=1)  # (K,) float32
-    correct = row_ok.reshape(k, b).sum(axis=1, dtype=cp.int64)  # (K,)
+    loss, correct = member_means(row_loss, row_ok, k)  # (K,) float32, (K,) int64
     return loss, d, correct
 
 

@@ -1,0 +1,138 @@
+"""An ensemble's per-member sums on the GPU: the GPU half of :mod:`mlptrain.nn.members`, two one-block kernels.
+
+After the loss's row kernel (``mlptrain_xent_rows`` over the ``K * B`` rows of the stacked logits), an ensemble's
+step still has small reductions: each member's mean loss and correct count, the epoch's running sums per member,
+and the two 0-d values the step log records (the members' mean loss and mean count). As CuPy array operations they
+are a dozen launches of tiny kernels (CUB's segmented and single-tile reductions, a divide, casts, adds, a floor
+divide), each costing about as much GPU time in a replayed CUDA graph as the work it does. Here they are two:
+
+1. :func:`member_means` (``mlptrain_member_means``, in the loss): ``(K * B,)`` row losses and flags ->
+   ``loss (K,)`` float32 and ``correct (K,)`` int64. One block of 1024 threads (32 warps); each member gets
+   ``W`` warps (as many as ``K`` leaves: ``W K <= 32``; 1 past 32 members, which then take turns). Each lane sums
+   its member's rows ``lane, lane + 32 W, ...`` in float64, a shuffle tree sums the warp, and the member's first
+   lane adds its ``W`` warps' partials in warp order: a fixed order, so the same bits on every replay, and no
+   atomics. (The single model's ``mlptrain_xent_mean`` sums in float64 too; its order is a 256-thread tree.)
+2. :func:`tally_members` (``mlptrain_member_tally``, in the step's bookkeeping): one thread adds each member's
+   ``loss[k] * rows`` (rounded to the loss's dtype first, as ``loss * rows`` is) and ``correct[k]`` to the epoch's
+   ``(K,)`` sums, and writes the members' mean loss and ``(sum(correct) + K // 2) // K``. It reads the epoch's
+   sums, so it runs once per step (:meth:`mlptrain.run.ensemble.EnsembleTrainer.step_metrics`), never where the
+   forward and backward run alone (a graph's warm-up, the bgrad probe).
+
+Both launch with no host sync and allocate only their outputs, so a CUDA graph captures them; ``rows`` (a host
+int per batch size) is a kernel argument, fixed in each batch shape's graph. The NumPy formulas they follow are
+:meth:`~mlptrain.run.ensemble.EnsembleTrainer.step_metrics`' CPU path and :class:`~mlptrain.nn.members.MemberHead`'s.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import cupy as cp
+
+THREADS = 1024  # one block: 32 warps shared among the members
+
+_MEANS_PREP = r"""
+__shared__ double warp_loss[32];
+__shared__ long long warp_ok[32];
+"""
+
+_MEANS = r"""
+// One block of 1024 threads; this body runs once per thread (i = threadIdx.x).
+const int lane = i & 31, warp = i >> 5;
+int W = 1;  // warps per member: the most that K members leave (a power of two, W K <= 32)
+while (2 * W * K <= 32) W *= 2;
+const int at_once = 32 / W;  // members summed at once
+const int slot = warp / W, part = warp % W;  // this warp's member in the turn, and its share of the rows
+for (long long first = 0; first < K; first += at_once) {
+    const long long k = first + slot;
+    double s = 0.0;
+    long long ok = 0;
+    if (k < K) {  // rows part * 32 + lane, then every 32 W-th: row_loss (K * B,), member k's at k * B
+        for (long long r = part * 32 + lane; r < B; r += 32 * W) {
+            s += (double)row_loss[k * B + r];
+            ok += row_ok[k * B + r];
+        }
+    }
+    for (int off = 16; off > 0; off >>= 1) {  // a fixed shuffle tree: lane 0 holds the warp's sum
+        s += __shfl_down_sync(0xffffffffu, s, off);
+        ok += __shfl_down_sync(0xffffffffu, ok, off);
+    }
+    if (lane == 0) { warp_loss[warp] = s; warp_ok[warp] = ok; }
+    __syncthreads();
+    if (part == 0 && lane == 0 && k < K) {  // the member's W warps, in warp order
+        double total = 0.0;
+        long long n = 0;
+        for (int w = 0; w < W; ++w) { total += warp_loss[warp + w]; n += warp_ok[warp + w]; }
+        loss[k] = (float)(total / (double)B);  // the mean of member k's B row losses
+        correct[k] = n;
+    }
+    __syncthreads();  // warp_loss is read before the next turn writes it
+}
+"""
+
+_TALLY_PREP = r"""
+__device__ float mlptrain_mul_rn(float a, float b) { return __fmul_rn(a, b); }
+__device__ double mlptrain_mul_rn(double a, double b) { return __dmul_rn(a, b); }
+"""
+
+_TALLY = r"""
+// One thread: K is a few dozen at most, and the order is fixed.
+double s = 0.0;
+long long c = 0;
+for (long long k = 0; k < K; ++k) {
+    // loss * rows rounded to L (no fused multiply-add), then added in float64: the CPU's `member_loss += loss * rows`
+    member_loss[k] += (double)mlptrain_mul_rn(loss[k], (L)rows);
+    member_correct[k] += correct[k];
+    s += (double)loss[k];
+    c += correct[k];
+}
+mean_loss[0] = (L)(s / (double)K);
+mean_correct[0] = (c + K / 2) / K;  // the members' mean count, rounded to a whole row (c >= 0)
+"""
+
+
+@functools.cache
+def _kernels() -> tuple[Any, Any]:
+    means = cp.ElementwiseKernel(
+        "raw float32 row_loss, raw int32 row_ok, int64 K, int64 B",
+        "raw float32 loss, raw int64 correct",
+        _MEANS,
+        "mlptrain_member_means",
+        loop_prep=_MEANS_PREP,
+        no_return=True,
+        options=("--maxrregcount=64",),  # 1024 threads leave 64 registers each (CuPy sets no launch bounds)
+    )
+    tally = cp.ElementwiseKernel(
+        "raw L loss, raw int64 correct, int64 K, int64 rows",
+        "raw float64 member_loss, raw int64 member_correct, raw L mean_loss, raw int64 mean_correct",
+        _TALLY,
+        "mlptrain_member_tally",
+        preamble=_TALLY_PREP,
+        no_return=True,
+    )
+    return means, tally
+
+
+def member_means(row_loss: Any, row_ok: Any, members: int) -> tuple[Any, Any]:
+    """``(loss (K,) float32, correct (K,) int64)`` of ``row_loss (K * B,)`` float32 and ``row_ok (K * B,)`` int32
+    (member ``k``'s rows at ``k * B``): each member's mean row loss and its count, in one launch (see the module
+    docstring for the order of the sums)."""
+    means, _ = _kernels()
+    b = row_loss.size // members
+    loss = cp.empty(members, dtype=cp.float32)
+    correct = cp.empty(members, dtype=cp.int64)
+    means(row_loss, row_ok, members, b, loss, correct, size=THREADS, block_size=THREADS)
+    return loss, correct
+
+
+def tally_members(loss: Any, correct: Any, rows: int, member_loss: Any, member_correct: Any) -> tuple[Any, Any]:
+    """Add one step to the epoch's sums, in one launch: ``member_loss[k] += loss[k] * rows`` (float64, the product in
+    ``loss``'s dtype) and ``member_correct[k] += correct[k]``; returns the 0-d ``(mean loss, mean count)`` the step log
+    records: the members' mean loss (``loss``'s dtype: float32, or float64) and ``(sum(correct) + K // 2) // K``."""
+    _, tally = _kernels()
+    mean_loss = cp.empty((), dtype=loss.dtype)
+    mean_correct = cp.empty((), dtype=cp.int64)
+    k, correct = loss.shape[0], correct.astype(cp.int64, copy=False)  # (a copy only if a loss counted in int32)
+    tally(loss, correct, k, int(rows), member_loss, member_correct, mean_loss, mean_correct, size=1, block_size=32)
+    return mean_loss, mean_correct

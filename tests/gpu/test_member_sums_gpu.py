@@ -1,0 +1,112 @@
+"""An ensemble's per-member sums on the GPU (mlptrain/nn/cuda/members.py): the members' mean row losses and counts
+in one block, and the step's tally (the epoch's per-member sums, the step log's two means) in one thread, against
+NumPy's formulas; the same bits on every launch; the tally captured in a CUDA graph adds once per replay. Written on
+a CPU machine: the GPU issue runs it."""
+
+from typing import Any
+
+import numpy as np
+import pytest
+from gpu_helpers import HAS_GPU, cp
+
+pytestmark = pytest.mark.gpu
+
+if HAS_GPU:
+    from mlptrain.nn.cuda.members import member_means, tally_members
+
+# B below, at and above a warp's 32 rows and the 32 W rows a turn takes, none a multiple of the block's 1024
+ROWS = [1, 37, 1000, 2049]
+
+
+def rows_of(rng: np.random.Generator, k: int, b: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(row_loss (K * B,) float32, row_ok (K * B,) int32)``: each member's losses around its own level (a member
+    summed with another's rows, or divided by another B, gets another mean)."""
+    level = np.repeat(np.arange(1, k + 1, dtype=np.float64), b)
+    row_loss = (level * rng.uniform(0.5, 1.5, k * b)).astype(np.float32)
+    return row_loss, (rng.uniform(size=k * b) < 0.3 + 0.4 * rng.uniform()).astype(np.int32)
+
+
+@pytest.mark.parametrize("b", ROWS)
+@pytest.mark.parametrize("k", [1, 3, 32, 45])
+def test_the_members_means_are_each_members_mean_and_count(k: int, b: int) -> None:
+    row_loss, row_ok = rows_of(np.random.default_rng(k * 10_000 + b), k, b)
+    loss, correct = member_means(cp.asarray(row_loss), cp.asarray(row_ok), k)
+    assert loss.shape == correct.shape == (k,) and loss.dtype == np.float32 and correct.dtype == np.int64
+    want = (row_loss.astype(np.float64).reshape(k, b).sum(axis=1) / b).astype(np.float32)  # float64 sums, as the kernel
+    np.testing.assert_allclose(cp.asnumpy(loss), want, rtol=2e-7)  # the order of a float64 sum: under 1 ulp of fp32
+    np.testing.assert_array_equal(cp.asnumpy(correct), row_ok.reshape(k, b).sum(axis=1))
+
+
+def test_the_members_means_are_the_same_bits_on_every_launch() -> None:
+    k, b = 5, 3001
+    row_loss, row_ok = rows_of(np.random.default_rng(1), k, b)
+    on = cp.asarray(row_loss), cp.asarray(row_ok)
+    first = cp.asnumpy(member_means(*on, k)[0])
+    for _ in range(5):
+        np.testing.assert_array_equal(cp.asnumpy(member_means(*on, k)[0]).view(np.uint32), first.view(np.uint32))
+
+
+def tally_reference(loss: np.ndarray, correct: np.ndarray, rows: int, sums: tuple) -> tuple:
+    """The CPU's :meth:`EnsembleTrainer.step_metrics`: ``member_loss += loss * rows`` (the product in ``loss``'s
+    dtype), ``member_correct += correct``; the members' mean loss and mean count rounded to a whole row."""
+    k = len(loss)
+    member_loss = sums[0] + (loss * loss.dtype.type(rows)).astype(np.float64)
+    member_correct = sums[1] + correct
+    mean_loss = loss.dtype.type(loss.astype(np.float64).sum() / k)
+    return member_loss, member_correct, mean_loss, (correct.sum() + k // 2) // k
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("k", [1, 3, 32])
+def test_the_tally_adds_each_members_sums_and_gives_the_step_logs_means(k: int, dtype: Any) -> None:
+    rng = np.random.default_rng(k)
+    sums = (rng.uniform(0, 1e3, k), rng.integers(0, 10_000, k))
+    on_device = cp.asarray(sums[0]), cp.asarray(sums[1])
+    for rows in (37, 1000, 37):  # three steps, the epoch's sums growing; the short batch again
+        loss, correct = rng.uniform(0.01, 3.0, k).astype(dtype), rng.integers(0, rows + 1, k)
+        mean_loss, mean_correct = tally_members(cp.asarray(loss), cp.asarray(correct), rows, *on_device)
+        member_loss, member_correct, want_loss, want_correct = tally_reference(loss, correct, rows, sums)
+        sums = (member_loss, member_correct)
+        np.testing.assert_array_equal(cp.asnumpy(on_device[0]), sums[0])  # bit for bit: the same two roundings
+        np.testing.assert_array_equal(cp.asnumpy(on_device[1]), sums[1])
+        assert mean_loss.shape == mean_correct.shape == () and mean_loss.dtype == dtype
+        rtol = 2.4e-7 if dtype is np.float32 else 1e-13  # fp32: a float64 sum rounded (1 ulp); fp64: the sum's order
+        np.testing.assert_allclose(float(mean_loss), float(want_loss), rtol=rtol)
+        assert int(mean_correct) == int(want_correct)
+
+
+def test_the_tally_in_a_cuda_graph_adds_once_per_replay() -> None:
+    from mlptrain.base.cuda.timing import capture_graph
+
+    k, rows = 4, 256
+    loss = cp.asarray(np.array([0.5, 1.25, 2.0, 0.125], np.float32))
+    correct = cp.asarray(np.array([100, 7, 0, 256], np.int64))
+    member_loss, member_correct = cp.zeros(k, cp.float64), cp.zeros(k, cp.int64)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        tally_members(loss, correct, rows, cp.zeros(k, cp.float64), cp.zeros(k, cp.int64))  # the pool's blocks, once
+        graph, means = capture_graph(lambda: tally_members(loss, correct, rows, member_loss, member_correct), stream)
+        assert not member_loss.any()  # captured, not run
+        for _ in range(3):
+            graph.launch(stream)
+        stream.synchronize()
+    np.testing.assert_array_equal(cp.asnumpy(member_loss), 3 * rows * np.array([0.5, 1.25, 2.0, 0.125]))
+    np.testing.assert_array_equal(cp.asnumpy(member_correct), [300, 21, 0, 768])
+    assert float(means[0]) == np.float32((0.5 + 1.25 + 2.0 + 0.125) / 4) and int(means[1]) == (363 + 2) // 4
+
+
+@pytest.mark.parametrize("k", [1, 3, 32])
+def test_the_members_loss_is_each_members_numpy_loss(k: int) -> None:
+    """The row kernel over the K * B rows, then the members' means: member k's loss and count are its own."""
+    from mlptrain.nn.cuda.losses import member_cross_entropy_gpu
+    from mlptrain.nn.losses import softmax_cross_entropy
+
+    rng = np.random.default_rng(k + 100)
+    b, c = 37, 10
+    logits = (3 * rng.standard_normal((k, b, c))).astype(np.float32)
+    y = rng.integers(0, c, (k, b))
+    loss, _, correct = member_cross_entropy_gpu(cp.asarray(logits), cp.asarray(y), cp.asarray(1.0))
+    for m in range(k):
+        want_loss, _, want_correct = softmax_cross_entropy(logits[m].astype(np.float64), y[m], 1.0)
+        np.testing.assert_allclose(float(loss[m]), float(want_loss), rtol=1e-5, err_msg=f"member {m}")
+        assert int(correct[m]) == int(want_correct), m
