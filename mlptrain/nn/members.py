@@ -16,11 +16,13 @@ regression.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
 
 from mlptrain.base.backend import get_array_module
+from mlptrain.base.cuda_source import Job
 from mlptrain.nn.head import OutputHead
 from mlptrain.nn.losses import softmax_cross_entropy
 from mlptrain.nn.network import MLP, HeadGrads
@@ -67,6 +69,29 @@ class MemberHead(OutputHead):
     def evaluate(self, logits: Any, y: Any) -> tuple[Any, Any]:
         """The ``(loss, correct)`` of one set of ``logits (B, C)`` (a member's, or :func:`ensemble_logits`)."""
         return super().evaluate(logits, y)
+
+    def precompile_jobs(self, model: MLP, dtype: Any, batches: list[tuple[int, Any, bool]], scale: Any) -> list[Job]:
+        """The kernels of :meth:`evaluate` (the single head's, on one member's ``(B, C)`` logits) and of :meth:`grads`
+        over the members' stacked ``(K, B, C)`` logits, compiled ahead by the very calls on zeros (``batches``:
+        :meth:`OutputHead.precompile_jobs`)."""
+        jobs = super().precompile_jobs(model, dtype, [b for b in batches if not b[2]], scale)
+        train = [(r, y_like) for r, y_like, training in batches if training]
+        if train:
+            k, outputs, dtype = model.members, model.widths[-1], np.dtype(dtype)
+            sizes = ", ".join(str(r) for r, _ in train)
+            run = functools.partial(self._compile_grads, model, dtype, train, scale)
+            name = f"{self.loss_name} of {k} members' {dtype.name} logits, {outputs} outputs, batches of {sizes} rows"
+            jobs.append(Job(name, "loss", run, scratch=k * max(r for r, _ in train) * outputs * 16))
+        return jobs
+
+    def _compile_grads(self, model: MLP, dtype: Any, train: list[tuple[int, Any]], scale: Any) -> None:
+        """:meth:`grads` as the training step calls it (in place) on zero logits ``(K, rows, C)`` of each batch size."""
+        xp = get_array_module(scale)
+        scale = xp.zeros_like(scale)
+        k, outputs = model.members, model.widths[-1]
+        for r, y_like in train:
+            logits, y = xp.zeros((k, r, outputs), dtype), xp.zeros((k, r, *y_like.shape[1:]), y_like.dtype)
+            self.grads(model, logits, y, scale, inplace=True)
 
 
 def stacked_cross_entropy(logits: Any, y: Any, grad_scale: Any = 1.0, *, inplace: bool = False) -> tuple:

@@ -72,10 +72,17 @@ class EnsembleTrainer(Trainer):
         self.optimizer.members = MemberSettings(self.xp, cfg.optimizer.lr, self.member_lr, self.member_decay)
 
     def precompile_jobs(self) -> list[Job]:
-        """The step's kernels compiled ahead, the update in its per-member form: the trainer submits them as soon
-        as its parts are built, so the member settings are made here first."""
+        """The step's kernels compiled ahead, the update in its per-member form (the trainer submits them as soon
+        as its parts are built, so the member settings are made here first), and the members' tally of
+        :meth:`step_metrics` on the GPU."""
         self._set_members(self.cfg)
-        return super().precompile_jobs()
+        jobs = super().precompile_jobs()
+        if self.backend.is_gpu:
+            from mlptrain.nn.cuda.members import tally_job
+
+            loss_dtype = np.float64 if np.dtype(self.precision.compute_dtype) == np.float64 else np.float32
+            jobs.append(tally_job(self.members, loss_dtype, self.train_loader.row_counts()[0]))
+        return jobs
 
     def step(self, x: Any, y: Any) -> tuple[Any, Any]:
         """One step of every member; with per-member rates on the CPU, each member's rate of this step is its single

@@ -110,3 +110,28 @@ def test_the_members_loss_is_each_members_numpy_loss(k: int) -> None:
         want_loss, _, want_correct = softmax_cross_entropy(logits[m].astype(np.float64), y[m], 1.0)
         np.testing.assert_allclose(float(loss[m]), float(want_loss), rtol=1e-5, err_msg=f"member {m}")
         assert int(correct[m]) == int(want_correct), m
+
+
+def test_a_cold_ensemble_run_compiles_the_members_kernels_ahead(tmp_path: Any) -> None:
+    """From an empty kernel cache, an ensemble's loss kernels and tally compile on the precompile threads, none at
+    its first launch on the main thread (the single model's cold run: tests/gpu/test_precompile_gpu.py)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from test_precompile_gpu import COLD_RUN, REPO
+
+    script = COLD_RUN.replace("cfg.epochs = 2\n", "cfg.epochs = 2\ncfg.ensemble.size = 4\n")
+    assert script != COLD_RUN
+    env = {**os.environ, "CUPY_CACHE_DIR": str(tmp_path / "cupy"), "MLPTRAIN_DATA": str(tmp_path / "mlptrain")}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
+    cmd = [sys.executable, "-c", script, "fp32", str(tmp_path / "run")]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    if "NO-SPY" in proc.stdout:
+        pytest.skip("this CuPy compiles through another function than _compile_using_nvrtc_no_warning")
+    compiles = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("COMPILES "))[9:])
+    where = {k: c["thread"] for c in compiles for k in c["kernels"]}
+    members = ("mlptrain_xent_rows", "mlptrain_member_means", "mlptrain_member_tally")
+    assert all(where.get(k, "").startswith("mlptrain-precompile") for k in members), where

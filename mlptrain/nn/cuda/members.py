@@ -29,6 +29,9 @@ import functools
 from typing import Any
 
 import cupy as cp
+import numpy as np
+
+from mlptrain.base.cuda_source import Job
 
 THREADS = 1024  # one block: 32 warps shared among the members
 
@@ -136,3 +139,13 @@ def tally_members(loss: Any, correct: Any, rows: int, member_loss: Any, member_c
     k, correct = loss.shape[0], correct.astype(cp.int64, copy=False)  # (a copy only if a loss counted in int32)
     tally(loss, correct, k, int(rows), member_loss, member_correct, mean_loss, mean_correct, size=1, block_size=32)
     return mean_loss, mean_correct
+
+
+def tally_job(members: int, loss_dtype: Any, rows: int) -> Job:
+    """:func:`tally_members` compiled ahead (stage ``update``): the very call on zeros of ``members`` members."""
+
+    def run() -> None:
+        zeros = functools.partial(cp.zeros, members)
+        tally_members(zeros(dtype=loss_dtype), zeros(dtype=cp.int64), rows, zeros(cp.float64), zeros(cp.int64))
+
+    return Job(f"mlptrain_member_tally ({members} members, {np.dtype(loss_dtype).name} loss)", "update", run)
