@@ -30,8 +30,9 @@ C_TYPES = {"float32": "float", "float64": "double", "int64": "long long"}
 
 
 class HostKernel:
-    """Stands in for ``cupy.ElementwiseKernel`` of a one-thread kernel: a call compiles its source as C++ (once per
-    dtype of ``L``) and runs it on the arrays given, in place."""
+    """Stands in for ``cupy.ElementwiseKernel``: a call compiles its source as C++ (once per dtype of ``L``) and runs
+    it on the arrays given, in place, its ``size`` threads one after another (the tally's threads share no memory
+    they write: member ``i``'s sums are thread ``i``'s, the means read only the inputs)."""
 
     def __init__(self, in_params: str, out_params: str, operation: str, name: str, *, tmp: Path, **kw: Any) -> None:
         self.params = [p.split() for p in f"{in_params}, {out_params}".split(",")]
@@ -39,10 +40,9 @@ class HostKernel:
         self.built: dict[str, Any] = {}
 
     def __call__(self, *args: Any, size: int, block_size: int) -> None:
-        assert size == 1, "a one-thread kernel"
         arrays = [np.asarray(a) if isinstance(a, np.ndarray) else np.array(a, np.int64) for a in args]
         lib = self.build(str(arrays[0].dtype))
-        lib.run((ctypes.c_void_p * len(arrays))(*[a.ctypes.data for a in arrays]))
+        lib.run((ctypes.c_void_p * len(arrays))(*[a.ctypes.data for a in arrays]), ctypes.c_longlong(size))
 
     def build(self, loss_dtype: str) -> Any:
         if loss_dtype not in self.built:
@@ -58,8 +58,8 @@ class HostKernel:
                 "static float __fmul_rn(float a, float b) { return a * b; }\n"
                 "static double __dmul_rn(double a, double b) { return a * b; }\n"
                 f"typedef {C_TYPES[loss_dtype]} L;\n{self.preamble}\n"
-                'extern "C" void run(void** a) {\n' + "\n".join(lines) + "\n"
-                f"for (ptrdiff_t i = 0; i < 1; ++i) {{\n{self.operation}\n}}\n}}\n"
+                'extern "C" void run(void** a, long long n) {\n' + "\n".join(lines) + "\n"
+                f"for (ptrdiff_t i = 0; i < n; ++i) {{\n{self.operation}\n}}\n}}\n"
             )
             cpp, so = self.tmp / f"tally_{loss_dtype}.cpp", self.tmp / f"tally_{loss_dtype}.so"
             cpp.write_text(src)

@@ -102,7 +102,7 @@ class EnsembleTrainer(Trainer):
         """Each member's loss and count summed for the epoch (on the device); the step log gets the members' mean
         loss and their mean count, rounded to a whole row (each member's exact count is in ``member<k>/``).
 
-        On the GPU one single-thread kernel does it all, ``mlptrain_member_tally``
+        On the GPU one kernel of K threads does it all, ``mlptrain_member_tally``
         (:func:`mlptrain.nn.cuda.members.tally_members`: captured with the step, replayed with it), where the
         array operations below, its formula, are a launch each."""
         if self.backend.is_gpu:

@@ -12,9 +12,9 @@ divide), each costing about as much GPU time in a replayed CUDA graph as the wor
    its member's rows ``lane, lane + 32 W, ...`` in float64, a shuffle tree sums the warp, and the member's first
    lane adds its ``W`` warps' partials in warp order: a fixed order, so the same bits on every replay, and no
    atomics. (The single model's ``mlptrain_xent_mean`` sums in float64 too; its order is a 256-thread tree.)
-2. :func:`tally_members` (``mlptrain_member_tally``, in the step's bookkeeping): one thread adds each member's
+2. :func:`tally_members` (``mlptrain_member_tally``, in the step's bookkeeping): thread ``k`` adds member ``k``'s
    ``loss[k] * rows`` (rounded to the loss's dtype first, as ``loss * rows`` is) and ``correct[k]`` to the epoch's
-   ``(K,)`` sums, and writes the members' mean loss and ``(sum(correct) + K // 2) // K``. It reads the epoch's
+   ``(K,)`` sums, and thread 0 writes the members' mean loss and ``(sum(correct) + K // 2) // K``. It reads the epoch's
    sums, so it runs once per step (:meth:`mlptrain.run.ensemble.EnsembleTrainer.step_metrics`), never where the
    forward and backward run alone (a graph's warm-up, the bgrad probe).
 
@@ -80,18 +80,22 @@ __device__ double mlptrain_mul_rn(double a, double b) { return __dmul_rn(a, b); 
 """
 
 _TALLY = r"""
-// One thread: K is a few dozen at most, and the order is fixed.
-double s = 0.0;
-long long c = 0;
-for (long long k = 0; k < K; ++k) {
+// K threads, thread i member i's sums (independent: no thread waits on another's memory), and thread 0 the means.
+if (i < K) {
     // loss * rows rounded to L (no fused multiply-add), then added in float64: the CPU's `member_loss += loss * rows`
-    member_loss[k] += (double)mlptrain_mul_rn(loss[k], (L)rows);
-    member_correct[k] += correct[k];
-    s += (double)loss[k];
-    c += correct[k];
+    member_loss[i] += (double)mlptrain_mul_rn(loss[i], (L)rows);
+    member_correct[i] += correct[i];
 }
-mean_loss[0] = (L)(s / (double)K);
-mean_correct[0] = (c + K / 2) / K;  // the members' mean count, rounded to a whole row (c >= 0)
+if (i == 0) {  // the means read only the inputs: loads without stores between them, which the compiler can batch
+    double s = 0.0;
+    long long c = 0;
+    for (long long k = 0; k < K; ++k) {
+        s += (double)loss[k];
+        c += correct[k];
+    }
+    mean_loss[0] = (L)(s / (double)K);
+    mean_correct[0] = (c + K / 2) / K;  // the members' mean count, rounded to a whole row (c >= 0)
+}
 """
 
 
@@ -137,7 +141,7 @@ def tally_members(loss: Any, correct: Any, rows: int, member_loss: Any, member_c
     mean_loss = cp.empty((), dtype=loss.dtype)
     mean_correct = cp.empty((), dtype=cp.int64)
     k, correct = loss.shape[0], correct.astype(cp.int64, copy=False)  # (a copy only if a loss counted in int32)
-    tally(loss, correct, k, int(rows), member_loss, member_correct, mean_loss, mean_correct, size=1, block_size=32)
+    tally(loss, correct, k, int(rows), member_loss, member_correct, mean_loss, mean_correct, size=k, block_size=32)
     return mean_loss, mean_correct
 
 
