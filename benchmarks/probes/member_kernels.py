@@ -79,18 +79,46 @@ def measure(tr) -> tuple[float, list[tuple[str, float]]]:
         return median(cuda_time_ms(step, warmup=2, reps=20, chain=CHAIN)), profile_kernels(step, 10)
 
 
+def update_bytes(tr) -> int:
+    """Bytes the optimizer's update moves a step: each parameter's master and state read and written, its gradient
+    read, its compute copy (if kept) written."""
+    total = 0
+    for p in tr.model.params:
+        state = sum(a.nbytes for a in tr.optimizer.state[p.name].values())
+        copy = p.compute.nbytes if p.has_compute_copy else 0
+        total += 2 * (p.value.nbytes + state) + p.grad.nbytes + copy
+    return total
+
+
+def copy_tb_s(nbytes: int = 256 * 2**20) -> float:
+    """A device-to-device copy's rate (bytes read plus written per second, in TB/s): the memory's practical peak."""
+    import cupy as cp
+
+    from mlptrain.base.cuda.timing import cuda_time_ms
+    from mlptrain.tools.bench.medians import median
+
+    src, dst = cp.ones(nbytes // 4, dtype=cp.float32), cp.empty(nbytes // 4, dtype=cp.float32)
+    ms = median(cuda_time_ms(lambda: cp.copyto(dst, src), warmup=3, reps=20))
+    return 2 * nbytes / (ms * 1e-3) / 1e12
+
+
 def main() -> int:
     import cupy as cp
 
-    out = {}
+    out: dict = {"copy_tb_s": copy_tb_s()}
+    print(f"== a device copy of 256 MiB: {out['copy_tb_s']:.2f} TB/s (read + written)")
     for case, (features, hidden, classes, k) in CASES.items():
         for members in (1, k):
             for graph in (True, False):
-                ms, kernels = measure(trainer(features, hidden, classes, members, graph, sys.argv[1:]))
+                tr = trainer(features, hidden, classes, members, graph, sys.argv[1:])
+                ms, kernels = measure(tr)
                 key = f"{case}-K{members}-{'graph' if graph else 'eager'}"
                 total = sum(us for _, us in kernels)
-                out[key] = {"step_ms": ms, "gpu_us_total": total, "kernels_us": kernels}
+                moved = update_bytes(tr)
+                update_us = sum(us for name, us in kernels if name.startswith("mlptrain_") and "_step" in name)
+                out[key] = {"step_ms": ms, "gpu_us_total": total, "kernels_us": kernels, "update_bytes": moved}
                 print(f"== {key}: step {ms:.4f} ms, kernel GPU time {total:.1f} us/step, {len(kernels)} kernels")
+                print(f"   the update moves {moved / 1e6:.1f} MB: {moved / (update_us * 1e-6) / 1e12:.2f} TB/s")
                 for name, us in kernels[:25]:
                     print(f"   {us:8.2f}  {name[:110]}")
                 cp.get_default_memory_pool().free_all_blocks()
