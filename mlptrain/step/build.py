@@ -124,8 +124,8 @@ def trainer(
     runtime.wait("setup")  # from here on: the parameters' cast (resuming: CuPy's fill)
     run_seeds = member_seeds or [cfg.seed + k for k in range(members)]  # (sklearn's cross_val_predict: one seed)
     net = model(cfg.model, sizes, ex, backend, prec, [seeds(s)[0] for s in run_seeds], data)
-    two_streams = wgrad_stream(cfg.execution, sizes, cfg.data.batch_size, comm is not None)
-    runtime.wgrad_stream(net, two_streams and members == 1)  # GPU: dW GEMMs concurrent with the dX chain
+    two_streams = wgrad_stream(cfg.execution, sizes, cfg.data.batch_size * members, comm is not None)  # every member's
+    runtime.wgrad_stream(net, two_streams)  # GPU: dW GEMMs concurrent with the dX chain
     out = head(cfg, backend, sizes) if members == 1 else MemberHead(cfg.model.loss)
     if (units := data.target_units()) is not None:  # standardised targets (mse): losses in their units
         out.loss_fn = mse_in_units(xp.asarray(units))
