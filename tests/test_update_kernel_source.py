@@ -5,7 +5,9 @@ kernel object only records its source), the source is compiled by the host's C++
 placeholders as ``float``, and its loops run for every thread index in turn on the very arrays of a second
 optimizer. What this checks: the source compiles (every name it reads is declared), each element's member comes
 from the stacked layout, and the arithmetic is the CPU's (:meth:`Optimizer._update_members` for an ensemble's
-per-member settings, one model's update otherwise). The CUDA-only part (the last block's epilogue: the step count,
+per-member settings, one model's update otherwise), bit for bit, with the state in the master dtype or in bfloat16
+(``optimizer.state_dtype``: ``S`` stands for CuPy's ``bfloat16``, a 16-bit struct that rounds a float to nearest even
+as ``__float2bfloat16`` does and widens exactly). The CUDA-only part (the last block's epilogue: the step count,
 the step log's tail) is not run; ``t`` is advanced by hand. tests/gpu/test_members_gpu.py runs the kernel itself.
 """
 
@@ -33,7 +35,20 @@ pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs a C++
 
 K = 3
 SHAPES = [(K, 7, 5), (K, 7), (K, 1, 4), (K, 1)]
-C_TYPES = {"float64": "double", "int32": "int", "P": "P", "G": "G", "C": "C"}
+C_TYPES = {"float64": "double", "int32": "int", "P": "P", "G": "G", "C": "C", "S": "S"}
+# CuPy's bfloat16 as the kernel uses it: made from a float (round to nearest even; a NaN stays a quiet NaN), read as
+# a float (exact)
+BFLOAT16 = """
+struct S {
+    unsigned short bits;
+    S(float f) {
+        unsigned int u; std::memcpy(&u, &f, 4);
+        bits = (u & 0x7FFFFFFFu) > 0x7F800000u ? (unsigned short)((u >> 16) | 0x40u)
+                                                : (unsigned short)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    }
+    operator float() const { unsigned int u = (unsigned int)bits << 16; float f; std::memcpy(&f, &u, 4); return f; }
+};
+"""
 
 
 class SourceOnly:
@@ -67,24 +82,42 @@ def compiled(kernel: Any, tmp_path: Path) -> tuple[Any, list[str]]:
     params = [p.split() for p in src_kernel.params.split(",")]
     declared = [f"{C_TYPES[t]}* {n} = ({C_TYPES[t]}*)a[{i}];" for i, (_, t, n) in enumerate(params)]
     src = (
-        "#include <cmath>\n#include <cstddef>\nusing std::sqrt; using std::pow;\n"
+        "#include <cmath>\n#include <cstddef>\n#include <cstring>\nusing std::sqrt; using std::pow;\n"
         "typedef float P; typedef float G; typedef float C;\n"
-        'extern "C" void run(void** a) {\n' + "\n".join(declared) + "\n"
+        + BFLOAT16
+        + 'extern "C" void run(void** a) {\n'
+        + "\n".join(declared)
+        + "\n"
         f"for (ptrdiff_t i = 0; i < {kernel.threads}; ++i) {{\n{src_kernel.loop_prep}\n{src_kernel.operation}\n}}\n}}\n"
     )
     cpp, so = tmp_path / "kernel.cpp", tmp_path / "kernel.so"
     cpp.write_text(src)
-    subprocess.run(["g++", "-O1", "-shared", "-fPIC", "-o", str(so), str(cpp)], check=True, capture_output=True)
+    # (-ffp-contract=off: one rounding per operation, as NumPy's; no a * b + c fused where the CPU has an FMA)
+    cmd = ["g++", "-O1", "-ffp-contract=off", "-shared", "-fPIC", "-o", str(so), str(cpp)]
+    subprocess.run(cmd, check=True, capture_output=True)
     return ctypes.CDLL(str(so)), [n for _, _, n in params]
 
 
 @pytest.mark.parametrize(
-    ("name", "per_member"),
-    [("sgd", True), ("nesterov", True), ("adam", True), ("adamw", True), ("nesterov", False), ("adamw", False)],
+    ("name", "per_member", "state_dtype"),
+    [
+        ("sgd", True, None),
+        ("nesterov", True, None),
+        ("adam", True, None),
+        ("adamw", True, None),
+        ("nesterov", False, None),
+        ("adamw", False, None),
+        ("sgd", False, "bfloat16"),
+        ("nesterov", True, "bfloat16"),
+        ("adam", False, "bfloat16"),
+        ("adamw", True, "bfloat16"),
+    ],
 )
-def test_the_kernels_source_updates_as_the_cpu_does(name: str, per_member: bool, kernel_class, tmp_path: Path) -> None:
+def test_the_kernels_source_updates_as_the_cpu_does(
+    name: str, per_member: bool, state_dtype: str | None, kernel_class, tmp_path: Path
+) -> None:
     cfg = OptimizerConfig(name="sgd" if name == "nesterov" else name, lr=0.01, momentum=0.9, weight_decay=0.5)
-    cfg.nesterov = name == "nesterov"
+    cfg.nesterov, cfg.state_dtype = name == "nesterov", state_dtype
     rng = np.random.default_rng(2)
     start = [rng.standard_normal(s).astype(np.float32) for s in SHAPES]
     cpu, ker = ([Param(f"w{i}", w.copy(), np.float32) for i, w in enumerate(start)] for _ in range(2))
@@ -115,7 +148,13 @@ def test_the_kernels_source_updates_as_the_cpu_does(name: str, per_member: bool,
         lib.run((ctypes.c_void_p * len(args))(*[a.ctypes.data for a in args]))
         ok.t += 1.0  # (the epilogue's)
     for p, q, w in zip(cpu, ker, start, strict=True):
-        np.testing.assert_allclose(q.value, p.value, rtol=2e-6, atol=1e-7, err_msg=p.name)
+        np.testing.assert_array_equal(q.value, p.value, err_msg=p.name)  # bit for bit: the same float operations
         for s in ok.state_names:
-            np.testing.assert_allclose(ok.state[q.name][s], oc.state[p.name][s], rtol=2e-6, atol=1e-7)
+            kernel_state, cpu_state = ok.state[q.name][s], oc.state[p.name][s]
+            assert kernel_state.dtype == cpu_state.dtype == np.dtype(state_dtype or np.float32)
+            np.testing.assert_array_equal(
+                kernel_state.view(np.uint16 if state_dtype else np.uint32),
+                cpu_state.view(np.uint16 if state_dtype else np.uint32),
+                err_msg=f"{p.name}/{s}",
+            )
         assert not np.array_equal(q.value[0], w[0])  # (it trained)

@@ -8,7 +8,7 @@ with the best validation accuracy), an uncompressed NumPy zip that is read with
 entry                     contents
 ========================= ============================================================
 ``param/<name>``          master copy of each parameter (``layer0.weight`` ...), param dtype
-``optim/<name>/<state>``  optimizer state (``momentum``, ``exp_avg``, ``exp_avg_sq``)
+``optim/<name>/<state>``  optimizer state (``momentum``, ``exp_avg``, ``exp_avg_sq``), its dtype (bfloat16 as uint16)
 ``optim/t``               the optimizer's count of applied updates, float64, 0-d
 ``data/shift``, ``scale`` the normalisation of the raw features (``(x - shift) / scale``), float64
 ``data/quantiles``        ``data.normalize=quantile``: ``(Q, K)`` float64 training quantiles of the columns
@@ -165,6 +165,10 @@ META_SCHEMA: dict[str, Any] = {
     "execution": _STR,
     "bgrad": [_STR],
     "optimizer": _STR,
+    "optimizer_state_dtype": (
+        _STR,
+        None,
+    ),  # the state's dtype (bfloat16: as uint16 bits); absent before it: param_dtype
     "scaler": (_SCALER, None),
     "rng": {"seed": _INT, "data_seed": _INT},
     "members": _INT,  # an ensemble's member count (ensemble.size); absent in one model's checkpoint: 1
@@ -219,6 +223,8 @@ def check_meta(meta: Any, path: Path) -> None:
         meta = {**meta, "members": 1}
     if isinstance(meta, dict) and "folds" not in meta:  # no cross-validation, or a checkpoint before folds' bests
         meta = {**meta, "folds": None}
+    if isinstance(meta, dict) and "optimizer_state_dtype" not in meta:  # a checkpoint before optimizer.state_dtype
+        meta = {**meta, "optimizer_state_dtype": None}
     if isinstance(meta, dict) and "embedding" not in meta:  # no embeddings (and every checkpoint before them)
         meta = {**meta, "embedding": None}
     problem = _type_problem(meta, META_SCHEMA, "meta")

@@ -22,6 +22,7 @@ from dataclasses import fields, is_dataclass
 from typing import Any
 
 from mlptrain.base.errors import ConfigError
+from mlptrain.base.optim_state import state_dtype_problem
 from mlptrain.base.registry import joined
 from mlptrain.config.keys import suggest
 from mlptrain.config.schema import DataConfig, OptimizerConfig, TrainConfig, ensemble_members, flatten, to_plain
@@ -298,6 +299,7 @@ def _ranges(cfg: TrainConfig) -> list[str]:
         (_target_ok(d.target), f"data.target={d.target!r} must be a column name or a list of column names"),
         (o.warmup_steps >= 0, f"optimizer.warmup_steps={o.warmup_steps} must be >= 0"),
         (0.0 <= o.min_lr_ratio <= 1.0, f"optimizer.min_lr_ratio={o.min_lr_ratio} must be in [0, 1]"),
+        (state_dtype_problem(o.state_dtype) is None, str(state_dtype_problem(o.state_dtype))),
         (0 <= cfg.seed < SEEDS, f"seed={cfg.seed} must be an integer in [0, 2**32)"),
         (cfg.epochs >= 1, f"epochs={cfg.epochs} must be a positive integer"),
         (

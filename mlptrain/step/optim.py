@@ -29,6 +29,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from mlptrain.base import optim_state
 from mlptrain.base.backend import get_array_module, scalar
 from mlptrain.base.cuda_source import KernelTail, c_literal
 from mlptrain.base.errors import ConfigError
@@ -48,7 +49,7 @@ class OptimizerSpec:
 
     def build(self, cfg: Any, params: list[Param]) -> Optimizer:
         """The optimizer of ``cfg`` (an ``OptimizerConfig``) over ``params``."""
-        return self.cls.from_config(cfg, params, **self.options)
+        return self.cls.from_config(cfg, params, **self.options).set_state_dtype(getattr(cfg, "state_dtype", None))
 
 
 OPTIMIZERS: Registry[OptimizerSpec] = Registry("optimizer.name")
@@ -89,8 +90,9 @@ class Optimizer:
 
     state_names: tuple[str, ...] = ()
     # optimizer.<key> -> its range (None: any value), read by every optimizer / by this one
-    COMMON: ClassVar[dict[str, Range | None]] = {"lr": POSITIVE, "weight_decay": NON_NEGATIVE}
+    COMMON: ClassVar[dict[str, Range | None]] = {"lr": POSITIVE, "weight_decay": NON_NEGATIVE, "state_dtype": None}
     settings: ClassVar[dict[str, Range | None]] = {}
+    narrow_state: ClassVar[bool] = False  # the update widens and rounds its state (mlptrain.base.optim_state)
 
     @classmethod
     def from_config(cls, cfg: Any, params: list[Param], **options: Any) -> Optimizer:
@@ -116,10 +118,7 @@ class Optimizer:
         self.lr = lr
         self.weight_decay = weight_decay
         self.xp = get_array_module(params[0].value)
-        # Per-parameter state in the master dtype, zero-initialised.
-        self.state: dict[str, dict[str, Any]] = {
-            p.name: {s: self.xp.zeros_like(p.value) for s in self.state_names} for p in params
-        }
+        self.set_state_dtype(None)  # per-parameter state in the master dtype, zero-initialised
         # Updates applied (skipped fp16 steps excluded), on the device: Adam's t, per-optimizer state as
         # torch.optim keeps it. Not a step counter of the run: that is mlptrain.step.schedule.StepClock.
         self.t = self.xp.zeros((), dtype=self.xp.float64)
@@ -127,6 +126,14 @@ class Optimizer:
         self._no_skip = self.xp.zeros((), dtype=self.xp.int32)
         self._kernels: dict[Any, Any] = {}  # GPU multi-tensor kernels by tail and member count, built at first use
         self.members: MemberSettings | None = None  # an ensemble's per-member settings, else None
+
+    def set_state_dtype(self, name: str | None) -> Optimizer:
+        """Store the state in ``optimizer.state_dtype=name`` (None: the master weights' dtype), zero-initialised;
+        returns ``self``. ``narrow``: the state is stored narrower than the master (its own placeholder ``S``)."""
+        self.state_dtype = optim_state.state_dtype(name, self.params[0].value.dtype, self)
+        self.narrow = self.state_dtype != self.params[0].value.dtype
+        self.state = optim_state.zeros(self.xp, self.params, self.state_names, self.state_dtype)
+        return self
 
     def step(self, lr: Any, inv_scale: Any = None, skip: Any = None, tail: KernelTail | None = None) -> None:
         """Apply one update to every parameter from its ``grad``.
@@ -184,7 +191,7 @@ class Optimizer:
 
     def _roles(self) -> list[tuple[str, str]]:
         """Per-tensor arrays of the update: gradient, master weight, state, compute copy."""
-        roles = [("g", "G"), ("p", "P")] + [(s, "P") for s in self.state_names]
+        roles = [("g", "G"), ("p", "P")] + [(s, "S" if self.narrow else "P") for s in self.state_names]
         return roles + ([("pc", "C")] if self.params[0].has_compute_copy else [])
 
     def _tensors(self) -> list[list[Any]]:
@@ -230,24 +237,13 @@ class Optimizer:
         raise NotImplementedError
 
     def state_dict(self) -> dict[str, Any]:
-        """Arrays (host NumPy) by ``"<param>/<state>"`` plus ``"t"``; no pickle needed."""
-        to_host = (lambda a: a.get()) if self.xp is not np else np.array
-        out = {f"{name}/{s}": to_host(a) for name, st in self.state.items() for s, a in st.items()}
-        out["t"] = to_host(self.t)
-        return out
+        """Arrays (host NumPy) by ``"<param>/<state>"`` plus ``"t"``; no pickle needed (a bfloat16 state as its bits:
+        :func:`mlptrain.base.optim_state.to_file`)."""
+        return optim_state.to_host(self.state, self.t)
 
     def load_state_dict(self, arrays: dict[str, Any]) -> None:
         """Inverse of :meth:`state_dict`; shapes and names must match exactly."""
-        for name, st in self.state.items():
-            for s, a in st.items():
-                key = f"{name}/{s}"
-                if key not in arrays:
-                    raise KeyError(f"optimizer state {key!r} is missing")
-                src = arrays[key]
-                if tuple(src.shape) != tuple(a.shape):
-                    raise ValueError(f"optimizer state {key!r} has shape {tuple(src.shape)}, expected {a.shape}")
-                a[...] = self.xp.asarray(src, dtype=a.dtype)
-        self.t[...] = self.xp.asarray(arrays["t"])
+        optim_state.load(self.xp, self.state, self.t, arrays)
 
     def _update_numpy(self, p: Param, st: dict[str, Any], lr: float, inv_scale: float) -> None:
         raise NotImplementedError
@@ -293,6 +289,7 @@ class SGD(Optimizer):
     """SGD with optional (Nesterov) momentum and L2 weight decay."""
 
     settings = {"momentum": UNIT, "nesterov": None}
+    narrow_state = True
 
     def __init__(
         self,
@@ -318,9 +315,10 @@ class SGD(Optimizer):
     def _update_numpy(self, p: Param, st: dict[str, Any], lr: float, inv_scale: float) -> None:
         g = p.grad.astype(p.value.dtype) * inv_scale + self.weight_decay * p.value
         if self.momentum > 0:
-            buf = st["momentum"]
+            buf = optim_state.widen(st["momentum"], p.value.dtype)  # (the state itself unless stored narrower)
             buf *= self.momentum
             buf += g
+            optim_state.store(st, momentum=buf)
             g = g + self.momentum * buf if self.nesterov else buf
         p.value -= lr * g
 
@@ -328,9 +326,10 @@ class SGD(Optimizer):
         lit = c_literal
         wd = "wd_m" if per_member else f"(P){lit(self.weight_decay)}"
         body = f"if (!skipped) {{ P g = (P)$g * inv_s + {wd} * $p;"
-        if self.momentum > 0:
-            body += f"$momentum = (P){lit(self.momentum)} * $momentum + g;"
-            body += f"g = g + (P){lit(self.momentum)} * $momentum;" if self.nesterov else "g = $momentum;"
+        if self.momentum > 0:  # the momentum read and widened, updated, stored (rounded when narrow)
+            mu, buf = f"(P){lit(self.momentum)}", optim_state.cuda_read("momentum", self.narrow)
+            body += f"const P buf = {mu} * {buf} + g; {optim_state.cuda_store(self.narrow, momentum='buf')}"
+            body += f"g = g + {mu} * buf;" if self.nesterov else "g = buf;"
         return "", body + "$p = $p - lr_v * g; }"
 
 
@@ -341,6 +340,7 @@ class Adam(Optimizer):
 
     state_names = ("exp_avg", "exp_avg_sq")
     settings = {"beta1": UNIT, "beta2": UNIT, "eps": POSITIVE}
+    narrow_state = True
 
     @classmethod
     def from_config(cls, cfg: Any, params: list[Param], **options: Any) -> Optimizer:
@@ -370,11 +370,12 @@ class Adam(Optimizer):
             p.value *= 1 - lr * self.weight_decay
         else:
             g = g + self.weight_decay * p.value
-        m, v = st["exp_avg"], st["exp_avg_sq"]
+        m, v = (optim_state.widen(st[s], p.value.dtype) for s in ("exp_avg", "exp_avg_sq"))
         m *= self.beta1
         m += (1 - self.beta1) * g
         v *= self.beta2
         v += (1 - self.beta2) * g * g
+        optim_state.store(st, exp_avg=m, exp_avg_sq=v)  # (rounded when narrow; the update goes on with m, v)
         m_hat = m / (1 - self.beta1**t)
         v_hat = v / (1 - self.beta2**t)
         p.value -= lr * m_hat / (np.sqrt(v_hat) + self.eps)
@@ -390,9 +391,10 @@ class Adam(Optimizer):
         decay = "(P)(1.0 - lr_m * wd_d)" if per_member else "decay"  # AdamW: p *= 1 - lr * wd
         body = "if (!skipped) { P g = (P)$g * inv_s;"
         body += f"$p = $p * {decay};" if self.decoupled else f"g = g + {'wd_m' if per_member else f'(P){wd}'} * $p;"
+        m, v = (optim_state.cuda_read(s, self.narrow) for s in ("exp_avg", "exp_avg_sq"))
         body += f"""
-            $exp_avg = (P){b1} * $exp_avg + (P)(1.0 - {b1}) * g;
-            $exp_avg_sq = (P){b2} * $exp_avg_sq + (P)(1.0 - {b2}) * g * g;
-            const P m_hat = $exp_avg / bc1, v_hat = $exp_avg_sq / bc2;
+            const P m = (P){b1} * {m} + (P)(1.0 - {b1}) * g, v = (P){b2} * {v} + (P)(1.0 - {b2}) * g * g;
+            {optim_state.cuda_store(self.narrow, exp_avg="m", exp_avg_sq="v")}
+            const P m_hat = m / bc1, v_hat = v / bc2;
             $p = $p - lr_v * m_hat / (sqrt(v_hat) + (P){lit(self.eps)}); }}"""
         return loop_prep, body

@@ -45,6 +45,7 @@ def check(tr: Any, arrays: dict[str, np.ndarray], m: dict[str, Any], where: str)
             f"{where} holds {m['optimizer']} optimizer state but this run uses "
             f"optimizer={tr.cfg.optimizer.name}; resume with optimizer={m['optimizer']}"
         )
+    _check_state_dtype(tr, m, where)
     expected = {f"param/{p.name}": (tuple(p.value.shape), want_dtype) for p in tr.model.params}
     expected.update({f"optim/{k}": (tuple(v.shape), None) for k, v in tr.optimizer.state_dict().items()})
     expected.update(fp8.expected_arrays(tr.gemm, arrays))
@@ -60,6 +61,18 @@ def check(tr: Any, arrays: dict[str, np.ndarray], m: dict[str, Any], where: str)
     if extra:
         raise CheckpointError(
             f"{where} has state this run does not use: {', '.join(extra)} (optimizer settings changed?)"
+        )
+
+
+def _check_state_dtype(tr: Any, m: dict[str, Any], where: str) -> None:
+    """Refused, not cast: a resumed run continues the saved one bit for bit, and a cast state would not (rounding
+    float32 to bfloat16 loses bits; widening changes the update's arithmetic from that step on)."""
+    saved, now = m.get("optimizer_state_dtype") or m["param_dtype"], tr.optimizer.state_dtype.name
+    if saved != now:
+        setting = "null" if saved == m["param_dtype"] else saved
+        raise CheckpointError(
+            f"{where} holds {saved} optimizer state but this run keeps it in {now}; resume with "
+            f"optimizer.state_dtype={setting}, or start a new run"
         )
 
 

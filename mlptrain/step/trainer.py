@@ -282,6 +282,7 @@ class Trainer:
             "execution": cfg.execution.mode.value,
             "bgrad": self.model.bgrad,
             "optimizer": cfg.optimizer.name,
+            "optimizer_state_dtype": self.optimizer.state_dtype.name,  # (optimizer.state_dtype; null: param_dtype)
             "scaler": self.scaler.state_dict() if self.scaler.enabled else None,
             "rng": {"seed": cfg.seed, "data_seed": self.train_loader.seed},
             "data": data_meta,
