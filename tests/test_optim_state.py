@@ -8,6 +8,7 @@ float32 state's. The GPU kernel's source is held to this update in tests/test_up
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 from helpers import make_cfg, records
 from test_checkpoint import assert_same_state, interrupt_at
+from test_ensemble import make_cfg as ensemble_cfg
 
 from mlptrain.base.errors import CheckpointError, ConfigError, TrainingInterrupted
 from mlptrain.config.schema import OptimizerConfig
@@ -143,6 +145,17 @@ def test_the_memory_formula_counts_the_state_in_its_dtype() -> None:
     assert {k: v for k, v in wide.items() if k != "optimizer_state"} == {
         k: v for k, v in narrow.items() if k != "optimizer_state"
     }
+
+
+def test_an_ensembles_run_json_counts_a_bfloat16_state_in_two_bytes(tmp_path: Path) -> None:
+    cfg = ensemble_cfg(size=3, epochs=1)
+    cfg.optimizer.name, cfg.optimizer.state_dtype = "adam", "bfloat16"
+    train(cfg, tmp_path / "run")
+    members = json.loads((tmp_path / "run" / "run.json").read_text())["memory"]["members"]
+    widths = [64, 32, 16, 10]  # (test_ensemble's model on digits)
+    n = sum(a * b + b for a, b in zip(widths, widths[1:], strict=False))
+    assert members["per_member"]["optimizer_state"] == 2 * 2 * n  # two moments, 2 bytes each (float32: 8 * n)
+    assert members["per_member"]["master_weights"] == 4 * n
 
 
 def test_a_trainers_state_arrays_are_the_settings_dtype() -> None:
