@@ -12,7 +12,9 @@ bfloat16 is the one narrow dtype: it has float32's exponent range, so Adam's sec
 falls below float16's smallest normal 6e-5 once ``|g| < 8e-3``) keeps its magnitude, with 8 bits of mantissa.
 float16 is refused: its range is too small for Adam's second moment. A bfloat16 element is 2 bytes where a
 float32 one is 4: with float32 master weights SGD's update reads and writes 16 bytes a parameter instead of 20,
-Adam's 20 instead of 28 (docs/tutorial.md, section 6).
+Adam's 20 instead of 28 (docs/tutorial.md, section 6). The cost: a change of less than half a bfloat16 step
+(0.2% to 0.4% of the value) rounds away; Adam's second moment decays by 0.1% a step (beta2 0.999), so in
+bfloat16 it never decays and only grows (docs/benchmarks.md, "Optimizer state in bfloat16").
 
 Rounding goes through float32 (``float64 -> float32 -> bfloat16``), as CuPy's ``bfloat16(double)`` does, so that
 a float64 master's state rounds the same on the CPU and the GPU (for float32 masters it is one rounding).
