@@ -36,8 +36,8 @@ def expected_bytes(
     buffer instead, the largest weight and the largest bias; with ``fp8_weights``, precision=fp8, the
     largest weight whose widths FP8 does not take, read through the buffer),
     gradients ``P`` in the compute dtype, optimizer state ``state_per_param x P`` in ``state_dtype``
-    (``optimizer.state_dtype``; None: the parameter dtype). The saved inputs and the relu_aux masks are gone after a step: the backward frees each
-    layer's once read.
+    (``optimizer.state_dtype``; None: the parameter dtype). The saved inputs and the relu_aux masks are
+    gone after a step: the backward frees each layer's once read.
     """
     sp, sc = np.dtype(param_dtype).itemsize, np.dtype(compute_dtype).itemsize
     n = sum(a * b + b for a, b in zip(widths, widths[1:], strict=False))
