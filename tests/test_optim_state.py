@@ -28,7 +28,7 @@ from mlptrain.run.run import train
 from mlptrain.step.build import optimizer as make_optimizer
 from mlptrain.step.checks import validate
 from mlptrain.step.memory import expected_bytes
-from mlptrain.step.optim import Optimizer
+from mlptrain.step.optim import Optimizer, OptimizerSpec
 from mlptrain.step.trainer import Trainer
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -134,6 +134,19 @@ def test_an_optimizer_whose_update_keeps_its_state_wide_refuses_a_narrow_one() -
 
     with pytest.raises(ConfigError, match="optimizer.state_dtype=bfloat16 needs sgd, adam or adamw: Plain keeps"):
         Plain(_params(np.float32), lr=0.1).set_state_dtype("bfloat16")
+
+
+def test_building_with_the_default_leaves_an_optimizers_own_state_alone() -> None:
+    class Started(Optimizer):  # an optimizer of one's own that starts its state at one
+        state_names = ("acc",)
+
+        def __init__(self, params: list[Param], **kw: Any) -> None:
+            super().__init__(params, **kw)
+            for st in self.state.values():
+                st["acc"][...] = 1.0
+
+    opt = OptimizerSpec(Started).build(OptimizerConfig(), _params(np.float32))
+    assert all((st["acc"] == 1.0).all() for st in opt.state.values())
 
 
 def test_the_memory_formula_counts_the_state_in_its_dtype() -> None:

@@ -93,6 +93,7 @@ class Optimizer:
     COMMON: ClassVar[dict[str, Range | None]] = {"lr": POSITIVE, "weight_decay": NON_NEGATIVE, "state_dtype": None}
     settings: ClassVar[dict[str, Range | None]] = {}
     narrow_state: ClassVar[bool] = False  # the update widens and rounds its state (mlptrain.base.optim_state)
+    state_dtype: np.dtype  # what the state is stored in (set_state_dtype)
 
     @classmethod
     def from_config(cls, cfg: Any, params: list[Param], **options: Any) -> Optimizer:
@@ -115,8 +116,7 @@ class Optimizer:
     def __init__(self, params: list[Param], *, lr: float, weight_decay: float = 0.0) -> None:
         Optimizer.check(lr=lr, weight_decay=weight_decay)
         self.params = params
-        self.lr = lr
-        self.weight_decay = weight_decay
+        self.lr, self.weight_decay = lr, weight_decay
         self.xp = get_array_module(params[0].value)
         self.set_state_dtype(None)  # per-parameter state in the master dtype, zero-initialised
         # Updates applied (skipped fp16 steps excluded), on the device: Adam's t, per-optimizer state as
@@ -128,11 +128,11 @@ class Optimizer:
         self.members: MemberSettings | None = None  # an ensemble's per-member settings, else None
 
     def set_state_dtype(self, name: str | None) -> Optimizer:
-        """Store the state in ``optimizer.state_dtype=name`` (None: the master weights' dtype), zero-initialised;
-        returns ``self``. ``narrow``: the state is stored narrower than the master (its own placeholder ``S``)."""
-        self.state_dtype = optim_state.state_dtype(name, self.params[0].value.dtype, self)
-        self.narrow = self.state_dtype != self.params[0].value.dtype
-        self.state = optim_state.zeros(self.xp, self.params, self.state_names, self.state_dtype)
+        """The state in ``optimizer.state_dtype=name`` (None: the master's), zeros unless in it; returns ``self``."""
+        dtype = optim_state.state_dtype(name, self.params[0].value.dtype, self)
+        if "state_dtype" not in vars(self) or self.state_dtype != dtype:  # (null leaves a built state alone)
+            self.state_dtype, self.narrow = dtype, dtype != self.params[0].value.dtype  # narrow: the kernel's S
+            self.state = optim_state.zeros(self.xp, self.params, self.state_names, dtype)
         return self
 
     def step(self, lr: Any, inv_scale: Any = None, skip: Any = None, tail: KernelTail | None = None) -> None:
