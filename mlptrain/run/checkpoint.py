@@ -165,10 +165,8 @@ META_SCHEMA: dict[str, Any] = {
     "execution": _STR,
     "bgrad": [_STR],
     "optimizer": _STR,
-    "optimizer_state_dtype": (
-        _STR,
-        None,
-    ),  # the state's dtype (bfloat16: as uint16 bits); absent before it: param_dtype
+    # the state's dtype (bfloat16: its arrays are uint16 bits); null or absent (before the setting): param_dtype
+    "optimizer_state_dtype": (_STR, None),
     "scaler": (_SCALER, None),
     "rng": {"seed": _INT, "data_seed": _INT},
     "members": _INT,  # an ensemble's member count (ensemble.size); absent in one model's checkpoint: 1

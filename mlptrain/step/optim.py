@@ -327,8 +327,8 @@ class SGD(Optimizer):
         wd = "wd_m" if per_member else f"(P){lit(self.weight_decay)}"
         body = f"if (!skipped) {{ P g = (P)$g * inv_s + {wd} * $p;"
         if self.momentum > 0:  # the momentum read and widened, updated, stored (rounded when narrow)
-            mu, buf = f"(P){lit(self.momentum)}", optim_state.cuda_read("momentum", self.narrow)
-            body += f"const P buf = {mu} * {buf} + g; {optim_state.cuda_store(self.narrow, momentum='buf')}"
+            mu, old = f"(P){lit(self.momentum)}", optim_state.cuda_read("momentum", self.narrow)
+            body += f"const P buf = {mu} * {old} + g; {optim_state.cuda_store(self.narrow, momentum='buf')}"
             body += f"g = g + {mu} * buf;" if self.nesterov else "g = buf;"
         return "", body + "$p = $p - lr_v * g; }"
 
@@ -391,9 +391,9 @@ class Adam(Optimizer):
         decay = "(P)(1.0 - lr_m * wd_d)" if per_member else "decay"  # AdamW: p *= 1 - lr * wd
         body = "if (!skipped) { P g = (P)$g * inv_s;"
         body += f"$p = $p * {decay};" if self.decoupled else f"g = g + {'wd_m' if per_member else f'(P){wd}'} * $p;"
-        m, v = (optim_state.cuda_read(s, self.narrow) for s in ("exp_avg", "exp_avg_sq"))
+        m0, v0 = (optim_state.cuda_read(s, self.narrow) for s in ("exp_avg", "exp_avg_sq"))  # (widened)
         body += f"""
-            const P m = (P){b1} * {m} + (P)(1.0 - {b1}) * g, v = (P){b2} * {v} + (P)(1.0 - {b2}) * g * g;
+            const P m = (P){b1} * {m0} + (P)(1.0 - {b1}) * g, v = (P){b2} * {v0} + (P)(1.0 - {b2}) * g * g;
             {optim_state.cuda_store(self.narrow, exp_avg="m", exp_avg_sq="v")}
             const P m_hat = m / bc1, v_hat = v / bc2;
             $p = $p - lr_v * m_hat / (sqrt(v_hat) + (P){lit(self.eps)}); }}"""
