@@ -76,14 +76,15 @@ def kernel_class(monkeypatch: pytest.MonkeyPatch):
             delattr(cuda_package, "multitensor")
 
 
-def compiled(kernel: Any, tmp_path: Path) -> tuple[Any, list[str]]:
-    """The kernel's loops as a C function ``run(void** args)`` over every thread index; and its parameter names."""
+def compiled(kernel: Any, tmp_path: Path, real: str = "float") -> tuple[Any, list[str]]:
+    """The kernel's loops as a C function ``run(void** args)`` over every thread index, with the master weights,
+    gradients and compute copies in ``real`` (``float``, ``double``); and its parameter names."""
     src_kernel = kernel._kernel  # (the stand-in's record of the source)
     params = [p.split() for p in src_kernel.params.split(",")]
     declared = [f"{C_TYPES[t]}* {n} = ({C_TYPES[t]}*)a[{i}];" for i, (_, t, n) in enumerate(params)]
     src = (
         "#include <cmath>\n#include <cstddef>\n#include <cstring>\nusing std::sqrt; using std::pow;\n"
-        "typedef float P; typedef float G; typedef float C;\n"
+        f"typedef {real} P; typedef {real} G; typedef {real} C;\n"
         + BFLOAT16
         + 'extern "C" void run(void** a) {\n'
         + "\n".join(declared)
@@ -99,39 +100,42 @@ def compiled(kernel: Any, tmp_path: Path) -> tuple[Any, list[str]]:
 
 
 @pytest.mark.parametrize(
-    ("name", "per_member", "state_dtype"),
+    ("name", "per_member", "state_dtype", "master"),
     [
-        ("sgd", True, None),
-        ("nesterov", True, None),
-        ("adam", True, None),
-        ("adamw", True, None),
-        ("nesterov", False, None),
-        ("adamw", False, None),
-        ("sgd", False, "bfloat16"),
-        ("nesterov", True, "bfloat16"),
-        ("adam", False, "bfloat16"),
-        ("adamw", True, "bfloat16"),
+        ("sgd", True, None, np.float32),
+        ("nesterov", True, None, np.float32),
+        ("adam", True, None, np.float32),
+        ("adamw", True, None, np.float32),
+        ("nesterov", False, None, np.float32),
+        ("adamw", False, None, np.float32),
+        ("sgd", False, "bfloat16", np.float32),
+        ("nesterov", True, "bfloat16", np.float32),
+        ("adam", False, "bfloat16", np.float32),
+        ("adamw", True, "bfloat16", np.float32),
+        ("adam", False, None, np.float64),
+        ("nesterov", False, "bfloat16", np.float64),  # (the state rounded through float32, as CuPy's bfloat16 does)
+        ("adamw", False, "bfloat16", np.float64),
     ],
 )
 def test_the_kernels_source_updates_as_the_cpu_does(
-    name: str, per_member: bool, state_dtype: str | None, kernel_class, tmp_path: Path
+    name: str, per_member: bool, state_dtype: str | None, master: Any, kernel_class, tmp_path: Path
 ) -> None:
     cfg = OptimizerConfig(name="sgd" if name == "nesterov" else name, lr=0.01, momentum=0.9, weight_decay=0.5)
     cfg.nesterov, cfg.state_dtype = name == "nesterov", state_dtype
     rng = np.random.default_rng(2)
-    start = [rng.standard_normal(s).astype(np.float32) for s in SHAPES]
-    cpu, ker = ([Param(f"w{i}", w.copy(), np.float32) for i, w in enumerate(start)] for _ in range(2))
+    start = [rng.standard_normal(s).astype(master) for s in SHAPES]
+    cpu, ker = ([Param(f"w{i}", w.copy(), master) for i, w in enumerate(start)] for _ in range(2))
     oc, ok = make_optimizer(cfg, cpu), make_optimizer(cfg, ker)
     if per_member:
         oc.members, ok.members = (MemberSettings(np, 0.01, [0.05, 0.01, 0.2], [0.0, 1e-3, 3e-2]) for _ in range(2))
-    lib, names = compiled(ok._multi_tensor_kernel(None), tmp_path)
+    lib, names = compiled(ok._multi_tensor_kernel(None), tmp_path, "double" if master is np.float64 else "float")
     lr, inv, skip = np.array(0.0), np.array(0.125), np.array(0, dtype=np.int32)
     for step, rate in enumerate([0.01, 0.008, 0.003]):
         if per_member and step == 2:
             oc.members.freeze(1)
             ok.members.freeze(1)
         for p, q in zip(cpu, ker, strict=True):
-            p.grad = q.grad = rng.standard_normal(p.value.shape).astype(np.float32)
+            p.grad = q.grad = rng.standard_normal(p.value.shape).astype(master)
         if oc.members is not None:
             oc.members.lr = [rate * b / 0.01 for b in oc.members.base_lr]  # as the trainer sets them
         oc.step(np.asarray(rate), inv_scale=inv)
@@ -151,10 +155,7 @@ def test_the_kernels_source_updates_as_the_cpu_does(
         np.testing.assert_array_equal(q.value, p.value, err_msg=p.name)  # bit for bit: the same float operations
         for s in ok.state_names:
             kernel_state, cpu_state = ok.state[q.name][s], oc.state[p.name][s]
-            assert kernel_state.dtype == cpu_state.dtype == np.dtype(state_dtype or np.float32)
-            np.testing.assert_array_equal(
-                kernel_state.view(np.uint16 if state_dtype else np.uint32),
-                cpu_state.view(np.uint16 if state_dtype else np.uint32),
-                err_msg=f"{p.name}/{s}",
-            )
+            assert kernel_state.dtype == cpu_state.dtype == np.dtype(state_dtype or master)
+            bits = f"uint{8 * kernel_state.dtype.itemsize}"  # (the bits compared: a NaN equals itself)
+            np.testing.assert_array_equal(kernel_state.view(bits), cpu_state.view(bits), err_msg=f"{p.name}/{s}")
         assert not np.array_equal(q.value[0], w[0])  # (it trained)
