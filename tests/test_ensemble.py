@@ -339,24 +339,26 @@ def test_a_one_target_regression_member_is_its_single_run_bit_for_bit(activation
 
 
 def test_the_members_loss_compiles_ahead_by_the_steps_own_call(monkeypatch: pytest.MonkeyPatch) -> None:
-    """An ensemble's loss job makes the training step's call, :meth:`MemberHead.grads` over zero ``(K, rows, C)``
-    logits in place, for each training batch size (on the GPU: the row kernel and ``mlptrain_member_means``), and
-    evaluation's, the single head's call on one member's ``(rows, C)`` logits, for each evaluation batch size."""
+    """An ensemble's loss job makes the training step's loss call, :meth:`MemberHead.losses` (what
+    :meth:`MemberHead.grads` calls) over zero ``(K, rows, C)`` logits in place, for each training batch size (on the
+    GPU: the row kernel and ``mlptrain_member_means``), and evaluation's, the single head's call on one member's
+    ``(rows, C)`` logits, for each evaluation batch size. On the CPU the head is in mode ``gemm``: no head kernel."""
     from mlptrain.nn.members import MemberHead
 
     tr = EnsembleTrainer(make_cfg(size=K))
+    assert tr.head.mode == "gemm"  # the CPU (the oracle): the output layer's input gradient is its batched GEMM
     seen: list[tuple] = []
-    grads, evaluate = MemberHead.grads, MemberHead.evaluate
+    losses, evaluate = MemberHead.losses, MemberHead.evaluate
 
-    def spy_grads(self: Any, model: Any, logits: Any, y: Any, grad_scale: Any, *, inplace: bool = False) -> Any:
-        seen.append(("grads", logits.shape, y.shape, inplace, model is tr.model))
-        return grads(self, model, logits, y, grad_scale, inplace=inplace)
+    def spy_losses(self: Any, logits: Any, y: Any, grad_scale: Any, *, inplace: bool = False) -> Any:
+        seen.append(("losses", logits.shape, y.shape, inplace))
+        return losses(self, logits, y, grad_scale, inplace=inplace)
 
     def spy_evaluate(self: Any, logits: Any, y: Any) -> Any:
         seen.append(("evaluate", logits.shape, y.shape))
         return evaluate(self, logits, y)
 
-    monkeypatch.setattr(MemberHead, "grads", spy_grads)
+    monkeypatch.setattr(MemberHead, "losses", spy_losses)
     monkeypatch.setattr(MemberHead, "evaluate", spy_evaluate)
     jobs = [job for job in tr.precompile_jobs() if job.stage == "loss"]
     for job in jobs:
@@ -364,8 +366,7 @@ def test_the_members_loss_compiles_ahead_by_the_steps_own_call(monkeypatch: pyte
     train, (val, test) = tr.train_loader.row_counts(), (tr.eval_loaders[s].row_counts() for s in ("val", "test"))
     assert train == [64, 14] and val == [144] and test == [359]  # digits: a full batch and a short one
     assert sorted(seen, key=str) == sorted(
-        [("grads", (K, r, 10), (K, r), True, True) for r in train]
-        + [("evaluate", (r, 10), (r,)) for r in [*val, *test]],
+        [("losses", (K, r, 10), (K, r), True) for r in train] + [("evaluate", (r, 10), (r,)) for r in [*val, *test]],
         key=str,
     )
     want = f"cross_entropy of {K} members' float32 logits, 10 outputs, batches of 64, 14 rows"

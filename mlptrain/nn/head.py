@@ -177,8 +177,8 @@ class OutputHead:
             run = functools.partial(self._compile_losses, outputs, dtype, batches, scale)
             name = f"{self.loss_name} of {dtype.name} logits, {outputs} outputs, batches of {sizes} rows"
             jobs.append(Job(name, "loss", run, scratch=rows[0] * outputs * 16))
-        if self.mode == "kernel":
-            train = [r for r, _, training in batches if training]
+        train = [r for r, _, training in batches if training]
+        if self.mode == "kernel" and train:  # (an ensemble's head hands over evaluation's batches only)
             run = functools.partial(self._compile_kernel, model, dtype, train)
             jobs.append(Job(f"mlptrain_head_dgrad ({outputs} classes, {dtype.name})", "loss", run))
         return jobs

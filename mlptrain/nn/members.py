@@ -8,6 +8,11 @@ the logits, as the single head does), and returns the losses and counts as ``(K,
 plain cross-entropy takes every member at once, and its per-member sums are the kernels of
 :mod:`mlptrain.nn.cuda.members`, this module's GPU half (with the step's per-member tally).
 
+Where a single model's head would take the head kernel (:meth:`mlptrain.nn.head.OutputHead.choose`: GPU, fused,
+cross-entropy, ReLU below, a small head), :class:`MemberHead` is in mode ``kernel``: the output layer's input
+gradient of every member, ``dZ_below (K, B, H)`` with DRELU(_BGRAD), is one launch of
+:func:`mlptrain.nn.cuda.head.member_input_grad` in place of the batched GEMM and its mask-and-sum pass.
+
 The ensemble predicts the members' mean: the mean probability of a classification (the mean of the
 softmaxes, whose log :func:`ensemble_logits` returns, so that the usual scores read it as logits: its
 argmax is the ensemble's class and its cross-entropy the ensemble's log loss), the mean output of a
@@ -27,20 +32,61 @@ from mlptrain.nn.head import OutputHead
 from mlptrain.nn.losses import softmax_cross_entropy
 from mlptrain.nn.network import MLP, HeadGrads
 
+MEMBER_HEAD_MODES = ("gemm", "kernel")  # no "loss_bias": the members' loss kernels sum no bias gradient
+
 
 class MemberHead(OutputHead):
-    """The loss of each member's logits, in head mode ``gemm`` (the network's GEMMs do the output layer's
-    backward, with BGRADB for its bias gradient): the other modes' kernels take one model's logits."""
+    """The loss of each member's logits, and in head mode ``kernel`` the output layer's input gradient.
 
-    def __init__(self, loss: str) -> None:
-        super().__init__(loss, "gemm")
+    Modes (:data:`MEMBER_HEAD_MODES`): ``gemm``, the network's batched GEMMs do the output layer's backward
+    (BGRADB for its bias gradient, DRELU(_BGRAD) for its input gradient); ``kernel``, as ``gemm`` but the input
+    gradient, and the layer below's bias gradient with ``drelu_bgrad``, come from the members' head kernel
+    (:func:`mlptrain.nn.cuda.head.member_input_grad`). No ``loss_bias``: the members' loss kernels sum no bias
+    gradient, so the output layer's weight-gradient GEMM keeps its BGRADB in both modes.
+    """
+
+    def __init__(self, loss: str, mode: str = "gemm") -> None:
+        if mode not in MEMBER_HEAD_MODES:
+            raise ValueError(f"an ensemble's head mode {mode!r} is unknown; expected one of {MEMBER_HEAD_MODES}")
+        super().__init__(loss, mode)
         self.member_losses: list[Any] | None = None  # member k's own loss function (its targets' units), if set
+
+    @classmethod
+    def choose(
+        cls, *, loss: str, gpu: bool, fused: bool, relu: bool, widths: list[int], batch_size: int, head_kernel: bool
+    ) -> MemberHead:
+        """``kernel`` where one member alone would take it (:meth:`OutputHead.choose` decides, for every head),
+        else ``gemm``: on the CPU, in naive execution, for large heads, with ``execution.head_kernel=false``."""
+        single = OutputHead.choose(
+            loss=loss, gpu=gpu, fused=fused, relu=relu, widths=widths, batch_size=batch_size, head_kernel=head_kernel
+        )
+        return cls(loss, "kernel" if single.mode == "kernel" else "gemm")
 
     def grads(
         self, model: MLP, logits: Any, y: Any, grad_scale: Any, *, inplace: bool = False
     ) -> tuple[Any, Any, Any, HeadGrads]:
-        """``(loss (K,), correct (K,), dlogits (K, B, C), HeadGrads())``: member ``k``'s loss of ``logits[k]``
-        against ``y[k]``, each the single loss function's call (with ``inplace``, written over ``logits[k]``).
+        """``(loss (K,), correct (K,), dlogits (K, B, C), head grads)``: :meth:`losses`, then in mode ``kernel`` the
+        output layer's input gradient of every member by one kernel, in place of its batched DRELU(_BGRAD) GEMM::
+
+            dZ_below[k] (B, H) = (dlogits[k] (B, C) @ W[k] (C, H)) * relu'(Z_below[k]),   db_below[k] = sum_B
+
+        which ``MLP._input_grad`` (``nn/network.py``) takes as given, the ``(K, H)`` bias gradient as the layer
+        below's (its bias is ``(K, H)``)."""
+        loss, correct, dlogits = self.losses(logits, y, grad_scale, inplace=inplace)
+        if self.mode != "kernel":
+            return loss, correct, dlogits, HeadGrads()
+        from mlptrain.nn.cuda.head import member_input_grad
+
+        top, below = model.layers[-1], model.layers[-2]
+        weight = top.weight.for_gemm(cast=False)  # (K, C, H) the kept compute copy (an ensemble casts none on use)
+        dz_below, db_below = member_input_grad(
+            dlogits, weight, below.mask, bias_grad_below=not below.bias_grad_in_wgrad
+        )
+        return loss, correct, dlogits, HeadGrads(input_grad=dz_below, input_bias_grad=db_below)
+
+    def losses(self, logits: Any, y: Any, grad_scale: Any, *, inplace: bool = False) -> tuple[Any, Any, Any]:
+        """``(loss (K,), correct (K,), dlogits (K, B, C))``: member ``k``'s loss of ``logits[k]`` against ``y[k]``,
+        each the single loss function's call (with ``inplace``, written over ``logits[k]``).
 
         On the GPU the plain cross-entropy runs over all members at once: fp16/bf16/fp32 logits in two launches,
         the single model's row kernel over the ``K * B`` rows and one block that sums each member's rows into the
@@ -55,7 +101,7 @@ class MemberHead(OutputHead):
                 loss, dlogits, correct = member_cross_entropy_gpu(logits, y, grad_scale, inplace=inplace)
             else:
                 loss, dlogits, correct = stacked_cross_entropy(logits, y, grad_scale, inplace=inplace)
-            return loss, correct, dlogits, HeadGrads()
+            return loss, correct, dlogits
         losses, counts, grads = [], [], []
         for k in range(logits.shape[0]):
             fn = self.loss_fn if self.member_losses is None else self.member_losses[k]
@@ -64,7 +110,7 @@ class MemberHead(OutputHead):
             counts.append(correct)
             grads.append(dlogits)
         dlogits = logits if inplace else xp.stack(grads)  # in place: each member's written over its logits
-        return xp.stack(losses), xp.stack(counts), dlogits, HeadGrads()
+        return xp.stack(losses), xp.stack(counts), dlogits
 
     def evaluate(self, logits: Any, y: Any) -> tuple[Any, Any]:
         """The ``(loss, correct)`` of one set of ``logits (B, C)`` (a member's, or :func:`ensemble_logits`)."""
@@ -72,26 +118,37 @@ class MemberHead(OutputHead):
 
     def precompile_jobs(self, model: MLP, dtype: Any, batches: list[tuple[int, Any, bool]], scale: Any) -> list[Job]:
         """The kernels of :meth:`evaluate` (the single head's, on one member's ``(B, C)`` logits) and of :meth:`grads`
-        over the members' stacked ``(K, B, C)`` logits, compiled ahead by the very calls on zeros (``batches``:
-        :meth:`OutputHead.precompile_jobs`)."""
+        over the members' stacked ``(K, B, C)`` logits (:meth:`losses`, and in mode ``kernel`` the members' head
+        kernel), compiled ahead by the very calls on zeros (``batches``: :meth:`OutputHead.precompile_jobs`)."""
         jobs = super().precompile_jobs(model, dtype, [b for b in batches if not b[2]], scale)
         train = [(r, y_like) for r, y_like, training in batches if training]
         if train:
             k, outputs, dtype = model.members, model.widths[-1], np.dtype(dtype)
             sizes = ", ".join(str(r) for r, _ in train)
-            run = functools.partial(self._compile_grads, model, dtype, train, scale)
+            run = functools.partial(self._compile_step_losses, model, dtype, train, scale)
             name = f"{self.loss_name} of {k} members' {dtype.name} logits, {outputs} outputs, batches of {sizes} rows"
             jobs.append(Job(name, "loss", run, scratch=k * max(r for r, _ in train) * outputs * 16))
+        if train and self.mode == "kernel":
+            run = functools.partial(self._compile_member_kernel, model, dtype, [r for r, _ in train])
+            name = f"mlptrain_member_head_dgrad ({k} members, {outputs} classes, {dtype.name})"
+            jobs.append(Job(name, "loss", run))
         return jobs
 
-    def _compile_grads(self, model: MLP, dtype: Any, train: list[tuple[int, Any]], scale: Any) -> None:
-        """:meth:`grads` as the training step calls it (in place) on zero logits ``(K, rows, C)`` of each batch size."""
+    def _compile_step_losses(self, model: MLP, dtype: Any, train: list[tuple[int, Any]], scale: Any) -> None:
+        """:meth:`losses` as the training step calls it (in place), on zero logits ``(K, rows, C)`` of each batch."""
         xp = get_array_module(scale)
         scale = xp.zeros_like(scale)
         k, outputs = model.members, model.widths[-1]
         for r, y_like in train:
             logits, y = xp.zeros((k, r, outputs), dtype), xp.zeros((k, r, *y_like.shape[1:]), y_like.dtype)
-            self.grads(model, logits, y, scale, inplace=True)
+            self.losses(logits, y, scale, inplace=True)
+
+    def _compile_member_kernel(self, model: MLP, dtype: Any, rows: list[int]) -> None:
+        """The members' head kernel (:meth:`grads` in mode ``kernel``) for each training batch size."""
+        from mlptrain.nn.cuda.head import compile_members_ahead
+
+        top, below = model.layers[-1], model.layers[-2]
+        compile_members_ahead(top.weight.value.shape, dtype, rows, bias_grad_below=not below.bias_grad_in_wgrad)
 
 
 def stacked_cross_entropy(logits: Any, y: Any, grad_scale: Any = 1.0, *, inplace: bool = False) -> tuple:

@@ -126,7 +126,7 @@ def trainer(
     net = model(cfg.model, sizes, ex, backend, prec, [seeds(s)[0] for s in run_seeds], data)
     two_streams = wgrad_stream(cfg.execution, sizes, cfg.data.batch_size * members, comm is not None)  # every member's
     runtime.wgrad_stream(net, two_streams)  # GPU: dW GEMMs concurrent with the dX chain
-    out = head(cfg, backend, sizes) if members == 1 else MemberHead(cfg.model.loss)
+    out = head(cfg, backend, sizes, members)
     if (units := data.target_units()) is not None:  # standardised targets (mse): losses in their units
         out.loss_fn = mse_in_units(xp.asarray(units))
     if cfg.model.class_weight is not None:
@@ -321,9 +321,9 @@ def step_flops(sizes: list[int], batch: int) -> int:
     return 6 * batch * sum(a * b for a, b in zip(sizes, sizes[1:], strict=False))
 
 
-def head(cfg: TrainConfig, backend: Backend, sizes: list[int]) -> OutputHead:
-    """How the loss and the output layer's gradients are computed (:mod:`mlptrain.nn.head`)."""
-    return OutputHead.choose(
+def head(cfg: TrainConfig, backend: Backend, sizes: list[int], members: int = 1) -> OutputHead:
+    """How the loss and the output layer's gradients are computed: ``OutputHead.choose`` (ensembles: ``MemberHead``)."""
+    return (OutputHead if members == 1 else MemberHead).choose(
         loss=cfg.model.loss,
         gpu=backend.is_gpu,
         fused=cfg.execution.mode.value == "fused",

@@ -113,8 +113,9 @@ def test_the_members_loss_is_each_members_numpy_loss(k: int) -> None:
 
 
 def test_a_cold_ensemble_run_compiles_the_members_kernels_ahead(tmp_path: Any) -> None:
-    """From an empty kernel cache, an ensemble's loss kernels and tally compile on the precompile threads, none at
-    its first launch on the main thread (the single model's cold run: tests/gpu/test_precompile_gpu.py)."""
+    """From an empty kernel cache, an ensemble's loss kernels, tally and head kernel (the default run's small head
+    takes it) compile on the precompile threads, none at its first launch on the main thread (the single model's
+    cold run: tests/gpu/test_precompile_gpu.py)."""
     import json
     import os
     import subprocess
@@ -133,5 +134,5 @@ def test_a_cold_ensemble_run_compiles_the_members_kernels_ahead(tmp_path: Any) -
         pytest.skip("this CuPy compiles through another function than _compile_using_nvrtc_no_warning")
     compiles = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("COMPILES "))[9:])
     where = {k: c["thread"] for c in compiles for k in c["kernels"]}
-    members = ("mlptrain_xent_rows", "mlptrain_member_means", "mlptrain_member_tally")
+    members = ("mlptrain_xent_rows", "mlptrain_member_means", "mlptrain_member_tally", "mlptrain_member_head_dgrad")
     assert all(where.get(k, "").startswith("mlptrain-precompile") for k in members), where
