@@ -371,3 +371,21 @@ def test_the_members_loss_compiles_ahead_by_the_steps_own_call(monkeypatch: pyte
     )
     want = f"cross_entropy of {K} members' float32 logits, 10 outputs, batches of 64, 14 rows"
     assert jobs[-1].name == want
+
+
+def test_an_ensembles_head_kernel_is_planned_ahead_where_its_head_takes_it() -> None:
+    """In mode ``kernel`` (what MemberHead.choose takes on the GPU) the loss stage also compiles the members' head
+    kernel, once for the training batches; the single model's head kernel, which an ensemble never launches, is not
+    planned (evaluation's batches are all the single head's jobs see)."""
+    from mlptrain.nn.members import MemberHead
+
+    tr = EnsembleTrainer(make_cfg(size=K))
+    tr.head = MemberHead("cross_entropy", "kernel")
+    names = [job.name for job in tr.precompile_jobs() if job.stage == "loss"]
+    assert names == [
+        "cross_entropy of float32 logits, 10 outputs, batches of 359, 144 rows",
+        f"cross_entropy of {K} members' float32 logits, 10 outputs, batches of 64, 14 rows",
+        f"mlptrain_member_head_dgrad ({K} members, 10 classes, float32)",
+    ]
+    with pytest.raises(ValueError, match="an ensemble's head mode 'loss_bias' is unknown"):
+        MemberHead("cross_entropy", "loss_bias")
