@@ -128,10 +128,10 @@ class MemberHead(OutputHead):
             run = functools.partial(self._compile_step_losses, model, dtype, train, scale)
             name = f"{self.loss_name} of {k} members' {dtype.name} logits, {outputs} outputs, batches of {sizes} rows"
             jobs.append(Job(name, "loss", run, scratch=k * max(r for r, _ in train) * outputs * 16))
-        if train and self.mode == "kernel":
-            run = functools.partial(self._compile_member_kernel, model, dtype, [r for r, _ in train])
-            name = f"mlptrain_member_head_dgrad ({k} members, {outputs} classes, {dtype.name})"
-            jobs.append(Job(name, "loss", run))
+            if self.mode == "kernel":
+                run = functools.partial(self._compile_member_kernel, model, dtype, [r for r, _ in train])
+                name = f"mlptrain_member_head_dgrad ({k} members, {outputs} classes, {dtype.name})"
+                jobs.append(Job(name, "loss", run))
         return jobs
 
     def _compile_step_losses(self, model: MLP, dtype: Any, train: list[tuple[int, Any]], scale: Any) -> None:
