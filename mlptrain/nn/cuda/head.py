@@ -43,6 +43,11 @@ rather than a second grid axis because CuPy's ``ElementwiseKernel`` launches a o
 it keeps the one source (the dtype template, the compile path) for both; the blocks come in the same
 order a ``gridDim.y = K`` launch would issue them (x fastest: a member's blocks together, reading the same
 ``dlogits`` tile), and the price is one integer division per thread. Not timed against a 2-D launch.
+Each block is the single kernel's block, so K members run K times its blocks: where one model's
+``ceil(H / 8)`` blocks fill one wave of the GPU, K members take about K waves (at C = 10 a block's
+registers leave room for one block per SM). Whether that beats the batched GEMM and its mask-and-sum
+pass is the GPU's to measure (``benchmarks/probes/member_kernels.py``, with and without
+``execution.head_kernel=false``).
 """
 
 from __future__ import annotations
