@@ -1,13 +1,14 @@
-"""An ensemble's head kernel on the CPU: ``mlptrain_member_head_dgrad`` and the single model's ``mlptrain_head_dgrad``
-(mlptrain/nn/cuda/head.py), their CUDA sources compiled as C++ and run block by block; and which head mode an
-ensemble takes (:meth:`MemberHead.choose`), where the GPU would run the kernel.
+"""An ensemble's head kernel on the CPU: ``mlptrain_member_head_dgrad`` (mlptrain/nn/cuda/member_head.py) and the
+single model's ``mlptrain_head_dgrad`` (mlptrain/nn/cuda/head.py), their CUDA sources compiled as C++ and run block by
+block; and which head mode an ensemble takes (:meth:`MemberHead.choose`), where the GPU would run the kernel.
 
 CuPy is stood in for: ``cupy.ElementwiseKernel`` compiles the source it is given with the host's C++ compiler, a
 block's threads as OpenMP threads (``__syncthreads`` their barrier, ``__shared__`` arrays static, so shared), and
 runs the launch's blocks one after another on the NumPy arrays that :func:`member_input_grad` and
 :func:`head_input_grad` hand it. What this checks: both sources compile; member k's result is the single kernel's on
-member k's slices bit for bit (the slicing, the block index, the flat views); both are the NumPy DRELU(_BGRAD)
-contract to float32 rounding. tests/gpu/test_member_head_gpu.py runs the kernels themselves.
+member k's slices bit for bit, for every block width (the slicing, the block index, the flat views, each thread's
+lanes and the tree over them); both are the NumPy DRELU(_BGRAD) contract to float32 rounding.
+tests/gpu/test_member_head_gpu.py runs the kernels themselves.
 """
 
 from __future__ import annotations
@@ -121,6 +122,7 @@ def stand_in_cupy(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[A
     fake: Any = types.ModuleType("cupy")
     fake.ElementwiseKernel = functools.partial(HostBlockKernel, tmp=tmp_path)
     fake.empty, fake.zeros, fake.uint8 = np.empty, np.zeros, np.uint8
+    fake.cuda = types.SimpleNamespace(Device=lambda: types.SimpleNamespace(attributes={"MultiProcessorCount": 132}))
     monkeypatch.setitem(sys.modules, "cupy", fake)
     for name in [m for m in sys.modules if m.startswith("mlptrain.nn.cuda.")]:
         monkeypatch.delitem(sys.modules, name)
@@ -149,16 +151,18 @@ SHAPES = [(7, 3, 33), (70, 10, 16), (130, 2, 64), (600, 2, 16)]
 
 
 @needs_openmp
+@pytest.mark.parametrize("lanes", [1, 2, 4, 8])
 @pytest.mark.parametrize("want_db", [True, False])
 @pytest.mark.parametrize(("b", "c", "h"), SHAPES)
 @pytest.mark.parametrize("k", [1, 3])
 def test_the_members_kernel_is_the_single_kernel_on_each_members_slices(
-    stand_in_cupy: Any, k: int, b: int, c: int, h: int, want_db: bool
+    stand_in_cupy: Any, k: int, b: int, c: int, h: int, want_db: bool, lanes: int
 ) -> None:
-    from mlptrain.nn.cuda.head import head_input_grad, member_input_grad
+    from mlptrain.nn.cuda.head import head_input_grad
+    from mlptrain.nn.cuda.member_head import member_input_grad
 
     d, w, aux, masks = member_operands(k, b, c, h)
-    dz, db = member_input_grad(d, w, aux, bias_grad_below=want_db)
+    dz, db = member_input_grad(d, w, aux, bias_grad_below=want_db, lanes=lanes)
     assert dz.shape == (k, b, h) and (db is None) != want_db
     for m in range(k):
         one_dz, one_db = head_input_grad(d[m], w[m], aux[m], bias_grad_below=want_db)
@@ -174,13 +178,23 @@ def test_the_members_kernel_is_the_single_kernel_on_each_members_slices(
 
 
 def test_the_members_kernel_refuses_a_mask_laid_out_otherwise(stand_in_cupy: Any) -> None:
-    from mlptrain.nn.cuda.head import member_input_grad
+    from mlptrain.nn.cuda.member_head import member_input_grad
 
     d, w, aux, _ = member_operands(3, 64, 10, 100)
     with pytest.raises(ValueError, match=r"relu_aux must be uint8 \(3, 16, 64\) with each member column-major"):
         member_input_grad(d, w, np.ascontiguousarray(aux))  # each member C-order: its bits in the wrong places
     with pytest.raises(ValueError, match=r"output weights must be C-contiguous \(3, 10, hidden\) float32"):
         member_input_grad(d, w.astype(np.float64), aux)
+
+
+def test_the_block_is_the_widest_that_leaves_a_block_for_every_two_sms(stand_in_cupy: Any) -> None:
+    """#50's two ensembles on an H100's 132 SMs: 8 x (1024 hidden) and 32 x (256) in 128 blocks of 64 columns, the
+    single kernel's count for one model of 1024; a small ensemble keeps the single kernel's 8 columns."""
+    from mlptrain.nn.cuda.member_head import member_lanes
+
+    assert member_lanes(8, 1024, 132) == 8 and member_lanes(32, 256, 132) == 8
+    assert member_lanes(8, 256, 132) == 2  # 128 blocks of 16 columns
+    assert member_lanes(4, 64, 132) == 1 and member_lanes(1, 1024, 132) == 1  # 32 and 128 blocks of 8
 
 
 SETTINGS = {"gpu": True, "fused": True, "relu": True, "widths": [64, 32, 10], "batch_size": 64, "head_kernel": True}

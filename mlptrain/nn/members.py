@@ -11,7 +11,7 @@ plain cross-entropy takes every member at once, and its per-member sums are the 
 Where a single model's head would take the head kernel (:meth:`mlptrain.nn.head.OutputHead.choose`: GPU, fused,
 cross-entropy, ReLU below, a small head), :class:`MemberHead` is in mode ``kernel``: the output layer's input
 gradient of every member, ``dZ_below (K, B, H)`` with DRELU(_BGRAD), is one launch of
-:func:`mlptrain.nn.cuda.head.member_input_grad` in place of the batched GEMM and its mask-and-sum pass.
+:func:`mlptrain.nn.cuda.member_head.member_input_grad` in place of the batched GEMM and its mask-and-sum pass.
 
 The ensemble predicts the members' mean: the mean probability of a classification (the mean of the
 softmaxes, whose log :func:`ensemble_logits` returns, so that the usual scores read it as logits: its
@@ -41,7 +41,7 @@ class MemberHead(OutputHead):
     Modes (:data:`MEMBER_HEAD_MODES`): ``gemm``, the network's batched GEMMs do the output layer's backward
     (BGRADB for its bias gradient, DRELU(_BGRAD) for its input gradient); ``kernel``, as ``gemm`` but the input
     gradient, and the layer below's bias gradient with ``drelu_bgrad``, come from the members' head kernel
-    (:func:`mlptrain.nn.cuda.head.member_input_grad`). No ``loss_bias``: the members' loss kernels sum no bias
+    (:func:`mlptrain.nn.cuda.member_head.member_input_grad`). No ``loss_bias``: the members' loss kernels sum no bias
     gradient, so the output layer's weight-gradient GEMM keeps its BGRADB in both modes.
     """
 
@@ -75,7 +75,7 @@ class MemberHead(OutputHead):
         loss, correct, dlogits = self.losses(logits, y, grad_scale, inplace=inplace)
         if self.mode != "kernel":
             return loss, correct, dlogits, HeadGrads()
-        from mlptrain.nn.cuda.head import member_input_grad
+        from mlptrain.nn.cuda.member_head import member_input_grad
 
         top, below = model.layers[-1], model.layers[-2]
         weight = top.weight.for_gemm(cast=False)  # (K, C, H) the kept compute copy (an ensemble casts none on use)
@@ -145,7 +145,7 @@ class MemberHead(OutputHead):
 
     def _compile_member_kernel(self, model: MLP, dtype: Any, rows: list[int]) -> None:
         """The members' head kernel (:meth:`grads` in mode ``kernel``) for each training batch size."""
-        from mlptrain.nn.cuda.head import compile_members_ahead
+        from mlptrain.nn.cuda.member_head import compile_members_ahead
 
         top, below = model.layers[-1], model.layers[-2]
         compile_members_ahead(top.weight.value.shape, dtype, rows, bias_grad_below=not below.bias_grad_in_wgrad)

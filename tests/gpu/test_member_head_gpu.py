@@ -1,6 +1,6 @@
-"""The members' head kernel (mlptrain.nn.cuda.head.member_input_grad): member k's output-layer input gradient is the
-single head kernel's on member k's slices, bit for bit; an ensemble's graphed bf16 step with it follows the step
-without (``execution.head_kernel=false``). Written on a CPU machine: the GPU issue runs it."""
+"""The members' head kernel (mlptrain.nn.cuda.member_head.member_input_grad): member k's output-layer input gradient is
+the single head kernel's on member k's slices, bit for bit, at every block width; an ensemble's graphed bf16 step
+with it follows the step without (``execution.head_kernel=false``). Written on a CPU machine: the GPU issue runs it."""
 
 import threading
 from typing import Any
@@ -15,6 +15,7 @@ pytestmark = pytest.mark.gpu
 
 if HAS_GPU:
     from mlptrain.nn.cuda import head as head_module
+    from mlptrain.nn.cuda import member_head
 
 
 def member_operands(k: int, b: int, c: int, h: int, dtype: str) -> tuple[Any, Any, Any]:
@@ -39,11 +40,12 @@ def bits(a: Any) -> np.ndarray:
 @pytest.mark.parametrize("b", [64, 256, 200])
 @pytest.mark.parametrize("k", [1, 3, 8])
 def test_the_members_kernel_is_the_single_kernel_member_by_member(
-    k: int, b: int, c: int, h: int, dtype: str, want_db: bool
+    k: int, b: int, c: int, h: int, dtype: str, want_db: bool, lanes: Any = None
 ) -> None:
+    """The block width this GPU gives the shape (member_head.member_lanes), or ``lanes`` where a test sets it."""
     d, w, aux = member_operands(k, b, c, h, dtype)
     assert aux.strides[1:] == (1, aux.shape[1])  # each member column-major, as cuBLASLt lays a batch out
-    dz, db = head_module.member_input_grad(d, w, aux, bias_grad_below=want_db)
+    dz, db = member_head.member_input_grad(d, w, aux, bias_grad_below=want_db, lanes=lanes)
     assert dz.shape == (k, b, h) and dz.dtype == d.dtype and dz.flags.c_contiguous
     assert (db is None) != want_db and (db is None or (db.shape == (k, h) and db.dtype == d.dtype))
     for m in range(k):
@@ -54,14 +56,23 @@ def test_the_members_kernel_is_the_single_kernel_member_by_member(
     assert cp.asnumpy(dz).astype(np.float64).any()  # not a kernel that wrote nothing on both sides
 
 
+@pytest.mark.parametrize("want_db", [True, False])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("lanes", [1, 2, 4, 8])
+def test_every_block_width_is_the_single_kernel_member_by_member(lanes: int, dtype: str, want_db: bool) -> None:
+    """Blocks of 8, 16, 32 and 64 columns (each thread keeping 1 to 8 of a column's 64 row lanes), whichever
+    this GPU's size would pick, on a batch that is no multiple of 64 and a width that is no multiple of 64."""
+    test_the_members_kernel_is_the_single_kernel_member_by_member(3, 200, 10, 200, dtype, want_db, lanes)
+
+
 def test_the_members_kernel_refuses_operands_that_do_not_fit() -> None:
     d, w, aux = member_operands(3, 64, 10, 100, "float16")
     with pytest.raises(ValueError, match=r"relu_aux must be uint8 \(3, 16, 64\) with each member column-major"):
-        head_module.member_input_grad(d, w, cp.ascontiguousarray(aux))  # C-order members: the bits misplaced
+        member_head.member_input_grad(d, w, cp.ascontiguousarray(aux))  # C-order members: the bits misplaced
     with pytest.raises(ValueError, match=r"output weights must be C-contiguous \(3, 10, hidden\) float16"):
-        head_module.member_input_grad(d, w[:2], aux)
+        member_head.member_input_grad(d, w[:2], aux)
     with pytest.raises(ValueError, match=r"dlogits must be a C-contiguous \(members, batch, classes\)"):
-        head_module.member_input_grad(d[0], w, aux)
+        member_head.member_input_grad(d[0], w, aux)
 
 
 @pytest.mark.parametrize("bgrad", ["bgradb", "drelu_bgrad"])
@@ -76,14 +87,14 @@ def test_an_ensembles_bf16_step_with_the_head_kernel_follows_the_step_without(
     from mlptrain.run.ensemble import EnsembleTrainer
 
     calls = []
-    original = head_module.member_input_grad
+    original = member_head.member_input_grad
 
     def counted(*args: Any, **kw: Any) -> Any:
         if not threading.current_thread().name.startswith("mlptrain-precompile"):  # the step's calls only
             calls.append(args[0].shape)
         return original(*args, **kw)
 
-    monkeypatch.setattr(head_module, "member_input_grad", counted)
+    monkeypatch.setattr(member_head, "member_input_grad", counted)
     losses = {}
     for kernel in (True, False):
         cfg = ensemble_cfg("gpu", graph=True)

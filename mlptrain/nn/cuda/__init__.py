@@ -13,6 +13,8 @@ module              what it owns
                     (the twin of :mod:`mlptrain.nn.members`)
 ``head``            the output layer's input gradient as one small kernel: in the head's ``kernel``
                     mode it replaces the output layer's DRELU_BGRAD GEMM (:mod:`mlptrain.nn.head`)
+``member_head``     the same for an ensemble's K members in one launch, each member's result the single
+                    kernel's (:class:`mlptrain.nn.members.MemberHead`)
 ``fp8_gemm``        precision=fp8: FP8 GEMMs with epilogs through the raw cuBLASLt bindings
 ``fp8_kernels``     precision=fp8: the FP8 casts (straight, transposed), amaxes and scale updates
 ``epilogue_kernels`` DRELU(_BGRAD) and BGRADB's bias gradient after a plain GEMM, in mlptrain's kernels:

@@ -31,23 +31,8 @@ hold the kernel to. On random fp16 operands of (256, 10, 1024) it matched cuBLAS
 
 Where it enters the backward: :meth:`mlptrain.nn.head.OutputHead.grads` calls it (head mode
 ``kernel``) with the loss, and ``MLP._input_grad`` (``nn/network.py``) takes its ``dZ_below`` in place
-of the output layer's :meth:`mlptrain.nn.layers.Linear.grad_below`.
-
-An ensemble's K members (:func:`member_input_grad`, ``mlptrain_member_head_dgrad``) replace the batched
-GEMM ``dZ_below^T (K, H, B) = W^T (K, H, C) @ dlogits^T (K, C, B)`` with DRELU(_BGRAD), which cuBLASLt
-runs at K = C as a small-tile kernel and mlptrain's mask-and-sum pass after it
-(:mod:`mlptrain.nn.cuda.epilogue_kernels`). The members are folded into the block index: block
-``k * blocks + j`` is block ``j`` of member ``k``, whose body is the single kernel's, word for word, on
-member ``k``'s slices of every operand, so each member's result is the single kernel's bit for bit. Folded
-rather than a second grid axis because CuPy's ``ElementwiseKernel`` launches a one-dimensional grid, and
-it keeps the one source (the dtype template, the compile path) for both; the blocks come in the same
-order a ``gridDim.y = K`` launch would issue them (x fastest: a member's blocks together, reading the same
-``dlogits`` tile), and the price is one integer division per thread. Not timed against a 2-D launch.
-Each block is the single kernel's block, so K members run K times its blocks: where one model's
-``ceil(H / 8)`` blocks fill one wave of the GPU, K members take about K waves (at C = 10 a block's
-registers leave room for one block per SM). Whether that beats the batched GEMM and its mask-and-sum
-pass is the GPU's to measure (``benchmarks/probes/member_kernels.py``, with and without
-``execution.head_kernel=false``).
+of the output layer's :meth:`mlptrain.nn.layers.Linear.grad_below`. An ensemble's members take the
+same kernel's arithmetic in one launch: :mod:`mlptrain.nn.cuda.member_head`.
 """
 
 from __future__ import annotations
@@ -114,52 +99,6 @@ def head_input_grad(dlogits: Any, W: Any, relu_aux: Any, *, bias_grad_below: boo
     # flat views, no copies: relu_aux.T is the C-order (B, Mb) array of its memory
     args = (dlogits.reshape(-1), W.reshape(-1), relu_aux.T.reshape(-1), B, H, mb, bias_grad_below, dz.reshape(-1), db)
     dgrad_kernel(C)(*args, size=blocks * THREADS, block_size=THREADS)
-    return dz, (db if bias_grad_below else None)
-
-
-def member_input_grad(dlogits: Any, W: Any, relu_aux: Any, *, bias_grad_below: bool = True) -> tuple[Any, Any]:
-    """:func:`head_input_grad` of each of K members in one launch: ``dZ_below[k] = (dlogits[k] @ W[k]) *
-    relu'(Z_below[k])``, and its sum over member ``k``'s batch, member ``k``'s the single kernel's bits.
-
-    Args:
-        dlogits: ``(K, B, C)`` the members' loss gradients, C-contiguous, compute dtype.
-        W: ``(K, C, H)`` the members' output weights in the compute dtype, C-contiguous.
-        relu_aux: the layer below's masks, uint8 ``(K, Mb, B)``: each member's column-major ``(Mb, B)`` of
-            RELU_AUX_BIAS, the members one after the other (a batched GEMM's ``relu_aux``).
-        bias_grad_below: also return each member's ``dZ_below`` summed over its batch (DRELU_BGRAD); False:
-            DRELU only (the layer below reduces its own bias gradient with BGRADB).
-
-    Returns:
-        ``(dz_below (K, B, H), db_below (K, H) or None)`` in the compute dtype.
-
-    Raises:
-        ValueError: shapes, dtypes or layouts that do not fit together, naming them.
-    """
-    if dlogits.ndim != 3 or not dlogits.flags.c_contiguous:
-        raise ValueError(f"dlogits must be a C-contiguous (members, batch, classes) array; got shape {dlogits.shape}")
-    K, B, C = dlogits.shape
-    if not head_kernel_applies(B, C):
-        raise ValueError(f"the head kernel takes B <= 1024, C <= 32 and B * C <= 10240; got dlogits {dlogits.shape}")
-    if W.ndim != 3 or W.shape[:2] != (K, C) or W.dtype != dlogits.dtype or not W.flags.c_contiguous:
-        raise ValueError(
-            f"the output weights must be C-contiguous ({K}, {C}, hidden) {dlogits.dtype} for dlogits {dlogits.shape}; "
-            f"got {W.dtype} {W.shape}{'' if W.flags.c_contiguous else ' (not C-contiguous)'}"
-        )
-    H = W.shape[2]
-    mb = relu_aux_shape(H, B)[0]
-    want = (mb * B, 1, mb)  # member after member, each column-major; an axis of one element may have any stride
-    fits = all(s == w for s, w, n in zip(relu_aux.strides, want, relu_aux.shape, strict=False) if n > 1)
-    if relu_aux.dtype != cp.uint8 or relu_aux.shape != (K, mb, B) or not fits:
-        raise ValueError(
-            f"relu_aux must be uint8 {(K, mb, B)} with each member column-major (strides {want}) for {H} hidden "
-            f"units and batch {B}; got {relu_aux.dtype} {relu_aux.shape} strides {relu_aux.strides}"
-        )
-    dz = cp.empty((K, B, H), dtype=dlogits.dtype)  # member k's (B, H) == its column-major (H, B) DRELU result
-    db = cp.empty((K, H) if bias_grad_below else 1, dtype=dlogits.dtype)
-    blocks = -(-H // COLUMNS_PER_BLOCK)  # per member
-    aux = relu_aux.swapaxes(1, 2).reshape(-1)  # a flat view: (K, B, Mb) is the C-order array of its memory
-    args = (dlogits.reshape(-1), W.reshape(-1), aux, B, H, mb, blocks, bias_grad_below, dz.reshape(-1), db.reshape(-1))
-    member_dgrad_kernel(C)(*args, size=K * blocks * THREADS, block_size=THREADS)
     return dz, (db if bias_grad_below else None)
 
 
@@ -231,21 +170,6 @@ if (want_db) {  // a fixed tree over the PASS partials of each column
 """
 
 
-# Member k's slices of every operand under the names the single kernel's body reads, and its block index j
-# (blocks k * blocks .. k * blocks + blocks - 1 are member k's); then that body, word for word but for j.
-_MEMBER_PRELUDE = r"""
-const long long member = blockIdx.x / blocks, j = blockIdx.x % blocks;
-const T* const d = &d_all[member * B * C];                    // (B, C)
-const T* const W = &W_all[member * C * H];                    // (C, H)
-const unsigned char* const aux = &aux_all[member * B * Mb];   // (B, Mb): the column-major (Mb, B) mask
-T* const dzb = &dzb_all[member * B * H];                      // (B, H)
-T* const db = &db_all[want_db ? member * H : 0];              // (H,)
-"""
-_SINGLE_BLOCK = "(long long)blockIdx.x * COLS"
-assert _HEAD_BODY.count(_SINGLE_BLOCK) == 1  # the one place the body reads the grid
-_MEMBER_BODY = _MEMBER_PRELUDE + _HEAD_BODY.replace(_SINGLE_BLOCK, "j * COLS")
-
-
 def compile_ahead(weight: tuple[int, int], dtype: Any, rows: list[int], *, bias_grad_below: bool) -> None:
     """:func:`head_input_grad` for an output weight of shape ``weight`` (C, H) and each training batch of ``rows``,
     on zeros: the job :meth:`mlptrain.nn.head.OutputHead.precompile_jobs` declares."""
@@ -267,29 +191,4 @@ def dgrad_kernel(classes: int, cols: int = COLUMNS_PER_BLOCK, threads: int = THR
         loop_prep=prep,
         no_return=True,
         options=(f"--maxrregcount={min(255, 65536 // threads)}",),  # a full block shares the register file
-    )
-
-
-def compile_members_ahead(weight: tuple[int, int, int], dtype: Any, rows: list[int], *, bias_grad_below: bool) -> None:
-    """:func:`member_input_grad` for the members' output weights of shape ``weight`` (K, C, H) and each training batch
-    of ``rows``, on zeros: the job :meth:`mlptrain.nn.members.MemberHead.precompile_jobs` declares."""
-    w = cp.zeros(weight, dtype)  # (K, C, H)
-    k, c, h = w.shape
-    for r in rows:
-        aux = cp.zeros((k, *relu_aux_shape(h, r)[::-1]), cp.uint8).swapaxes(1, 2)  # (K, Mb, B), members column-major
-        member_input_grad(cp.zeros((k, r, c), w.dtype), w, aux, bias_grad_below=bias_grad_below)
-
-
-@functools.cache
-def member_dgrad_kernel(classes: int, cols: int = COLUMNS_PER_BLOCK, threads: int = THREADS) -> Any:
-    """The members' kernel for ``classes`` classes: :func:`dgrad_kernel`'s body on member ``k``'s slices."""
-    prep, _ = _head_source(classes, cols, threads)
-    return cp.ElementwiseKernel(
-        "raw T d_all, raw T W_all, raw uint8 aux_all, int64 B, int64 H, int64 Mb, int64 blocks, bool want_db",
-        "raw T dzb_all, raw T db_all",
-        _MEMBER_BODY,
-        "mlptrain_member_head_dgrad",
-        loop_prep=prep,
-        no_return=True,
-        options=(f"--maxrregcount={min(255, 65536 // threads)}",),
     )
