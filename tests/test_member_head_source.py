@@ -151,12 +151,12 @@ SHAPES = [(7, 3, 33), (70, 10, 16), (130, 2, 64), (600, 2, 16)]
 
 
 @needs_openmp
-@pytest.mark.parametrize("lanes", [1, 2, 4, 8])
+@pytest.mark.parametrize("lanes", [None, 1, 2, 4, 8])  # None: as member_lanes picks for 132 SMs (here: 1)
 @pytest.mark.parametrize("want_db", [True, False])
 @pytest.mark.parametrize(("b", "c", "h"), SHAPES)
 @pytest.mark.parametrize("k", [1, 3])
 def test_the_members_kernel_is_the_single_kernel_on_each_members_slices(
-    stand_in_cupy: Any, k: int, b: int, c: int, h: int, want_db: bool, lanes: int
+    stand_in_cupy: Any, k: int, b: int, c: int, h: int, want_db: bool, lanes: int | None
 ) -> None:
     from mlptrain.nn.cuda.head import head_input_grad
     from mlptrain.nn.cuda.member_head import member_input_grad

@@ -88,7 +88,7 @@ def member_input_grad(
             f"units and batch {B}; got {relu_aux.dtype} {relu_aux.shape} strides {relu_aux.strides}"
         )
     if lanes is None:
-        lanes = member_lanes(K, H, int(cp.cuda.Device().attributes["MultiProcessorCount"]))
+        lanes = member_lanes(K, H, _sms())
     if lanes not in LANE_CHOICES:
         raise ValueError(f"lanes must be one of {LANE_CHOICES}; got {lanes}")
     dz = cp.empty((K, B, H), dtype=dlogits.dtype)  # member k's (B, H) == its column-major (H, B) DRELU result
@@ -98,6 +98,12 @@ def member_input_grad(
     args = (dlogits.reshape(-1), W.reshape(-1), aux, B, H, mb, blocks, bias_grad_below, dz.reshape(-1), db.reshape(-1))
     member_dgrad_kernel(C, lanes)(*args, size=K * blocks * THREADS, block_size=THREADS)
     return dz, (db if bias_grad_below else None)
+
+
+@functools.cache
+def _sms() -> int:
+    """The GPU's SM count, read once (the step calls :func:`member_input_grad` every time it runs)."""
+    return int(cp.cuda.Device().attributes["MultiProcessorCount"])
 
 
 def compile_members_ahead(weight: tuple[int, int, int], dtype: Any, rows: list[int], *, bias_grad_below: bool) -> None:
