@@ -13,7 +13,7 @@ rounded once to the compute dtype, and every column's sum the same partials adde
 The single kernel's block is 8 columns (one relu_aux byte a row) by 64 row lanes: lane ``p`` sums rows
 ``p, p + 64, ...`` in order, then a tree adds the 64 lanes (lane ``i`` takes lane ``i + s`` for ``s = 32, 16,
 ..., 1``). It launches ``ceil(H / 8)`` blocks, one wave of an H100 for ``H <= 1024``. K members of that block
-would be K waves (at C = 10 a 512-thread block's registers leave room for one block per SM). So a block of
+would be K waves (ptxas gives the kernel ~100 registers a thread at C = 10: one 512-thread block per SM). So a block of
 the members' kernel is ``LANES`` times wider, ``8 LANES`` columns by ``64 / LANES`` row groups, and each
 thread keeps ``LANES`` lanes of its column in registers: lanes ``g, g + 64 / LANES, ...``. The steps of the
 tree that join two of a thread's lanes (``s >= 64 / LANES``) are register adds, the rest go through shared
