@@ -21,8 +21,8 @@ memory as the single kernel's do; the same adds, in the same order. :func:`membe
 block that still leaves a block for every two SMs; ``LANES = 1`` is the single kernel's block. The members
 are folded into the block index (block ``k * blocks + j`` is member ``k``'s block ``j``): CuPy's
 ``ElementwiseKernel`` launches a one-dimensional grid, and a member's blocks come together, as a
-``gridDim.y = K`` launch would issue them. Not timed on a GPU yet (``benchmarks/probes/member_kernels.py``,
-with and without ``execution.head_kernel=false``, decides it against the batched GEMM).
+``gridDim.y = K`` launch would issue them. Not timed on a GPU yet: ``benchmarks/probes/member_head.py`` times
+each width against the batched GEMM, ``benchmarks/probes/member_kernels.py`` the step with and without it.
 
 Where it enters the backward: :meth:`mlptrain.nn.members.MemberHead.grads` (head mode ``kernel``).
 """
