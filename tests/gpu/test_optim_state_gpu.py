@@ -2,7 +2,8 @@
 placeholder ``S``, CuPy's ``bfloat16``) against the CPU's NumPy update, one model's and an ensemble's per-member
 form, and a bf16 run's losses against the same run with a float32 state. Written on a CPU machine, where the
 kernel's source is held to the NumPy update bit for bit (tests/test_update_kernel_source.py); here nvcc may fuse
-``a * b + c`` into one FMA, so a state element may land one bfloat16 step from the CPU's."""
+``a * b + c`` into one FMA, so a state element may land a bfloat16 step or two from the CPU's (measured on an
+H100: two, after three steps), in a few elements."""
 
 import contextlib
 
@@ -49,13 +50,18 @@ def test_the_kernel_with_a_bfloat16_state_is_the_cpus_update(name: str, compute:
         on_cpu.lr = [lr * v / 0.01 for v in on_cpu.base_lr]  # each member's rate of this step, as the trainer sets it
         oc.step(np.asarray(lr))
     for a, b in zip(pg, pc, strict=True):
-        np.testing.assert_allclose(cp.asnumpy(a.value), b.value, rtol=1e-5, atol=1e-6, err_msg=a.name)
+        # a state element a bfloat16 step or two from the CPU's (an FMA's rounding, carried into the next steps)
+        # moves the weight by lr x that step: ~1e-5 a step at these rates (an H100 measured 1.4e-5 after three)
+        np.testing.assert_allclose(cp.asnumpy(a.value), b.value, rtol=1e-5, atol=1e-4, err_msg=a.name)
         if a.has_compute_copy:  # the compute copy is the master's, rounded
             np.testing.assert_array_equal(f64(a.compute), f64(cp.asnumpy(a.value).astype(np_dtype(compute))))
         for s in og.state_names:
             got = cp.asnumpy(og.state[a.name][s])
             assert got.dtype == np_dtype("bfloat16") and got.dtype == oc.state[b.name][s].dtype
-            assert _bits_apart(got, oc.state[b.name][s]) <= 1, f"{a.name}/{s}"
+            # FMA flips a rounding near a tie, and the state carries it on: at most 2 steps apart (an H100, 3 steps),
+            # and rarely (a truncating or unrounded store would put about half the elements a step apart)
+            assert _bits_apart(got, oc.state[b.name][s]) <= 2, f"{a.name}/{s}"
+            assert np.mean(got != oc.state[b.name][s]) < 0.05, f"{a.name}/{s}: too many elements off the CPU's"
 
 
 def _cfg(device: str, state_dtype: str | None) -> TrainConfig:
