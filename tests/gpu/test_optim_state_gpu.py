@@ -2,8 +2,7 @@
 placeholder ``S``, CuPy's ``bfloat16``) against the CPU's NumPy update, one model's and an ensemble's per-member
 form, and a bf16 run's losses against the same run with a float32 state. Written on a CPU machine, where the
 kernel's source is held to the NumPy update bit for bit (tests/test_update_kernel_source.py); here nvcc may fuse
-``a * b + c`` into one FMA, so a state element may land a bfloat16 step or two from the CPU's (measured on an
-H100: two, after three steps), in a few elements."""
+``a * b + c`` into one FMA, so a few state elements land a bfloat16 step or two from the CPU's (see the test)."""
 
 import contextlib
 
@@ -18,11 +17,6 @@ pytestmark = pytest.mark.gpu
 
 K = 3
 SHAPES = [(K, 37, 5), (K, 37), (K, 300, 70), (K, 1)]  # one element per member to many blocks
-
-
-def _bits_apart(a, b) -> int:
-    """The most bfloat16 steps between two bfloat16 arrays of one sign pattern (as the bits' integer distance)."""
-    return int(np.abs(a.view(np.uint16).astype(np.int32) - b.view(np.uint16).astype(np.int32)).max())
 
 
 @pytest.mark.parametrize("name", ["sgd", "nesterov", "adam", "adamw"])
@@ -42,26 +36,38 @@ def test_the_kernel_with_a_bfloat16_state_is_the_cpus_update(name: str, compute:
     on_cpu = MemberSettings(np, 0.01, [0.05, 0.01, 0.2], [0.0, 1e-3, 3e-2])
     if members:
         og.members, oc.members = MemberSettings(cp, 0.01, [0.05, 0.01, 0.2], [0.0, 1e-3, 3e-2]), on_cpu
+    # nvcc fuses a * b + c into one FMA where NumPy rounds twice, so a bfloat16 state element may land a step from
+    # the CPU's; carried into the next steps, where the two terms of an update cancel, such a step grows (an H100:
+    # 0.2% of exp_avg's elements a step off after two steps of bfloat16 gradients, a few of them 1% to 300% off
+    # after three, tree 6dc25cd). So each step starts the CPU from the GPU's weights and state, and holds one
+    # step's result to the CPU's: the state within one bfloat16 step (2^-7 relative at the bottom of a binade; or
+    # an FMA's rounding of the terms, where they cancel), the weights within the rate times that step of an update
+    # of up to 4 (2^-5 lr).
+    lr_max = 0.01 * (20 if members else 1)  # member 2's base rate 0.2 is 20 x optimizer.lr
+    off, total = 0, 0
     for lr in [0.01, 0.007, 0.004]:
         for a, b in zip(pg, pc, strict=True):
+            b.value[...] = cp.asnumpy(a.value)  # the CPU starts where the GPU is
+            for s in og.state_names:
+                oc.state[b.name][s][...] = cp.asnumpy(og.state[a.name][s])
             g = rng.standard_normal(a.value.shape).astype(np_dtype(compute))
             a.grad, b.grad = cp.asarray(g), g.astype(np.float32)
         og.step(cp.asarray(lr))
         on_cpu.lr = [lr * v / 0.01 for v in on_cpu.base_lr]  # each member's rate of this step, as the trainer sets it
         oc.step(np.asarray(lr))
-    for a, b in zip(pg, pc, strict=True):
-        # a state element a bfloat16 step or two from the CPU's (an FMA's rounding, carried into the next steps)
-        # moves the weight by lr x that step: ~1e-5 a step at these rates (an H100 measured 1.4e-5 after three)
-        np.testing.assert_allclose(cp.asnumpy(a.value), b.value, rtol=1e-5, atol=1e-4, err_msg=a.name)
-        if a.has_compute_copy:  # the compute copy is the master's, rounded
-            np.testing.assert_array_equal(f64(a.compute), f64(cp.asnumpy(a.value).astype(np_dtype(compute))))
-        for s in og.state_names:
-            got = cp.asnumpy(og.state[a.name][s])
-            assert got.dtype == np_dtype("bfloat16") and got.dtype == oc.state[b.name][s].dtype
-            # FMA flips a rounding near a tie, and the state carries it on: at most 2 steps apart (an H100, 3 steps),
-            # and rarely (a truncating or unrounded store would put about half the elements a step apart)
-            assert _bits_apart(got, oc.state[b.name][s]) <= 2, f"{a.name}/{s}"
-            assert np.mean(got != oc.state[b.name][s]) < 0.05, f"{a.name}/{s}: too many elements off the CPU's"
+        for a, b in zip(pg, pc, strict=True):
+            np.testing.assert_allclose(cp.asnumpy(a.value), b.value, rtol=1e-5, atol=lr_max * 2.0**-5)
+            if a.has_compute_copy:  # the compute copy is the master's, rounded
+                np.testing.assert_array_equal(f64(a.compute), f64(cp.asnumpy(a.value).astype(np_dtype(compute))))
+            for s in og.state_names:
+                got = cp.asnumpy(og.state[a.name][s])
+                assert got.dtype == np_dtype("bfloat16") and got.dtype == oc.state[b.name][s].dtype
+                ours, cpus = f64(got), f64(oc.state[b.name][s])
+                bound = 2.0**-7 * np.abs(cpus) + 2.0**-20 * np.abs(cpus).max()  # a step, or the terms' rounding
+                assert np.all(np.abs(ours - cpus) <= bound), f"{a.name}/{s}: beyond a bfloat16 step of the CPU's"
+                off, total = off + int(np.sum(ours != cpus)), total + ours.size
+    # rarely: a truncating store, or one that kept the unrounded value, puts about half the elements off
+    assert off < 0.01 * total, f"{off} of {total} state elements differ from the CPU's"
 
 
 def _cfg(device: str, state_dtype: str | None) -> TrainConfig:
