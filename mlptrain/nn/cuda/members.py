@@ -1,4 +1,4 @@
-"""An ensemble's per-member sums on the GPU: the GPU half of :mod:`mlptrain.nn.members`, two one-block kernels.
+"""An ensemble's per-member sums on the GPU: the GPU half of :mod:`mlptrain.nn.members`, two small kernels.
 
 After the loss's row kernel (``mlptrain_xent_rows`` over the ``K * B`` rows of the stacked logits), an ensemble's
 step still has small reductions: each member's mean loss and correct count, the epoch's running sums per member,
