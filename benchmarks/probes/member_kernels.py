@@ -4,7 +4,8 @@ For the two cases of ``benchmarks/bench_members.py`` (8 members of 256-1024-1024
 256, bf16), one model and the ensemble, with and without a CUDA graph: the step's steady time (CUDA events, a
 chain of steps, median) and each kernel's GPU time per step from PyTorch's CUPTI-based profiler (as
 ``step_kernels.py --profile`` reads them). Writes ``member_kernels.json`` into ``$OUT`` (default: the current
-folder).
+folder); with ``MEMBER_TRACES=1`` also each graphed case's profile timeline, ``trace-<case>.json``, which
+``benchmarks/probes/step_timeline.py`` reads.
 
 Usage: python benchmarks/probes/member_kernels.py [KEY=VALUE ...]   (settings of every run, as on the command line of
 ``python -m mlptrain``: execution.epilogue_kernels=false; a GPU with CuPy and nvmath-python, PyTorch for the profile)
@@ -20,8 +21,10 @@ from pathlib import Path
 CASES = {"big": (256, [1024, 1024], 10, 8), "small": (64, [256, 256], 2, 32)}
 
 
-def profile_kernels(fn, reps: int) -> list[tuple[str, float]]:
-    """``[(kernel name, mean GPU microseconds per call of fn)]``, largest first, from PyTorch's profiler."""
+def profile_kernels(fn, reps: int, trace: Path | None = None) -> list[tuple[str, float]]:
+    """``[(kernel name, mean GPU microseconds per call of fn)]``, largest first, from PyTorch's profiler; with
+    ``trace``, the profile's timeline is written there too (Chrome's trace format: each kernel's stream, start and
+    duration, for ``benchmarks/probes/step_timeline.py``)."""
     import cupy as cp
     from torch.profiler import ProfilerActivity, profile
 
@@ -29,6 +32,8 @@ def profile_kernels(fn, reps: int) -> list[tuple[str, float]]:
         for _ in range(reps):
             fn()
         cp.cuda.get_current_stream().synchronize()
+    if trace is not None:
+        prof.export_chrome_trace(str(trace))
     totals: dict[str, float] = {}
     for e in prof.events():
         if e.device_type.name == "CUDA":
@@ -59,8 +64,9 @@ def trainer(features: int, hidden: list[int], classes: int, members: int, graph:
     return EnsembleTrainer(cfg) if members > 1 else Trainer(cfg)
 
 
-def measure(tr) -> tuple[float, list[tuple[str, float]]]:
-    """``tr``'s steady step time (ms) and its kernels' GPU time per step, on 8 of its batches in turn."""
+def measure(tr, trace: Path | None = None) -> tuple[float, list[tuple[str, float]]]:
+    """``tr``'s steady step time (ms) and its kernels' GPU time per step, on 8 of its batches in turn (the profile's
+    timeline written to ``trace`` if given)."""
     from mlptrain.base.cuda.timing import cuda_time_ms
     from mlptrain.tools.bench.medians import CHAIN, median
 
@@ -76,7 +82,7 @@ def measure(tr) -> tuple[float, list[tuple[str, float]]]:
 
         for _ in range(5):
             step()
-        return median(cuda_time_ms(step, warmup=2, reps=20, chain=CHAIN)), profile_kernels(step, 10)
+        return median(cuda_time_ms(step, warmup=2, reps=20, chain=CHAIN)), profile_kernels(step, 10, trace)
 
 
 def update_bytes(tr) -> int:
@@ -105,14 +111,16 @@ def copy_tb_s(nbytes: int = 256 * 2**20) -> float:
 def main() -> int:
     import cupy as cp
 
+    out_dir = Path(os.environ.get("OUT", "."))
+    traces = os.environ.get("MEMBER_TRACES") == "1"  # also write each graphed step's timeline
     out: dict = {"copy_tb_s": copy_tb_s()}
     print(f"== a device copy of 256 MiB: {out['copy_tb_s']:.2f} TB/s (read + written)")
     for case, (features, hidden, classes, k) in CASES.items():
         for members in (1, k):
             for graph in (True, False):
                 tr = trainer(features, hidden, classes, members, graph, sys.argv[1:])
-                ms, kernels = measure(tr)
                 key = f"{case}-K{members}-{'graph' if graph else 'eager'}"
+                ms, kernels = measure(tr, out_dir / f"trace-{key}.json" if graph and traces else None)
                 total = sum(us for _, us in kernels)
                 moved = update_bytes(tr)
                 update_us = sum(us for name, us in kernels if name.startswith("mlptrain_") and "_step" in name)
@@ -122,7 +130,7 @@ def main() -> int:
                 for name, us in kernels[:25]:
                     print(f"   {us:8.2f}  {name[:110]}")
                 cp.get_default_memory_pool().free_all_blocks()
-    (Path(os.environ.get("OUT", ".")) / "member_kernels.json").write_text(json.dumps(out, indent=1) + "\n")
+    (out_dir / "member_kernels.json").write_text(json.dumps(out, indent=1) + "\n")
     return 0
 
 
