@@ -96,13 +96,8 @@ def test_a_layout_the_kernels_do_not_take_is_refused() -> None:
         epilogue_kernels.drelu(d, aux)
 
 
-def test_an_ensembles_bf16_step_with_the_kernels_follows_the_step_without(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Graphed, 10 steps of 4 members in bf16: the kernels run (counted), and the losses follow cuBLASLt's
-    epilogues' within bf16's rounding (the same data, initialisation and order; only the roundings differ)."""
-    from test_ensemble_gpu import ensemble_cfg
-
-    from mlptrain.run.ensemble import EnsembleTrainer
-
+def _count_kernel_calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Calls of ``epilogue_kernels.drelu`` and ``.bgradb`` from here on, by name."""
     calls = {"drelu": 0, "bgradb": 0}
     for name in calls:
         original = getattr(epilogue_kernels, name)
@@ -112,6 +107,17 @@ def test_an_ensembles_bf16_step_with_the_kernels_follows_the_step_without(monkey
             return _original(*args, **kw)
 
         monkeypatch.setattr(epilogue_kernels, name, counted)
+    return calls
+
+
+def test_an_ensembles_bf16_step_with_the_kernels_follows_the_step_without(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Graphed, 10 steps of 4 members in bf16: the kernels run (counted), and the losses follow cuBLASLt's
+    epilogues' within bf16's rounding (the same data, initialisation and order; only the roundings differ)."""
+    from test_ensemble_gpu import ensemble_cfg
+
+    from mlptrain.run.ensemble import EnsembleTrainer
+
+    calls = _count_kernel_calls(monkeypatch)
     losses = {}
     for own in (None, False):
         cfg = ensemble_cfg("gpu", graph=True)
@@ -122,4 +128,36 @@ def test_an_ensembles_bf16_step_with_the_kernels_follows_the_step_without(monkey
             losses[own] = np.array([cp.asnumpy(tr.step(x, y)[0]) for x, y in tr.train_batches(0)][:10])
         if own is None:
             assert calls["drelu"] > 0 and calls["bgradb"] > 0, f"the kernels did not run: {calls}"
+    np.testing.assert_allclose(losses[None], losses[False], rtol=2e-2)
+
+
+@pytest.mark.parametrize("bgrad", ["drelu_bgrad", "bgradb"])
+def test_one_models_bf16_step_runs_the_kernels_by_default_and_follows_cublaslt(
+    monkeypatch: pytest.MonkeyPatch, bgrad: str
+) -> None:
+    """One model (64-256-256-256-10, batch 256, bf16), graphed: the default (``epilogue_kernels`` null) finishes its
+    backward GEMMs in mlptrain's kernels (counted: DRELU_BGRAD's or BGRADB's), and 10 steps' losses follow cuBLASLt's
+    epilogues' (false) within bf16's rounding, from the same weights on the same batch."""
+    from mlptrain.cli.main import compose_config
+    from mlptrain.step.trainer import Trainer
+    from mlptrain.tools.bench.step_trainer import random_dataset, step_overrides
+
+    widths, batch = [64, 256, 256, 256, 10], 256
+    calls = _count_kernel_calls(monkeypatch)
+    losses = {}
+    for own in (None, False):
+        setting = "null" if own is None else "false"
+        cfg = compose_config(
+            [*step_overrides(widths, batch, "bf16", bgrad=bgrad), f"execution.epilogue_kernels={setting}"]
+        )
+        tr = Trainer(cfg, dataset=random_dataset(widths, batch))
+        with tr.stream:
+            xb, yb = next(iter(tr.train_loader.epoch(0, out=tr.batch_buffers)))
+            losses[own] = np.array([float(tr.step(xb, yb)[0]) for _ in range(10)])
+        if own is None:
+            assert calls["drelu"] > 0, f"the mask kernel did not run: {calls}"
+            assert (calls["bgradb"] > 0) == (bgrad == "bgradb"), f"bgrad={bgrad}: {calls}"
+            seen = dict(calls)
+    assert calls == seen, f"epilogue_kernels=false ran mlptrain's kernels: {seen} then {calls}"
+    assert losses[False][-1] < 0.9 * losses[False][0]  # it trains: a wrong mask would not follow it
     np.testing.assert_allclose(losses[None], losses[False], rtol=2e-2)
