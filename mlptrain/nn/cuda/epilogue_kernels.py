@@ -34,6 +34,7 @@ bias, ten classes) has no 16-byte rows: ``mlptrain_row_sums_warp`` gives each ro
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import cupy as cp
@@ -123,6 +124,13 @@ extern "C" __global__ void mlptrain_row_sums_warp(const unsigned short* d, long 
 # Blocks enough to fill the H200's 132 SMs a few times over; the slabs split N to get there.
 TARGET_BLOCKS = 4 * 132
 
+# Where a bias gradient (the result) is allocated: ``alloc(size, dtype)``, or None for ``cupy.empty``. On the side
+# stream of the weight gradients the caller passes one drawing from the main stream's free lists
+# (:func:`mlptrain.nn.cuda.streams.results_allocator`). Only the result: the ``partial`` scratch is freed on return,
+# while the stream that allocated it may still be reading it, which only that stream's own pool orders safely (a
+# block handed back to the main stream's lists could be reused there before the side stream's finish kernel ran).
+Alloc = Callable[[int, Any], Any] | None
+
 
 @functools.cache
 def module() -> Any:
@@ -136,13 +144,14 @@ def compile_ahead() -> None:
         module().get_function(name)
 
 
-def drelu(d: Any, relu_aux: Any, bgrad: bool = True) -> Any:
+def drelu(d: Any, relu_aux: Any, bgrad: bool = True, alloc: Alloc = None) -> Any:
     """Mask ``d`` in place with ``relu_aux`` (DRELU) and, with ``bgrad``, return its row sums (DRELU_BGRAD).
 
     ``d``: bfloat16 ``(M, N)`` column-major, or a batch ``(K, M, N)`` of column-major members one after the
     other; ``M`` a multiple of 8 (:func:`fits`). ``relu_aux``: the uint8 ``(Mb, N)`` column-major mask of
     :func:`mlptrain.nn.epilogs.relu_aux_shape` (a batch: ``(K, Mb, N)``, the members one after the other).
-    Returns ``db (M,)`` (a batch: ``(K, M)``) in D's dtype, or None without ``bgrad``."""
+    Returns ``db (M,)`` (a batch: ``(K, M)``) in D's dtype, or None without ``bgrad``; ``alloc(size, dtype)``
+    allocates it (default ``cupy.empty``; scratch comes from the current stream's pool either way: :data:`Alloc`)."""
     k, m, n = _members(d)
     mb = relu_aux.shape[-2]
     if relu_aux.shape[:-2] != d.shape[:-2] or relu_aux.shape[-1] != n or mb * 8 < m or not _stacked(relu_aux):
@@ -151,14 +160,15 @@ def drelu(d: Any, relu_aux: Any, bgrad: bool = True) -> Any:
         raise ValueError(
             f"the mask kernel needs a column-major bfloat16 (M, N), M a multiple of 8; got {d.dtype} {d.shape}"
         )
-    db = _slab_sums(d, relu_aux, mb, k, m, n, bgrad)
+    db = _slab_sums(d, relu_aux, mb, k, m, n, bgrad, alloc or cp.empty)
     return None if db is None else db.reshape(d.shape[:-1])
 
 
-def bgradb(b: Any) -> Any:
+def bgradb(b: Any, alloc: Alloc = None) -> Any:
     """BGRADB's bias gradient: ``b (Kd, N)`` (bfloat16, C order: a weight-gradient GEMM's B operand) summed over
     ``Kd`` in float32 and rounded to bf16, ``(N,)``; a batch ``(K, Kd, N)`` of C-order members gives ``(K, N)``.
-    ``b`` is read, not written: as the column-major ``(N, Kd)`` it also is, its rows summed."""
+    ``b`` is read, not written: as the column-major ``(N, Kd)`` it also is, its rows summed. ``alloc``: as
+    :func:`drelu`'s."""
     t = b.swapaxes(-1, -2)  # (..., N, Kd) column-major
     k, m, n = _members(t)
     if b.dtype.name != "bfloat16" or not _stacked(t):
@@ -166,9 +176,9 @@ def bgradb(b: Any) -> Any:
             f"the bias-gradient kernel needs a C-order bfloat16 (Kd, N) or (K, Kd, N); got {b.dtype} {b.shape}"
         )
     if fits(t):
-        db = _slab_sums(t, None, 0, k, m, n, True)
+        db = _slab_sums(t, None, 0, k, m, n, True, alloc or cp.empty)
     else:  # N not a multiple of 8 (an output layer of ten classes): a warp a row
-        db = cp.empty(k * m, dtype=b.dtype)
+        db = (alloc or cp.empty)(k * m, b.dtype)
         warps = k * m
         module().get_function("mlptrain_row_sums_warp")(
             (-(-warps * 32 // 256),), (256,), (t, np.int64(m), np.int64(n), np.int64(k), db)
@@ -202,8 +212,9 @@ def _stacked(a: Any) -> bool:
     return all(s == w for s, w, size in zip(a.strides, want, a.shape, strict=True) if size > 1)
 
 
-def _slab_sums(d: Any, relu_aux: Any, mb: int, k: int, m: int, n: int, bgrad: bool) -> Any:
-    """The partial kernel over ``K`` members' ``(M, N)``, then (``bgrad``) the finish: ``db (K * M,)`` or None."""
+def _slab_sums(d: Any, relu_aux: Any, mb: int, k: int, m: int, n: int, bgrad: bool, alloc: Any) -> Any:
+    """The partial kernel over ``K`` members' ``(M, N)``, then (``bgrad``) the finish: ``db (K * M,)`` (from
+    ``alloc``) or None. ``partial`` is scratch: freed on return, so it must come from the current stream's pool."""
     row_blocks = -(-m // 256)
     slabs = max(1, min(-(-TARGET_BLOCKS // (row_blocks * k)), -(-n // 8)))  # per member
     cols = -(-n // slabs)
@@ -215,7 +226,7 @@ def _slab_sums(d: Any, relu_aux: Any, mb: int, k: int, m: int, n: int, bgrad: bo
     module().get_function("mlptrain_drelu_partial")((row_blocks, k * slabs), (32, 8), args)
     if partial is None:
         return None
-    db = cp.empty(k * m, dtype=d.dtype)
+    db = alloc(k * m, d.dtype)
     finish = module().get_function("mlptrain_bgrad_finish")
     finish((-(-k * m // 256),), (256,), (partial, np.int32(slabs), np.int64(m), np.int64(k), db))
     return db
