@@ -257,8 +257,8 @@ class ExecutionConfig:
     head_kernel: bool = _f(True, "GPU, fused, small heads: the output layer's input gradient as one kernel")
     epilogue_kernels: Optional[bool] = _f(
         None,
-        "GPU, fused, bf16: DRELU, DRELU_BGRAD and BGRADB as the plain GEMM and mlptrain's mask-and-sum kernels "
-        "instead of cuBLASLt's separate epilogue kernels; null: for an ensemble's batched GEMMs only",
+        "GPU, fused, bf16: DRELU(_BGRAD) and BGRADB as the plain GEMM and mlptrain's kernels, not cuBLASLt's; "
+        "null: for an ensemble's batched GEMMs and single ones of at least 2^31 multiply-adds (M N K)",
     )
     precompile: bool = _f(
         True,

@@ -240,8 +240,9 @@ class Trainer:
         sc, shapes = self.scaler, [p.value.shape for p in self.model.params]
         fused = self.cfg.execution.mode.value == "fused"
         gemm_jobs = getattr(self.gemm, "precompile_jobs", None)  # the GPU's 16-bit engine: its epilogue kernels
+        macs = self.cfg.data.batch_size * max(a * b for a, b in zip(self.widths, self.widths[1:], strict=False))
         return [
-            *(gemm_jobs(cdt, self.members > 1) if gemm_jobs is not None and fused else []),
+            *(gemm_jobs(cdt, self.members > 1, macs) if gemm_jobs is not None and fused else []),
             *self.head.precompile_jobs(self.model, cdt, batches, sc.scale),
             *self.optimizer.precompile_jobs(
                 cdt,

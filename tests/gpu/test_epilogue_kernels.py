@@ -1,6 +1,7 @@
-"""mlptrain's epilogue kernels (mlptrain.nn.cuda.epilogue_kernels) finishing an ensemble's batched bf16 GEMMs:
-DRELU, DRELU_BGRAD and BGRADB as the plain GEMM and the mask-and-sum kernels, against the NumPy batched contract
-and cuBLASLt's own epilogues; and an ensemble's bf16 step with them against the same step without.
+"""mlptrain's epilogue kernels (mlptrain.nn.cuda.epilogue_kernels) finishing bf16 GEMMs: DRELU, DRELU_BGRAD and
+BGRADB as the plain GEMM and the mask-and-sum kernels, against the NumPy (batched) contract and cuBLASLt's own
+epilogues; an ensemble's and one model's bf16 step with them against the same step without; and the default's
+choice of a single GEMM by its size.
 Written on a CPU machine: the GPU issue runs it."""
 
 from typing import Any
@@ -133,9 +134,8 @@ def test_an_ensembles_bf16_step_with_the_kernels_follows_the_step_without(
         tr = EnsembleTrainer(cfg)
         with tr.stream:
             losses[own] = np.array([cp.asnumpy(tr.step(x, y)[0]) for x, y in tr.train_batches(0)][:10])
-        if own is None:
-            assert calls["drelu"] > 0, f"the mask kernel did not run: {calls}"
-            assert (calls["bgradb"] > 0) == (bgrad == "bgradb"), f"bgrad={bgrad}: {calls}"
+        if own is None:  # (the output layer's own bias gradient is BGRADB's with either strategy)
+            assert calls["drelu"] > 0 and calls["bgradb"] > 0, f"the kernels did not run: {calls}"
     np.testing.assert_allclose(losses[None], losses[False], rtol=2e-2)
 
 
@@ -168,3 +168,27 @@ def test_one_models_bf16_step_with_the_kernels_follows_cublaslt(monkeypatch: pyt
     assert calls == seen, f"epilogue_kernels=false ran mlptrain's kernels: {seen} then {calls}"
     assert losses[False][-1] < 0.9 * losses[False][0]  # it trains: a wrong mask would not follow it
     np.testing.assert_allclose(losses[True], losses[False], rtol=2e-2)
+
+
+@pytest.mark.parametrize("big", [False, True])
+def test_by_default_a_single_gemm_from_its_size_on_ends_in_the_kernels(
+    monkeypatch: pytest.MonkeyPatch, big: bool
+) -> None:
+    """``epilogue_kernels`` null: a single (unbatched) bf16 DRELU_BGRAD GEMM of at least ``OWN_EPILOGUE_MIN_MACS``
+    multiply-adds runs plain and then the mask kernel, a smaller one keeps cuBLASLt's epilogue; both give the
+    contract's D within a bf16 rounding."""
+    from mlptrain.nn.cuda.gemm import OWN_EPILOGUE_MIN_MACS
+    from mlptrain.nn.execution import NumpyGemm
+
+    m, n = 256, 1024
+    kd = -(-OWN_EPILOGUE_MIN_MACS // (m * n)) if big else 64  # M N K at the threshold, or far below
+    rng = np.random.default_rng(kd)
+    a = bf16(rng, (kd, m), 0.1).T  # W^T (M, Kd) column-major
+    b = bf16(rng, (n, kd)).T  # dZ^T (Kd, N) column-major
+    aux = pack_relu_mask(rng.random((m, n)) > 0.4)
+    calls = _count_kernel_calls(monkeypatch)
+    d, out = NvmathGemm()("l.dgrad", cp.asarray(a), cp.asarray(b), Epilog.DRELU_BGRAD, relu_aux=cp.asarray(aux))
+    assert (calls["drelu"] == 1) == big, f"M N K = {m * n * kd} against {OWN_EPILOGUE_MIN_MACS}: {calls}"
+    d_ref, out_ref = NumpyGemm()("l.dgrad", a, b, Epilog.DRELU_BGRAD, relu_aux=aux)
+    assert np.abs(f64(d) - f64(d_ref)).max() <= 2.0**-7 * np.abs(f64(d_ref)).max()
+    assert out["drelu_bgrad"].shape == out_ref["drelu_bgrad"].shape

@@ -18,7 +18,7 @@ module              what it owns
 ``fp8_gemm``        precision=fp8: FP8 GEMMs with epilogs through the raw cuBLASLt bindings
 ``fp8_kernels``     precision=fp8: the FP8 casts (straight, transposed), amaxes and scale updates
 ``epilogue_kernels`` DRELU(_BGRAD) and BGRADB's bias gradient after a plain GEMM, in mlptrain's kernels:
-                    precision=fp8's, and an ensemble's batched bf16 GEMMs (``execution.epilogue_kernels``)
+                    precision=fp8's, an ensemble's batched bf16 GEMMs, large single ones (execution.epilogue_kernels)
 =================== ================================================================
 
 Every module here imports CuPy (or nvmath) when it is imported; what that rule means for the rest of

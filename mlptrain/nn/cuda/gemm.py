@@ -35,6 +35,11 @@ log = logging.getLogger(__name__)
 _NV_EPILOG = {e: getattr(MatmulEpilog, e.value) for e in Epilog}
 _OWN_EPILOGS = (Epilog.DRELU, Epilog.DRELU_BGRAD, Epilog.BGRADB)  # what epilogue_kernels can finish
 
+# From this many multiply-adds (M N K) a single bf16 GEMM's DRELU, DRELU_BGRAD and BGRADB run as the plain GEMM and
+# mlptrain's kernels by default: below it cuBLASLt's epilogue is as fast or faster in the whole step, above it
+# slower (docs/benchmarks.md, "Epilogue kernels, one model": benchmarks/probes/single_epilogues.py).
+OWN_EPILOGUE_MIN_MACS = 2**31
+
 
 def signature(a: Any, b: Any, epilog: Epilog | None) -> tuple:
     """What a plan depends on: operand shapes, strides and dtype, and the epilog."""
@@ -56,8 +61,10 @@ class NvmathGemm:
             (``scripts/bench.py --sections m`` measures it).
         epilogue_kernels: where bfloat16 GEMMs' DRELU, DRELU_BGRAD and BGRADB run as the plain GEMM and
             mlptrain's kernels (:mod:`mlptrain.nn.cuda.epilogue_kernels`) instead of cuBLASLt's epilogue:
-            None (``execution.epilogue_kernels``'s default) for batched GEMMs only (an ensemble's, whose
-            epilogues cuBLASLt runs as kernels of their own), True for every GEMM, False for none.
+            None (``execution.epilogue_kernels``'s default) for batched GEMMs (an ensemble's, whose epilogues
+            cuBLASLt runs as kernels of their own) and a single GEMM of at least :data:`OWN_EPILOGUE_MIN_MACS`
+            multiply-adds (where cuBLASLt's epilogued bf16 GEMM is slower than the plain one and the kernels),
+            True for every GEMM, False for none.
 
     Every call enqueues on CuPy's current stream (nvmath's default), so a ``with stream:`` block
     (the training step's stream, the side stream of the weight gradients) decides where a GEMM runs.
@@ -121,8 +128,12 @@ class NvmathGemm:
         a DRELU, DRELU_BGRAD or BGRADB of bfloat16 operands whose layouts the kernels take."""
         if self.epilogue_kernels is False or epilog not in _OWN_EPILOGS or a.dtype.name != "bfloat16":
             return False
-        if self.epilogue_kernels is None and a.ndim != 3:  # the default: batched GEMMs only
-            return False
+        if (
+            self.epilogue_kernels is None
+            and a.ndim != 3
+            and a.shape[0] * a.shape[1] * b.shape[1] < OWN_EPILOGUE_MIN_MACS
+        ):
+            return False  # the default: one small GEMM keeps cuBLASLt's epilogue
         if epilog is Epilog.BGRADB:  # b (..., Kd, N) C-order: the bias gradient is its column sums
             return b.flags.c_contiguous
         aux = inputs.get("relu_aux")
@@ -150,10 +161,12 @@ class NvmathGemm:
             return d, {}
         return d, {"drelu_bgrad": db if db.ndim == 1 else db[..., None]}
 
-    def precompile_jobs(self, dtype: Any, batched: bool) -> list[Job]:
+    def precompile_jobs(self, dtype: Any, batched: bool, largest_macs: int) -> list[Job]:
         """The mask-and-sum kernels compiled ahead (stage ``loss``: before the first backward), where a step of
-        ``dtype`` GEMMs (``batched``: an ensemble's) runs them."""
-        runs = self.epilogue_kernels or (self.epilogue_kernels is None and batched)
+        ``dtype`` GEMMs (``batched``: an ensemble's; the largest of ``largest_macs`` multiply-adds) runs them."""
+        runs = self.epilogue_kernels or (
+            self.epilogue_kernels is None and (batched or largest_macs >= OWN_EPILOGUE_MIN_MACS)
+        )
         if not runs or cp.dtype(dtype).name != "bfloat16":
             return []
         return [Job("the epilogue kernels (DRELU, bias gradients)", "loss", epilogue_kernels.compile_ahead)]
