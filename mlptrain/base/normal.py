@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import numpy as np
 
-# Coefficients of AS241, highest degree first (np.polyval's order): numerator and denominator of each region.
-_CENTRAL = (
+# Coefficients of AS241, highest degree first (np.polyval's order): numerator and denominator of each region
+# (public: mlptrain.inference.onnx_quantile builds the same function as ONNX nodes).
+CENTRAL = (
     (
         2509.0809287301226727,
         33430.575583588128105,
@@ -40,7 +41,7 @@ _CENTRAL = (
         1.0,
     ),
 )
-_NEAR = (
+NEAR = (
     (
         7.7454501427834140764e-4,
         0.0227238449892691845833,
@@ -62,7 +63,7 @@ _NEAR = (
         1.0,
     ),
 )
-_FAR = (
+FAR = (
     (
         2.01033439929228813265e-7,
         2.71155556874348757815e-5,
@@ -97,15 +98,15 @@ def ndtri(p: np.ndarray) -> np.ndarray:
     central = np.abs(q) <= 0.425
     qc = q[central]
     r = 0.180625 - qc * qc
-    out[central] = qc * _rational(_CENTRAL, r)
+    out[central] = qc * _rational(CENTRAL, r)
     tail = ~central
     qt = q[tail]
     with np.errstate(divide="ignore", invalid="ignore"):  # p = 0 or 1: log(0) = -inf, r = inf; outside [0, 1]: NaN
         r = np.sqrt(-np.log(np.where(qt <= 0.0, p[tail], 1.0 - p[tail])))
         x = np.full_like(r, np.nan)
         near, far = r <= 5.0, r > 5.0
-        x[near] = _rational(_NEAR, r[near] - 1.6)
-        x[far] = _rational(_FAR, r[far] - 5.0)
+        x[near] = _rational(NEAR, r[near] - 1.6)
+        x[far] = _rational(FAR, r[far] - 5.0)
     x[np.isinf(r)] = np.inf  # the tails' limits: p = 0 -> -inf, p = 1 -> +inf
     out[tail] = np.where(qt < 0.0, -x, x)
     return out
