@@ -1,9 +1,10 @@
 """ONNX export of a ``data.normalize=quantile`` model (mlptrain.inference.onnx_quantile): the graph's interp against
 ``np.interp`` (ties, constant columns, values at and between quantiles, outside the range), its ndtri against SciPy's
-and mlptrain's, its whole map against ``QuantileMap.apply_``."""
+and mlptrain's, its whole map against ``QuantileMap.apply_``, and exported models against ``mlptrain.predict``."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -11,8 +12,12 @@ import pytest
 from numpy.testing import assert_allclose, assert_array_equal
 
 from mlptrain.base.normal import ndtri as numpy_ndtri
+from mlptrain.cli.export import ExportArgs, export
 from mlptrain.data.files.column_stats import HIGH, LOW, QuantileMap
 from mlptrain.inference import onnx_quantile
+from mlptrain.inference.onnx_columns import feeds
+from mlptrain.inference.predictor import Predictor
+from tests.test_scaling import cli, table, write_table
 
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
@@ -147,3 +152,72 @@ def test_the_whole_map_is_quantile_maps() -> None:
     mapped = got[:, [0, 1, 3, 4, 6]]
     assert mapped.min() == LOW and mapped.max() == HIGH  # at or beyond the ends: clipped
     assert (got[:n, 6] == LOW).all()
+
+
+@pytest.fixture(scope="module")
+def quantile_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One model and one ensemble of 3 trained with data.normalize=quantile on a CSV with skewed columns, ties, a
+    constant, empty cells and a text column (tests.test_scaling.write_table), and the rows to score."""
+    tmp = tmp_path_factory.mktemp("onnx_quantile")
+    write_table(tmp / "train.csv", 400, 0)
+    x = table(400, 2).astype(np.float32)  # numbers only: no column plan, the graph's input is x (N, 7)
+    np.savez(tmp / "numeric.npz", x=x, y=(np.log(x[:, 0]) + x[:, 2] > 1.5).astype(np.int64))
+    args = ["data=file", "data.normalize=quantile", "epochs=3", "device=cpu", "progress=false"]
+    for name, extra in (
+        ("single", ["data.path=train.csv", "data.target=label"]),
+        ("ensemble", ["data.path=train.csv", "data.target=label", "ensemble.size=3"]),
+        ("numeric", ["data.path=numeric.npz"]),
+    ):
+        cli("mlptrain", *args, *extra, f"hydra.run.dir={name}", cwd=tmp)
+    return tmp
+
+
+def _outside(frame: Any) -> Any:
+    """Rows beyond the training range: every numeric column far below and far above its training values."""
+    out = frame.copy()
+    for c in ("skew", "outlier", "ties", "spike"):
+        values = frame[c].replace("", np.nan).astype(float)
+        half = len(out) // 2
+        out.loc[: half - 1, c] = (values.min() - 10.0 * (values.std() + 1)).astype(str)
+        out.loc[half:, c] = (values.max() + 10.0 * (values.std() + 1)).astype(str)
+    out["constant"] = "-7.5"  # a constant column's other value: shifted, not mapped
+    return out
+
+
+@pytest.mark.parametrize("name", ["single", "ensemble"])
+def test_a_quantile_model_exports_to_onnx_equal_to_predict(quantile_runs: Path, name: str) -> None:
+    import pandas as pd
+
+    ckpt = quantile_runs / name / "checkpoints" / "best.npz"
+    p = Predictor(ckpt, device="cpu", precision="fp32")
+    assert p.normalization.quantile is not None and p.plan is not None
+    assert (p.model.members == 3) == (name == "ensemble")
+    mapped = [p.feature_names[j] for j in p.normalization.quantile.columns] if p.feature_names else []
+    assert mapped == ["skew", "outlier", "ties", "spike"]  # not the constant, the indicator or the one-hots
+    out = export(ExportArgs(ckpt=str(ckpt), format="onnx", output=str(quantile_runs / f"{name}.onnx")))
+    session = ort.InferenceSession(str(out))
+    train = pd.read_csv(quantile_runs / "train.csv", keep_default_na=False, dtype=str)
+    for frame in (train, _outside(train)):
+        probs, class_id = session.run(["probabilities", "class_id"], feeds(p.plan, frame))
+        cells = {c: np.char.strip(frame[c].to_numpy().astype(str)) for c in p.plan.names}
+        want = p.run(p.encode(cells, "raw", str), probabilities=True)
+        assert want.probabilities is not None
+        assert_allclose(probs, want.probabilities, rtol=0, atol=1e-5)
+        assert_array_equal(class_id, want.class_id)
+
+
+def test_a_quantile_model_of_numbers_alone_exports_to_onnx_equal_to_predict(quantile_runs: Path) -> None:
+    ckpt = quantile_runs / "numeric" / "checkpoints" / "best.npz"
+    p = Predictor(ckpt, device="cpu", precision="fp32")
+    assert p.plan is None and p.normalization.quantile is not None
+    assert p.normalization.quantile.columns.tolist() == [0, 1, 2, 4, 5, 6]  # all but the constant
+    out = export(ExportArgs(ckpt=str(ckpt), format="onnx", output=str(quantile_runs / "numeric.onnx")))
+    session = ort.InferenceSession(str(out))
+    x = np.load(quantile_runs / "numeric.npz")["x"]  # (400, 7) float32
+    beyond = np.concatenate([x.min(axis=0) - 1e3, x.max(axis=0) + 1e3]).reshape(2, -1).astype(np.float32)
+    for rows in (x, beyond, x * 1.5):
+        probs, class_id = session.run(["probabilities", "class_id"], {"x": rows})
+        want = p.run(rows, probabilities=True)
+        assert want.probabilities is not None
+        assert_allclose(probs, want.probabilities, rtol=0, atol=1e-5)
+        assert_array_equal(class_id, want.class_id)

@@ -19,8 +19,8 @@ target scaling, a table's column plan).
 
 with the same float32 arithmetic as :class:`mlptrain.inference.predictor.Predictor` on the CPU, so
 ONNX Runtime gives the same predictions (tests/test_export.py). ``data.normalize=robust`` is the same Sub and
-Mul; a ``data.normalize=quantile`` model is refused (one ConfigError): its per-column quantile map is not in the
-graph.
+Mul; ``data.normalize=quantile`` maps its columns through their training quantiles in float64 before them
+(:mod:`mlptrain.inference.onnx_quantile`).
 
 **A model with a column plan** (a table with text or empty cells, :mod:`mlptrain.data.files.plan`): the ONNX
 graph takes the raw columns instead of ``x``, one input per column named as it, ``(N,)`` each (a categorical

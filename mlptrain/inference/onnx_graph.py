@@ -10,7 +10,8 @@ Runtime gives the same predictions (tests/test_export.py). GELU is its tanh form
 ensemble (``ensemble.size=K``) is one batched MatMul per layer, ``(K, N, in) @ (K, in, out)``, then the
 members' mean probability (or mean output) inside the graph. A model with a column plan takes its raw
 columns, one input each, encoded in the graph (:mod:`mlptrain.inference.onnx_columns`). ``data.normalize=
-quantile`` is refused: its per-column quantile map is not in the graph.
+quantile`` maps its columns through their training quantiles to a standard normal in the graph, in float64
+before the Sub and Mul (:mod:`mlptrain.inference.onnx_quantile`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from mlptrain.base.errors import ConfigError
-from mlptrain.inference import onnx_columns
+from mlptrain.inference import onnx_columns, onnx_quantile
 from mlptrain.inference.export_meta import activation, preprocessing
 from mlptrain.inference.predictor import Predictor
 
@@ -87,14 +88,12 @@ def onnx_model(p: Predictor) -> Any:
         from onnx import TensorProto, helper, numpy_helper
     except ImportError as exc:
         raise ConfigError("format=onnx needs the onnx package: pip install -e '.[onnx]' in mlptrain's clone") from exc
-    if p.normalization.quantile is not None:
-        raise ConfigError(
-            f"format=onnx: {p.path} was trained with data.normalize=quantile, whose per-column quantile map the ONNX "
-            "graph does not implement; export format=safetensors (its metadata holds the quantile table), score with "
-            "python -m mlptrain.predict, or train with data.normalize=standard or robust"
-        )
     f32 = np.float32
     inputs, nodes, inits = _onnx_inputs(p)  # -> x64 (N, F) double: the model's features, raw
+    raw = "x64"
+    if p.normalization.quantile is not None:  # data.normalize=quantile: its columns to a standard normal first
+        mapped, mapped_inits = onnx_quantile.quantile_graph(p.normalization.quantile, p.num_features, raw, "x_mapped")
+        nodes, inits, raw = nodes + mapped, inits + mapped_inits, "x_mapped"
     inits += [
         numpy_helper.from_array(p.shift.astype(np.float64), "shift"),  # in float64, as mlptrain normalises
         numpy_helper.from_array(1.0 / p.scale.astype(np.float64), "inv_scale"),
@@ -103,7 +102,7 @@ def onnx_model(p: Predictor) -> Any:
         consts = {"gelu_k": 0.044715, "gelu_c": np.sqrt(2 / np.pi), "gelu_one": 1.0, "gelu_half": 0.5}
         inits += [numpy_helper.from_array(np.array(v, f32), name) for name, v in consts.items()]
     nodes += [
-        helper.make_node("Sub", ["x64", "shift"], ["x_shifted"]),
+        helper.make_node("Sub", [raw, "shift"], ["x_shifted"]),
         helper.make_node("Mul", ["x_shifted", "inv_scale"], ["x_normalised"]),
         helper.make_node("Cast", ["x_normalised"], ["h0"], to=TensorProto.FLOAT),  # rounded once
     ]
