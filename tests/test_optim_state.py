@@ -1,14 +1,17 @@
-"""``optimizer.state_dtype``: the optimizer state in the master dtype (null, the default) or in bfloat16.
+"""``optimizer.state_dtype``: the optimizer state in the master dtype (null, the default) or in bfloat16 (SGD's
+momentum and Adam's first moment; Adam's second moment stays in the master dtype).
 
-The CPU's update of a bfloat16 state against a float64 reference of "widen, update, round to nearest even"; the
-setting's refusals; the memory formulas; a checkpoint round trip (a resumed run equals an uninterrupted one, bit
-for bit) and the refusal of a checkpoint whose state dtype is not the run's; and training on digits close to a
-float32 state's. The GPU kernel's source is held to this update in tests/test_update_kernel_source.py.
+The CPU's update of a bfloat16 state against a float64 reference of "widen, update, round to nearest even"; Adam's
+second moment decaying as a float32 state's does; the setting's refusals; the memory formulas; a checkpoint round
+trip (a resumed run equals an uninterrupted one, bit for bit), the refusal of a checkpoint whose state dtype is not
+the run's, and a checkpoint from before the second moment was kept wide (widened on load); and training on digits
+close to a float32 state's. The GPU kernel's source is held to this update in tests/test_update_kernel_source.py.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +54,11 @@ def _params(dtype: Any, seed: int = 0) -> list[Param]:
     return [Param(f"w{i}", rng.standard_normal(s).astype(dtype), dtype) for i, s in enumerate(SHAPES)]
 
 
+def _want_dtype(state: str, master: Any) -> np.dtype:
+    """A state's dtype under ``optimizer.state_dtype=bfloat16``: Adam's second moment the master's, else bfloat16."""
+    return np.dtype(master) if state == "exp_avg_sq" else BF16
+
+
 @pytest.mark.parametrize("name", ["sgd", "adam", "adamw"])
 @pytest.mark.parametrize("master", [np.float32, np.float64])
 def test_the_default_state_is_the_master_dtype(name: str, master: Any) -> None:
@@ -70,7 +78,7 @@ def test_a_bfloat16_state_is_widened_updated_and_rounded_each_step(name: str, ma
     cfg.nesterov, cfg.state_dtype = name == "nesterov", "bfloat16"
     params = _params(master)
     opt = make_optimizer(cfg, params)
-    assert {a.dtype for st in opt.state.values() for a in st.values()} == {BF16}
+    assert all(a.dtype == _want_dtype(s, master) for st in opt.state.values() for s, a in st.items())
     rng, b1, b2 = np.random.default_rng(1), cfg.beta1, cfg.beta2
     off_by_one = 0
     for t in range(1, 6):
@@ -91,6 +99,9 @@ def test_a_bfloat16_state_is_widened_updated_and_rounded_each_step(name: str, ma
                 m, v = b1 * st["exp_avg"] + (1 - b1) * g, b2 * st["exp_avg_sq"] + (1 - b2) * g * g
                 want = {"exp_avg": m, "exp_avg_sq": v}
                 w = w - 0.05 * (m / (1 - b1**t)) / (np.sqrt(v / (1 - b2**t)) + cfg.eps)
+            if "exp_avg_sq" in want:  # (kept in the master dtype: the reference's in float64, float32's rounding apart)
+                rtol = 0 if master is np.float64 else 1e-6
+                np.testing.assert_allclose(opt.state[p.name]["exp_avg_sq"], want.pop("exp_avg_sq"), rtol=rtol)
             for s, ref in want.items():
                 got, exact = opt.state[p.name][s].view(np.uint16), _round_bf16(ref).view(np.uint16)
                 steps = np.abs(got.astype(np.int32) - exact.astype(np.int32))
@@ -153,30 +164,60 @@ def test_the_memory_formula_counts_the_state_in_its_dtype() -> None:
     widths = [64, 128, 10]
     wide = expected_bytes(widths, 32, np.float32, BF16, 2)
     narrow = expected_bytes(widths, 32, np.float32, BF16, 2, state_dtype=BF16)
+    adam = expected_bytes(widths, 32, np.float32, BF16, 2, state_dtype=BF16, wide_states=1)
     n = 64 * 128 + 128 + 128 * 10 + 10
     assert wide["optimizer_state"] == 2 * 4 * n and narrow["optimizer_state"] == 2 * 2 * n
+    assert adam["optimizer_state"] == (2 + 4) * n  # the first moment in bfloat16, the second in float32
+    assert expected_bytes(widths, 32, np.float64, BF16, 2, state_dtype=BF16, wide_states=1)["optimizer_state"] == 10 * n
     assert {k: v for k, v in wide.items() if k != "optimizer_state"} == {
         k: v for k, v in narrow.items() if k != "optimizer_state"
     }
 
 
-def test_an_ensembles_run_json_counts_a_bfloat16_state_in_two_bytes(tmp_path: Path) -> None:
+def test_an_ensembles_run_json_counts_adams_bfloat16_state(tmp_path: Path) -> None:
     cfg = ensemble_cfg(size=3, epochs=1)
     cfg.optimizer.name, cfg.optimizer.state_dtype = "adam", "bfloat16"
     train(cfg, tmp_path / "run")
     members = json.loads((tmp_path / "run" / "run.json").read_text())["memory"]["members"]
     widths = [64, 32, 16, 10]  # (test_ensemble's model on digits)
     n = sum(a * b + b for a, b in zip(widths, widths[1:], strict=False))
-    assert members["per_member"]["optimizer_state"] == 2 * 2 * n  # two moments, 2 bytes each (float32: 8 * n)
+    assert members["per_member"]["optimizer_state"] == (2 + 4) * n  # exp_avg in 2 bytes, exp_avg_sq in 4 (float32: 8n)
     assert members["per_member"]["master_weights"] == 4 * n
 
 
-def test_a_trainers_state_arrays_are_the_settings_dtype() -> None:
-    tr = Trainer(make_cfg(optimizer__name="adam", optimizer__state_dtype="bfloat16"))
-    assert {a.dtype for st in tr.optimizer.state.values() for a in st.values()} == {BF16}
+@pytest.mark.parametrize("name", ["sgd", "adam", "adamw"])
+def test_a_trainers_state_arrays_are_the_settings_dtype_but_adams_second_moment(name: str) -> None:
+    tr = Trainer(make_cfg(optimizer__name=name, optimizer__momentum=0.9, optimizer__state_dtype="bfloat16"))
+    dtypes = {s: a.dtype for st in tr.optimizer.state.values() for s, a in st.items()}
+    assert dtypes == ({"momentum": BF16} if name == "sgd" else {"exp_avg": BF16, "exp_avg_sq": np.dtype(np.float32)})
     arrays, meta = tr.state_dict()
-    assert meta["optimizer_state_dtype"] == "bfloat16"
-    assert {a.dtype for k, a in arrays.items() if k.startswith("optim/") and k != "optim/t"} == {np.dtype(np.uint16)}
+    assert meta["optimizer_state_dtype"] == "bfloat16"  # (the setting's)
+    saved = {k.split("/")[-1]: a.dtype for k, a in arrays.items() if k.startswith("optim/") and k != "optim/t"}
+    assert saved == {s: np.dtype(np.uint16) if d == BF16 else d for s, d in dtypes.items()}  # bfloat16 as its bits
+
+
+@pytest.mark.parametrize("name", ["adam", "adamw"])
+def test_adams_second_moment_decays_with_a_bfloat16_state_as_with_a_float32_one(name: str) -> None:
+    """Gradients for 5 steps, then zero for 300: the second moment decays by beta2 a step (0.999^300 = 0.74). It
+    depends on the gradients only, so with the first moment in bfloat16 it is the float32 state's, bit for bit;
+    rounded to nearest in bfloat16 it would stay where it was (0.1% a step is below half a bfloat16 step)."""
+    rng = np.random.default_rng(4)
+    grads = [[rng.standard_normal(s).astype(np.float32) for s in SHAPES] for _ in range(5)]
+    opts = {}
+    for state_dtype in (None, "bfloat16"):
+        params = _params(np.float32)
+        opts[state_dtype] = opt = make_optimizer(OptimizerConfig(name=name, state_dtype=state_dtype), params)
+        for step in range(305):
+            for i, p in enumerate(params):
+                p.grad = grads[step][i] if step < 5 else np.zeros_like(p.value)
+            opt.step(np.asarray(1e-3))
+            if step == 4:
+                after_grads = {q: st["exp_avg_sq"].copy() for q, st in opt.state.items()}
+    for q, st in opts["bfloat16"].state.items():
+        v = st["exp_avg_sq"]
+        np.testing.assert_array_equal(v, opts[None].state[q]["exp_avg_sq"], err_msg=q)
+        np.testing.assert_allclose(v, after_grads[q] * 0.999**300, rtol=1e-4, err_msg=q)
+        assert st["exp_avg"].dtype == BF16 and np.abs(st["exp_avg"]).max() < 1e-10  # (0.9^300 of it: gone)
 
 
 # --- checkpoints --------------------------------------------------------------------------------------------------
@@ -215,6 +256,64 @@ def test_a_checkpoint_from_before_the_setting_reads_as_the_master_dtype() -> Non
     Trainer(make_cfg()).load_state_dict(arrays, meta, step=0, where="the checkpoint")  # (no error)
     with pytest.raises(CheckpointError, match="holds float32 optimizer state but this run keeps it in bfloat16"):
         Trainer(make_cfg(optimizer__state_dtype="bfloat16")).load_state_dict(arrays, meta, step=0, where="it")
+
+
+def _old_bf16_checkpoint(out: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, dict[str, np.ndarray]]:
+    """A checkpoint as mlptrain wrote it before Adam's second moment stayed in float32 under state_dtype=bfloat16:
+    an AdamW run stopped at step 30, its ``exp_avg_sq`` rounded to bfloat16 and saved as the bits; with the rounded
+    values by key."""
+    interrupt_at(monkeypatch, 30)
+    with pytest.raises(TrainingInterrupted):
+        train(make_cfg(**NARROW), out)
+    monkeypatch.undo()
+    path = out / "checkpoints" / "last.npz"
+    saved = checkpoint.load(path)
+    rounded = {k: a.astype(BF16) for k, a in saved.arrays.items() if k.endswith("/exp_avg_sq")}
+    assert len(rounded) == 4 and all(saved.arrays[k].dtype == np.float32 and a.any() for k, a in rounded.items())
+    checkpoint.save(path, {**saved.arrays, **{k: a.view(np.uint16) for k, a in rounded.items()}}, saved.meta)
+    return path, rounded
+
+
+def test_a_checkpoint_with_a_bfloat16_second_moment_is_widened_on_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    path, rounded = _old_bf16_checkpoint(tmp_path / "run", monkeypatch)
+    saved = checkpoint.load(path)
+    caplog.clear()  # (the interruption's warning)
+    tr = Trainer(make_cfg(**NARROW))
+    with caplog.at_level(logging.WARNING, logger="mlptrain.step.trainer"):
+        tr.load_state_dict(saved.arrays, saved.meta, step=30, where="last.npz")
+    assert "last.npz: its optimizer state exp_avg_sq is bfloat16" in caplog.text, caplog.text
+    assert "widened to float32 (exactly)" in caplog.text and len(caplog.records) == 1
+    for q, st in tr.optimizer.state.items():
+        assert st["exp_avg_sq"].dtype == np.float32 and st["exp_avg"].dtype == BF16
+        np.testing.assert_array_equal(st["exp_avg_sq"], rounded[f"optim/{q}/exp_avg_sq"].astype(np.float32))
+        np.testing.assert_array_equal(st["exp_avg"].view(np.uint16), saved.arrays[f"optim/{q}/exp_avg"])
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="mlptrain.step.trainer"):
+        train(make_cfg(resume="last", **NARROW), tmp_path / "run")  # the run resumes, widened, and trains on
+    assert [r.name for r in caplog.records] == ["mlptrain.step.trainer"] and "widened" in caplog.text
+    final = checkpoint.load(path)
+    assert final.meta["position"]["step"] == 63 and final.arrays["optim/layer0.weight/exp_avg_sq"].dtype == np.float32
+
+
+@pytest.mark.parametrize(
+    ("state_dtype", "key", "wrong", "expected"),
+    [
+        (None, "exp_avg_sq", np.uint16, "float32"),  # bfloat16 bits where no bfloat16 state ever was
+        ("bfloat16", "exp_avg", np.float32, "uint16"),  # the first moment stays bfloat16
+        ("bfloat16", "exp_avg_sq", np.float16, "float32"),
+    ],
+)
+def test_a_checkpoints_state_of_another_dtype_is_one_checkpoint_error(
+    state_dtype: str | None, key: str, wrong: Any, expected: str
+) -> None:
+    cfg = {**NARROW, "optimizer__state_dtype": state_dtype}
+    arrays, meta = Trainer(make_cfg(**cfg)).state_dict()
+    name = f"optim/layer1.bias/{key}"
+    arrays[name] = np.zeros(arrays[name].shape, wrong)
+    with pytest.raises(CheckpointError, match=f"it: '{name}' is {np.dtype(wrong).name}\\[10\\], expected {expected}"):
+        Trainer(make_cfg(**cfg)).load_state_dict(arrays, meta, step=0, where="it")
 
 
 # --- training -----------------------------------------------------------------------------------------------------

@@ -155,7 +155,8 @@ def test_the_kernels_source_updates_as_the_cpu_does(
         np.testing.assert_array_equal(q.value, p.value, err_msg=p.name)  # bit for bit: the same float operations
         for s in ok.state_names:
             kernel_state, cpu_state = ok.state[q.name][s], oc.state[p.name][s]
-            assert kernel_state.dtype == cpu_state.dtype == np.dtype(state_dtype or master)
+            want = master if s == "exp_avg_sq" else state_dtype or master  # (Adam's second moment: the master's)
+            assert kernel_state.dtype == cpu_state.dtype == np.dtype(want)
             bits = f"uint{8 * kernel_state.dtype.itemsize}"  # (the bits compared: a NaN equals itself)
             np.testing.assert_array_equal(kernel_state.view(bits), cpu_state.view(bits), err_msg=f"{p.name}/{s}")
         assert not np.array_equal(q.value[0], w[0])  # (it trained)

@@ -8,13 +8,18 @@ The update goes on with the value in registers, not the rounded one: SGD's weigh
 ``buf``, Adam's the unrounded moments. With ``optimizer.state_dtype=null`` the state is the master's dtype,
 widening and storing are no-ops, and the arithmetic is what it was, bit for bit.
 
-bfloat16 is the one narrow dtype: it has float32's exponent range, so Adam's second moment (``g * g``, which
-falls below float16's smallest normal 6e-5 once ``|g| < 8e-3``) keeps its magnitude, with 8 bits of mantissa.
-float16 is refused: its range is too small for Adam's second moment. A bfloat16 element is 2 bytes where a
-float32 one is 4: with float32 master weights SGD's update reads and writes 16 bytes a parameter instead of 20,
-Adam's 20 instead of 28 (docs/tutorial.md, section 6). The cost: a change of less than half a bfloat16 step
-(0.2% to 0.4% of the value) rounds away; Adam's second moment decays by 0.1% a step (beta2 0.999), so in
-bfloat16 it never decays and only grows (docs/benchmarks.md, "Optimizer state in bfloat16").
+bfloat16 is the one narrow dtype: it has float32's exponent range, so Adam's first moment (and SGD's momentum)
+keeps its magnitude, with 8 bits of mantissa. float16 is refused: its range is too small for Adam's second moment
+(``g * g`` falls below float16's smallest normal 6e-5 once ``|g| < 8e-3``). A state an optimizer names in
+``wide_states`` stays in the master dtype whatever the setting: Adam's second moment ``exp_avg_sq`` decays by
+``1 - beta2`` = 0.1% a step, less than half a bfloat16 step (0.2% to 0.4% of the value), so rounded to nearest in
+bfloat16 it would never decay and only grow (docs/benchmarks.md, "Optimizer state in bfloat16"). A bfloat16
+element is 2 bytes where a float32 one is 4: with float32 master weights SGD's update reads and writes 16 bytes a
+parameter instead of 20, Adam's 24 instead of 28 (docs/tutorial.md, section 6). The cost: a change of less than
+half a bfloat16 step rounds away from the momentum and the first moment.
+
+A checkpoint written before ``wide_states`` holds Adam's ``exp_avg_sq`` as bfloat16 bits: :func:`load` widens it
+to the master dtype (exact: every bfloat16 is a float32) and says which it widened, for the trainer to log.
 
 Rounding goes through float32 (``float64 -> float32 -> bfloat16``), as CuPy's ``bfloat16(double)`` does, so that
 a float64 master's state rounds the same on the CPU and the GPU (for float32 masters it is one rounding).
@@ -22,6 +27,7 @@ a float64 master's state rounds the same on the CPU and the GPU (for float32 mas
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 import ml_dtypes
@@ -53,9 +59,26 @@ def state_dtype(name: str | None, master: Any, optimizer: Any) -> np.dtype:
     return np.dtype(master) if name is None else STATE_DTYPES[name]
 
 
-def zeros(xp: Any, params: Any, names: tuple[str, ...], dtype: Any) -> dict[str, dict[str, Any]]:
-    """``{param name: {state name: zeros of the parameter's shape in dtype}}``."""
-    return {p.name: {s: xp.zeros(p.value.shape, dtype) for s in names} for p in params}
+def layout(name: str | None, optimizer: Any) -> tuple[np.dtype, dict[str, np.dtype], frozenset[str]]:
+    """``optimizer``'s state under ``optimizer.state_dtype=name``: the setting's dtype (:func:`state_dtype`), each
+    state's dtype (the setting's, but the master's for the optimizer's ``wide_states``), and the states stored
+    narrower than the master (the update kernel's ``S`` roles)."""
+    master = np.dtype(optimizer.params[0].value.dtype)
+    dtype = state_dtype(name, master, optimizer)
+    dtypes = {s: master if s in optimizer.wide_states else dtype for s in optimizer.state_names}
+    return dtype, dtypes, frozenset(s for s, d in dtypes.items() if d != master)
+
+
+def kept_wide(optimizer: Any) -> frozenset[str]:
+    """The states ``optimizer`` keeps in the master dtype although its setting is narrow: those an older checkpoint
+    of the same setting holds as bfloat16 bits (empty with ``optimizer.state_dtype=null``)."""
+    narrow_setting = optimizer.state_dtype != optimizer.params[0].value.dtype
+    return frozenset(optimizer.wide_states) if narrow_setting else frozenset()
+
+
+def zeros(xp: Any, params: Any, dtypes: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """``{param name: {state name: zeros of the parameter's shape in the state's dtype}}`` (``dtypes``: by state)."""
+    return {p.name: {s: xp.zeros(p.value.shape, d) for s, d in dtypes.items()} for p in params}
 
 
 def is_narrow(state: Any, master: Any) -> bool:
@@ -97,8 +120,13 @@ def to_host(state: dict[str, dict[str, Any]], t: Any) -> dict[str, np.ndarray]:
     return {**out, "t": _host(t)}
 
 
-def load(xp: Any, state: dict[str, dict[str, Any]], t: Any, arrays: dict[str, Any]) -> None:
-    """Inverse of :func:`to_host`, in place; names and shapes must match exactly (KeyError, ValueError)."""
+def load(
+    xp: Any, state: dict[str, dict[str, Any]], t: Any, arrays: dict[str, Any], older_bf16: Collection[str] = ()
+) -> list[str]:
+    """Inverse of :func:`to_host`, in place; names and shapes must match exactly (KeyError, ValueError). A state
+    named in ``older_bf16`` (:func:`kept_wide`) may come as bfloat16 bits, from before it was kept wide: it is
+    widened to its dtype, exactly. Returns the ``"<param>/<state>"`` keys so widened."""
+    widened = []
     for name, st in state.items():
         for s, a in st.items():
             key = f"{name}/{s}"
@@ -107,8 +135,12 @@ def load(xp: Any, state: dict[str, dict[str, Any]], t: Any, arrays: dict[str, An
             src = np.asarray(arrays[key])
             if tuple(src.shape) != tuple(a.shape):
                 raise ValueError(f"optimizer state {key!r} has shape {tuple(src.shape)}, expected {a.shape}")
+            if s in older_bf16 and src.dtype == np.uint16:  # (saved in bfloat16, before the state was kept wide)
+                src = src.view(STATE_DTYPES["bfloat16"]).astype(a.dtype)
+                widened.append(key)
             a[...] = xp.asarray(from_file(src, a.dtype, key), dtype=a.dtype)
     t[...] = xp.asarray(arrays["t"])
+    return widened
 
 
 def from_file(saved: Any, dtype: Any, key: str) -> Any:
@@ -130,6 +162,7 @@ def cuda_read(role: str, narrow: bool) -> str:
     return f"((P)(float)${role})" if narrow else f"${role}"
 
 
-def cuda_store(narrow: bool, **values: str) -> str:
-    """``$role = value;`` for each role, the value rounded to nearest even to ``S`` through float32 when ``narrow``."""
-    return " ".join(f"${r} = (S)(float)({v});" if narrow else f"${r} = {v};" for r, v in values.items())
+def cuda_store(narrow: Collection[str], **values: str) -> str:
+    """``$role = value;`` for each role, the value rounded to nearest even to ``S`` through float32 for a role in
+    ``narrow`` (the state names stored narrower than ``P``)."""
+    return " ".join(f"${r} = (S)(float)({v});" if r in narrow else f"${r} = {v};" for r, v in values.items())

@@ -28,6 +28,7 @@ def expected_bytes(
     compute_copy: str = "kept",
     fp8_weights: bool = False,
     state_dtype: Any = None,
+    wide_states: int = 0,
 ) -> dict:
     """The live bytes of a fused MLP step by the formula (what :func:`account` must find after a step).
 
@@ -35,11 +36,13 @@ def expected_bytes(
     compute copies ``P`` in the compute dtype (when it differs; ``compute_copy="cast"``: the shared
     buffer instead, the largest weight and the largest bias; with ``fp8_weights``, precision=fp8, the
     largest weight whose widths FP8 does not take, read through the buffer),
-    gradients ``P`` in the compute dtype, optimizer state ``state_per_param x P`` in ``state_dtype``
-    (``optimizer.state_dtype``; None: the parameter dtype). The saved inputs and the relu_aux masks are
-    gone after a step: the backward frees each layer's once read.
+    gradients ``P`` in the compute dtype, optimizer state ``state_per_param x P``: in ``state_dtype``
+    (``optimizer.state_dtype``; None: the parameter dtype) but for ``wide_states`` of them, kept in the
+    parameter dtype (the optimizer's ``wide_states``: Adam's second moment). The saved inputs and the
+    relu_aux masks are gone after a step: the backward frees each layer's once read.
     """
     sp, sc = np.dtype(param_dtype).itemsize, np.dtype(compute_dtype).itemsize
+    s_state = np.dtype(state_dtype or param_dtype).itemsize
     n = sum(a * b + b for a, b in zip(widths, widths[1:], strict=False))
     copies = sc * n
     if compute_copy == "cast":
@@ -51,7 +54,7 @@ def expected_bytes(
         "master_weights": sp * n,
         "compute_copies": copies if np.dtype(param_dtype) != np.dtype(compute_dtype) else 0,
         "gradients": sc * n,
-        "optimizer_state": np.dtype(state_dtype or param_dtype).itemsize * n * state_per_param,
+        "optimizer_state": n * (s_state * (state_per_param - wide_states) + sp * wide_states),
         "saved_inputs": 0,
         "relu_aux": 0,
     }
@@ -122,12 +125,15 @@ def member_bytes(
     activation: str = "relu",
     mode: str = "fused",
     state_dtype: Any = None,
+    wide_states: int = 0,
 ) -> dict[str, int]:
     """What one member of an ensemble holds, by formula: :func:`expected_bytes`' parameters (master weights,
     compute copies, gradients, optimizer state) and, at its batch of ``batch`` rows, what its forward keeps for
     the backward (all alive when the backward starts; it frees each once read): the inputs of layers ``1..L-1``,
     ``X_i (B, w_i)`` in the compute dtype, and each hidden layer's :func:`activation_aux_bytes`."""
-    out = expected_bytes(widths, batch, param_dtype, compute_dtype, state_per_param, state_dtype=state_dtype)
+    out = expected_bytes(
+        widths, batch, param_dtype, compute_dtype, state_per_param, state_dtype=state_dtype, wide_states=wide_states
+    )
     hidden = widths[1:-1]
     out["saved_inputs"] = sum(batch * w * np.dtype(compute_dtype).itemsize for w in hidden)
     out["relu_aux"] = sum(activation_aux_bytes(w, batch, compute_dtype, activation, mode) for w in hidden)
@@ -151,6 +157,7 @@ def member_account(tr: Any) -> dict[str, Any]:
         cfg.model.activation,
         cfg.execution.mode.value,
         tr.optimizer.state_dtype,
+        len(tr.optimizer.wide_states),
     )
     measured = {
         "master_weights": sum(int(q.value.nbytes) for q in params),

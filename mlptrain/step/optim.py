@@ -31,7 +31,7 @@ import numpy as np
 
 from mlptrain.base import optim_state
 from mlptrain.base.backend import get_array_module, scalar
-from mlptrain.base.cuda_source import KernelTail, c_literal
+from mlptrain.base.cuda_source import Job, KernelTail, c_literal
 from mlptrain.base.errors import ConfigError
 from mlptrain.base.member_settings import MEMBER_PARAMS, MemberSettings, member_update_cuda
 from mlptrain.base.registry import NON_NEGATIVE, POSITIVE, UNIT, Range, Registry
@@ -93,7 +93,8 @@ class Optimizer:
     COMMON: ClassVar[dict[str, Range | None]] = {"lr": POSITIVE, "weight_decay": NON_NEGATIVE, "state_dtype": None}
     settings: ClassVar[dict[str, Range | None]] = {}
     narrow_state: ClassVar[bool] = False  # the update widens and rounds its state (mlptrain.base.optim_state)
-    state_dtype: np.dtype  # what the state is stored in (set_state_dtype)
+    wide_states: ClassVar[tuple[str, ...]] = ()  # states kept in the master dtype under a narrow state_dtype
+    state_dtype: np.dtype  # the setting's (set_state_dtype); each state's dtype in state_dtypes
 
     @classmethod
     def from_config(cls, cfg: Any, params: list[Param], **options: Any) -> Optimizer:
@@ -129,10 +130,10 @@ class Optimizer:
 
     def set_state_dtype(self, name: str | None) -> Optimizer:
         """The state in ``optimizer.state_dtype=name`` (None: the master's), zeros unless in it; returns ``self``."""
-        dtype = optim_state.state_dtype(name, self.params[0].value.dtype, self)
+        dtype, dtypes, narrow = optim_state.layout(name, self)
         if "state_dtype" not in vars(self) or self.state_dtype != dtype:  # (null leaves a built state alone)
-            self.state_dtype, self.narrow = dtype, dtype != self.params[0].value.dtype  # narrow: the kernel's S
-            self.state = optim_state.zeros(self.xp, self.params, self.state_names, dtype)
+            self.state_dtype, self.state_dtypes, self.narrow = dtype, dtypes, narrow  # narrow: the kernel's S roles
+            self.state = optim_state.zeros(self.xp, self.params, dtypes)
         return self
 
     def step(self, lr: Any, inv_scale: Any = None, skip: Any = None, tail: KernelTail | None = None) -> None:
@@ -191,7 +192,7 @@ class Optimizer:
 
     def _roles(self) -> list[tuple[str, str]]:
         """Per-tensor arrays of the update: gradient, master weight, state, compute copy."""
-        roles = [("g", "G"), ("p", "P")] + [(s, "S" if self.narrow else "P") for s in self.state_names]
+        roles = [("g", "G"), ("p", "P")] + [(s, "S" if s in self.narrow else "P") for s in self.state_names]
         return roles + ([("pc", "C")] if self.params[0].has_compute_copy else [])
 
     def _tensors(self) -> list[list[Any]]:
@@ -237,13 +238,12 @@ class Optimizer:
         raise NotImplementedError
 
     def state_dict(self) -> dict[str, Any]:
-        """Arrays (host NumPy) by ``"<param>/<state>"`` plus ``"t"``; no pickle needed (a bfloat16 state as its bits:
-        :func:`mlptrain.base.optim_state.to_file`)."""
+        """Host NumPy arrays by ``"<param>/<state>"``, and ``"t"``; a bfloat16 state as its bits (``to_file``)."""
         return optim_state.to_host(self.state, self.t)
 
-    def load_state_dict(self, arrays: dict[str, Any]) -> None:
-        """Inverse of :meth:`state_dict`; shapes and names must match exactly."""
-        optim_state.load(self.xp, self.state, self.t, arrays)
+    def load_state_dict(self, arrays: dict[str, Any]) -> list[str]:
+        """Inverse of :meth:`state_dict` (names, shapes exact); returns the keys widened from an older bfloat16."""
+        return optim_state.load(self.xp, self.state, self.t, arrays, optim_state.kept_wide(self))
 
     def _update_numpy(self, p: Param, st: dict[str, Any], lr: float, inv_scale: float) -> None:
         raise NotImplementedError
@@ -257,8 +257,6 @@ class Optimizer:
         ``step_args``: the step's ``lr, inv_scale, skip`` (zeros of their dtypes are passed); ``tail()``: the
         step's tail on zeros (:meth:`mlptrain.step.steplog.StepLog.scratch_tail`), or None.
         """
-        from mlptrain.base.cuda_source import Job
-
         g = np.dtype(grad_dtype)
         state = sum(int(a.nbytes) for st in self.state.values() for a in st.values())
         copies = sum(int(p.value.nbytes) + p.value.size * g.itemsize * (1 + p.has_compute_copy) for p in self.params)
@@ -327,7 +325,7 @@ class SGD(Optimizer):
         wd = "wd_m" if per_member else f"(P){lit(self.weight_decay)}"
         body = f"if (!skipped) {{ P g = (P)$g * inv_s + {wd} * $p;"
         if self.momentum > 0:  # the momentum read and widened, updated, stored (rounded when narrow)
-            mu, old = f"(P){lit(self.momentum)}", optim_state.cuda_read("momentum", self.narrow)
+            mu, old = f"(P){lit(self.momentum)}", optim_state.cuda_read("momentum", "momentum" in self.narrow)
             body += f"const P buf = {mu} * {old} + g; {optim_state.cuda_store(self.narrow, momentum='buf')}"
             body += f"g = g + {mu} * buf;" if self.nesterov else "g = buf;"
         return "", body + "$p = $p - lr_v * g; }"
@@ -341,6 +339,7 @@ class Adam(Optimizer):
     state_names = ("exp_avg", "exp_avg_sq")
     settings = {"beta1": UNIT, "beta2": UNIT, "eps": POSITIVE}
     narrow_state = True
+    wide_states = ("exp_avg_sq",)  # its 0.1% decay a step is below half a bfloat16 step: rounded, it never decays
 
     @classmethod
     def from_config(cls, cfg: Any, params: list[Param], **options: Any) -> Optimizer:
@@ -375,7 +374,7 @@ class Adam(Optimizer):
         m += (1 - self.beta1) * g
         v *= self.beta2
         v += (1 - self.beta2) * g * g
-        optim_state.store(st, exp_avg=m, exp_avg_sq=v)  # (rounded when narrow; the update goes on with m, v)
+        optim_state.store(st, exp_avg=m, exp_avg_sq=v)  # (m rounded when narrow; the update goes on with m, v)
         m_hat = m / (1 - self.beta1**t)
         v_hat = v / (1 - self.beta2**t)
         p.value -= lr * m_hat / (np.sqrt(v_hat) + self.eps)
@@ -391,7 +390,7 @@ class Adam(Optimizer):
         decay = "(P)(1.0 - lr_m * wd_d)" if per_member else "decay"  # AdamW: p *= 1 - lr * wd
         body = "if (!skipped) { P g = (P)$g * inv_s;"
         body += f"$p = $p * {decay};" if self.decoupled else f"g = g + {'wd_m' if per_member else f'(P){wd}'} * $p;"
-        m0, v0 = (optim_state.cuda_read(s, self.narrow) for s in ("exp_avg", "exp_avg_sq"))  # (widened)
+        m0, v0 = (optim_state.cuda_read(s, s in self.narrow) for s in ("exp_avg", "exp_avg_sq"))  # (widened)
         body += f"""
             const P m = (P){b1} * {m0} + (P)(1.0 - {b1}) * g, v = (P){b2} * {v0} + (P)(1.0 - {b2}) * g * g;
             {optim_state.cuda_store(self.narrow, exp_avg="m", exp_avg_sq="v")}

@@ -2,8 +2,10 @@
 
 :meth:`mlptrain.step.trainer.Trainer.load_state_dict` calls :func:`check` first: the architecture, the
 parameters' dtype (the precision) and the optimizer must be the run's, and the arrays exactly those the
-trainer's :meth:`~mlptrain.step.trainer.Trainer.state_dict` writes (names, shapes, parameter dtypes; the
-data's normalisation aside, which is compared elsewhere). Each refusal names the checkpoint and says
+trainer's :meth:`~mlptrain.step.trainer.Trainer.state_dict` writes (names, shapes, dtypes; the data's
+normalisation aside, which is compared elsewhere). One exception: a checkpoint written before Adam kept its
+second moment in the master dtype under ``optimizer.state_dtype=bfloat16`` holds it as bfloat16 bits, which the
+optimizer widens on load (:func:`mlptrain.base.optim_state.load`). Each refusal names the checkpoint and says
 how to resume it.
 """
 
@@ -13,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from mlptrain.base import optim_state
 from mlptrain.base.errors import CheckpointError
 from mlptrain.config import shell
 from mlptrain.nn import fp8
@@ -47,13 +50,14 @@ def check(tr: Any, arrays: dict[str, np.ndarray], m: dict[str, Any], where: str)
         )
     _check_state_dtype(tr, m, where)
     expected = {f"param/{p.name}": (tuple(p.value.shape), want_dtype) for p in tr.model.params}
-    expected.update({f"optim/{k}": (tuple(v.shape), None) for k, v in tr.optimizer.state_dict().items()})
+    expected.update({f"optim/{k}": (tuple(v.shape), v.dtype.name) for k, v in tr.optimizer.state_dict().items()})
+    older = {f"optim/{n}/{s}": "uint16" for n in tr.optimizer.state for s in optim_state.kept_wide(tr.optimizer)}
     expected.update(fp8.expected_arrays(tr.gemm, arrays))
     for key, (shape, dtype) in expected.items():
         a = arrays.get(key)
         if a is None:
             raise CheckpointError(f"{where} has no {key!r} (optimizer settings such as momentum changed?)")
-        if a.shape != shape or (dtype is not None and a.dtype.name != dtype):
+        if a.shape != shape or (dtype is not None and a.dtype.name not in (dtype, older.get(key))):
             raise CheckpointError(
                 f"{where}: {key!r} is {a.dtype.name}{list(a.shape)}, expected {dtype or a.dtype.name}{list(shape)}"
             )

@@ -303,7 +303,17 @@ class Trainer:
         if self.dataset.preprocessing_differs(arrays, where):
             log.warning("%s: the data is normalised differently than when the checkpoint was saved", where)
         self.model.load_state_dict({k[len("param/") :]: v for k, v in arrays.items() if k.startswith("param/")})
-        self.optimizer.load_state_dict({k[len("optim/") :]: v for k, v in arrays.items() if k.startswith("optim/")})
+        optim = {k[len("optim/") :]: v for k, v in arrays.items() if k.startswith("optim/")}
+        if widened := self.optimizer.load_state_dict(optim):  # (saved in bfloat16 before it was kept wide)
+            master, names = self.optimizer.params[0].value.dtype.name, sorted({k.split("/")[-1] for k in widened})
+            log.warning(
+                "%s: its optimizer state %s is bfloat16, saved before Adam's second moment stayed in the master "
+                "dtype under optimizer.state_dtype=bfloat16: widened to %s (exactly); the run goes on with it in %s",
+                where,
+                ", ".join(names),
+                master,
+                master,
+            )
         if self.scaler.enabled and meta["scaler"] is not None:
             self.scaler.load_state_dict(meta["scaler"])
         fp8.load_state_dict(self.gemm, arrays)
