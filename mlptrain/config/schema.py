@@ -237,7 +237,7 @@ class OptimizerConfig:
     beta1: float = _f(0.9, "{users}: decay of the first moment", users=True)
     beta2: float = _f(0.999, "{users}: decay of the second moment", users=True)
     eps: float = _f(1e-8, "{users}: added to the denominator", users=True)
-    state_dtype: Optional[str] = _f(None, "the state's dtype: null (the master weights') or bfloat16 (half the bytes)")
+    state_dtype: Optional[str] = _f(None, "the state's dtype: null (the master's) or bfloat16 (not Adam's 2nd moment)")
     schedule: Schedule = _f(Schedule.cosine, "learning-rate schedule after warm-up")
     warmup_steps: int = _f(0, "linear warm-up steps")
     min_lr_ratio: float = _f(0.0, "cosine: the last step's rate as a share of lr")
