@@ -9,8 +9,9 @@ The update goes on with the value in registers, not the rounded one: SGD's weigh
 widening and storing are no-ops, and the arithmetic is what it was, bit for bit.
 
 bfloat16 is the one narrow dtype: it has float32's exponent range, so Adam's first moment (and SGD's momentum)
-keeps its magnitude, with 8 bits of mantissa. float16 is refused: its range is too small for Adam's second moment
-(``g * g`` falls below float16's smallest normal 6e-5 once ``|g| < 8e-3``). A state an optimizer names in
+keeps its magnitude, with 8 bits of mantissa. float16 is refused: its range is too small for a state of small
+gradients (below its smallest normal, 6e-5, a value loses mantissa bits; Adam's ``g * g`` is there once
+``|g| < 8e-3``, and a momentum of gradients below 6e-5 is too). A state an optimizer names in
 ``wide_states`` stays in the master dtype whatever the setting: Adam's second moment ``exp_avg_sq`` decays by
 ``1 - beta2`` = 0.1% a step, less than half a bfloat16 step (0.2% to 0.4% of the value), so rounded to nearest in
 bfloat16 it would never decay and only grow (docs/benchmarks.md, "Optimizer state in bfloat16"). A bfloat16
@@ -42,7 +43,8 @@ def state_dtype_problem(name: Any) -> str | None:
     """What is wrong with ``optimizer.state_dtype=name`` (None: null or a known dtype)."""
     if name is None or name in STATE_DTYPES:
         return None
-    why = " (float16's range is too small for Adam's second moment)" if name == "float16" else ""
+    small = " (float16's range is too small: a momentum of gradients below 6e-5 loses its bits)"
+    why = small if name == "float16" else ""
     return f"optimizer.state_dtype={name!r} must be null (the master weights' dtype) or bfloat16{why}"
 
 
