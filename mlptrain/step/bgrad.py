@@ -63,6 +63,7 @@ def choose(tr: Any) -> None:
         f"{' head kernel' if tr.head.mode == 'kernel' else ''}"
         f"{f' workspace {ex.workspace_mib} MiB' if ex.workspace_mib is not None else ''}"
         f"{f' {tr.members} members' if tr.members > 1 else ''}"
+        f"{' own epilogues' if own_epilogues(tr, B) else ''}"
     )
     store = PlanCache.default_path().with_suffix(".bgrad.json") if ex.plan_cache else None
     known = remembered(store, key, len(tr.model.bgrad))
@@ -97,3 +98,11 @@ def choose(tr: Any) -> None:
     gc.collect()  # the probe's graphs and their outputs, if a reference cycle still holds them
     took = time.perf_counter() - t0
     log.info("bgrad probe: %.2f s, %.2f s of it waiting for the kernels compiling ahead", took, waited)
+
+
+def own_epilogues(tr: Any, batch: int) -> bool:
+    """Whether ``tr``'s step at ``batch`` rows ends some GEMMs in mlptrain's epilogue kernels instead of cuBLASLt's
+    (:meth:`mlptrain.nn.cuda.gemm.NvmathGemm.own_epilogues`): a remembered choice is only the same step's if so."""
+    own = getattr(tr.gemm, "own_epilogues", None)
+    macs = batch * max(a * b for a, b in zip(tr.widths, tr.widths[1:], strict=False))
+    return own is not None and own(tr.precision.compute_dtype, tr.members > 1, macs)

@@ -161,13 +161,17 @@ class NvmathGemm:
             return d, {}
         return d, {"drelu_bgrad": db if db.ndim == 1 else db[..., None]}
 
+    def own_epilogues(self, dtype: Any, batched: bool, largest_macs: int) -> bool:
+        """Whether a step of ``dtype`` GEMMs (``batched``: an ensemble's; the largest of ``largest_macs``
+        multiply-adds) finishes some in mlptrain's epilogue kernels (see ``epilogue_kernels``)."""
+        if self.epilogue_kernels is False or cp.dtype(dtype).name != "bfloat16":
+            return False
+        return bool(self.epilogue_kernels) or batched or largest_macs >= OWN_EPILOGUE_MIN_MACS
+
     def precompile_jobs(self, dtype: Any, batched: bool, largest_macs: int) -> list[Job]:
         """The mask-and-sum kernels compiled ahead (stage ``loss``: before the first backward), where a step of
-        ``dtype`` GEMMs (``batched``: an ensemble's; the largest of ``largest_macs`` multiply-adds) runs them."""
-        runs = self.epilogue_kernels or (
-            self.epilogue_kernels is None and (batched or largest_macs >= OWN_EPILOGUE_MIN_MACS)
-        )
-        if not runs or cp.dtype(dtype).name != "bfloat16":
+        ``dtype`` GEMMs runs them (:meth:`own_epilogues`)."""
+        if not self.own_epilogues(dtype, batched, largest_macs):
             return []
         return [Job("the epilogue kernels (DRELU, bias gradients)", "loss", epilogue_kernels.compile_ahead)]
 
