@@ -158,6 +158,7 @@ def test_one_models_bf16_step_with_the_kernels_follows_cublaslt(monkeypatch: pyt
             [*step_overrides(widths, batch, "bf16", bgrad=bgrad), f"execution.epilogue_kernels={setting}"]
         )
         tr = Trainer(cfg, dataset=random_dataset(widths, batch))
+        assert tr.model.uses_wgrad_stream  # (where the bias-gradient kernel's scratch once raced the main stream)
         with tr.stream:
             xb, yb = next(iter(tr.train_loader.epoch(0, out=tr.batch_buffers)))
             losses[own] = np.array([float(tr.step(xb, yb)[0]) for _ in range(10)])
@@ -191,4 +192,21 @@ def test_by_default_a_single_gemm_from_its_size_on_ends_in_the_kernels(
     assert (calls["drelu"] == 1) == big, f"M N K = {m * n * kd} against {OWN_EPILOGUE_MIN_MACS}: {calls}"
     d_ref, out_ref = NumpyGemm()("l.dgrad", a, b, Epilog.DRELU_BGRAD, relu_aux=aux)
     assert np.abs(f64(d) - f64(d_ref)).max() <= 2.0**-7 * np.abs(f64(d_ref)).max()
-    assert out["drelu_bgrad"].shape == out_ref["drelu_bgrad"].shape
+    db, exact = f64(out["drelu_bgrad"]), f64(d).sum(axis=1)  # (M,): D's own rows, summed in float64
+    assert db.shape == out_ref["drelu_bgrad"].shape == (m,)
+    # D's own row sums: one bf16 rounding of the sum, and (cuBLASLt may sum D before rounding it) one of each term
+    bound = 2.0**-8 * np.abs(exact) + 2.0**-8 * np.abs(f64(d)).sum(axis=1) + 1e-30
+    assert np.all(np.abs(db - exact) <= bound)
+
+
+def test_the_kernels_compile_ahead_where_a_step_runs_them() -> None:
+    """``precompile_jobs``: bf16 steps whose largest GEMM reaches ``OWN_EPILOGUE_MIN_MACS``, or batched, or with
+    ``epilogue_kernels=true``; never fp16 or with ``false``."""
+    from mlptrain.nn.cuda.gemm import OWN_EPILOGUE_MIN_MACS as AT
+
+    assert len(NvmathGemm().precompile_jobs("bfloat16", False, AT)) == 1
+    assert NvmathGemm().precompile_jobs("bfloat16", False, AT - 1) == []
+    assert len(NvmathGemm().precompile_jobs("bfloat16", True, 1)) == 1
+    assert len(NvmathGemm(epilogue_kernels=True).precompile_jobs("bfloat16", False, 1)) == 1
+    assert NvmathGemm(epilogue_kernels=False).precompile_jobs("bfloat16", True, AT) == []
+    assert NvmathGemm().precompile_jobs("float16", True, AT) == []

@@ -5,9 +5,10 @@ DRELU and DRELU_BGRAD (FP8 operands, and batched 16-bit operands: an ensemble's)
 then an epilogue kernel (``cublasLt::epilogue::impl::globalKernel``) that applies the ReLU mask and sums
 the bias gradient, and BGRADB's sum as a kernel of its own (``globalKernelBgradAB``). Those kernels take
 several times what a pass over their bytes needs (docs/benchmarks.md: #30 has FP8's kernel table, #50 the
-ensemble's). So the FP8 engine (:mod:`mlptrain.nn.cuda.fp8_gemm`) and the 16-bit engine's batched GEMMs
-(:class:`mlptrain.nn.cuda.gemm.NvmathGemm`, ``execution.epilogue_kernels``) run the GEMM without an epilog
-and finish it here::
+ensemble's). So the FP8 engine (:mod:`mlptrain.nn.cuda.fp8_gemm`) and the 16-bit engine's batched GEMMs and
+single bf16 GEMMs of at least 2^31 multiply-adds, where cuBLASLt's epilogued GEMM is slower than the plain one
+(:class:`mlptrain.nn.cuda.gemm.NvmathGemm`, ``execution.epilogue_kernels``; docs/benchmarks.md, "Epilogue
+kernels, one model") run the GEMM without an epilog and finish it here::
 
     D  (M, N) bf16, column-major  = A @ B, one rounding              (the plain GEMM)
     D[m, n] = 0 where bit (m, n) of relu_aux is 0                     (DRELU, exact)

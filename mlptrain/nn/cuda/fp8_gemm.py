@@ -170,9 +170,8 @@ class GpuFp8Gemm(Fp8Gemm):
         if mm.algo is None:  # the first call: the heuristics see the pointers set (nvmath sets them first too)
             mm.plan(key)
         mm.run(a[0], b[0], d)
-        if relu_aux is not None:  # DRELU_BGRAD: D masked in place, and its bias gradient
-            with cp.cuda.using_allocator(results) if results is not None else contextlib.nullcontext():
-                aux = {"drelu_bgrad": epilogue_kernels.drelu(d, relu_aux)}
+        if relu_aux is not None:  # DRELU_BGRAD: D masked in place, and its bias gradient (only it a result)
+            aux = {"drelu_bgrad": epilogue_kernels.drelu(d, relu_aux, alloc=_result_alloc(results))}
         return (d.T if call.c_order else d), aux
 
     def bias_gradient(self, b: Any) -> Any:
@@ -210,3 +209,16 @@ def _aux_outputs(epilog: Epilog | None, m: int, n: int, dtype: Any) -> dict[str,
     if epilog in _BGRAD_OUT:
         return {_BGRAD_OUT[epilog]: cp.empty(m, dtype=dtype)}
     return {}
+
+
+def _result_alloc(results: Any) -> Any:
+    """``alloc(size, dtype)`` drawing from ``results`` (the main stream's lists on the side stream), or None for
+    ``cupy.empty``: for the epilogue kernels' result only, not their scratch (:data:`epilogue_kernels.Alloc`)."""
+    if results is None:
+        return None
+
+    def alloc(size: int, dtype: Any) -> Any:
+        with cp.cuda.using_allocator(results):
+            return cp.empty(size, dtype=dtype)
+
+    return alloc
