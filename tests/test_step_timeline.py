@@ -22,7 +22,8 @@ def _trace(path: Path, steps: int) -> None:
         events.append(kernel(f"gemm{s}", t, 5.0, 7))
         events.append(kernel(f"wgrad{s}", t, 3.0, 13))
         events.append({"ph": "X", "cat": "cpu_op", "name": "not a kernel", "ts": t, "dur": 50.0})
-        events.append(kernel("mlptrain_sgd_step", t + 7, 10.0, 7))
+        events.append(kernel("mlptrain_adam_step_members", t + 7, 10.0, 7))
+        events.append(kernel("mlptrain_end_step", t + 17, 0.5, 7))  # the step log's, not an update
         t += 20.0
     path.write_text(json.dumps({"traceEvents": events}))
 
@@ -36,14 +37,15 @@ def test_the_middle_step_is_timed_from_the_last_update(tmp_path: Path) -> None:
     done = _run(str(tmp_path / "t.json"))
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    assert "3 kernels in the middle step" in lines[0]
-    rows = [line.split() for line in lines[1:4]]
-    # step 2 of 0..4: the update before it ends at 100 + 20 + 17 = 137, step 2 starts at 140
-    assert rows[0] == ["3.00", "5.00", "s7", "gemm2"]
-    assert rows[1] == ["3.00", "3.00", "s13", "wgrad2"]
-    assert rows[2] == ["10.00", "10.00", "s7", "mlptrain_sgd_step"]
+    assert "4 kernels in the middle step" in lines[0]
+    rows = [line.split() for line in lines[1:5]]
+    # step 2 of 0..4: the update before it ends at 100 + 20 + 17 = 137; the step log's kernel after it is the step's
+    assert rows[0] == ["0.00", "0.50", "s7", "mlptrain_end_step"]
+    assert rows[1] == ["3.00", "5.00", "s7", "gemm2"]
+    assert rows[2] == ["3.00", "3.00", "s13", "wgrad2"]
+    assert rows[3] == ["10.00", "10.00", "s7", "mlptrain_adam_step_members"]
     assert "span 20.00 us" in done.stdout
-    assert "stream 7: 2 kernels, busy 15.00 us" in done.stdout
+    assert "stream 7: 3 kernels, busy 15.50 us" in done.stdout
 
 
 def test_a_trace_without_steps_is_refused_by_name(tmp_path: Path) -> None:

@@ -2,7 +2,7 @@
 
 Reads the profile timelines ``benchmarks/probes/member_kernels.py`` writes with ``MEMBER_TRACES=1``
 (``trace-<case>.json``, Chrome's trace format from PyTorch's profiler) and prints, for the middle step of each (a step
-ends where its optimizer update, the ``mlptrain_*_step`` kernel, ends), every kernel as
+ends where its optimizer update, the ``mlptrain_<optimizer>_step`` kernel, ends), every kernel as
 
     start (us after the last step's update ended)   duration (us)   stream   name
 
@@ -16,6 +16,7 @@ Usage: python benchmarks/probes/step_timeline.py TRACE.json [TRACE.json ...]
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -33,7 +34,9 @@ def kernels(path: Path) -> list[dict]:
 
 
 def is_update(name: str) -> bool:
-    return name.startswith("mlptrain_") and name.endswith("_step")
+    """The optimizer's update kernel (``mlptrain_sgd_step``, ``mlptrain_adam_step_members`` ...: ``mlptrain.step.optim``
+    names it after the optimizer), not the step log's ``mlptrain_end_step``."""
+    return re.fullmatch(r"mlptrain_[a-z0-9]+_step(_members)?", name) is not None and name != "mlptrain_end_step"
 
 
 def middle_step(ks: list[dict]) -> list[dict]:
