@@ -76,7 +76,7 @@ def test_a_table_without_a_plan_standardises_a_column_of_0_1_numbers(tmp_path: P
     assert len(np.unique(ds.x_train[:, 2])) == 2 and not set(np.unique(ds.x_train[:, 2])) <= {0.0, 1.0}
 
 
-@pytest.mark.parametrize("mode", ["standard", "robust"])  # (quantile: ONNX refuses its map)
+@pytest.mark.parametrize("mode", ["standard", "robust"])  # (quantile's ONNX: tests/test_export_quantile.py)
 def test_the_0_1_columns_round_trip_predict_evaluate_host_and_onnx(tmp_path: Path, mode: str, caplog) -> None:
     """The checkpoint holds shift 0, scale 1 for the 0/1 columns; predict on the raw test rows
     (reordered, an extra column, an unseen level, empty cells) scores what evaluate scores on the run's own
