@@ -104,5 +104,9 @@ def own_epilogues(tr: Any, batch: int) -> bool:
     """Whether ``tr``'s step at ``batch`` rows ends some GEMMs in mlptrain's epilogue kernels instead of cuBLASLt's
     (:meth:`mlptrain.nn.cuda.gemm.NvmathGemm.own_epilogues`): a remembered choice is only the same step's if so."""
     own = getattr(tr.gemm, "own_epilogues", None)
-    macs = batch * max(a * b for a, b in zip(tr.widths, tr.widths[1:], strict=False))
-    return own is not None and own(tr.precision.compute_dtype, tr.members > 1, macs)
+    return own is not None and own(tr.precision.compute_dtype, tr.members > 1, largest_macs(tr.widths, batch))
+
+
+def largest_macs(widths: list[int], batch: int) -> int:
+    """The multiply-adds (M N K) of a step's largest GEMM: ``batch`` rows through its widest layer."""
+    return batch * max(a * b for a, b in zip(widths, widths[1:], strict=False))

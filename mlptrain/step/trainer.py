@@ -240,7 +240,7 @@ class Trainer:
         sc, shapes = self.scaler, [p.value.shape for p in self.model.params]
         fused = self.cfg.execution.mode.value == "fused"
         gemm_jobs = getattr(self.gemm, "precompile_jobs", None)  # the GPU's 16-bit engine: its epilogue kernels
-        macs = self.cfg.data.batch_size * max(a * b for a, b in zip(self.widths, self.widths[1:], strict=False))
+        macs = bgrad.largest_macs(self.widths, self.cfg.data.batch_size)
         return [
             *(gemm_jobs(cdt, self.members > 1, macs) if gemm_jobs is not None and fused else []),
             *self.head.precompile_jobs(self.model, cdt, batches, sc.scale),

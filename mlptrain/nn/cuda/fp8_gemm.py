@@ -33,7 +33,7 @@ from nvmath.bindings import cublasLt as lt
 
 from mlptrain.nn.cuda import epilogue_kernels
 from mlptrain.nn.cuda.cublaslt import DESC, PREF, LayoutArgs, LtMatmul, handle
-from mlptrain.nn.cuda.streams import results_allocator
+from mlptrain.nn.cuda.streams import result_array, results_allocator
 from mlptrain.nn.epilogs import Epilog, gelu_aux_shape, relu_aux_shape
 from mlptrain.nn.fp8 import Fp8Call, Fp8Gemm, Fp8Scaling
 
@@ -171,7 +171,7 @@ class GpuFp8Gemm(Fp8Gemm):
             mm.plan(key)
         mm.run(a[0], b[0], d)
         if relu_aux is not None:  # DRELU_BGRAD: D masked in place, and its bias gradient (only it a result)
-            aux = {"drelu_bgrad": epilogue_kernels.drelu(d, relu_aux, alloc=_result_alloc(results))}
+            aux = {"drelu_bgrad": epilogue_kernels.drelu(d, relu_aux, alloc=result_array)}
         return (d.T if call.c_order else d), aux
 
     def bias_gradient(self, b: Any) -> Any:
@@ -209,16 +209,3 @@ def _aux_outputs(epilog: Epilog | None, m: int, n: int, dtype: Any) -> dict[str,
     if epilog in _BGRAD_OUT:
         return {_BGRAD_OUT[epilog]: cp.empty(m, dtype=dtype)}
     return {}
-
-
-def _result_alloc(results: Any) -> Any:
-    """``alloc(size, dtype)`` drawing from ``results`` (the main stream's lists on the side stream), or None for
-    ``cupy.empty``: for the epilogue kernels' result only, not their scratch (:data:`epilogue_kernels.Alloc`)."""
-    if results is None:
-        return None
-
-    def alloc(size: int, dtype: Any) -> Any:
-        with cp.cuda.using_allocator(results):
-            return cp.empty(size, dtype=dtype)
-
-    return alloc

@@ -27,7 +27,7 @@ from mlptrain.base.cuda.timing import capture_graph, cuda_time_ms
 from mlptrain.base.cuda_source import Job
 from mlptrain.nn.cuda import epilogue_kernels
 from mlptrain.nn.cuda.plan_cache import PlanCache
-from mlptrain.nn.cuda.streams import results_allocator
+from mlptrain.nn.cuda.streams import result_array, results_allocator
 from mlptrain.nn.epilogs import Epilog
 
 log = logging.getLogger(__name__)
@@ -150,13 +150,13 @@ class NvmathGemm:
         d, _ = self._execute(f"{key}.plain", a, b, None, {})
         # the bias gradient is a result (from the main stream's lists on the side stream); the kernels' scratch is not
         if epilog is Epilog.BGRADB:
-            db = epilogue_kernels.bgradb(b, alloc=_result_array)  # (N,) or (K, N)
+            db = epilogue_kernels.bgradb(b, alloc=result_array)  # (N,) or (K, N)
             return d, {"bgradb": db if db.ndim == 1 else db[..., None]}
         if not epilogue_kernels.fits(d):  # not the layout the mask kernel takes: cuBLASLt's epilogue after all
             log.warning("%s: the plain GEMM's result is %s, strides %s; DRELU in cuBLASLt", key, d.shape, d.strides)
             self.epilogue_kernels = False
             return self._execute(key, a, b, epilog, inputs)
-        db = epilogue_kernels.drelu(d, inputs["relu_aux"], bgrad=epilog is Epilog.DRELU_BGRAD, alloc=_result_array)
+        db = epilogue_kernels.drelu(d, inputs["relu_aux"], bgrad=epilog is Epilog.DRELU_BGRAD, alloc=result_array)
         if db is None:
             return d, {}
         return d, {"drelu_bgrad": db if db.ndim == 1 else db[..., None]}
@@ -286,12 +286,6 @@ def _results() -> Any:
     from the main stream's free lists (:func:`mlptrain.nn.cuda.streams.results_allocator`), else as usual."""
     results = results_allocator()
     return cp.cuda.using_allocator(results) if results is not None else contextlib.nullcontext()
-
-
-def _result_array(size: int, dtype: Any) -> Any:
-    """``cupy.empty(size, dtype)`` where :func:`_results` says a result goes."""
-    with _results():
-        return cp.empty(size, dtype=dtype)
 
 
 def graph_autotune(mm: Matmul, algorithms: tuple, key: str, *, calls: int = 5, reps: int = 5) -> Algorithm:

@@ -49,6 +49,17 @@ def results_allocator() -> Callable[[int], Any] | None:
     return getattr(_local, "results", None)
 
 
+def result_array(size: int, dtype: Any) -> Any:
+    """``cupy.empty(size, dtype)`` where a result goes (:func:`results_allocator`): for what a kernel returns after
+    a GEMM, never for its scratch, which is freed while its stream may still read it and so must stay in that
+    stream's own free lists."""
+    results = results_allocator()
+    if results is None:
+        return cp.empty(size, dtype=dtype)
+    with cp.cuda.using_allocator(results):
+        return cp.empty(size, dtype=dtype)
+
+
 class SideStream:
     """Work forked off the current stream and joined back; ``forks`` events, one per fork point."""
 
