@@ -50,6 +50,7 @@ class MemberHead(OutputHead):
             raise ValueError(f"an ensemble's head mode {mode!r} is unknown; expected one of {MEMBER_HEAD_MODES}")
         super().__init__(loss, mode)
         self.member_losses: list[Any] | None = None  # member k's own loss function (its targets' units), if set
+        self.sums: Any = None  # GPU: the members' sums beside the backward (nn/cuda/members.MemberSums), once stepped
 
     @classmethod
     def choose(
@@ -61,6 +62,19 @@ class MemberHead(OutputHead):
             loss=loss, gpu=gpu, fused=fused, relu=relu, widths=widths, batch_size=batch_size, head_kernel=head_kernel
         )
         return cls(loss, "kernel" if single.mode == "kernel" else "gemm")
+
+    def backward(self, model: MLP, logits: Any, y: Any, grad_scale: Any) -> tuple[Any, Any]:
+        """:meth:`OutputHead.backward`; on the GPU the members' means run on a stream of their own beside it (nothing
+        in the backward waits for them), which the current stream waits for on the way out
+        (:class:`mlptrain.nn.cuda.members.MemberSums`)."""
+        if get_array_module(logits[0] if isinstance(logits, list) else logits) is np:  # (no reference kept)
+            return super().backward(model, logits, y, grad_scale)
+        if self.sums is None:
+            from mlptrain.nn.cuda.members import MemberSums
+
+            self.sums = MemberSums()
+        with self.sums.beside():
+            return super().backward(model, logits, y, grad_scale)
 
     def grads(
         self, model: MLP, logits: Any, y: Any, grad_scale: Any, *, inplace: bool = False
@@ -98,7 +112,8 @@ class MemberHead(OutputHead):
             if logits.dtype != xp.float64:
                 from mlptrain.nn.cuda.losses import member_cross_entropy_gpu
 
-                loss, dlogits, correct = member_cross_entropy_gpu(logits, y, grad_scale, inplace=inplace)
+                sums = self.sums if self.sums is not None and self.sums.active else None  # (the step's backward)
+                loss, dlogits, correct = member_cross_entropy_gpu(logits, y, grad_scale, inplace=inplace, sums=sums)
             else:
                 loss, dlogits, correct = stacked_cross_entropy(logits, y, grad_scale, inplace=inplace)
             return loss, correct, dlogits

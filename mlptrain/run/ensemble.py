@@ -104,11 +104,14 @@ class EnsembleTrainer(Trainer):
 
         On the GPU one kernel of K threads does it all, ``mlptrain_member_tally``
         (:func:`mlptrain.nn.cuda.members.tally_members`: captured with the step, replayed with it), where the
-        array operations below, its formula, are a launch each."""
+        array operations below, its formula, are a launch each; it runs behind the members' means on their own
+        stream, beside the backward (:class:`mlptrain.nn.cuda.members.MemberSums`)."""
         if self.backend.is_gpu:
             from mlptrain.nn.cuda.members import tally_members
 
-            return tally_members(loss, correct, rows, self.member_loss, self.member_correct)
+            sums = getattr(self.head, "sums", None)  # (a MemberHead's, once it has stepped)
+            tally = tally_members if sums is None else sums.tally
+            return tally(loss, correct, rows, self.member_loss, self.member_correct)
         self.member_loss += loss * rows
         self.member_correct += correct
         k = self.members

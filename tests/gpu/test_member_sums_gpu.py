@@ -136,3 +136,34 @@ def test_a_cold_ensemble_run_compiles_the_members_kernels_ahead(tmp_path: Any) -
     where = {k: c["thread"] for c in compiles for k in c["kernels"]}
     members = ("mlptrain_xent_rows", "mlptrain_member_means", "mlptrain_member_tally", "mlptrain_member_head_dgrad")
     assert all(where.get(k, "").startswith("mlptrain-precompile") for k in members), where
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_the_members_sums_run_beside_the_backward_and_add_up_every_step(graph: bool) -> None:
+    """In a training step the means and the tally run on their own stream (MemberSums), joined before the update:
+    the epoch's per-member sums are still every step's loss times its rows (rounded to float32, added in float64)
+    and every step's count, and the next step sees the last one's tally (a race would lose or repeat a step)."""
+    from test_ensemble_gpu import K, ensemble_cfg
+
+    from mlptrain.run.ensemble import EnsembleTrainer
+
+    tr = EnsembleTrainer(ensemble_cfg("gpu", graph))
+    losses, counts, rows = [], [], 0
+    with tr.stream:
+        for step, (x, y) in enumerate(tr.train_batches(0)):
+            loss, correct = tr.step(x, y)
+            losses.append(cp.asnumpy(loss))
+            counts.append(cp.asnumpy(correct))
+            rows += tr.batch_rows(y)
+            if step == 11:
+                break
+        sums = tr.head.sums
+        assert sums is not None and not sums.active and sums.stream.ptr != tr.stream.ptr
+        extras = tr.epoch_extras()
+    b = tr.batch_rows(y)
+    want_loss = np.sum([(lo * np.float32(b)).astype(np.float64) for lo in losses], axis=0) / rows
+    want_acc = np.sum(counts, axis=0) / rows
+    for k in range(K):
+        assert extras[f"member{k}/train/loss"] == pytest.approx(want_loss[k], rel=1e-12), k
+        assert extras[f"member{k}/train/acc"] == want_acc[k], k
+    assert len({round(float(v), 6) for v in want_loss}) == K  # (the members differ: a mixed-up member would show)

@@ -80,14 +80,15 @@ def softmax_cross_entropy_gpu(logits: Any, y: Any, grad_scale: Any, bias_grad: b
     return (loss, d, correct, db) if bias_grad else (loss, d, correct)
 
 
-def member_cross_entropy_gpu(logits: Any, y: Any, grad_scale: Any, inplace: bool = False) -> tuple:
+def member_cross_entropy_gpu(logits: Any, y: Any, grad_scale: Any, inplace: bool = False, sums: Any = None) -> tuple:
     """An ensemble's loss (:class:`mlptrain.nn.members.MemberHead`): ``logits (K, B, C)`` (fp16/bf16/fp32) against
     ``y (K, B)``, each member's the single model's formulas; returns ``(loss (K,), dlogits (K, B, C), correct (K,))``.
 
     Two launches for any K, where the same formulas as array operations launch a dozen kernels over ``(K, B, C)``:
     the K members' ``K * B`` rows are one launch of ``mlptrain_xent_rows`` (a warp a row, ``1 / B`` each member's
     mean), then one block sums each member's rows into the ``(K,)`` losses (float32, the mean of the member's B row
-    losses, summed in float64) and counts: ``mlptrain_member_means`` (:func:`mlptrain.nn.cuda.members.member_means`).
+    losses, summed in float64) and counts: ``mlptrain_member_means`` (:func:`mlptrain.nn.cuda.members.member_means`;
+    with ``sums``, a :class:`~mlptrain.nn.cuda.members.MemberSums`, on its stream, beside the backward).
     """
     rows, _ = _cupy_xent_kernels()
     k, b, c = logits.shape
@@ -95,7 +96,8 @@ def member_cross_entropy_gpu(logits: Any, y: Any, grad_scale: Any, inplace: bool
     row_loss = cp.empty(k * b, dtype=cp.float32)
     row_ok = cp.empty(k * b, dtype=cp.int32)
     rows(logits, y, scale, c, 1.0 / b, d, row_loss, row_ok, size=k * b * 32, block_size=256)
-    loss, correct = member_means(row_loss, row_ok, k)  # (K,) float32, (K,) int64
+    means = member_means if sums is None else sums.means
+    loss, correct = means(row_loss, row_ok, k)  # (K,) float32, (K,) int64
     return loss, d, correct
 
 

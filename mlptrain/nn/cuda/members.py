@@ -21,11 +21,22 @@ divide), each costing about as much GPU time in a replayed CUDA graph as the wor
 Both launch with no host sync and allocate only their outputs, so a CUDA graph captures them; ``rows`` (a host
 int per batch size) is a kernel argument, fixed in each batch shape's graph. The NumPy formulas they follow are
 :meth:`~mlptrain.run.ensemble.EnsembleTrainer.step_metrics`' CPU path and :class:`~mlptrain.nn.members.MemberHead`'s.
+
+Nothing in the backward waits for either: the loss gradient comes from the row kernel, and only the step log (in
+the update kernel's last block) reads the means. So in a training step they run on a stream of their own
+(:class:`MemberSums`), beside the backward's chain of GEMMs, where on the main stream they were two more small
+kernels (and their launch gaps) between the loss and the update::
+
+    main:  rows ─┬─ head dgrad ── dX ── dX ── ... ── dW ──────────┬─ update (its last block: the step log)
+    sums:        └─ member_means ── member_tally ─────────────────┘
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import cupy as cp
@@ -153,3 +164,69 @@ def tally_job(members: int, loss_dtype: Any, rows: int) -> Job:
         tally_members(zeros(dtype=loss_dtype), zeros(dtype=cp.int64), rows, zeros(cp.float64), zeros(cp.int64))
 
     return Job(f"mlptrain_member_tally ({members} members, {np.dtype(loss_dtype).name} loss)", "update", run)
+
+
+class MemberSums:
+    """The members' sums on a stream of their own, beside the backward (the module docstring's picture).
+
+    :meth:`beside` wraps the training step's backward (:meth:`mlptrain.nn.members.MemberHead.backward`): inside it,
+    :meth:`means` forks the sums stream off the main stream once the row kernel has run, runs ``member_means`` there,
+    and keeps the row losses it reads alive until the main stream has waited for it, when the backward ends (a free
+    block goes back to the main stream's lists at once; the main stream could reuse it before the sums stream read
+    it). :meth:`tally` (the step's bookkeeping, after the backward) runs ``member_tally`` behind the means on the
+    same stream, and the main stream waits for it before the update, whose last block reads its two means.
+
+    What the sums stream makes (the ``(K,)`` losses and counts, the two means) is allocated from its own free lists;
+    the main stream reads them only after waiting for it, and the sums stream's next use of those blocks waits,
+    through the next step's fork, for everything the main stream has enqueued before it. A CUDA graph capture
+    records the fork and the two joins as edges between its branches.
+    """
+
+    def __init__(self) -> None:
+        self.stream = cp.cuda.Stream(non_blocking=True)
+        self._fork, self._means_done, self._tally_done = (cp.cuda.Event(disable_timing=True) for _ in range(3))
+        self._reads: tuple[Any, Any] | None = None  # the row losses and flags member_means reads
+        self._pending = False  # member_means of this step ran here: the tally follows it without a fork
+        self._owner: int | None = None  # the thread inside beside()
+
+    @property
+    def active(self) -> bool:
+        """Inside :meth:`beside`, on its thread (not a compile-ahead job's): MemberHead's loss sends its means here."""
+        return self._owner == threading.get_ident()
+
+    @contextlib.contextmanager
+    def beside(self) -> Iterator[None]:
+        """The training step's backward: its means here; on the way out the main stream waits for them."""
+        main = cp.cuda.get_current_stream()
+        self._owner, self._pending = threading.get_ident(), False
+        try:
+            yield
+        finally:
+            self._owner = None
+            if self._reads is not None:
+                main.wait_event(self._means_done)
+                self._reads = None
+
+    def means(self, row_loss: Any, row_ok: Any, members: int) -> tuple[Any, Any]:
+        """:func:`member_means` on the sums stream, after the main stream's work so far (the row kernel)."""
+        self._fork.record(cp.cuda.get_current_stream())
+        self.stream.wait_event(self._fork)
+        with self.stream:
+            out = member_means(row_loss, row_ok, members)
+            self._means_done.record(self.stream)
+        self._reads, self._pending = (row_loss, row_ok), True
+        return out
+
+    def tally(self, loss: Any, correct: Any, rows: int, member_loss: Any, member_correct: Any) -> tuple[Any, Any]:
+        """:func:`tally_members` on the sums stream, behind this step's :meth:`means` (else forked off the main
+        stream, which then made ``loss``); the main stream waits for it."""
+        main = cp.cuda.get_current_stream()
+        if not self._pending:
+            self._fork.record(main)
+            self.stream.wait_event(self._fork)
+        self._pending = False
+        with self.stream:
+            out = tally_members(loss, correct, rows, member_loss, member_correct)
+            self._tally_done.record(self.stream)
+        main.wait_event(self._tally_done)
+        return out
