@@ -1,23 +1,24 @@
 """Optimizers: SGD with momentum/Nesterov, Adam, AdamW; :data:`OPTIMIZERS`, the registry of them.
 
-One update rule per optimizer, written twice with the same arithmetic: NumPy expressions for the CPU (a parameter
-at a time) and the CUDA body of one element for the GPU, which one multi-tensor kernel applies to every parameter
-(:mod:`mlptrain.step.cuda.multitensor`): per element it reads the gradient, updates the master weight and the
-state, and writes the half-precision compute copy, in a single pass over memory.
+One update rule per optimizer, written twice with the same arithmetic: as NumPy expressions
+for the CPU (one parameter at a time) and as the CUDA body of one element for the GPU, where a
+single multi-tensor kernel (:mod:`mlptrain.step.cuda.multitensor`) applies it to every parameter of the
+model. Per element it reads the gradient, updates the master weight and the optimizer state, and
+writes the half-precision compute copy, in a single pass over memory.
 
-Per-step scalars (learning rate, inverse loss scale, the skip flag of an overflowing fp16 step, Adam's step
-count) are 0-d device arrays read inside the kernel, not host numbers baked into the launch, so a step never
-waits on the host and can be captured into a CUDA graph. Hyperparameters (momentum, betas, weight decay) are
-compiled in as constants.
+Per-step scalars (learning rate, inverse loss scale, the skip flag of an overflowing fp16 step,
+Adam's step count) are 0-d device arrays read inside the kernel, not host numbers baked into the
+launch, so a step never waits on the host and can be captured into a CUDA graph. Hyperparameters
+(momentum, betas, weight decay) are fixed per optimizer and compiled in as constants.
 
-Semantics follow ``torch.optim``: SGD ``buf = momentum * buf + g`` (buf starts at 0, which equals torch's
-first-step ``buf = g``), Nesterov ``g + momentum * buf``; weight decay adds ``wd * p`` to the gradient (L2) in
-SGD and Adam, and is decoupled in AdamW (``p *= 1 - lr * wd``).
+Semantics follow ``torch.optim``: SGD ``buf = momentum * buf + g`` (buf starts at 0, which equals
+torch's first-step ``buf = g``), Nesterov ``g + momentum * buf``; weight decay adds ``wd * p`` to the
+gradient (L2) in SGD and Adam, and is decoupled in AdamW (``p *= 1 - lr * wd``).
 
-A new optimizer is one class registered with :func:`register_optimizer`, naming the settings of ``OptimizerConfig``
-it reads with their ranges in :attr:`Optimizer.settings`, and one ``conf/optimizer/<name>.yaml``: the checks
-(ranges, settings the chosen optimizer does not use), ``--help`` and :func:`mlptrain.step.build.optimizer` read
-the registry.
+A new optimizer is one class registered with :func:`register_optimizer`, naming the settings of
+``OptimizerConfig`` it reads with their ranges in :attr:`Optimizer.settings`, and one
+``conf/optimizer/<name>.yaml``: the checks (ranges, settings the chosen optimizer does not use),
+``--help`` and :func:`mlptrain.step.build.optimizer` read the registry.
 """
 
 from __future__ import annotations
@@ -189,11 +190,10 @@ class Optimizer:
 
     # --- the GPU path: one kernel for all parameters -------------------------------------------
 
-    def _roles(self) -> list[tuple[str, str, str]]:
-        """Per-tensor arrays of the update: gradient (only read), master weight, state, compute copy (only written)."""
-        states = [(s, "S" if s in self.narrow else "P", "rw") for s in self.state_names]
-        copy = [("pc", "C", "w")] if self.params[0].has_compute_copy else []
-        return [("g", "G", "r"), ("p", "P", "rw"), *states, *copy]
+    def _roles(self) -> list[tuple[str, str]]:
+        """Per-tensor arrays of the update: gradient, master weight, state, compute copy."""
+        roles = [("g", "G"), ("p", "P")] + [(s, "S" if s in self.narrow else "P") for s in self.state_names]
+        return roles + ([("pc", "C")] if self.params[0].has_compute_copy else [])
 
     def _tensors(self) -> list[list[Any]]:
         lists = [[p.grad for p in self.params], [p.value for p in self.params]]
@@ -206,14 +206,14 @@ class Optimizer:
         k = self.members.members if self.members is not None else 0
         key = ((tail.code, tail.params) if tail else None, k)
         if key not in self._kernels:
-            from mlptrain.step.cuda import multitensor
+            from mlptrain.step.cuda.multitensor import MultiTensorKernel
 
             if len({p.has_compute_copy for p in self.params}) != 1:
                 raise ValueError("all parameters must have a compute copy, or none")
             # (an optimizer of one's own whose _cuda_update takes no per_member serves runs without per-member settings)
             loop_prep, body = self._cuda_update(per_member=True) if k else self._cuda_update()
             body += "$pc = (C)$p;" if self.params[0].has_compute_copy else ""
-            self._kernels[key] = multitensor.MultiTensorKernel(
+            self._kernels[key] = MultiTensorKernel(
                 f"mlptrain_{type(self).__name__.lower()}_step" + ("_members" if k else ""),
                 self._roles(),
                 [p.value.size for p in self.params],
@@ -226,7 +226,6 @@ class Optimizer:
                 + "const P inv_s = (P)inv_scale[0];\n"
                 + loop_prep,
                 members=k,
-                ilp=multitensor.UPDATE_ILP,
                 epilogue="if (!skipped) t[0] += 1.0;  // one more applied step\n" + (tail.code if tail else ""),
                 preamble=tail.preamble if tail else "",
             )

@@ -45,8 +45,6 @@ import cupy as cp
 
 from mlptrain.base.member_settings import member_index_cuda
 
-UPDATE_ILP = 4  # the optimizer's elements in flight a thread (MultiTensorKernel's ilp; docs/benchmarks.md, #50)
-
 
 def _flat(a: Any, what: str) -> Any:
     """A 1-D view of a C-contiguous array (the multi-tensor index is the flat element index)."""
@@ -60,11 +58,8 @@ class MultiTensorKernel:
 
     Args:
         name: kernel name (shows in profiles and graph dumps).
-        roles: the per-tensor arrays, ``(name, type placeholder[, access])``: ``[("g", "G", "r"), ("p", "P")]``.
-            Every tensor of a role has the role's dtype. ``access``: what ``body`` does with the role's element,
-            ``"r"`` (only reads it), ``"w"`` (only writes it) or ``"rw"`` (the default); with ``ilp > 1`` an element
-            is loaded only if read and stored only if written (an optimizer's gradient and compute copy move no
-            bytes they do not need).
+        roles: the per-tensor arrays, ``(name, type placeholder)``: ``[("g", "G"), ("p", "P")]``.
+            Every tensor of a role has the role's dtype.
         sizes: element count of each tensor, in order.
         body: CUDA statements for one element, with ``$g``, ``$p`` ... standing for the element of
             each role (``g3[j]`` for tensor 3).
@@ -76,9 +71,6 @@ class MultiTensorKernel:
         preamble: device functions the code calls.
         members: ``K > 0``: every tensor is ``K`` members stacked on its leading axis, and ``body`` reads
             ``member``, the member of its element (:func:`~mlptrain.base.member_settings.member_index_cuda`).
-        ilp: elements a thread has in flight at once (1: one at a time, the plain loop). Above 1 each pass of the
-            loop loads ``ilp`` elements (``N`` apart: a warp's loads stay coalesced) into registers, runs ``body``
-            on each, then stores them (:func:`staged_loop`).
 
     Call it with the tensors role by role (``[g0, g1, ...], [p0, p1, ...]``), then the extras.
     """
@@ -86,7 +78,7 @@ class MultiTensorKernel:
     def __init__(
         self,
         name: str,
-        roles: Sequence[tuple[str, ...]],
+        roles: Sequence[tuple[str, str]],
         sizes: Sequence[int],
         body: str,
         *,
@@ -96,10 +88,8 @@ class MultiTensorKernel:
         epilogue: str = "",
         preamble: str = "",
         members: int = 0,
-        ilp: int = 1,
     ) -> None:
-        self.roles = [(r[0], r[1]) for r in roles]
-        access = {r[0]: r[2] if len(r) > 2 else "rw" for r in roles}
+        self.roles = list(roles)
         self.sizes = [int(s) for s in sizes]
         self.total = sum(self.sizes)
         if not self.sizes or min(self.sizes) < 1:
@@ -108,20 +98,12 @@ class MultiTensorKernel:
         # Enough threads to fill the GPU (2048 per SM), in blocks of 256; fewer for a small model.
         sms = cp.cuda.Device().attributes["MultiProcessorCount"]
         self.threads = min(-(-self.total // 256) * 256, sms * 2048)
-        if ilp < 1:
-            raise ValueError(f"{name}: ilp must be at least 1; got {ilp}")
-        if bad := {r: a for r, a in access.items() if a not in ("r", "w", "rw")}:
-            raise ValueError(f"{name}: a role's access is 'r', 'w' or 'rw'; got {bad}")
-        names = [r for r, _ in self.roles]
-        loads, stores = [r for r in names if "r" in access[r]], [r for r in names if "w" in access[r]]
         loops = []
         for k, n in enumerate(self.sizes):
-            member = f"const int member = {member_index_cuda(n, members)}; " if members else ""  # element j's
-            if ilp == 1:
-                element = Template(body).substitute({r: f"{r}{k}[j]" for r in names})
-                loops.append(f"for (ptrdiff_t j = i; j < {n}LL; j += {self.threads}LL) {{ {member}{element} }}")
-            else:
-                loops.append(staged_loop(k, n, self.threads, ilp, self.roles, loads, stores, member + body))
+            element = Template(body).substitute({r: f"{r}{k}[j]" for r, _ in self.roles})
+            if members:  # the member of element j, from the stacked layout (K, ...)
+                element = f"const int member = {member_index_cuda(n, members)}; {element}"
+            loops.append(f"for (ptrdiff_t j = i; j < {n}LL; j += {self.threads}LL) {{ {element} }}")
         after = ""
         if block_flag is not None:
             flag, target = block_flag
@@ -166,45 +148,6 @@ class MultiTensorKernel:
         if self._blocks_done is not None:
             flat.append(self._blocks_done)
         self._kernel(*flat, *extras, size=self.threads, block_size=256)
-
-
-def staged_loop(
-    k: int,
-    n: int,
-    threads: int,
-    ilp: int,
-    roles: Sequence[tuple[str, str]],
-    loads: list[str],
-    stores: list[str],
-    body: str,
-) -> str:
-    """Tensor ``k``'s loop (``n`` elements, ``threads`` threads) with ``ilp`` elements a thread in flight::
-
-        for (j0 = i; j0 < n; j0 += ilp * N) {
-            load  g[u] = g3[j0 + u N], p[u] = p3[j0 + u N], ...   for u < ilp   (every load issued first)
-            body  on g[u], p[u], ...                               for u < ilp
-            store p3[j0 + u N] = p[u], ...                         for u < ilp
-        }
-
-    A memory-bound update is limited by the bytes each SM has in flight: one element at a time, a thread waits a
-    whole memory latency per element, because the compiler may not move the next element's loads above this
-    element's stores (the arrays might overlap, for all it knows). Loading ``ilp`` elements into registers before
-    any store gives the memory system ``ilp`` times the requests to overlap (Apex's ``multi_tensor_apply`` does the
-    same with ILP 4)."""
-    regs = {r: f"r_{r}" for r, _ in roles}
-    decl = " ".join(f"{t} {regs[r]}[{ilp}];" for r, t in roles)
-    each = f"for (int u = 0; u < {ilp}; ++u) {{ const ptrdiff_t j = j0 + (ptrdiff_t)u * {threads}LL; if (j < {n}LL) "
-    load = " ".join(f"{regs[r]}[u] = {r}{k}[j];" for r in loads)
-    store = " ".join(f"{r}{k}[j] = {regs[r]}[u];" for r in stores)
-    element = Template(body).substitute({r: f"{regs[r]}[u]" for r, _ in roles})
-    return (
-        f"for (ptrdiff_t j0 = i; j0 < {n}LL; j0 += {ilp * threads}LL) {{\n"
-        f"  {decl}\n"
-        f"  #pragma unroll\n  {each}{{ {load} }} }}\n"
-        f"  #pragma unroll\n  {each}{{ {element} }} }}\n"
-        f"  #pragma unroll\n  {each}{{ {store} }} }}\n"
-        "}"
-    )
 
 
 _NONFINITE_LANES = """
