@@ -112,6 +112,39 @@ def test_the_members_loss_is_each_members_numpy_loss(k: int) -> None:
         assert int(correct[m]) == int(want_correct), m
 
 
+@pytest.mark.parametrize("c", [2, 10, 16, 17])
+def test_a_members_rows_are_the_single_models_rows(c: int) -> None:
+    """Up to 16 classes a thread takes a row (mlptrain_xent_thread_rows): each member's dlogits are the single
+    model's one-block kernel's (mlptrain_xent_small) bit for bit, its loss that kernel's within the order of a float64
+    sum; 17 classes take the warp kernel. Ties keep the first column, as numpy.argmax; a bad label gives NaN."""
+    import ml_dtypes
+
+    from mlptrain.nn.cuda.losses import member_cross_entropy_gpu, small_head, softmax_cross_entropy_gpu
+
+    k, b = 5, 200
+    rng = np.random.default_rng(c)
+    logits = np.round(2 * rng.standard_normal((k, b, c))).astype(ml_dtypes.bfloat16)  # (rounded: many ties)
+    y = rng.integers(0, c, (k, b))
+    y[3, 7] = -1  # member 3's loss is NaN, the others are not
+    scale = cp.asarray(128.0)
+    loss, d, correct = member_cross_entropy_gpu(cp.asarray(logits), cp.asarray(y), scale)
+    assert small_head(b, c)
+    for m in range(k):
+        one_loss, one_d, one_correct = softmax_cross_entropy_gpu(cp.asarray(logits[m]), cp.asarray(y[m]), scale, False)
+        bits = cp.asnumpy(d[m]).view(np.uint16), cp.asnumpy(one_d).view(np.uint16)
+        if c <= 16:
+            np.testing.assert_array_equal(*bits, err_msg=f"member {m}")
+        else:
+            np.testing.assert_allclose(
+                cp.asnumpy(d[m]).astype(np.float32), cp.asnumpy(one_d).astype(np.float32), rtol=1e-2, atol=1e-6
+            )
+        if m == 3:
+            assert np.isnan(float(loss[m])) and np.isnan(float(one_loss))
+        else:
+            assert float(loss[m]) == pytest.approx(float(one_loss), rel=1e-6), m
+        assert int(correct[m]) == int(one_correct) == int((logits[m].astype(np.float32).argmax(-1) == y[m]).sum()), m
+
+
 def test_a_cold_ensemble_run_compiles_the_members_kernels_ahead(tmp_path: Any) -> None:
     """From an empty kernel cache, an ensemble's loss kernels, tally and head kernel (the default run's small head
     takes it) compile on the precompile threads, none at its first launch on the main thread (the single model's
@@ -134,7 +167,8 @@ def test_a_cold_ensemble_run_compiles_the_members_kernels_ahead(tmp_path: Any) -
         pytest.skip("this CuPy compiles through another function than _compile_using_nvrtc_no_warning")
     compiles = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("COMPILES "))[9:])
     where = {k: c["thread"] for c in compiles for k in c["kernels"]}
-    members = ("mlptrain_xent_rows", "mlptrain_member_means", "mlptrain_member_tally", "mlptrain_member_head_dgrad")
+    members = ("mlptrain_xent_thread_rows", "mlptrain_member_means", "mlptrain_member_tally")
+    members += ("mlptrain_member_head_dgrad",)  # (digits: 10 classes, a thread a row)
     assert all(where.get(k, "").startswith("mlptrain-precompile") for k in members), where
 
 

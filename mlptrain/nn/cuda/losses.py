@@ -86,16 +86,21 @@ def member_cross_entropy_gpu(logits: Any, y: Any, grad_scale: Any, inplace: bool
 
     Two launches for any K, where the same formulas as array operations launch a dozen kernels over ``(K, B, C)``:
     the K members' ``K * B`` rows are one launch of ``mlptrain_xent_rows`` (a warp a row, ``1 / B`` each member's
-    mean), then one block sums each member's rows into the ``(K,)`` losses (float32, the mean of the member's B row
-    losses, summed in float64) and counts: ``mlptrain_member_means`` (:func:`mlptrain.nn.cuda.members.member_means`;
-    with ``sums``, a :class:`~mlptrain.nn.cuda.members.MemberSums`, on its stream, beside the backward).
+    mean; up to :data:`THREAD_ROW_CLASSES` classes ``mlptrain_xent_thread_rows``, a thread a row, each row the
+    single model's ``mlptrain_xent_small`` formulas in its order), then one block sums each member's rows into the
+    ``(K,)`` losses (float32, the mean of the member's B row losses, summed in float64) and counts:
+    ``mlptrain_member_means`` (:func:`mlptrain.nn.cuda.members.member_means`; with ``sums``, a
+    :class:`~mlptrain.nn.cuda.members.MemberSums`, on its stream, beside the backward).
     """
-    rows, _ = _cupy_xent_kernels()
     k, b, c = logits.shape
     logits, y, scale, d = _operands(logits, y, grad_scale, inplace)  # d (K, B, C)
     row_loss = cp.empty(k * b, dtype=cp.float32)
     row_ok = cp.empty(k * b, dtype=cp.int32)
-    rows(logits, y, scale, c, 1.0 / b, d, row_loss, row_ok, size=k * b * 32, block_size=256)
+    if c <= THREAD_ROW_CLASSES:  # a thread a row: a warp a row would leave 32 - C of its lanes idle
+        _xent_thread_rows_kernel(c)(logits, y, scale, 1.0 / b, d, row_loss, row_ok, size=k * b)
+    else:
+        rows, _ = _cupy_xent_kernels()
+        rows(logits, y, scale, c, 1.0 / b, d, row_loss, row_ok, size=k * b * 32, block_size=256)
     means = member_means if sums is None else sums.means
     loss, correct = means(row_loss, row_ok, k)  # (K,) float32, (K,) int64
     return loss, d, correct
@@ -152,6 +157,34 @@ if (lane == 0) {
     row_loss[row] = valid ? logf(s) + m - x_label : __int_as_float(0x7fc00000);
     row_ok[row] = am == label;
 }
+"""
+
+THREAD_ROW_CLASSES = 16  # up to this many classes the members' rows run a thread a row (the logits in registers)
+
+_XENT_THREAD_ROWS = r"""
+// Thread i: row i of the K * B rows, its C logits in registers (read before d, which may be x, is written); the
+// passes and their order are mlptrain_xent_small's for one row, so a member's row gives the single model's bits.
+const long long base = i * C;
+const long long label = y[i];
+const bool valid = label >= 0 && label < C;  // a bad label gives a NaN loss, not a stray read
+float v[C];
+#pragma unroll
+for (int j = 0; j < C; ++j) v[j] = (float)x[base + j];
+float m = __int_as_float(0xff800000);  // -inf; ties and NaN keep the first column, as numpy.argmax
+int am = 0;
+#pragma unroll
+for (int j = 0; j < C; ++j) if (v[j] > m || (v[j] != v[j] && m == m)) { m = v[j]; am = j; }
+float s = 0.0f;
+#pragma unroll
+for (int j = 0; j < C; ++j) s += expf(v[j] - m);
+float x_label = 0.0f;
+#pragma unroll
+for (int j = 0; j < C; ++j) if (j == label) x_label = v[j];  // (a register array indexed by constants only)
+const float g = (float)(scale[0] * inv_b);  // loss scale / B
+#pragma unroll
+for (int j = 0; j < C; ++j) d[base + j] = (T)((expf(v[j] - m) / s - (j == label ? 1.0f : 0.0f)) * g);
+row_loss[i] = valid ? logf(s) + m - x_label : __int_as_float(0x7fc00000);
+row_ok[i] = am == label;
 """
 
 _XENT_MEAN_PREP = r"""
@@ -312,6 +345,19 @@ def _cupy_xent_kernels() -> tuple[Any, Any]:
         no_return=True,
     )
     return rows, mean
+
+
+@functools.cache
+def _xent_thread_rows_kernel(classes: int) -> Any:
+    """``mlptrain_xent_thread_rows`` for ``classes`` classes (a compile-time constant: the loops unroll)."""
+    return cp.ElementwiseKernel(
+        "raw T x, raw int64 y, raw float64 scale, float64 inv_b",
+        "raw T d, raw float32 row_loss, raw int32 row_ok",
+        _XENT_THREAD_ROWS,
+        "mlptrain_xent_thread_rows",
+        loop_prep=f"const int C = {classes};",
+        no_return=True,
+    )
 
 
 @functools.cache

@@ -1,10 +1,11 @@
 """An ensemble's per-member sums on the GPU: the GPU half of :mod:`mlptrain.nn.members`, two small kernels.
 
-After the loss's row kernel (``mlptrain_xent_rows`` over the ``K * B`` rows of the stacked logits), an ensemble's
-step still has small reductions: each member's mean loss and correct count, the epoch's running sums per member,
-and the two 0-d values the step log records (the members' mean loss and mean count). As CuPy array operations they
-are a dozen launches of tiny kernels (CUB's segmented and single-tile reductions, a divide, casts, adds, a floor
-divide), each costing about as much GPU time in a replayed CUDA graph as the work it does. Here they are two:
+After the loss's row kernel (``mlptrain_xent_thread_rows`` or ``mlptrain_xent_rows`` over the stacked logits' ``K * B``
+rows), an ensemble's step still has small reductions: each member's mean loss and correct count, the epoch's running
+sums per member, and the two 0-d values the step log records (the members' mean loss and mean count). As CuPy array
+operations they are a dozen launches of tiny kernels (CUB's segmented and single-tile reductions, a divide, casts,
+adds, a floor divide), each costing about as much GPU time in a replayed CUDA graph as the work it does. Here they
+are two:
 
 1. :func:`member_means` (``mlptrain_member_means``, in the loss): ``(K * B,)`` row losses and flags ->
    ``loss (K,)`` float32 and ``correct (K,)`` int64. One block of 1024 threads (32 warps); each member gets
