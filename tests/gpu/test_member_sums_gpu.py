@@ -14,7 +14,7 @@ pytestmark = pytest.mark.gpu
 if HAS_GPU:
     from mlptrain.nn.cuda.members import member_means, tally_members
 
-# B below, at and above a warp's 32 rows and the 32 W rows a turn takes, none a multiple of the block's 256
+# B below, at and above a warp's 32 rows and the 32 W rows a turn takes, none a multiple of the block's 1024
 ROWS = [1, 37, 1000, 2049]
 
 

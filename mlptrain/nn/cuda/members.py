@@ -8,8 +8,8 @@ adds, a floor divide), each costing about as much GPU time in a replayed CUDA gr
 are two:
 
 1. :func:`member_means` (``mlptrain_member_means``, in the loss): ``(K * B,)`` row losses and flags ->
-   ``loss (K,)`` float32 and ``correct (K,)`` int64. One block of 256 threads (8 warps); each member gets
-   ``W`` warps (as many as ``K`` leaves: ``W K <= 8``; 1 past 8 members, which then take turns). Each lane sums
+   ``loss (K,)`` float32 and ``correct (K,)`` int64. One block of 1024 threads (32 warps); each member gets
+   ``W`` warps (as many as ``K`` leaves: ``W K <= 32``; 1 past 32 members, which then take turns). Each lane sums
    its member's rows ``lane, lane + 32 W, ...`` in float64, a shuffle tree sums the warp, and the member's first
    lane adds its ``W`` warps' partials in warp order: a fixed order, so the same bits on every replay, and no
    atomics. (The single model's ``mlptrain_xent_mean`` sums in float64 too; its order is a 256-thread tree.)
@@ -45,10 +45,7 @@ import numpy as np
 
 from mlptrain.base.cuda_source import Job
 
-# One block: 8 warps shared among the members. Small, so that it fits on an SM beside a block of the members' head
-# kernel, which runs at the same time (MemberSums): a block of 1024 threads took a whole SM's registers, and one of
-# the head kernel's blocks, one wave of them, then waited for it (docs/benchmarks.md, #50).
-THREADS = 256
+THREADS = 1024  # one block: 32 warps shared among the members
 
 _MEANS_PREP = r"""
 __shared__ double warp_loss[32];
@@ -56,11 +53,11 @@ __shared__ long long warp_ok[32];
 """
 
 _MEANS = r"""
-// One block of THREADS threads (WARPS warps); this body runs once per thread (i = threadIdx.x).
+// One block of 1024 threads; this body runs once per thread (i = threadIdx.x).
 const int lane = i & 31, warp = i >> 5;
-int W = 1;  // warps per member: the most that K members leave (a power of two, W K <= WARPS)
-while (2 * W * K <= WARPS) W *= 2;
-const int at_once = WARPS / W;  // members summed at once
+int W = 1;  // warps per member: the most that K members leave (a power of two, W K <= 32)
+while (2 * W * K <= 32) W *= 2;
+const int at_once = 32 / W;  // members summed at once
 const int slot = warp / W, part = warp % W;  // this warp's member in the turn, and its share of the rows
 for (long long first = 0; first < K; first += at_once) {
     const long long k = first + slot;
@@ -121,11 +118,9 @@ def _kernels() -> tuple[Any, Any]:
         "raw float32 loss, raw int64 correct",
         _MEANS,
         "mlptrain_member_means",
-        loop_prep=f"const int WARPS = {THREADS // 32};\n" + _MEANS_PREP,
+        loop_prep=_MEANS_PREP,
         no_return=True,
-        # 40 registers a thread: 10,240 for the block, what a 512-thread block of the head kernel at about 100
-        # registers a thread (C = 10) leaves of an SM's 65,536 (CuPy sets no launch bounds)
-        options=("--maxrregcount=40",),
+        options=("--maxrregcount=64",),  # 1024 threads leave 64 registers each (CuPy sets no launch bounds)
     )
     tally = cp.ElementwiseKernel(
         "raw L loss, raw int64 correct, int64 K, int64 rows",
