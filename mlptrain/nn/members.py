@@ -103,8 +103,8 @@ class MemberHead(OutputHead):
         each the single loss function's call (with ``inplace``, written over ``logits[k]``).
 
         On the GPU the plain cross-entropy runs over all members at once: fp16/bf16/fp32 logits in two launches,
-        the single model's row kernel over the ``K * B`` rows and one block that sums each member's rows into the
-        ``(K,)`` losses and counts (:func:`mlptrain.nn.cuda.losses.member_cross_entropy_gpu`,
+        a row kernel over the ``K * B`` rows (a thread a row up to 16 classes) and one block that sums each member's
+        rows into the ``(K,)`` losses and counts (:func:`mlptrain.nn.cuda.losses.member_cross_entropy_gpu`,
         :mod:`mlptrain.nn.cuda.members`); float64 ones as array operations (:func:`stacked_cross_entropy`: the row
         kernel computes in float32), where one call per member launches K loss kernels."""
         xp = get_array_module(logits)

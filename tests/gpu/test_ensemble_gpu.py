@@ -98,7 +98,7 @@ def test_the_batched_step_on_the_gpu_follows_the_cpus_members(graph: bool) -> No
 @pytest.mark.parametrize("inplace", [False, True])
 @pytest.mark.parametrize(("dtype", "tol"), [(np.float32, 1e-5), (np.float16, 2e-3), (np.float64, 1e-12)])
 def test_the_members_loss_on_the_gpu_is_one_stacked_cross_entropy(dtype: Any, tol: float, inplace: bool) -> None:
-    """fp16/bf16/fp32: the single model's row kernel over the K * B rows; float64: the array operations."""
+    """fp16/bf16/fp32: a row kernel over the K * B rows (10 classes: a thread a row); float64: the array operations."""
     from mlptrain.nn.members import MemberHead
 
     rng = np.random.default_rng(5)

@@ -3,6 +3,8 @@ in one block, and the step's tally (the epoch's per-member sums, the step log's 
 NumPy's formulas; the same bits on every launch; the tally captured in a CUDA graph adds once per replay. Written on
 a CPU machine: the GPU issue runs it."""
 
+import functools
+import threading
 from typing import Any
 
 import numpy as np
@@ -173,31 +175,47 @@ def test_a_cold_ensemble_run_compiles_the_members_kernels_ahead(tmp_path: Any) -
 
 
 @pytest.mark.parametrize("graph", [False, True])
-def test_the_members_sums_run_beside_the_backward_and_add_up_every_step(graph: bool) -> None:
+def test_the_members_sums_run_beside_the_backward_and_add_up_every_step(
+    graph: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """In a training step the means and the tally run on their own stream (MemberSums), joined before the update:
-    the epoch's per-member sums are still every step's loss times its rows (rounded to float32, added in float64)
-    and every step's count, and the next step sees the last one's tally (a race would lose or repeat a step)."""
+    both launch there (a graph records them where they were launched), and the epoch's per-member sums are still
+    every step's loss times its rows (rounded to float32, added in float64) and every step's count, from zero again
+    after an epoch's end; the next step sees the last one's tally (a race would lose or repeat a step)."""
     from test_ensemble_gpu import K, ensemble_cfg
 
+    import mlptrain.nn.cuda.members as members
     from mlptrain.run.ensemble import EnsembleTrainer
 
+    launched: dict[str, set[tuple[int, int]]] = {"member_means": set(), "tally_members": set()}  # (thread, stream)
+
+    def spy(name: str, fn: Any, *args: Any) -> Any:
+        launched[name].add((threading.get_ident(), cp.cuda.get_current_stream().ptr))
+        return fn(*args)
+
+    for name in launched:
+        monkeypatch.setattr(members, name, functools.partial(spy, name, getattr(members, name)))
     tr = EnsembleTrainer(ensemble_cfg("gpu", graph))
-    losses, counts, rows = [], [], 0
     with tr.stream:
-        for step, (x, y) in enumerate(tr.train_batches(0)):
-            loss, correct = tr.step(x, y)
-            losses.append(cp.asnumpy(loss))
-            counts.append(cp.asnumpy(correct))
-            rows += tr.batch_rows(y)
-            if step == 11:
-                break
+        for steps in (12, 5):  # two "epochs": the sums start again from zero after epoch_extras
+            losses, counts, rows = [], [], 0
+            for step, (x, y) in enumerate(tr.train_batches(0)):
+                loss, correct = tr.step(x, y)
+                losses.append(cp.asnumpy(loss))
+                counts.append(cp.asnumpy(correct))
+                rows += tr.batch_rows(y)
+                if step == steps - 1:
+                    break
+            extras = tr.epoch_extras()
+            b = tr.batch_rows(y)
+            want_loss = np.sum([(lo * np.float32(b)).astype(np.float64) for lo in losses], axis=0) / rows
+            want_acc = np.sum(counts, axis=0) / rows
+            for k in range(K):
+                assert extras[f"member{k}/train/loss"] == pytest.approx(want_loss[k], rel=1e-12), (steps, k)
+                assert extras[f"member{k}/train/acc"] == want_acc[k], (steps, k)
         sums = tr.head.sums
         assert sums is not None and not sums.active and sums.stream.ptr != tr.stream.ptr
-        extras = tr.epoch_extras()
-    b = tr.batch_rows(y)
-    want_loss = np.sum([(lo * np.float32(b)).astype(np.float64) for lo in losses], axis=0) / rows
-    want_acc = np.sum(counts, axis=0) / rows
-    for k in range(K):
-        assert extras[f"member{k}/train/loss"] == pytest.approx(want_loss[k], rel=1e-12), k
-        assert extras[f"member{k}/train/acc"] == want_acc[k], k
+    here = {name: {ptr for thread, ptr in calls if thread == threading.get_ident()} for name, calls in launched.items()}
+    assert here == {"member_means": {sums.stream.ptr}, "tally_members": {sums.stream.ptr}}, launched  # (not the
+    # compile-ahead jobs' calls, on their threads)
     assert len({round(float(v), 6) for v in want_loss}) == K  # (the members differ: a mixed-up member would show)

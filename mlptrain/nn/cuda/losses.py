@@ -84,13 +84,14 @@ def member_cross_entropy_gpu(logits: Any, y: Any, grad_scale: Any, inplace: bool
     """An ensemble's loss (:class:`mlptrain.nn.members.MemberHead`): ``logits (K, B, C)`` (fp16/bf16/fp32) against
     ``y (K, B)``, each member's the single model's formulas; returns ``(loss (K,), dlogits (K, B, C), correct (K,))``.
 
-    Two launches for any K, where the same formulas as array operations launch a dozen kernels over ``(K, B, C)``:
-    the K members' ``K * B`` rows are one launch of ``mlptrain_xent_rows`` (a warp a row, ``1 / B`` each member's
-    mean; up to :data:`THREAD_ROW_CLASSES` classes ``mlptrain_xent_thread_rows``, a thread a row, each row the
-    single model's ``mlptrain_xent_small`` formulas in its order), then one block sums each member's rows into the
-    ``(K,)`` losses (float32, the mean of the member's B row losses, summed in float64) and counts:
-    ``mlptrain_member_means`` (:func:`mlptrain.nn.cuda.members.member_means`; with ``sums``, a
-    :class:`~mlptrain.nn.cuda.members.MemberSums`, on its stream, beside the backward).
+    Two launches for any K, where the same formulas as array operations launch a dozen kernels over ``(K, B, C)``.
+    First a row kernel over the K members' ``K * B`` rows (``1 / B`` each member's mean): up to
+    :data:`THREAD_ROW_CLASSES` classes ``mlptrain_xent_thread_rows``, a thread a row, each row the formulas of the
+    single model's one-block kernel ``mlptrain_xent_small`` in its order (so a member's rows are a single model's bit
+    for bit where that model's batch takes that kernel, :func:`small_head`); above, ``mlptrain_xent_rows``, a warp a
+    row. Then one block sums each member's rows into the ``(K,)`` losses (float32, the mean of the member's B row
+    losses, summed in float64) and counts: ``mlptrain_member_means`` (:func:`mlptrain.nn.cuda.members.member_means`;
+    with ``sums``, a :class:`~mlptrain.nn.cuda.members.MemberSums`, on its stream, beside the backward).
     """
     k, b, c = logits.shape
     logits, y, scale, d = _operands(logits, y, grad_scale, inplace)  # d (K, B, C)
@@ -163,7 +164,7 @@ THREAD_ROW_CLASSES = 16  # up to this many classes the members' rows run a threa
 
 _XENT_THREAD_ROWS = r"""
 // Thread i: row i of the K * B rows, its C logits in registers (read before d, which may be x, is written); the
-// passes and their order are mlptrain_xent_small's for one row, so a member's row gives the single model's bits.
+// passes and their order are mlptrain_xent_small's for one row: a member's row gives that kernel's bits.
 const long long base = i * C;
 const long long label = y[i];
 const bool valid = label >= 0 && label < C;  // a bad label gives a NaN loss, not a stray read

@@ -23,13 +23,14 @@ Both launch with no host sync and allocate only their outputs, so a CUDA graph c
 int per batch size) is a kernel argument, fixed in each batch shape's graph. The NumPy formulas they follow are
 :meth:`~mlptrain.run.ensemble.EnsembleTrainer.step_metrics`' CPU path and :class:`~mlptrain.nn.members.MemberHead`'s.
 
-Nothing in the backward waits for either: the loss gradient comes from the row kernel, and only the step log (in
-the update kernel's last block) reads the means. So in a training step they run on a stream of their own
-(:class:`MemberSums`), beside the backward's chain of GEMMs, where on the main stream they were two more small
-kernels (and their launch gaps) between the loss and the update::
+Nothing in the backward waits for either: the loss gradient comes from the row kernel, and what reads the means
+(the step's returned losses and counts, the step log in the update kernel's last block) comes after the backward.
+So in a training step they run on a stream of their own (:class:`MemberSums`), beside the backward's chain of GEMMs,
+where on the main stream they were two more small kernels (and their launch gaps) between the loss and the
+update; the main stream waits for the means at the backward's end and for the tally before the update::
 
-    main:  rows ─┬─ head dgrad ── dX ── dX ── ... ── dW ──────────┬─ update (its last block: the step log)
-    sums:        └─ member_means ── member_tally ─────────────────┘
+    main:  rows ─┬─ head dgrad ── dX ── ... ── dW ── (waits: means) ── check ── (waits: tally) ── update
+    sums:        └─ member_means ── member_tally   (the tally is enqueued after the backward, runs when it can)
 """
 
 from __future__ import annotations
@@ -175,19 +176,23 @@ class MemberSums:
     and keeps the row losses it reads alive until the main stream has waited for it, when the backward ends (a free
     block goes back to the main stream's lists at once; the main stream could reuse it before the sums stream read
     it). :meth:`tally` (the step's bookkeeping, after the backward) runs ``member_tally`` behind the means on the
-    same stream, and the main stream waits for it before the update, whose last block reads its two means.
+    same stream when it is handed their very outputs (else it forks again: the main stream made what it reads), and
+    the main stream waits for it before the update, whose last block reads its two means. Each fork is joined even
+    when a launch raises, so that a CUDA graph capture ends with the real error, not an unjoined stream's.
 
-    What the sums stream makes (the ``(K,)`` losses and counts, the two means) is allocated from its own free lists;
-    the main stream reads them only after waiting for it, and the sums stream's next use of those blocks waits,
-    through the next step's fork, for everything the main stream has enqueued before it. A CUDA graph capture
-    records the fork and the two joins as edges between its branches.
+    What the sums stream makes (the ``(K,)`` losses and counts, the two means) is allocated from its own free lists,
+    and the main stream reads it only after waiting for the sums stream. A block freed there goes to the sums
+    stream's next allocation: the next step's means, after that step's fork, or this step's tally, which no fork
+    precedes; nothing on the main stream reads one of the sums stream's blocks while the backward is being enqueued,
+    so neither can overwrite a block the main stream still reads. A CUDA graph capture records the fork and the
+    joins as edges between its branches.
     """
 
     def __init__(self) -> None:
         self.stream = cp.cuda.Stream(non_blocking=True)
         self._fork, self._means_done, self._tally_done = (cp.cuda.Event(disable_timing=True) for _ in range(3))
         self._reads: tuple[Any, Any] | None = None  # the row losses and flags member_means reads
-        self._pending = False  # member_means of this step ran here: the tally follows it without a fork
+        self._made: tuple[Any, Any] | None = None  # this step's member_means outputs: the tally follows without a fork
         self._owner: int | None = None  # the thread inside beside()
 
     @property
@@ -199,7 +204,7 @@ class MemberSums:
     def beside(self) -> Iterator[None]:
         """The training step's backward: its means here; on the way out the main stream waits for them."""
         main = cp.cuda.get_current_stream()
-        self._owner, self._pending = threading.get_ident(), False
+        self._owner, self._made = threading.get_ident(), None
         try:
             yield
         finally:
@@ -212,22 +217,27 @@ class MemberSums:
         """:func:`member_means` on the sums stream, after the main stream's work so far (the row kernel)."""
         self._fork.record(cp.cuda.get_current_stream())
         self.stream.wait_event(self._fork)
+        self._reads = (row_loss, row_ok)  # (set first: beside() joins the fork whatever happens below)
         with self.stream:
-            out = member_means(row_loss, row_ok, members)
-            self._means_done.record(self.stream)
-        self._reads, self._pending = (row_loss, row_ok), True
+            try:
+                out = member_means(row_loss, row_ok, members)
+            finally:
+                self._means_done.record(self.stream)
+        self._made = out
         return out
 
     def tally(self, loss: Any, correct: Any, rows: int, member_loss: Any, member_correct: Any) -> tuple[Any, Any]:
-        """:func:`tally_members` on the sums stream, behind this step's :meth:`means` (else forked off the main
-        stream, which then made ``loss``); the main stream waits for it."""
-        main = cp.cuda.get_current_stream()
-        if not self._pending:
+        """:func:`tally_members` on the sums stream, behind this step's :meth:`means` when ``loss`` and ``correct``
+        are their outputs (else forked off the main stream, which made them); the main stream waits for it."""
+        main, made = cp.cuda.get_current_stream(), self._made
+        self._made = None
+        if made is None or made[0] is not loss or made[1] is not correct:
             self._fork.record(main)
             self.stream.wait_event(self._fork)
-        self._pending = False
         with self.stream:
-            out = tally_members(loss, correct, rows, member_loss, member_correct)
-            self._tally_done.record(self.stream)
-        main.wait_event(self._tally_done)
+            try:
+                out = tally_members(loss, correct, rows, member_loss, member_correct)
+            finally:
+                self._tally_done.record(self.stream)
+                main.wait_event(self._tally_done)
         return out
