@@ -33,3 +33,45 @@ def test_two_stream_backward_equals_one_stream(graph, bgrad):
 def _max_out_degree(graph):
     edges = re.findall(r'"[^"]*?(\d+)"\s*->\s*"', graph.debug_dot_str())
     return max(Counter(edges).values())
+
+
+def _steps(tr, steps: int, beside: bool) -> np.ndarray:
+    """``steps`` losses of ``tr`` as graph_run takes them; ``beside=False``: every parameter updated at the end."""
+    if not beside:
+        tr.early_groups = {}
+    losses = []
+    with cp.cuda.Stream(non_blocking=True):
+        for epoch in range(4):
+            for x, y in tr.train_loader.epoch(epoch, out=tr.batch_buffers):
+                losses.append(tr.step(x, y)[0].copy())
+                if len(losses) == steps:
+                    break
+            if len(losses) == steps:
+                break
+        cp.cuda.get_current_stream().synchronize()
+    return np.array([float(v) for v in losses])
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+@pytest.mark.parametrize("graph", [True, False])
+def test_each_layers_update_beside_the_backward_equals_the_update_at_the_end(graph, optimizer):
+    """bf16 (no loss scaler): each layer above the first is updated on the side stream once its backward is done
+    (mlptrain.step.cuda.update), by the same arithmetic on the same gradients: the same bits as every parameter
+    updated at the end. An update that overwrote a weight before the input-gradient GEMM read it, or read a gradient
+    before it was made, changes some step's loss; Adam's bias correction reads t, which the step's own launch
+    advances after the layers' updates. 84 steps span two epochs, a last short batch and its own graph."""
+    from gpu_helpers import gpu_trainer
+
+    cfg = {"precision.name": "bf16", "optimizer.name": optimizer, "optimizer.lr": 1e-3 if optimizer == "adam" else 0.05}
+    cfg.update({"data.batch_size": 64, "epochs": 4, "execution.bgrad": "bgradb", "graph": graph})
+    beside, end = gpu_trainer(**cfg), gpu_trainer(**cfg)
+    layers = len(beside.model.layers)
+    assert beside.model.uses_wgrad_stream and sorted(beside.early_groups) == list(range(1, layers))
+    lb, le = _steps(beside, 84, True), _steps(end, 84, False)
+    np.testing.assert_array_equal(lb, le)
+    for pb, pe in zip(beside.model.params, end.model.params, strict=True):
+        cp.testing.assert_array_equal(pb.value, pe.value)
+    if graph:  # each layer's update is a kernel of its own in the captured step; none where they run at the end
+        early = f"mlptrain_{optimizer}_step_early"
+        assert next(iter(beside.graphed.graphs().values())).debug_dot_str().count(early) == layers - 1
+        assert early not in next(iter(end.graphed.graphs().values())).debug_dot_str()
