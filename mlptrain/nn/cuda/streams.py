@@ -69,9 +69,6 @@ class SideStream:
         self._done = [cp.cuda.Event(disable_timing=True) for _ in range(forks)]
         self._after = [cp.cuda.Event(disable_timing=True) for _ in range(forks)]
         self._join = cp.cuda.Event(disable_timing=True)
-        self._updates: Any = None  # a third stream, for after_main's work (made at its first use)
-        self._updates_done = cp.cuda.Event(disable_timing=True)
-        self._updated = False  # after_main ran since the last join
         self._reads: dict[int, Any] = {}  # what the side stream reads, by fork: alive until retired or joined
         self._main: Any = None
 
@@ -95,18 +92,14 @@ class SideStream:
         self._reads[fork] = reads
 
     def after_main(self, fork: int, fn: Callable[[], None]) -> None:
-        """Run ``fn`` on a third stream after both the work forked at ``fork`` (:meth:`run`'s ``fn``) and the current
-        stream's work so far: a layer's update, which must follow its weight gradient (there) and its input-gradient
-        GEMM (here), which reads the weights the update overwrites. On a stream of its own, so that the side stream's
-        next weight gradient does not queue behind it. Joined with the rest at :meth:`join`."""
-        if self._updates is None:
-            self._updates = cp.cuda.Stream(non_blocking=True)
+        """Run ``fn`` on the side stream after both the side stream's work so far (the work forked at ``fork``) and
+        the current stream's (what was enqueued there since): a layer's update, which must follow its weight
+        gradient (here) and its input-gradient GEMM (there), which reads the weights the update overwrites. Joined
+        with the rest at :meth:`join`."""
         event = self._after[fork]
         event.record(cp.cuda.get_current_stream())
-        self._updates.wait_event(event)
-        self._updates.wait_event(self._done[fork])
-        self._updated = True
-        with self._updates:
+        self.stream.wait_event(event)
+        with self.stream:
             fn()
 
     @contextlib.contextmanager
@@ -141,9 +134,5 @@ class SideStream:
             return
         self._join.record(self.stream)
         self._main.wait_event(self._join)  # the optimizer sees every gradient; the reads may go now
-        if self._updated:  # (and every update after_main ran)
-            self._updates_done.record(self._updates)
-            self._main.wait_event(self._updates_done)
-            self._updated = False
         self._reads.clear()
         self._main = None
