@@ -182,7 +182,6 @@ class BatchedMLP(MLP):
         self.set_bgrad(bgrad)
         self._side: Any = None
         self.on_weight_grad = None
-        self.on_layer_grads = None  # (MLP's: each layer's update beside the backward)
 
     @property
     def members(self) -> int:

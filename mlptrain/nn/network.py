@@ -133,10 +133,6 @@ class MLP:
         # Called with a layer's weight Param as soon as its gradient is enqueued on the side stream
         # (data parallel: mlptrain.distributed.dp.GradientSync starts its all-reduce there)
         self.on_weight_grad: Callable[[Any], None] | None = None
-        # Called with a layer's index i >= 1 on the side stream once both its gradients and its input gradient are
-        # enqueued: nothing of the step's backward reads layer i's parameters after that (the trainer's update of
-        # layer i, beside the rest of the backward: mlptrain.step.cuda.update)
-        self.on_layer_grads: Callable[[int], None] | None = None
 
     def set_bgrad(self, bgrad: str | Sequence[str]) -> None:
         """Choose, per hidden layer, where its bias gradient is reduced (see class docstring)."""
@@ -259,8 +255,6 @@ class MLP:
                 then = None if hook is None else functools.partial(hook, layer.weight)
                 self._side.run(i, functools.partial(self._param_grads, layer, dz, bias_grad), reads=dz, then=then)
             dz = self._input_grad(i, dz, head)
-            if i > 0 and self.on_layer_grads is not None:  # after dW_i (side) and dX_i (here), which reads W_i
-                self._side.after_main(i, functools.partial(self.on_layer_grads, i))
             if i < top:  # the layer above's dW ran beside its dX and, by now, is done
                 self._free_layer(i + 1)
         self._side.join()
@@ -288,15 +282,6 @@ class MLP:
         :meth:`_free_layer` waits for, so the chain never waits for the all-reduce."""
         with self._side.allocating_on_main():  # dW from the blocks the main stream freed (nn/cuda/streams.py)
             layer.param_grads(self.execution, dz, bias_grad)
-
-    def layer_groups(self, params: Sequence[Any]) -> dict[int, tuple[int, ...]]:
-        """Layer ``i`` (from 1: the layers whose gradients the side stream makes) -> the indices of its weight and
-        bias in ``params`` (an optimizer's): what :attr:`on_layer_grads` may update; empty where one is missing."""
-        index = {id(p): k for k, p in enumerate(params)}
-        pairs = {i: (id(layer.weight), id(layer.bias)) for i, layer in enumerate(self.layers) if i > 0}
-        if not all(w in index and b in index for w, b in pairs.values()):
-            return {}
-        return {i: (index[w], index[b]) for i, (w, b) in pairs.items()}
 
     @property
     def side_stream(self) -> Any:

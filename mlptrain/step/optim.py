@@ -23,8 +23,7 @@ A new optimizer is one class registered with :func:`register_optimizer`, naming 
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -34,7 +33,7 @@ from mlptrain.base import optim_state
 from mlptrain.base.backend import get_array_module, scalar
 from mlptrain.base.cuda_source import Job, KernelTail, c_literal
 from mlptrain.base.errors import ConfigError
-from mlptrain.base.member_settings import MemberSettings
+from mlptrain.base.member_settings import MEMBER_PARAMS, MemberSettings, member_update_cuda
 from mlptrain.base.registry import NON_NEGATIVE, POSITIVE, UNIT, Range, Registry
 from mlptrain.nn.layers import Param
 
@@ -137,9 +136,7 @@ class Optimizer:
             self.state = optim_state.zeros(self.xp, self.params, dtypes)
         return self
 
-    def step(
-        self, lr: Any, inv_scale: Any = None, skip: Any = None, tail: KernelTail | None = None, done: Sequence[int] = ()
-    ) -> None:
+    def step(self, lr: Any, inv_scale: Any = None, skip: Any = None, tail: KernelTail | None = None) -> None:
         """Apply one update to every parameter from its ``grad``.
 
         On the GPU this is one multi-tensor kernel for the whole model (:mod:`mlptrain.step.cuda.multitensor`);
@@ -151,7 +148,6 @@ class Optimizer:
             skip: 0-d int32 device array; non-zero skips the update (an fp16 overflow), or None.
             tail: GPU only: work for the kernel's last block, after every parameter is updated
                 (the training step's bookkeeping, :meth:`mlptrain.step.steplog.StepLog.tail`).
-            done: GPU only: the parameters (indices into ``params``) :meth:`step_group` updated this step already.
         """
         xp = self.xp
         inv_scale = self._one if inv_scale is None else inv_scale
@@ -160,14 +156,10 @@ class Optimizer:
             if p.grad is None:
                 raise RuntimeError(f"parameter {p.name} has no gradient; run backward before step")
         if xp is not np:  # t (applied steps) advances in the kernel's last block
-            from mlptrain.step.cuda import update
-
-            skipped = set(done)
-            rest = tuple(i for i in range(len(self.params)) if i not in skipped)
-            update.launch(self, rest, True, lr, inv_scale, skip, tail)
+            per_member = self.members.device_arrays() if self.members is not None else ()
+            kernel = self._multi_tensor_kernel(tail)
+            kernel(*self._tensors(), lr, inv_scale, skip, self.t, *per_member, *(tail.args if tail else ()))
             return
-        if done:
-            raise ValueError("a step in groups needs the GPU; on the CPU step() updates every parameter")
         if tail is not None:
             raise ValueError("a kernel tail needs the GPU; on the CPU run the bookkeeping after step()")
         self.t += skip == 0  # counts applied steps (Adam's bias correction)
@@ -179,17 +171,6 @@ class Optimizer:
             else:
                 self._update_members(p, float(inv_scale))
             p.sync_compute()  # the half-precision copy the GEMMs read (the CuPy kernel writes it too)
-
-    def step_group(self, group: Sequence[int], lr: Any, inv_scale: Any = None, skip: Any = None) -> None:
-        """GPU: update only the parameters ``group`` (indices into ``params``), as :meth:`step` would, without the
-        step's once-only work (``t``, the tail): a layer's update beside the rest of the backward, before the step's
-        own :meth:`step` with ``done`` (:mod:`mlptrain.step.cuda.update`)."""
-        if self.xp is np:
-            raise ValueError("an update in groups needs the GPU; on the CPU step() updates every parameter")
-        from mlptrain.step.cuda import update
-
-        inv_scale = self._one if inv_scale is None else inv_scale
-        update.launch(self, tuple(group), False, lr, inv_scale, self._no_skip if skip is None else skip, None)
 
     def _update_members(self, p: Param, inv_scale: float) -> None:
         """An ensemble with per-member settings (:class:`MemberSettings`): member ``k``'s slice of ``p`` updated
@@ -207,13 +188,48 @@ class Optimizer:
         finally:
             self.weight_decay = decay
 
-    # --- the GPU path: one kernel for all parameters (mlptrain.step.cuda.update) ----------------------
+    # --- the GPU path: one kernel for all parameters -------------------------------------------
+
+    def _roles(self) -> list[tuple[str, str]]:
+        """Per-tensor arrays of the update: gradient, master weight, state, compute copy."""
+        roles = [("g", "G"), ("p", "P")] + [(s, "S" if s in self.narrow else "P") for s in self.state_names]
+        return roles + ([("pc", "C")] if self.params[0].has_compute_copy else [])
+
+    def _tensors(self) -> list[list[Any]]:
+        lists = [[p.grad for p in self.params], [p.value for p in self.params]]
+        lists += [[self.state[p.name][s] for p in self.params] for s in self.state_names]
+        return lists + ([[p.compute for p in self.params]] if self.params[0].has_compute_copy else [])
 
     def _multi_tensor_kernel(self, tail: KernelTail | None) -> Any:
-        """The update kernel of every parameter with its last-block work (:func:`mlptrain.step.cuda.update.kernel`)."""
-        from mlptrain.step.cuda import update
+        """The update kernel; an ensemble with per-member settings gets its per-member form (each element's member
+        from the stacked layout, its rate, weight decay and frozen flag read from :class:`MemberSettings`' arrays)."""
+        k = self.members.members if self.members is not None else 0
+        key = ((tail.code, tail.params) if tail else None, k)
+        if key not in self._kernels:
+            from mlptrain.step.cuda.multitensor import MultiTensorKernel
 
-        return update.kernel(self, tail, tuple(range(len(self.params))), True)
+            if len({p.has_compute_copy for p in self.params}) != 1:
+                raise ValueError("all parameters must have a compute copy, or none")
+            # (an optimizer of one's own whose _cuda_update takes no per_member serves runs without per-member settings)
+            loop_prep, body = self._cuda_update(per_member=True) if k else self._cuda_update()
+            body += "$pc = (C)$p;" if self.params[0].has_compute_copy else ""
+            self._kernels[key] = MultiTensorKernel(
+                f"mlptrain_{type(self).__name__.lower()}_step" + ("_members" if k else ""),
+                self._roles(),
+                [p.value.size for p in self.params],
+                member_update_cuda(body) if k else body,
+                extra_params="raw float64 lr, raw float64 inv_scale, raw int32 skip, raw float64 t"
+                + (f", {MEMBER_PARAMS}" if k else "")
+                + (f", {tail.params}" if tail else ""),
+                loop_prep="const bool skipped = skip[0] != 0;\n"
+                + ("" if k else "const P lr_v = (P)lr[0];\n")
+                + "const P inv_s = (P)inv_scale[0];\n"
+                + loop_prep,
+                members=k,
+                epilogue="if (!skipped) t[0] += 1.0;  // one more applied step\n" + (tail.code if tail else ""),
+                preamble=tail.preamble if tail else "",
+            )
+        return self._kernels[key]
 
     def _cuda_update(self, per_member: bool = False) -> tuple[str, str]:
         """``(loop_prep, body)`` of the CUDA update of one element (see :class:`MultiTensorKernel`), at the rate
@@ -234,24 +250,20 @@ class Optimizer:
 
     # --- compiled ahead (mlptrain.step.cuda.precompile) -----------------------------------------------
 
-    def precompile_jobs(
-        self, grad_dtype: Any, step_args: tuple[Any, Any, Any], tail: Any = None, groups: Sequence[Sequence[int]] = ()
-    ) -> list[Any]:
+    def precompile_jobs(self, grad_dtype: Any, step_args: tuple[Any, Any, Any], tail: Any = None) -> list[Any]:
         """:meth:`step`'s kernel compiled ahead (a :class:`~mlptrain.base.cuda_source.Job`): the same call, on a copy
         holding zeros, with its own kernel cache, parameters, gradients (``grad_dtype``), state and count.
 
         ``step_args``: the step's ``lr, inv_scale, skip`` (zeros of their dtypes are passed); ``tail()``: the
-        step's tail on zeros (:meth:`mlptrain.step.steplog.StepLog.scratch_tail`), or None; ``groups``: the groups
-        the step updates early (:meth:`step_group`), each one's kernel, and the step's own over the rest.
+        step's tail on zeros (:meth:`mlptrain.step.steplog.StepLog.scratch_tail`), or None.
         """
         g = np.dtype(grad_dtype)
         state = sum(int(a.nbytes) for st in self.state.values() for a in st.values())
         copies = sum(int(p.value.nbytes) + p.value.size * g.itemsize * (1 + p.has_compute_copy) for p in self.params)
         name = f"mlptrain_{type(self).__name__.lower()}_step" + (" (and the step log's tail)" if tail else "")
-        run = functools.partial(self._compile_step, g, step_args, tail, groups)
-        return [Job(name + (f" in {len(groups) + 1} groups" if groups else ""), "update", run, state + copies)]
+        return [Job(name, "update", lambda: self._compile_step(g, step_args, tail), state + copies)]
 
-    def _compile_step(self, grad_dtype: Any, step_args: tuple[Any, Any, Any], tail: Any, groups: Any = ()) -> None:
+    def _compile_step(self, grad_dtype: Any, step_args: tuple[Any, Any, Any], tail: Any) -> None:
         import copy
 
         xp, kernel_tail = self.xp, tail() if tail is not None else None
@@ -267,9 +279,7 @@ class Optimizer:
         opt.state = {name: {s: xp.zeros_like(a) for s, a in st.items()} for name, st in self.state.items()}
         opt.t = xp.zeros_like(self.t)
         lr, inv_scale, skip = (xp.zeros_like(a) for a in step_args)
-        for group in groups:
-            opt.step_group(group, lr, inv_scale, skip)
-        opt.step(lr, inv_scale, skip, tail=kernel_tail, done=[i for group in groups for i in group])
+        opt.step(lr, inv_scale, skip, tail=kernel_tail)
 
 
 @register_optimizer("sgd")

@@ -99,10 +99,6 @@ class Trainer:
         # The kernels of the step and of evaluation compile on threads from now on. The bgrad probe waits for
         # them before it captures (on a first run it would otherwise compile the loss and the head kernel
         # itself, one after another, on this thread); the head kernel's source is the same for either choice.
-        # Each layer above the first updated as soon as its gradients are made, beside the rest of the backward
-        # (mlptrain.step.cuda.update), unless something must see every gradient first (a loss scaler, data parallel)
-        beside = self.model.side_stream is not None and not self.scaler.enabled and self.grad_sync is None
-        self.early_groups = self.model.layer_groups(self.optimizer.params) if beside else {}
         self.runtime.submit_precompile(self.precompile_jobs)
         bgrad.choose(self)  # on the GPU it may time the step, so after everything the step uses
         self.runtime.free_setup_blocks()  # blocks set-up freed (the probe's, the weights' init temporaries)
@@ -164,25 +160,17 @@ class Trainer:
         if self.batches.gathers(x):  # the batch of this step, read on the device from the step count (train_batches)
             self.train_loader.gather_in_step(x, y, self.clock.device)
         lr, inv_scale = self.schedule.lr, self.scaler.inv_scale  # this step's
-        groups, found = self.early_groups, self.scaler.found_inf  # (found: 0 where no loss scaler)
-        if groups:  # layer i's update on the side stream once its backward is done (mlptrain.step.cuda.update)
-            self.runtime.wait("update")
-            self.model.on_layer_grads = lambda i: self.optimizer.step_group(groups[i], lr, inv_scale, found)
-        try:
-            if sync is None:
-                loss, correct = self.forward_backward(x, y)
-            else:  # data parallel (mlptrain.distributed.dp): this rank's share, then the global batch's
-                loss, correct = self.forward_backward(x, y, sync.grad_scale(self.scaler.scale, rows))
-                loss, correct, rows, inv_scale = sync(self.model.params, loss, correct, rows, inv_scale)
-        finally:
-            self.model.on_layer_grads = None
+        if sync is None:
+            loss, correct = self.forward_backward(x, y)
+        else:  # data parallel (mlptrain.distributed.dp): this rank's share, then the global batch's
+            loss, correct = self.forward_backward(x, y, sync.grad_scale(self.scaler.scale, rows))
+            loss, correct, rows, inv_scale = sync(self.model.params, loss, correct, rows, inv_scale)
         self.runtime.wait("update")
         skip = self.scaler.check([p.grad for p in self.model.params])  # fp16: any inf/NaN gradient
         # the update, then the bookkeeping (scaler update, the step count and lr, the metrics): on the GPU one
         # kernel, whose last block runs the bookkeeping
         logged = self.step_metrics(loss, correct, rows)
-        done = [k for group in groups.values() for k in group]  # (updated beside the backward)
-        self.log.after_update(lambda tail: self.optimizer.step(lr, inv_scale, skip, tail, done), *logged, rows)
+        self.log.after_update(lambda tail: self.optimizer.step(lr, inv_scale, skip, tail=tail), *logged, rows)
         return loss, correct
 
     def batch_rows(self, y: Any) -> int:
@@ -260,7 +248,6 @@ class Trainer:
                 cdt,
                 (self.schedule.lr, sc.inv_scale, sc.found_inf),
                 lambda: self.log.scratch_tail(loss_dtype, train.row_counts()[0]),
-                list(self.early_groups.values()),
             ),
             *sc.precompile_jobs(cdt, shapes),
             self._scores_job([(r, y) for r, y, training in batches if not training]),

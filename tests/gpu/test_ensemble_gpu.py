@@ -95,31 +95,6 @@ def test_the_batched_step_on_the_gpu_follows_the_cpus_members(graph: bool) -> No
     assert {f"member{k}/val/acc" for k in range(K)} <= set(scores) and "val/acc" in scores
 
 
-def test_an_ensembles_layers_updated_beside_the_backward_equal_the_update_at_the_end() -> None:
-    """bf16, graphed: each layer above the first of every member updated on the side stream once its backward is
-    done (mlptrain.step.cuda.update): the same bits as every parameter updated at the end."""
-    from mlptrain.run.ensemble import EnsembleTrainer
-
-    runs = []
-    for beside in (True, False):
-        cfg = ensemble_cfg("gpu")
-        cfg.precision.name = type(cfg.precision.name)("bf16")
-        tr = EnsembleTrainer(cfg)
-        assert bool(tr.early_groups) and tr.model.uses_wgrad_stream
-        if not beside:
-            tr.early_groups = {}
-        losses = []
-        with tr.stream:
-            for x, y in tr.train_batches(0):
-                losses.append(cp.asnumpy(tr.step(x, y)[0]))
-                if len(losses) == 12:
-                    break
-        runs.append((np.array(losses), [cp.asnumpy(p.value) for p in tr.model.params]))
-    np.testing.assert_array_equal(runs[0][0], runs[1][0])
-    for a, b in zip(runs[0][1], runs[1][1], strict=True):
-        np.testing.assert_array_equal(a, b)
-
-
 @pytest.mark.parametrize("inplace", [False, True])
 @pytest.mark.parametrize(("dtype", "tol"), [(np.float32, 1e-5), (np.float16, 2e-3), (np.float64, 1e-12)])
 def test_the_members_loss_on_the_gpu_is_one_stacked_cross_entropy(dtype: Any, tol: float, inplace: bool) -> None:

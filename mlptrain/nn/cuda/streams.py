@@ -67,7 +67,6 @@ class SideStream:
         self.stream = cp.cuda.Stream(non_blocking=True)
         self._forks = [cp.cuda.Event(disable_timing=True) for _ in range(forks)]
         self._done = [cp.cuda.Event(disable_timing=True) for _ in range(forks)]
-        self._after = [cp.cuda.Event(disable_timing=True) for _ in range(forks)]
         self._join = cp.cuda.Event(disable_timing=True)
         self._reads: dict[int, Any] = {}  # what the side stream reads, by fork: alive until retired or joined
         self._main: Any = None
@@ -90,17 +89,6 @@ class SideStream:
             if then is not None:
                 then()
         self._reads[fork] = reads
-
-    def after_main(self, fork: int, fn: Callable[[], None]) -> None:
-        """Run ``fn`` on the side stream after both the side stream's work so far (the work forked at ``fork``) and
-        the current stream's (what was enqueued there since): a layer's update, which must follow its weight
-        gradient (here) and its input-gradient GEMM (there), which reads the weights the update overwrites. Joined
-        with the rest at :meth:`join`."""
-        event = self._after[fork]
-        event.record(cp.cuda.get_current_stream())
-        self.stream.wait_event(event)
-        with self.stream:
-            fn()
 
     @contextlib.contextmanager
     def allocating_on_main(self) -> Iterator[None]:
