@@ -107,24 +107,15 @@ class BatchedLinear(Linear):
         self.bias_grad_in_wgrad = True
         self.x: Any = None  # (K, B, in)
         self.mask: Any = None  # fused ReLU: relu_aux (K, Mb, B); naive: (K, B, out) bool; GELU: Z
-        # The output layer of an ensemble whose head is in mode kernel (GPU): its forward is the members' logits
-        # kernel (mlptrain.nn.cuda.member_head.member_logits), where a batched GEMM at N = C runs an align-2 kernel
-        self.head_kernel = False
 
     @property
     def members(self) -> int:
         return int(self.weight.value.shape[0])
 
     def forward(self, ex: FusedExecution | NaiveExecution, x: Any, keep: bool = True) -> Any:
-        """``x (K, B, in) -> y (K, B, out)``: one batched GEMM, RELU_AUX_BIAS (GELU_AUX_BIAS; BIAS on top; with
-        ``head_kernel``, the members' logits kernel on top)."""
-        if self.head_kernel and self.activation == "none" and x.flags.c_contiguous:
-            from mlptrain.nn.cuda.member_head import member_logits
-
-            y, mask = member_logits(x, self.weight.for_gemm(), self.bias.for_gemm()), None  # (K, B, C)
-        else:
-            b = self.bias.for_gemm()[:, None, :]  # (K, 1, out): broadcast over each member's batch
-            y, mask = ex.forward(self.name, self.weight.for_gemm(), b, x, self.activation, mask=keep)
+        """``x (K, B, in) -> y (K, B, out)``: one batched GEMM, RELU_AUX_BIAS (GELU_AUX_BIAS; BIAS on top)."""
+        b = self.bias.for_gemm()[:, None, :]  # (K, 1, out): broadcast over each member's batch
+        y, mask = ex.forward(self.name, self.weight.for_gemm(), b, x, self.activation, mask=keep)
         if keep:
             self.x, self.mask = x, mask
         return y

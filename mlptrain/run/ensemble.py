@@ -30,7 +30,6 @@ from mlptrain.base.cuda_source import Job
 from mlptrain.base.member_settings import MemberSettings
 from mlptrain.config.schema import TrainConfig
 from mlptrain.data import Dataset
-from mlptrain.nn.batched import BatchedLinear
 from mlptrain.nn.members import ensemble_logits
 from mlptrain.run.folds import BEST_PREFIX, Folds
 from mlptrain.step.checks import check_ensemble
@@ -54,10 +53,6 @@ class EnsembleTrainer(Trainer):
         self.last_val: dict[str, float] = {}
         kw = {"member_data": self.folds, **kw} if self.folds is not None else kw  # (or the caller's member_data)
         super().__init__(cfg, dataset, backend, comm=comm, **kw)
-        # head mode kernel (GPU): the output layer's forward by the members' logits kernel too (nn/cuda/member_head.py)
-        top = self.model.layers[-1]
-        if isinstance(top, BatchedLinear):
-            top.head_kernel = getattr(self.head, "mode", None) == "kernel"
         k = self.members
         self.member_loss = self.xp.zeros(k, dtype=self.xp.float64)  # this epoch's sum of loss x rows, per member
         self.member_correct = self.xp.zeros(k, dtype=self.xp.int64)

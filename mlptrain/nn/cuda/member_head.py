@@ -25,13 +25,6 @@ are folded into the block index (block ``k * blocks + j`` is member ``k``'s bloc
 each width against the batched GEMM, ``benchmarks/probes/member_kernels.py`` the step with and without it.
 
 Where it enters the backward: :meth:`mlptrain.nn.members.MemberHead.grads` (head mode ``kernel``).
-
-The same head's forward, ``logits (K, B, C) = X (K, B, H) @ W^T + b``, is a batched GEMM at N = C: cuBLASLt takes
-an align-2 CUTLASS kernel for it (8 us for 8 x 256 rows of 1024, 5 us for 32 x 256 rows of 256, on an H100).
-``mlptrain_member_logits`` (:func:`member_logits`) does it with a warp a row: the lanes stride over the row's H
-inputs, each keeps C float32 sums, a shuffle tree adds the lanes, and lane ``c`` adds the bias and writes class ``c``
-(the GEMM's BIAS epilog, its float32 accumulation; the order of the sums is not the GEMM's). In head mode
-``kernel`` the output layer's forward takes it (:class:`mlptrain.nn.batched.BatchedLinear`, ``head_kernel``).
 """
 
 from __future__ import annotations
@@ -115,14 +108,12 @@ def _sms() -> int:
 
 def compile_members_ahead(weight: tuple[int, int, int], dtype: Any, rows: list[int], *, bias_grad_below: bool) -> None:
     """:func:`member_input_grad` for the members' output weights of shape ``weight`` (K, C, H) and each training batch
-    of ``rows``, and :func:`member_logits`, on zeros: the job :meth:`mlptrain.nn.members.MemberHead.precompile_jobs`
-    declares."""
+    of ``rows``, on zeros: the job :meth:`mlptrain.nn.members.MemberHead.precompile_jobs` declares."""
     w = cp.zeros(weight, dtype)  # (K, C, H)
     k, c, h = w.shape
     for r in rows:
         aux = cp.zeros((k, *relu_aux_shape(h, r)[::-1]), cp.uint8).swapaxes(1, 2)  # (K, Mb, B), members column-major
         member_input_grad(cp.zeros((k, r, c), w.dtype), w, aux, bias_grad_below=bias_grad_below)
-    member_logits(cp.zeros((k, 1, h), w.dtype), w, cp.zeros((k, c), w.dtype))  # (its code does not depend on B)
 
 
 _MEMBER_BODY = r"""
@@ -212,76 +203,3 @@ __shared__ float red[{THREADS}];  // the lanes' sums, for the steps of the tree 
         no_return=True,
         options=(f"--maxrregcount={min(255, 65536 // THREADS)}",),  # a full block shares the register file
     )
-
-
-_LOGITS = r"""
-// A warp a row: row = member k's row b, at k * B + b of the (K * B, H) inputs; lanes stride over its H inputs.
-const long long row = i >> 5;
-const int lane = (int)(i & 31);
-const long long member = row / B;
-const T* const xr = &x[row * H];                 // (H,)
-const T* const w = &W[member * C * H];           // (C, H): member k's output weights
-float acc[C];
-#pragma unroll
-for (int c = 0; c < C; ++c) acc[c] = 0.0f;
-for (long long h = lane; h < H; h += 32) {
-    const float v = (float)xr[h];
-#pragma unroll
-    for (int c = 0; c < C; ++c) acc[c] = fmaf(v, (float)w[c * H + h], acc[c]);
-}
-#pragma unroll
-for (int c = 0; c < C; ++c) {
-    float s = acc[c];
-    for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);  // every lane: the row's sum
-    if (lane == c) y[row * C + c] = (T)(s + (float)bias[member * C + c]);  // BIAS: float32, rounded once
-}
-"""
-
-
-@functools.cache
-def logits_kernel(classes: int) -> Any:
-    """``mlptrain_member_logits`` for ``classes`` classes (a compile-time constant: the sums stay in registers)."""
-    return cp.ElementwiseKernel(
-        "raw T x, raw T W, raw T bias, int64 B, int64 H",
-        "raw T y",
-        _LOGITS,
-        "mlptrain_member_logits",
-        loop_prep=f"const int C = {classes};",
-        no_return=True,
-    )
-
-
-def member_logits(x: Any, W: Any, bias: Any) -> Any:
-    """The members' head forward in one launch: ``logits[k] (B, C) = x[k] (B, H) @ W[k]^T (H, C) + bias[k]``.
-
-    Args:
-        x: ``(K, B, H)`` the layer below's outputs, C-contiguous, compute dtype.
-        W: ``(K, C, H)`` the members' output weights, C-contiguous, the same dtype; ``C <= 32``.
-        bias: ``(K, C)`` their biases, C-contiguous, the same dtype.
-
-    Returns:
-        ``(K, B, C)`` C-contiguous, as the batched GEMM returns it (the loss writes its gradient over it).
-
-    Raises:
-        ValueError: shapes, dtypes or layouts that do not fit together, naming them.
-    """
-    if x.ndim != 3 or W.ndim != 3 or x.shape[0] != W.shape[0] or x.shape[2] != W.shape[2]:
-        raise ValueError(
-            f"x must be (members, batch, hidden) and W (members, classes, hidden); got {x.shape}, {W.shape}"
-        )
-    K, B, H = x.shape
-    C = W.shape[1]
-    if not 1 <= C <= 32:
-        raise ValueError(f"the members' logits kernel takes 1 to 32 classes (a lane a class); got W {W.shape}")
-    if bias.shape != (K, C):
-        raise ValueError(f"bias must be ({K}, {C}) for W {W.shape}; got {bias.shape}")
-    arrays = {"x": x, "W": W, "bias": bias}
-    if bad := [
-        f"{n} {a.dtype}{'' if a.flags.c_contiguous else ' (not C-contiguous)'}"
-        for n, a in arrays.items()
-        if a.dtype != x.dtype or not a.flags.c_contiguous
-    ]:
-        raise ValueError(f"x, W and bias must be C-contiguous arrays of one dtype ({x.dtype}); got {', '.join(bad)}")
-    y = cp.empty((K, B, C), dtype=x.dtype)
-    logits_kernel(C)(x, W, bias, B, H, y, size=K * B * 32, block_size=256)
-    return y
