@@ -25,7 +25,7 @@ from mlptrain.config.schema import NORMALIZATIONS, DataConfig
 from mlptrain.data.dataset import Dataset, Normalization, Raw
 from mlptrain.data.files import chunks
 from mlptrain.data.files.column_stats import QuantileMap, column_stats, robust
-from mlptrain.data.files.plan import ColumnPlan, fit_plan, log_empty
+from mlptrain.data.files.plan import ColumnPlan, fit_plan, log_empty, log_suspects, suspect_columns
 from mlptrain.data.files.weights import training_weights
 from mlptrain.data.rows import NormalisedRows, StreamSource, host_memory_available, memory_mapped
 from mlptrain.data.sources import SOURCES
@@ -236,10 +236,8 @@ def load_dataset(cfg: DataConfig, seed: int | None = None) -> Dataset:
     if raw.tables is not None:  # text cells: encoded by the column plan of the train split's rows
         plan, parts = encode_columns(raw, parts, cfg)
         raw = dataclasses.replace(raw, feature_names=plan.feature_names)
-    x, rows = parts[0][0], parts[0][1]
-    with chunks.timed("statistics", len(rows) * x.shape[1] * x.itemsize):
-        binary = None if plan is None else plan.binary()  # (F,) the plan's 0/1 columns
-        norm = normalization(method, x, rows, where=f"dataset {name!r} split train", seed=cfg.split_seed, binary=binary)
+    rows = parts[0][1]
+    norm = _train_columns(name, cfg, raw, parts[0][0], rows, plan, method)
     split_bytes = sum(4 * len(r if r is not None else xs) * xs.shape[1] for xs, r, _ in parts)  # as float32
     xs: list[Any]  # (n, F) float32 splits, made or streamed
     if _streams(cfg, name, parts, split_bytes):
@@ -282,6 +280,19 @@ def load_dataset(cfg: DataConfig, seed: int | None = None) -> Dataset:
         "classes" if raw.task == "classification" else "targets",
     )
     return ds
+
+
+def _train_columns(
+    name: str, cfg: DataConfig, raw: Raw, x: np.ndarray, rows: np.ndarray, plan: ColumnPlan | None, method: str
+) -> Normalization:
+    """What the train split's columns say before training: for a user's file, a warning naming the columns that
+    look like ids or free text (:func:`~mlptrain.data.files.plan.suspect_columns`); then the normalisation
+    statistics (``method``) of the training ``rows`` of ``x (N, F)``, the file's rows in file order."""
+    if name == "file" and raw.feature_names is not None:
+        log_suspects(suspect_columns(x, raw.feature_names, plan, len(rows)), f"data file {cfg.path}")
+    with chunks.timed("statistics", len(rows) * x.shape[1] * x.itemsize):
+        binary = None if plan is None else plan.binary()  # (F,) the plan's 0/1 columns
+        return normalization(method, x, rows, where=f"dataset {name!r} split train", seed=cfg.split_seed, binary=binary)
 
 
 def encode_columns(raw: Raw, parts: list[tuple], cfg: DataConfig) -> tuple[ColumnPlan, list[tuple]]:

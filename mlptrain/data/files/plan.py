@@ -201,3 +201,49 @@ def log_empty(cells: dict[str, np.ndarray], plan: ColumnPlan, file: str) -> None
     said += [f"a level of their own in {', '.join(level)}"] if level else []
     if said:
         log.warning("%s: %d empty cells: %s (data.impute=fill)", file, sum(counts.values()), "; ".join(said))
+
+
+SUSPECT_ROWS = 10_000  # rows read, in file order, to recognise an id column
+SUSPECT_MIN_ROWS = 20  # a table of fewer rows is too short to tell
+
+
+def suspect_columns(x: np.ndarray, names: list[str], plan: ColumnPlan | None, train_rows: int) -> dict[str, str]:
+    """The columns that look like a row's name rather than a feature, each with why (column -> reason):
+
+    * a numeric column of ``x (N, F)`` (named by ``names``) holding a different whole number on every row,
+      rising down the file (of its first :data:`SUSPECT_ROWS` rows, in file order): an id or a row counter;
+    * a categorical column of ``plan`` with as many training levels as half the ``train_rows``: free text or an
+      id, whose one-hot columns each match a row or two, and a new row's level none of them.
+
+    Tables of fewer than :data:`SUSPECT_MIN_ROWS` rows are too short to tell: none is named.
+    """
+    found: dict[str, str] = {}
+    head = np.asarray(x[:SUSPECT_ROWS], dtype=np.float64)  # (n, F) in file order
+    if len(head) >= SUSPECT_MIN_ROWS:
+        with np.errstate(invalid="ignore"):  # NaN (an empty cell) compares False: such a column is not named
+            whole = (head == np.round(head)).all(axis=0)  # (F,)
+            rising = (np.diff(head, axis=0) > 0).all(axis=0)  # (F,)
+        for j in np.flatnonzero(whole & rising):
+            found[names[j]] = "a different whole number on every row, rising down the file"
+    if plan is not None and train_rows >= SUSPECT_MIN_ROWS:
+        for col in plan.columns:
+            levels = len(col.levels) + len(col.rare)
+            if col.kind == "categorical" and 2 * levels >= train_rows:
+                found[col.name] = f"{levels} levels in {train_rows} training rows"
+    return found
+
+
+def log_suspects(found: dict[str, str], file: str) -> None:
+    """One warning naming the :func:`suspect_columns` and how to leave them out. They are trained on as they are
+    (``data.drop`` is the user's call), but a model learns nothing from them that holds for a new row."""
+    if found:
+        it, them = ("it", "it") if len(found) == 1 else ("each", "them")
+        log.warning(
+            "%s: %s: an id, a row counter or free text? As a feature %s tells the rows apart, not what they are, "
+            "and a new row's value is one the model never saw; data.drop=[%s] leaves %s out",
+            file,
+            "; ".join(f"{name!r} ({why})" for name, why in found.items()),
+            it,
+            ",".join(found),
+            them,
+        )
