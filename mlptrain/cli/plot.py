@@ -6,6 +6,12 @@ accuracy, one line per run. Given a run directory it draws that run; given a swe
 multirun), every job in it, labelled by the overrides that differ between the jobs. A run that is
 still going is drawn as far as it got.
 
+A run of many models (``ensemble.size``, ``ensemble.folds``, ``ensemble.lr``: docs/ensembles.md) has each
+member's validation and test scores in its records (``member<k>/val/loss``): they are drawn as thin lines
+beside the ensemble's (for folds, the out-of-fold scores), so that a member that lags or stopped early is
+seen. One such run labels each member (its fold, and its learning rate or weight decay where the members'
+differ) up to :data:`MEMBER_LABELS` members; in a sweep's figure they take their run's colour, unlabelled.
+
 ``--out`` names an image: a ``.png``, ``.svg`` or ``.pdf`` file (drawn in that format). It never
 replaces an input of the figure (a run's ``metrics.jsonl`` or overrides), a checkpoint, or an existing
 file that is not an image (:func:`check_out`): a data file, a log, a run's records stay as they were.
@@ -29,6 +35,7 @@ from mlptrain.run.metrics import read_metrics
 log = logging.getLogger(__name__)
 
 METRICS = "metrics.jsonl"
+MEMBER_LABELS = 10  # members of one run labelled one by one; more are one legend entry
 IMAGE_SUFFIXES = (".png", ".svg", ".pdf")
 # The first bytes of each format (an SVG written by matplotlib starts with its XML declaration).
 _MAGIC = {".png": (b"\x89PNG\r\n\x1a\n",), ".pdf": (b"%PDF-",), ".svg": (b"<?xml", b"<svg")}
@@ -180,29 +187,96 @@ def curves_figure(target: Path, out: Path | None = None) -> Path:
         steps = [r for r in records if r["kind"] == "step"]
         epochs = [r for r in records if r["kind"] == "epoch"]
         (line,) = axes[0].plot([r["step"] for r in steps], [r["train/loss"] for r in steps], lw=1, label=label)
+        members = member_labels(run, epochs)
+        colour = "black" if members and len(runs) == 1 else line.get_color()  # one run's members take the colours
         for ax, metric in ((axes[1], "loss"), (axes[2], "acc")):
             for split, style in (("val", "-"), ("test", ":")):
-                pts = [(r["epoch"], r[f"{split}/{metric}"]) for r in epochs if f"{split}/{metric}" in r]
+                pts = _points(epochs, f"{split}/{metric}")
                 if pts:
                     ax.plot(
                         *zip(*pts, strict=True),
                         style,
                         marker=".",
-                        color=line.get_color(),
-                        label=f"{label} {split}" if len(runs) > 1 else split,
+                        lw=2 if members else 1.5,
+                        color=colour,
+                        label=f"{label} {split}" if len(runs) > 1 else _ensemble_label(run, members, split),
                     )
+                _draw_members(
+                    ax, epochs, members, f"{split}/{metric}", style, line.get_color() if len(runs) > 1 else None
+                )
     axes[0].set(xlabel="optimizer step", ylabel="training loss (per step)", yscale="log", title="training loss")
     axes[1].set(xlabel="epoch", ylabel="loss", title="validation (solid) and test (dotted) loss")
     axes[2].set(xlabel="epoch", ylabel="accuracy", title="validation (solid) and test (dotted) accuracy")
     for ax in axes:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
+    if any(line.get_label().startswith(("member", "fold")) for line in axes[1].lines):
+        axes[1].legend(fontsize=7)
     if not any(ax.lines for ax in axes[2:]):
         axes[2].set_visible(False)  # a regression has no accuracy
-    fig.suptitle(f"{plain(str(target))} ({len(runs)} run{'s' if len(runs) > 1 else ''})", fontsize=10)
+    each = ""  # one run of many models: how many, in the title
+    if len(runs) == 1 and members:
+        each = f", {len(members)} {'folds' if (runs[0] / 'folds.json').is_file() else 'members'}"
+    fig.suptitle(f"{plain(str(target))} ({len(runs)} run{'s' if len(runs) > 1 else ''}{each})", fontsize=10)
     _save(fig, path)
     plt.close(fig)
     return path
+
+
+def _points(epochs: list[dict[str, Any]], key: str) -> list[tuple[int, float]]:
+    """``(epoch, value)`` of the epoch records that hold ``key``."""
+    return [(r["epoch"], r[key]) for r in epochs if key in r]
+
+
+def _ensemble_label(run: Path, members: dict[int, str], split: str) -> str:
+    """The legend of one run's own line: the split, and for many models what scored it (a cross-validation's
+    validation scores are the out-of-fold predictions', its test scores the fold models' ensemble's)."""
+    if not members:
+        return split
+    return f"out-of-fold {split}" if split == "val" and (run / "folds.json").is_file() else f"ensemble {split}"
+
+
+def member_labels(run: Path, epochs: list[dict[str, Any]]) -> dict[int, str]:
+    """The members a run's epoch records score (``member<k>/val/...``), each with its label: ``fold k`` in a
+    cross-validation (the run has ``folds.json``), else ``member k``; then its learning rate and weight decay
+    (``member<k>/lr``, ``member<k>/weight_decay`` of the last record) where the members' differ. ``{}``: one model."""
+    ids = sorted(
+        {
+            int(head[6:])
+            for r in epochs
+            for head in (key.split("/")[0] for key in r)
+            if head[6:].isdigit() and head.startswith("member")
+        }
+    )
+    word = "fold" if (run / "folds.json").is_file() else "member"
+    labels = {k: f"{word} {k}" for k in ids}
+    last = epochs[-1] if epochs else {}
+    for setting in ("lr", "weight_decay"):
+        values = [last.get(f"member{k}/{setting}") for k in ids]
+        if len(set(values)) > 1:
+            labels = {k: f"{labels[k]} {setting}={v:g}" for k, v in zip(ids, values, strict=True) if v is not None}
+    return labels
+
+
+def _draw_members(
+    ax: Any, epochs: list[dict[str, Any]], members: dict[int, str], key: str, style: str, colour: str | None
+) -> None:
+    """Each member's ``key`` (``val/loss``) as a thin line: in ``colour`` (a sweep's run), unlabelled; else in a
+    colour of its own, labelled on the solid (validation) lines up to :data:`MEMBER_LABELS` members."""
+    for i, (k, label) in enumerate(members.items()):
+        pts = _points(epochs, f"member{k}/{key}")
+        if not pts:
+            continue
+        named = colour is None and style == "-" and (len(members) <= MEMBER_LABELS or i == 0)
+        text = label if len(members) <= MEMBER_LABELS else f"members ({len(members)})"
+        ax.plot(
+            *zip(*pts, strict=True),
+            style,
+            lw=0.8,
+            alpha=0.6 if colour is None and len(members) <= MEMBER_LABELS else 0.3,
+            color=colour or (f"C{i % 10}" if len(members) <= MEMBER_LABELS else "grey"),
+            label=text if named else None,
+        )
 
 
 def _records(path: Path) -> list[dict[str, Any]]:
