@@ -209,6 +209,23 @@ def test_an_ensemble_refuses_weights_as_the_cli_refuses_data_weight() -> None:
     _fit(MLPClassifier(ensemble_size=2, max_iter=1), x, labels)  # unweighted, it trains
 
 
+def test_an_ensemble_checks_weights_first_and_takes_weights_of_one_as_none() -> None:
+    """Weights that are all 1 are no weights (the unweighted fit): an ensemble takes them, as it takes None; weights
+    that are wrong are named as for one model, before the ensemble's refusal of real weights."""
+    x, labels, _, _ = _table(40, 7)
+    kw = {"ensemble_size": 2, "max_iter": 2, "random_state": 0, "hidden_layer_sizes": (8,)}
+    plain = _fit(MLPClassifier(**kw), x, labels)
+    for ones in (np.ones(40), [1] * 40, 1.0):
+        ens = _fit(MLPClassifier(**kw), x, labels, sample_weight=ones)
+        assert ens.step_losses_ == plain.step_losses_
+        for a, b in zip(ens.coefs_, plain.coefs_, strict=True):
+            assert_array_equal(a, b)
+    with pytest.raises(ConfigError, match=r"sample_weight has shape \(39,\); expected \(40,\)"):
+        MLPClassifier(**kw).fit(x, labels, sample_weight=np.ones(39))
+    with pytest.raises(ConfigError, match=r"sample_weight are all zero"):
+        MLPClassifier(**kw).fit(x, labels, sample_weight=np.zeros(40))
+
+
 def test_a_batch_of_only_zero_weight_rows_is_an_error_that_says_so() -> None:
     """Its weighted mean is 0/0 (scikit-learn's MLP raises ZeroDivisionError): the NaN error names the zero weights."""
     from mlptrain.base.errors import NonFiniteError

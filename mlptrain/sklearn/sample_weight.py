@@ -32,16 +32,12 @@ def check_sample_weight(owner: str, sample_weight: Any, rows: int, ensemble_size
     that are all 1 give None: the unweighted fit.
 
     Raises:
-        ConfigError (a ValueError): one sentence naming what was given and what is expected; weights for an
-            ensemble (``ensemble_size > 1``), as ``ensemble.size > 1`` refuses ``data.weight``.
+        ConfigError (a ValueError): one sentence naming what was given and what is expected; weights other than all
+            ones for an ensemble (``ensemble_size > 1``), as ``ensemble.size > 1`` refuses ``data.weight`` (checked
+            after the weights themselves: weights of one are no weights, which an ensemble takes).
     """
     if sample_weight is None:
         return None
-    if ensemble_size != 1:
-        raise ConfigError(
-            f"{owner}(ensemble_size={ensemble_size}) does not take sample_weight yet (an ensemble trains without row "
-            "weights, as ensemble.size > 1 refuses data.weight); pass sample_weight=None, or fit with ensemble_size=1"
-        )
     given = _given(sample_weight)
     if isinstance(sample_weight, numbers.Number) and not isinstance(sample_weight, bool):
         if isinstance(sample_weight, numbers.Complex) and not isinstance(sample_weight, numbers.Real):
@@ -66,7 +62,14 @@ def check_sample_weight(owner: str, sample_weight: Any, rows: int, ensemble_size
         )
     if not w.sum() > 0:
         raise ConfigError(f"{owner} sample_weight are all zero ({given}); at least one row must weigh more than zero")
-    return None if np.all(w == 1.0) else w  # all ones: no weights, the unweighted fit bit for bit
+    if np.all(w == 1.0):
+        return None  # all ones: no weights, the unweighted fit bit for bit
+    if ensemble_size != 1:
+        raise ConfigError(
+            f"{owner}(ensemble_size={ensemble_size}) does not take sample_weight yet (an ensemble trains without row "
+            "weights, as ensemble.size > 1 refuses data.weight); pass sample_weight=None, or fit with ensemble_size=1"
+        )
+    return w
 
 
 def train_normalization(method: str, x: np.ndarray, w: np.ndarray, *, seed: int, binary: Any) -> Normalization:
