@@ -148,6 +148,24 @@ def test_cross_validate_gives_scikit_learns_scores_and_the_fold_estimators() -> 
     np.testing.assert_array_equal(single["test_score"], ms.cross_validate(regressor(), X, yr, cv=4)["test_score"])
 
 
+def test_cross_validate_takes_scikit_learns_scorings_a_callable_returning_a_dict_among_them() -> None:
+    from sklearn.metrics import accuracy_score, log_loss, make_scorer
+
+    X, y, _ = data()
+
+    def several(est, X, y):  # scikit-learn's multi-metric callable: each key a test_<key>
+        return {"acc": accuracy_score(y, est.predict(X)), "loss": log_loss(y, est.predict_proba(X))}
+
+    scorings = [several, make_scorer(accuracy_score), {"a": "accuracy", "b": make_scorer(accuracy_score)}, "f1_macro"]
+    for scoring in scorings:
+        mine = cross_validate(classifier(), X, y, cv=4, scoring=scoring, return_train_score=True)
+        reference = ms.cross_validate(classifier(), X, y, cv=4, scoring=scoring, return_train_score=True)
+        assert sorted(mine) == sorted(reference), scoring
+        for key in reference:
+            if key not in ("fit_time", "score_time"):
+                np.testing.assert_array_equal(mine[key], reference[key])
+
+
 @pytest.mark.parametrize(
     ("cv", "words"),
     [

@@ -133,16 +133,16 @@ def cross_validate(
     fitted = fit_folds(estimator, X, y, splits)
     k = len(splits)
     out: dict[str, Any] = {"fit_time": np.full(k, (time.perf_counter() - t0) / k), "score_time": np.zeros(k)}
-    for which in ("test", "train") if return_train_score else ("test",):
-        for name in scorers:
-            out[f"{which}_{name}" if name else f"{which}_score"] = np.zeros(k)
+    scores: dict[str, list[Any]] = {}  # test_<name> (or test_score), then train_<...>: each fold's value
     for i, (est, (train, test)) in enumerate(zip(fitted, splits, strict=True)):
         t1 = time.perf_counter()
         for which, rows in (("test", test), ("train", train)) if return_train_score else (("test", test),):
             for name, scorer in scorers.items():
                 value = scorer(est, _safe_indexing(X, rows), _safe_indexing(y, rows))
-                out[f"{which}_{name}" if name else f"{which}_score"][i] = value
+                for key, v in value.items() if isinstance(value, dict) else [(name, value)]:  # a dict: several
+                    scores.setdefault(f"{which}_{key}" if key else f"{which}_score", []).append(v)
         out["score_time"][i] = time.perf_counter() - t1
+    out.update({key: np.asarray(v, dtype=np.float64) for key, v in scores.items()})
     if return_estimator:
         out["estimator"] = fitted
     if return_indices:
@@ -363,7 +363,8 @@ def _no_fit_params(params: Any) -> None:
 
 def _scorers(estimator: Any, scoring: Any) -> dict[str, Any]:
     """``scoring`` as scikit-learn reads it: None (the estimator's ``score``), a name or a callable (key ``""``:
-    ``test_score``), or a list of names or a dict of name to scorer (``test_<name>``)."""
+    ``test_score``; a callable that returns a dict gives ``test_<key>`` for each of its keys), or a list of names or
+    a dict of name to scorer (``test_<name>``)."""
     if isinstance(scoring, dict):
         return {str(name): check_scoring(estimator, s) for name, s in scoring.items()}
     if isinstance(scoring, (list, tuple, set)):
