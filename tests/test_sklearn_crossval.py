@@ -208,3 +208,20 @@ def test_folds_still_running_at_max_iter_warn_as_their_fits_would_naming_them() 
         fitted = fit_folds(est, X, y, folds(est, X, y, None, 5))
     iters = [e.n_iter_ for e in fitted]
     assert min(iters) < 28 and max(iters) == 28  # one fold converged, the others ran out of epochs
+
+
+def test_folds_that_cannot_fit_in_memory_are_refused_before_they_are_prepared(monkeypatch) -> None:
+    """LeaveOneOut on N rows is N folds of N - 1 rows, each fold's copy held at once: counted first (here against
+    1 MiB said available) and refused with one error that points to scikit-learn's one-fit-at-a-time function."""
+    from mlptrain.base.errors import ResourceError
+    from mlptrain.sklearn import fitting
+
+    monkeypatch.setattr(fitting, "host_memory_available", lambda: 2**20)
+    X, y, _ = data()
+    with pytest.raises(
+        ResourceError,
+        match=r"cross-validation of MLPClassifier in 200 folds: 200 members .*use fewer "
+        r"folds, or sklearn.model_selection's own function",
+    ):
+        cross_val_predict(classifier(max_iter=1), X, y, cv=ms.LeaveOneOut())
+    assert cross_val_predict(classifier(max_iter=1), X, y, cv=5).shape == (200,)  # 5 folds fit

@@ -212,3 +212,22 @@ def test_the_checkpoint_records_the_target_column_it_was_fitted_with(tmp_path: P
     plain = MLPRegressor(hidden_layer_sizes=(8,), max_iter=2, random_state=0).fit(x[:, 2:], x[:, :2])
     assert plain.state_.meta["data"]["target_names"] == ["y0", "y1"]
     assert json.loads(json.dumps(plain.state_.meta["config"]["data"]["target"])) == ["y0", "y1"]
+
+
+def test_an_ensemble_that_cannot_fit_in_memory_is_refused_before_it_is_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ensemble_size=10**9 filled the host's memory building the members (the OOM killer ended the process): the
+    members' bytes are counted first (here against 1 MiB said available) and a size that cannot fit is one error."""
+    from mlptrain.base.errors import ResourceError
+    from mlptrain.sklearn import fitting
+
+    monkeypatch.setattr(fitting, "host_memory_available", lambda: 2**20)
+    x, y = _blobs()
+    kw = {"hidden_layer_sizes": (64,), "max_iter": 1, "random_state": 0, "device": "cpu"}
+    with pytest.raises(
+        ResourceError,
+        match=r"MLPClassifier\(ensemble_size=200\): 200 members of at least .* MiB each "
+        r"need .* GiB, and the host has 0.000977 GiB available; lower it",
+    ):
+        MLPClassifier(ensemble_size=200, **kw).fit(x, y)
+    assert isinstance(ResourceError("x"), MemoryError)
+    assert MLPRegressor(ensemble_size=2, **kw).fit(x, np.arange(90.0)).coefs_[0].shape == (2, 4, 64)  # 2 fit

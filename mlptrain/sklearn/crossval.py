@@ -51,7 +51,8 @@ from mlptrain.run.ensemble import EnsembleTrainer
 from mlptrain.run.interval import Interval
 from mlptrain.sklearn import persist
 from mlptrain.sklearn.estimators import MLPClassifier, MLPRegressor
-from mlptrain.sklearn.fitting import FitSetup, Stopping, held_out, member_scores, run_epoch
+from mlptrain.sklearn.fitting import FitSetup, Stopping, check_members_memory, held_out, member_scores, run_epoch
+from mlptrain.sklearn.params import batch_rows, check, hidden_sizes, member_host_bytes
 from mlptrain.step import build
 
 ACCEPTED = (
@@ -187,6 +188,7 @@ def fit_folds(estimator: Any, X: Any, y: Any, splits: list[Any]) -> list[Any]:
             f"cross-validation of {name}(ensemble_size={estimator.ensemble_size}): the folds are the members of "
             "the batched run; set ensemble_size=1"
         )
+    _memory(estimator, X, splits)
     ests = [clone(estimator) for _ in splits]
     setups = [e.fit_setup(_safe_indexing(X, r), _safe_indexing(y, r)) for e, (r, _) in zip(ests, splits, strict=True)]
     _check_fit_together(ests, setups)
@@ -340,6 +342,19 @@ def _fitted(est: Any, setup: FitSetup, data: Any, run: _Fold, meta: dict[str, An
     arrays = {**run.state, **data_arrays}
     est.state_ = persist.assemble(arrays, m, setup.cfg, run.n_iter * spe, spe, est.fitted_attributes())
     est.predictor_ = persist.predictor(est.state_, est.device)
+
+
+def _memory(estimator: Any, X: Any, splits: list[Any]) -> None:
+    """Raise ResourceError before the folds' fits are prepared where their K copies of the training rows and K
+    networks cannot fit in the host's memory (LeaveOneOut on many rows: K = N folds of N - 1 rows each)."""
+    name, p = type(estimator).__name__, estimator.get_params()
+    check(name, p)
+    rows = max(len(train) for train, _ in splits)
+    shape = np.shape(X)
+    widths = [int(shape[1]) if len(shape) == 2 else 1, *hidden_sizes(name, p["hidden_layer_sizes"]), 1]
+    per = member_host_bytes(p, widths, batch_rows(name, p["batch_size"], rows), rows)
+    advice = "use fewer folds, or sklearn.model_selection's own function (one fold's fit at a time)"
+    check_members_memory(f"cross-validation of {name} in {len(splits)} folds", len(splits), per, advice)
 
 
 def _task(estimator: Any, caller: str) -> str:

@@ -30,7 +30,7 @@ from mlptrain.inference.predictor import Predictor, softmax
 from mlptrain.run.checkpoint import Checkpoint
 from mlptrain.run.ensemble import EnsembleTrainer
 from mlptrain.run.interval import Interval
-from mlptrain.sklearn import frames, persist
+from mlptrain.sklearn import fitting, frames, persist
 from mlptrain.sklearn.fitting import FitSetup, Stopping, make_dataset, run_epoch, split_score, val_weights
 from mlptrain.sklearn.params import batch_rows, check, check_continuation, train_config
 from mlptrain.sklearn.sample_weight import check_sample_weight, decay_scale
@@ -137,6 +137,7 @@ class _BaseMLP(BaseEstimator):
     def _fit(self, X: Any, y: Any, *, incremental: bool, classes: Any = None, sample_weight: Any = None) -> Any:
         setup = self.fit_setup(X, y, incremental=incremental, classes=classes, sample_weight=sample_weight)
         cfg, ds, name = setup.cfg, setup.dataset, type(self).__name__
+        fitting.ensemble_memory(name, self.get_params(), cfg, ds)  # K members that cannot fit: refused, not built
         tr = Trainer(cfg, ds) if cfg.ensemble.size == 1 else EnsembleTrainer(cfg, ds)  # docs/ensembles.md
         if not setup.fresh:
             arrays, meta = self.state_.arrays, self.state_.meta

@@ -24,14 +24,16 @@ from typing import Any
 import numpy as np
 from sklearn.metrics import accuracy_score, r2_score
 
-from mlptrain.base.errors import ConfigError
+from mlptrain.base.errors import ConfigError, ResourceError
 from mlptrain.config.schema import TrainConfig
 from mlptrain.data.dataset import Dataset, Normalization
 from mlptrain.data.files.plan import ColumnPlan
 from mlptrain.data.prepare import normalization, stratified_split
+from mlptrain.data.rows import host_memory_available
 from mlptrain.nn.members import MemberMean
 from mlptrain.run import faults
 from mlptrain.run.interval import Closed, Interval
+from mlptrain.sklearn.params import member_host_bytes
 from mlptrain.sklearn.sample_weight import standardise, train_normalization
 from mlptrain.step.trainer import Trainer
 
@@ -91,6 +93,26 @@ def make_dataset(
         w_train=None if w is None else w[train],  # the training loss's weights; the held-out rows': FitSetup.w_val
         **(names or {}),
     )
+
+
+def check_members_memory(what: str, members: int, per_member: int, advice: str) -> None:
+    """Raise ResourceError (a MemoryError) before a batched run of ``members`` members of at least ``per_member`` bytes
+    each is built where they cannot fit in the host's available memory: building it would fill the memory first (and
+    the kernel's OOM killer end the process) rather than fail. ``what`` names the setting, ``advice`` what to do."""
+    need, have = members * per_member, host_memory_available()
+    if need > have:
+        raise ResourceError(
+            f"{what}: {members} members of at least {per_member / 2**20:.3g} MiB each need {need / 2**30:.3g} GiB, and "
+            f"the host has {have / 2**30:.3g} GiB available; {advice}"
+        )
+
+
+def ensemble_memory(name: str, params: dict[str, Any], cfg: TrainConfig, ds: Dataset) -> None:
+    """Raise ResourceError where an estimator's ``ensemble_size`` members (``cfg.ensemble.size``) cannot fit in the
+    host's memory (:func:`check_members_memory`); one model is not checked."""
+    if cfg.ensemble.size > 1:
+        per = member_host_bytes(params, [ds.num_features, *cfg.model.hidden, ds.num_classes], cfg.data.batch_size)
+        check_members_memory(f"{name}(ensemble_size={cfg.ensemble.size})", cfg.ensemble.size, per, "lower it")
 
 
 def split_rows(y: np.ndarray, task: str, val_fraction: float, split_seed: int) -> tuple[np.ndarray, np.ndarray]:

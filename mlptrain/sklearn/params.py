@@ -45,6 +45,7 @@ import numpy as np
 from mlptrain.base.errors import ConfigError
 from mlptrain.config.schema import NORMALIZATIONS, SCHEDULES, Device, Mode, Schedule, TrainConfig, values
 from mlptrain.sklearn import frames
+from mlptrain.step.memory import member_bytes
 from mlptrain.step.precision import PRECISIONS
 
 ACTIVATIONS = {"relu": "relu", "identity": "none", "gelu": "gelu"}
@@ -194,3 +195,15 @@ def train_config(
     cfg.precision.name = p["precision"]
     cfg.ensemble.size = int(p["ensemble_size"])
     return cfg
+
+
+def member_host_bytes(p: dict[str, Any], widths: list[int], batch: int, rows: int = 0) -> int:
+    """A lower bound on the memory one member of a batched fit takes, for parameters ``p`` (checked): its network's
+    parameters, gradients and optimizer state and what its step keeps for the backward at ``batch`` rows
+    (:func:`mlptrain.step.memory.member_bytes`), in the parameters' dtype, and (cross-validation: each member a fold)
+    its ``rows`` training rows of ``widths[0]`` columns held three times (float64 as given, the fit's float32 split and
+    the batched run's float32 stack)."""
+    dtype = np.float64 if p["precision"] == "fp64" else np.float32
+    states = 2 if p["solver"] == "adam" else int(p["momentum"] > 0)
+    net = member_bytes(widths, batch, dtype, dtype, states, ACTIVATIONS[p["activation"]], p["execution"])
+    return sum(net.values()) + rows * widths[0] * (8 + 4 + 4)
