@@ -4,6 +4,7 @@ classes, the CLI's BLAS-thread policy, the estimator's own names in warm-start e
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ import pytest
 
 pytest.importorskip("sklearn")
 
+from sklearn.exceptions import ConvergenceWarning  # noqa: E402
 from threadpoolctl import threadpool_info, threadpool_limits  # noqa: E402
 
 from mlptrain.base.backend import Backend  # noqa: E402
@@ -231,3 +233,24 @@ def test_an_ensemble_that_cannot_fit_in_memory_is_refused_before_it_is_built(mon
         MLPClassifier(ensemble_size=200, **kw).fit(x, y)
     assert isinstance(ResourceError("x"), MemoryError)
     assert MLPRegressor(ensemble_size=2, **kw).fit(x, np.arange(90.0)).coefs_[0].shape == (2, 4, 64)  # 2 fit
+
+
+@pytest.mark.parametrize("members", [1, 3])
+def test_a_cli_checkpoint_loads_with_its_ensemble_size_and_continues(tmp_path: Path, members: int) -> None:
+    """``python -m mlptrain ensemble.size=3``'s checkpoint holds 3 members: the estimator loaded from it says
+    ``ensemble_size=3`` (it said 1, and a warm-started fit then refused its own state); a CLI checkpoint continues
+    with ``warm_start`` (its missing ``t_`` was an AttributeError), one model or an ensemble."""
+    from sklearn.datasets import load_digits
+
+    import mlptrain
+    from tests.helpers import make_cfg
+
+    mlptrain.train(make_cfg(ensemble__size=members, epochs=1, model__hidden=[8]), tmp_path / "run")
+    loaded = MLPClassifier.load(tmp_path / "run" / "checkpoints" / "last.npz")
+    shape = (64, 8) if members == 1 else (members, 64, 8)
+    assert loaded.get_params()["ensemble_size"] == members and loaded.coefs_[0].shape == shape
+    x, y = load_digits(return_X_y=True)
+    loaded.set_params(warm_start=True, max_iter=1, device="cpu")
+    with pytest.warns(ConvergenceWarning), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "X does not have valid feature names")  # the CLI's checkpoint names them
+        assert loaded.fit(x, y.astype(str)).n_iter_ == 2 and loaded.coefs_[0].shape == shape  # the members go on

@@ -168,10 +168,11 @@ def _from_cli(config: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
         "random_state": meta["rng"]["seed"],
         "categorical_features": config.get("data", {}).get("categorical") or None,  # None: from_dtype
         "min_frequency": config.get("data", {}).get("min_frequency"),
+        "ensemble_size": meta.get("members"),  # an ensemble's (or a cross-validation's) K members, stacked
     }
     out: dict[str, Any] = {"params": {k: v for k, v in params.items() if v is not None}}
-    n = meta["position"]["epoch"]
-    out.update(n_iter_=n, loss_curve_=[])
+    n, batch = meta["position"]["epoch"], config.get("data", {}).get("batch_size") or 0
+    out.update(n_iter_=n, loss_curve_=[], t_=meta["position"]["step"] * batch)  # t_: full batches' rows (a bound)
     if meta["data"]["task"] == "classification":
         out["classes_"] = meta["data"].get("class_names") or list(range(meta["widths"][-1]))
     else:
