@@ -254,3 +254,30 @@ def test_a_cli_checkpoint_loads_with_its_ensemble_size_and_continues(tmp_path: P
     with pytest.warns(ConvergenceWarning), warnings.catch_warnings():
         warnings.filterwarnings("ignore", "X does not have valid feature names")  # the CLI's checkpoint names them
         assert loaded.fit(x, y.astype(str)).n_iter_ == 2 and loaded.coefs_[0].shape == shape  # the members go on
+
+
+def test_an_ensembles_member_k_is_the_seed_k_run_on_the_split_of_random_state() -> None:
+    """docs/sklearn.md, ``ensemble_size``: member k draws its weights and batches from ``random_state + k`` over the
+    one split and normalisation of ``random_state`` (the CLI's ``seed=random_state+k data.split_seed=random_state``),
+    bit for bit; ``MLPClassifier(random_state=random_state + k)`` splits and orders its rows by its own seed."""
+    from mlptrain.run.interval import Interval
+    from mlptrain.sklearn.fitting import run_epoch
+
+    x, y = _blobs()
+    kw = {"hidden_layer_sizes": (8,), "max_iter": 3, "batch_size": 16, "n_iter_no_change": 100, "device": "cpu"}
+    with pytest.warns(ConvergenceWarning):
+        ens = MLPClassifier(ensemble_size=3, random_state=4, **kw).fit(x, y)
+    for k in (1, 2):
+        setup = MLPClassifier(random_state=4, **kw).fit_setup(x, y)
+        setup.cfg.seed = 4 + k  # the run of seed 4 + k on random_state=4's split
+        tr = Trainer(setup.cfg, setup.dataset)
+        interval = Interval(tr, setup.cfg.log_every)
+        with tr.stream:
+            for epoch in range(3):
+                run_epoch(tr, interval, epoch)
+        for name, a in tr.state_dict()[0].items():
+            if name.startswith("param/"):
+                np.testing.assert_array_equal(ens.state_.arrays[name][k], a, err_msg=f"member {k} {name}")
+    with pytest.warns(ConvergenceWarning):
+        alone = MLPClassifier(random_state=5, **kw).fit(x, y)  # its own split: other rows in each batch
+    assert not np.array_equal(ens.coefs_[0][1], alone.coefs_[0])
