@@ -225,3 +225,50 @@ def test_folds_that_cannot_fit_in_memory_are_refused_before_they_are_prepared(mo
     ):
         cross_val_predict(classifier(max_iter=1), X, y, cv=ms.LeaveOneOut())
     assert cross_val_predict(classifier(max_iter=1), X, y, cv=5).shape == (200,)  # 5 folds fit
+
+
+def test_a_fold_whose_frame_encodes_to_fewer_columns_trains_padded_with_zero_columns() -> None:
+    """A level (or an empty cell) that one fold's training rows lack gives that fold's plan fewer columns: the fold
+    trains with zero columns appended up to the widest (their weights drawn, never used, then dropped), so it is the
+    single run of its own rows so padded, bit for bit, and its estimator takes its own plan's columns."""
+    import dataclasses
+
+    pd = pytest.importorskip("pandas")
+    from mlptrain.data.prepare import preprocess
+    from mlptrain.run.interval import Interval
+    from mlptrain.sklearn.fitting import run_epoch
+    from mlptrain.step.trainer import Trainer
+
+    X, y, _ = data()
+    frame = pd.DataFrame(X, columns=list("abcdef"))
+    frame["city"] = np.random.default_rng(1).choice(["Oslo", "Lima", "Pune"], len(frame))
+    frame.loc[10, "city"] = "Rare"  # only in fold 0's test rows: fold 0's plan has no city=Rare
+    frame.loc[[20, 120], "a"] = np.nan  # fold 0 and 2 hold one each out: every fold has a_missing
+    est, cv = classifier(), ms.KFold(4)
+    splits = list(cv.split(frame))
+    fitted = fit_folds(est, frame, y, splits)
+    widths = [e.coefs_[0].shape[0] for e in fitted]
+    wide = widths[1]  # 6 numbers, a_missing, 4 levels of city
+    assert widths == [wide - 1, wide, wide, wide] and "city=Rare" not in fitted[0].column_plan_.feature_names
+    mine = cross_val_predict(est, frame, y, cv=cv, method="predict_proba")
+    reference = ms.cross_val_predict(est, frame, y, cv=cv, method="predict_proba")
+    for k, (_, test) in enumerate(splits[1:], 1):  # the full-width folds: their own fits
+        np.testing.assert_array_equal(mine[test], reference[test], err_msg=f"fold {k}")
+    train, test = splits[0]
+    setup = clone(est).fit_setup(frame.iloc[train], y[train])
+    own = preprocess(setup.dataset, setup.cfg.data)
+
+    def pad(a: np.ndarray) -> np.ndarray:
+        return np.pad(a, ((0, 0), (0, wide - a.shape[1])))
+
+    tr = Trainer(
+        setup.cfg, dataclasses.replace(own, **{s: pad(getattr(own, s)) for s in ("x_train", "x_val", "x_test")})
+    )
+    interval = Interval(tr, setup.cfg.log_every)
+    with tr.stream:
+        for epoch in range(fitted[0].n_iter_):
+            run_epoch(tr, interval, epoch)
+    arrays = tr.state_dict()[0]
+    np.testing.assert_array_equal(fitted[0].coefs_[0], arrays["param/layer0.weight"][:, : wide - 1].T)
+    np.testing.assert_array_equal(fitted[0].coefs_[1], arrays["param/layer1.weight"].T)
+    np.testing.assert_array_equal(mine[test], fitted[0].predict_proba(frame.iloc[test]))

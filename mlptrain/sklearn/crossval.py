@@ -24,7 +24,9 @@ counts divisible by K), each fold's fitted estimator equals its own fit bit for 
 ``n_iter_``, ``loss_curve_``), and the predictions equal scikit-learn's ``cross_val_predict``
 (tests/test_sklearn_crossval.py). Where they differ by a row or two, the smaller sets are topped up with as
 many of their own rows drawn again (seeded), so that all members take batches of one size: those folds see a
-row or two twice an epoch, and differ from their own fits by that.
+row or two twice an epoch, and differ from their own fits by that. A DataFrame fold whose plan encodes to fewer
+columns (a level its training rows lack) trains with zero columns appended up to the widest (:func:`_padded`),
+dropped from its fitted estimator: the padded run of its rows, not its own fit (another draw of initial weights).
 """
 
 from __future__ import annotations
@@ -51,8 +53,7 @@ from mlptrain.run.ensemble import EnsembleTrainer
 from mlptrain.run.interval import Interval
 from mlptrain.sklearn import persist
 from mlptrain.sklearn.estimators import MLPClassifier, MLPRegressor
-from mlptrain.sklearn.fitting import FitSetup, Stopping, check_members_memory, held_out, member_scores, run_epoch
-from mlptrain.sklearn.params import batch_rows, check, hidden_sizes, member_host_bytes
+from mlptrain.sklearn.fitting import FitSetup, Stopping, folds_memory, held_out, member_scores, run_epoch
 from mlptrain.step import build
 
 ACCEPTED = (
@@ -84,7 +85,7 @@ def cross_val_predict(
     Raises:
         ConfigError: a ``cv`` whose test sets do not partition the rows (ShuffleSplit, TimeSeriesSplit), a
             ``method`` the estimator lacks, fit parameters, ``ensemble_size`` other than 1, or folds that cannot
-            train as one run (a class missing from a fold's training rows, another number of encoded columns).
+            train as one run (a class missing from a fold's training rows).
         TypeError: an estimator other than mlptrain's (use scikit-learn's own ``cross_val_predict``).
     """
     task = _task(estimator, "cross_val_predict")
@@ -188,10 +189,10 @@ def fit_folds(estimator: Any, X: Any, y: Any, splits: list[Any]) -> list[Any]:
             f"cross-validation of {name}(ensemble_size={estimator.ensemble_size}): the folds are the members of "
             "the batched run; set ensemble_size=1"
         )
-    _memory(estimator, X, splits)
+    folds_memory(estimator, X, splits)  # K copies of the rows that cannot fit: refused before they are made
     ests = [clone(estimator) for _ in splits]
     setups = [e.fit_setup(_safe_indexing(X, r), _safe_indexing(y, r)) for e, (r, _) in zip(ests, splits, strict=True)]
-    _check_fit_together(ests, setups)
+    _check_classes(ests)
     tr, data = _trainer(setups, [e.seed_ for e in ests])
     tr.train_loader.shuffle = bool(estimator.shuffle)
     with tr.backend.blas_threads(build.step_flops(tr.widths, tr.cfg.data.batch_size)):  # the CLI's thread policy
@@ -275,6 +276,8 @@ def _trainer(setups: list[FitSetup], seeds: list[int]) -> tuple[Any, list[Any]]:
     scaled on the fold's own rows). Member ``k`` gathers from its block of the stacked training rows, topped
     up to the largest fold's size with its own rows drawn again (seeded by its seed)."""
     data = [preprocess(s.dataset, s.cfg.data) for s in setups]  # what the fit's trainer would do with it
+    wide = max(d.num_features for d in data)  # a frame's fold may encode to fewer columns: zeros appended
+    data = [d if d.num_features == wide else _padded(d, wide) for d in data]
     sizes = [len(d.y_train) for d in data]
     big, most = int(np.argmax(sizes)), max(sizes)
     offsets = np.cumsum([0, *sizes[:-1]])
@@ -307,23 +310,24 @@ def _trainer(setups: list[FitSetup], seeds: list[int]) -> tuple[Any, list[Any]]:
 TOP_UP = 0xF01D  # the stream of the rows drawn again to top a smaller fold up ([seed, TOP_UP])
 
 
-def _check_fit_together(ests: list[Any], setups: list[FitSetup]) -> None:
-    """Raise ConfigError unless the folds' fits have one shape: the same classes and encoded columns."""
-    first = setups[0].dataset
+def _padded(ds: Any, width: int) -> Any:
+    """``ds`` with columns of zeros appended up to ``width`` (its normalisation, names and plan stay its own): the
+    first layer's weights on them are drawn and get no gradient, and :func:`_fitted` drops them."""
+    xs = {f"x_{s}": getattr(ds, f"x_{s}") for s in ("train", "val", "test")}
+    return dataclasses.replace(ds, **{n: np.pad(x, ((0, 0), (0, width - x.shape[1]))) for n, x in xs.items()})
+
+
+def _check_classes(ests: list[Any]) -> None:
+    """Raise ConfigError unless every fold's fit has every class: one output per class for every member (a fold's
+    fewer encoded columns are no obstacle: :func:`_padded`)."""
     every = np.unique(np.concatenate([e.classes_ for e in ests])) if hasattr(ests[0], "classes_") else None
-    for k, (est, setup) in enumerate(zip(ests, setups, strict=True)):
+    for k, est in enumerate(ests):
         if every is not None and len(est.classes_) != len(every):
             missing = np.setdiff1d(every, est.classes_).tolist()
             raise ConfigError(
                 f"fold {k}'s training rows lack class(es) {missing!r} of y's {every.tolist()!r}; the folds train as "
                 "one run, one output per class: every class needs rows in every fold's training set (StratifiedKFold, "
                 "cv=None or an int, deals each class into every fold)"
-            )
-        if setup.dataset.num_features != first.num_features:
-            raise ConfigError(
-                f"fold {k}'s training rows encode to {setup.dataset.num_features} input columns, fold 0's to "
-                f"{first.num_features} (a DataFrame's levels, rare levels or empty cells differ between them); the "
-                "folds train as one run of one width: use sklearn.model_selection.cross_val_predict for these folds"
             )
 
 
@@ -339,22 +343,13 @@ def _fitted(est: Any, setup: FitSetup, data: Any, run: _Fold, meta: dict[str, An
     m = {key: v for key, v in meta.items() if key not in ("members", "folds")}  # one model's
     m.update(steps_per_epoch=spe, data=data_meta, rng={"seed": est.seed_, "data_seed": build.seeds(est.seed_)[1]})
     assert run.state is not None
-    arrays = {**run.state, **data_arrays}
+    own = setup.dataset.num_features  # a padded fold (_padded): the weights on its zero columns dropped
+    first = ("param/layer0.weight", "optim/layer0.weight/")
+    arrays = {n: a[:, :own] if n.startswith(first) else a for n, a in run.state.items()}
+    arrays.update(data_arrays)
+    m["widths"] = [own, *m["widths"][1:]]
     est.state_ = persist.assemble(arrays, m, setup.cfg, run.n_iter * spe, spe, est.fitted_attributes())
     est.predictor_ = persist.predictor(est.state_, est.device)
-
-
-def _memory(estimator: Any, X: Any, splits: list[Any]) -> None:
-    """Raise ResourceError before the folds' fits are prepared where their K copies of the training rows and K
-    networks cannot fit in the host's memory (LeaveOneOut on many rows: K = N folds of N - 1 rows each)."""
-    name, p = type(estimator).__name__, estimator.get_params()
-    check(name, p)
-    rows = max(len(train) for train, _ in splits)
-    shape = np.shape(X)
-    widths = [int(shape[1]) if len(shape) == 2 else 1, *hidden_sizes(name, p["hidden_layer_sizes"]), 1]
-    per = member_host_bytes(p, widths, batch_rows(name, p["batch_size"], rows), rows)
-    advice = "use fewer folds, or sklearn.model_selection's own function (one fold's fit at a time)"
-    check_members_memory(f"cross-validation of {name} in {len(splits)} folds", len(splits), per, advice)
 
 
 def _task(estimator: Any, caller: str) -> str:

@@ -33,7 +33,7 @@ from mlptrain.data.rows import host_memory_available
 from mlptrain.nn.members import MemberMean
 from mlptrain.run import faults
 from mlptrain.run.interval import Closed, Interval
-from mlptrain.sklearn.params import member_host_bytes
+from mlptrain.sklearn.params import batch_rows, check, hidden_sizes, member_host_bytes
 from mlptrain.sklearn.sample_weight import standardise, train_normalization
 from mlptrain.step.trainer import Trainer
 
@@ -113,6 +113,20 @@ def ensemble_memory(name: str, params: dict[str, Any], cfg: TrainConfig, ds: Dat
     if cfg.ensemble.size > 1:
         per = member_host_bytes(params, [ds.num_features, *cfg.model.hidden, ds.num_classes], cfg.data.batch_size)
         check_members_memory(f"{name}(ensemble_size={cfg.ensemble.size})", cfg.ensemble.size, per, "lower it")
+
+
+def folds_memory(estimator: Any, X: Any, splits: list[Any]) -> None:
+    """Cross-validation (:mod:`mlptrain.sklearn.crossval`): raise ResourceError before the folds' fits are prepared
+    where their K copies of the training rows and K networks cannot fit in the host's memory (LeaveOneOut on many
+    rows: K = N folds of N - 1 rows each). ``splits``: the folds' ``(train, test)`` row indices."""
+    name, p = type(estimator).__name__, estimator.get_params()
+    check(name, p)
+    rows = max(len(train) for train, _ in splits)
+    shape = np.shape(X)
+    widths = [int(shape[1]) if len(shape) == 2 else 1, *hidden_sizes(name, p["hidden_layer_sizes"]), 1]
+    per = member_host_bytes(p, widths, batch_rows(name, p["batch_size"], rows), rows)
+    advice = "use fewer folds, or sklearn.model_selection's own function (one fold's fit at a time)"
+    check_members_memory(f"cross-validation of {name} in {len(splits)} folds", len(splits), per, advice)
 
 
 def split_rows(y: np.ndarray, task: str, val_fraction: float, split_seed: int) -> tuple[np.ndarray, np.ndarray]:
