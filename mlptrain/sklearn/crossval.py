@@ -327,7 +327,8 @@ def _check_classes(ests: list[Any]) -> None:
             raise ConfigError(
                 f"fold {k}'s training rows lack class(es) {missing!r} of y's {every.tolist()!r}; the folds train as "
                 "one run, one output per class: every class needs rows in every fold's training set (StratifiedKFold, "
-                "cv=None or an int, deals each class into every fold)"
+                "cv=None or an int, deals each class into every fold), or use sklearn.model_selection's own "
+                "function, which fits each fold alone"
             )
 
 
