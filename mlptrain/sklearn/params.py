@@ -201,9 +201,9 @@ def member_host_bytes(p: dict[str, Any], widths: list[int], batch: int, rows: in
     """A lower bound on the memory one member of a batched fit takes, for parameters ``p`` (checked): its network's
     parameters, gradients and optimizer state and what its step keeps for the backward at ``batch`` rows
     (:func:`mlptrain.step.memory.member_bytes`), in the parameters' dtype, and (cross-validation: each member a fold)
-    its ``rows`` training rows of ``widths[0]`` columns held three times (float64 as given, the fit's float32 split and
-    the batched run's float32 stack)."""
+    its ``rows`` training rows of ``widths[0]`` columns held twice in float32 (the fold's fit's split, and the batched
+    run's stack of them all)."""
     dtype = np.float64 if p["precision"] == "fp64" else np.float32
     states = 2 if p["solver"] == "adam" else int(p["momentum"] > 0)
     net = member_bytes(widths, batch, dtype, dtype, states, ACTIVATIONS[p["activation"]], p["execution"])
-    return sum(net.values()) + rows * widths[0] * (8 + 4 + 4)
+    return sum(net.values()) + rows * widths[0] * (4 + 4)
