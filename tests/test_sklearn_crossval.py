@@ -8,6 +8,9 @@ CPU engine computes member k as the single model, docs/ensembles.md), so the pre
 
 from __future__ import annotations
 
+import re
+import warnings
+
 import numpy as np
 import pytest
 
@@ -189,12 +192,6 @@ def test_what_cannot_be_one_batched_run_is_refused() -> None:
         cross_val_predict(regressor(), X, yr, method="predict_proba")
     with pytest.raises(ConfigError, match="ensemble_size=2.*set ensemble_size=1"):
         cross_val_predict(classifier(ensemble_size=2), X, y)
-    first = np.union1d(np.flatnonzero(y == 2), np.arange(50))  # fold 0's test rows: every row of class 2
-    splits = [(np.setdiff1d(np.arange(200), part), part) for part in (first, np.setdiff1d(np.arange(200), first))]
-    with pytest.raises(
-        ConfigError, match=r"fold 0's training rows lack class\(es\) \[2\].*sklearn.model_selection's own function"
-    ):
-        cross_val_predict(classifier(), X, y, cv=splits)
     with pytest.raises(
         ConfigError, match=r"fit parameters \['sample_weight'\] \(params=\).*takes no sample_weight yet"
     ):
@@ -274,3 +271,48 @@ def test_a_fold_whose_frame_encodes_to_fewer_columns_trains_padded_with_zero_col
     np.testing.assert_array_equal(fitted[0].coefs_[0], arrays["param/layer0.weight"][:, : wide - 1].T)
     np.testing.assert_array_equal(fitted[0].coefs_[1], arrays["param/layer1.weight"].T)
     np.testing.assert_array_equal(mine[test], fitted[0].predict_proba(frame.iloc[test]))
+
+
+def test_a_fold_without_a_class_trains_with_every_classs_output_and_predicts_as_scikit_learns() -> None:
+    """A fold whose training rows lack a class (every row of class 2 in fold 0's test set) trains with an output for
+    every class of y, the missing one never a target, and keeps its own classes: the single run of its rows so
+    widened, bit for bit; its out-of-fold probabilities fill the missing column as scikit-learn's cross_val_predict
+    does (0, or the float minimum for log probabilities), with scikit-learn's warning; the other folds are theirs."""
+    import dataclasses
+
+    from mlptrain.data.prepare import preprocess
+    from mlptrain.run.interval import Interval
+    from mlptrain.sklearn.fitting import run_epoch
+    from mlptrain.step.trainer import Trainer
+
+    X, y, _ = data()  # class 2: 13 rows
+    rest = np.flatnonzero(y != 2)
+    first = np.concatenate([np.flatnonzero(y == 2), rest[:37]])  # fold 0's test rows: 50, every row of class 2
+    parts = [first, *np.split(rest[37:], 3)]  # 4 test sets of 50 rows: training sets of 150
+    splits = [(np.setdiff1d(np.arange(200), part), part) for part in parts]
+    est = classifier()
+    words = r"Number of classes in training fold \(2\) does not match total number of classes \(3\)"
+    for method in ("predict_proba", "predict_log_proba", "predict"):
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always", RuntimeWarning)
+            mine = cross_val_predict(est, X, y, cv=splits, method=method)
+            reference = ms.cross_val_predict(est, X, y, cv=splits, method=method)
+        warned = [w for w in said if w.category is RuntimeWarning and re.match(words, str(w.message))]
+        assert len(warned) == (0 if method == "predict" else 2)  # mine and scikit-learn's, once each
+        for k, (_, test) in enumerate(splits[1:], 1):
+            np.testing.assert_array_equal(mine[test], reference[test], err_msg=f"{method} fold {k}")
+        if method != "predict":
+            np.testing.assert_array_equal(mine[first, 2], reference[first, 2])  # 0, or float64's minimum
+            assert mine.shape == (200, 3)
+    fitted = fit_folds(est, X, y, splits)
+    assert fitted[0].classes_.tolist() == [0, 1] and fitted[0].coefs_[-1].shape == (16, 2)
+    setup = clone(est).fit_setup(X[splits[0][0]], y[splits[0][0]])
+    tr = Trainer(setup.cfg, dataclasses.replace(preprocess(setup.dataset, setup.cfg.data), num_classes=3))
+    interval = Interval(tr, setup.cfg.log_every)
+    with tr.stream:
+        for epoch in range(fitted[0].n_iter_):
+            run_epoch(tr, interval, epoch)
+    arrays = tr.state_dict()[0]
+    np.testing.assert_array_equal(fitted[0].coefs_[0], arrays["param/layer0.weight"].T)
+    np.testing.assert_array_equal(fitted[0].coefs_[1], arrays["param/layer1.weight"][:2].T)
+    np.testing.assert_array_equal(fitted[0].intercepts_[1], arrays["param/layer1.bias"][:2])

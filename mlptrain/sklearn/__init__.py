@@ -15,6 +15,7 @@ module            what it owns
 ``persist``       the fitted state as an mlptrain checkpoint: ``save``, ``load``, the ``Predictor``
 ``frames``        a DataFrame with text, ``category`` or empty cells, through the CLI's column plan
 ``crossval``      ``cross_val_predict``, ``cross_validate``: scikit-learn's calls, the folds one batched run
+``foldshape``     a fold of fewer encoded columns or classes than the others, widened for the run, cut back after
 ``sample_weight`` ``fit(X, y, sample_weight=)``: checked as scikit-learn does, in the CLI's row-weighted loss
 ================= ==================================================================
 

@@ -24,9 +24,9 @@ counts divisible by K), each fold's fitted estimator equals its own fit bit for 
 ``n_iter_``, ``loss_curve_``), and the predictions equal scikit-learn's ``cross_val_predict``
 (tests/test_sklearn_crossval.py). Where they differ by a row or two, the smaller sets are topped up with as
 many of their own rows drawn again (seeded), so that all members take batches of one size: those folds see a
-row or two twice an epoch, and differ from their own fits by that. A DataFrame fold whose plan encodes to fewer
-columns (a level its training rows lack) trains with zero columns appended up to the widest (:func:`_padded`),
-dropped from its fitted estimator: the padded run of its rows, not its own fit (another draw of initial weights).
+row or two twice an epoch, and differ from their own fits by that. A fold of another shape (a DataFrame fold whose
+plan encodes to fewer columns, a fold whose training rows lack a class) trains widened to the others' shape and is cut
+back to its own (:mod:`mlptrain.sklearn.foldshape`): the widened run of its rows, not its own fit.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from mlptrain.nn.losses import mse_in_units
 from mlptrain.nn.members import MemberHead
 from mlptrain.run.ensemble import EnsembleTrainer
 from mlptrain.run.interval import Interval
-from mlptrain.sklearn import persist
+from mlptrain.sklearn import foldshape, persist
 from mlptrain.sklearn.estimators import MLPClassifier, MLPRegressor
 from mlptrain.sklearn.fitting import FitSetup, Stopping, folds_memory, held_out, member_scores, run_epoch
 from mlptrain.step import build
@@ -84,8 +84,7 @@ def cross_val_predict(
 
     Raises:
         ConfigError: a ``cv`` whose test sets do not partition the rows (ShuffleSplit, TimeSeriesSplit), a
-            ``method`` the estimator lacks, fit parameters, ``ensemble_size`` other than 1, or folds that cannot
-            train as one run (a class missing from a fold's training rows).
+            ``method`` the estimator lacks, fit parameters, or ``ensemble_size`` other than 1.
         TypeError: an estimator other than mlptrain's (use scikit-learn's own ``cross_val_predict``).
     """
     task = _task(estimator, "cross_val_predict")
@@ -97,8 +96,10 @@ def cross_val_predict(
     splits = folds(estimator, X, y, groups, cv)
     fitted = fit_folds(estimator, X, y, splits)
     out: np.ndarray | None = None
+    every = np.unique(np.concatenate([e.classes_ for e in fitted])) if task == "classification" else None
     for est, (_, test) in zip(fitted, splits, strict=True):
         found = np.asarray(getattr(est, method)(_safe_indexing(X, test)))
+        found = found if every is None else foldshape.all_classes(found, est.classes_, every, method)
         if out is None:
             out = np.empty((_rows(X), *found.shape[1:]), dtype=found.dtype)
         out[test] = found
@@ -192,14 +193,17 @@ def fit_folds(estimator: Any, X: Any, y: Any, splits: list[Any]) -> list[Any]:
     folds_memory(estimator, X, splits)  # K copies of the rows that cannot fit: refused before they are made
     ests = [clone(estimator) for _ in splits]
     setups = [e.fit_setup(_safe_indexing(X, r), _safe_indexing(y, r)) for e, (r, _) in zip(ests, splits, strict=True)]
-    _check_classes(ests)
-    tr, data = _trainer(setups, [e.seed_ for e in ests])
+    every = np.unique(np.concatenate([e.classes_ for e in ests])) if is_classifier(estimator) else None
+    keep = [
+        None if every is None or len(e.classes_) == len(every) else np.searchsorted(every, e.classes_) for e in ests
+    ]
+    tr, data = _trainer(setups, [e.seed_ for e in ests], keep)
     tr.train_loader.shuffle = bool(estimator.shuffle)
     with tr.backend.blas_threads(build.step_flops(tr.widths, tr.cfg.data.batch_size)):  # the CLI's thread policy
         runs = _train(tr, estimator, setups, data)
     _, meta = tr.state_dict()
-    for est, setup, ds, run in zip(ests, setups, data, runs, strict=True):
-        _fitted(est, setup, ds, run, meta)
+    for est, setup, ds, run, own in zip(ests, setups, data, runs, keep, strict=True):
+        _fitted(est, setup, ds, run, meta, own)
     late = [k for k, run in enumerate(runs) if not run.converged]
     if late:
         warnings.warn(
@@ -271,13 +275,14 @@ def _member_state(tr: Any, k: int) -> dict[str, np.ndarray]:
     return out
 
 
-def _trainer(setups: list[FitSetup], seeds: list[int]) -> tuple[Any, list[Any]]:
+def _trainer(setups: list[FitSetup], seeds: list[int], keep: list[Any]) -> tuple[Any, list[Any]]:
     """The batched run of the folds' fits, and each fold's dataset as its fit trains on it (a regressor's targets
     scaled on the fold's own rows). Member ``k`` gathers from its block of the stacked training rows, topped
     up to the largest fold's size with its own rows drawn again (seeded by its seed)."""
     data = [preprocess(s.dataset, s.cfg.data) for s in setups]  # what the fit's trainer would do with it
-    wide = max(d.num_features for d in data)  # a frame's fold may encode to fewer columns: zeros appended
-    data = [d if d.num_features == wide else _padded(d, wide) for d in data]
+    wide, most_classes = max(d.num_features for d in data), max(d.num_classes for d in data)  # foldshape: one shape
+    data = [d if d.num_features == wide else foldshape.padded(d, wide) for d in data]
+    data = [d if k is None else foldshape.relabelled(d, k, most_classes) for d, k in zip(data, keep, strict=True)]
     sizes = [len(d.y_train) for d in data]
     big, most = int(np.argmax(sizes)), max(sizes)
     offsets = np.cumsum([0, *sizes[:-1]])
@@ -310,31 +315,10 @@ def _trainer(setups: list[FitSetup], seeds: list[int]) -> tuple[Any, list[Any]]:
 TOP_UP = 0xF01D  # the stream of the rows drawn again to top a smaller fold up ([seed, TOP_UP])
 
 
-def _padded(ds: Any, width: int) -> Any:
-    """``ds`` with columns of zeros appended up to ``width`` (its normalisation, names and plan stay its own): the
-    first layer's weights on them are drawn and get no gradient, and :func:`_fitted` drops them."""
-    xs = {f"x_{s}": getattr(ds, f"x_{s}") for s in ("train", "val", "test")}
-    return dataclasses.replace(ds, **{n: np.pad(x, ((0, 0), (0, width - x.shape[1]))) for n, x in xs.items()})
-
-
-def _check_classes(ests: list[Any]) -> None:
-    """Raise ConfigError unless every fold's fit has every class: one output per class for every member (a fold's
-    fewer encoded columns are no obstacle: :func:`_padded`)."""
-    every = np.unique(np.concatenate([e.classes_ for e in ests])) if hasattr(ests[0], "classes_") else None
-    for k, est in enumerate(ests):
-        if every is not None and len(est.classes_) != len(every):
-            missing = np.setdiff1d(every, est.classes_).tolist()
-            raise ConfigError(
-                f"fold {k}'s training rows lack class(es) {missing!r} of y's {every.tolist()!r}; the folds train as "
-                "one run, one output per class: every class needs rows in every fold's training set (StratifiedKFold, "
-                "cv=None or an int, deals each class into every fold), or use sklearn.model_selection's own "
-                "function, which fits each fold alone"
-            )
-
-
-def _fitted(est: Any, setup: FitSetup, data: Any, run: _Fold, meta: dict[str, Any]) -> None:
+def _fitted(est: Any, setup: FitSetup, data: Any, run: _Fold, meta: dict[str, Any], keep: Any) -> None:
     """Set fold ``est``'s fitted attributes and state as its own ``fit`` would: its curves and ``n_iter_``, its
-    member's slices of the run's state with its own data's preprocessing, its position and its seed."""
+    member's slices of the run's state in its own shape (``keep``: its classes' outputs, :mod:`foldshape`) with its
+    own data's preprocessing, its position and its seed."""
     early, spe = setup.early, setup.cfg.log_every  # (log_every: the fit's steps per epoch)
     est.n_iter_, est.t_, est.loss_curve_ = run.n_iter, run.n_iter * len(data.y_train), run.loss_curve
     est.best_loss_ = None if early else run.stop.best_loss
@@ -344,11 +328,8 @@ def _fitted(est: Any, setup: FitSetup, data: Any, run: _Fold, meta: dict[str, An
     m = {key: v for key, v in meta.items() if key not in ("members", "folds")}  # one model's
     m.update(steps_per_epoch=spe, data=data_meta, rng={"seed": est.seed_, "data_seed": build.seeds(est.seed_)[1]})
     assert run.state is not None
-    own = setup.dataset.num_features  # a padded fold (_padded): the weights on its zero columns dropped
-    first = ("param/layer0.weight", "optim/layer0.weight/")
-    arrays = {n: a[:, :own] if n.startswith(first) else a for n, a in run.state.items()}
+    arrays, m["widths"] = foldshape.own_shape(run.state, m["widths"], setup.dataset.num_features, keep)
     arrays.update(data_arrays)
-    m["widths"] = [own, *m["widths"][1:]]
     est.state_ = persist.assemble(arrays, m, setup.cfg, run.n_iter * spe, spe, est.fitted_attributes())
     est.predictor_ = persist.predictor(est.state_, est.device)
 
