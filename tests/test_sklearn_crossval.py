@@ -316,3 +316,27 @@ def test_a_fold_without_a_class_trains_with_every_classs_output_and_predicts_as_
     np.testing.assert_array_equal(fitted[0].coefs_[0], arrays["param/layer0.weight"].T)
     np.testing.assert_array_equal(fitted[0].coefs_[1], arrays["param/layer1.weight"][:2].T)
     np.testing.assert_array_equal(fitted[0].intercepts_[1], arrays["param/layer1.bias"][:2])
+
+
+def test_a_scorer_that_fails_gives_error_score_as_scikit_learns_cross_validate() -> None:
+    """A scorer's failure on a fold is ``error_score`` (NaN by default) with scikit-learn's warning, per scorer, or
+    raises with ``error_score="raise"``; a fit's failure still raises (one run: there is no fold to leave out)."""
+    X, y, _ = data()
+
+    def fussy(est, X, y):  # fails on the fold whose test rows start at row 0
+        if len(y) and X[0, 0] == data()[0][0, 0]:
+            raise ValueError("no score for this fold")
+        return est.score(X, y)
+
+    scoring = {"fussy": fussy, "accuracy": "accuracy"}
+    with pytest.warns(UserWarning, match=r"Scoring failed\. The score on this train-test partition for these "):
+        mine = cross_validate(classifier(), X, y, cv=4, scoring=scoring)
+    with pytest.warns(UserWarning, match="Scoring failed"):
+        reference = ms.cross_validate(classifier(), X, y, cv=4, scoring=scoring)
+    for key in ("test_fussy", "test_accuracy"):
+        np.testing.assert_array_equal(mine[key], reference[key])
+    assert np.isnan(mine["test_fussy"][0]) and not np.isnan(mine["test_fussy"][1:]).any()
+    with pytest.warns(UserWarning, match="will be set to -1.0"):
+        assert cross_validate(classifier(), X, y, cv=4, scoring=fussy, error_score=-1.0)["test_score"][0] == -1.0
+    with pytest.raises(ValueError, match="no score for this fold"):
+        cross_validate(classifier(), X, y, cv=4, scoring=fussy, error_score="raise")

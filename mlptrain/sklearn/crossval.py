@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import traceback
 import warnings
 from collections.abc import Iterable
 from typing import Any
@@ -127,7 +128,8 @@ def cross_validate(
     """scikit-learn's ``cross_validate``, the folds trained as one batched run: ``test_score`` (or
     ``test_<name>`` for several ``scoring`` names), ``train_score`` where asked, ``fit_time`` (the run's wall time
     shared equally among the folds), ``score_time``, ``estimator`` and ``indices`` where asked. The folds must
-    partition the rows, as for :func:`cross_val_predict`; ``error_score`` is unused (a failed fit raises)."""
+    partition the rows, as for :func:`cross_val_predict`; ``error_score`` is a failed scorer's score (a failed fit
+    raises: the folds are one run)."""
     _task(estimator, "cross_validate")
     _no_fit_params(params)
     scorers = _scorers(estimator, scoring)
@@ -141,7 +143,7 @@ def cross_validate(
         t1 = time.perf_counter()
         for which, rows in (("test", test), ("train", train)) if return_train_score else (("test", test),):
             for name, scorer in scorers.items():
-                value = scorer(est, _safe_indexing(X, rows), _safe_indexing(y, rows))
+                value = _score(scorer, est, _safe_indexing(X, rows), _safe_indexing(y, rows), error_score)
                 for key, v in value.items() if isinstance(value, dict) else [(name, value)]:  # a dict: several
                     scores.setdefault(f"{which}_{key}" if key else f"{which}_score", []).append(v)
         out["score_time"][i] = time.perf_counter() - t1
@@ -362,6 +364,22 @@ def _scorers(estimator: Any, scoring: Any) -> dict[str, Any]:
     if isinstance(scoring, (list, tuple, set)):
         return {str(name): check_scoring(estimator, name) for name in scoring}
     return {"": check_scoring(estimator, scoring)}
+
+
+def _score(scorer: Any, est: Any, X: Any, y: Any, error_score: Any) -> Any:
+    """``scorer(est, X, y)``; where it fails, ``error_score`` with scikit-learn's warning (``"raise"``: the error)."""
+    try:
+        return scorer(est, X, y)
+    except Exception:
+        if isinstance(error_score, str) and error_score == "raise":
+            raise
+        warnings.warn(
+            "Scoring failed. The score on this train-test partition for these parameters will be set to "
+            f"{error_score}. Details: \n{traceback.format_exc()}",
+            UserWarning,
+            stacklevel=3,
+        )
+        return error_score
 
 
 def _rows(X: Any) -> int:
