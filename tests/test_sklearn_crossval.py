@@ -340,3 +340,21 @@ def test_a_scorer_that_fails_gives_error_score_as_scikit_learns_cross_validate()
         assert cross_validate(classifier(), X, y, cv=4, scoring=fussy, error_score=-1.0)["test_score"][0] == -1.0
     with pytest.raises(ValueError, match="no score for this fold"):
         cross_validate(classifier(), X, y, cv=4, scoring=fussy, error_score="raise")
+
+
+def test_folds_that_each_lack_another_class_train_with_every_classs_output() -> None:
+    """Class c only in group c (GroupKFold): no fold's training rows hold every class; each still trains with the 3
+    outputs and predicts as scikit-learn's cross_val_predict lays it out (0 in its missing class's column)."""
+    X, _, _ = data(150)
+    groups = np.repeat(np.arange(3), 50)
+    y = groups.copy()  # fold k's training rows lack class k
+    est = classifier(max_iter=3)
+    with pytest.warns(RuntimeWarning, match=r"training fold \(2\) does not match total number of classes \(3\)"):
+        mine = cross_val_predict(est, X, y, cv=ms.GroupKFold(3), groups=groups, method="predict_proba")
+    assert mine.shape == (150, 3)
+    for k in range(3):
+        np.testing.assert_array_equal(mine[groups == k, k], 0.0)
+        np.testing.assert_allclose(mine[groups == k].sum(axis=1), 1.0)
+    with pytest.warns(RuntimeWarning):
+        reference = ms.cross_val_predict(est, X, y, cv=ms.GroupKFold(3), groups=groups, method="predict_proba")
+    np.testing.assert_array_equal(mine == 0, reference == 0)

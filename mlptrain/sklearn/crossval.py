@@ -199,7 +199,7 @@ def fit_folds(estimator: Any, X: Any, y: Any, splits: list[Any]) -> list[Any]:
     keep = [
         None if every is None or len(e.classes_) == len(every) else np.searchsorted(every, e.classes_) for e in ests
     ]
-    tr, data = _trainer(setups, [e.seed_ for e in ests], keep)
+    tr, data = _trainer(setups, [e.seed_ for e in ests], keep, 0 if every is None else len(every))
     tr.train_loader.shuffle = bool(estimator.shuffle)
     with tr.backend.blas_threads(build.step_flops(tr.widths, tr.cfg.data.batch_size)):  # the CLI's thread policy
         runs = _train(tr, estimator, setups, data)
@@ -277,14 +277,15 @@ def _member_state(tr: Any, k: int) -> dict[str, np.ndarray]:
     return out
 
 
-def _trainer(setups: list[FitSetup], seeds: list[int], keep: list[Any]) -> tuple[Any, list[Any]]:
+def _trainer(setups: list[FitSetup], seeds: list[int], keep: list[Any], classes: int) -> tuple[Any, list[Any]]:
     """The batched run of the folds' fits, and each fold's dataset as its fit trains on it (a regressor's targets
-    scaled on the fold's own rows). Member ``k`` gathers from its block of the stacked training rows, topped
-    up to the largest fold's size with its own rows drawn again (seeded by its seed)."""
+    scaled on the fold's own rows; ``keep[k]``: fold k's classes among the ``classes`` of y, where it lacks some).
+    Member ``k`` gathers from its block of the stacked training rows, topped up to the largest fold's size with its
+    own rows drawn again (seeded by its seed)."""
     data = [preprocess(s.dataset, s.cfg.data) for s in setups]  # what the fit's trainer would do with it
-    wide, most_classes = max(d.num_features for d in data), max(d.num_classes for d in data)  # foldshape: one shape
+    wide = max(d.num_features for d in data)  # one shape (foldshape): the widest plan, every class of y
     data = [d if d.num_features == wide else foldshape.padded(d, wide) for d in data]
-    data = [d if k is None else foldshape.relabelled(d, k, most_classes) for d, k in zip(data, keep, strict=True)]
+    data = [d if k is None else foldshape.relabelled(d, k, classes) for d, k in zip(data, keep, strict=True)]
     sizes = [len(d.y_train) for d in data]
     big, most = int(np.argmax(sizes)), max(sizes)
     offsets = np.cumsum([0, *sizes[:-1]])
