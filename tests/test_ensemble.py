@@ -190,7 +190,7 @@ def test_a_sweep_needs_one_value_per_member() -> None:
     with pytest.raises(ConfigError, match=r"ensemble.lr=\[0.1, 0.2\] has 2 values; .*one per member"):
         EnsembleTrainer(cfg)
     cfg.ensemble.lr = [0.1, 0.2, -1.0]
-    with pytest.raises(ConfigError, match=r"each must be > 0"):
+    with pytest.raises(ConfigError, match=r"ensemble.lr=\[0.1, 0.2, -1.0\]: each must be a finite number > 0"):
         EnsembleTrainer(cfg)
 
 

@@ -145,12 +145,14 @@ def check_ensemble(cfg: TrainConfig, data_parallel: bool = False) -> None:
         if values is None:
             continue
         if members == 1 or len(values) != members:
+            counted = f"ensemble.folds={e.folds}: {members} members" if e.folds else f"ensemble.size={members}"
             raise ConfigError(
                 f"ensemble.{key}={list(values)} has {len(values)} values; a batched sweep gives one per member "
-                f"(ensemble.size={members}, at least 2)"
+                f"({counted}, at least 2)"
             )
-        if any(not v > 0 if key == "lr" else not v >= 0 for v in values):
-            raise ConfigError(f"ensemble.{key}={list(values)}: each must be {'> 0' if key == 'lr' else '>= 0'}")
+        if any(not math.isfinite(v) or (v <= 0 if key == "lr" else v < 0) for v in values):
+            bound = "> 0" if key == "lr" else ">= 0"
+            raise ConfigError(f"ensemble.{key}={list(values)}: each must be a finite number {bound}")
     if members == 1:
         return
     refused = {
