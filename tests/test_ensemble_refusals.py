@@ -3,10 +3,13 @@ what was expected, and what a run writes kept as the other outputs keep it."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from mlptrain.base.errors import ConfigError
+from mlptrain.base.errors import ConfigError, NonFiniteError
 from mlptrain.config.schema import Device, TrainConfig
+from mlptrain.run.run import train
 from mlptrain.step.checks import check_ensemble
 
 
@@ -34,3 +37,20 @@ def test_a_sweep_of_a_cross_validation_is_counted_against_its_folds() -> None:
     cfg.ensemble.lr = [0.1, 0.2]
     with pytest.raises(ConfigError, match=r"ensemble.lr=\[0.1, 0.2\] has 2 values; .*\(ensemble.folds=3: 3 members"):
         check_ensemble(cfg)
+
+
+@pytest.mark.parametrize("swept", [True, False])
+def test_a_member_that_diverges_is_named_with_the_rate_to_lower(tmp_path: Path, swept: bool) -> None:
+    cfg = make_cfg(size=3)
+    if swept:  # a batched sweep whose last rate is far too high: that member's, not optimizer.lr, is the one to lower
+        cfg.ensemble.lr = [0.01, 0.05, 1e6]
+    else:  # one rate for all: every member diverges, and optimizer.lr is the one to lower
+        cfg.optimizer.lr = 1e6
+    with pytest.raises(NonFiniteError) as err:
+        train(cfg, tmp_path / "run")
+    message = str(err.value)
+    if swept:
+        assert "member 2 (ensemble.lr[2]=1e+06) diverged" in message
+        assert "lower ensemble.lr=[0.01, 0.05, 1000000.0]" in message and "optimizer.lr" not in message
+    else:
+        assert "members 0, 1, 2 diverged" in message and "lower optimizer.lr (now " in message

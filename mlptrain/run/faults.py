@@ -129,6 +129,8 @@ def nonfinite_error(
     if tensors:
         what.append(f"inf/NaN{after} in " + ", ".join(tensors))
     fix = f"lower optimizer.lr (now {lrs[j]:.3g}) or use warm-up (optimizer.warmup_steps)"
+    if tr.members > 1 and (diverged := nonfinite_members(tr)):
+        fix = members_fix(tr.cfg, diverged, fix)
     if bad and (zeros := zero_weight_rows(tr)) is not None:
         fix = (
             f"{zeros} of the {len(tr.dataset.y_train)} training rows weigh 0 (data.weight, or sample_weight), and a "
@@ -143,6 +145,31 @@ def nonfinite_error(
         )
     return NonFiniteError(
         f"non-finite values {where} (epoch {epoch + 1}, {tr.precision.name}): {'; '.join(what)}; {fix}{saved}"
+    )
+
+
+def nonfinite_members(tr: Trainer) -> list[int]:
+    """An ensemble's members (``k`` of the stacked ``(K, ...)`` parameters and gradients) holding inf/NaN: read
+    back to the host, once, when the run stops for them."""
+    bad: set[int] = set()
+    for p in tr.model.params:
+        for a in (p.value, p.grad):
+            if a is not None:
+                finite = np.isfinite(tr.backend.to_host(a)).reshape(tr.members, -1).all(axis=1)  # (K,)
+                bad.update(int(k) for k in np.flatnonzero(~finite))
+    return sorted(bad)
+
+
+def members_fix(cfg: TrainConfig, diverged: list[int], fix: str) -> str:
+    """What to lower when an ensemble's ``diverged`` members stopped the run: their ``ensemble.lr`` values in a
+    batched sweep of the rate, else ``fix`` (``optimizer.lr``, every member's)."""
+    rates = cfg.ensemble.lr
+    if rates is None:
+        return f"member{'s' * (len(diverged) > 1)} {', '.join(map(str, diverged))} diverged; {fix}"
+    who = ", ".join(f"{k} (ensemble.lr[{k}]={rates[k]:g})" for k in diverged)
+    return (
+        f"member{'s' * (len(diverged) > 1)} {who} diverged; lower ensemble.lr={list(rates)} or use warm-up "
+        "(optimizer.warmup_steps)"
     )
 
 
