@@ -54,3 +54,14 @@ def test_a_member_that_diverges_is_named_with_the_rate_to_lower(tmp_path: Path, 
         assert "lower ensemble.lr=[0.01, 0.05, 1000000.0]" in message and "optimizer.lr" not in message
     else:
         assert "members 0, 1, 2 diverged" in message and "lower optimizer.lr (now " in message
+
+
+def test_a_member_that_diverges_in_a_sweep_of_the_weight_decay_is_named_with_it(tmp_path: Path) -> None:
+    cfg = make_cfg(size=2)
+    cfg.optimizer.momentum = 0.0
+    cfg.ensemble.weight_decay = [0.0, 1e5]  # w (1 - lr wd) with lr wd = 5000: member 1's weights grow without bound
+    with pytest.raises(NonFiniteError) as err:
+        train(cfg, tmp_path / "run")
+    assert "member 1 (ensemble.weight_decay[1]=100000) diverged; lower ensemble.weight_decay=[0.0, 100000.0]" in str(
+        err.value
+    )

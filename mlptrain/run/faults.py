@@ -149,9 +149,11 @@ def nonfinite_error(
 
 
 def nonfinite_members(tr: Trainer) -> list[int]:
-    """An ensemble's members (``k`` of the stacked ``(K, ...)`` parameters and gradients) holding inf/NaN: read
-    back to the host, once, when the run stops for them."""
-    bad: set[int] = set()
+    """An ensemble's members whose loss of the epoch so far (``member_loss (K,)``, the sums of
+    :class:`~mlptrain.run.ensemble.EnsembleTrainer`), parameters or gradients (``k`` of the stacked ``(K, ...)``)
+    hold inf/NaN: read back to the host, once, when the run stops for them."""
+    sums = getattr(tr, "member_loss", None)
+    bad = {int(k) for k in np.flatnonzero(~np.isfinite(tr.backend.to_host(sums)))} if sums is not None else set()
     for p in tr.model.params:
         for a in (p.value, p.grad):
             if a is not None:
@@ -161,16 +163,16 @@ def nonfinite_members(tr: Trainer) -> list[int]:
 
 
 def members_fix(cfg: TrainConfig, diverged: list[int], fix: str) -> str:
-    """What to lower when an ensemble's ``diverged`` members stopped the run: their ``ensemble.lr`` values in a
-    batched sweep of the rate, else ``fix`` (``optimizer.lr``, every member's)."""
-    rates = cfg.ensemble.lr
-    if rates is None:
-        return f"member{'s' * (len(diverged) > 1)} {', '.join(map(str, diverged))} diverged; {fix}"
-    who = ", ".join(f"{k} (ensemble.lr[{k}]={rates[k]:g})" for k in diverged)
-    return (
-        f"member{'s' * (len(diverged) > 1)} {who} diverged; lower ensemble.lr={list(rates)} or use warm-up "
-        "(optimizer.warmup_steps)"
-    )
+    """What to lower when an ensemble's ``diverged`` members stopped the run: their ``ensemble.lr`` (and
+    ``ensemble.weight_decay``) values in a batched sweep, else ``fix`` (``optimizer.lr``, every member's)."""
+    swept = {key: v for key in ("lr", "weight_decay") if (v := getattr(cfg.ensemble, key)) is not None}
+    plural = "s" * (len(diverged) > 1)
+    if not swept:
+        return f"member{plural} {', '.join(map(str, diverged))} diverged; {fix}"
+    values = lambda k: ", ".join(f"ensemble.{key}[{k}]={v[k]:g}" for key, v in swept.items())  # noqa: E731
+    who = ", ".join(f"{k} ({values(k)})" for k in diverged)
+    lower = " or ".join(f"ensemble.{key}={list(v)}" for key, v in swept.items())
+    return f"member{plural} {who} diverged; lower {lower} or use warm-up (optimizer.warmup_steps)"
 
 
 def zero_weight_rows(tr: Trainer) -> int | None:
