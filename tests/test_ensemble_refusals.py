@@ -3,12 +3,15 @@ what was expected, and what a run writes kept as the other outputs keep it."""
 
 from __future__ import annotations
 
+import csv
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from mlptrain.base.errors import ConfigError, NonFiniteError
 from mlptrain.config.schema import Device, TrainConfig
+from mlptrain.data import Dataset
 from mlptrain.run.run import train
 from mlptrain.step.checks import check_ensemble
 
@@ -65,3 +68,20 @@ def test_a_member_that_diverges_in_a_sweep_of_the_weight_decay_is_named_with_it(
     assert "member 1 (ensemble.weight_decay[1]=100000) diverged; lower ensemble.weight_decay=[0.0, 100000.0]" in str(
         err.value
     )
+
+
+def test_the_out_of_fold_predictions_never_write_a_class_name_a_spreadsheet_runs(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(120, 4)), np.arange(120) % 3
+    names = ['=HYPERLINK("http://x")', "-2", "plain"]  # a formula; a number, written as it is; plain text
+    data = Dataset("cells", x[:80], y[:80], x[80:100], y[80:100], x[100:], y[100:], 3, names)  # train, val, test
+    cfg = make_cfg(folds=3)
+    train(cfg, tmp_path / "run", dataset=data)
+    with (tmp_path / "run" / "oof_predictions.csv").open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 100  # the pool: training and validation rows
+    written = {'=HYPERLINK("http://x")': '\'=HYPERLINK("http://x")', "-2": "-2", "plain": "plain"}
+    targets = [names[int(t)] for t in np.concatenate([y[:80], y[80:100]])]
+    assert [r["target"] for r in rows] == [written[t] for t in targets]
+    assert {r["prediction"] for r in rows} <= set(written.values())
+    assert not any(r[c].startswith(("=", "+", "@")) for r in rows for c in ("target", "prediction"))

@@ -8,7 +8,7 @@ a full disk or a second Ctrl-C at any moment leaves the old file or the new one,
 two writers never share a temporary file. A temporary file left by a killed writer matches
 :data:`TEMP_GLOB`; the run directory removes (and reports) them at the next start, and the
 commands (``predict``, ``evaluate``, ``export``) remove those of their output whose writer is dead
-(:func:`remove_stale_temps`).
+(:func:`remove_stale_temps`). :func:`spreadsheet_text` is how a CSV cell of text from the data is written.
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 
 TEMP_SUFFIX = ".tmp"
 TEMP_GLOB = "*" + TEMP_SUFFIX
+FORMULA_START = ("=", "+", "-", "@", "\t", "\r")  # what starts a formula in Excel, LibreOffice, Google Sheets
+_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
 
 
 def temp_name(path: Path) -> Path:
@@ -185,3 +187,13 @@ def cache_root() -> Path:
     if os.environ.get("XDG_CACHE_HOME"):
         return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "mlptrain"
     return Path.home() / ".cache" / "mlptrain"
+
+
+def spreadsheet_text(cell: Any) -> Any:
+    """``cell`` as a CSV cell that a spreadsheet shows rather than runs: text starting with one of
+    :data:`FORMULA_START` gets a leading ``'`` (``=1+2`` -> ``'=1+2``), as OWASP's advice on CSV injection
+    says; numbers (``-3``, ``-1.5e3``, as numbers or as text) and other text are left as they are. Every CSV
+    that writes names from the data uses it (predict's output, cross-validation's ``oof_predictions.csv``)."""
+    if not isinstance(cell, str) or not cell.startswith(FORMULA_START) or _NUMBER.fullmatch(cell):
+        return cell
+    return "'" + cell

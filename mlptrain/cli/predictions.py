@@ -17,7 +17,6 @@ from __future__ import annotations
 import csv
 import gzip
 import io
-import re
 import zipfile
 from pathlib import Path
 from typing import IO, Any
@@ -25,21 +24,11 @@ from typing import IO, Any
 import numpy as np
 
 from mlptrain.base.errors import ConfigError, OutputError
+from mlptrain.base.fs import spreadsheet_text
 from mlptrain.inference import outputs
 from mlptrain.inference.predictor import Outputs, Predictor
 
 OUTPUT_SUFFIXES = (".csv", ".csv.gz", ".tsv", ".tsv.gz", ".npy", ".npz")
-FORMULA_START = ("=", "+", "-", "@", "\t", "\r")  # what starts a formula in Excel, LibreOffice, Google Sheets
-_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
-
-
-def spreadsheet_text(cell: Any) -> Any:
-    """``cell`` as a CSV cell that a spreadsheet shows rather than runs: text starting with one of
-    :data:`FORMULA_START` gets a leading ``'`` (``=1+2`` -> ``'=1+2``); numbers (``-3``, ``-1.5e3``,
-    as numbers or as text) and other text are left as they are."""
-    if not isinstance(cell, str) or not cell.startswith(FORMULA_START) or _NUMBER.fullmatch(cell):
-        return cell
-    return "'" + cell
 
 
 def output_kind(path: Path) -> str:

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from mlptrain.base.errors import CheckpointError
+from mlptrain.base.fs import spreadsheet_text
 from mlptrain.config.schema import DataConfig, TrainConfig
 from mlptrain.data import Dataset, stratified_folds
 from mlptrain.data.loader import DataLoader
@@ -221,7 +222,8 @@ class Folds:
                 names = ds.class_names or [str(c) for c in range(p.shape[1])]
                 w.writerow(["row", "fold", "target", "prediction", *(f"p_{n}" for n in names)])
                 for i, (fold, y, probs) in enumerate(zip(self.fold, self.y, p, strict=True)):
-                    w.writerow([i, fold, names[int(y)], names[int(probs.argmax())], *(f"{v:.6g}" for v in probs)])
+                    label, predicted = (spreadsheet_text(names[int(c)]) for c in (y, probs.argmax()))
+                    w.writerow([i, fold, label, predicted, *(f"{v:.6g}" for v in probs)])
                 return
             ts = ds.target_scaling
             values = outputs if ts is None else ts.undo(outputs)
