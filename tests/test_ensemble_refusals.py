@@ -9,9 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from mlptrain.base.backend import get_backend
 from mlptrain.base.errors import ConfigError, NonFiniteError
 from mlptrain.config.schema import Device, TrainConfig
 from mlptrain.data import Dataset
+from mlptrain.run.faults import out_of_memory
 from mlptrain.run.run import train
 from mlptrain.step.checks import check_ensemble
 
@@ -85,3 +87,13 @@ def test_the_out_of_fold_predictions_never_write_a_class_name_a_spreadsheet_runs
     assert [r["target"] for r in rows] == [written[t] for t in targets]
     assert {r["prediction"] for r in rows} <= set(written.values())
     assert not any(r[c].startswith(("=", "+", "@")) for r in rows for c in ("target", "prediction"))
+
+
+@pytest.mark.parametrize(("size", "folds", "named"), [(4000, 0, "ensemble.size=4000"), (1, 500, "ensemble.folds=500")])
+def test_running_out_of_memory_names_the_member_count(size: int, folds: int, named: str) -> None:
+    cfg = make_cfg(size=size, folds=folds)
+    error = out_of_memory(MemoryError("Unable to allocate 38 GiB"), cfg, get_backend("cpu"), None, None)
+    assert f"{named} (members of model.hidden=[16] each)" in str(error)
+    assert f"; lower {named.split('=')[0]} (the members), data.batch_size or model.hidden" in str(error)
+    one = str(out_of_memory(MemoryError("x"), make_cfg(), get_backend("cpu"), None, None))
+    assert "ensemble" not in one and "; lower data.batch_size or model.hidden" in one  # (one model: as it was)

@@ -20,7 +20,7 @@ import numpy as np
 
 from mlptrain.base.backend import Backend
 from mlptrain.base.errors import DatasetError, NonFiniteError, ResourceError
-from mlptrain.config.schema import TrainConfig
+from mlptrain.config.schema import TrainConfig, ensemble_members
 from mlptrain.run.checkpoint import Position
 from mlptrain.step.trainer import Trainer
 
@@ -259,6 +259,10 @@ def out_of_memory(
         where = f"at step {tr.step_count}"
         model = f"model {'-'.join(map(str, tr.widths))} ({tr.model.num_params:,} parameters)"
         lower = "lower data.batch_size or model.hidden (data.eval_batch_size if it ran out while evaluating)"
+    if (members := ensemble_members(cfg)) > 1:  # K members: every array of the step K times one model's
+        key = "ensemble.folds" if cfg.ensemble.folds else "ensemble.size"
+        model = f"{key}={members} (members of {model} each)"
+        lower = f"lower {key} (the members), {lower.removeprefix('lower ')}"
     note = f"; the last checkpoint {last} is intact" if last is not None and last.is_file() else ""
     return ResourceError(
         f"out of memory on the {backend.device} {where} ({type(exc).__name__}: {str(exc) or 'no details'}) with "
