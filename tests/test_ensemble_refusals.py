@@ -4,6 +4,7 @@ what was expected, and what a run writes kept as the other outputs keep it."""
 from __future__ import annotations
 
 import csv
+import json
 from pathlib import Path
 
 import numpy as np
@@ -97,3 +98,21 @@ def test_running_out_of_memory_names_the_member_count(size: int, folds: int, nam
     assert f"; lower {named.split('=')[0]} (the members), data.batch_size or model.hidden" in str(error)
     one = str(out_of_memory(MemoryError("x"), make_cfg(), get_backend("cpu"), None, None))
     assert "ensemble" not in one and "; lower data.batch_size or model.hidden" in one  # (one model: as it was)
+
+
+def test_folds_json_is_json_where_a_fold_has_no_score(tmp_path: Path) -> None:
+    rng = np.random.default_rng(1)
+    y = (np.arange(40) % 20 == 0).astype(np.int64)  # two positive rows of the pool: one of three folds has none
+    x = rng.normal(size=(40, 3)) + y[:, None]
+    data = Dataset("rare", x[:30], y[:30], x[30:36], y[30:36], x[36:], y[36:], 2)
+    cfg = make_cfg(folds=3)
+    cfg.early_stopping.metric = "val/roc_auc"  # undefined on a fold of one class (NaN)
+    train(cfg, tmp_path / "run", dataset=data)
+
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"folds.json holds {constant}, which is not JSON")
+
+    report = json.loads((tmp_path / "run" / "folds.json").read_text(), parse_constant=refuse)
+    values = [f["value"] for f in report["folds"]]
+    assert None in values and any(isinstance(v, float) for v in values)  # the fold of one class has none
+    assert report["mean"] is None and report["std"] is None  # (a mean over the folds is undefined too)

@@ -202,7 +202,7 @@ class Folds:
             "std": float(np.std(values)) if values else None,
             "out_of_fold": found,
         }
-        (out_dir / FOLDS_REPORT).write_text(json.dumps(report, indent=1) + "\n")
+        (out_dir / FOLDS_REPORT).write_text(json.dumps(_json_values(report), indent=1, allow_nan=False) + "\n")
         self.write_predictions(tr, outputs, out_dir / OOF_PREDICTIONS)
         log.info(
             "%d-fold cross-validation: %s %.4g +- %.4g (folds: %s)",
@@ -249,6 +249,16 @@ def _check_state(tr: Any, arrays: dict[str, np.ndarray], meta: dict[str, Any] | 
             raise CheckpointError(
                 f"{where}: the folds' best weights {BEST_PREFIX}{p.name} are {found}, expected {list(p.value.shape)}"
             )
+
+
+def _json_values(value: Any) -> Any:
+    """``value`` with every inf/NaN float written ``null``, as metrics.jsonl writes them (``NaN`` is not JSON): a
+    fold's score that is undefined, such as ``val/roc_auc`` on a fold of one class, and a mean over it."""
+    if isinstance(value, dict):
+        return {k: _json_values(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_values(v) for v in value]
+    return None if isinstance(value, float) and not np.isfinite(value) else value
 
 
 def _one_based(epoch: int | None) -> int | None:
