@@ -116,3 +116,11 @@ def test_folds_json_is_json_where_a_fold_has_no_score(tmp_path: Path) -> None:
     values = [f["value"] for f in report["folds"]]
     assert None in values and any(isinstance(v, float) for v in values)  # the fold of one class has none
     assert report["mean"] is None and report["std"] is None  # (a mean over the folds is undefined too)
+
+
+@pytest.mark.parametrize(("size", "folds", "named"), [(2, 0, "ensemble.size=2"), (1, 3, "ensemble.folds=3")])
+def test_what_an_ensemble_does_not_run_with_is_refused_naming_the_setting_given(size: int, folds: int, named: str):
+    cfg = make_cfg(size=size, folds=folds)
+    cfg.distributed.gpus = 2
+    with pytest.raises(ConfigError, match=rf"^{named} does not run with data parallel \(distributed.gpus > 1"):
+        check_ensemble(cfg)

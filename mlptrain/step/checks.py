@@ -133,6 +133,7 @@ def validate(cfg: TrainConfig, *, data_parallel: bool = False) -> TrainConfig:
 def check_ensemble(cfg: TrainConfig, data_parallel: bool = False) -> None:
     """ConfigError for an ensemble setting out of range, or combined with what an ensemble does not run yet."""
     e, members = cfg.ensemble, ensemble_members(cfg)
+    given = f"ensemble.folds={e.folds}" if e.folds else f"ensemble.size={members}"  # the setting that made them
     if isinstance(e.size, bool) or not isinstance(e.size, int) or e.size < 1:
         raise ConfigError(f"ensemble.size={e.size!r} must be a positive integer (1: one model)")
     if e.folds and (e.folds < 2 or e.size not in (1, e.folds)):
@@ -145,7 +146,7 @@ def check_ensemble(cfg: TrainConfig, data_parallel: bool = False) -> None:
         if values is None:
             continue
         if members == 1 or len(values) != members:
-            counted = f"ensemble.folds={e.folds}: {members} members" if e.folds else f"ensemble.size={members}"
+            counted = f"{given}: {members} members" if e.folds else given
             raise ConfigError(
                 f"ensemble.{key}={list(values)} has {len(values)} values; a batched sweep gives one per member "
                 f"({counted}, at least 2)"
@@ -165,7 +166,7 @@ def check_ensemble(cfg: TrainConfig, data_parallel: bool = False) -> None:
     found = [name for name, on in refused.items() if on]
     if found:
         raise ConfigError(
-            f"ensemble.size={members} does not run with {', '.join(found)} yet; leave "
+            f"{given} does not run with {', '.join(found)} yet; leave "
             f"{'it' if len(found) == 1 else 'them'} at the default, or train the members as separate runs"
         )
 
