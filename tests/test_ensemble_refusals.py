@@ -124,3 +124,15 @@ def test_what_an_ensemble_does_not_run_with_is_refused_naming_the_setting_given(
     cfg.distributed.gpus = 2
     with pytest.raises(ConfigError, match=rf"^{named} does not run with data parallel \(distributed.gpus > 1"):
         check_ensemble(cfg)
+
+
+def test_a_cross_validation_of_a_table_stops_on_the_out_of_fold_loss_even_without_a_validation_split() -> None:
+    from mlptrain.cli.main import compose_config
+
+    table = ["data=file", "data.path=train.csv"]
+    # docs/ensembles.md: data.val_fraction=0 keeps the usual validation rows out of the pool; the folds still
+    # give val/ (out of fold), so the table's recipe stops on val/loss, not on the training loss
+    assert compose_config([*table, "ensemble.folds=5", "data.val_fraction=0"]).early_stopping.metric == "val/loss"
+    assert compose_config([*table, "ensemble.folds=5"]).early_stopping.metric == "val/loss"
+    assert compose_config([*table, "data.val_fraction=0"]).early_stopping.metric == "train/loss"  # (one model)
+    assert compose_config([*table, "ensemble.size=3", "data.val_fraction=0"]).early_stopping.metric == "train/loss"

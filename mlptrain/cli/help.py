@@ -56,10 +56,11 @@ def task_loss(task: Any) -> str:
     return "mse" if str(getattr(task, "value", task)) == "regression" else "cross_entropy"
 
 
-def table_metric(val_fraction: Any) -> str:
+def table_metric(val_fraction: Any, folds: Any = 0) -> str:
     """``early_stopping.metric`` of a table's recipe (``conf/data/file.yaml``): the validation loss, or the
-    training loss where ``data.val_fraction=0`` leaves no validation split."""
-    return "val/loss" if float(val_fraction) > 0 else "train/loss"
+    training loss where ``data.val_fraction=0`` leaves no validation split and no ``ensemble.folds`` makes one
+    (a cross-validation's ``val/`` is out of fold, whatever ``data.val_fraction``)."""
+    return "val/loss" if float(val_fraction) > 0 or int(folds) > 0 else "train/loss"
 
 
 def register_configs() -> None:

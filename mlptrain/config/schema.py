@@ -305,7 +305,7 @@ class EarlyStoppingConfig:
         "the epoch metric that selects best.npz and stops early: train/loss, train/acc, val/loss, val/acc, "
         "val/balanced_acc, val/f1_macro, val/precision_macro, val/recall_macro, val/log_loss, val/roc_auc (two "
         "classes), val/rmse, val/mae, val/r2; auto: val/acc or val/loss (data=file: val/loss, or train/loss with "
-        "data.val_fraction=0)",
+        "data.val_fraction=0 and no ensemble.folds)",
     )
     mode: str = _f(
         "auto",
