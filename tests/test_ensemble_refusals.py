@@ -100,22 +100,32 @@ def test_running_out_of_memory_names_the_member_count(size: int, folds: int, nam
     assert "ensemble" not in one and "; lower data.batch_size or model.hidden" in one  # (one model: as it was)
 
 
-def test_folds_json_is_json_where_a_fold_has_no_score(tmp_path: Path) -> None:
+def rare_positives() -> Dataset:
+    """Two classes, two positive rows in the 36 of the pool: one of three folds holds none."""
     rng = np.random.default_rng(1)
-    y = (np.arange(40) % 20 == 0).astype(np.int64)  # two positive rows of the pool: one of three folds has none
+    y = (np.arange(40) % 20 == 0).astype(np.int64)
     x = rng.normal(size=(40, 3)) + y[:, None]
-    data = Dataset("rare", x[:30], y[:30], x[30:36], y[30:36], x[36:], y[36:], 2)
+    return Dataset("rare", x[:30], y[:30], x[30:36], y[30:36], x[36:], y[36:], 2)
+
+
+def test_a_fold_metric_that_a_fold_cannot_measure_is_refused_before_the_run(tmp_path: Path) -> None:
     cfg = make_cfg(folds=3)
-    cfg.early_stopping.metric = "val/roc_auc"  # undefined on a fold of one class (NaN)
-    train(cfg, tmp_path / "run", dataset=data)
+    cfg.early_stopping.metric = "val/roc_auc"  # undefined on a fold of one class: that fold would keep epoch 1
+    with pytest.raises(ConfigError, match=r"early_stopping.metric=val/roc_auc is undefined on fold \d of ensemble"):
+        train(cfg, tmp_path / "run", dataset=rare_positives())
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # refused before the run was accepted
+
+
+def test_folds_json_is_json_where_a_score_is_undefined(tmp_path: Path) -> None:
+    cfg = make_cfg(folds=3)
+    train(cfg, tmp_path / "run", dataset=rare_positives())
 
     def refuse(constant: str) -> None:
         raise AssertionError(f"folds.json holds {constant}, which is not JSON")
 
     report = json.loads((tmp_path / "run" / "folds.json").read_text(), parse_constant=refuse)
-    values = [f["value"] for f in report["folds"]]
-    assert None in values and any(isinstance(v, float) for v in values)  # the fold of one class has none
-    assert report["mean"] is None and report["std"] is None  # (a mean over the folds is undefined too)
+    aucs = [report["out_of_fold"][f"member{k}/val/roc_auc"] for k in range(3)]
+    assert None in aucs and any(isinstance(v, float) for v in aucs)  # the fold of one class has none
 
 
 @pytest.mark.parametrize(("size", "folds", "named"), [(2, 0, "ensemble.size=2"), (1, 3, "ensemble.folds=3")])

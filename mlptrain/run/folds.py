@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from mlptrain.base.errors import CheckpointError
+from mlptrain.base.errors import CheckpointError, ConfigError
 from mlptrain.base.fs import spreadsheet_text
 from mlptrain.config.schema import DataConfig, TrainConfig
 from mlptrain.data import Dataset, stratified_folds
@@ -67,6 +67,8 @@ class Folds:
         strata = y if data.task == "classification" else np.zeros(len(y), np.int64)
         rng = np.random.default_rng(self.seed)
         self.fold, self.y = stratified_folds(strata, self.k, rng), y
+        if data.task == "classification":
+            self.check_metric(y, data)
         rows = [np.flatnonzero(self.fold != k) for k in range(self.k)]
         most = max(len(r) for r in rows)
         self.rows = [np.concatenate([r, rng.choice(r, most - len(r), replace=False)]) for r in rows]  # one size
@@ -77,6 +79,21 @@ class Folds:
         self.fold_device = xp.asarray(self.fold)
         log.info("%d folds of %s pool rows: %s", self.k, len(y), ", ".join(str(int(n)) for n in np.bincount(self.fold)))
         return members, {"val": pool, **{s: ld for s, ld in evaluation.items() if s != "val"}}
+
+    def check_metric(self, y: np.ndarray, data: Dataset) -> None:
+        """ConfigError where a fold cannot measure the metric each fold is judged by: ``val/roc_auc`` on a fold
+        whose rows hold one class is undefined (NaN), so that fold's best would stay its first epoch's."""
+        metric = selection(self.cfg, True, True, data.num_classes).metric
+        if not metric.endswith("/roc_auc"):
+            return
+        for k in range(self.k):
+            if len(found := np.unique(y[self.fold == k])) < 2:
+                names = data.class_names or [str(c) for c in range(data.num_classes)]
+                raise ConfigError(
+                    f"early_stopping.metric={metric} is undefined on fold {k} of ensemble.folds={self.k}: its "
+                    f"{int((self.fold == k).sum())} rows hold only the class {names[int(found[0])]!r}, and each fold "
+                    "is judged by it; use early_stopping.metric=val/loss (or val/log_loss), or fewer folds"
+                )
 
     def out_of_fold(self, tr: Any, scores: type) -> tuple[dict[str, float], Any]:
         """The ``val`` scores: the pool's out-of-fold predictions' (``val/...``) and each member's on its fold
