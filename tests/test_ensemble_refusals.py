@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from mlptrain.base.backend import get_backend
-from mlptrain.base.errors import ConfigError, NonFiniteError
+from mlptrain.base.errors import ConfigError, NonFiniteError, OutputError
 from mlptrain.config.schema import Device, TrainConfig
 from mlptrain.data import Dataset
 from mlptrain.run.faults import out_of_memory
@@ -146,3 +146,20 @@ def test_a_cross_validation_of_a_table_stops_on_the_out_of_fold_loss_even_withou
     assert compose_config([*table, "ensemble.folds=5"]).early_stopping.metric == "val/loss"
     assert compose_config([*table, "data.val_fraction=0"]).early_stopping.metric == "train/loss"  # (one model)
     assert compose_config([*table, "ensemble.size=3", "data.val_fraction=0"]).early_stopping.metric == "train/loss"
+
+
+@pytest.mark.parametrize("name", ["members.md", "folds.json", "oof_predictions.csv"])
+def test_a_link_planted_as_a_report_of_the_folds_is_refused_and_the_file_it_names_kept(
+    tmp_path: Path, name: str
+) -> None:
+    cfg = make_cfg(folds=3)
+    run = tmp_path / "run"
+    train(cfg, run)
+    outside = tmp_path / "precious"
+    outside.write_text("precious\n")
+    (run / name).unlink()
+    (run / name).symlink_to(outside)
+    cfg.epochs, cfg.resume = 2, "last"
+    with pytest.raises(OutputError, match=rf"{name} is a symbolic link \(to {outside}\); a run writes only its own"):
+        train(cfg, run)
+    assert outside.read_text() == "precious\n"  # the run never wrote through the link

@@ -27,11 +27,13 @@ from typing import Any
 import numpy as np
 
 from mlptrain.base.cuda_source import Job
+from mlptrain.base.fs import atomic_write
 from mlptrain.base.member_settings import MemberSettings
 from mlptrain.config.schema import TrainConfig
 from mlptrain.data import Dataset
 from mlptrain.nn.members import ensemble_logits
 from mlptrain.run.folds import BEST_PREFIX, Folds
+from mlptrain.run.rundir import MEMBERS_TABLE
 from mlptrain.step.checks import check_ensemble
 from mlptrain.step.schedule import lr_at
 from mlptrain.step.trainer import SplitScores, Trainer
@@ -164,7 +166,7 @@ class EnsembleTrainer(Trainer):
         run's last record), and cross-validation's report and out-of-fold predictions (:meth:`Folds.finish`)."""
         if self.folds is not None and self.folds.best:
             self.folds.finish(self, SplitScores, out_dir)
-        (out_dir / MEMBERS_TABLE).write_text(self.members_table(summary))
+        atomic_write(out_dir / MEMBERS_TABLE, self.members_table(summary))  # (a link there is replaced, never followed)
 
     def members_table(self, summary: dict[str, Any]) -> str:
         """Markdown: one row per member (its seed, learning rate, weight decay, fold) and its scores in ``summary``
@@ -208,7 +210,6 @@ class EnsembleTrainer(Trainer):
             self.folds.load_state_dict(self, mine, meta.get("folds"), epoch, where)
 
 
-MEMBERS_TABLE = "members.md"
 # The checkpoint's each member's training loss x rows and correct count of the epoch so far, (K,) (EnsembleTrainer)
 MEMBER_LOSS, MEMBER_CORRECT = "members/loss_sum", "members/correct"
 

@@ -19,6 +19,7 @@ and spread) and ``oof_predictions.csv`` (every pool row's out-of-fold prediction
 from __future__ import annotations
 
 import csv
+import io
 import json
 import logging
 from pathlib import Path
@@ -27,18 +28,17 @@ from typing import Any
 import numpy as np
 
 from mlptrain.base.errors import CheckpointError, ConfigError
-from mlptrain.base.fs import spreadsheet_text
+from mlptrain.base.fs import atomic_write, spreadsheet_text
 from mlptrain.config.schema import DataConfig, TrainConfig
 from mlptrain.data import Dataset, stratified_folds
 from mlptrain.data.loader import DataLoader
 from mlptrain.data.member_loader import MemberLoader
 from mlptrain.run.checkpoint import Best
 from mlptrain.run.resume import selection
+from mlptrain.run.rundir import FOLDS_REPORT, OOF_PREDICTIONS
 
 log = logging.getLogger(__name__)
 
-FOLDS_REPORT = "folds.json"
-OOF_PREDICTIONS = "oof_predictions.csv"
 BEST_PREFIX = "folds/best/"  # the checkpoint's arrays of each member's best weights (Folds.state_dict)
 
 
@@ -219,7 +219,7 @@ class Folds:
             "std": float(np.std(values)) if values else None,
             "out_of_fold": found,
         }
-        (out_dir / FOLDS_REPORT).write_text(json.dumps(_json_values(report), indent=1, allow_nan=False) + "\n")
+        atomic_write(out_dir / FOLDS_REPORT, json.dumps(_json_values(report), indent=1, allow_nan=False) + "\n")
         self.write_predictions(tr, outputs, out_dir / OOF_PREDICTIONS)
         log.info(
             "%d-fold cross-validation: %s %.4g +- %.4g (folds: %s)",
@@ -229,19 +229,19 @@ class Folds:
 
     def write_predictions(self, tr: Any, outputs: np.ndarray, path: Path) -> None:
         """``row`` (of the pool: the training rows, then the validation rows), ``fold``, the target and the
-        out-of-fold prediction: a class and its probabilities, or a regression's outputs in the targets' units."""
-        ds = tr.dataset
-        with path.open("w", newline="") as f:
-            w = csv.writer(f)
-            if ds.task == "classification":
-                e = np.exp(outputs - outputs.max(axis=1, keepdims=True))
-                p = e / e.sum(axis=1, keepdims=True)
-                names = ds.class_names or [str(c) for c in range(p.shape[1])]
-                w.writerow(["row", "fold", "target", "prediction", *(f"p_{n}" for n in names)])
-                for i, (fold, y, probs) in enumerate(zip(self.fold, self.y, p, strict=True)):
-                    label, predicted = (spreadsheet_text(names[int(c)]) for c in (y, probs.argmax()))
-                    w.writerow([i, fold, label, predicted, *(f"{v:.6g}" for v in probs)])
-                return
+        out-of-fold prediction: a class and its probabilities, or a regression's outputs in the targets' units.
+        Written whole (:func:`~mlptrain.base.fs.atomic_write`: a link in its place is replaced, never followed)."""
+        ds, f = tr.dataset, io.StringIO(newline="")
+        w = csv.writer(f)
+        if ds.task == "classification":
+            e = np.exp(outputs - outputs.max(axis=1, keepdims=True))
+            p = e / e.sum(axis=1, keepdims=True)
+            names = ds.class_names or [str(c) for c in range(p.shape[1])]
+            w.writerow(["row", "fold", "target", "prediction", *(f"p_{n}" for n in names)])
+            for i, (fold, y, probs) in enumerate(zip(self.fold, self.y, p, strict=True)):
+                label, predicted = (spreadsheet_text(names[int(c)]) for c in (y, probs.argmax()))
+                w.writerow([i, fold, label, predicted, *(f"{v:.6g}" for v in probs)])
+        else:
             ts = ds.target_scaling
             values = outputs if ts is None else ts.undo(outputs)
             targets = self.y if ts is None else ts.undo(self.y)
@@ -249,6 +249,7 @@ class Folds:
             w.writerow(["row", "fold", *(f"target_{n}" for n in names), *(f"prediction_{n}" for n in names)])
             for i, (fold, y, v) in enumerate(zip(self.fold, targets, values, strict=True)):
                 w.writerow([i, fold, *(f"{t:.6g}" for t in y), *(f"{t:.6g}" for t in v)])
+        atomic_write(path, f.getvalue())
 
 
 def _check_state(tr: Any, arrays: dict[str, np.ndarray], meta: dict[str, Any] | None, k: int, where: str) -> None:

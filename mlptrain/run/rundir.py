@@ -3,22 +3,20 @@
 A run directory holds ``run.json``, ``metrics.jsonl``, ``checkpoints/last.npz`` and ``best.npz``
 (and, from the command line, Hydra's ``.hydra/`` and ``mlptrain.log``). The promises kept here:
 
-* **One writer.** :meth:`RunDirectory.lock` takes an exclusive ``flock`` on the directory itself
-  for the whole run: a second process (a second run, a resume of the same run) is refused at once,
-  naming the process that holds it. The kernel drops the lock when its process dies, so a killed
-  run never blocks its resume, and taking it writes nothing.
+* **One writer.** :meth:`RunDirectory.lock` takes an exclusive ``flock`` on the directory itself for the whole run: a
+  second process (a second run, a resume of the same run) is refused at once, naming the process that holds it. The
+  kernel drops the lock when its process dies, so a killed run never blocks its resume, and taking it writes nothing.
 * **Nothing changes before a run is accepted.** Everything that inspects the directory
   (:meth:`holds_run`, :meth:`newer_last`, :meth:`temp_files`) only reads; the files are written
   by the run after every check passed (:func:`mlptrain.run.run.train`).
-* **Nothing is written outside the folder or over a file that is not the run's** (:meth:`refuse_unsafe`,
-  before anything is read or written): a folder inside mlptrain's cache (a rebuilt entry would take
-  it), one that holds the run's own data file, a non-empty folder that holds no mlptrain run (a data
-  folder: its ``metrics.csv`` would be overwritten), a ``metrics.csv`` or ``run.json`` that mlptrain did
-  not write, and a symbolic link in place of any file or folder the run writes (``mlptrain.log``,
-  ``metrics.csv``, ``checkpoints``...: the run would write through it, outside the folder) are each
-  refused with one line; the appends open their files with ``O_NOFOLLOW`` (:func:`mlptrain.base.fs.open_append`)
-  all the same, and every rewrite renames a new file over the old name, which replaces a link, never
-  follows it.
+* **Nothing is written outside the folder or over a file that is not the run's** (:meth:`refuse_unsafe`, before
+  anything is read or written): a folder inside mlptrain's cache (a rebuilt entry would take it), one that holds the
+  run's own data file, a non-empty folder that holds no mlptrain run (a data folder: its ``metrics.csv`` would be
+  overwritten), a ``metrics.csv`` or ``run.json`` that mlptrain did not write, and a symbolic link in place of any
+  file or folder the run writes (``mlptrain.log``, ``metrics.csv``, ``checkpoints``...: the run would write through
+  it, outside the folder) are each refused with one line; the appends open their files with ``O_NOFOLLOW``
+  (:func:`mlptrain.base.fs.open_append`) all the same, and every rewrite renames a new file over the old name, which
+  replaces a link, never follows it.
 * **A stray temp file** left by a writer that was killed mid-write is removed, and reported, at
   the next start (:meth:`remove_temp_files`).
 * **Messages name the settings of whoever started the run** (:class:`FrontEnd`): ``hydra.run.dir``
@@ -56,8 +54,10 @@ TENSORBOARD_DIR = "tensorboard"  # mlptrain.run.sinks
 LOG_FILE = "mlptrain.log"  # written by the CLI (mlptrain.cli.main) and the launcher's ranks
 HYDRA_DIR = ".hydra"
 CORRUPT = METRICS + ".corrupt"  # mlptrain.run.metrics: damaged lines set aside on resume
+MEMBERS_TABLE, FOLDS_REPORT, OOF_PREDICTIONS = "members.md", "folds.json", "oof_predictions.csv"  # run.ensemble, folds
+REPORTS = (MEMBERS_TABLE, FOLDS_REPORT, OOF_PREDICTIONS)  # an ensemble's reports, written when its run ends
 # every name the run writes in its folder (and in checkpoints/): none may be a symbolic link
-WRITTEN = (METRICS, RUN_RECORD, CSV_NAME, TENSORBOARD_DIR, LOG_FILE, HYDRA_DIR, CORRUPT, CHECKPOINT_DIR)
+WRITTEN = (METRICS, RUN_RECORD, CSV_NAME, TENSORBOARD_DIR, LOG_FILE, HYDRA_DIR, CORRUPT, CHECKPOINT_DIR, *REPORTS)
 CHECKPOINTS_WRITTEN = ("last.npz", "best.npz")
 FOLLOWER_PREFIX = "mlptrain-rank"  # <temp dir>/mlptrain-rank<rank>-pid<pid>-<random>/
 
