@@ -169,7 +169,10 @@ def members_fix(cfg: TrainConfig, diverged: list[int], fix: str) -> str:
     plural = "s" * (len(diverged) > 1)
     if not swept:
         return f"member{plural} {', '.join(map(str, diverged))} diverged; {fix}"
-    values = lambda k: ", ".join(f"ensemble.{key}[{k}]={v[k]:g}" for key, v in swept.items())  # noqa: E731
+
+    def values(k: int) -> str:  # member k's swept settings: "ensemble.lr[2]=20"
+        return ", ".join(f"ensemble.{key}[{k}]={v[k]:g}" for key, v in swept.items())
+
     who = ", ".join(f"{k} ({values(k)})" for k in diverged)
     lower = " or ".join(f"ensemble.{key}={list(v)}" for key, v in swept.items())
     return f"member{plural} {who} diverged; lower {lower} or use warm-up (optimizer.warmup_steps)"
