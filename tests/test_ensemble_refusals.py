@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -163,3 +164,20 @@ def test_a_link_planted_as_a_report_of_the_folds_is_refused_and_the_file_it_name
     with pytest.raises(OutputError, match=rf"{name} is a symbolic link \(to {outside}\); a run writes only its own"):
         train(cfg, run)
     assert outside.read_text() == "precious\n"  # the run never wrote through the link
+
+
+def test_a_class_rarer_than_the_folds_is_named_in_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    names = ["common", "rare"]
+    data = rare_positives()
+    data.class_names = names
+    with caplog.at_level(logging.WARNING, logger="mlptrain.run.folds"):
+        train(make_cfg(folds=3), tmp_path / "run", dataset=data)
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warned == [
+        "class 'rare' has 2 rows in the pool, fewer than ensemble.folds=3: 1 fold holds none of it, and its "
+        "scores leave that class out (scikit-learn's StratifiedKFold warns alike)"
+    ]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="mlptrain.run.folds"):
+        train(make_cfg(folds=2), tmp_path / "two", dataset=data)  # two rows, two folds: one in each
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]

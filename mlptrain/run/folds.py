@@ -81,14 +81,22 @@ class Folds:
         return members, {"val": pool, **{s: ld for s, ld in evaluation.items() if s != "val"}}
 
     def check_metric(self, y: np.ndarray, data: Dataset) -> None:
-        """ConfigError where a fold cannot measure the metric each fold is judged by: ``val/roc_auc`` on a fold
-        whose rows hold one class is undefined (NaN), so that fold's best would stay its first epoch's."""
+        """A warning for each class of fewer pool rows than folds (some folds hold none of it); ConfigError where
+        a fold cannot measure the metric each fold is judged by: ``val/roc_auc`` on a fold whose rows hold one
+        class is undefined (NaN), so that fold's best would stay its first epoch's."""
+        names = data.class_names or [str(c) for c in range(data.num_classes)]
+        for c, n in enumerate(np.bincount(y.astype(np.int64), minlength=data.num_classes)):
+            if 0 < n < self.k:
+                log.warning(
+                    "class %r has %d rows in the pool, fewer than ensemble.folds=%d: %d fold%s none of it, and its "
+                    "scores leave that class out (scikit-learn's StratifiedKFold warns alike)",
+                    *(names[c], n, self.k, self.k - n, " holds" if self.k - n == 1 else "s hold"),
+                )
         metric = selection(self.cfg, True, True, data.num_classes).metric
         if not metric.endswith("/roc_auc"):
             return
         for k in range(self.k):
             if len(found := np.unique(y[self.fold == k])) < 2:
-                names = data.class_names or [str(c) for c in range(data.num_classes)]
                 raise ConfigError(
                     f"early_stopping.metric={metric} is undefined on fold {k} of ensemble.folds={self.k}: its "
                     f"{int((self.fold == k).sum())} rows hold only the class {names[int(found[0])]!r}, and each fold "
