@@ -181,3 +181,17 @@ def test_a_class_rarer_than_the_folds_is_named_in_a_warning(tmp_path: Path, capl
     with caplog.at_level(logging.WARNING, logger="mlptrain.run.folds"):
         train(make_cfg(folds=2), tmp_path / "two", dataset=data)  # two rows, two folds: one in each
     assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+
+
+def test_the_out_of_fold_scores_cover_every_pool_row_with_drop_last(tmp_path: Path) -> None:
+    cfg = make_cfg(folds=3)
+    cfg.data.drop_last, cfg.data.eval_batch_size = True, 500  # (the training batches drop; evaluation never does)
+    summary = train(cfg, tmp_path / "run")
+    with (tmp_path / "run" / "oof_predictions.csv").open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 1438  # digits: 1294 training and 144 validation rows, every one predicted out of fold
+    assert len({r["row"] for r in rows}) == 1438
+    hits = sum(r["target"] == r["prediction"] for r in rows) / len(rows)
+    report = json.loads((tmp_path / "run" / "folds.json").read_text())
+    assert report["out_of_fold"]["val/acc"] == pytest.approx(hits, abs=1e-12)  # scored on all of them
+    assert summary["epochs"] == 1

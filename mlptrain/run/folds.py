@@ -75,7 +75,7 @@ class Folds:
         rows = self.rows
         kw = {"xp": xp, "dtype": dtype, "drop_last": cfg.drop_last}
         members = MemberLoader(x, y, cfg.batch_size, seeds=seeds, rows=rows, **kw)  # one copy of the pool
-        pool = DataLoader(x, y, cfg.eval_batch_size, shuffle=False, seed=0, **kw)
+        pool = DataLoader(x, y, cfg.eval_batch_size, shuffle=False, seed=0, **{**kw, "drop_last": False})  # every row
         self.fold_device = xp.asarray(self.fold)
         log.info("%d folds of %s pool rows: %s", self.k, len(y), ", ".join(str(int(n)) for n in np.bincount(self.fold)))
         return members, {"val": pool, **{s: ld for s, ld in evaluation.items() if s != "val"}}
