@@ -195,3 +195,16 @@ def test_the_out_of_fold_scores_cover_every_pool_row_with_drop_last(tmp_path: Pa
     report = json.loads((tmp_path / "run" / "folds.json").read_text())
     assert report["out_of_fold"]["val/acc"] == pytest.approx(hits, abs=1e-12)  # scored on all of them
     assert summary["epochs"] == 1
+
+
+def test_evaluating_a_cross_validation_on_its_validation_split_is_refused(tmp_path: Path) -> None:
+    from mlptrain.cli.evaluate import EvaluateArgs, evaluate
+
+    cfg = make_cfg(folds=3)
+    summary = train(cfg, tmp_path / "run")
+    ckpt = str(tmp_path / "run" / "checkpoints" / "best.npz")
+    with pytest.raises(ConfigError, match=r"split=val of a cross-validation \(ensemble.folds=3\): its rows trained 2"):
+        evaluate(EvaluateArgs(ckpt=ckpt, split="val"))  # (in-sample for 2 of 3 members: not a validation score)
+    assert not (tmp_path / "run" / "evaluation" / "best-val").exists()
+    found, _ = evaluate(EvaluateArgs(ckpt=ckpt, split="test"))  # the test split was never in the folds
+    assert (found["samples"], found["acc"]) == (359, pytest.approx(summary["best/test/acc"], abs=1e-12))

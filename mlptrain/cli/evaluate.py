@@ -127,6 +127,13 @@ def _own_split(p: Predictor, split: str) -> tuple[np.ndarray, np.ndarray, str]:
 
     if split not in SPLITS:
         raise DatasetError(f"split={split!r}; expected one of {', '.join(SPLITS)}")
+    folds = ((p.meta.get("config") or {}).get("ensemble") or {}).get("folds") or 0
+    if folds and split == "val":  # its validation rows joined the pool: K - 1 of the K members trained on each
+        raise ConfigError(
+            f"split=val of a cross-validation (ensemble.folds={folds}): its rows trained {folds - 1} of the {folds} "
+            "fold models, so their score is no validation; the out-of-fold scores are the run's folds.json and "
+            "oof_predictions.csv, and split=test (the default) scores rows no fold saw"
+        )
     saved = (p.meta.get("config") or {}).get("data") or {}
     unknown = [k for k in saved if k not in {f.name for f in fields(DataConfig)}]
     if unknown:  # a checkpoint of another mlptrain version, or edited
