@@ -208,3 +208,15 @@ def test_evaluating_a_cross_validation_on_its_validation_split_is_refused(tmp_pa
     assert not (tmp_path / "run" / "evaluation" / "best-val").exists()
     found, _ = evaluate(EvaluateArgs(ckpt=ckpt, split="test"))  # the test split was never in the folds
     assert (found["samples"], found["acc"]) == (359, pytest.approx(summary["best/test/acc"], abs=1e-12))
+
+
+def test_the_run_line_counts_the_parameters_of_a_member_and_of_the_members(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    one = 64 * 16 + 16 + 16 * 10 + 10  # digits 64-16-10: one model's weights and biases
+    with caplog.at_level(logging.INFO, logger="mlptrain.run.run"):
+        train(make_cfg(size=3), tmp_path / "run")
+        train(make_cfg(), tmp_path / "one")
+    lines = [r.getMessage() for r in caplog.records if "dataset digits" in r.getMessage()]
+    assert f"model 64-16-10 ({one:,} params each, 3 members: {3 * one:,})" in lines[0]
+    assert f"model 64-16-10 ({one:,} params)" in lines[1]

@@ -272,7 +272,7 @@ def _accept(tr: Trainer, run_dir: RunDirectory, start: Start, on_accept: Callabl
             f"{n}: {w:.4g}" for n, w in zip(names, tr.head.class_weight, strict=True)
         )
     log.info(
-        "mlptrain %s: %s, dataset %s (%d train / %d val / %d test), model %s (%s params), %s, %s, bgrad %s%s",
+        "mlptrain %s: %s, dataset %s (%d train / %d val / %d test), model %s (%s), %s, %s, bgrad %s%s",
         __version__,
         tr.backend.describe(),
         ds.name,
@@ -280,7 +280,7 @@ def _accept(tr: Trainer, run_dir: RunDirectory, start: Start, on_accept: Callabl
         len(ds.y_val),
         len(ds.y_test),
         "-".join(map(str, tr.widths)),
-        f"{tr.model.num_params:,}",
+        _params(tr.model.num_params, tr.members),
         tr.cfg.execution.mode.value,
         tr.precision.name,
         ",".join(tr.model.bgrad) or "-",
@@ -330,3 +330,8 @@ def _run_record(tr: Trainer, start: Start) -> dict[str, Any]:
     if start.resumed_from is not None:
         record["resumed_from"] = {"checkpoint": str(start.resumed_from), "step": start.position.step}
     return record
+
+
+def _params(total: int, members: int) -> str:
+    """The parameter count of the run's line: one model's, or an ensemble's per member and in all."""
+    return f"{total:,} params" if members == 1 else f"{total // members:,} params each, {members} members: {total:,}"
