@@ -220,3 +220,14 @@ def test_the_run_line_counts_the_parameters_of_a_member_and_of_the_members(
     lines = [r.getMessage() for r in caplog.records if "dataset digits" in r.getMessage()]
     assert f"model 64-16-10 ({one:,} params each, 3 members: {3 * one:,})" in lines[0]
     assert f"model 64-16-10 ({one:,} params)" in lines[1]
+
+
+def test_folds_whose_members_hold_fewer_rows_than_a_batch_with_drop_last_are_refused(tmp_path: Path) -> None:
+    cfg = make_cfg(folds=3)
+    data = rare_positives()  # a pool of 36 rows: each member trains on the 24 of two folds
+    cfg.data.drop_last, cfg.data.batch_size = True, 30  # (the pool holds a batch of 30; no member does)
+    with pytest.raises(ConfigError, match=r"batch_size=30 with drop_last=true gives no batch for a member's 24 rows"):
+        train(cfg, tmp_path / "run", dataset=data)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # refused before the run was accepted
+    cfg.data.batch_size = 24  # one batch each
+    assert train(cfg, tmp_path / "ok", dataset=data)["steps"] == 1

@@ -51,6 +51,12 @@ class MemberLoader(DataLoader):
         self.rows = rows if rows is not None else [np.arange(len(x), dtype=np.int64)] * len(seeds)
         if len(self.rows) != len(self.seeds) or len({len(r) for r in self.rows}) != 1:
             raise ValueError(f"one row set per member, all of one length; got {[len(r) for r in self.rows]}")
+        if drop_last and 0 < (n := len(self.rows[0])) < batch_size:  # (the pool's count, len(x), was checked above)
+            raise ConfigError(
+                f"DataLoader batch_size={batch_size} with drop_last=true gives no batch for a member's {n} rows (of "
+                f"the {len(x)} it draws from: a fold leaves the others out); lower the batch size to at most {n} or "
+                "set drop_last=false"
+            )
 
     @property
     def members(self) -> int:
