@@ -231,3 +231,33 @@ def test_folds_whose_members_hold_fewer_rows_than_a_batch_with_drop_last_are_ref
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # refused before the run was accepted
     cfg.data.batch_size = 24  # one batch each
     assert train(cfg, tmp_path / "ok", dataset=data)["steps"] == 1
+
+
+def test_an_ensemble_of_mse_classifiers_predicts_the_members_mean_output(tmp_path: Path) -> None:
+    """model.loss=mse on one-hot classes: the members' outputs are no logits, so the ensemble is their mean output
+    (as a regression's), scored by the loss the members train with; the mean of their softmaxes was scored as MSE
+    of its log (val/loss 5.9 beside members' 0.1)."""
+    pytest.importorskip("onnx")
+    ort = pytest.importorskip("onnxruntime")
+    from mlptrain.cli.export import ExportArgs, export
+    from mlptrain.inference.predictor import Predictor
+    from mlptrain.run import checkpoint
+
+    cfg = make_cfg(size=3)
+    cfg.model.loss = "mse"
+    summary = train(cfg, tmp_path / "run")
+    members = [summary[f"member{k}/val/loss"] for k in range(3)]
+    assert summary["val/loss"] <= np.mean(members) + 1e-12  # the MSE of a mean is at most the members' mean MSE
+    ckpt = checkpoint.load(tmp_path / "run" / "checkpoints" / "last.npz")
+    x = np.random.default_rng(0).uniform(0, 16, size=(40, 64))
+    outputs = []
+    for k in range(3):  # member k as a one-model checkpoint
+        arrays = {n: (a[k] if n.startswith("param/") else a) for n, a in ckpt.arrays.items()}
+        meta = {n: v for n, v in ckpt.meta.items() if n != "members"}
+        outputs.append(Predictor(checkpoint.Checkpoint(ckpt.path, arrays, meta), device="cpu").logits(x))
+    together = Predictor(ckpt, device="cpu").logits(x)
+    np.testing.assert_allclose(together, np.mean(outputs, axis=0), rtol=1e-5, atol=1e-6)
+    onnx = export(ExportArgs(ckpt=str(ckpt.path), format="onnx", output=str(tmp_path / "e.onnx")))
+    session = ort.InferenceSession(str(onnx), providers=["CPUExecutionProvider"])
+    (logits,) = session.run(["logits"], {"x": x.astype(np.float32)})
+    np.testing.assert_allclose(logits, together, rtol=1e-5, atol=1e-5)

@@ -63,14 +63,14 @@ def _onnx_target_units(p: Predictor, z: str) -> tuple[list[Any], list[Any]]:
     return nodes, inits
 
 
-def _onnx_member_mean(classification: bool) -> tuple[list[Any], list[Any]]:
+def _onnx_member_mean(probabilities: bool, out: str) -> tuple[list[Any], list[Any]]:
     """``member_z (K, N, C)`` -> the ensemble's ``logits``: the log of the members' mean probability (as
-    :func:`mlptrain.nn.members.ensemble_logits`, the smallest float32 for a probability of 0); a regression's
-    ``z_out``, the mean output."""
+    :func:`mlptrain.nn.members.ensemble_logits`, the smallest float32 for a probability of 0); otherwise ``out``,
+    the mean output (a regression's ``z_out``, or the ``logits`` of classes trained with mse)."""
     from onnx import helper, numpy_helper
 
-    if not classification:
-        return [helper.make_node("ReduceMean", ["member_z"], ["z_out"], axes=[0], keepdims=0)], []
+    if not probabilities:
+        return [helper.make_node("ReduceMean", ["member_z"], [out], axes=[0], keepdims=0)], []
     tiny = numpy_helper.from_array(np.array(np.finfo(np.float32).tiny, np.float32), "tiny")
     nodes = [
         helper.make_node("Softmax", ["member_z"], ["member_p"], axis=2),
@@ -127,8 +127,9 @@ def onnx_model(p: Predictor) -> Any:
         elif out != last:
             nodes.append(helper.make_node("Identity", [out], [f"h{i + 1}"]))
     if ensemble:
-        mean_nodes, mean_inits = _onnx_member_mean(p.classification)
-        nodes, inits, last = nodes + mean_nodes, inits + mean_inits, "logits" if p.classification else "z_out"
+        last = "logits" if p.classification else "z_out"
+        mean_nodes, mean_inits = _onnx_member_mean(p.model.classification, last)  # (MemberMean's: mse averages outputs)
+        nodes, inits = nodes + mean_nodes, inits + mean_inits
     if not p.classification:
         units, unit_inits = _onnx_target_units(p, last)
         nodes, inits = nodes + units, inits + unit_inits

@@ -42,7 +42,7 @@ from mlptrain.inference.consistency import check_for_scoring
 from mlptrain.nn import embedding
 from mlptrain.nn.batched import BatchedMLP, BatchedNumpyGemm
 from mlptrain.nn.execution import ACTIVATIONS, FusedExecution, NumpyGemm
-from mlptrain.nn.members import MemberMean
+from mlptrain.nn.members import MemberMean, mean_of_probabilities
 from mlptrain.nn.network import MLP
 from mlptrain.run import checkpoint
 from mlptrain.step.precision import Precision, get_precision
@@ -384,4 +384,5 @@ def _model(ckpt: checkpoint.Checkpoint, backend: Backend, prec: Precision, autot
     if got != expected:
         raise CheckpointError(f"checkpoint {ckpt.path}: parameters {got} do not fit the model {expected}")
     model.load_state_dict(params)
-    return model if members == 1 else MemberMean(model, ckpt.meta["data"]["task"] == "classification")
+    loss = config.get("model", {}).get("loss", "cross_entropy")  # mse on one-hot classes: the mean output
+    return model if members == 1 else MemberMean(model, mean_of_probabilities(ckpt.meta["data"]["task"], loss))

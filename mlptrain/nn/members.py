@@ -16,7 +16,8 @@ gradient of every member, ``dZ_below (K, B, H)`` with DRELU(_BGRAD), is one laun
 The ensemble predicts the members' mean: the mean probability of a classification (the mean of the
 softmaxes, whose log :func:`ensemble_logits` returns, so that the usual scores read it as logits: its
 argmax is the ensemble's class and its cross-entropy the ensemble's log loss), the mean output of a
-regression.
+regression, and of a classification trained with a regression loss (``model.loss=mse`` on one-hot classes,
+whose outputs are no logits: :func:`mean_of_probabilities`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import numpy as np
 from mlptrain.base.backend import get_array_module
 from mlptrain.base.cuda_source import Job
 from mlptrain.nn.head import OutputHead
-from mlptrain.nn.losses import softmax_cross_entropy
+from mlptrain.nn.losses import regression_losses, softmax_cross_entropy
 from mlptrain.nn.network import MLP, HeadGrads
 
 MEMBER_HEAD_MODES = ("gemm", "kernel")  # no "loss_bias": the members' loss kernels sum no bias gradient
@@ -188,12 +189,20 @@ def stacked_cross_entropy(logits: Any, y: Any, grad_scale: Any = 1.0, *, inplace
     return loss, e.astype(logits.dtype, copy=False), correct
 
 
+def mean_of_probabilities(task: str, loss: str) -> bool:
+    """Whether an ensemble of ``task`` trained with ``loss`` averages its members' probabilities (a classification
+    by cross-entropy: its outputs are logits) or their outputs (a regression, or classes trained with ``mse``
+    on one-hot targets, scored by that loss as the members are)."""
+    return task == "classification" and loss not in regression_losses()
+
+
 def ensemble_logits(logits: Any, classification: bool) -> Any:
     """The ensemble's prediction from the members' ``logits (K, B, C)`` as ``(B, C)`` logits.
 
     Classification: ``log(mean_k softmax(logits_k))``, the log of the mean probability (its softmax is that
-    mean, so the scores and the cross-entropy read it as they read one model's logits); regression: the
-    mean output. Computed in float64 where the logits are float64, else float32.
+    mean, so the scores and the cross-entropy read it as they read one model's logits); otherwise (a
+    regression, or classes trained with a regression loss: ``classification`` is :func:`mean_of_probabilities`)
+    the mean output. Computed in float64 where the logits are float64, else float32.
     """
     xp = get_array_module(logits)
     wide = logits.astype(xp.float64 if logits.dtype == xp.float64 else xp.float32)

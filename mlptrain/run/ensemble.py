@@ -31,7 +31,7 @@ from mlptrain.base.fs import atomic_write
 from mlptrain.base.member_settings import MemberSettings
 from mlptrain.config.schema import TrainConfig
 from mlptrain.data import Dataset
-from mlptrain.nn.members import ensemble_logits
+from mlptrain.nn.members import ensemble_logits, mean_of_probabilities
 from mlptrain.run.folds import BEST_PREFIX, Folds
 from mlptrain.run.rundir import MEMBERS_TABLE
 from mlptrain.step.checks import check_ensemble
@@ -147,14 +147,14 @@ class EnsembleTrainer(Trainer):
             self.last_val = self.folds.out_of_fold(self, SplitScores)[0]
             return self.last_val
         xp, k = self.xp, self.members
-        classification = self.dataset.task == "classification"
+        probabilities = mean_of_probabilities(self.dataset.task, self.cfg.model.loss)  # (mse on classes: outputs)
         members = [SplitScores(self) for _ in range(k)]
         together = SplitScores(self)
         for x, y in self.eval_loaders[split].epoch(0):
             logits = self.model.forward(xp.stack([x] * k), keep=False)  # (K, B, in) -> (K, B, C)
             for found, member_logits in zip(members, logits, strict=True):
                 found.add(member_logits, y)
-            together.add(ensemble_logits(logits, classification).astype(logits.dtype), y)
+            together.add(ensemble_logits(logits, probabilities).astype(logits.dtype), y)
         self.gemm.release_operands()
         out = together.result(split)
         for i, found in enumerate(members):
