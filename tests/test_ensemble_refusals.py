@@ -261,3 +261,30 @@ def test_an_ensemble_of_mse_classifiers_predicts_the_members_mean_output(tmp_pat
     session = ort.InferenceSession(str(onnx), providers=["CPUExecutionProvider"])
     (logits,) = session.run(["logits"], {"x": x.astype(np.float32)})
     np.testing.assert_allclose(logits, together, rtol=1e-5, atol=1e-5)
+
+
+def test_a_run_stopped_while_writing_its_fold_reports_is_finished_by_its_resume(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mlptrain.run.folds import Folds
+
+    whole = tmp_path / "whole"
+    train(make_cfg(folds=3), whole)
+    write = Folds.write_predictions
+
+    def full_disk(self: Folds, *args: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Folds, "write_predictions", full_disk)
+    run = tmp_path / "run"
+    with pytest.raises(OSError, match="No space left"):
+        train(make_cfg(folds=3), run)
+    assert not (run / "oof_predictions.csv").exists()
+    monkeypatch.setattr(Folds, "write_predictions", write)  # the disk has room again: resume finishes the run
+    cfg = make_cfg(folds=3)
+    cfg.resume = "last"
+    train(cfg, run)
+    for name in ("oof_predictions.csv", "folds.json", "members.md"):
+        assert (run / name).read_text() == (whole / name).read_text(), name
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["kind"] for r in records].count("summary") == 1

@@ -30,6 +30,7 @@ from mlptrain.base.timeline import timed
 from mlptrain.config.schema import to_plain
 from mlptrain.run import checkpoint, faults
 from mlptrain.run.checkpoint import Position
+from mlptrain.run.ensemble import EnsembleTrainer
 from mlptrain.run.interval import Closed, Interval, epoch_line
 from mlptrain.run.metrics import MetricsWriter, read_metrics
 from mlptrain.run.resume import Start
@@ -138,6 +139,8 @@ class Loop:
         }
         if self.stopped_early is not None:
             summary["stopped_early"] = self.stopped_early
+        if isinstance(tr, EnsembleTrainer):  # members.md, folds.json, oof_predictions.csv, before the summary record:
+            tr.finish(self.run_dir.path, summary)  # a run stopped while writing them is finished by its resume
         self.metrics.write(**summary)
         return summary
 

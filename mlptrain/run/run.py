@@ -179,9 +179,7 @@ def _train_locked(
             mark("accept")
             writer = MetricsWriter(run_dir.metrics, start.metrics.records, _sinks(tr, run_dir, start))
             with writer as metrics, backend.blas_threads(build.step_flops(tr.widths, cfg.data.batch_size)):
-                summary = Loop(tr, run_dir, metrics, stop, start).run()
-                if isinstance(tr, EnsembleTrainer):  # members.md; cross-validation's report, out-of-fold predictions
-                    tr.finish(run_dir.path, summary)
+                summary = Loop(tr, run_dir, metrics, stop, start).run()  # (an ensemble's reports: Loop.summary)
             mark("loop")
             _record_end(tr, run_dir, start)
     except MemoryError as exc:
