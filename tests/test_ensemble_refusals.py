@@ -277,7 +277,11 @@ def test_a_run_stopped_while_writing_its_fold_reports_is_finished_by_its_resume(
 
     monkeypatch.setattr(Folds, "write_predictions", full_disk)
     run = tmp_path / "run"
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(
+        OutputError,
+        match=r"cannot write the reports of the ensemble in .*No space left on device.*; "
+        r"free disk space, then resume=last writes them",
+    ):
         train(make_cfg(folds=3), run)
     assert not (run / "oof_predictions.csv").exists()
     monkeypatch.setattr(Folds, "write_predictions", write)  # the disk has room again: resume finishes the run

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from mlptrain.base.cuda_source import Job
+from mlptrain.base.errors import OutputError
 from mlptrain.base.fs import atomic_write
 from mlptrain.base.member_settings import MemberSettings
 from mlptrain.config.schema import TrainConfig
@@ -163,10 +164,22 @@ class EnsembleTrainer(Trainer):
 
     def finish(self, out_dir: Path, summary: dict[str, Any]) -> None:
         """After the last epoch: ``members.md``, a table of each member's settings and last scores (``summary``: the
-        run's last record), and cross-validation's report and out-of-fold predictions (:meth:`Folds.finish`)."""
-        if self.folds is not None and self.folds.best:
-            self.folds.finish(self, SplitScores, out_dir)
-        atomic_write(out_dir / MEMBERS_TABLE, self.members_table(summary))  # (a link there is replaced, never followed)
+        run's last record), and cross-validation's report and out-of-fold predictions (:meth:`Folds.finish`).
+        Written before the run's summary record (:meth:`mlptrain.run.loop.Loop.summary`): a run stopped here is
+        finished by its resume, which writes them again.
+
+        Raises:
+            OutputError: a report cannot be written (a full disk); ``resume=last`` writes them once it can.
+        """
+        try:
+            if self.folds is not None and self.folds.best:
+                self.folds.finish(self, SplitScores, out_dir)
+            atomic_write(out_dir / MEMBERS_TABLE, self.members_table(summary))  # (a link is replaced, not followed)
+        except OSError as exc:
+            raise OutputError(
+                f"cannot write the reports of the ensemble in {out_dir} ({type(exc).__name__}: {exc}); free disk "
+                "space, then resume=last writes them (the run's checkpoints are kept)"
+            ) from exc
 
     def members_table(self, summary: dict[str, Any]) -> str:
         """Markdown: one row per member (its seed, learning rate, weight decay, fold) and its scores in ``summary``
