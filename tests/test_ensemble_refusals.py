@@ -280,7 +280,7 @@ def test_a_run_stopped_while_writing_its_fold_reports_is_finished_by_its_resume(
     with pytest.raises(
         OutputError,
         match=r"cannot write the reports of the ensemble in .*No space left on device.*; "
-        r"free disk space, then resume=last writes them",
+        r"mend that \(a full disk, the folder.s permissions\), then resume=last writes them",
     ):
         train(make_cfg(folds=3), run)
     assert not (run / "oof_predictions.csv").exists()
@@ -292,3 +292,28 @@ def test_a_run_stopped_while_writing_its_fold_reports_is_finished_by_its_resume(
         assert (run / name).read_text() == (whole / name).read_text(), name
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["kind"] for r in records].count("summary") == 1
+
+
+@pytest.mark.parametrize("folds", [0, 4])
+def test_members_that_cannot_fit_in_the_hosts_memory_are_refused_before_they_are_built(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, folds: int
+) -> None:
+    """ensemble.size=10**9 filled the host's memory making the members' seeds (the OOM killer's end, no error):
+    each member's smallest possible arrays are counted first, here against 64 KiB said available."""
+    from mlptrain.base.errors import ResourceError
+    from mlptrain.step import memory
+
+    monkeypatch.setattr(memory, "host_memory_available", lambda: 2**16)
+    cfg = make_cfg(size=1 if folds else 400, folds=folds)
+    cfg.data.batch_size = 256  # a member: more than its 256 x 16 float32 hidden inputs, 16 KiB
+    key = "ensemble.folds=4" if folds else "ensemble.size=400"
+    members = 4 if folds else 400
+    with pytest.raises(
+        ResourceError,
+        match=rf"{key}: {members} members of at least 0.0\d+ MiB each need .* GiB, and the host has 6.1e-05 GiB "
+        r"available; lower ensemble\.(size|folds), or train the members as separate runs",
+    ):
+        memory.members_fit(cfg, "cpu") if folds else train(cfg, tmp_path / "run")
+    memory.members_fit(cfg, "gpu")  # the device's allocator says so on a GPU
+    monkeypatch.setattr(memory, "host_memory_available", lambda: 2**40)
+    memory.members_fit(cfg, "cpu")

@@ -16,7 +16,15 @@ from mlptrain.cli.plot import MEMBER_LABELS, curves_figure, member_labels
 pytest.importorskip("matplotlib")
 
 
-def write_run(run: Path, members: int, *, lrs: list[float] | None = None, folds: bool = False, epochs: int = 3) -> dict:
+def write_run(
+    run: Path,
+    members: int,
+    *,
+    lrs: list[float] | None = None,
+    folds: bool = False,
+    running: bool = False,
+    epochs: int = 3,
+) -> dict:
     """A run directory whose metrics.jsonl holds ``members`` members' scores (random, seeded by the path); returns
     the epoch records written."""
     rng = np.random.default_rng(len(str(run)) + members)
@@ -34,8 +42,12 @@ def write_run(run: Path, members: int, *, lrs: list[float] | None = None, folds:
             r[f"member{k}/lr"], r[f"member{k}/weight_decay"] = lr, 0.0
         records.append(r)
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    if folds:
+    if folds and not running:
         (run / "folds.json").write_text("{}")
+    if running:  # folds.json comes at the end: till then run.json's config says the run is a cross-validation
+        (run / "run.json").write_text(
+            json.dumps({"config": {"ensemble": {"size": 1, "folds": members if folds else 0}}})
+        )
     return {r["epoch"]: r for r in records if r["kind"] == "epoch"}
 
 
@@ -62,6 +74,21 @@ def test_member_labels_name_the_fold_and_the_values_that_differ(tmp_path: Path) 
     assert member_labels(tmp_path / "cv", epochs) == {k: f"fold {k}" for k in range(5)}
     one = list(write_run(tmp_path / "one", 0).values())
     assert member_labels(tmp_path / "one", one) == {}
+    going = list(write_run(tmp_path / "going", 3, folds=True, running=True).values())
+    assert member_labels(tmp_path / "going", going) == {k: f"fold {k}" for k in range(3)}
+    seeds = list(write_run(tmp_path / "seeds", 2, running=True).values())
+    assert member_labels(tmp_path / "seeds", seeds) == {0: "member 0", 1: "member 1"}
+
+
+def test_a_member_without_a_swept_value_keeps_its_label(tmp_path: Path) -> None:
+    epochs = list(write_run(tmp_path / "sweep", 3, lrs=[0.1, 0.01, 0.1]).values())
+    del epochs[-1]["member2/lr"]
+    epochs[-1]["member0/weight_decay"] = 1e-4  # the decays differ too
+    assert member_labels(tmp_path / "sweep", epochs) == {
+        0: "member 0 lr=0.1 weight_decay=0.0001",
+        1: "member 1 lr=0.01 weight_decay=0",
+        2: "member 2 weight_decay=0",
+    }
 
 
 def test_each_member_is_drawn_beside_the_ensemble_with_its_own_values(

@@ -213,9 +213,9 @@ def test_folds_that_cannot_fit_in_memory_are_refused_before_they_are_prepared(mo
     """LeaveOneOut on N rows is N folds of N - 1 rows, each fold's copy held at once: counted first (here against
     1 MiB said available) and refused with one error that points to scikit-learn's one-fit-at-a-time function."""
     from mlptrain.base.errors import ResourceError
-    from mlptrain.sklearn import fitting
+    from mlptrain.step import memory
 
-    monkeypatch.setattr(fitting, "host_memory_available", lambda: 2**20)
+    monkeypatch.setattr(memory, "host_memory_available", lambda: 2**20)
     X, y, _ = data()
     with pytest.raises(
         ResourceError,
@@ -358,3 +358,37 @@ def test_folds_that_each_lack_another_class_train_with_every_classs_output() -> 
     with pytest.warns(RuntimeWarning):
         reference = ms.cross_val_predict(est, X, y, cv=ms.GroupKFold(3), groups=groups, method="predict_proba")
     np.testing.assert_array_equal(mine == 0, reference == 0)
+
+
+def test_a_fold_lacking_a_middle_class_keeps_its_own_classes_outputs_bit_for_bit() -> None:
+    """The fold whose training rows hold classes 0 and 2 only: its fitted estimator's output layer is the widened
+    run's rows 0 and 2 (not its first two), bit for bit against the single run of its rows with 3 outputs."""
+    import dataclasses
+
+    from mlptrain.data.prepare import preprocess
+    from mlptrain.run.interval import Interval
+    from mlptrain.sklearn.fitting import run_epoch
+    from mlptrain.step.trainer import Trainer
+
+    X, _, _ = data(150)
+    groups = np.repeat(np.arange(3), 50)
+    y = groups.copy()
+    splits = list(ms.GroupKFold(3).split(X, y, groups))
+    est = classifier(max_iter=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # max_iter=3: not converged, as asked
+        fitted = fit_folds(est, X, y, splits)
+    k = next(i for i, (_, test) in enumerate(splits) if (y[test] == 1).all())  # its training rows: classes 0 and 2
+    assert fitted[k].classes_.tolist() == [0, 2] and fitted[k].coefs_[-1].shape == (16, 2)
+    setup = clone(est).fit_setup(X[splits[k][0]], y[splits[k][0]])
+    own = preprocess(setup.dataset, setup.cfg.data)  # targets 0, 1 for the classes 0, 2
+    wide = {s: np.array([0, 2])[getattr(own, s)] for s in ("y_train", "y_val", "y_test")}
+    tr = Trainer(setup.cfg, dataclasses.replace(own, num_classes=3, **wide))
+    interval = Interval(tr, setup.cfg.log_every)
+    with tr.stream:
+        for epoch in range(fitted[k].n_iter_):
+            run_epoch(tr, interval, epoch)
+    arrays = tr.state_dict()[0]
+    np.testing.assert_array_equal(fitted[k].coefs_[0], arrays["param/layer0.weight"].T)
+    np.testing.assert_array_equal(fitted[k].coefs_[1], arrays["param/layer1.weight"][[0, 2]].T)
+    np.testing.assert_array_equal(fitted[k].intercepts_[1], arrays["param/layer1.bias"][[0, 2]])

@@ -220,9 +220,9 @@ def test_an_ensemble_that_cannot_fit_in_memory_is_refused_before_it_is_built(mon
     """ensemble_size=10**9 filled the host's memory building the members (the OOM killer ended the process): the
     members' bytes are counted first (here against 1 MiB said available) and a size that cannot fit is one error."""
     from mlptrain.base.errors import ResourceError
-    from mlptrain.sklearn import fitting
+    from mlptrain.step import memory
 
-    monkeypatch.setattr(fitting, "host_memory_available", lambda: 2**20)
+    monkeypatch.setattr(memory, "host_memory_available", lambda: 2**20)
     x, y = _blobs()
     kw = {"hidden_layer_sizes": (64,), "max_iter": 1, "random_state": 0, "device": "cpu"}
     with pytest.raises(

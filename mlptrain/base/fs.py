@@ -8,7 +8,8 @@ a full disk or a second Ctrl-C at any moment leaves the old file or the new one,
 two writers never share a temporary file. A temporary file left by a killed writer matches
 :data:`TEMP_GLOB`; the run directory removes (and reports) them at the next start, and the
 commands (``predict``, ``evaluate``, ``export``) remove those of their output whose writer is dead
-(:func:`remove_stale_temps`). :func:`spreadsheet_text` is how a CSV cell of text from the data is written.
+(:func:`remove_stale_temps`). :func:`spreadsheet_text` is how a CSV cell of text from the data is written,
+:func:`json_ready` how a JSON file holds an undefined (inf/NaN) number.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import errno
 import glob
 import hashlib
 import logging
+import math
 import os
 import re
 import secrets
@@ -197,3 +199,13 @@ def spreadsheet_text(cell: Any) -> Any:
     if not isinstance(cell, str) or not cell.startswith(FORMULA_START) or _NUMBER.fullmatch(cell):
         return cell
     return "'" + cell
+
+
+def json_ready(value: Any) -> Any:
+    """``value`` (dicts, lists, numbers, text) with every inf/NaN float written ``None``, as the run's JSON files hold
+    an undefined score (``json.dumps(..., allow_nan=False)`` then writes strict JSON: ``NaN`` is not JSON)."""
+    if isinstance(value, dict):
+        return {k: json_ready(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [json_ready(v) for v in value]
+    return None if isinstance(value, float) and not math.isfinite(value) else value

@@ -20,6 +20,7 @@ file that is not an image (:func:`check_out`): a data file, a log, a run's recor
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from pathlib import Path
@@ -31,6 +32,7 @@ from mlptrain.base.errors import OutputError
 from mlptrain.base.fs import atomic_write
 from mlptrain.inference import outputs
 from mlptrain.run.metrics import read_metrics
+from mlptrain.run.rundir import FOLDS_REPORT, RUN_RECORD
 
 log = logging.getLogger(__name__)
 
@@ -216,7 +218,7 @@ def curves_figure(target: Path, out: Path | None = None) -> Path:
         axes[2].set_visible(False)  # a regression has no accuracy
     each = ""  # one run of many models: how many, in the title
     if len(runs) == 1 and members:
-        each = f", {len(members)} {'folds' if (runs[0] / 'folds.json').is_file() else 'members'}"
+        each = f", {len(members)} {'folds' if is_cross_validation(runs[0]) else 'members'}"
     fig.suptitle(f"{plain(str(target))} ({len(runs)} run{'s' if len(runs) > 1 else ''}{each})", fontsize=10)
     _save(fig, path)
     plt.close(fig)
@@ -233,12 +235,12 @@ def _ensemble_label(run: Path, members: dict[int, str], split: str) -> str:
     validation scores are the out-of-fold predictions', its test scores the fold models' ensemble's)."""
     if not members:
         return split
-    return f"out-of-fold {split}" if split == "val" and (run / "folds.json").is_file() else f"ensemble {split}"
+    return f"out-of-fold {split}" if split == "val" and is_cross_validation(run) else f"ensemble {split}"
 
 
 def member_labels(run: Path, epochs: list[dict[str, Any]]) -> dict[int, str]:
     """The members a run's epoch records score (``member<k>/val/...``), each with its label: ``fold k`` in a
-    cross-validation (the run has ``folds.json``), else ``member k``; then its learning rate and weight decay
+    cross-validation (:func:`is_cross_validation`), else ``member k``; then its learning rate and weight decay
     (``member<k>/lr``, ``member<k>/weight_decay`` of the last record) where the members' differ. ``{}``: one model."""
     ids = sorted(
         {
@@ -248,14 +250,27 @@ def member_labels(run: Path, epochs: list[dict[str, Any]]) -> dict[int, str]:
             if head[6:].isdigit() and head.startswith("member")
         }
     )
-    word = "fold" if (run / "folds.json").is_file() else "member"
+    word = "fold" if is_cross_validation(run) else "member"
     labels = {k: f"{word} {k}" for k in ids}
     last = epochs[-1] if epochs else {}
     for setting in ("lr", "weight_decay"):
-        values = [last.get(f"member{k}/{setting}") for k in ids]
-        if len(set(values)) > 1:
-            labels = {k: f"{labels[k]} {setting}={v:g}" for k, v in zip(ids, values, strict=True) if v is not None}
+        values = {k: last.get(f"member{k}/{setting}") for k in ids}
+        if len(set(values.values())) > 1:  # a value a record lacks is left out of that member's label
+            for k, v in values.items():
+                labels[k] += "" if v is None else f" {setting}={v:g}"
     return labels
+
+
+def is_cross_validation(run: Path) -> bool:
+    """Whether ``run`` is a cross-validation (``ensemble.folds``): its ``folds.json``, or while it runs (or after it
+    failed) the config in its ``run.json``."""
+    if (run / FOLDS_REPORT).is_file():
+        return True
+    try:
+        config = json.loads((run / RUN_RECORD).read_text()).get("config") or {}
+    except (OSError, ValueError, AttributeError):
+        return False
+    return bool((config.get("ensemble") or {}).get("folds"))
 
 
 def _draw_members(

@@ -128,7 +128,7 @@ def onnx_model(p: Predictor) -> Any:
             nodes.append(helper.make_node("Identity", [out], [f"h{i + 1}"]))
     if ensemble:
         last = "logits" if p.classification else "z_out"
-        mean_nodes, mean_inits = _onnx_member_mean(p.model.classification, last)  # (MemberMean's: mse averages outputs)
+        mean_nodes, mean_inits = _onnx_member_mean(p.model.probabilities, last)  # MemberMean's: mse averages outputs
         nodes, inits = nodes + mean_nodes, inits + mean_inits
     if not p.classification:
         units, unit_inits = _onnx_target_units(p, last)

@@ -196,17 +196,17 @@ def mean_of_probabilities(task: str, loss: str) -> bool:
     return task == "classification" and loss not in regression_losses()
 
 
-def ensemble_logits(logits: Any, classification: bool) -> Any:
+def ensemble_logits(logits: Any, probabilities: bool) -> Any:
     """The ensemble's prediction from the members' ``logits (K, B, C)`` as ``(B, C)`` logits.
 
-    Classification: ``log(mean_k softmax(logits_k))``, the log of the mean probability (its softmax is that
-    mean, so the scores and the cross-entropy read it as they read one model's logits); otherwise (a
-    regression, or classes trained with a regression loss: ``classification`` is :func:`mean_of_probabilities`)
-    the mean output. Computed in float64 where the logits are float64, else float32.
+    ``probabilities`` (:func:`mean_of_probabilities`: a classification by cross-entropy):
+    ``log(mean_k softmax(logits_k))``, the log of the mean probability (its softmax is that mean, so the scores
+    and the cross-entropy read it as they read one model's logits); otherwise (a regression, or classes trained
+    with a regression loss) the mean output. Computed in float64 where the logits are float64, else float32.
     """
     xp = get_array_module(logits)
     wide = logits.astype(xp.float64 if logits.dtype == xp.float64 else xp.float32)
-    if not classification:
+    if not probabilities:
         return wide.mean(axis=0)
     top = wide.max(axis=-1, keepdims=True)  # (K, B, 1), for a stable softmax
     e = xp.exp(wide - top)
@@ -220,9 +220,9 @@ class MemberMean:
     predict and evaluate score a checkpoint of ``ensemble.size > 1`` with (:mod:`mlptrain.inference.predictor`).
     """
 
-    def __init__(self, model: Any, classification: bool) -> None:
+    def __init__(self, model: Any, probabilities: bool) -> None:
         self.model = model  # a mlptrain.nn.batched.BatchedMLP
-        self.classification = classification
+        self.probabilities = probabilities  # the mean probability, or the mean output (mean_of_probabilities)
         self.widths = model.widths
 
     @property
@@ -240,4 +240,4 @@ class MemberMean:
             raise ValueError("an ensemble's mean is for inference: train the members (BatchedMLP), keep=False here")
         xp = get_array_module(x)
         logits = self.model.forward(xp.stack([x] * self.members), keep=False)  # (K, B, in) -> (K, B, C)
-        return ensemble_logits(logits, self.classification).astype(logits.dtype)
+        return ensemble_logits(logits, self.probabilities).astype(logits.dtype)

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from mlptrain.base.backend import get_backend
 from mlptrain.base.cuda_source import Job
 from mlptrain.base.errors import OutputError
 from mlptrain.base.fs import atomic_write
@@ -36,6 +37,7 @@ from mlptrain.nn.members import ensemble_logits, mean_of_probabilities
 from mlptrain.run.folds import BEST_PREFIX, Folds
 from mlptrain.run.rundir import MEMBERS_TABLE
 from mlptrain.step.checks import check_ensemble
+from mlptrain.step.memory import members_fit
 from mlptrain.step.schedule import lr_at
 from mlptrain.step.trainer import SplitScores, Trainer
 
@@ -52,6 +54,8 @@ class EnsembleTrainer(Trainer):
         self, cfg: TrainConfig, dataset: Dataset | None = None, backend: Any = None, *, comm: Any = None, **kw: Any
     ) -> None:
         check_ensemble(cfg, comm is not None)
+        backend = backend or get_backend(cfg.device.value)
+        members_fit(cfg, backend.device)  # K members that cannot fit in the host's memory: refused, not built
         self.folds = Folds(cfg) if cfg.ensemble.folds else None  # cross-validation (mlptrain.run.folds)
         self.last_val: dict[str, float] = {}
         kw = {"member_data": self.folds, **kw} if self.folds is not None else kw  # (or the caller's member_data)
@@ -177,8 +181,8 @@ class EnsembleTrainer(Trainer):
             atomic_write(out_dir / MEMBERS_TABLE, self.members_table(summary))  # (a link is replaced, not followed)
         except OSError as exc:
             raise OutputError(
-                f"cannot write the reports of the ensemble in {out_dir} ({type(exc).__name__}: {exc}); free disk "
-                "space, then resume=last writes them (the run's checkpoints are kept)"
+                f"cannot write the reports of the ensemble in {out_dir} ({type(exc).__name__}: {exc}); mend that (a "
+                "full disk, the folder's permissions), then resume=last writes them (the run's checkpoints are kept)"
             ) from exc
 
     def members_table(self, summary: dict[str, Any]) -> str:

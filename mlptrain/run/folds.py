@@ -23,12 +23,12 @@ import io
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 
 from mlptrain.base.errors import CheckpointError, ConfigError
-from mlptrain.base.fs import atomic_write, spreadsheet_text
+from mlptrain.base.fs import atomic_write, json_ready, spreadsheet_text
 from mlptrain.config.schema import DataConfig, TrainConfig
 from mlptrain.data import Dataset, stratified_folds
 from mlptrain.data.loader import DataLoader
@@ -227,7 +227,7 @@ class Folds:
             "std": float(np.std(values)) if values else None,
             "out_of_fold": found,
         }
-        atomic_write(out_dir / FOLDS_REPORT, json.dumps(_json_values(report), indent=1, allow_nan=False) + "\n")
+        atomic_write(out_dir / FOLDS_REPORT, json.dumps(json_ready(report), indent=1, allow_nan=False) + "\n")
         self.write_predictions(tr, outputs, out_dir / OOF_PREDICTIONS)
         log.info(
             "%d-fold cross-validation: %s %.4g +- %.4g (folds: %s)",
@@ -238,9 +238,21 @@ class Folds:
     def write_predictions(self, tr: Any, outputs: np.ndarray, path: Path) -> None:
         """``row`` (of the pool: the training rows, then the validation rows), ``fold``, the target and the
         out-of-fold prediction: a class and its probabilities, or a regression's outputs in the targets' units.
-        Written whole (:func:`~mlptrain.base.fs.atomic_write`: a link in its place is replaced, never followed)."""
-        ds, f = tr.dataset, io.StringIO(newline="")
-        w = csv.writer(f)
+        Written whole (:func:`~mlptrain.base.fs.atomic_write`: a link in its place is replaced, never followed),
+        row by row into its temporary file (a pool of millions of rows is never one string in memory)."""
+
+        def write(binary: IO[bytes]) -> None:
+            text = io.TextIOWrapper(binary, encoding="utf-8", newline="")
+            try:
+                self._rows(csv.writer(text), tr.dataset, outputs)
+            finally:
+                text.flush()
+                text.detach()  # the file is atomic_write's to close
+
+        atomic_write(path, write)
+
+    def _rows(self, w: Any, ds: Any, outputs: np.ndarray) -> None:
+        """The rows of :meth:`write_predictions` into the csv writer ``w``."""
         if ds.task == "classification":
             e = np.exp(outputs - outputs.max(axis=1, keepdims=True))
             p = e / e.sum(axis=1, keepdims=True)
@@ -249,15 +261,14 @@ class Folds:
             for i, (fold, y, probs) in enumerate(zip(self.fold, self.y, p, strict=True)):
                 label, predicted = (spreadsheet_text(names[int(c)]) for c in (y, probs.argmax()))
                 w.writerow([i, fold, label, predicted, *(f"{v:.6g}" for v in probs)])
-        else:
-            ts = ds.target_scaling
-            values = outputs if ts is None else ts.undo(outputs)
-            targets = self.y if ts is None else ts.undo(self.y)
-            names = ds.target_names or [str(t) for t in range(values.shape[1])]
-            w.writerow(["row", "fold", *(f"target_{n}" for n in names), *(f"prediction_{n}" for n in names)])
-            for i, (fold, y, v) in enumerate(zip(self.fold, targets, values, strict=True)):
-                w.writerow([i, fold, *(f"{t:.6g}" for t in y), *(f"{t:.6g}" for t in v)])
-        atomic_write(path, f.getvalue())
+            return
+        ts = ds.target_scaling
+        values = outputs if ts is None else ts.undo(outputs)
+        targets = self.y if ts is None else ts.undo(self.y)
+        names = ds.target_names or [str(t) for t in range(values.shape[1])]
+        w.writerow(["row", "fold", *(f"target_{n}" for n in names), *(f"prediction_{n}" for n in names)])
+        for i, (fold, y, v) in enumerate(zip(self.fold, targets, values, strict=True)):
+            w.writerow([i, fold, *(f"{t:.6g}" for t in y), *(f"{t:.6g}" for t in v)])
 
 
 def _check_state(tr: Any, arrays: dict[str, np.ndarray], meta: dict[str, Any] | None, k: int, where: str) -> None:
@@ -275,16 +286,6 @@ def _check_state(tr: Any, arrays: dict[str, np.ndarray], meta: dict[str, Any] | 
             raise CheckpointError(
                 f"{where}: the folds' best weights {BEST_PREFIX}{p.name} are {found}, expected {list(p.value.shape)}"
             )
-
-
-def _json_values(value: Any) -> Any:
-    """``value`` with every inf/NaN float written ``null``, as metrics.jsonl writes them (``NaN`` is not JSON): a
-    fold's score that is undefined, such as ``val/roc_auc`` on a fold of one class, and a mean over it."""
-    if isinstance(value, dict):
-        return {k: _json_values(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_json_values(v) for v in value]
-    return None if isinstance(value, float) and not np.isfinite(value) else value
 
 
 def _one_based(epoch: int | None) -> int | None:

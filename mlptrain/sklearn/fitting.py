@@ -24,17 +24,17 @@ from typing import Any
 import numpy as np
 from sklearn.metrics import accuracy_score, r2_score
 
-from mlptrain.base.errors import ConfigError, ResourceError
+from mlptrain.base.errors import ConfigError
 from mlptrain.config.schema import TrainConfig
 from mlptrain.data.dataset import Dataset, Normalization
 from mlptrain.data.files.plan import ColumnPlan
 from mlptrain.data.prepare import normalization, stratified_split
-from mlptrain.data.rows import host_memory_available
-from mlptrain.nn.members import MemberMean
+from mlptrain.nn.members import MemberMean, mean_of_probabilities
 from mlptrain.run import faults
 from mlptrain.run.interval import Closed, Interval
 from mlptrain.sklearn.params import batch_rows, check, hidden_sizes, member_host_bytes
 from mlptrain.sklearn.sample_weight import standardise, train_normalization
+from mlptrain.step.memory import check_members_memory
 from mlptrain.step.trainer import Trainer
 
 # The seed stream of load_dataset's splits ([split_seed, SPLIT_STREAM]): the same rows held out as the CLI's
@@ -93,18 +93,6 @@ def make_dataset(
         w_train=None if w is None else w[train],  # the training loss's weights; the held-out rows': FitSetup.w_val
         **(names or {}),
     )
-
-
-def check_members_memory(what: str, members: int, per_member: int, advice: str) -> None:
-    """Raise ResourceError (a MemoryError) before a batched run of ``members`` members of at least ``per_member`` bytes
-    each is built where they cannot fit in the host's available memory: building it would fill the memory first (and
-    the kernel's OOM killer end the process) rather than fail. ``what`` names the setting, ``advice`` what to do."""
-    need, have = members * per_member, host_memory_available()
-    if need > have:
-        raise ResourceError(
-            f"{what}: {members} members of at least {per_member / 2**20:.3g} MiB each need {need / 2**30:.3g} GiB, and "
-            f"the host has {have / 2**30:.3g} GiB available; {advice}"
-        )
 
 
 def ensemble_memory(name: str, params: dict[str, Any], cfg: TrainConfig, ds: Dataset) -> None:
@@ -193,7 +181,9 @@ def _check(tr: Trainer, losses: np.ndarray, lrs: np.ndarray, epoch: int, closed:
 def outputs(tr: Trainer, split: str) -> np.ndarray:
     """The model's outputs ``(N, C)`` float64 on an evaluation split (the logits of a classification)."""
     tr.runtime.finish_precompile()
-    model = tr.model if tr.members == 1 else MemberMean(tr.model, tr.dataset.task == "classification")  # the mean
+    model = (
+        tr.model if tr.members == 1 else MemberMean(tr.model, mean_of_probabilities(tr.dataset.task, tr.cfg.model.loss))
+    )  # the mean
     out = [tr.backend.to_host(model.forward(x, keep=False)) for x, _ in tr.eval_loaders[split].epoch(0)]
     if tr.backend.is_gpu:
         tr.gemm.release_operands()  # the plans forget the last batch

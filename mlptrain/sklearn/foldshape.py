@@ -5,7 +5,7 @@ shape. A fold's own fit may have another:
 
 * fewer input columns, ``F_k < F``: a DataFrame fold whose training rows lack a level (or an empty cell) that
   another fold's have encodes to fewer columns. Its rows get ``F - F_k`` columns of zeros appended (:func:`padded`);
-  the first layer's weights on them never get a gradient;
+  the first layer's weights on them get no gradient from the loss (only ``alpha``'s decay: they multiply zeros);
 * fewer classes, ``C_k < C``: a fold whose training rows lack a class of ``y`` (``GroupKFold`` on imbalanced labels).
   Its targets are renumbered among the ``C`` classes (:func:`relabelled`), so it trains with an output for every
   class, the missing ones never a target.

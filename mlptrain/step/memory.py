@@ -7,6 +7,7 @@ follows every array of a NumPy step by weak reference). No CuPy here: a formula 
 An ensemble's account is per member (:func:`member_bytes`, :func:`member_account`): its ``K`` members are
 stacked on a leading axis, ``W (K, out, in)``, ``X (K, B, in)``, so every array of the step is ``K`` times
 one member's, and ``run.json``'s ``memory.members`` says what one member costs and what the ``K`` do.
+:func:`check_members_memory` refuses, before anything is built, K members that cannot fit in the host's memory.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ from typing import Any
 
 import numpy as np
 
+from mlptrain.base.errors import ResourceError
+from mlptrain.config.schema import TrainConfig, ensemble_members
+from mlptrain.data.rows import host_memory_available
 from mlptrain.nn.epilogs import gelu_aux_shape, relu_aux_shape
 from mlptrain.nn.epilogs_fp8 import FP8_MULTIPLE
 
@@ -185,3 +189,30 @@ def describe_members(acc: dict[str, Any]) -> str:
         f"{acc['per_member_total'] / mib:.3f} MiB per member ({cats}; batch {acc['batch_size']}), "
         f"{acc['total'] / mib:.3f} MiB for the {acc['members']} members"
     )
+
+
+def check_members_memory(what: str, members: int, per_member: int, advice: str) -> None:
+    """Raise ResourceError (a MemoryError) before a batched run of ``members`` members of at least ``per_member`` bytes
+    each is built where they cannot fit in the host's available memory: building it would fill the memory first (and
+    the kernel's OOM killer end the process) rather than fail. ``what`` names the setting, ``advice`` what to do."""
+    need, have = members * per_member, host_memory_available()
+    if need > have:
+        raise ResourceError(
+            f"{what}: {members} members of at least {per_member / 2**20:.3g} MiB each need {need / 2**30:.3g} GiB, and "
+            f"the host has {have / 2**30:.3g} GiB available; {advice}"
+        )
+
+
+def members_fit(cfg: TrainConfig, device: str) -> None:
+    """An ensemble of ``ensemble.size`` (or ``ensemble.folds``) members on the CPU (``device``), checked before its
+    members' seeds, loaders and parameters are made (:func:`check_members_memory`): each member holds at least
+    its parameters and gradients, and the inputs its forward keeps, of a network ``1-<model.hidden>-1`` at
+    ``data.batch_size`` rows (the data's widths are not read yet: a lower bound). On a GPU the device's allocator
+    fails first, as one out-of-memory error naming the setting (:mod:`mlptrain.run.faults`)."""
+    k = ensemble_members(cfg)
+    if k < 2 or device != "cpu":
+        return
+    dtype = np.float64 if cfg.precision.name == "fp64" else np.float32
+    per = sum(member_bytes([1, *cfg.model.hidden, 1], cfg.data.batch_size, dtype, dtype, 0).values())
+    key = "ensemble.folds" if cfg.ensemble.folds else "ensemble.size"
+    check_members_memory(f"{key}={k}", k, per, f"lower {key}, or train the members as separate runs")

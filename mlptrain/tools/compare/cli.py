@@ -5,27 +5,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
-from typing import Any
 
+from mlptrain.base.fs import json_ready
 from mlptrain.tools.compare.arms import arms
 from mlptrain.tools.compare.figure import plot
 from mlptrain.tools.compare.index import write_index
 from mlptrain.tools.compare.report import commands, verdict, write_markdown
 from mlptrain.tools.compare.runs import CompareError, load_runs
 from mlptrain.tools.compare.summary import summarize
-
-
-def _json_ready(v: Any) -> Any:
-    if isinstance(v, float) and not math.isfinite(v):
-        return None
-    if isinstance(v, dict):
-        return {k: _json_ready(x) for k, x in v.items()}
-    if isinstance(v, list):
-        return [_json_ready(x) for x in v]
-    return v
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         made_by = commands(args.sweep_dir, argv)
         write_markdown(s, out / "compare.md", made_by)
         (out / "compare.json").write_text(
-            json.dumps(_json_ready({**s, "commands": made_by}), indent=2, allow_nan=False) + "\n", encoding="utf-8"
+            json.dumps(json_ready({**s, "commands": made_by}), indent=2, allow_nan=False) + "\n", encoding="utf-8"
         )
     except CompareError as exc:
         print(f"error: {exc}", file=sys.stderr)
