@@ -172,7 +172,7 @@ def _from_cli(config: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
     }
     out: dict[str, Any] = {"params": {k: v for k, v in params.items() if v is not None}}
     n, batch = meta["position"]["epoch"], config.get("data", {}).get("batch_size") or 0
-    out.update(n_iter_=n, loss_curve_=[], t_=meta["position"]["step"] * batch)  # t_: the steps' rows, each counted a full batch
+    out.update(n_iter_=n, loss_curve_=[], t_=meta["position"]["step"] * batch)  # t_: each step a full batch
     if meta["data"]["task"] == "classification":
         out["classes_"] = meta["data"].get("class_names") or list(range(meta["widths"][-1]))
     else:
