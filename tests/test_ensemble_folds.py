@@ -187,3 +187,35 @@ def test_a_resumed_cross_validation_sets_the_frozen_flags_the_gpu_kernel_reads()
     fresh.folds.load_state_dict(fresh, arrays, meta, epoch=2, where="the test's checkpoint")
     assert list(fresh.optimizer.members.frozen) == [False, False, True, False]
     assert list(np.asarray(fresh.optimizer.members.frozen_flags)) == [0, 0, 1, 0]
+
+
+def test_a_cross_validation_resumed_on_data_that_deals_other_folds_is_refused(tmp_path: Path) -> None:
+    """The checkpoint keeps what its folds were dealt from (the pool's rows, a digest of each row's fold): a resume
+    whose data deals other folds (the file changed) is one CheckpointError naming both, not the old folds' bests
+    carried on over new folds; a checkpoint from before the deal was kept resumes as it did."""
+    from mlptrain.base.errors import CheckpointError
+    from mlptrain.run import checkpoint
+
+    cfg = stopping_cfg()
+    cfg.epochs = 2
+    train(cfg, tmp_path)
+    last = tmp_path / "checkpoints" / "last.npz"
+    ckpt = checkpoint.load(last)
+    deal = ckpt.meta["folds"]["deal"]
+    assert deal["rows"] == len(np.loadtxt(tmp_path / "oof_predictions.csv", delimiter=",", skiprows=1, usecols=0))
+    meta = {k: v for k, v in ckpt.meta.items() if k != "sha256"}
+    other = {**meta, "folds": {**meta["folds"], "deal": {"rows": deal["rows"], "sha256": "0123456789abcdef"}}}
+    checkpoint.save(last, ckpt.arrays, other)
+    more = stopping_cfg(resume="last")
+    more.epochs = 3
+    with pytest.raises(
+        CheckpointError,
+        match=rf"trained folds dealt from {deal['rows']} pool rows \(fold digest "
+        rf"0123456789abcdef\); the data now deals {deal['rows']} rows into other folds \(digest "
+        rf"{deal['sha256']}\): the data changed",
+    ):
+        train(more, tmp_path)
+    before = {**meta, "folds": {k: v for k, v in meta["folds"].items() if k != "deal"}}
+    checkpoint.save(last, ckpt.arrays, before)
+    train(more, tmp_path)
+    assert checkpoint.load(last).meta["folds"]["deal"] == deal  # written again by the resumed run

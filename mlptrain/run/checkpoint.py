@@ -149,7 +149,8 @@ _BEST = {
     "improved": (_INT, None),
 }
 # Cross-validation's tracking of each fold (mlptrain.run.folds.Folds.state_dict; its weights: folds/best/<name>)
-_FOLDS = {"epoch": _INT, "best": [_BEST], "stopped": [(_INT, None)]}
+# and what its folds were dealt from (Folds.deal: absent before it was kept)
+_FOLDS = {"epoch": _INT, "best": [_BEST], "stopped": [(_INT, None)], "deal": ({"rows": _INT, "sha256": _STR}, None)}
 # Every key a checkpoint's meta holds, with its type: a dict is a nested object of those keys,
 # [t] a list of t, a tuple the types allowed (None: null). Counts and positions must be >= 0.
 META_SCHEMA: dict[str, Any] = {
@@ -221,6 +222,8 @@ def check_meta(meta: Any, path: Path) -> None:
         meta = {**meta, "members": 1}
     if isinstance(meta, dict) and "folds" not in meta:  # no cross-validation, or a checkpoint before folds' bests
         meta = {**meta, "folds": None}
+    if isinstance(meta, dict) and isinstance(meta["folds"], dict) and "deal" not in meta["folds"]:  # before the deal
+        meta = {**meta, "folds": {**meta["folds"], "deal": None}}
     if isinstance(meta, dict) and "optimizer_state_dtype" not in meta:  # a checkpoint before optimizer.state_dtype
         meta = {**meta, "optimizer_state_dtype": None}
     if isinstance(meta, dict) and "embedding" not in meta:  # no embeddings (and every checkpoint before them)

@@ -19,6 +19,7 @@ and spread) and ``oof_predictions.csv`` (every pool row's out-of-fold prediction
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 import json
 import logging
@@ -160,14 +161,20 @@ class Folds:
         stacked as the parameters, ``(K, out, in)``; a member without a best yet holds its current weights) and
         the meta ``{"epoch": epochs ended, "best": [each fold's Best], "stopped": [epoch or null]}``."""
         if not self.best:  # no epoch has ended yet: nothing tracked
-            return {}, {"epoch": self.epoch, "best": [], "stopped": []}
+            return {}, {"epoch": self.epoch, "best": [], "stopped": [], "deal": self.deal()}
         now = tr.model.state_dict()  # (host copies)
         arrays = {
             f"{BEST_PREFIX}{name}": np.stack([a[k] if s is None else s[name] for k, s in enumerate(self.best_state)])
             for name, a in now.items()
         }
         meta = {"epoch": self.epoch, "best": [b.__dict__ for b in self.best], "stopped": list(self.stopped)}
-        return arrays, meta
+        return arrays, {**meta, "deal": self.deal()}
+
+    def deal(self) -> dict[str, Any]:
+        """What the folds were dealt from: the pool's rows and a digest of each row's fold (``fold (N,)``), so that
+        a resume on data that deals other folds (the data file changed) is refused, not mixed with the old bests."""
+        digest = hashlib.sha256(np.ascontiguousarray(self.fold, dtype=np.int64).tobytes()).hexdigest()[:16]
+        return {"rows": int(len(self.fold)), "sha256": digest}
 
     def load_state_dict(
         self, tr: Any, arrays: dict[str, np.ndarray], meta: dict[str, Any] | None, epoch: int, where: str
@@ -180,6 +187,13 @@ class Folds:
                 or misshapen.
         """
         _check_state(tr, arrays, meta, self.k, where)
+        if meta is not None and meta.get("deal") not in (None, self.deal()):  # (a checkpoint before it: not kept)
+            was, now = meta["deal"], self.deal()
+            raise CheckpointError(
+                f"{where} trained folds dealt from {was['rows']} pool rows (fold digest {was['sha256']}); the data now "
+                f"deals {now['rows']} rows into other folds (digest {now['sha256']}): the data changed since the run "
+                "started. Resume with the data it started with, or start a new run (another hydra.run.dir)"
+            )
         if meta is None:
             log.warning(
                 "this checkpoint of a %d-fold cross-validation was written before each fold's best was saved: each "
